@@ -1,0 +1,526 @@
+"""Typed configuration: nested dataclasses, YAML presets and flat CLI overrides.
+
+Field names follow the original PopXL Flan-T5 application (``layers``,
+``hidden_size``, ``micro_batch_size``, ...). Every field has a docstring (the
+string literal under it), which is also its ``--help`` text.
+
+A preset file holds model bases (YAML anchors) and a ``release:`` mapping of
+named presets. ``load_config(path, name, overrides)`` resolves one preset,
+applies ``{flat_flag: value}`` overrides and validates the result.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+import yaml
+
+CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class ConfigError(ValueError):
+    """A configuration problem; its message names the field and the fix."""
+
+
+def _flag(name: str):
+    """Field metadata giving a flat CLI flag name other than the field's own."""
+    return {"flag": name}
+
+
+@dataclass
+class Embedding:
+    """Configuration of the token embedding."""
+
+    vocab_size: int = 32128
+    """Number of entries in the word vocabulary (padded up to a multiple of tensor_parallel inside the model)."""
+
+
+@dataclass
+class Attention:
+    """Configuration of the attention layers."""
+
+    heads: int = 64
+    """Number of attention heads (must be divisible by tensor_parallel)."""
+
+    d_kv: int = 64
+    """Size of the q, k, v projection of each head."""
+
+    relative_attention_num_buckets: int = 32
+    """Number of buckets of the relative position encoding."""
+
+    relative_attention_max_distance: int = 128
+    """Largest distance told apart by the relative position encoding."""
+
+
+@dataclass
+class ModelConfig:
+    """Size and numerics of the T5 model."""
+
+    layers: int = 24
+    """Number of encoder blocks and of decoder blocks (hf: num_layers)."""
+
+    hidden_size: int = 4096
+    """Width of the residual stream (hf: d_model)."""
+
+    d_ff: int = 10240
+    """Inner width of the feed-forward blocks (must be divisible by tensor_parallel)."""
+
+    sequence_length: int = 512
+    """Encoder length in tokens: prompts are padded or truncated to it."""
+
+    decoder_sequence_length: int = 8
+    """Decoder length in tokens for training (the original padded targets to sequence_length; MNLI labels need 4)."""
+
+    eval: bool = False
+    """Build for inference or validation: no dropout, no optimizer."""
+
+    dropout_prob: float = 0.0
+    """Dropout probability in training."""
+
+    precision: str = "float32"
+    """Compute dtype: float32, bfloat16 or float16 (master weights, norms and softmax stay float32)."""
+
+    seed: int = 42
+    """Seed of parameter initialisation, dropout and data shuffling."""
+
+    eps: float = 1e-6
+    """Epsilon of the RMS norms (Flan-T5 checkpoints use 1e-6)."""
+
+    scale_ff: int = 1
+    """Divide before the feed-forward down-projection and multiply back in float32 (float16 overflow guard)."""
+
+    feed_forward_proj: str = "gated-gelu"
+    """Feed-forward kind: gated-gelu (T5 v1.1 / Flan-T5) or relu (T5 v1.0)."""
+
+    tie_word_embeddings: bool = False
+    """Share the embedding with the LM head and rescale by hidden_size**-0.5 (T5 v1.0); Flan-T5 unties them."""
+
+    embedding: Embedding = field(default_factory=Embedding)
+    attention: Attention = field(default_factory=Attention)
+
+
+@dataclass
+class LearningRate:
+    """The learning-rate schedule: linear warm-up, then constant."""
+
+    maximum: float = field(default=5e-6, metadata=_flag("learning_rate"))
+    """Peak learning rate."""
+
+    warmup_steps: int = 10
+    """Steps of linear warm-up from 0 to the maximum."""
+
+
+@dataclass
+class Optimizer:
+    """Optimizer and its hyper-parameters."""
+
+    name: str = field(default="adamw", metadata=_flag("optimizer"))
+    """adamw, or adafactor to save optimizer memory."""
+
+    learning_rate: LearningRate = field(default_factory=LearningRate)
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.999
+    """Adam beta2."""
+
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to norms or biases)."""
+
+    gradient_clipping: float = 1.0
+    """Global-norm gradient clipping threshold; 0 disables it."""
+
+
+@dataclass
+class Training:
+    """The training run."""
+
+    steps: int = 500
+    """Number of optimizer steps."""
+
+    global_batch_size: int = 128
+    """Samples that contribute to one optimizer step."""
+
+    stochastic_rounding: bool = False
+    """Kept for compatibility with the original's configs; has no effect on this backend."""
+
+    optimizer: Optimizer = field(default_factory=Optimizer)
+
+
+@dataclass
+class Execution:
+    """How the model is executed on the devices."""
+
+    micro_batch_size: int = 1
+    """Samples per device in one gradient-accumulation step."""
+
+    data_parallel: int = 1
+    """Number of data-parallel replicas (mesh axis 'dp')."""
+
+    tensor_parallel: int = 1
+    """Number of devices a layer is split over (mesh axis 'tp')."""
+
+    device_iterations: int = 1
+    """Optimizer steps run per call from the host."""
+
+    io_tiles: int = 1
+    """IPU-only; kept so the original's configs load. No effect here."""
+
+    available_memory_proportion: tuple = (0.28,)
+    """IPU-only; kept so the original's configs load. No effect here."""
+
+    loss_scaling: float = 1.0
+    """Static loss scale (multiply the loss, divide the gradients); useful with float16."""
+
+    attention_serialisation: int = 1
+    """Split the attention queries into this many chunks, each rematerialised on its own."""
+
+    recompute: bool = True
+    """Rematerialise each block's activations in the backward pass."""
+
+    rts: bool = True
+    """Replicated tensor sharding: store weights, gradients and optimizer state sharded over their replica group."""
+
+    phased: bool = False
+    """Phased execution: weights and optimizer state live on the host, streamed in one layer at a time."""
+
+
+@dataclass
+class Checkpoint:
+    """Loading and saving of checkpoints."""
+
+    load: Optional[str] = None
+    """Checkpoint directory (or glob, for validation) to load."""
+
+    save: Optional[str] = None
+    """Directory to save checkpoints to."""
+
+    steps: int = field(default=0, metadata=_flag("checkpoint_steps"))
+    """Save a checkpoint every this many steps (0: only at the end)."""
+
+    to_keep: int = 4
+    """Number of checkpoints to keep."""
+
+    optim_state: bool = True
+    """Include the optimizer state in checkpoints."""
+
+
+@dataclass
+class Data:
+    """Where the data and the tokenizer come from."""
+
+    dataset: str = "glue/mnli"
+    """glue/mnli (Hugging Face hub), synthetic (generated offline), or a local json/jsonl/parquet/csv file or directory."""
+
+    tokenizer: str = "google/flan-t5-xxl"
+    """Hugging Face tokenizer name or directory, or 'synthetic' for the offline word-level tokenizer."""
+
+    hf_model: Optional[str] = None
+    """Hugging Face model name or directory to initialise the weights from (random init if unset)."""
+
+    split: str = "validation_mismatched"
+    """Split used by validation."""
+
+
+@dataclass
+class Inference:
+    """Greedy decoding."""
+
+    output_length: int = 5
+    """Maximum number of tokens to generate."""
+
+
+@dataclass
+class T5Config:
+    """Configuration of Flan-T5 fine-tuning and inference."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: Training = field(default_factory=Training)
+    execution: Execution = field(default_factory=Execution)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    data: Data = field(default_factory=Data)
+    inference: Inference = field(default_factory=Inference)
+
+    @property
+    def gradient_accumulation(self) -> int:
+        """Micro-batches accumulated per optimizer step on each replica."""
+        denom = self.execution.data_parallel * self.execution.micro_batch_size
+        return self.training.global_batch_size // denom
+
+    @property
+    def devices(self) -> int:
+        """Number of devices the run needs (the original's ``ipus``)."""
+        return self.execution.data_parallel * self.execution.tensor_parallel
+
+    def validate(self) -> "T5Config":
+        """Checks cross-field constraints; raises ConfigError naming the field and the fix."""
+        m, a, ex, tr = self.model, self.model.attention, self.execution, self.training
+        _check_types(self)
+        positive = {
+            "layers": m.layers, "hidden_size": m.hidden_size, "d_ff": m.d_ff, "heads": a.heads,
+            "d_kv": a.d_kv, "sequence_length": m.sequence_length,
+            "decoder_sequence_length": m.decoder_sequence_length, "vocab_size": m.embedding.vocab_size,
+            "micro_batch_size": ex.micro_batch_size, "data_parallel": ex.data_parallel,
+            "tensor_parallel": ex.tensor_parallel, "attention_serialisation": ex.attention_serialisation,
+            "device_iterations": ex.device_iterations, "global_batch_size": tr.global_batch_size,
+            "relative_attention_num_buckets": a.relative_attention_num_buckets,
+            "output_length": self.inference.output_length, "scale_ff": m.scale_ff,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{name}={value} must be at least 1: pass --{name} with a positive value")
+        if tr.steps < 0:
+            raise ConfigError(f"steps={tr.steps} must not be negative: pass --steps 0 or more")
+        if not 0.0 <= m.dropout_prob < 1.0:
+            raise ConfigError(f"dropout_prob={m.dropout_prob} must be in [0, 1): pass e.g. --dropout_prob 0.1")
+        choices = {
+            "precision": (m.precision, ("float32", "bfloat16", "float16")),
+            "feed_forward_proj": (m.feed_forward_proj, ("gated-gelu", "relu")),
+            "optimizer": (tr.optimizer.name, ("adamw", "adafactor")),
+        }
+        for name, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}: pass --{name} with one of them")
+        tp = ex.tensor_parallel
+        if a.heads % tp:
+            raise ConfigError(
+                f"heads={a.heads} is not divisible by tensor_parallel={tp}: "
+                f"choose --tensor_parallel among the divisors of {a.heads}"
+            )
+        if m.d_ff % tp:
+            raise ConfigError(
+                f"d_ff={m.d_ff} is not divisible by tensor_parallel={tp}: "
+                f"choose --tensor_parallel among the divisors of {m.d_ff}"
+            )
+        if not m.eval:
+            denom = ex.data_parallel * ex.micro_batch_size
+            if tr.global_batch_size % denom:
+                raise ConfigError(
+                    f"global_batch_size={tr.global_batch_size} is not divisible by "
+                    f"data_parallel * micro_batch_size = {ex.data_parallel} * {ex.micro_batch_size}: "
+                    f"set --global_batch_size to a multiple of {denom}"
+                )
+        if m.sequence_length % ex.attention_serialisation:
+            raise ConfigError(
+                f"sequence_length={m.sequence_length} is not divisible by attention_serialisation="
+                f"{ex.attention_serialisation}: choose --attention_serialisation among its divisors"
+            )
+        if self.checkpoint.steps < 0 or self.checkpoint.to_keep < 1:
+            raise ConfigError("checkpoint_steps must be >= 0 and to_keep >= 1: fix --checkpoint_steps / --to_keep")
+        return self
+
+
+# --------------------------------------------------------------------------- fields
+
+
+@dataclass(frozen=True)
+class FieldRef:
+    """One leaf field of the config: its flat flag, its path and its type."""
+
+    flag: str
+    path: tuple
+    type: Any
+    default: Any
+    doc: str
+
+
+def _field_docs(cls) -> dict:
+    """Docstrings of dataclass fields: the string literal right after each field."""
+    try:
+        tree = ast.parse(inspect.getsource(cls).lstrip())
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def leaf_fields(cls=T5Config, prefix: tuple = ()) -> list:
+    """All leaf fields of a config class, depth first, with their flat flag names."""
+    hints = typing.get_type_hints(cls)
+    docs = _field_docs(cls)
+    out = []
+    for f in fields(cls):
+        typ = hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            out += leaf_fields(typ, prefix + (f.name,))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append(FieldRef(f.metadata.get("flag", f.name), prefix + (f.name,), typ, default, docs.get(f.name, "")))
+    flags = [r.flag for r in out]
+    dup = {x for x in flags if flags.count(x) > 1}
+    assert not dup, f"config flags must be unique, duplicated: {dup}"
+    return out
+
+
+FIELDS = {r.flag: r for r in leaf_fields()}
+
+
+def _base_type(typ):
+    if typing.get_origin(typ) is typing.Union:
+        args = [t for t in typing.get_args(typ) if t is not type(None)]
+        return args[0]
+    return typ
+
+
+def coerce(ref: FieldRef, value: Any) -> Any:
+    """Converts a YAML or CLI value to the field's type; ConfigError if it cannot."""
+    typ = _base_type(ref.type)
+    if value is None:
+        if typing.get_origin(ref.type) is typing.Union:
+            return None
+        raise ConfigError(f"{ref.flag} must not be empty: give it a {typ.__name__} value")
+    bad = ConfigError(f"{ref.flag}={value!r} is not a valid {typ.__name__}: pass --{ref.flag} with a {typ.__name__} value")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise bad
+    if typ is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if typ is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    if typ is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.replace(",", " ").split()]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        try:
+            return tuple(float(v) for v in value)
+        except (TypeError, ValueError):
+            raise bad from None
+    return value
+
+
+def _check_types(cfg) -> None:
+    for ref in FIELDS.values():
+        value = get_path(cfg, ref.path)
+        coerced = coerce(ref, value)
+        if coerced != value or type(coerced) is not type(value):
+            set_path(cfg, ref.path, coerced)
+
+
+def get_path(cfg, path):
+    for p in path:
+        cfg = getattr(cfg, p)
+    return cfg
+
+
+def set_path(cfg, path, value):
+    for p in path[:-1]:
+        cfg = getattr(cfg, p)
+    setattr(cfg, path[-1], value)
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def preset_path(kind: str) -> str:
+    """Path of a preset file: kind is 'finetuning' or 'inference'."""
+    return os.path.join(CONFIG_DIR, f"{kind}.yml")
+
+
+def read_presets(path: str) -> dict:
+    """Named presets of a preset file (its ``release:`` mapping)."""
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    if not isinstance(doc, dict) or not isinstance(doc.get("release"), dict):
+        raise ConfigError(f"{path} has no 'release:' mapping of presets: see config/finetuning.yml for the format")
+    return doc["release"]
+
+
+def _apply_mapping(cfg, mapping: dict, cls, where: str) -> None:
+    """Sets the values of a nested YAML mapping on cfg; unknown keys are errors."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name: f for f in fields(cls)}
+    for key, value in mapping.items():
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key '{where}{key}': known keys here are {', '.join(sorted(names))}"
+            )
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{where}{key}' must be a mapping of {', '.join(f.name for f in fields(typ))}")
+            _apply_mapping(getattr(cfg, key), value, typ, f"{where}{key}.")
+        else:
+            flag = names[key].metadata.get("flag", key)
+            setattr(cfg, key, coerce(FIELDS[flag], value))
+
+
+def config_from_mapping(mapping: dict) -> T5Config:
+    """A T5Config from a nested mapping (a resolved preset, or a saved config)."""
+    cfg = T5Config()
+    _apply_mapping(cfg, mapping, T5Config, "")
+    return cfg
+
+
+def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) -> T5Config:
+    """Resolves preset ``name`` of a preset file, applies flat overrides and validates.
+
+    Args:
+      kind_or_path: 'finetuning', 'inference' or a path to a preset YAML file.
+      name: the preset name (a key of the file's ``release:`` mapping).
+      overrides: {flat_flag: value}, e.g. {'micro_batch_size': 2}.
+    """
+    path = kind_or_path if kind_or_path.endswith((".yml", ".yaml")) else preset_path(kind_or_path)
+    presets = read_presets(path)
+    if name not in presets:
+        raise ConfigError(
+            f"unknown preset '{name}' in {os.path.relpath(path)}: choose one of {', '.join(presets)}"
+        )
+    cfg = config_from_mapping(presets[name] or {})
+    apply_overrides(cfg, overrides or {})
+    return cfg.validate()
+
+
+def apply_overrides(cfg: T5Config, overrides: dict) -> T5Config:
+    """Applies {flat_flag: value} overrides; unknown flags are errors."""
+    for flag, value in overrides.items():
+        if flag not in FIELDS:
+            raise ConfigError(f"unknown config field '{flag}': see --help for the list of fields")
+        ref = FIELDS[flag]
+        set_path(cfg, ref.path, coerce(ref, value))
+    return cfg
+
+
+def to_dict(cfg: T5Config) -> dict:
+    """Nested plain-dict form of a config (for YAML/JSON dumps and checkpoints)."""
+    d = dataclasses.asdict(cfg)
+    d["execution"]["available_memory_proportion"] = list(d["execution"]["available_memory_proportion"])
+    return d
+
+
+def dumps_yaml(cfg: T5Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,259 @@
+"""T5 layers as pure functions over (local shards of) parameter trees.
+
+Shapes are those one device sees: under tensor parallelism ``h`` is
+heads / tp, ``f`` is d_ff / tp and ``Vl`` is padded_vocab / tp; on one
+device they are the full sizes. ``b`` batch, ``q``/``k`` query/key length,
+``d`` hidden size, ``kv`` head size. The residual stream, norms and softmax
+are float32; matmuls run in the dtype of the weights they are given.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from modelling.tp import identical_grad_inputs, identical_inputs, tp_index
+
+F32 = jnp.float32
+MASK_VALUE = -1e9  # exp(MASK_VALUE - max) is exactly 0 in float32
+
+
+def dropout(x: jax.Array, rate: float, rng: Optional[jax.Array]) -> jax.Array:
+    """Inverted dropout; identity when rate == 0 or rng is None (eval)."""
+    if rng is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """T5 layer norm (RMS, no mean, no bias). x [..., d] -> float32 [..., d]."""
+    x = x.astype(F32)
+    var = jnp.mean(x * x, axis=-1, keepdims=True)
+    return weight.astype(F32) * (x * lax.rsqrt(var + eps))
+
+
+# --------------------------------------------------------------------------- relative position bias
+
+
+def relative_position_bucket(relative_position: jax.Array, bidirectional: bool,
+                             num_buckets: int, max_distance: int) -> jax.Array:
+    """T5's bucketing of (key - query) distances. int [...] -> int32 [...]."""
+    ret = jnp.zeros_like(relative_position)
+    n = num_buckets
+    if bidirectional:
+        n //= 2
+        ret = ret + (relative_position > 0).astype(relative_position.dtype) * n
+        rp = jnp.abs(relative_position)
+    else:
+        rp = -jnp.minimum(relative_position, 0)
+    max_exact = n // 2
+    is_small = rp < max_exact
+    rp_f = jnp.maximum(rp, 1).astype(F32)
+    large = max_exact + (
+        jnp.log(rp_f / max_exact) / np.log(max_distance / max_exact) * (n - max_exact)
+    ).astype(relative_position.dtype)
+    large = jnp.minimum(large, n - 1)
+    return (ret + jnp.where(is_small, rp, large)).astype(jnp.int32)
+
+
+def position_bias(table: jax.Array, query_pos: jax.Array, key_len: int, bidirectional: bool,
+                  num_buckets: int, max_distance: int) -> jax.Array:
+    """Relative position bias. table [buckets, h], query_pos int [q] -> float32 [1, h, q, key_len]."""
+    rel = jnp.arange(key_len, dtype=jnp.int32)[None, :] - query_pos.astype(jnp.int32)[:, None]
+    buckets = relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+    values = jnp.take(table.astype(F32), buckets, axis=0)  # [q, k, h]
+    return jnp.transpose(values, (2, 0, 1))[None]
+
+
+def padding_mask_bias(mask: jax.Array) -> jax.Array:
+    """Additive bias from a key padding mask. mask [b, k] (1 keep) -> float32 [b, 1, 1, k]."""
+    return jnp.where(mask[:, None, None, :] > 0, 0.0, MASK_VALUE).astype(F32)
+
+
+def causal_mask_bias(q_len: int, k_len: int, q_offset=0) -> jax.Array:
+    """Additive causal bias -> float32 [1, 1, q, k]; query i sees keys <= i + q_offset."""
+    qi = jnp.arange(q_len)[:, None] + q_offset
+    ki = jnp.arange(k_len)[None, :]
+    return jnp.where(ki <= qi, 0.0, MASK_VALUE).astype(F32)[None, None]
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def project_q(p: dict, x: jax.Array, prefix: str = "") -> jax.Array:
+    """x [b, q, d] -> q [b, q, h, kv]."""
+    w = p[prefix + "q"]
+    return jnp.einsum("bld,dhk->blhk", x.astype(w.dtype), w)
+
+
+def project_kv(p: dict, x: jax.Array, prefix: str = "") -> tuple:
+    """x [b, k, d] -> (k, v) each [b, k, h, kv]."""
+    wk, wv = p[prefix + "k"], p[prefix + "v"]
+    x = x.astype(wk.dtype)
+    return jnp.einsum("bld,dhk->blhk", x, wk), jnp.einsum("bld,dhk->blhk", x, wv)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
+           dropout_rate: float = 0.0, rng: Optional[jax.Array] = None) -> jax.Array:
+    """Softmax attention without 1/sqrt(kv) scaling (T5).
+
+    q [b, q, h, kv], k/v [b, k, h, kv], bias broadcastable to [b, h, q, k]
+    (float32) -> [b, q, h, kv] in v's dtype.
+    """
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=F32) + bias
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = dropout(probs, dropout_rate, rng)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+def attend_serialised(q, k, v, bias, chunks: int, dropout_rate=0.0, rng=None):
+    """attend() over `chunks` query chunks, each rematerialised on its own (attention serialisation).
+
+    Peak memory of the scores falls from [b, h, q, k] to [b, h, q/chunks, k].
+    """
+    if chunks == 1:
+        return attend(q, k, v, bias, dropout_rate, rng)
+    n = q.shape[1] // chunks
+    outs = []
+    for i in range(chunks):
+        b_i = bias if bias.shape[2] == 1 else lax.slice_in_dim(bias, i * n, (i + 1) * n, axis=2)
+        r_i = None if rng is None else jax.random.fold_in(rng, i)
+        fn = jax.checkpoint(partial(attend, dropout_rate=dropout_rate))
+        outs.append(fn(lax.slice_in_dim(q, i * n, (i + 1) * n, axis=1), k, v, b_i, rng=r_i))
+    return jnp.concatenate(outs, axis=1)
+
+
+def attention_output(p: dict, ctx: jax.Array, tp_axis: Optional[str], prefix: str = "") -> jax.Array:
+    """Row-parallel output projection. ctx [b, q, h, kv] -> float32 [b, q, d], summed over tp."""
+    w = p[prefix + "o"]
+    out = jnp.einsum("bqhk,hkd->bqd", ctx.astype(w.dtype), w, preferred_element_type=F32)
+    return identical_grad_inputs(out, tp_axis)
+
+
+def attention(p: dict, x: jax.Array, kv_x: Optional[jax.Array], bias: jax.Array, tp_axis: Optional[str],
+              prefix: str = "", serialisation: int = 1, dropout_rate: float = 0.0,
+              rng: Optional[jax.Array] = None) -> jax.Array:
+    """Multi-head attention sharded by heads over tp.
+
+    x [b, q, d] (identical over tp), kv_x [b, k, d] or None for self-attention,
+    bias broadcastable to [b, h, q, k] -> float32 [b, q, d] identical over tp.
+    """
+    # Heads are split over tp: q/k/v are column-parallel, o is row-parallel, so one
+    # all-reduce per attention (Megatron).
+    x = identical_inputs(x, tp_axis)
+    src = x if kv_x is None else identical_inputs(kv_x, tp_axis)
+    q = project_q(p, x, prefix)
+    k, v = project_kv(p, src, prefix)
+    ctx = attend_serialised(q, k, v, bias, serialisation, dropout_rate, rng)
+    return attention_output(p, ctx, tp_axis, prefix)
+
+
+# --------------------------------------------------------------------------- feed-forward
+
+
+def feed_forward(p: dict, x: jax.Array, tp_axis: Optional[str], scale_ff: int = 1,
+                 dropout_rate: float = 0.0, rng: Optional[jax.Array] = None) -> jax.Array:
+    """Gated-GELU (v1.1) or ReLU (v1.0) feed-forward, sharded by the inner dim over tp.
+
+    x [b, l, d] (identical over tp) -> float32 [b, l, d] identical over tp.
+    """
+    # wi is column-parallel (the activation is elementwise, so each device applies it to
+    # its own columns), wo row-parallel: one all-reduce per feed-forward.
+    x = identical_inputs(x, tp_axis)
+    if "wi_0" in p:
+        xc = x.astype(p["wi_0"].dtype)
+        h = jax.nn.gelu(xc @ p["wi_0"], approximate=True) * (xc @ p["wi_1"])
+    else:
+        xc = x.astype(p["wi"].dtype)
+        h = jax.nn.relu(xc @ p["wi"])
+    h = dropout(h, dropout_rate, rng)
+    if scale_ff != 1:
+        h = h / scale_ff
+    out = jnp.einsum("blf,fd->bld", h.astype(p["wo"].dtype), p["wo"], preferred_element_type=F32)
+    if scale_ff != 1:
+        out = out * scale_ff
+    return identical_grad_inputs(out, tp_axis)
+
+
+# --------------------------------------------------------------------------- embedding and head
+
+
+def embed(table: jax.Array, ids: jax.Array, tp_axis: Optional[str]) -> jax.Array:
+    """Vocab-sharded embedding lookup. table [Vl, d], ids int [b, l] -> float32 [b, l, d]."""
+    n = table.shape[0]
+    local = ids - tp_index(tp_axis) * n
+    valid = (local >= 0) & (local < n)
+    rows = jnp.take(table, jnp.where(valid, local, 0), axis=0)
+    out = jnp.where(valid[..., None], rows.astype(F32), 0.0)
+    # each device holds the rows of its vocab slice; the sum over tp completes the lookup
+    return identical_grad_inputs(out, tp_axis)
+
+
+def lm_logits(x: jax.Array, w: jax.Array, tp_axis: Optional[str], vocab_size: int) -> jax.Array:
+    """Vocab-sharded LM head. x [b, l, d], w [d, Vl] -> float32 logits [b, l, Vl].
+
+    Columns past vocab_size (tp padding) get MASK_VALUE, so softmax and argmax ignore them.
+    """
+    x = identical_inputs(x, tp_axis)
+    logits = jnp.einsum("bld,dv->blv", x.astype(w.dtype), w, preferred_element_type=F32)
+    cols = tp_index(tp_axis) * w.shape[1] + jnp.arange(w.shape[1])
+    return jnp.where(cols < vocab_size, logits, MASK_VALUE)
+
+
+# --------------------------------------------------------------------------- vocab-sharded loss
+
+
+def _ce_forward(logits, labels, tp_axis):
+    n = logits.shape[-1]
+    start = tp_index(tp_axis) * n
+    m = jnp.max(logits, axis=-1)
+    if tp_axis is not None:
+        m = lax.pmax(m, tp_axis)
+    e = jnp.exp(logits - m[..., None])
+    s = jnp.sum(e, axis=-1)
+    local = labels - start
+    in_range = (local >= 0) & (local < n)
+    tgt = jnp.take_along_axis(logits, jnp.clip(local, 0, n - 1)[..., None], axis=-1)[..., 0]
+    tgt = jnp.where(in_range, tgt, 0.0)
+    if tp_axis is not None:
+        s = lax.psum(s, tp_axis)
+        tgt = lax.psum(tgt, tp_axis)
+    valid = labels != -100
+    loss = jnp.sum(jnp.where(valid, jnp.log(s) + m - tgt, 0.0))
+    return loss, (e, s, local, in_range, valid)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _sharded_ce(logits, labels, tp_axis):
+    return _ce_forward(logits, labels, tp_axis)[0]
+
+
+def _sharded_ce_fwd(logits, labels, tp_axis):
+    loss, res = _ce_forward(logits, labels, tp_axis)
+    return loss, (res, labels)
+
+
+def _sharded_ce_bwd(tp_axis, saved, g):
+    (e, s, local, in_range, valid), labels = saved
+    n = e.shape[-1]
+    onehot = (jnp.arange(n) == local[..., None]) & in_range[..., None]
+    dlogits = (e / s[..., None] - onehot) * (valid[..., None] * g)
+    return dlogits, None
+
+
+_sharded_ce.defvjp(_sharded_ce_fwd, _sharded_ce_bwd)
+
+
+def cross_entropy_sum(logits: jax.Array, labels: jax.Array, tp_axis: Optional[str]) -> jax.Array:
+    """Sum of token cross entropies over vocab-sharded logits; labels -100 are ignored.
+
+    logits float32 [b, l, Vl] (this device's vocab slice), labels int [b, l] -> scalar,
+    identical over tp. Only [b, l] statistics cross devices; full logits are never gathered.
+    """
+    return _sharded_ce(logits, labels, tp_axis)

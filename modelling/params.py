@@ -1,0 +1,122 @@
+"""Parameter spec tree: every weight's shape, logical axes and initialiser.
+
+The tree mirrors the parameter tree. Layers of a stack are stacked on a
+leading ``layers`` axis (scanned over in the fused executor; streamed one row
+at a time by the phased executor, like the original's remote buffers).
+
+Logical axes: ``layers``, ``embed``, ``heads``, ``kv``, ``mlp``, ``vocab``,
+``relpos_buckets``. ``graphs/sharding.py`` maps them to mesh axes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from config.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One weight: global shape, logical axes, init std (None: ones), dtype."""
+
+    shape: tuple
+    axes: tuple
+    std: Any = None
+    dtype: Any = jnp.float32
+
+    @property
+    def is_norm(self) -> bool:
+        return self.std is None
+
+
+def padded_vocab(vocab_size: int, tensor_parallel: int) -> int:
+    """Vocab rounded up to a multiple of tensor_parallel (extra rows are masked out of the logits)."""
+    return -(-vocab_size // tensor_parallel) * tensor_parallel
+
+
+def _attention_specs(L, d, h, kv, prefix=""):
+    # Initialisers as in Hugging Face T5 (_init_weights, initializer_factor 1.0).
+    return {
+        f"{prefix}q": ParamSpec((L, d, h, kv), ("layers", "embed", "heads", "kv"), (d * kv) ** -0.5),
+        f"{prefix}k": ParamSpec((L, d, h, kv), ("layers", "embed", "heads", "kv"), d ** -0.5),
+        f"{prefix}v": ParamSpec((L, d, h, kv), ("layers", "embed", "heads", "kv"), d ** -0.5),
+        f"{prefix}o": ParamSpec((L, h, kv, d), ("layers", "heads", "kv", "embed"), (h * kv) ** -0.5),
+    }
+
+
+def _stack_specs(m: ModelConfig, decoder: bool) -> dict:
+    L, d, f = m.layers, m.hidden_size, m.d_ff
+    h, kv = m.attention.heads, m.attention.d_kv
+    layers = {"attn_norm": ParamSpec((L, d), ("layers", "embed"))}
+    layers.update(_attention_specs(L, d, h, kv))
+    if decoder:
+        layers["cross_norm"] = ParamSpec((L, d), ("layers", "embed"))
+        layers.update(_attention_specs(L, d, h, kv, prefix="c"))
+    layers["ff_norm"] = ParamSpec((L, d), ("layers", "embed"))
+    if m.feed_forward_proj == "gated-gelu":
+        layers["wi_0"] = ParamSpec((L, d, f), ("layers", "embed", "mlp"), d ** -0.5)
+        layers["wi_1"] = ParamSpec((L, d, f), ("layers", "embed", "mlp"), d ** -0.5)
+    else:
+        layers["wi"] = ParamSpec((L, d, f), ("layers", "embed", "mlp"), d ** -0.5)
+    layers["wo"] = ParamSpec((L, f, d), ("layers", "mlp", "embed"), f ** -0.5)
+    return {
+        "relpos": ParamSpec((m.attention.relative_attention_num_buckets, h), ("relpos_buckets", "heads"), d ** -0.5),
+        "layers": layers,
+        "final_norm": ParamSpec((d,), ("embed",)),
+    }
+
+
+def param_specs(m: ModelConfig, tensor_parallel: int = 1) -> dict:
+    """The spec tree of a T5 model; vocab padded to a multiple of tensor_parallel."""
+    V = padded_vocab(m.embedding.vocab_size, tensor_parallel)
+    d = m.hidden_size
+    specs = {
+        "shared": ParamSpec((V, d), ("vocab", "embed"), 1.0),
+        "encoder": _stack_specs(m, decoder=False),
+        "decoder": _stack_specs(m, decoder=True),
+    }
+    if not m.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((d, V), ("embed", "vocab"), d ** -0.5)
+    return specs
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def init_params(specs: dict, key: jax.Array) -> dict:
+    """Random parameters for a spec tree (float32). Padded vocab rows are zero."""
+    leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for spec, k in zip(leaves, keys):
+        if spec.is_norm:
+            out.append(jnp.ones(spec.shape, spec.dtype))
+        else:
+            out.append(spec.std * jax.random.normal(k, spec.shape, spec.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def zero_padded_vocab(params: dict, vocab_size: int) -> dict:
+    """Zeroes the rows/columns of the padded vocabulary (beyond vocab_size)."""
+    params = dict(params)
+    params["shared"] = params["shared"].at[vocab_size:].set(0.0)
+    if "lm_head" in params:
+        params["lm_head"] = params["lm_head"].at[:, vocab_size:].set(0.0)
+    return params
+
+
+def count_params(specs: dict, vocab_size: int | None = None) -> int:
+    """Number of weights in a spec tree."""
+    return int(sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(specs, is_leaf=is_spec)))
+
+
+def shape_tree(specs: dict) -> dict:
+    """{path: (shape, axes)} of a spec tree, for golden snapshots."""
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+    return {jax.tree_util.keystr(p): (list(s.shape), list(s.axes)) for p, s in flat}

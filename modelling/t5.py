@@ -1,0 +1,213 @@
+"""The T5 encoder-decoder built from the per-phase functions of the original app.
+
+Phases: ``embeddings`` -> ``t5_block`` x layers (encoder) -> ``encoder_head``
+-> ``embeddings`` -> ``t5_block`` x layers (decoder, with cross-attention)
+-> ``head`` (final norm, LM head, vocab-sharded loss). The same functions run
+on one device (``tp_axis=None``) and inside ``shard_map`` with tensor
+parallelism; the graphs/ package composes them into programs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from modelling import layers as L
+from modelling.tp import tp_index
+
+F32 = jnp.float32
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The fields of the config that the model functions need (hashable, static under jit)."""
+
+    eps: float = 1e-6
+    dropout_prob: float = 0.0
+    num_buckets: int = 32
+    max_distance: int = 128
+    scale_ff: int = 1
+    vocab_size: int = 32128
+    hidden_size: int = 512
+    tie_word_embeddings: bool = False
+    attention_serialisation: int = 1
+    recompute: bool = False
+    dtype: str = "float32"
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelOptions":
+        m, ex = cfg.model, cfg.execution
+        return cls(
+            eps=m.eps, dropout_prob=0.0 if m.eval else m.dropout_prob,
+            num_buckets=m.attention.relative_attention_num_buckets,
+            max_distance=m.attention.relative_attention_max_distance, scale_ff=m.scale_ff,
+            vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size,
+            tie_word_embeddings=m.tie_word_embeddings, attention_serialisation=ex.attention_serialisation,
+            recompute=ex.recompute, dtype=m.precision,
+        )
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.dtype]
+
+
+def _keeps_f32(path) -> bool:
+    name = str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
+    return name.endswith("norm") or name == "relpos"
+
+
+def cast_params(params: dict, dtype) -> dict:
+    """Casts matmul weights to the compute dtype; norms and relative bias stay float32."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if _keeps_f32(p) else x.astype(dtype), params)
+
+
+def _rng(rng, *data):
+    if rng is None:
+        return None
+    for d in data:
+        rng = jax.random.fold_in(rng, d)
+    return rng
+
+
+def _sharded_rng(rng, tp_axis, *data):
+    """A key that differs per tp shard, for dropout on tp-sharded activations."""
+    return None if rng is None else _rng(rng, *data, tp_index(tp_axis) + 1000)
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def embeddings(shared: jax.Array, ids: jax.Array, opts: ModelOptions, tp_axis: Optional[str],
+               rng=None) -> jax.Array:
+    """Embedding phase. shared [Vl, d], ids int [b, l] -> float32 [b, l, d] identical over tp."""
+    return L.dropout(L.embed(shared, ids, tp_axis), opts.dropout_prob, rng)
+
+
+def encoder_self_bias(relpos: jax.Array, mask: jax.Array, opts: ModelOptions) -> jax.Array:
+    """Encoder self-attention bias. relpos [buckets, h], mask [b, l] -> float32 [b, h, l, l]."""
+    n = mask.shape[1]
+    bias = L.position_bias(relpos, jnp.arange(n), n, True, opts.num_buckets, opts.max_distance)
+    return bias + L.padding_mask_bias(mask)
+
+
+def decoder_self_bias(relpos: jax.Array, length: int, opts: ModelOptions,
+                      mask: Optional[jax.Array] = None) -> jax.Array:
+    """Decoder (causal) self-attention bias -> float32 [1 or b, h, l, l]."""
+    bias = L.position_bias(relpos, jnp.arange(length), length, False, opts.num_buckets, opts.max_distance)
+    bias = bias + L.causal_mask_bias(length, length)
+    if mask is not None:
+        bias = bias + L.padding_mask_bias(mask)
+    return bias
+
+
+def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions, tp_axis: Optional[str],
+             enc_out: Optional[jax.Array] = None, cross_bias: Optional[jax.Array] = None,
+             rng=None) -> jax.Array:
+    """One encoder block, or a decoder block when ``enc_out`` is given.
+
+    p: one layer's parameters (no ``layers`` axis); x float32 [b, l, d];
+    enc_out [b, k, d]; biases float32 broadcastable to [b, h, l, l] / [b, h, l, k].
+    -> float32 [b, l, d], identical over tp.
+    """
+    rate, chunks, dt = opts.dropout_prob, opts.attention_serialisation, opts.compute_dtype
+    h = L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt)
+    a = L.attention(p, h, None, self_bias, tp_axis, "", chunks, rate, _sharded_rng(rng, tp_axis, 1))
+    x = x + L.dropout(a, rate, _rng(rng, 2))
+    if enc_out is not None:
+        h = L.rms_norm(x, p["cross_norm"], opts.eps).astype(dt)
+        a = L.attention(p, h, enc_out.astype(dt), cross_bias, tp_axis, "c", chunks, rate,
+                        _sharded_rng(rng, tp_axis, 3))
+        x = x + L.dropout(a, rate, _rng(rng, 4))
+    h = L.rms_norm(x, p["ff_norm"], opts.eps).astype(dt)
+    f = L.feed_forward(p, h, tp_axis, opts.scale_ff, rate, _sharded_rng(rng, tp_axis, 5))
+    return x + L.dropout(f, rate, _rng(rng, 6))
+
+
+def run_stack(layers_p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions,
+              tp_axis: Optional[str], enc_out=None, cross_bias=None, rng=None) -> jax.Array:
+    """t5_block over the stacked layers (leading axis), scanned; remat per block if opts.recompute."""
+
+    def body(x, inputs):
+        p, i = inputs
+        r = None if rng is None else jax.random.fold_in(rng, i)
+        return t5_block(p, x, self_bias, opts, tp_axis, enc_out, cross_bias, r), None
+
+    if opts.recompute:
+        body = jax.checkpoint(body)
+    n = jax.tree_util.tree_leaves(layers_p)[0].shape[0]
+    x, _ = lax.scan(body, x, (layers_p, jnp.arange(n)))
+    return x
+
+
+def encoder_head(final_norm: jax.Array, x: jax.Array, opts: ModelOptions, rng=None) -> jax.Array:
+    """Final encoder norm. x float32 [b, l, d] -> float32 [b, l, d]."""
+    return L.dropout(L.rms_norm(x, final_norm, opts.eps), opts.dropout_prob, rng)
+
+
+def head_logits(params: dict, x: jax.Array, opts: ModelOptions, tp_axis: Optional[str], rng=None) -> jax.Array:
+    """Decoder final norm + LM head. x float32 [b, l, d] -> float32 logits [b, l, Vl] (vocab-sharded)."""
+    h = L.dropout(L.rms_norm(x, params["decoder"]["final_norm"], opts.eps), opts.dropout_prob, rng)
+    if opts.tie_word_embeddings:
+        # T5 v1.0 rescales before the tied head
+        h = h * opts.hidden_size ** -0.5
+        w = params["shared"].T
+    else:
+        w = params["lm_head"]
+    return L.lm_logits(h.astype(opts.compute_dtype), w, tp_axis, opts.vocab_size)
+
+
+def head(params: dict, x: jax.Array, labels: jax.Array, opts: ModelOptions, tp_axis: Optional[str],
+         rng=None) -> jax.Array:
+    """Head phase with the loss: -> sum of token cross entropies (labels -100 ignored)."""
+    return L.cross_entropy_sum(head_logits(params, x, opts, tp_axis, rng), labels, tp_axis)
+
+
+# --------------------------------------------------------------------------- whole model
+
+
+def encode(params: dict, input_ids, attention_mask, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
+    """Encoder. ids/mask [b, k] -> float32 [b, k, d]."""
+    enc = params["encoder"]
+    x = embeddings(params["shared"], input_ids, opts, tp_axis, _rng(rng, 10))
+    bias = encoder_self_bias(enc["relpos"], attention_mask, opts)
+    x = run_stack(enc["layers"], x, bias, opts, tp_axis, rng=_rng(rng, 11))
+    return encoder_head(enc["final_norm"], x, opts, _rng(rng, 12))
+
+
+def decode(params: dict, enc_out, attention_mask, decoder_input_ids, opts: ModelOptions, tp_axis=None,
+           decoder_attention_mask=None, rng=None) -> jax.Array:
+    """Decoder stack (no head). -> float32 [b, l, d]."""
+    dec = params["decoder"]
+    y = embeddings(params["shared"], decoder_input_ids, opts, tp_axis, _rng(rng, 20))
+    self_bias = decoder_self_bias(dec["relpos"], decoder_input_ids.shape[1], opts, decoder_attention_mask)
+    cross_bias = L.padding_mask_bias(attention_mask)
+    return run_stack(dec["layers"], y, self_bias, opts, tp_axis, enc_out, cross_bias, _rng(rng, 21))
+
+
+def forward(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
+    """Full model -> float32 logits [b, l, Vl] (this device's vocab slice)."""
+    p = cast_params(params, opts.compute_dtype)
+    enc = encode(p, batch["input_ids"], batch["attention_mask"], opts, tp_axis, rng)
+    y = decode(p, enc, batch["attention_mask"], batch["decoder_input_ids"], opts, tp_axis,
+               batch.get("decoder_attention_mask"), rng)
+    return head_logits(p, y, opts, tp_axis, _rng(rng, 30))
+
+
+def loss_sum(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
+    """Sum of token cross entropies of a batch (divide by the token count for the mean)."""
+    p = cast_params(params, opts.compute_dtype)
+    enc = encode(p, batch["input_ids"], batch["attention_mask"], opts, tp_axis, rng)
+    y = decode(p, enc, batch["attention_mask"], batch["decoder_input_ids"], opts, tp_axis,
+               batch.get("decoder_attention_mask"), rng)
+    return head(p, y, batch["labels"], opts, tp_axis, _rng(rng, 30))
+
+
+def token_count(labels: jax.Array) -> jax.Array:
+    """Number of labels that count towards the loss (not -100)."""
+    return jnp.sum(labels != -100)

@@ -1,0 +1,70 @@
+"""The two Megatron collectives of the original app, as named custom-vjp functions.
+
+Model code calls them with ``tp_axis``: the mesh axis name of tensor
+parallelism inside ``shard_map``, or ``None`` on one device (then both are the
+identity). All autodiff across devices goes through these two functions and
+the vocab-sharded loss, so JAX never has to transpose a collective itself.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import jax
+from jax import lax
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _identical_inputs(x, axis):
+    return x
+
+
+def _ii_fwd(x, axis):
+    return x, None
+
+
+def _ii_bwd(axis, _, g):
+    return (lax.psum(g, axis),)
+
+
+_identical_inputs.defvjp(_ii_fwd, _ii_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _identical_grad_inputs(x, axis):
+    return lax.psum(x, axis)
+
+
+def _igi_fwd(x, axis):
+    return lax.psum(x, axis), None
+
+
+def _igi_bwd(axis, _, g):
+    return (g,)
+
+
+_identical_grad_inputs.defvjp(_igi_fwd, _igi_bwd)
+
+
+def identical_inputs(x: jax.Array, tp_axis: Optional[str]) -> jax.Array:
+    """Megatron's ``f``: identity forward, all-reduce of the gradient over tp backward.
+
+    Used where an activation identical on every tp replica enters a
+    tp-sharded computation (column-parallel matmul).
+    """
+    return x if tp_axis is None else _identical_inputs(x, tp_axis)
+
+
+def identical_grad_inputs(x: jax.Array, tp_axis: Optional[str]) -> jax.Array:
+    """Megatron's ``g``: all-reduce over tp forward, identity backward.
+
+    Used where partial sums of a row-parallel matmul become an activation
+    identical on every tp replica.
+    """
+    return x if tp_axis is None else _identical_grad_inputs(x, tp_axis)
+
+
+def tp_index(tp_axis: Optional[str]):
+    """Index of this device along tp (0 on one device)."""
+    return 0 if tp_axis is None else lax.axis_index(tp_axis)

@@ -1,0 +1,110 @@
+"""Presets load and validate; each bad config names the field and the fix."""
+
+import pytest
+import yaml
+
+from config import ConfigError, load_config, read_presets, preset_path
+from config.config import FIELDS, config_from_mapping, dumps_yaml
+from utils.cli import parse_config
+
+FINETUNING = ["tiny", "xl_pod8", "xl_pod16", "xxl_pod16", "xxl_pod64", "small", "base", "large"]
+INFERENCE = ["tiny", "xl", "xl-mnli", "xxl", "xxl-mnli", "small", "base", "large"]
+
+
+def test_preset_files_hold_exactly_the_documented_presets():
+    assert list(read_presets(preset_path("finetuning"))) == [
+        "xxl_pod64", "xxl_pod16", "xl_pod16", "xl_pod8", "large", "base", "small", "tiny"]
+    assert set(read_presets(preset_path("inference"))) == set(INFERENCE)
+
+
+@pytest.mark.parametrize("name", FINETUNING)
+def test_finetuning_presets_load_and_validate(name):
+    cfg = load_config("finetuning", name)
+    assert cfg.gradient_accumulation * cfg.execution.data_parallel * cfg.execution.micro_batch_size == \
+        cfg.training.global_batch_size
+
+
+@pytest.mark.parametrize("name", INFERENCE)
+def test_inference_presets_load_and_validate(name):
+    assert load_config("inference", name).model.eval
+
+
+def test_original_model_bases_and_parallelism():
+    xl, xxl = load_config("finetuning", "xl_pod16"), load_config("finetuning", "xxl_pod64")
+    assert (xl.model.layers, xl.model.hidden_size, xl.model.d_ff, xl.model.attention.heads, xl.model.attention.d_kv) \
+        == (24, 2048, 5120, 32, 64)
+    assert (xxl.model.layers, xxl.model.hidden_size, xxl.model.d_ff, xxl.model.attention.heads) == (24, 4096, 10240, 64)
+    for c in (xl, xxl):
+        assert (c.model.embedding.vocab_size, c.model.sequence_length) == (32128, 512)
+        assert (c.model.attention.relative_attention_num_buckets, c.model.attention.relative_attention_max_distance) \
+            == (32, 128)
+    assert (xl.execution.data_parallel, xl.execution.tensor_parallel, xl.devices) == (2, 8, 16)
+    assert (xxl.execution.data_parallel, xxl.execution.tensor_parallel, xxl.gradient_accumulation) == (4, 16, 32)
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config("finetuning", "tiny", {"micro_batch_size": "4", "layers": 3, "learning_rate": "1e-3",
+                                              "eval": "false", "checkpoint_steps": 5, "save": "x"})
+    assert cfg.execution.micro_batch_size == 4 and cfg.model.layers == 3
+    assert cfg.training.optimizer.learning_rate.maximum == 1e-3
+    assert cfg.checkpoint.steps == 5 and cfg.training.steps == 400
+    assert cfg.gradient_accumulation == 32 // (2 * 4)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"tensor_parallel": 3}, "heads=4 is not divisible by tensor_parallel=3"),
+    ({"global_batch_size": 30}, "global_batch_size=30 is not divisible by data_parallel \\* micro_batch_size"),
+    ({"micro_batch_size": 0}, "micro_batch_size=0 must be at least 1"),
+    ({"precision": "float64"}, "precision='float64' is not one of"),
+    ({"micro_batch_size": "two"}, "micro_batch_size='two' is not a valid int"),
+    ({"learning_rate": "fast"}, "learning_rate='fast' is not a valid float"),
+    ({"no_such_field": 1}, "unknown config field 'no_such_field'"),
+    ({"attention_serialisation": 3}, "sequence_length=64 is not divisible by attention_serialisation=3"),
+])
+def test_bad_values_name_the_field_and_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("finetuning", "tiny", overrides)
+
+
+def test_unknown_preset_lists_the_choices():
+    with pytest.raises(ConfigError, match="unknown preset 'xxl_pod4'.*choose one of .*xxl_pod16"):
+        load_config("finetuning", "xxl_pod4")
+
+
+def test_unknown_yaml_key_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'model.attention.head'"):
+        config_from_mapping({"model": {"attention": {"head": 4}}})
+    with pytest.raises(ConfigError, match="is not a valid int"):
+        config_from_mapping({"model": {"layers": [1, 2]}})
+
+
+def test_dump_and_reload_round_trip():
+    cfg = load_config("finetuning", "xl_pod16")
+    again = config_from_mapping(yaml.safe_load(dumps_yaml(cfg)))
+    assert again == cfg
+
+
+def test_cli_flat_flags(capsys):
+    cfg, args = parse_config("finetuning", "t", "tiny", ["--config", "tiny", "--micro_batch_size", "2", "--layers", "3",
+                                                          "--eval", "--available_memory_proportion", "0.2", "0.3"])
+    assert cfg.execution.micro_batch_size == 2 and cfg.model.layers == 3 and cfg.model.eval
+    assert cfg.execution.available_memory_proportion == (0.2, 0.3)
+    assert args.config == "tiny"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag"),
+    (["--config", "nope"], "unknown preset 'nope'"),
+    (["--tensor_parallel", "3"], "heads=4 is not divisible by tensor_parallel=3"),
+])
+def test_cli_errors_exit_nonzero_with_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        parse_config("finetuning", "t", "tiny", argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
+
+
+def test_every_field_has_a_docstring():
+    missing = [f for f, r in FIELDS.items() if not r.doc]
+    assert not missing

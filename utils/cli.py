@@ -1,0 +1,89 @@
+"""Command-line setup shared by the drivers: preset + one flat flag per config field."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import typing
+from typing import Callable, Optional
+
+from config.config import FIELDS, ConfigError, _base_type, load_config, read_presets, preset_path
+
+logger = logging.getLogger("flan_t5")
+
+
+class CLIError(SystemExit):
+    """Exit with a one-line error message (code 2)."""
+
+
+def die(message: str, code: int = 2) -> typing.NoReturn:
+    """Prints a one-line error and exits non-zero."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def build_parser(kind: str, description: str, default_preset: str,
+                 extra: Optional[Callable[[argparse.ArgumentParser], None]] = None) -> argparse.ArgumentParser:
+    """An argparse parser with --config and every config field as a flat override flag."""
+    presets = list(read_presets(preset_path(kind)))
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=default_preset,
+                   help=f"preset of config/{kind}.yml: {', '.join(presets)}")
+    if extra is not None:
+        extra(p)
+    group = p.add_argument_group("config fields (override the preset)")
+    for flag, ref in FIELDS.items():
+        typ = _base_type(ref.type)
+        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=ref.doc)
+        if typ is bool:
+            group.add_argument(f"--{flag}", nargs="?", const="true", metavar="BOOL", **kwargs)
+        elif typ is tuple:
+            group.add_argument(f"--{flag}", nargs="+", **kwargs)
+        else:
+            group.add_argument(f"--{flag}", metavar=typ.__name__.upper(), **kwargs)
+    return p
+
+
+def parse_config(kind: str, description: str, default_preset: str, argv=None, extra=None):
+    """Parses argv into (config, namespace of the non-config flags); exits on a bad config."""
+    parser = build_parser(kind, description, default_preset, extra)
+    args = parser.parse_args(argv)
+    overrides = {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__")}
+    for k in list(vars(args)):
+        if k.startswith("cfg__"):
+            delattr(args, k)
+    try:
+        cfg = load_config(kind, args.config, overrides)
+    except ConfigError as e:
+        die(str(e))
+    return cfg, args
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+def ensure_host_devices(n: int) -> None:
+    """Lets the CPU backend simulate ``n`` devices (must run before JAX starts).
+
+    Only the host (CPU) platform is affected: on a GPU or TPU machine the
+    accelerators are used and this flag is inert.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags and n > 1:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def enable_compilation_cache() -> Optional[str]:
+    """Switches on JAX's persistent compilation cache from JAX_COMPILATION_CACHE_DIR or POPXL_CACHE_DIR."""
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("POPXL_CACHE_DIR")
+    if not path:
+        return None
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path

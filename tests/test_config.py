@@ -47,7 +47,7 @@ def test_overrides_apply_with_types():
                                               "eval": "false", "checkpoint_steps": 5, "save": "x"})
     assert cfg.execution.micro_batch_size == 4 and cfg.model.layers == 3
     assert cfg.training.optimizer.learning_rate.maximum == 1e-3
-    assert cfg.checkpoint.steps == 5 and cfg.training.steps == 400
+    assert cfg.checkpoint.steps == 5 and cfg.training.steps == 1000
     assert cfg.gradient_accumulation == 32 // (2 * 4)
 
 

@@ -64,6 +64,8 @@ def parse_config(kind: str, description: str, default_preset: str, argv=None, ex
 
 def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("absl", "orbax", "jax", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def ensure_host_devices(n: int) -> None:

@@ -1,0 +1,239 @@
+"""MNLI data: loading (hub, local files, synthetic), prompts, tokenisation and batching.
+
+Prompt format of the original app: encoder ``mnli hypothesis: {hypothesis}
+premise: {premise}``, target ``{class_label}``; the decoder input is the target
+shifted right behind a ``<pad>`` start token, and padded label positions are -100.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from data import synthetic
+
+logger = logging.getLogger("flan_t5")
+
+CLASS_LABELS = ["entailment", "neutral", "contradiction"]
+COLUMNS = ("premise", "hypothesis", "label")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+class DataError(ValueError):
+    """A missing, unreadable or malformed dataset; the message names the file, row and column."""
+
+
+def prompt(hypothesis: str, premise: str) -> str:
+    return f"mnli hypothesis: {hypothesis} premise: {premise}"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _read_table(path: str) -> list:
+    """Rows of a local json/jsonl/parquet/csv file as dicts."""
+    import pandas as pd
+
+    try:
+        if path.endswith(".jsonl"):
+            df = pd.read_json(path, lines=True, dtype=False)
+        elif path.endswith(".json"):
+            try:
+                df = pd.read_json(path, dtype=False)
+            except ValueError:
+                df = pd.read_json(path, lines=True, dtype=False)
+        elif path.endswith(".parquet"):
+            df = pd.read_parquet(path)
+        elif path.endswith(".csv"):
+            df = pd.read_csv(path, keep_default_na=False)
+        else:
+            raise DataError(f"{path}: unknown file type: use one of {', '.join(SUFFIXES)}")
+    except DataError:
+        raise
+    except Exception as e:  # pandas/pyarrow raise many types for unreadable files
+        raise DataError(f"{path}: cannot be read as {os.path.splitext(path)[1]} ({type(e).__name__}: {e})") from None
+    if len(df) == 0:
+        raise DataError(f"{path}: the file has no rows: give a file with premise, hypothesis and label columns")
+    return df.to_dict("records")
+
+
+def validate_rows(rows: list, source: str) -> list:
+    """Checks the MNLI schema row by row; drops label -1 rows (unlabelled) with a count in the log."""
+    if not rows:
+        raise DataError(f"{source}: no rows")
+    out, dropped = [], 0
+    for i, row in enumerate(rows):
+        for col in COLUMNS:
+            if col not in row or row[col] is None or (isinstance(row[col], float) and np.isnan(row[col])):
+                raise DataError(f"{source}: row {i}: column '{col}' is missing: every row needs {', '.join(COLUMNS)}")
+        for col in ("premise", "hypothesis"):
+            if not isinstance(row[col], str):
+                raise DataError(f"{source}: row {i}: column '{col}' must be text, got {type(row[col]).__name__}")
+        label = row["label"]
+        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)) or not -1 <= label <= 2:
+            raise DataError(f"{source}: row {i}: column 'label' must be 0, 1, 2 (or -1 for unlabelled), got {label!r}")
+        if label == -1:
+            dropped += 1
+            continue
+        out.append({"premise": row["premise"], "hypothesis": row["hypothesis"], "label": int(label)})
+    if dropped:
+        logger.info("%s: dropped %d rows with label -1", source, dropped)
+    if not out:
+        raise DataError(f"{source}: every row has label -1: nothing to train or score")
+    return out
+
+
+def _local_file(path: str, split: str) -> str:
+    if os.path.isfile(path):
+        return path
+    matches = sorted(f for f in glob.glob(os.path.join(path, f"{split}*")) if f.endswith(SUFFIXES))
+    if not matches:
+        raise DataError(f"{path} has no {split}.{{jsonl,json,parquet,csv}} file: add one or pass the file itself")
+    return matches[0]
+
+
+def load_rows(dataset: str, split: str, seed: int = 0) -> list:
+    """Validated MNLI rows of ``split`` from 'glue/mnli', 'synthetic' or a local file/directory."""
+    if dataset == "synthetic":
+        return validate_rows(synthetic.generate_split(split, seed=seed), f"synthetic:{split}")
+    if os.path.exists(dataset):
+        path = _local_file(dataset, split)
+        return validate_rows(_read_table(path), path)
+    if dataset in ("glue/mnli", "mnli", "nyu-mll/glue"):
+        try:
+            import datasets
+
+            ds = datasets.load_dataset("nyu-mll/glue", "mnli", split=split)
+        except Exception as e:
+            raise DataError(
+                f"cannot load GLUE MNLI split '{split}' ({type(e).__name__}): with no network, save it elsewhere "
+                f"(datasets.load_dataset('nyu-mll/glue', 'mnli', split='{split}').to_json('{split}.jsonl')), copy it "
+                "here and pass --dataset PATH") from None
+        return validate_rows(ds.to_list(), f"glue/mnli:{split}")
+    raise DataError(f"dataset '{dataset}' is neither glue/mnli, synthetic nor an existing path: fix --dataset")
+
+
+# --------------------------------------------------------------------------- tokenisation
+
+
+def load_tokenizer(name: str):
+    """The tokenizer: 'synthetic' (offline word-level) or an HF name/directory."""
+    if name == "synthetic":
+        return synthetic.make_tokenizer()
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:
+        raise DataError(
+            f"cannot load tokenizer '{name}' ({type(e).__name__}): with no network, download it elsewhere "
+            f"(huggingface-cli download {name} --local-dir DIR), copy DIR here and pass --tokenizer DIR") from None
+
+
+def _pad(seqs: list, length: int, value: int) -> np.ndarray:
+    out = np.full((len(seqs), length), value, np.int32)
+    for i, s in enumerate(seqs):
+        s = s[:length]
+        out[i, : len(s)] = s
+    return out
+
+
+def tokenize_inputs(rows: list, tokenizer, sequence_length: int) -> dict:
+    """Encoder ids and attention mask [n, sequence_length] (truncated/padded; EOS kept by the tokenizer)."""
+    enc = tokenizer([prompt(r["hypothesis"], r["premise"]) for r in rows], add_special_tokens=True)["input_ids"]
+    ids = _pad(enc, sequence_length, tokenizer.pad_token_id)
+    mask = _pad([[1] * len(s) for s in enc], sequence_length, 0)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def tokenize_training(rows: list, tokenizer, sequence_length: int, decoder_length: int) -> dict:
+    """Training features [n, len]: input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels."""
+    out = tokenize_inputs(rows, tokenizer, sequence_length)
+    tgt = tokenizer([CLASS_LABELS[r["label"]] for r in rows], add_special_tokens=True)["input_ids"]
+    pad = tokenizer.pad_token_id
+    labels = _pad(tgt, decoder_length, pad)
+    dec_mask = _pad([[1] * len(t) for t in tgt], decoder_length, 0)
+    dec = np.concatenate([np.full((len(rows), 1), pad, np.int32), labels[:, :-1]], axis=1)
+    labels = np.where(dec_mask > 0, labels, -100).astype(np.int32)
+    out.update(decoder_input_ids=dec, decoder_attention_mask=dec_mask, labels=labels)
+    return out
+
+
+# --------------------------------------------------------------------------- batching
+
+
+@dataclass
+class TrainLoader:
+    """Deterministic shuffled global batches; resumable from a sample position.
+
+    Epoch e visits the samples in permutation(seed, e); batch k of the run covers samples
+    [k * global_batch, (k + 1) * global_batch) of the concatenated epochs. Batches are
+    shaped [gradient_accumulation, data_parallel * micro_batch_size, len]; dp replica r
+    takes rows [r * mb, (r + 1) * mb) of each micro-batch (the device_put split).
+    """
+
+    features: dict
+    global_batch_size: int
+    gradient_accumulation: int
+    seed: int = 0
+    position: int = 0  # samples consumed so far (saved in checkpoints)
+
+    @property
+    def size(self) -> int:
+        return len(next(iter(self.features.values())))
+
+    def _indices(self, start: int, n: int) -> np.ndarray:
+        out = []
+        while n > 0:
+            epoch, offset = divmod(start, self.size)
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+            take = min(n, self.size - offset)
+            out.append(perm[offset: offset + take])
+            start, n = start + take, n - take
+        return np.concatenate(out)
+
+    def next_batch(self) -> dict:
+        idx = self._indices(self.position, self.global_batch_size)
+        self.position += self.global_batch_size
+        ga = self.gradient_accumulation
+        return {k: v[idx].reshape(ga, self.global_batch_size // ga, -1) for k, v in self.features.items()}
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def extract_class_label(text: str) -> str:
+    """The class named by a generated text, or 'unknown' (counted as wrong)."""
+    s = text.replace("</s>", "").replace("<pad>", "").strip()
+    return s if s in CLASS_LABELS else "unknown"
+
+
+def score(labels: list, generated: list) -> dict:
+    """Accuracy, per-class counts, confusion matrix (rows: true class; columns: predicted
+    class, then 'unknown') and the predictions, from true label ids and generated texts."""
+    names = CLASS_LABELS + ["unknown"]
+    confusion = [[0] * 4 for _ in CLASS_LABELS]
+    predictions = []
+    for y, text in zip(labels, generated):
+        pred = extract_class_label(text)
+        confusion[y][names.index(pred)] += 1
+        predictions.append(pred)
+    n = len(labels)
+    correct = sum(confusion[i][i] for i in range(3))
+    per_class = {c: {"support": sum(confusion[i]), "correct": confusion[i][i],
+                     "accuracy": confusion[i][i] / sum(confusion[i]) if sum(confusion[i]) else None}
+                 for i, c in enumerate(CLASS_LABELS)}
+    return {"accuracy": correct / n if n else 0.0, "samples": n, "correct": correct,
+            "unknown": sum(r[3] for r in confusion), "per_class": per_class,
+            "confusion_matrix": {"rows": CLASS_LABELS, "columns": names, "counts": confusion},
+            "predictions": predictions}
+
+
+def length_buckets(lengths: np.ndarray, batch_size: int) -> list:
+    """Index batches (sorted by length, so padding is small); the last may be short."""
+    order = np.argsort(lengths, kind="stable")
+    return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]

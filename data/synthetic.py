@@ -1,0 +1,78 @@
+"""A synthetic NLI task in the MNLI schema, generated offline, and its word-level tokenizer.
+
+Premise: "the {adj} {noun} {verb} in the {place} ." Hypotheses:
+- entailment: a consistent subset of the premise ("the {noun} {verb} .");
+- contradiction: like entailment but one of adj / verb / place replaced by another value;
+- neutral: consistent, plus a time ("... tonight .") that the premise does not mention.
+The label follows from comparing the two sentences word by word.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+NOUNS = ["cat", "dog", "bird", "horse", "child", "woman", "man", "teacher", "farmer", "doctor"]
+ADJS = ["red", "blue", "green", "small", "big", "old", "young", "happy"]
+VERBS = ["runs", "sleeps", "eats", "sings", "reads", "swims", "walks", "jumps"]
+PLACES = ["park", "kitchen", "garden", "school", "river", "city", "forest", "house"]
+TIMES = ["today", "tonight", "yesterday", "tomorrow"]
+LABELS = ["entailment", "neutral", "contradiction"]
+SPECIALS = ["<pad>", "</s>", "<unk>"]
+WORDS = ["the", "a", "in", "at", ".", "mnli", "hypothesis:", "premise:"]
+
+SPLIT_SIZES = {"train": 20000, "validation": 1000, "validation_matched": 1000, "validation_mismatched": 1000,
+               "test": 1000}
+SPLIT_SEEDS = {"train": 0, "validation": 1, "validation_matched": 1, "validation_mismatched": 2, "test": 3}
+
+
+def vocabulary() -> list:
+    """Every token of the synthetic task; ids are positions (pad 0, eos 1, unk 2 as in T5)."""
+    return SPECIALS + WORDS + LABELS + NOUNS + ADJS + VERBS + PLACES + TIMES
+
+
+def _other(rng, options, value):
+    return options[(options.index(value) + rng.integers(1, len(options))) % len(options)]
+
+
+def make_example(rng: np.random.Generator) -> dict:
+    noun, adj, verb, place = (o[rng.integers(len(o))] for o in (NOUNS, ADJS, VERBS, PLACES))
+    premise = f"the {adj} {noun} {verb} in the {place} ."
+    label = int(rng.integers(3))
+    h_adj, h_verb, h_place = adj, verb, place
+    keep_adj, keep_place = bool(rng.integers(2)), bool(rng.integers(2))
+    time = None
+    if label == 2:  # contradiction: one detail changed
+        which = int(rng.integers(3))
+        if which == 0:
+            h_adj, keep_adj = _other(rng, ADJS, adj), True
+        elif which == 1:
+            h_verb = _other(rng, VERBS, verb)
+        else:
+            h_place, keep_place = _other(rng, PLACES, place), True
+    elif label == 1:  # neutral: a fact the premise does not state
+        time = TIMES[rng.integers(len(TIMES))]
+    words = ["the"] + ([h_adj] if keep_adj else []) + [noun, h_verb]
+    words += (["in", "the", h_place] if keep_place else []) + ([time] if time else []) + ["."]
+    return {"premise": premise, "hypothesis": " ".join(words), "label": label}
+
+
+def generate_split(split: str, size: int | None = None, seed: int = 0) -> list:
+    """Rows {premise, hypothesis, label} of a split; deterministic from (split, seed)."""
+    n = size if size is not None else SPLIT_SIZES.get(split, 1000)
+    rng = np.random.default_rng([seed, SPLIT_SEEDS.get(split, 9)])
+    return [make_example(rng) for _ in range(n)]
+
+
+def make_tokenizer():
+    """A word-level tokenizer over vocabulary(), as a transformers tokenizer (no files needed).
+
+    Appends </s> to every sequence, as the T5 tokenizer does.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(vocabulary())}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")

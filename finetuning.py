@@ -1,0 +1,90 @@
+"""Training benchmark on generated data (no download).
+
+    python3 finetuning.py --config tiny --data_parallel 2 --tensor_parallel 2
+    python3 finetuning.py --config xl_pod8 --steps 20 --json runs/xl.json
+
+Prints one line per step with the loss, then median step time, samples/s,
+tokens/s, compile time, model TFLOP/s and MFU (where the device's peak is known
+or --peak_tflops is given) and peak device memory (where the backend reports it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from utils.cli import die, ensure_host_devices, parse_config, enable_compilation_cache
+
+
+def extra_flags(p):
+    p.add_argument("--json", default=None, help="write the report to this JSON file")
+    p.add_argument("--warmup_iterations", type=int, default=2, help="steps excluded from timing (compilation)")
+    p.add_argument("--peak_tflops", type=float, default=None, help="peak TFLOP/s of one device, for MFU")
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    if "--steps" not in argv:
+        cfg.training.steps = 10  # benchmark default; pass --steps for more
+    if cfg.training.steps <= args.warmup_iterations:
+        die(f"steps={cfg.training.steps} must exceed --warmup_iterations={args.warmup_iterations}: pass a larger --steps")
+    ensure_host_devices(cfg.devices)
+    enable_compilation_cache()
+
+    import jax
+    import numpy as np
+
+    from data.generated import generated_batch
+    from graphs.graphs import Graphs
+    from graphs.sharding import DeviceCountError
+    from utils.bench import median, peak_device_bytes, write_json
+    from utils.flops import peak_tflops, train_flops_per_sample
+
+    try:
+        g = Graphs(cfg)
+    except DeviceCountError as e:
+        die(str(e))
+    state = g.init_state(g.init_params())
+    batches = [g.shard_batch(generated_batch(cfg, seed=i)) for i in range(2)]
+    times, losses, compile_s = [], [], None
+    for step in range(cfg.training.steps):
+        t0 = time.perf_counter()
+        state, metrics = g.train_step(state, batches[step % 2])
+        loss = float(metrics["loss"])  # blocks until the step is done
+        dt = time.perf_counter() - t0
+        if step == 0:
+            compile_s = dt
+        if step >= args.warmup_iterations:
+            times.append(dt)
+        losses.append(loss)
+        print(f"step {step + 1}/{cfg.training.steps} loss {loss:.5f} time {dt * 1e3:.1f} ms", flush=True)
+
+    samples = cfg.training.global_batch_size
+    tokens = samples * (cfg.model.sequence_length + cfg.model.decoder_sequence_length)
+    step_s = median(times)
+    flops = train_flops_per_sample(cfg.model, cfg.model.sequence_length, cfg.model.decoder_sequence_length) * samples
+    tflops = flops / step_s / 1e12
+    kind = jax.devices()[0].device_kind
+    peak = peak_tflops(kind, args.peak_tflops)
+    report = {
+        "config": args.config, "device_kind": kind, "devices": cfg.devices,
+        "data_parallel": cfg.execution.data_parallel, "tensor_parallel": cfg.execution.tensor_parallel,
+        "precision": cfg.model.precision, "global_batch_size": samples,
+        "encoder_length": cfg.model.sequence_length, "decoder_length": cfg.model.decoder_sequence_length,
+        "steps": cfg.training.steps, "timed_steps": len(times), "losses": losses,
+        "compile_s": compile_s, "median_step_s": step_s, "samples_per_s": samples / step_s,
+        "tokens_per_s": tokens / step_s, "model_tflops_per_step": flops / 1e12, "model_tflops_per_s": tflops,
+        "mfu": tflops / (peak * cfg.devices) if peak else None,
+        "peak_device_bytes": peak_device_bytes(),
+    }
+    print(f"median step {step_s * 1e3:.1f} ms | {report['samples_per_s']:.2f} samples/s | "
+          f"{report['tokens_per_s']:.0f} tokens/s | compile {compile_s:.1f} s | {tflops:.3f} model TFLOP/s"
+          + (f" | MFU {report['mfu']:.1%}" if peak else "")
+          + (f" | peak device memory {report['peak_device_bytes'] / 2**30:.2f} GiB" if report["peak_device_bytes"] else ""))
+    write_json(args.json, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

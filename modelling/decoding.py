@@ -1,0 +1,130 @@
+"""Greedy decoding with a key/value cache, under tensor parallelism.
+
+The encoder runs once per batch; cross-attention keys/values are computed once;
+the self-attention cache [layers, b, max_len, h, kv] is written in place at each
+step. The whole loop is one compiled ``lax.while_loop`` that stops early once
+every sequence has produced EOS. Finished sequences are padded with ``pad_id``
+(as Hugging Face ``generate`` does).
+
+Shapes are per device: ``h`` = heads / tp and ``Vl`` = padded vocab / tp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from modelling import layers as L
+from modelling import t5
+from modelling.tp import tp_index
+
+F32 = jnp.float32
+
+
+def greedy_token(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
+    """Argmax over vocab-sharded logits. logits [b, Vl] -> int32 [b] global ids.
+
+    Each device takes its local max and index; the maxima are gathered over tp (a
+    [tp, b] exchange, not the logits) and the first device holding the largest wins,
+    which reproduces argmax's lowest-index tie-break.
+    """
+    local_idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    local_max = jnp.max(logits, axis=-1)
+    if tp_axis is None:
+        return local_idx
+    offset = tp_index(tp_axis) * logits.shape[-1]
+    maxes = lax.all_gather(local_max, tp_axis)  # [tp, b]
+    idxs = lax.all_gather(local_idx + offset, tp_axis)
+    best = jnp.argmax(maxes, axis=0)
+    return jnp.take_along_axis(idxs, best[None], axis=0)[0]
+
+
+def cross_kv(params: dict, enc_out: jax.Array) -> tuple:
+    """Cross-attention keys/values of every decoder layer: each [layers, b, k, h, kv]."""
+    def one(p):
+        return L.project_kv(p, enc_out, "c")
+
+    return jax.vmap(one)(params["decoder"]["layers"])
+
+
+def _decoder_step(params, token, pos, cache_k, cache_v, ck, cv, cross_bias, opts, tp_axis):
+    """One decoder position with the cache. token int [b] -> (logits [b, Vl], cache_k, cache_v)."""
+    dec = params["decoder"]
+    dt = opts.compute_dtype
+    max_len = cache_k.shape[2]
+    x = t5.embeddings(params["shared"], token[:, None], opts, tp_axis)  # [b, 1, d]
+    bias = L.position_bias(dec["relpos"], pos[None], max_len, False, opts.num_buckets, opts.max_distance)
+    bias = bias + jnp.where(jnp.arange(max_len) <= pos, 0.0, L.MASK_VALUE)[None, None, None]
+
+    def layer(x, inputs):
+        p, k_c, v_c, ck_l, cv_l = inputs
+        h = L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt)
+        hi = L.identical_inputs(h, tp_axis) if tp_axis else h
+        q = L.project_q(p, hi)
+        k_new, v_new = L.project_kv(p, hi)
+        k_c = lax.dynamic_update_slice_in_dim(k_c, k_new.astype(k_c.dtype), pos, axis=1)
+        v_c = lax.dynamic_update_slice_in_dim(v_c, v_new.astype(v_c.dtype), pos, axis=1)
+        x = x + L.attention_output(p, L.attend(q, k_c, v_c, bias), tp_axis)
+        h = L.rms_norm(x, p["cross_norm"], opts.eps).astype(dt)
+        q = L.project_q(p, h, "c")
+        x = x + L.attention_output(p, L.attend(q, ck_l, cv_l, cross_bias), tp_axis, "c")
+        h = L.rms_norm(x, p["ff_norm"], opts.eps).astype(dt)
+        x = x + L.feed_forward(p, h, tp_axis, opts.scale_ff)
+        return x, (k_c, v_c)
+
+    x, (cache_k, cache_v) = lax.scan(layer, x, (dec["layers"], cache_k, cache_v, ck, cv))
+    logits = t5.head_logits(params, x, opts, tp_axis)[:, 0]
+    return logits, cache_k, cache_v
+
+
+def generate(params: dict, input_ids: jax.Array, attention_mask: jax.Array, opts, max_new_tokens: int,
+             tp_axis: Optional[str] = None, eos_id: int = 1, pad_id: int = 0) -> jax.Array:
+    """Greedy decoding with a KV cache. ids/mask [b, k] -> int32 tokens [b, max_new_tokens].
+
+    The decoder starts from ``pad_id``; a sequence stops at ``eos_id`` (kept) and is
+    padded with ``pad_id`` afterwards; the loop ends when all have stopped.
+    """
+    p = t5.cast_params(params, opts.compute_dtype)
+    enc = t5.encode(p, input_ids, attention_mask, opts, tp_axis)
+    ck, cv = cross_kv(p, enc.astype(opts.compute_dtype))
+    cross_bias = L.padding_mask_bias(attention_mask)
+    b = input_ids.shape[0]
+    n_layers, _, _, h, kv = ck.shape
+    cache = jnp.zeros((n_layers, b, max_new_tokens, h, kv), opts.compute_dtype)
+
+    def cond(carry):
+        i, _, _, _, _, done = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, token, out, k_c, v_c, done = carry
+        logits, k_c, v_c = _decoder_step(p, token, i, k_c, v_c, ck, cv, cross_bias, opts, tp_axis)
+        nxt = jnp.where(done, pad_id, greedy_token(logits, tp_axis))
+        out = lax.dynamic_update_slice_in_dim(out, nxt[:, None], i, axis=1)
+        return i + 1, nxt, out, k_c, v_c, done | (nxt == eos_id)
+
+    init = (jnp.int32(0), jnp.full((b,), pad_id, jnp.int32), jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+            cache, cache, jnp.zeros((b,), bool))
+    return lax.while_loop(cond, body, init)[2]
+
+
+def generate_uncached(params: dict, input_ids, attention_mask, opts, max_new_tokens: int,
+                      tp_axis: Optional[str] = None, eos_id: int = 1, pad_id: int = 0) -> jax.Array:
+    """Reference greedy decoding that re-runs the whole decoder for every token (the original's way)."""
+    p = t5.cast_params(params, opts.compute_dtype)
+    enc = t5.encode(p, input_ids, attention_mask, opts, tp_axis)
+    b = input_ids.shape[0]
+    dec_in = jnp.full((b, 1), pad_id, jnp.int32)
+    done = jnp.zeros((b,), bool)
+    out = []
+    for _ in range(max_new_tokens):
+        y = t5.decode(p, enc, attention_mask, dec_in, opts, tp_axis)
+        logits = t5.head_logits(p, y, opts, tp_axis)[:, -1]
+        nxt = jnp.where(done, pad_id, greedy_token(logits, tp_axis))
+        out.append(nxt)
+        done = done | (nxt == eos_id)
+        dec_in = jnp.concatenate([dec_in, nxt[:, None]], axis=1)
+    return jnp.stack(out, axis=1)

@@ -82,14 +82,13 @@ def load(directory: str, step: int, params_target, opt_state_target=None) -> tup
         items["opt_state"] = ocp.args.StandardRestore(opt_state_target)
     try:
         out = mgr.restore(step, args=ocp.args.Composite(**items))
-    except FileNotFoundError as e:
-        raise CheckpointNotFound(f"checkpoint {directory}/{step} is incomplete ({e}): load an earlier step") from None
-    except ValueError as e:
-        if re.search(r"shape|structure|tree", str(e), re.I):
-            raise CheckpointNotFound(
-                f"checkpoint {directory}/{step} does not fit this model ({str(e).splitlines()[0][:200]}): "
-                "use the preset (model size) it was trained with") from None
-        raise
+    except Exception as e:  # orbax/tensorstore raise many types for missing, corrupt or mismatched data
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        if re.search(r"shape|structure|tree|mismatch", str(e), re.I):
+            fix = "use the preset (model size and tensor_parallel) it was trained with"
+        else:
+            fix = "it is incomplete or corrupt: load an earlier step"
+        raise CheckpointNotFound(f"cannot load checkpoint {directory}/{step} ({type(e).__name__}: {first}): {fix}") from None
     return out["params"], out.get("opt_state"), out["meta"]
 
 

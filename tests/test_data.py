@@ -1,0 +1,128 @@
+"""MNLI preprocessing, local-file loading, malformed input and the resumable loader."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from data import synthetic
+from data.mnli import DataError, TrainLoader, load_rows, score, tokenize_training
+
+VOCAB = {w: i for i, w in enumerate(synthetic.vocabulary())}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_preprocessing_of_a_hand_written_file_gives_exact_ids(tmp_path, caplog):
+    path = write_jsonl(tmp_path / "train.jsonl", [
+        {"premise": "the cat runs .", "hypothesis": "the cat runs .", "label": 0},
+        {"premise": "the dog sleeps .", "hypothesis": "a dog sleeps tonight .", "label": 1},
+        {"premise": "the dog sleeps .", "hypothesis": "the dog runs .", "label": -1},
+    ])
+    with caplog.at_level(logging.INFO, logger="flan_t5"):
+        rows = load_rows(path, "train")
+    assert "dropped 1 rows with label -1" in caplog.text
+    assert len(rows) == 2
+    f = tokenize_training(rows, synthetic.make_tokenizer(), sequence_length=16, decoder_length=4)
+    # the vocabulary's ids, written out: mnli 8, hypothesis: 9, premise: 10, the 3, a 4, . 7,
+    # cat 14, dog 15, runs 32, sleeps 33, tonight 49; entailment 11, neutral 12; </s> 1, <pad> 0
+    assert [VOCAB[w] for w in ("mnli", "hypothesis:", "premise:", "cat", "runs", "tonight", "neutral")] == \
+        [8, 9, 10, 14, 32, 49, 12]
+    np.testing.assert_array_equal(f["input_ids"], [
+        [8, 9, 3, 14, 32, 7, 10, 3, 14, 32, 7, 1, 0, 0, 0, 0],
+        [8, 9, 4, 15, 33, 49, 7, 10, 3, 15, 33, 7, 1, 0, 0, 0]])
+    np.testing.assert_array_equal(f["attention_mask"], [[1] * 12 + [0] * 4, [1] * 13 + [0] * 3])
+    np.testing.assert_array_equal(f["labels"], [[11, 1, -100, -100], [12, 1, -100, -100]])
+    np.testing.assert_array_equal(f["decoder_input_ids"], [[0, 11, 1, 0], [0, 12, 1, 0]])
+    np.testing.assert_array_equal(f["decoder_attention_mask"], [[1, 1, 0, 0], [1, 1, 0, 0]])
+
+
+def test_truncation_to_sequence_length(tmp_path):
+    rows = [{"premise": "the cat runs in the park .", "hypothesis": "the cat runs .", "label": 2}]
+    f = tokenize_training(rows, synthetic.make_tokenizer(), sequence_length=5, decoder_length=1)
+    np.testing.assert_array_equal(f["input_ids"], [[8, 9, 3, 14, 32]])
+    np.testing.assert_array_equal(f["labels"], [[13]])
+
+
+@pytest.mark.parametrize("suffix", ["csv", "parquet", "json"])
+def test_other_file_types_load(tmp_path, suffix):
+    import pandas as pd
+
+    df = pd.DataFrame({"premise": ["the cat runs ."], "hypothesis": ["the cat runs ."], "label": [0]})
+    path = str(tmp_path / f"validation_mismatched.{suffix}")
+    {"csv": lambda: df.to_csv(path, index=False), "parquet": lambda: df.to_parquet(path),
+     "json": lambda: df.to_json(path, orient="records")}[suffix]()
+    assert load_rows(str(tmp_path), "validation_mismatched") == [
+        {"premise": "the cat runs .", "hypothesis": "the cat runs .", "label": 0}]
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([{"premise": "a", "label": 0}], r"row 0: column 'hypothesis' is missing"),
+    ([{"premise": "a", "hypothesis": "b", "label": 0}, {"premise": 3, "hypothesis": "b", "label": 0}],
+     r"row 1: column 'premise' must be text"),
+    ([{"premise": "a", "hypothesis": "b", "label": "yes"}], r"row 0: column 'label' must be 0, 1, 2"),
+    ([{"premise": "a", "hypothesis": "b", "label": 7}], r"row 0: column 'label' must be 0, 1, 2"),
+])
+def test_malformed_rows_name_file_row_and_column(tmp_path, rows, message):
+    path = write_jsonl(tmp_path / "train.jsonl", rows)
+    with pytest.raises(DataError, match=message) as e:
+        load_rows(path, "train")
+    assert path in str(e.value)
+
+
+def test_empty_and_unreadable_files(tmp_path):
+    empty = tmp_path / "train.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="train.jsonl"):
+        load_rows(str(empty), "train")
+    bad = tmp_path / "x.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(DataError, match="cannot be read"):
+        load_rows(str(bad), "train")
+    with pytest.raises(DataError, match="has no validation_mismatched"):
+        load_rows(str(tmp_path / ".."), "validation_mismatched")
+
+
+def test_hub_dataset_without_network_says_how_to_pass_a_file(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="--dataset PATH"):
+        load_rows("glue/mnli", "validation_mismatched")
+
+
+def test_synthetic_labels_follow_from_content():
+    for r in synthetic.generate_split("train", 300):
+        p, h = r["premise"].split(), r["hypothesis"].split()
+        has_time = any(w in synthetic.TIMES for w in h)
+        changed = any(w not in p for w in h if w not in synthetic.TIMES)
+        assert r["label"] == (2 if changed else 1 if has_time else 0), r
+    assert synthetic.generate_split("train", 5) == synthetic.generate_split("train", 5)
+    assert synthetic.generate_split("validation", 5) != synthetic.generate_split("train", 5)
+
+
+def test_loader_is_deterministic_and_resumable():
+    feats = {"x": np.arange(10)[:, None]}
+    a = TrainLoader(feats, global_batch_size=4, gradient_accumulation=2, seed=3)
+    batches = [a.next_batch()["x"] for _ in range(5)]  # crosses two epoch boundaries
+    assert batches[0].shape == (2, 2, 1)
+    seen = np.concatenate([b.ravel() for b in batches])
+    assert sorted(seen[:10]) == list(range(10))  # an epoch visits every sample once
+    b = TrainLoader(feats, 4, 2, seed=3, position=8)
+    np.testing.assert_array_equal(b.next_batch()["x"], batches[2])
+    c = TrainLoader(feats, 4, 2, seed=4)
+    assert not np.array_equal(c.next_batch()["x"], batches[0])
+
+
+def test_accuracy_on_hand_written_predictions():
+    labels = [0, 0, 1, 2, 2, 1]
+    generated = ["entailment", "neutral", "neutral</s>", "contradiction", "maybe", " entailment "]
+    r = score(labels, generated)
+    assert r["correct"] == 3 and r["samples"] == 6 and r["accuracy"] == 0.5
+    assert r["unknown"] == 1
+    assert r["confusion_matrix"]["counts"] == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1]]
+    assert r["per_class"]["contradiction"] == {"support": 2, "correct": 1, "accuracy": 0.5}
+    assert r["predictions"] == ["entailment", "neutral", "neutral", "contradiction", "unknown", "entailment"]

@@ -1,0 +1,126 @@
+"""End-to-end runs of run_finetuning.py / run_validation.py on the tiny preset (offline).
+
+In-process calls share this process's 8 simulated devices; the crash test runs in a subprocess.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import run_finetuning
+import run_validation
+from utils import checkpoint as ckpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "8", "--micro_batch_size", "2",
+         "--warmup_steps", "0"]
+
+def params_at(directory, step):
+    """Weights of a checkpoint as numpy, restored on one device."""
+    import orbax.checkpoint as ocp
+
+    meta = ckpt.load_meta(directory, step)
+    mgr = ckpt.manager(directory, read_only=True)
+    restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
+    return meta, jax.tree.map(np.asarray, restored["params"])
+
+def test_two_steps_then_resume_equals_uninterrupted(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_finetuning.main(SMALL + ["--steps", "2", "--save", a])
+    run_finetuning.main(SMALL + ["--steps", "1", "--save", b])
+    run_finetuning.main(SMALL + ["--steps", "2", "--save", b, "--load", b])
+    assert ckpt.saved_steps(a) == [2] and ckpt.saved_steps(b) == [1, 2]
+    meta_a, pa = params_at(a, 2)
+    meta_b, pb = params_at(b, 2)
+    assert meta_a["data_position"] == meta_b["data_position"] == 16
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+        np.testing.assert_array_equal(x, y)
+    _, p1 = params_at(b, 1)
+    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(pb)))
+    # metrics file and loss curve of the run, one metrics line per step
+    lines = [json.loads(x) for x in open(os.path.join(a, "metrics.jsonl"))]
+    assert [r["step"] for r in lines] == [1, 2] and all(np.isfinite(r["loss"]) for r in lines)
+    assert os.path.getsize(os.path.join(a, "loss_curve.png")) > 1000
+
+CRASH = r"""
+import os, sys
+sys.path.insert(0, {root!r})
+import orbax.checkpoint as ocp
+calls = [0]
+orig = ocp.CheckpointManager._finalize
+def finalize(self, *a, **k):
+    calls[0] += 1
+    if calls[0] == 2:  # the second checkpoint's data is written, its commit never happens
+        os._exit(17)
+    return orig(self, *a, **k)
+ocp.CheckpointManager._finalize = finalize
+import run_finetuning
+run_finetuning.main({argv!r})
+"""
+
+def test_checkpoint_write_killed_half_way_leaves_the_earlier_one_loadable(tmp_path):
+    save = str(tmp_path / "ck")
+    argv = SMALL + ["--steps", "2", "--checkpoint_steps", "1", "--save", save]
+    proc = subprocess.run([sys.executable, "-c", CRASH.format(root=ROOT, argv=argv)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    assert ckpt.saved_steps(save) == [1]
+    meta, params = params_at(save, 1)
+    assert meta["step"] == 1 and all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
+    run_finetuning.main(SMALL + ["--steps", "2", "--save", save, "--load", save])  # resumes from step 1
+    assert ckpt.saved_steps(save) == [1, 2]
+
+def test_validation_after_training_writes_report(tmp_path, capsys):
+    save = str(tmp_path / "ck")
+    run_finetuning.main(SMALL + ["--steps", "2", "--checkpoint_steps", "1", "--save", save])
+    run_validation.main(["--config", "tiny", "--load", save + "/*", "--limit", "9", "--micro_batch_size", "4"])
+    out = capsys.readouterr().out
+    assert out.index("step 1:") < out.index("step 2:")  # every checkpoint, in step order
+    for step in (1, 2):
+        r = json.load(open(os.path.join(save, f"validation_validation_step{step}.json")))
+        assert r["samples"] == 9 and len(r["predictions"]) == 9 and r["step"] == step
+        assert 0.0 <= r["accuracy"] <= 1.0
+        assert sum(map(sum, r["confusion_matrix"]["counts"])) == 9
+
+def _fails(capsys, main, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1], err[-1:]
+    return err[-1]
+
+def test_bad_inputs_fail_with_one_line_and_keep_saved_checkpoints(tmp_path, capsys):
+    save = str(tmp_path / "ck")
+    run_finetuning.main(SMALL + ["--steps", "1", "--save", save])
+    before = {f: os.path.getmtime(os.path.join(r, f)) for r, _, fs in os.walk(save) for f in fs}
+
+    _fails(capsys, run_finetuning.main, ["--config", "xxl_pod4"], "unknown preset 'xxl_pod4'")
+    _fails(capsys, run_finetuning.main, SMALL + ["--steps", "1", "--save", save], "already holds checkpoints")
+    _fails(capsys, run_finetuning.main, SMALL + ["--load", str(tmp_path / "none")], "no checkpoint at")
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"premise": "x", "label": 0}\n')
+    _fails(capsys, run_finetuning.main, SMALL + ["--dataset", str(bad)], "row 0: column 'hypothesis' is missing")
+    _fails(capsys, run_finetuning.main, SMALL + ["--hf_model", str(tmp_path / "nomodel")], "does not exist")
+    _fails(capsys, run_finetuning.main, SMALL + ["--data_parallel", "4", "--tensor_parallel", "4"],
+           "xla_force_host_platform_device_count=16")
+    _fails(capsys, run_validation.main, ["--config", "tiny"], "nothing to validate")
+
+    after = {f: os.path.getmtime(os.path.join(r, f)) for r, _, fs in os.walk(save) for f in fs}
+    assert before == after  # nothing saved was touched
+
+    # a corrupt checkpoint: its array data truncated
+    step_dir = os.path.join(save, "1", "params")
+    for root, _, files in os.walk(step_dir):
+        for f in files:
+            p = os.path.join(root, f)
+            if os.path.getsize(p) > 100:
+                with open(p, "r+b") as fh:
+                    fh.truncate(10)
+    _fails(capsys, run_validation.main, ["--config", "tiny", "--load", save], "cannot load checkpoint")

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "8", "--micro_batch_size", "2",
          "--warmup_steps", "0"]
 
+
 def params_at(directory, step):
     """Weights of a checkpoint as numpy, restored on one device."""
     import orbax.checkpoint as ocp

@@ -1,0 +1,49 @@
+"""Benchmarks: FLOP count against a hand count; finetuning.py / inference.py write their JSON reports."""
+
+import json
+
+import finetuning
+import inference
+from config.config import ModelConfig
+from utils.flops import forward_flops_per_sample, peak_tflops, train_flops_per_sample
+
+
+def test_flop_count_equals_hand_count():
+    m = ModelConfig(layers=1, hidden_size=4, d_ff=8)
+    m.attention.heads, m.attention.d_kv, m.embedding.vocab_size = 2, 2, 10  # h * kv = 4
+    Le, Ld = 3, 2
+    # encoder layer: q,k,v,o 4*3*4*4=192; scores+context 2*3*3*4=72; gated FF 3*3*4*8=288
+    enc = 2 * (192 + 72 + 288)
+    # decoder layer: self q,k,v,o 4*2*4*4=128; self scores+context 2*2*2*4=32; cross q,o 2*2*4*4=64;
+    # cross k,v over the encoder 2*3*4*4=96; cross scores+context 2*2*3*4=48; gated FF 3*2*4*8=192
+    dec = 2 * (128 + 32 + 64 + 96 + 48 + 192)
+    head = 2 * 2 * 4 * 10
+    assert forward_flops_per_sample(m, Le, Ld) == enc + dec + head == 2384
+    assert train_flops_per_sample(m, Le, Ld) == 3 * 2384
+
+
+def test_peak_table():
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("cpu") is None and peak_tflops("cpu", 1.5) == 1.5
+
+
+def test_finetuning_benchmark_writes_report(tmp_path):
+    path = tmp_path / "ft.json"
+    finetuning.main(["--config", "tiny", "--steps", "3", "--warmup_iterations", "1", "--sequence_length", "16",
+                     "--json", str(path), "--peak_tflops", "1.0"])
+    r = json.loads(path.read_text())
+    for key in ("median_step_s", "samples_per_s", "tokens_per_s", "compile_s", "model_tflops_per_s", "mfu"):
+        assert r[key] > 0, key
+    assert r["timed_steps"] == 2 and len(r["losses"]) == 3
+    assert r["global_batch_size"] == 32 and (r["data_parallel"], r["tensor_parallel"]) == (2, 2)
+
+
+def test_inference_benchmark_writes_report(tmp_path):
+    path = tmp_path / "inf.json"
+    inference.main(["--config", "tiny", "--iterations", "2", "--json", str(path)])
+    r = json.loads(path.read_text())
+    for key in ("encoder_s", "generate_s", "decode_token_latency_s", "generated_tokens_per_s", "samples_per_s",
+                "compile_s"):
+        assert r[key] > 0, key
+    assert r["output_length"] == 5 and r["batch_size"] == 2

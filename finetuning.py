@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 
-from utils.cli import die, ensure_host_devices, parse_config, enable_compilation_cache
+from utils.cli import die, ensure_host_devices, parse_config, setup_jax
 
 
 def extra_flags(p):
@@ -30,7 +30,7 @@ def main(argv=None) -> dict:
     if cfg.training.steps <= args.warmup_iterations:
         die(f"steps={cfg.training.steps} must exceed --warmup_iterations={args.warmup_iterations}: pass a larger --steps")
     ensure_host_devices(cfg.devices)
-    enable_compilation_cache()
+    setup_jax()
 
     import jax
     import numpy as np

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from utils.cli import die, enable_compilation_cache, ensure_host_devices, parse_config
+from utils.cli import die, setup_jax, ensure_host_devices, parse_config
 
 
 def extra_flags(p):
@@ -26,7 +26,7 @@ def main(argv=None) -> dict:
     if args.iterations < 1:
         die(f"--iterations={args.iterations} must be at least 1")
     ensure_host_devices(cfg.devices)
-    enable_compilation_cache()
+    setup_jax()
 
     import jax
     import numpy as np

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from utils.cli import die, enable_compilation_cache, ensure_host_devices, parse_config, setup_logging
+from utils.cli import die, setup_jax, ensure_host_devices, parse_config, setup_logging
 
 logger = logging.getLogger("flan_t5")
 
@@ -133,7 +133,7 @@ def main(argv=None) -> None:
     if cfg.model.eval:
         die("eval=true builds no optimizer: drop --eval to fine-tune, or use run_validation.py")
     ensure_host_devices(cfg.devices)
-    enable_compilation_cache()
+    setup_jax()
     from data.mnli import DataError
     from graphs.sharding import DeviceCountError
     from modelling.hf_mapping import CheckpointError

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from utils.cli import die, enable_compilation_cache, ensure_host_devices, parse_config, setup_logging
+from utils.cli import die, setup_jax, ensure_host_devices, parse_config, setup_logging
 
 logger = logging.getLogger("flan_t5")
 
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     cfg, args = parse_config("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
     cfg.model.eval = True
     ensure_host_devices(cfg.devices)
-    enable_compilation_cache()
+    setup_jax()
     from data.mnli import DataError, load_rows, load_tokenizer, score, tokenize_inputs
     from graphs.sharding import DeviceCountError
     from modelling.hf_mapping import CheckpointError

@@ -25,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from graphs import sharding as S
-from graphs.optim import make_optimizer
+from graphs.optim import learning_rate_schedule, make_optimizer
 from modelling import t5
 from modelling.params import init_params, param_specs, zero_padded_vocab
 
@@ -100,8 +100,21 @@ class Graphs:
     # ------------------------------------------------------------------ batches
 
     def shard_batch(self, batch: dict) -> dict:
-        """Host batch {key: [GA, dp*mb, len]} -> device arrays split over dp."""
-        return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items() if k in BATCH_KEYS}
+        """Host batch {key: [GA, dp*mb, len]} -> device arrays split over dp.
+
+        With several processes each one reads the same global batch (same seed and
+        position) and feeds only the rows of its own dp replicas.
+        """
+        batch = {k: np.asarray(v) for k, v in batch.items() if k in BATCH_KEYS}
+        if jax.process_count() == 1:
+            return {k: jax.device_put(v, self.batch_sharding) for k, v in batch.items()}
+        n, p = jax.process_count(), jax.process_index()
+        out = {}
+        for k, v in batch.items():
+            rows = v.shape[1] // n
+            out[k] = jax.make_array_from_process_local_data(
+                self.batch_sharding, v[:, p * rows:(p + 1) * rows], v.shape)
+        return out
 
     # ------------------------------------------------------------------ programs
 
@@ -164,8 +177,6 @@ class Graphs:
 
     def learning_rate(self, step: int) -> float:
         o = self.cfg.training.optimizer
-        from graphs.optim import learning_rate_schedule
-
         return float(learning_rate_schedule(o.learning_rate.maximum, o.learning_rate.warmup_steps)(step))
 
     # ------------------------------------------------------------------ per-phase programs

@@ -111,12 +111,6 @@ def zero_padded_vocab(params: dict, vocab_size: int) -> dict:
     return params
 
 
-def count_params(specs: dict, vocab_size: int | None = None) -> int:
+def count_params(specs: dict) -> int:
     """Number of weights in a spec tree."""
     return int(sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(specs, is_leaf=is_spec)))
-
-
-def shape_tree(specs: dict) -> dict:
-    """{path: (shape, axes)} of a spec tree, for golden snapshots."""
-    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
-    return {jax.tree_util.keystr(p): (list(s.shape), list(s.axes)) for p, s in flat}

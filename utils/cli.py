@@ -79,8 +79,22 @@ def ensure_host_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
-def enable_compilation_cache() -> Optional[str]:
-    """Switches on JAX's persistent compilation cache from JAX_COMPILATION_CACHE_DIR or POPXL_CACHE_DIR."""
+def maybe_initialize_distributed() -> None:
+    """Multi-process runs (the original's poprun): jax.distributed.initialize() when a cluster is set up.
+
+    Set JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID), or run under
+    SLURM / on a TPU pod with FLAN_T5_DISTRIBUTED=1 for auto-detection. One process otherwise.
+    """
+    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("FLAN_T5_DISTRIBUTED") == "1":
+        import jax
+
+        jax.distributed.initialize()
+
+
+def setup_jax() -> Optional[str]:
+    """Starts multi-process JAX when configured, and switches on the persistent compilation
+    cache from JAX_COMPILATION_CACHE_DIR (or the original's POPXL_CACHE_DIR); returns its path."""
+    maybe_initialize_distributed()
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("POPXL_CACHE_DIR")
     if not path:
         return None

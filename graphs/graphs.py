@@ -158,10 +158,18 @@ class Graphs:
                 lambda p, b, r: self._sharded_loss_and_grads(tuple(b))(p, b, r))
         return self._loss_and_grads(params, batch, rng_data)
 
+    def _optimizer(self, params, opt_state, grads):
+        """Optimizer phase body: optax on the RTS shards (elementwise, so each device updates its own)."""
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def optimizer_phase(self):
+        """The optimizer phase as its own program: (params, opt_state, grads) -> (params, opt_state)."""
+        return jax.jit(self._optimizer)
+
     def _step(self, state: TrainState, batch, rng_data):
         loss, grads = self._sharded_loss_and_grads(tuple(batch))(state.params, batch, rng_data)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params, opt_state = self._optimizer(state.params, state.opt_state, grads)
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -209,8 +217,9 @@ class Graphs:
                               is_leaf=S.is_layout)
         act, bias = P(S.DP, None, None), P(S.DP, S.TP, None, None)
         if decoder:
+            # self bias [1, h, l, l] (heads over tp); cross bias [b, 1, 1, k] (padding only)
             return self.phase(lambda p, x, b, e, cb: t5.t5_block(p, x, b, opts, S.TP, e, cb),
-                              (lspecs, act, P(None, S.TP, None, None), act, bias), act)
+                              (lspecs, act, P(None, S.TP, None, None), act, P(S.DP, None, None, None)), act)
         return self.phase(lambda p, x, b: t5.t5_block(p, x, b, opts, S.TP), (lspecs, act, bias), act)
 
     def encoder_head_phase(self):
@@ -229,6 +238,7 @@ class Graphs:
         def fn(hp, x, labels):
             loss, (g_hp, g_x) = jax.value_and_grad(
                 lambda hp, x: t5.head(hp, x, labels, opts, S.TP), argnums=(0, 1))(hp, x)
-            return jax.lax.psum(loss, S.DP), g_hp, g_x
+            # the weight gradient sums over the dp replicas' rows; g_x stays per-row
+            return jax.lax.psum(loss, S.DP), jax.tree.map(lambda g: jax.lax.psum(g, S.DP), g_hp), g_x
 
         return self.phase(fn, (hspecs, P(S.DP, None, None), P(S.DP, None)), (P(), hspecs, P(S.DP, None, None)))

@@ -125,3 +125,19 @@ def test_bad_inputs_fail_with_one_line_and_keep_saved_checkpoints(tmp_path, caps
                 with open(p, "r+b") as fh:
                     fh.truncate(10)
     _fails(capsys, run_validation.main, ["--config", "tiny", "--load", save], "cannot load checkpoint")
+
+
+def test_wandb_offline_run_logs_metrics_and_config(tmp_path, monkeypatch):
+    import glob
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = str(tmp_path / "run")
+    run_finetuning.main(SMALL + ["--steps", "2", "--run_dir", run_dir, "--wandb", "--wandb-name", "smoke"])
+    runs = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*"))
+    assert len(runs) == 1
+    files = glob.glob(os.path.join(runs[0], "*.wandb"))
+    assert files and os.path.getsize(files[0]) > 0
+    data = open(files[0], "rb").read()
+    for needle in (b"smoke", b"learning_rate", b"samples_per_s", b"micro_batch_size", b"jaxlib"):
+        assert needle in data, needle  # run name, logged metrics, config and library versions

@@ -141,3 +141,28 @@ def test_wandb_offline_run_logs_metrics_and_config(tmp_path, monkeypatch):
     data = open(files[0], "rb").read()
     for needle in (b"smoke", b"learning_rate", b"samples_per_s", b"micro_batch_size", b"jaxlib"):
         assert needle in data, needle  # run name, logged metrics, config and library versions
+
+
+def test_hf_model_directory_initialises_training_and_validation(tmp_path, capsys):
+    from config import load_config
+    from modelling.hf_mapping import hf_state_dict_from_params
+    from tests.hf_utils import make_hf
+
+    hf, m, _ = make_hf("1.1", vocab_size=128, d_model=64, d_ff=256, num_heads=4, d_kv=16, num_layers=4,
+                       relative_attention_num_buckets=32, relative_attention_max_distance=128)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = load_config("finetuning", "tiny", {"hf_model": str(tmp_path / "hf"), "sequence_length": 16})
+    graphs, loader = run_finetuning.build(cfg)
+    state, start = run_finetuning.initial_state(cfg, graphs, loader)
+    assert start == 0
+    ours = hf_state_dict_from_params(jax.tree.map(np.asarray, state.params), cfg.model)
+    for name, ref in hf.state_dict().items():
+        want = ref.numpy()
+        if name == "lm_head.weight":  # transformers 5 ties it to shared (see test_model_parity)
+            want = hf.shared.weight.detach().numpy()
+        np.testing.assert_array_equal(ours[name], want, err_msg=name)
+
+    out = tmp_path / "val.json"
+    run_validation.main(["--config", "tiny", "--hf_model", str(tmp_path / "hf"), "--limit", "6", "--output", str(out)])
+    r = json.load(open(out))
+    assert r["samples"] == 6 and len(r["predictions"]) == 6 and r["checkpoint"] == str(tmp_path / "hf")

@@ -33,12 +33,12 @@ def main(argv=None) -> dict:
     setup_jax()
 
     import jax
-    import numpy as np
 
     from data.generated import generated_batch
     from graphs.graphs import Graphs
     from graphs.sharding import DeviceCountError
     from utils.bench import median, peak_device_bytes, write_json
+    from modelling.params import count_params
     from utils.flops import peak_tflops, train_flops_per_sample
 
     try:
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     report = {
         "config": args.config, "device_kind": kind, "devices": cfg.devices,
         "data_parallel": cfg.execution.data_parallel, "tensor_parallel": cfg.execution.tensor_parallel,
-        "precision": cfg.model.precision, "global_batch_size": samples,
+        "precision": cfg.model.precision, "parameters": count_params(g.specs), "global_batch_size": samples,
         "encoder_length": cfg.model.sequence_length, "decoder_length": cfg.model.decoder_sequence_length,
         "steps": cfg.training.steps, "timed_steps": len(times), "losses": losses,
         "compile_s": compile_s, "median_step_s": step_s, "samples_per_s": samples / step_s,

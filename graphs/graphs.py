@@ -15,7 +15,6 @@ Megatron collectives of modelling/tp.py written explicitly):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import jax

@@ -14,10 +14,6 @@ from config.config import FIELDS, ConfigError, _base_type, load_config, read_pre
 logger = logging.getLogger("flan_t5")
 
 
-class CLIError(SystemExit):
-    """Exit with a one-line error message (code 2)."""
-
-
 def die(message: str, code: int = 2) -> typing.NoReturn:
     """Prints a one-line error and exits non-zero."""
     print(f"error: {message}", file=sys.stderr)

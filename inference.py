@@ -30,13 +30,12 @@ def main(argv=None) -> dict:
 
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import PartitionSpec as P
 
     from data.generated import generated_batch
     from graphs import sharding as S
     from graphs.graphs import Graphs
     from modelling import t5
-    from modelling.decoding import generate
     from utils.bench import median, peak_device_bytes, write_json
 
     try:
@@ -46,10 +45,8 @@ def main(argv=None) -> dict:
     n = cfg.inference.output_length
     opts = g.opts
     params = g.init_params()
-    rows = NamedSharding(g.mesh, P(S.DP, None))
-    # eos_id=-1: never stop early, so every step of output_length is timed
-    gen = g.phase(lambda p, i, m: generate(p, i, m, opts, n, S.TP, eos_id=-1),
-                  (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))
+    rows = g.row_sharding
+    gen = g.generate_phase(n, eos_id=-1)  # never stops early: every step of output_length is timed
     enc = g.phase(lambda p, i, m: t5.encode(t5.cast_params(p, opts.compute_dtype), i, m, opts, S.TP),
                   (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None, None))
     b = g.dp * cfg.execution.micro_batch_size

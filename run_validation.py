@@ -29,22 +29,13 @@ class Validator:
 
     def __init__(self, cfg):
         import jax
-        from jax.sharding import PartitionSpec as P
 
-        from graphs import sharding as S
         from graphs.graphs import Graphs
-        from modelling.decoding import generate
 
         cfg.execution.rts = False  # inference keeps whole tp shards: nothing to gather per call
         self.cfg, self.graphs = cfg, Graphs(cfg)
-        g, opts, n = self.graphs, self.graphs.opts, cfg.inference.output_length
-
-        def fn(p, ids, mask):
-            return generate(p, ids, mask, opts, n, S.TP)
-
-        self._generate = g.phase(fn, (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))
+        self._generate = self.graphs.generate_phase(cfg.inference.output_length)
         self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
-        self.row_sharding = jax.sharding.NamedSharding(g.mesh, P(S.DP, None))
         self._jax = jax
 
     def load_params(self, directory=None, step=None, hf_model=None):
@@ -74,8 +65,8 @@ class Validator:
             # shrink the encoder to the longest prompt of the batch (multiple of 8: few compilations)
             n = int(min(L, -(-int(lengths[idx].max()) // 8) * 8))
             rows = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])  # fill the last batch
-            ids = self._jax.device_put(feats["input_ids"][rows, :n], self.row_sharding)
-            mask = self._jax.device_put(feats["attention_mask"][rows, :n], self.row_sharding)
+            ids = self._jax.device_put(feats["input_ids"][rows, :n], self.graphs.row_sharding)
+            mask = self._jax.device_put(feats["attention_mask"][rows, :n], self.graphs.row_sharding)
             tokens = np.asarray(self._generate(params, ids, mask))[: len(idx)]
             for i, text in zip(idx, tokenizer.batch_decode(tokens, skip_special_tokens=True)):
                 out[i] = text

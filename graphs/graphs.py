@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from graphs import sharding as S
 from graphs.optim import learning_rate_schedule, make_optimizer
 from modelling import t5
+from modelling.decoding import generate, generate_uncached
 from modelling.params import init_params, param_specs, zero_padded_vocab
 
 BATCH_KEYS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask", "labels")
@@ -56,6 +57,8 @@ class Graphs:
         self.replicated = NamedSharding(self.mesh, P())
         # batches are [gradient_accumulation, data_parallel * micro_batch_size, length]
         self.batch_sharding = NamedSharding(self.mesh, P(None, S.DP, None))
+        # inference rows [dp * micro_batch_size, length]
+        self.row_sharding = NamedSharding(self.mesh, P(S.DP, None))
         self.optimizer = None if cfg.model.eval else make_optimizer(cfg.training)
         self._train_step = None
         self._loss_and_grads = None
@@ -120,7 +123,7 @@ class Graphs:
     def _local_loss_and_grads(self, params, batch, rng_data):
         """Per-device body: gather weights, scan micro-batches, reduce-scatter gradients."""
         lay = self.layouts
-        full = jax.tree.map(S.gather_weight, params, lay, is_leaf=lambda x: isinstance(x, jax.Array))
+        full = S.gather_all(params, lay)
         count = jax.lax.psum(jnp.sum(batch["labels"] != -100), S.DP).astype(jnp.float32)
         scale = self.cfg.execution.loss_scaling
         rng = None
@@ -138,8 +141,7 @@ class Graphs:
         zeros = jax.tree.map(jnp.zeros_like, full)
         n = batch["labels"].shape[0]
         grads, losses = jax.lax.scan(micro, zeros, (batch, jnp.arange(n)))
-        grads = jax.tree.map(lambda g, l: S.reduce_gradient(g, l) / scale, grads, lay,
-                             is_leaf=lambda x: isinstance(x, jax.Array))
+        grads = jax.tree.map(lambda g, l: S.reduce_gradient(g, l) / scale, grads, lay)
         loss = jax.lax.psum(jnp.sum(losses), S.DP) / scale
         return loss, grads
 
@@ -199,8 +201,7 @@ class Graphs:
     def gather_params(self, params: dict) -> dict:
         """RTS all-gather of all weights (the phase-program inputs)."""
         specs, cspecs = S.storage_specs(self.layouts), self.compute_specs()
-        fn = self.phase(lambda p: jax.tree.map(S.gather_weight, p, self.layouts,
-                                               is_leaf=lambda x: isinstance(x, jax.Array)), (specs,), cspecs)
+        fn = self.phase(lambda p: S.gather_all(p, self.layouts), (specs,), cspecs)
         return fn(params)
 
     def embeddings_phase(self):
@@ -224,6 +225,15 @@ class Graphs:
     def encoder_head_phase(self):
         opts = self.opts
         return self.phase(lambda w, x: t5.encoder_head(w, x, opts), (P(), P(S.DP, None, None)), P(S.DP, None, None))
+
+    def generate_phase(self, max_new_tokens: int, eos_id: int = 1, cached: bool = True):
+        """Greedy decoding: (gathered weights, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens].
+
+        Rows split over dp, weights over tp; ``cached=False`` runs the uncached reference.
+        """
+        opts, fn = self.opts, generate if cached else generate_uncached
+        return self.phase(lambda p, ids, mask: fn(p, ids, mask, opts, max_new_tokens, S.TP, eos_id=eos_id),
+                          (self.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))
 
     def head_phase(self):
         """Final norm + LM head + vocab-sharded loss and its gradient w.r.t. the head weights and input."""

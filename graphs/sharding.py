@@ -107,6 +107,11 @@ def gather_weight(x: jax.Array, l: Layout) -> jax.Array:
     return jax.lax.all_gather(x, l.group, axis=l.rts_dim, tiled=True)
 
 
+def gather_all(params: dict, lay: dict) -> dict:
+    """RTS all-gather of every weight of a tree (inside shard_map)."""
+    return jax.tree.map(gather_weight, params, lay)
+
+
 def reduce_gradient(g: jax.Array, l: Layout) -> jax.Array:
     """Sum of one weight's gradient over dp, as stored (inside shard_map).
 

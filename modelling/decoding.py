@@ -62,9 +62,9 @@ def _decoder_step(params, token, pos, cache_k, cache_v, ck, cv, cross_bias, opts
     def layer(x, inputs):
         p, k_c, v_c, ck_l, cv_l = inputs
         h = L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt)
-        hi = L.identical_inputs(h, tp_axis) if tp_axis else h
-        q = L.project_q(p, hi)
-        k_new, v_new = L.project_kv(p, hi)
+        h = L.identical_inputs(h, tp_axis)
+        q = L.project_q(p, h)
+        k_new, v_new = L.project_kv(p, h)
         k_c = lax.dynamic_update_slice_in_dim(k_c, k_new.astype(k_c.dtype), pos, axis=1)
         v_c = lax.dynamic_update_slice_in_dim(v_c, v_new.astype(v_c.dtype), pos, axis=1)
         x = x + L.attention_output(p, L.attend(q, k_c, v_c, bias), tp_axis)

@@ -5,12 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax.sharding import PartitionSpec as P
 
 from config.config import T5Config
-from graphs import sharding as S
 from graphs.graphs import Graphs
-from modelling.decoding import generate, generate_uncached
+from modelling.decoding import generate
 from modelling.hf_mapping import params_from_hf_state_dict
 from tests.hf_utils import make_hf, options, random_batch
 
@@ -39,9 +37,7 @@ def sharded_generate(m, params, batch, n, tp, eos=1, cached=True):
     cfg.model.eval = True
     cfg.execution.tensor_parallel, cfg.execution.rts = tp, False
     g = Graphs(cfg.validate())
-    fn = generate if cached else generate_uncached
-    run = g.phase(lambda p, i, a: fn(p, i, a, g.opts, n, S.TP, eos_id=eos),
-                  (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))
+    run = g.generate_phase(n, eos_id=eos, cached=cached)
     host = jax.tree.map(np.asarray, params)
     return np.asarray(run(g.shard_params(host), jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])))
 

@@ -47,18 +47,23 @@ def initial_state(cfg, graphs, loader):
     from utils import checkpoint as ckpt
 
     if cfg.checkpoint.load:
-        directory, step = ckpt.resolve(cfg.checkpoint.load)[-1]
-        state = graphs.init_state(graphs.init_params())
-        shard = graphs.state_shardings(state)
-        params, opt_state, meta = ckpt.load(
-            directory, step, ckpt.abstract_like(state.params, shard.params),
-            ckpt.abstract_like(state.opt_state, shard.opt_state) if cfg.checkpoint.optim_state else None)
-        if opt_state is None:
-            opt_state = state.opt_state
         import jax
         import jax.numpy as jnp
 
-        state = type(state)(jax.device_put(jnp.asarray(meta["step"], jnp.int32), graphs.replicated), params, opt_state)
+        from graphs.graphs import TrainState
+
+        directory, step = ckpt.resolve(cfg.checkpoint.load)[-1]
+        # restore targets from shapes alone: no random weights or optimizer state are materialised
+        abstract = jax.eval_shape(graphs.init_params)
+        opt_target = None
+        if cfg.checkpoint.optim_state:
+            opt_target = ckpt.abstract_like(jax.eval_shape(graphs.optimizer.init, abstract),
+                                            graphs.opt_state_shardings(abstract))
+        params, opt_state, meta = ckpt.load(directory, step, ckpt.abstract_like(abstract, graphs.param_shardings),
+                                            opt_target)
+        if opt_state is None:  # saved without optimizer state: start it afresh
+            opt_state = graphs.init_state(params).opt_state
+        state = TrainState(jax.device_put(jnp.asarray(meta["step"], jnp.int32), graphs.replicated), params, opt_state)
         loader.position = meta["data_position"]
         logger.info("resumed %s at step %d (data position %d)", directory, meta["step"], loader.position)
         return state, meta["step"]

@@ -134,6 +134,11 @@ def test_wandb_offline_run_logs_metrics_and_config(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = str(tmp_path / "run")
     run_finetuning.main(SMALL + ["--steps", "2", "--run_dir", run_dir, "--wandb", "--wandb-name", "smoke"])
+    # run.finish() in offline mode can return before W&B's service process has flushed the run file
+    # (seen on CI); teardown waits for the service to exit, as the atexit hook does at process end.
+    import wandb
+
+    wandb.teardown()
     runs = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*"))
     assert len(runs) == 1
     files = glob.glob(os.path.join(runs[0], "*.wandb"))

@@ -312,9 +312,9 @@ class T5Config:
                 f"sequence_length={m.sequence_length} is not divisible by attention_serialisation="
                 f"{ex.attention_serialisation}: choose --attention_serialisation among its divisors"
             )
-        if ex.phased:
-            raise ConfigError("phased=true: phased execution is not implemented yet: "
-                              "use the fused executor (drop --phased) and lower --micro_batch_size to fit memory")
+        if ex.phased and tr.optimizer.name != "adamw":
+            raise ConfigError(f"phased=true supports optimizer adamw only (got {tr.optimizer.name!r}): "
+                              "pass --optimizer adamw, or drop --phased")
         if self.checkpoint.steps < 0 or self.checkpoint.to_keep < 1:
             raise ConfigError("checkpoint_steps must be >= 0 and to_keep >= 1: fix --checkpoint_steps / --to_keep")
         return self

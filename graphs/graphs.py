@@ -80,17 +80,7 @@ class Graphs:
     def opt_state_shardings(self, params) -> Any:
         """Shardings of the optimizer state: a leaf shaped like a weight follows that weight."""
         abstract = jax.eval_shape(self.optimizer.init, params)
-        by_path = {jax.tree_util.keystr(p): (x.shape, s) for (p, x), s in zip(
-            jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_leaves(self.param_shardings))}
-
-        def pick(path, leaf):
-            key = jax.tree_util.keystr(path)
-            for wpath, (shape, s) in by_path.items():
-                if key.endswith(wpath) and leaf.shape == shape:
-                    return s
-            return self.replicated
-
-        return jax.tree_util.tree_map_with_path(pick, abstract)
+        return S.follow_params(abstract, params, self.param_shardings, self.replicated)
 
     def init_state(self, params: dict) -> TrainState:
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_state_shardings(params))(params)

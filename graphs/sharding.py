@@ -65,6 +65,10 @@ class Layout:
     def compute_spec(self) -> P:
         return P(*self.tp_spec)
 
+    def row(self) -> "Layout":
+        """The layout of one row of a stacked [layers, ...] weight."""
+        return Layout(self.tp_spec[1:], self.group, None if self.rts_dim is None else self.rts_dim - 1)
+
 
 def _layout(spec: ParamSpec, mesh: Mesh, rts: bool) -> Layout:
     tp_spec = tuple(RULES.get(a) for a in spec.axes)
@@ -73,8 +77,10 @@ def _layout(spec: ParamSpec, mesh: Mesh, rts: bool) -> Layout:
     rts_dim = None
     if rts and group:
         n = int(np.prod([sizes[a] for a in group]))
-        # the largest unsharded dim that divides evenly over the group
-        candidates = [i for i, (s, t) in enumerate(zip(spec.shape, tp_spec)) if t is None and s % n == 0]
+        # the largest unsharded dim that divides evenly over the group; never the stacked
+        # `layers` dim, which the phased executor streams one row at a time
+        candidates = [i for i, (s, t, a) in enumerate(zip(spec.shape, tp_spec, spec.axes))
+                      if t is None and s % n == 0 and a != "layers"]
         if candidates:
             rts_dim = max(candidates, key=lambda i: spec.shape[i])
     return Layout(tp_spec, group, rts_dim)
@@ -95,6 +101,27 @@ def storage_shardings(lay: dict, mesh: Mesh) -> dict:
 
 def storage_specs(lay: dict) -> dict:
     return jax.tree.map(lambda l: l.storage_spec, lay, is_leaf=is_layout)
+
+
+def follow_params(abstract_state, params, param_shardings, default):
+    """Shardings for an optimizer-state tree: a leaf shaped like a weight (and whose path ends with
+    that weight's path) gets that weight's sharding, any other leaf (step counts) ``default``."""
+    by_path = {jax.tree_util.keystr(p): (x.shape, s) for (p, x), s in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_leaves(param_shardings))}
+
+    def pick(path, leaf):
+        key = jax.tree_util.keystr(path)
+        for wpath, (shape, s) in by_path.items():
+            if key.endswith(wpath) and leaf.shape == shape:
+                return s
+        return default
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_state)
+
+
+def with_memory_kind(shardings, kind: str):
+    """The same shardings in another memory (``"pinned_host"`` for the phased executor's remote buffers)."""
+    return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
 
 
 # --------------------------------------------------------------------------- inside shard_map

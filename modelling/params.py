@@ -93,13 +93,14 @@ def init_params(specs: dict, key: jax.Array) -> dict:
     """Random parameters for a spec tree (float32). Padded vocab rows are zero."""
     leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
-    out = []
-    for spec, k in zip(leaves, keys):
-        if spec.is_norm:
-            out.append(jnp.ones(spec.shape, spec.dtype))
-        else:
-            out.append(spec.std * jax.random.normal(k, spec.shape, spec.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return jax.tree_util.tree_unflatten(treedef, [init_leaf(spec, k) for spec, k in zip(leaves, keys)])
+
+
+def init_leaf(spec: ParamSpec, key: jax.Array) -> jax.Array:
+    """One weight of ``init_params`` (from its own key: the i-th of ``split(key, leaves)``)."""
+    if spec.is_norm:
+        return jnp.ones(spec.shape, spec.dtype)
+    return spec.std * jax.random.normal(key, spec.shape, spec.dtype)
 
 
 def zero_padded_vocab(params: dict, vocab_size: int) -> dict:

@@ -5,7 +5,10 @@
 
 Prints one line per step with the loss, then median step time, samples/s,
 tokens/s, compile time, model TFLOP/s and MFU (where the device's peak is known
-or --peak_tflops is given) and peak device memory (where the backend reports it).
+or --peak_tflops is given) and peak device memory: the allocator's peak where the
+backend reports one (GPU/TPU), and on every backend the bytes of live device arrays
+plus the compiled programs' temporaries (XLA's memory analysis). With
+--phased true the phased executor runs (host-resident weights and optimizer state).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def main(argv=None) -> dict:
     from data.generated import generated_batch
     from graphs.graphs import Graphs
     from graphs.sharding import DeviceCountError
-    from utils.bench import median, peak_device_bytes, write_json
+    from utils.bench import live_device_bytes, median, peak_device_bytes, program_bytes, write_json
     from modelling.params import count_params
     from utils.flops import peak_tflops, train_flops_per_sample
 
@@ -45,12 +48,19 @@ def main(argv=None) -> dict:
         g = Graphs(cfg)
     except DeviceCountError as e:
         die(str(e))
-    state = g.init_state(g.init_params())
+    if cfg.execution.phased:
+        from graphs.phased import PhasedExecutor, PhaseMemory
+
+        executor = PhasedExecutor(g)
+        state = executor.init_state(executor.init_params())
+    else:
+        executor = g
+        state = g.init_state(g.init_params())
     batches = [g.shard_batch(generated_batch(cfg, seed=i)) for i in range(2)]
     times, losses, compile_s = [], [], None
     for step in range(cfg.training.steps):
         t0 = time.perf_counter()
-        state, metrics = g.train_step(state, batches[step % 2])
+        state, metrics = executor.train_step(state, batches[step % 2])
         loss = float(metrics["loss"])  # blocks until the step is done
         dt = time.perf_counter() - t0
         if step == 0:
@@ -59,6 +69,16 @@ def main(argv=None) -> dict:
             times.append(dt)
         losses.append(loss)
         print(f"step {step + 1}/{cfg.training.steps} loss {loss:.5f} time {dt * 1e3:.1f} ms", flush=True)
+
+    # device bytes, outside the timed steps: live device arrays + compiled temporaries
+    if cfg.execution.phased:
+        executor.memory = PhaseMemory()
+        state, _ = executor.train_step(state, batches[0])
+        estimate, by_phase = executor.memory.peak, executor.memory.by_phase
+    else:
+        rng = jax.random.key_data(jax.random.key(0))
+        analysis = g._train_step.lower(state, batches[0], rng).compile().memory_analysis()
+        estimate, by_phase = program_bytes(analysis, max(live_device_bytes().values() or [0])), None
 
     samples = cfg.training.global_batch_size
     tokens = samples * (cfg.model.sequence_length + cfg.model.decoder_sequence_length)
@@ -76,12 +96,14 @@ def main(argv=None) -> dict:
         "compile_s": compile_s, "median_step_s": step_s, "samples_per_s": samples / step_s,
         "tokens_per_s": tokens / step_s, "model_tflops_per_step": flops / 1e12, "model_tflops_per_s": tflops,
         "mfu": tflops / (peak * cfg.devices) if peak else None,
-        "peak_device_bytes": peak_device_bytes(),
+        "phased": cfg.execution.phased, "peak_device_bytes": peak_device_bytes(),
+        "device_bytes_estimate": estimate, "device_bytes_by_phase": by_phase,
     }
     print(f"median step {step_s * 1e3:.1f} ms | {report['samples_per_s']:.2f} samples/s | "
           f"{report['tokens_per_s']:.0f} tokens/s | compile {compile_s:.1f} s | {tflops:.3f} model TFLOP/s"
           + (f" | MFU {report['mfu']:.1%}" if peak else "")
-          + (f" | peak device memory {report['peak_device_bytes'] / 2**30:.2f} GiB" if report["peak_device_bytes"] else ""))
+          + (f" | peak device memory {report['peak_device_bytes'] / 2**30:.2f} GiB" if report["peak_device_bytes"] else "")
+          + f" | device bytes (live arrays + XLA temporaries) {estimate / 2**30:.3f} GiB")
     write_json(args.json, report)
     return report
 

@@ -25,11 +25,16 @@ def extra_flags(p):
 
 
 def build(cfg):
-    """Graphs, tokenizer and the training data loader."""
+    """Graphs (with the phased executor when execution.phased), tokenizer and the training data loader."""
     from data.mnli import TrainLoader, load_rows, load_tokenizer, tokenize_training
     from graphs.graphs import Graphs
 
     graphs = Graphs(cfg)
+    if cfg.execution.phased:
+        from graphs.phased import PhasedExecutor
+
+        graphs.phased = PhasedExecutor(graphs)
+        logger.info("phased execution: weights, optimizer state and activations in host memory")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         die(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
@@ -42,35 +47,52 @@ def build(cfg):
 
 
 def initial_state(cfg, graphs, loader):
-    """Train state from --load (resume), --hf_model (pretrained) or random init; returns (state, start step)."""
+    """Train state from --load (resume), --hf_model (pretrained) or random init; returns (state, start step).
+
+    Under phased execution the state is a PhasedState in host memory, built without
+    ever placing the whole model on a device.
+    """
     from modelling.hf_mapping import load_hf_model
     from utils import checkpoint as ckpt
 
+    phased = getattr(graphs, "phased", None)
+    memory = "pinned_host" if phased else None
     if cfg.checkpoint.load:
         import jax
         import jax.numpy as jnp
 
         from graphs.graphs import TrainState
+        from graphs.sharding import with_memory_kind
 
         directory, step = ckpt.resolve(cfg.checkpoint.load)[-1]
         # restore targets from shapes alone: no random weights or optimizer state are materialised
         abstract = jax.eval_shape(graphs.init_params)
+        place = (lambda s: with_memory_kind(s, memory)) if memory else (lambda s: s)  # noqa: E731
         opt_target = None
         if cfg.checkpoint.optim_state:
             opt_target = ckpt.abstract_like(jax.eval_shape(graphs.optimizer.init, abstract),
-                                            graphs.opt_state_shardings(abstract))
-        params, opt_state, meta = ckpt.load(directory, step, ckpt.abstract_like(abstract, graphs.param_shardings),
-                                            opt_target)
+                                            place(graphs.opt_state_shardings(abstract)))
+        params, opt_state, meta = ckpt.load(directory, step,
+                                            ckpt.abstract_like(abstract, place(graphs.param_shardings)), opt_target)
+        loader.position = meta["data_position"]
+        logger.info("resumed %s at step %d (data position %d)", directory, meta["step"], loader.position)
+        if phased:
+            if opt_state is None:
+                state = phased.init_state(params)
+                state.step = meta["step"]
+                return state, meta["step"]
+            return phased.from_train_state(TrainState(meta["step"], params, opt_state)), meta["step"]
         if opt_state is None:  # saved without optimizer state: start it afresh
             opt_state = graphs.init_state(params).opt_state
         state = TrainState(jax.device_put(jnp.asarray(meta["step"], jnp.int32), graphs.replicated), params, opt_state)
-        loader.position = meta["data_position"]
-        logger.info("resumed %s at step %d (data position %d)", directory, meta["step"], loader.position)
         return state, meta["step"]
     if cfg.data.hf_model:
         _, host = load_hf_model(cfg.data.hf_model, cfg.execution.tensor_parallel, expect=cfg.model)
         logger.info("initialised from %s", cfg.data.hf_model)
-        return graphs.init_state(graphs.shard_params(host)), 0
+        params = graphs.shard_params(host, memory)
+        return (phased.init_state(params) if phased else graphs.init_state(params)), 0
+    if phased:
+        return phased.init_state(phased.init_params()), 0
     return graphs.init_state(graphs.init_params()), 0
 
 
@@ -102,9 +124,13 @@ def train(cfg, args, graphs, loader, state, start_step: int) -> None:
     total, every = cfg.training.steps, cfg.checkpoint.steps
     samples = cfg.training.global_batch_size
 
+    executor = getattr(graphs, "phased", None) or graphs
+
     def save(step):
         meta = {"step": step, "data_position": loader.position, "seed": cfg.model.seed, "config": to_dict(cfg)}
-        ckpt.save(mgr, step, state.params, state.opt_state if cfg.checkpoint.optim_state else None, meta)
+        # checkpoints hold the stacked layout whichever executor ran: either one resumes from them
+        stacked = executor.to_train_state(state) if executor is not graphs else state
+        ckpt.save(mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
 
     bar = tqdm(range(start_step, total), initial=start_step, total=total, desc="fine-tuning", unit="step",
                disable=None)
@@ -112,7 +138,7 @@ def train(cfg, args, graphs, loader, state, start_step: int) -> None:
     for step in bar:
         batch = graphs.shard_batch(loader.next_batch())
         rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
-        state, metrics = graphs.train_step(state, batch, rng)
+        state, metrics = executor.train_step(state, batch, rng)
         loss = float(metrics["loss"])
         now = time.perf_counter()
         lr = graphs.learning_rate(step)

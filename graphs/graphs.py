@@ -62,6 +62,7 @@ class Graphs:
         self.optimizer = None if cfg.model.eval else make_optimizer(cfg.training)
         self._train_step = None
         self._loss_and_grads = None
+        self.phased = None  # a graphs.phased.PhasedExecutor when the driver runs phased (execution.phased)
 
     # ------------------------------------------------------------------ weights
 
@@ -72,10 +73,10 @@ class Graphs:
         fn = jax.jit(lambda k: zero_padded_vocab(init_params(self.specs, k), vocab), out_shardings=self.param_shardings)
         return fn(key)
 
-    def shard_params(self, host_params: dict) -> dict:
-        """Places host (numpy) weights in their RTS layout."""
-        return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x, np.float32), s),
-                            host_params, self.param_shardings)
+    def shard_params(self, host_params: dict, memory_kind: str | None = None) -> dict:
+        """Places host (numpy) weights in their RTS layout (in host memory with ``memory_kind="pinned_host"``)."""
+        shardings = self.param_shardings if memory_kind is None else S.with_memory_kind(self.param_shardings, memory_kind)
+        return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x, np.float32), s), host_params, shardings)
 
     def opt_state_shardings(self, params) -> Any:
         """Shardings of the optimizer state: a leaf shaped like a weight follows that weight."""

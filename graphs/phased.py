@@ -46,11 +46,21 @@ from graphs.graphs import TrainState
 from graphs.optim import clip_by_norm, make_optimizer
 from modelling import layers as L
 from modelling import t5
-from modelling.params import init_leaf, is_spec
+from modelling.params import ParamSpec, init_leaf, is_spec
+from utils.bench import live_device_bytes, program_bytes
 
-HOST, DEVICE = "pinned_host", "device"
+HOST = "pinned_host"
 STACKS = ("encoder", "decoder")
 F32 = jnp.float32
+
+
+# the non-layer weights' optimizer phases: embedding, LM head, and the small rest (relative
+# biases and final norms); each a subtree with the same paths as in the whole tree
+REST_GROUPS = (("shared",), ("lm_head",), STACKS)
+
+
+def rest_groups(rest: dict) -> list:
+    return [{k: rest[k] for k in keys} for keys in REST_GROUPS if keys[0] in rest]
 
 
 def split_rest(tree: dict) -> dict:
@@ -107,7 +117,7 @@ class PhasedState:
     step: int
     rest: Any  # split_rest(params)
     layers: dict  # {"encoder": [layer params], "decoder": [...]}
-    opt_rest: Any
+    opt_rest: list  # one optimizer state per rest_groups(rest)
     opt_layers: dict  # {"encoder": [layer optimizer states], ...}
 
 
@@ -190,32 +200,38 @@ class PhasedExecutor:
         return rest, layers
 
     def init_params(self, seed: int | None = None) -> dict:
-        """The fused executor's random weights (same values), created leaf by leaf into host memory."""
+        """The fused executor's random weights (same values), created one weight at a time into host memory."""
         g = self.g
         key = jax.random.key(g.cfg.model.seed if seed is None else seed)
-        leaves, treedef = jax.tree_util.tree_flatten(g.specs, is_leaf=is_spec)
-        keys = jax.random.split(key, len(leaves))
+        flat = jax.tree_util.tree_flatten_with_path(g.specs, is_leaf=is_spec)[0]
+        keys = jax.random.split(key, len(flat))
         host = jax.tree_util.tree_leaves(S.with_memory_kind(g.param_shardings, HOST))
         vocab = g.cfg.model.embedding.vocab_size
-        out = []
-        for spec, k, sh, path in zip(leaves, keys, host, jax.tree_util.tree_flatten_with_path(g.specs, is_leaf=is_spec)[0]):
-            name = jax.tree_util.keystr(path[0])
+        programs, out = {}, []
+        for (path, spec), k, sh in zip(flat, keys, host):
+            name = jax.tree_util.keystr(path)
+            # padded vocabulary rows (shared) or columns (lm_head) are zero, as in Graphs.init_params
+            pad_axis = {"['shared']": 0, "['lm_head']": 1}.get(name)
+            sig = (spec.shape, spec.is_norm, pad_axis, sh)
+            if sig not in programs:  # one compilation per distinct weight shape, not per weight
 
-            def make(k, spec=spec, name=name):
-                x = init_leaf(spec, k)
-                if name == "['shared']":
-                    x = x.at[vocab:].set(0.0)
-                elif name == "['lm_head']":
-                    x = x.at[:, vocab:].set(0.0)
-                return x
+                def make(k, std, spec=spec, pad_axis=pad_axis):
+                    x = init_leaf(ParamSpec(spec.shape, spec.axes, None if spec.is_norm else 1.0, spec.dtype), k)
+                    x = x if spec.is_norm else std * x
+                    if pad_axis is not None:
+                        keep = jnp.arange(x.shape[pad_axis]) < vocab
+                        x = jnp.where(keep[:, None] if pad_axis == 0 else keep[None, :], x, 0.0)
+                    return x
 
-            out.append(jax.jit(make, out_shardings=sh)(k))
-        return jax.tree_util.tree_unflatten(treedef, out)
+                programs[sig] = jax.jit(make, out_shardings=sh)
+            out.append(programs[sig](k, jnp.float32(spec.std or 1.0)))
+        return jax.tree_util.tree_unflatten(jax.tree.structure(g.specs, is_leaf=is_spec), out)
 
     def init_state(self, params) -> PhasedState:
         """Host-resident state from stacked weights (host or device), with a fresh optimizer state."""
         rest, layers = self._split(params)
-        opt_rest = self._init_opt("rest", rest, self.rest_dev)
+        opt_rest = [self._init_opt(f"rest{i}", grp, sh)
+                    for i, (grp, sh) in enumerate(zip(rest_groups(rest), rest_groups(self.rest_dev)))]
         opt_layers = {s: [self._init_opt(s, lp, self.row_dev[s]) for lp in layers[s]] for s in STACKS}
         return PhasedState(0, rest, layers, opt_rest, opt_layers)
 
@@ -223,9 +239,11 @@ class PhasedExecutor:
         """A (stacked) TrainState, e.g. restored from a checkpoint, -> host-resident per-layer state."""
         rest, layers = self._split(state.params)
         fused = _flat(state.opt_state)
-        rest_abs = self.opt_shardings("rest", rest, self.rest_dev)
-        opt_rest = jax.tree_util.tree_map_with_path(
-            lambda p, s: jax.device_put(fused[jax.tree_util.keystr(p)], s.with_memory_kind(HOST)), rest_abs)
+        opt_rest = []
+        for i, (grp, sh) in enumerate(zip(rest_groups(rest), rest_groups(self.rest_dev))):
+            opt_rest.append(jax.tree_util.tree_map_with_path(
+                lambda p, s: jax.device_put(fused[jax.tree_util.keystr(p)], s.with_memory_kind(HOST)),
+                self.opt_shardings(f"rest{i}", grp, sh)))
         opt_layers = {}
         for s in STACKS:
             shard = self.opt_shardings(s, layers[s][0], self.row_dev[s])
@@ -270,7 +288,9 @@ class PhasedExecutor:
         treedef = jax.tree.structure(host)
         params = jax.tree.unflatten(treedef, [params[k] for k in _flat(host)])
         fused_sh = S.with_memory_kind(g.opt_state_shardings(params), HOST)
-        flat_opt_rest = _flat(ps.opt_rest)
+        flat_opt_rest = {}
+        for o in ps.opt_rest:  # step counts appear in every group, equal
+            flat_opt_rest.update(_flat(o))
         opt = []
         for path, sh in jax.tree_util.tree_flatten_with_path(fused_sh)[0]:
             key = jax.tree_util.keystr(path)
@@ -288,9 +308,13 @@ class PhasedExecutor:
 
     # ------------------------------------------------------------------ loading and storing
 
-    def load(self, tree, shardings):
-        """Remote buffer -> device: one transfer per weight (RTS shards stay shards)."""
-        return jax.device_put(tree, shardings)
+    def load(self, tree, shardings, copy: bool = False):
+        """Remote buffer -> device: one transfer per weight (RTS shards stay shards).
+
+        ``copy``: never alias the host buffer (on CPU host and device memory are one RAM), so the
+        loaded arrays can be donated to the program that updates them.
+        """
+        return jax.device_put(tree, shardings, may_alias=False if copy else None)
 
     def store(self, tree, shardings):
         return jax.device_put(tree, S.with_memory_kind(shardings, HOST))
@@ -539,9 +563,9 @@ class PhasedExecutor:
                 updates, opt_state = self.optimizer.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
 
-            # no donation: where host and device memory are one (CPU), loading may not copy, and
-            # donating the loaded weights would delete the remote buffer itself
-            self._programs[f"opt_{name}"] = jax.jit(fn)
+            # weights and optimizer state are loaded as copies (load(copy=True)) and donated: the
+            # updated ones take their place on the device
+            self._programs[f"opt_{name}"] = jax.jit(fn, donate_argnums=(0, 1))
         return self._programs[f"opt_{name}"]
 
     # ------------------------------------------------------------------ the step
@@ -661,22 +685,27 @@ class PhasedExecutor:
             rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), ps.step))
         loss, g_rest, layer_grads, sumsq = self.loss_and_grads(ps, batch, rng_data)
         g_norm = jnp.sqrt(sumsq)
-        # ---- optimizer phases: one layer at a time
-        opt = self.optimizer_phase("rest", self.rest_dev)
-        params, state = self._run("optimizer", opt, self.load(ps.rest, self.rest_dev),
-                                  self.load(ps.opt_rest, self.opt_shardings("rest", ps.rest, self.rest_dev)), g_rest,
-                                  g_norm)
-        rest = self.store(params, self.rest_dev)
-        opt_rest = self.store(state, self.opt_shardings("rest", ps.rest, self.rest_dev))
-        del g_rest, params, state
+        # ---- optimizer phases: the embedding, the LM head, the small rest, then one layer at a time
+        groups = []
+        for i, (grp, sh, state, g_grp) in enumerate(zip(rest_groups(ps.rest), rest_groups(self.rest_dev), ps.opt_rest,
+                                                         rest_groups(g_rest))):
+            osh = self.opt_shardings(f"rest{i}", grp, sh)
+            params, state = self._run("optimizer", self.optimizer_phase(f"rest{i}", sh), self.load(grp, sh, copy=True),
+                                      self.load(state, osh, copy=True), g_grp, g_norm)
+            groups.append((self.store(params, sh), self.store(state, osh)))
+            del params, state
+        rest = {k: v for grp, _ in groups for k, v in grp.items()}
+        rest = {k: rest[k] for k in ps.rest}
+        opt_rest = [o for _, o in groups]
+        del g_rest
         layers, opt_layers = {}, {}
         for s in STACKS:
             opt = self.optimizer_phase(s, self.row_dev[s])
             osh = self.opt_shardings(s, ps.layers[s][0], self.row_dev[s])
             layers[s], opt_layers[s] = [], []
             for j in range(self.layers):
-                params, state = self._run("optimizer", opt, self.load(ps.layers[s][j], self.row_dev[s]),
-                                          self.load(ps.opt_layers[s][j], osh),
+                params, state = self._run("optimizer", opt, self.load(ps.layers[s][j], self.row_dev[s], copy=True),
+                                          self.load(ps.opt_layers[s][j], osh, copy=True),
                                           self.load(layer_grads[s][j], self.row_dev[s]), g_norm)
                 layers[s].append(self.store(params, self.row_dev[s]))
                 opt_layers[s].append(self.store(state, osh))
@@ -708,23 +737,6 @@ class PhaseMemory:
         key = (name, id(program))
         if key not in self._analysis:
             self._analysis[key] = program.lower(*args).compile().memory_analysis()
-        m = self._analysis[key]
-        live = max(live_device_bytes().values() or [0])
-        total = live + m.temp_size_in_bytes + m.output_size_in_bytes
+        total = program_bytes(self._analysis[key], max(live_device_bytes().values() or [0]))
         self.by_phase[name] = max(self.by_phase.get(name, 0), total)
         self.peak = max(self.peak, total)
-
-
-def live_device_bytes() -> dict:
-    """{device: bytes} of every live array held in device memory (not host memory)."""
-    out: dict = {}
-    for x in jax.live_arrays():
-        if getattr(x.sharding, "memory_kind", DEVICE) not in (DEVICE, None):
-            continue
-        try:
-            shards = x.addressable_shards
-        except Exception:
-            continue
-        for s in shards:
-            out[s.device] = out.get(s.device, 0) + s.data.nbytes
-    return out

@@ -48,6 +48,21 @@ def test_two_steps_then_resume_equals_uninterrupted(tmp_path):
     assert [r["step"] for r in lines] == [1, 2] and all(np.isfinite(r["loss"]) for r in lines)
     assert os.path.getsize(os.path.join(a, "loss_curve.png")) > 1000
 
+def test_phased_run_resumes_a_fused_checkpoint_and_saves_the_same_layout(tmp_path):
+    """--phased true: a fused checkpoint resumes under the phased executor, which saves the stacked
+    layout (any executor or run_validation loads it); equal to two phased steps uninterrupted."""
+    phased, mixed = str(tmp_path / "phased"), str(tmp_path / "mixed")
+    run_finetuning.main(SMALL + ["--steps", "2", "--save", phased, "--phased", "true"])
+    run_finetuning.main(SMALL + ["--steps", "1", "--save", mixed])
+    run_finetuning.main(SMALL + ["--steps", "2", "--save", mixed, "--load", mixed, "--phased", "true"])
+    (meta_p, pp), (meta_m, pm) = params_at(phased, 2), params_at(mixed, 2)
+    assert meta_p["data_position"] == meta_m["data_position"] == 16
+    for x, y in zip(jax.tree.leaves(pm), jax.tree.leaves(pp)):
+        assert x.shape == y.shape and np.linalg.norm(x - y) <= 1e-5 * np.linalg.norm(y)
+    losses = [[json.loads(x)["loss"] for x in open(os.path.join(d, "metrics.jsonl"))] for d in (phased, mixed)]
+    np.testing.assert_allclose(losses[0][1], losses[1][-1], rtol=1e-5)
+
+
 CRASH = r"""
 import os, sys
 sys.path.insert(0, {root!r})

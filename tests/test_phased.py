@@ -12,7 +12,8 @@ import pytest
 
 from data.generated import generated_batch
 from graphs.graphs import Graphs
-from graphs.phased import HOST, PhasedExecutor, PhaseMemory, live_device_bytes
+from graphs.phased import HOST, PhasedExecutor, PhaseMemory
+from utils.bench import live_device_bytes
 from modelling import layers as L
 from modelling import t5
 from tests.test_parallel import fro_rel, leaves, max_rel, tiny
@@ -60,23 +61,21 @@ def _check(r):
         assert a.shape == b.shape and fro_rel(a, b) < 1e-5
 
 
-@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 2), (1, 4)])
-def test_phased_equals_fused(dp, tp):
-    cfg = tiny(data_parallel=dp, tensor_parallel=tp, micro_batch_size=8 // dp)
+@pytest.mark.parametrize("dp,tp,extra", [
+    (1, 1, {}),
+    (1, 4, {}),
+    # dropout (the same keys per micro-batch, stream and layer), clipping that triggers, loss scaling
+    (2, 2, dict(dropout_prob=0.1, gradient_clipping=0.05, loss_scaling=4.0)),
+])
+def test_phased_equals_fused(dp, tp, extra):
+    cfg = tiny(data_parallel=dp, tensor_parallel=tp, micro_batch_size=8 // dp, **extra)
     assert cfg.gradient_accumulation == 2
     r = _both(cfg)
+    if extra:
+        assert float(r["metrics"]["grad_norm"]) > 0.05  # the clipping branch is taken
     # the same random weights, created layer by layer into host memory
     for a, b in zip(leaves(r["pparams"]), leaves(r["params"])):
         np.testing.assert_array_equal(a, b)
-    _check(r)
-
-
-def test_phased_equals_fused_with_dropout_clipping_and_loss_scaling():
-    cfg = tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=2, dropout_prob=0.1, gradient_clipping=0.05,
-               loss_scaling=4.0)
-    assert cfg.gradient_accumulation == 4
-    r = _both(cfg)
-    assert float(r["metrics"]["grad_norm"]) > 0.05  # the clipping branch is taken
     _check(r)
 
 

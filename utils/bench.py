@@ -22,6 +22,30 @@ def peak_device_bytes() -> int | None:
     return max(peaks) if peaks else None
 
 
+def live_device_bytes() -> dict:
+    """{device: bytes} of every live array held in device memory (host-memory arrays are not counted)."""
+    import jax
+
+    out: dict = {}
+    for x in jax.live_arrays():
+        if getattr(x.sharding, "memory_kind", None) not in ("device", None):
+            continue
+        try:
+            shards = x.addressable_shards
+        except Exception:  # deleted meanwhile
+            continue
+        for s in shards:
+            out[s.device] = out.get(s.device, 0) + s.data.nbytes
+    return out
+
+
+def program_bytes(analysis, live: int) -> int:
+    """Device bytes while a compiled program runs: what is live when it starts (its arguments
+    included) plus its temporaries and the outputs that do not reuse a donated argument
+    (from XLA's memory analysis of the compiled program, per device)."""
+    return int(live + analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

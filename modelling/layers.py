@@ -217,7 +217,9 @@ def lm_logits(x: jax.Array, w: jax.Array, tp_axis: Optional[str], vocab_size: in
     Columns past vocab_size (tp padding) get MASK_VALUE, so softmax and argmax ignore them.
     """
     x = identical_inputs(x, tp_axis)
-    logits = jnp.einsum("bld,dv->blv", x.astype(w.dtype), w, preferred_element_type=F32)
+    # a 2-D GEMM (see _in_proj); as a 3-D einsum XLA:CPU ran the decode step's head ~1.7x slower
+    logits = jnp.matmul(x.astype(w.dtype).reshape(-1, x.shape[-1]), w, preferred_element_type=F32)
+    logits = logits.reshape(*x.shape[:-1], w.shape[1])
     cols = tp_index(tp_axis) * w.shape[1] + jnp.arange(w.shape[1])
     return jnp.where(cols < vocab_size, logits, MASK_VALUE)
 

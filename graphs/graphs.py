@@ -9,7 +9,10 @@ Megatron collectives of modelling/tp.py written explicitly):
 - ``train_step`` (the fused executor): ``loss_and_grads`` + the optimizer
   phase (optax on the RTS shards) in one compiled step.
 - per-phase programs ``embeddings``, ``t5_block``, ``encoder_head`` and
-  ``head`` (loss and its gradient) for the phased executor and tests.
+  ``head`` (loss and its gradient): one micro-batch, gathered weights; the
+  phased executor (graphs/phased.py) builds its programs from the same phase
+  functions of modelling/t5.py, with the RTS gathers and batch serialisation
+  inside each phase.
 """
 
 from __future__ import annotations

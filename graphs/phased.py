@@ -637,16 +637,16 @@ class PhasedExecutor:
             layer_grads["decoder"][j] = self.store(g_lp, self.row_dev["decoder"])
             accumulate(g_rel, "['decoder']['relpos']")
             del lp, g_lp, dx, de
-        shared = self.load(ps.rest["shared"], rest_dev["shared"])
-        accumulate(self._run("embeddings_bwd", self.embeddings_bwd(20), shared, batch["decoder_input_ids"],
-                             load_act(dx_dec[0]), rng_data), "['shared']")
-        del shared
         # after the first decoder layer's backward: the encoder output's gradient is the sum of the rows
         total = load_act(dx_enc[0])
         for j in range(1, L_):
             total = self._add(total, load_act(dx_enc[j]))
         dx_buf[L_ + 1] = store_act(total)
         del total
+        shared = self.load(ps.rest["shared"], rest_dev["shared"])
+        accumulate(self._run("embeddings_bwd", self.embeddings_bwd(20), shared, batch["decoder_input_ids"],
+                             load_act(dx_dec[0]), rng_data), "['shared']")
+        del shared
 
         # ---- backward, encoder
         g_norm, dx = self._run("encoder_head_bwd", self.encoder_head_bwd(), norm, load_act(x_buf[L_]),

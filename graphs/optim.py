@@ -28,7 +28,7 @@ def make_optimizer(training, clip: bool = True) -> optax.GradientTransformation:
     """The optimizer of a ``Training`` config section (global-norm clipping first).
 
     ``clip=False`` puts an identity where the clipping goes (same state tree): the
-    phased executor clips with the norm of the whole model itself (``clip_factor``)
+    phased executor clips with the norm of the whole model itself (``clip_by_norm``)
     and then updates one layer at a time.
     """
     o = training.optimizer

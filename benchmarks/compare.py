@@ -34,12 +34,15 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", default="8")
     p.add_argument("--precision", default="float32")
     p.add_argument("--steps", default="7", help="training steps (2 warm-up)")
+    p.add_argument("--recompute", default="false",
+                   help="our training's block recomputation (HF's baseline recomputes nothing: equal work is false)")
     p.add_argument("--repeats", type=int, default=1, help="alternate ours/HF this many times; medians reported")
     p.add_argument("--only", choices=("train", "decode"), default=None, help="run one workload only")
     a = p.parse_args(argv)
     shape = ["--config", a.config, "--sequence_length", a.sequence_length, "--precision", a.precision]
     train = shape + ["--decoder_sequence_length", a.decoder_sequence_length, "--global_batch_size", a.batch,
                      "--micro_batch_size", a.batch, "--data_parallel", "1", "--tensor_parallel", "1"]
+    ours_train = train + ["--recompute", a.recompute]
     gen = shape + ["--micro_batch_size", a.batch, "--output_length", a.decoder_sequence_length,
                    "--tensor_parallel", "1"]
     from statistics import median
@@ -48,7 +51,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as d:
         for _ in range(a.repeats):
             if a.only != "decode":
-                runs["ours_t"].append(run(["finetuning.py"] + train + ["--steps", a.steps], f"{d}/ot.json"))
+                runs["ours_t"].append(run(["finetuning.py"] + ours_train + ["--steps", a.steps], f"{d}/ot.json"))
                 runs["theirs_t"].append(run(["benchmarks/hf_baseline.py", "train"] + train
                                             + ["--iterations", str(int(a.steps) - 2)], f"{d}/tt.json"))
             if a.only != "train":

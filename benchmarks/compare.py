@@ -34,15 +34,16 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", default="8")
     p.add_argument("--precision", default="float32")
     p.add_argument("--steps", default="7", help="training steps (2 warm-up)")
-    p.add_argument("--recompute", default="false",
-                   help="our training's block recomputation (HF's baseline recomputes nothing: equal work is false)")
+    p.add_argument("--ours_flags", default="--recompute false --unroll_layers true",
+                   help="extra flags for our training run: by default no block recomputation (HF's baseline "
+                        "recomputes nothing: equal work) and unrolled layers (faster on CPU)")
     p.add_argument("--repeats", type=int, default=1, help="alternate ours/HF this many times; medians reported")
     p.add_argument("--only", choices=("train", "decode"), default=None, help="run one workload only")
     a = p.parse_args(argv)
     shape = ["--config", a.config, "--sequence_length", a.sequence_length, "--precision", a.precision]
     train = shape + ["--decoder_sequence_length", a.decoder_sequence_length, "--global_batch_size", a.batch,
                      "--micro_batch_size", a.batch, "--data_parallel", "1", "--tensor_parallel", "1"]
-    ours_train = train + ["--recompute", a.recompute]
+    ours_train = train + a.ours_flags.split()
     gen = shape + ["--micro_batch_size", a.batch, "--output_length", a.decoder_sequence_length,
                    "--tensor_parallel", "1"]
     from statistics import median

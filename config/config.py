@@ -185,6 +185,10 @@ class Execution:
     recompute: bool = True
     """Rematerialise each block's activations in the backward pass."""
 
+    unroll_layers: bool = False
+    """Trace each layer of a stack on its own instead of scanning over the stacked weights: a larger
+    program and a longer compile; on CPU about 10% faster training at small shapes without recompute."""
+
     rts: bool = True
     """Replicated tensor sharding: store weights, gradients and optimizer state sharded over their replica group."""
 

@@ -37,6 +37,7 @@ class ModelOptions:
     tie_word_embeddings: bool = False
     attention_serialisation: int = 1
     recompute: bool = False
+    unroll_layers: bool = False
     dtype: str = "float32"
 
     @classmethod
@@ -48,7 +49,7 @@ class ModelOptions:
             max_distance=m.attention.relative_attention_max_distance, scale_ff=m.scale_ff,
             vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size,
             tie_word_embeddings=m.tie_word_embeddings, attention_serialisation=ex.attention_serialisation,
-            recompute=ex.recompute, dtype=m.precision,
+            recompute=ex.recompute, unroll_layers=ex.unroll_layers, dtype=m.precision,
         )
 
     @property
@@ -131,7 +132,8 @@ def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions, tp
 
 def run_stack(layers_p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions,
               tp_axis: Optional[str], enc_out=None, cross_bias=None, rng=None) -> jax.Array:
-    """t5_block over the stacked layers (leading axis), scanned; remat per block if opts.recompute."""
+    """t5_block over the stacked layers (leading axis): scanned, or unrolled when opts.unroll_layers;
+    remat per block if opts.recompute."""
 
     def body(x, inputs):
         p, i = inputs
@@ -141,6 +143,10 @@ def run_stack(layers_p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOpt
     if opts.recompute:
         body = jax.checkpoint(body)
     n = jax.tree_util.tree_leaves(layers_p)[0].shape[0]
+    if opts.unroll_layers:
+        for i in range(n):
+            x, _ = body(x, (jax.tree.map(lambda w: w[i], layers_p), jnp.int32(i)))
+        return x
     x, _ = lax.scan(body, x, (layers_p, jnp.arange(n)))
     return x
 

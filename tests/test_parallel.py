@@ -108,6 +108,17 @@ def test_attention_serialisation_gives_same_loss_and_grads(reference, chunks):
         assert max_rel(a, b) < 1e-5
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_unrolled_layers_equal_the_scan(reference, recompute):
+    host, batch, (loss0, grads0, _, _) = reference
+    cfg = tiny(micro_batch_size=8, unroll_layers=True, recompute=recompute, tensor_parallel=2)
+    g = Graphs(cfg)
+    loss, grads = g.loss_and_grads(g.shard_params(host), g.shard_batch(batch))
+    assert abs(float(loss) - loss0) / loss0 < 1e-6
+    for a, b in zip(leaves(grads), grads0):
+        assert max_rel(a, b) < 1e-5
+
+
 def test_tp_replicas_hold_identical_activations(reference):
     host, batch, _ = reference
     cfg = tiny(tensor_parallel=4, micro_batch_size=8)

@@ -46,7 +46,7 @@ from graphs.graphs import TrainState
 from graphs.optim import clip_by_norm, make_optimizer
 from modelling import layers as L
 from modelling import t5
-from modelling.params import ParamSpec, init_leaf, is_spec
+from modelling.params import ParamSpec, init_leaf, is_spec, zero_padded_vocab
 from utils.bench import live_device_bytes, program_bytes
 
 HOST = "pinned_host"
@@ -209,19 +209,15 @@ class PhasedExecutor:
         vocab = g.cfg.model.embedding.vocab_size
         programs, out = {}, []
         for (path, spec), k, sh in zip(flat, keys, host):
-            name = jax.tree_util.keystr(path)
-            # padded vocabulary rows (shared) or columns (lm_head) are zero, as in Graphs.init_params
-            pad_axis = {"['shared']": 0, "['lm_head']": 1}.get(name)
-            sig = (spec.shape, spec.is_norm, pad_axis, sh)
+            top = path[0].key  # shared / lm_head get their padded vocabulary zeroed, as in Graphs.init_params
+            padded = top in ("shared", "lm_head")
+            sig = (spec.shape, spec.is_norm, top if padded else None, sh)
             if sig not in programs:  # one compilation per distinct weight shape, not per weight
 
-                def make(k, std, spec=spec, pad_axis=pad_axis):
+                def make(k, std, spec=spec, top=top, padded=padded):
                     x = init_leaf(ParamSpec(spec.shape, spec.axes, None if spec.is_norm else 1.0, spec.dtype), k)
                     x = x if spec.is_norm else std * x
-                    if pad_axis is not None:
-                        keep = jnp.arange(x.shape[pad_axis]) < vocab
-                        x = jnp.where(keep[:, None] if pad_axis == 0 else keep[None, :], x, 0.0)
-                    return x
+                    return zero_padded_vocab({top: x}, vocab)[top] if padded else x
 
                 programs[sig] = jax.jit(make, out_shardings=sh)
             out.append(programs[sig](k, jnp.float32(spec.std or 1.0)))
@@ -715,7 +711,7 @@ class PhasedExecutor:
 
     def stacked_grads(self, g_rest, layer_grads) -> dict:
         """Gradients in the fused executor's (stacked) tree, for comparisons."""
-        out = jax.tree.map(lambda x: x, g_rest)
+        out = dict(g_rest)
         for s in STACKS:
             rows = layer_grads[s]
             out[s] = dict(out[s])

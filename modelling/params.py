@@ -104,9 +104,13 @@ def init_leaf(spec: ParamSpec, key: jax.Array) -> jax.Array:
 
 
 def zero_padded_vocab(params: dict, vocab_size: int) -> dict:
-    """Zeroes the rows/columns of the padded vocabulary (beyond vocab_size)."""
+    """Zeroes the rows (shared) / columns (lm_head) of the padded vocabulary (beyond vocab_size).
+
+    Either weight may be absent (the phased executor passes one weight at a time).
+    """
     params = dict(params)
-    params["shared"] = params["shared"].at[vocab_size:].set(0.0)
+    if "shared" in params:
+        params["shared"] = params["shared"].at[vocab_size:].set(0.0)
     if "lm_head" in params:
         params["lm_head"] = params["lm_head"].at[:, vocab_size:].set(0.0)
     return params

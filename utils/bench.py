@@ -26,17 +26,10 @@ def live_device_bytes() -> dict:
     """{device: bytes} of every live array held in device memory (host-memory arrays are not counted)."""
     import jax
 
-    out: dict = {}
-    for x in jax.live_arrays():
-        if getattr(x.sharding, "memory_kind", None) not in ("device", None):
-            continue
-        try:
-            shards = x.addressable_shards
-        except Exception:  # deleted meanwhile
-            continue
-        for s in shards:
-            out[s.device] = out.get(s.device, 0) + s.data.nbytes
-    return out
+    from graphs.sharding import per_device_bytes
+
+    return per_device_bytes([x for x in jax.live_arrays() if not x.is_deleted()
+                             and getattr(x.sharding, "memory_kind", None) in ("device", None)])
 
 
 def program_bytes(analysis, live: int) -> int:

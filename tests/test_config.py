@@ -109,3 +109,15 @@ def test_cli_errors_exit_nonzero_with_one_line(capsys, argv, message):
 def test_every_field_has_a_docstring():
     missing = [f for f, r in FIELDS.items() if not r.doc]
     assert not missing
+
+
+@pytest.mark.parametrize("kind", ["finetuning", "inference"])
+def test_cli_help_lists_every_field(capsys, kind):
+    # Field docs are free text (a "%" in one once broke argparse's help formatting).
+    with pytest.raises(SystemExit) as e:
+        parse_config(kind, "t", "tiny", ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    missing = [f for f in FIELDS if f"--{f}" not in out]
+    assert not missing
+    assert "10% faster" in out

@@ -33,7 +33,7 @@ def build_parser(kind: str, description: str, default_preset: str,
     group = p.add_argument_group("config fields (override the preset)")
     for flag, ref in FIELDS.items():
         typ = _base_type(ref.type)
-        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=ref.doc)
+        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=ref.doc.replace("%", "%%"))
         if typ is bool:
             group.add_argument(f"--{flag}", nargs="?", const="true", metavar="BOOL", **kwargs)
         elif typ is tuple:

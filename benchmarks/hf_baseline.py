@@ -37,8 +37,9 @@ def hf_model(cfg):
     torch.manual_seed(cfg.model.seed)
     kw = hf_config_dict(cfg.model)
     kw.pop("architectures"), kw.pop("model_type")
-    model = T5ForConditionalGeneration(T5Config(**kw))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):  # initialised where it runs: an XL model is slow to initialise on the host
+        model = T5ForConditionalGeneration(T5Config(**kw))
     dtype = torch.float32 if dev == "cpu" else {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         cfg.model.precision, torch.float32)
     return model.to(dev, dtype), dev, dtype
@@ -125,6 +126,11 @@ def main(argv=None) -> dict:
     cfg, args = parse_config(kind, "HF baseline", "small", argv[1:], extra_flags)
     report = (train if argv[0] == "train" else generate)(cfg, args)
     report["config"] = args.config
+    import torch
+
+    cuda = torch.cuda.is_available()
+    report["device_kind"] = torch.cuda.get_device_name() if cuda else "cpu"
+    report["peak_device_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
     from utils.bench import write_json
 
     write_json(args.json, report)

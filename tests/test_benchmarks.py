@@ -47,3 +47,18 @@ def test_inference_benchmark_writes_report(tmp_path):
                 "compile_s"):
         assert r[key] > 0, key
     assert r["output_length"] == 5 and r["batch_size"] == 2
+
+
+def test_compare_reports_a_failed_run_and_keeps_the_other(tmp_path, capsys):
+    from benchmarks import compare
+
+    path = tmp_path / "cmp.json"
+    r = compare.main(["--config", "tiny", "--only", "train", "--batch", "4", "--micro_batch", "2", "--steps", "3",
+                      "--sequence_length", "16", "--ours_flags", "--no_such_flag 1", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert "FAILED (exit 2): finetuning.py" in out
+    assert r["train_samples_per_s"]["ours"] is None and r["train_samples_per_s"]["ratio"] is None
+    assert r["train_samples_per_s"]["hf"] > 0 and r["train_model_tflops_per_s_hf"] > 0
+    saved = json.loads(path.read_text())
+    assert saved["train_samples_per_s"] == r["train_samples_per_s"]
+    assert saved["runs"]["ours_t"] == [None] and saved["runs"]["theirs_t"][0]["global_batch_size"] == 4

@@ -8,7 +8,8 @@ tokens/s, compile time, model TFLOP/s and MFU (where the device's peak is known
 or --peak_tflops is given) and peak device memory: the allocator's peak where the
 backend reports one (GPU/TPU), and on every backend the bytes of live device arrays
 plus the compiled programs' temporaries (XLA's memory analysis). With
---phased true the phased executor runs (host-resident weights and optimizer state).
+--phased true the phased executor runs (host-resident weights and optimizer state);
+--profile DIR traces one extra step and prints where the device time went.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def extra_flags(p):
     p.add_argument("--json", default=None, help="write the report to this JSON file")
     p.add_argument("--warmup_iterations", type=int, default=2, help="steps excluded from timing (compilation)")
     p.add_argument("--peak_tflops", type=float, default=None, help="peak TFLOP/s of one device, for MFU")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="trace one extra (untimed) step with the JAX profiler into DIR and print the top device ops")
 
 
 def main(argv=None) -> dict:
@@ -79,6 +82,16 @@ def main(argv=None) -> dict:
         rng = jax.random.key_data(jax.random.key(0))
         analysis = g._train_step.lower(state, batches[0], rng).compile().memory_analysis()
         estimate, by_phase = program_bytes(analysis, max(live_device_bytes().values() or [0])), None
+
+    if args.profile:
+        from utils.profile import trace
+
+        def one_step():
+            nonlocal state
+            state, m = executor.train_step(state, batches[0])
+            float(m["loss"])
+
+        trace(args.profile, one_step)
 
     samples = cfg.training.global_batch_size
     tokens = samples * (cfg.model.sequence_length + cfg.model.decoder_sequence_length)

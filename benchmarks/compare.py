@@ -41,7 +41,9 @@ def run(cmd: list, out: str, timeout: float | None) -> dict | None:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="small")
+    p.add_argument("--config", default="small", help="preset of config/finetuning.yml (training)")
+    p.add_argument("--inference_config", default=None,
+                   help="preset of config/inference.yml for decoding (default: --config; e.g. xl for xl_pod8)")
     p.add_argument("--sequence_length", default="128")
     p.add_argument("--decoder_sequence_length", default="8")
     p.add_argument("--batch", default="8", help="training: global batch; decoding: batch")
@@ -63,7 +65,7 @@ def main(argv=None) -> dict:
     train = shape + ["--decoder_sequence_length", a.decoder_sequence_length, "--global_batch_size", a.batch,
                      "--micro_batch_size", a.micro_batch or a.batch, "--data_parallel", "1", "--tensor_parallel", "1"]
     ours_train = train + a.ours_flags.split()
-    gen = shape + ["--micro_batch_size", a.batch, "--output_length", a.output_length or a.decoder_sequence_length,
+    gen = ["--config", a.inference_config or a.config] + shape[2:] + ["--micro_batch_size", a.batch, "--output_length", a.output_length or a.decoder_sequence_length,
                    "--tensor_parallel", "1"]
     from statistics import median
 

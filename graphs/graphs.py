@@ -125,12 +125,17 @@ class Graphs:
             # same key on every tp device (identical activations), distinct per dp replica
             rng = jax.random.fold_in(jax.random.wrap_key_data(rng_data), jax.lax.axis_index(S.DP))
 
+        # Weights are cast to the compute dtype once per step, not once per micro-batch; the
+        # gradient of each micro-batch is taken with respect to that copy (the same values as
+        # through the cast) and accumulated in float32.
+        compute = t5.cast_params(full, self.opts.compute_dtype)
+
         def micro(acc, inputs):
             mb, i = inputs
             r = None if rng is None else jax.random.fold_in(rng, i)
             loss, g = jax.value_and_grad(
-                lambda p: t5.loss_sum(p, mb, self.opts, S.TP, r) * (scale / count))(full)
-            return jax.tree.map(jnp.add, acc, g), loss
+                lambda p: t5.loss_sum(p, mb, self.opts, S.TP, r) * (scale / count))(compute)
+            return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g), loss
 
         zeros = jax.tree.map(jnp.zeros_like, full)
         n = batch["labels"].shape[0]

@@ -168,6 +168,29 @@ def test_bfloat16_mode_is_close_to_float32(v11):
     assert float(l16) != float(l32)  # the compute really ran in bfloat16
 
 
+def test_bfloat16_gradient_gemms_run_in_bfloat16(v11):
+    """Mixed precision: every matmul of the bf16 backward takes bf16 operands (no f32 x f32
+    GEMMs from differentiating float32-output dots), and the gradient stays close to f32."""
+    import re
+
+    _, m, params = v11
+    batch = jax.tree.map(jnp.asarray, random_batch(m.embedding.vocab_size))
+    grad16 = jax.grad(lambda p: t5.loss_sum(p, batch, options(m, dtype="bfloat16")))
+    text = jax.jit(grad16).lower(params).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    operand_types = [re.search(r":\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)", line).groups() for line in dots]
+    assert len(operand_types) > 6 * m.layers
+    f32_gemms = [t for t in operand_types if all(x.endswith("xf32>") for x in t)]
+    assert not f32_gemms, f32_gemms[:3]
+    g32 = jax.grad(lambda p: t5.loss_sum(p, batch, options(m)))(params)
+    g16 = grad16(params)
+    for path in (("encoder", "layers", "wo"), ("decoder", "layers", "q"), ("lm_head",)):
+        a, b = g16, g32
+        for k in path:
+            a, b = a[k], b[k]
+        assert rel_err(a, np.asarray(b)) < 5e-2, path
+
+
 def test_dropout_only_in_training(v11):
     _, m, params = v11
     batch = jax.tree.map(jnp.asarray, random_batch(m.embedding.vocab_size))

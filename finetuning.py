@@ -43,13 +43,14 @@ def main(argv=None) -> dict:
     from data.generated import generated_batch
     from graphs.graphs import Graphs
     from graphs.sharding import DeviceCountError
+    from config import ConfigError
     from utils.bench import live_device_bytes, median, peak_device_bytes, program_bytes, write_json
     from modelling.params import count_params
     from utils.flops import peak_tflops, train_flops_per_sample
 
     try:
         g = Graphs(cfg)
-    except DeviceCountError as e:
+    except (DeviceCountError, ConfigError) as e:
         die(str(e))
     if cfg.execution.phased:
         from graphs.phased import PhasedExecutor, PhaseMemory

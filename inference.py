@@ -37,13 +37,14 @@ def main(argv=None) -> dict:
 
     from data.generated import generated_batch
     from graphs import sharding as S
+    from config import ConfigError
     from graphs.graphs import Graphs
     from modelling import t5
     from utils.bench import median, peak_device_bytes, write_json
 
     try:
         g = Graphs(cfg)
-    except S.DeviceCountError as e:
+    except (S.DeviceCountError, ConfigError) as e:
         die(str(e))
     n = cfg.inference.output_length
     opts = g.opts

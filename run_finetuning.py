@@ -167,6 +167,7 @@ def main(argv=None) -> None:
     setup_jax()
     from data.mnli import DataError
     from graphs.sharding import DeviceCountError
+    from config import ConfigError
     from modelling.hf_mapping import CheckpointError
     from utils.checkpoint import CheckpointNotFound
 
@@ -175,7 +176,7 @@ def main(argv=None) -> None:
         graphs, loader = build(cfg)
         state, start = initial_state(cfg, graphs, loader)
         train(cfg, args, graphs, loader, state, start)
-    except (DataError, DeviceCountError, CheckpointError, CheckpointNotFound) as e:
+    except (DataError, DeviceCountError, ConfigError, CheckpointError, CheckpointNotFound) as e:
         die(str(e))
 
 

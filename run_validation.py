@@ -81,6 +81,7 @@ def main(argv=None) -> None:
     setup_jax()
     from data.mnli import DataError, load_rows, load_tokenizer, score, tokenize_inputs
     from graphs.sharding import DeviceCountError
+    from config import ConfigError
     from modelling.hf_mapping import CheckpointError
     from utils import checkpoint as ckpt
 
@@ -107,7 +108,7 @@ def main(argv=None) -> None:
             print(f"{report['checkpoint']}" + (f" step {step}" if step is not None else "")
                   + f": accuracy {report['accuracy']:.2%} on {report['samples']} samples of {cfg.data.split} "
                   f"({report['unknown']} unknown) -> {path}", flush=True)
-    except (DataError, DeviceCountError, CheckpointError, ckpt.CheckpointNotFound) as e:
+    except (DataError, DeviceCountError, ConfigError, CheckpointError, ckpt.CheckpointNotFound) as e:
         die(str(e))
 
 

@@ -185,6 +185,11 @@ class Execution:
     recompute: bool = True
     """Rematerialise each block's activations in the backward pass."""
 
+    attention_impl: str = "auto"
+    """Self-attention kernel: xla (einsums + softmax), cudnn (fused flash attention via
+    jax.nn.dot_product_attention; GPU, bfloat16/float16, no dropout), or auto (cudnn where it
+    applies, else xla)."""
+
     unroll_layers: bool = False
     """Trace each layer of a stack on its own instead of scanning over the stacked weights: a larger
     program and a longer compile; on CPU about 10% faster training at small shapes without recompute."""
@@ -288,6 +293,7 @@ class T5Config:
             "precision": (m.precision, ("float32", "bfloat16", "float16")),
             "feed_forward_proj": (m.feed_forward_proj, ("gated-gelu", "relu")),
             "optimizer": (tr.optimizer.name, ("adamw", "adafactor")),
+            "attention_impl": (ex.attention_impl, ("auto", "xla", "cudnn")),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:

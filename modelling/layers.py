@@ -152,11 +152,23 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
 
-def attend_serialised(q, k, v, bias, chunks: int, dropout_rate=0.0, rng=None):
+def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
+                 implementation: Optional[str] = "cudnn") -> jax.Array:
+    """attend() as one fused kernel (cuDNN flash attention on a GPU): the [b, h, q, k] scores
+    and probabilities are never written to memory. No dropout. The bias (relative positions
+    plus padding) is passed in the operands' dtype, broadcast to [b, h, q, k]."""
+    b, nq, h, _ = q.shape
+    bias = jnp.maximum(jnp.broadcast_to(bias, (b, h, nq, k.shape[1])), jnp.finfo(q.dtype).min).astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=1.0, implementation=implementation)
+
+
+def attend_serialised(q, k, v, bias, chunks: int, dropout_rate=0.0, rng=None, impl: str = "xla"):
     """attend() over `chunks` query chunks, each rematerialised on its own (attention serialisation).
 
     Peak memory of the scores falls from [b, h, q, k] to [b, h, q/chunks, k].
     """
+    if impl == "cudnn" and dropout_rate == 0.0 and q.shape[1] == k.shape[1]:
+        return attend_fused(q, k, v, bias)  # flash attention needs no query chunking
     if chunks == 1:
         return attend(q, k, v, bias, dropout_rate, rng)
     n = q.shape[1] // chunks
@@ -180,7 +192,7 @@ def attention_output(p: dict, ctx: jax.Array, tp_axis: Optional[str], prefix: st
 
 def attention(p: dict, x: jax.Array, kv_x: Optional[jax.Array], bias: jax.Array, tp_axis: Optional[str],
               prefix: str = "", serialisation: int = 1, dropout_rate: float = 0.0,
-              rng: Optional[jax.Array] = None) -> jax.Array:
+              rng: Optional[jax.Array] = None, impl: str = "xla") -> jax.Array:
     """Multi-head attention sharded by heads over tp.
 
     x [b, q, d] (identical over tp), kv_x [b, k, d] or None for self-attention,
@@ -192,7 +204,7 @@ def attention(p: dict, x: jax.Array, kv_x: Optional[jax.Array], bias: jax.Array,
     src = x if kv_x is None else identical_inputs(kv_x, tp_axis)
     q = project_q(p, x, prefix)
     k, v = project_kv(p, src, prefix)
-    ctx = attend_serialised(q, k, v, bias, serialisation, dropout_rate, rng)
+    ctx = attend_serialised(q, k, v, bias, serialisation, dropout_rate, rng, impl)
     return attention_output(p, ctx, tp_axis, prefix)
 
 

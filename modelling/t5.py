@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from config.config import ConfigError
 from modelling import layers as L
 from modelling.tp import tp_index
 
@@ -39,6 +40,7 @@ class ModelOptions:
     recompute: bool = False
     unroll_layers: bool = False
     dtype: str = "float32"
+    attention_impl: str = "xla"  # resolved: xla or cudnn
 
     @classmethod
     def from_config(cls, cfg) -> "ModelOptions":
@@ -50,11 +52,30 @@ class ModelOptions:
             vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size,
             tie_word_embeddings=m.tie_word_embeddings, attention_serialisation=ex.attention_serialisation,
             recompute=ex.recompute, unroll_layers=ex.unroll_layers, dtype=m.precision,
+            attention_impl=resolve_attention_impl(ex.attention_impl, m.precision,
+                                                  0.0 if m.eval else m.dropout_prob),
         )
 
     @property
     def compute_dtype(self):
         return DTYPES[self.dtype]
+
+
+def resolve_attention_impl(requested: str, precision: str, dropout_prob: float) -> str:
+    """'auto' -> 'cudnn' on a GPU in bfloat16/float16 without dropout, else 'xla'; an explicit
+    'cudnn' where it cannot run is a ConfigError naming the fix."""
+    usable = jax.default_backend() == "gpu" and precision in ("bfloat16", "float16")
+    if requested == "cudnn":
+        if not usable:
+            raise ConfigError(f"attention_impl=cudnn needs a GPU and precision bfloat16 or float16 (backend "
+                             f"{jax.default_backend()}, precision {precision}): pass --attention_impl auto or xla")
+        if dropout_prob > 0:
+            raise ConfigError(f"attention_impl=cudnn has no attention dropout (dropout_prob={dropout_prob}): "
+                             "pass --attention_impl xla, or --dropout_prob 0")
+        return "cudnn"
+    if requested == "auto":
+        return "cudnn" if usable and dropout_prob == 0 else "xla"
+    return "xla"
 
 
 def _keeps_f32(path) -> bool:
@@ -118,7 +139,8 @@ def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions, tp
     """
     rate, chunks, dt = opts.dropout_prob, opts.attention_serialisation, opts.compute_dtype
     h = L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt)
-    a = L.attention(p, h, None, self_bias, tp_axis, "", chunks, rate, _sharded_rng(rng, tp_axis, 1))
+    a = L.attention(p, h, None, self_bias, tp_axis, "", chunks, rate, _sharded_rng(rng, tp_axis, 1),
+                    opts.attention_impl)
     x = x + L.dropout(a, rate, _rng(rng, 2))
     if enc_out is not None:
         h = L.rms_norm(x, p["cross_norm"], opts.eps).astype(dt)

@@ -191,6 +191,35 @@ def test_bfloat16_gradient_gemms_run_in_bfloat16(v11):
         assert rel_err(a, np.asarray(b)) < 5e-2, path
 
 
+def test_fused_attention_path_equals_attend(v11, monkeypatch):
+    """attention_impl=cudnn routes self-attention through jax.nn.dot_product_attention (scale 1,
+    bias = relative positions + padding/causal mask). On CPU the same call runs with XLA's
+    implementation: the whole model's loss and gradients must equal the einsum path's."""
+    from config import ConfigError
+
+    _, m, params = v11
+    batch = jax.tree.map(jnp.asarray, random_batch(m.embedding.vocab_size))
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def on_cpu(*args, **kw):
+        calls.append(kw["implementation"])
+        return real(*args, **{**kw, "implementation": "xla"})
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", on_cpu)
+    ref_loss, ref_g = jax.value_and_grad(lambda p: t5.loss_sum(p, batch, options(m)))(params)
+    loss, g = jax.value_and_grad(lambda p: t5.loss_sum(p, batch, options(m, attention_impl="cudnn")))(params)
+    assert calls and set(calls) == {"cudnn"}
+    assert len(calls) == 2  # the encoder's and the decoder's self-attention (scanned stacks), not cross
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+        assert rel_err(a, np.asarray(b)) < 1e-5
+    # 'auto' picks XLA on CPU; an explicit 'cudnn' where it cannot run says how to fix it
+    assert t5.resolve_attention_impl("auto", "bfloat16", 0.0) == "xla"
+    with pytest.raises(ConfigError, match="pass --attention_impl auto or xla"):
+        t5.resolve_attention_impl("cudnn", "bfloat16", 0.0)
+
+
 def test_dropout_only_in_training(v11):
     _, m, params = v11
     batch = jax.tree.map(jnp.asarray, random_batch(m.embedding.vocab_size))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 
-from utils.cli import die, ensure_host_devices, parse_config, setup_jax
+from utils.cli import die, ensure_host_devices, ensure_pinned_host_memory, parse_config, setup_jax
 
 
 def extra_flags(p):
@@ -36,6 +36,7 @@ def main(argv=None) -> dict:
     if cfg.training.steps <= args.warmup_iterations:
         die(f"steps={cfg.training.steps} must exceed --warmup_iterations={args.warmup_iterations}: pass a larger --steps")
     ensure_host_devices(cfg.devices)
+    ensure_pinned_host_memory(cfg.execution.phased)
     setup_jax()
 
     import jax

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from utils.cli import die, setup_jax, ensure_host_devices, parse_config, setup_logging
+from utils.cli import die, ensure_host_devices, ensure_pinned_host_memory, parse_config, setup_jax, setup_logging
 
 logger = logging.getLogger("flan_t5")
 
@@ -164,6 +164,7 @@ def main(argv=None) -> None:
     if cfg.model.eval:
         die("eval=true builds no optimizer: drop --eval to fine-tune, or use run_validation.py")
     ensure_host_devices(cfg.devices)
+    ensure_pinned_host_memory(cfg.execution.phased)
     setup_jax()
     from data.mnli import DataError
     from graphs.sharding import DeviceCountError

@@ -1,5 +1,7 @@
 """Presets load and validate; each bad config names the field and the fix."""
 
+import os
+
 import pytest
 import yaml
 
@@ -121,3 +123,17 @@ def test_cli_help_lists_every_field(capsys, kind):
     missing = [f for f in FIELDS if f"--{f}" not in out]
     assert not missing
     assert "10% faster" in out
+
+
+def test_phased_raises_the_pinned_host_memory_cap_unless_set(monkeypatch):
+    from utils.cli import ensure_pinned_host_memory
+
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    ensure_pinned_host_memory(False)
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in os.environ
+    ensure_pinned_host_memory(True)
+    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    assert 0 < int(os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]) <= ram_gb
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "7")
+    ensure_pinned_host_memory(True)
+    assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "7"

@@ -75,6 +75,20 @@ def ensure_host_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def ensure_pinned_host_memory(phased: bool) -> None:
+    """Phased execution keeps weights and optimizer state in pinned host memory. JAX's GPU
+    client caps that at 64 GB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise (an XL
+    model's float32 weights, AdamW state and gradients need more); raise the cap to 90% of
+    this host's RAM when the user has not set it. Must run before JAX starts; inert on CPU."""
+    if not phased or "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in os.environ:
+        return
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(int(0.9 * ram / 2**30), 1))
+
+
 def maybe_initialize_distributed() -> None:
     """Multi-process runs (the original's poprun): jax.distributed.initialize() when a cluster is set up.
 

@@ -1,8 +1,8 @@
 """Ours vs Hugging Face PyTorch, same workloads and shapes, one process each, run one after the other.
 
     python3 benchmarks/compare.py                      # Flan-T5-small shape, float32, CPU
-    python3 benchmarks/compare.py --config xl --precision bfloat16 --sequence_length 512 \
-        --batch 64 --micro_batch 8 --json runs/xl.json                          # e.g. on a GPU
+    python3 benchmarks/compare.py --config xl_pod8 --inference_config xl --precision bfloat16 \
+        --sequence_length 512 --batch 64 --micro_batch 8 --json runs/xl.json     # e.g. on a GPU
 
 Prints training samples/s, decoding tokens/s and the per-token decode latency of both, and
 the ratio ours / theirs. ``--repeats N`` alternates the runs N times and reports the median
@@ -65,8 +65,9 @@ def main(argv=None) -> dict:
     train = shape + ["--decoder_sequence_length", a.decoder_sequence_length, "--global_batch_size", a.batch,
                      "--micro_batch_size", a.micro_batch or a.batch, "--data_parallel", "1", "--tensor_parallel", "1"]
     ours_train = train + a.ours_flags.split()
-    gen = ["--config", a.inference_config or a.config] + shape[2:] + ["--micro_batch_size", a.batch, "--output_length", a.output_length or a.decoder_sequence_length,
-                   "--tensor_parallel", "1"]
+    gen = (["--config", a.inference_config or a.config] + shape[2:]
+           + ["--micro_batch_size", a.batch, "--output_length", a.output_length or a.decoder_sequence_length,
+              "--tensor_parallel", "1"])
     from statistics import median
 
     runs = {k: [] for k in ("ours_t", "theirs_t", "ours_g", "theirs_g")}
@@ -81,6 +82,7 @@ def main(argv=None) -> dict:
                 runs["theirs_g"].append(run(["benchmarks/hf_baseline.py", "generate"] + gen, f"{d}/tg.json", a.timeout))
 
     from config import load_config
+    from utils.bench import write_json
     from utils.flops import peak_tflops, train_flops_per_sample
 
     def fig(name, key, ours, theirs, higher_is_better=True):
@@ -117,10 +119,7 @@ def main(argv=None) -> dict:
         fig("first_token_s", "first_token_s", "ours_g", "theirs_g", higher_is_better=False)
         fig("decode_token_latency_s", "decode_token_latency_s", "ours_g", "theirs_g", higher_is_better=False)
     if a.json:
-        result["runs"] = runs
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(a.json, {**result, "runs": runs})
     return result
 
 

@@ -62,3 +62,21 @@ def test_compare_reports_a_failed_run_and_keeps_the_other(tmp_path, capsys):
     saved = json.loads(path.read_text())
     assert saved["train_samples_per_s"] == r["train_samples_per_s"]
     assert saved["runs"]["ours_t"] == [None] and saved["runs"]["theirs_t"][0]["global_batch_size"] == 4
+
+
+def test_profile_trace_summarises_the_device_ops(tmp_path, capsys):
+    import jax
+    import jax.numpy as jnp
+
+    from utils.profile import op_family, trace
+
+    f = jax.jit(lambda a, b: jnp.tanh(a @ b).sum())
+    a = jnp.ones((256, 256), jnp.float32)
+    f(a, a).block_until_ready()
+    s = trace(str(tmp_path), lambda: f(a, a).block_until_ready(), top=5)
+    assert s["busy_us"] > 0 and 0 < len(s["top"]) <= 5
+    assert abs(sum(s["families"].values()) - s["busy_us"]) < 1e-6 * s["busy_us"] + 1e-9
+    assert json.loads((tmp_path / "summary.json").read_text())["busy_us"] == s["busy_us"]
+    assert "profiled step" in capsys.readouterr().out
+    assert op_family("nvjet_sm90_tst_128x160") == "matmul" and op_family("all-reduce.3") == "collective"
+    assert op_family("loop_add_fusion") == "elementwise/other fusion"

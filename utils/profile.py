@@ -17,6 +17,8 @@ import re
 import time
 from collections import defaultdict
 
+from utils.bench import write_json
+
 
 def op_family(name: str) -> str:
     """Coarse kind of a device op from its kernel / HLO name."""
@@ -90,6 +92,5 @@ def trace(out: str, run, top: int = 30) -> dict:
     for r in s["top"]:
         print(f"  {r['us'] / 1e3:9.2f} ms  {r['us'] / max(s['busy_us'], 1):6.1%}  x{r['count']:<5d} "
               f"{r['name'][:60]}  {r['detail'][:150]}")
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(s, f, indent=2)
+    write_json(os.path.join(out, "summary.json"), s)
     return s

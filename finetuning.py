@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 
-from utils.cli import die, ensure_host_devices, ensure_pinned_host_memory, parse_config, setup_jax
+from utils.cli import die, ensure_host_devices, ensure_pinned_host_memory, is_main_process, parse_config, setup_jax
 
 
 def extra_flags(p):
@@ -38,6 +38,7 @@ def main(argv=None) -> dict:
     ensure_host_devices(cfg.devices)
     ensure_pinned_host_memory(cfg.execution.phased)
     setup_jax()
+    primary = is_main_process()
 
     import jax
 
@@ -73,7 +74,8 @@ def main(argv=None) -> dict:
         if step >= args.warmup_iterations:
             times.append(dt)
         losses.append(loss)
-        print(f"step {step + 1}/{cfg.training.steps} loss {loss:.5f} time {dt * 1e3:.1f} ms", flush=True)
+        if primary:
+            print(f"step {step + 1}/{cfg.training.steps} loss {loss:.5f} time {dt * 1e3:.1f} ms", flush=True)
 
     # device bytes, outside the timed steps: live device arrays + compiled temporaries
     if cfg.execution.phased:
@@ -82,7 +84,7 @@ def main(argv=None) -> dict:
         estimate, by_phase = executor.memory.peak, executor.memory.by_phase
     else:
         rng = jax.random.key_data(jax.random.key(0))
-        analysis = g._train_step.lower(state, batches[0], rng).compile().memory_analysis()
+        analysis = g.train_step_program(state).lower(state, batches[0], rng).compile().memory_analysis()
         estimate, by_phase = program_bytes(analysis, max(live_device_bytes().values() or [0])), None
 
     if args.profile:
@@ -93,7 +95,7 @@ def main(argv=None) -> dict:
             state, m = executor.train_step(state, batches[0])
             float(m["loss"])
 
-        trace(args.profile, one_step)
+        trace(args.profile, one_step) if primary else one_step()  # process 0 traces its devices
 
     samples = cfg.training.global_batch_size
     tokens = samples * (cfg.model.sequence_length + cfg.model.decoder_sequence_length)
@@ -114,6 +116,8 @@ def main(argv=None) -> dict:
         "phased": cfg.execution.phased, "peak_device_bytes": peak_device_bytes(),
         "device_bytes_estimate": estimate, "device_bytes_by_phase": by_phase,
     }
+    if not primary:  # process 0 of a multi-process run prints and writes the report
+        return report
     print(f"median step {step_s * 1e3:.1f} ms | {report['samples_per_s']:.2f} samples/s | "
           f"{report['tokens_per_s']:.0f} tokens/s | compile {compile_s:.1f} s | {tflops:.3f} model TFLOP/s"
           + (f" | MFU {report['mfu']:.1%}" if peak else "")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
-from utils.cli import die, setup_jax, ensure_host_devices, parse_config
+from utils.cli import die, ensure_host_devices, is_main_process, parse_config, setup_jax
 
 
 def extra_flags(p):
@@ -32,7 +32,6 @@ def main(argv=None) -> dict:
     setup_jax()
 
     import jax
-    import numpy as np
     from jax.sharding import PartitionSpec as P
 
     from data.generated import generated_batch
@@ -57,8 +56,8 @@ def main(argv=None) -> dict:
     b = g.dp * cfg.execution.micro_batch_size
     data = generated_batch(cfg, seed=0)
     L = cfg.model.sequence_length
-    ids = jax.device_put(data["input_ids"].reshape(-1, L)[:b], rows)
-    mask = jax.device_put(data["attention_mask"].reshape(-1, L)[:b], rows)
+    ids = S.put_global(data["input_ids"].reshape(-1, L)[:b], rows)
+    mask = S.put_global(data["attention_mask"].reshape(-1, L)[:b], rows)
 
     t0 = time.perf_counter()
     jax.block_until_ready(gen(params, ids, mask))
@@ -74,7 +73,7 @@ def main(argv=None) -> dict:
         jax.block_until_ready(gen1(params, ids, mask))
         first_t.append(time.perf_counter() - t)
         t = time.perf_counter()
-        out = np.asarray(gen(params, ids, mask))
+        out = S.fetch(gen(params, ids, mask))
         gen_t.append(time.perf_counter() - t)
     total, encoder, first = median(gen_t), median(enc_t), median(first_t)
     per_token = (total - first) / (n - 1) if n > 1 else 0.0
@@ -89,6 +88,8 @@ def main(argv=None) -> dict:
         "generated_tokens_per_s": out.size / total, "samples_per_s": b / total,
         "peak_device_bytes": peak_device_bytes(),
     }
+    if not is_main_process():  # process 0 of a multi-process run prints and writes the report
+        return report
     print(f"batch {b} | encoder {encoder * 1e3:.1f} ms | first token {first * 1e3:.1f} ms | per-token decode {report['decode_token_latency_s'] * 1e3:.2f} ms"
           f" | {report['generated_tokens_per_s']:.0f} generated tokens/s | {report['samples_per_s']:.1f} samples/s"
           f" | compile {compile_s:.1f} s")

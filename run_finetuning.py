@@ -116,10 +116,12 @@ def train(cfg, args, graphs, loader, state, start_step: int) -> None:
 
     from config.config import to_dict
     from utils import checkpoint as ckpt
+    from utils.cli import is_main_process
     from utils.tracking import Tracker
 
+    primary = is_main_process()  # process 0 of a multi-process run writes the metrics and shows progress
     run_dir = args.run_dir or cfg.checkpoint.save or os.path.join("runs", args.config)
-    tracker = Tracker(run_dir, to_dict(cfg), args.wandb, args.wandb_name, resume=start_step > 0)
+    tracker = Tracker(run_dir, to_dict(cfg), args.wandb, args.wandb_name, resume=start_step > 0, enabled=primary)
     mgr = ckpt.manager(cfg.checkpoint.save, cfg.checkpoint.to_keep) if cfg.checkpoint.save else None
     total, every = cfg.training.steps, cfg.checkpoint.steps
     samples = cfg.training.global_batch_size
@@ -133,7 +135,7 @@ def train(cfg, args, graphs, loader, state, start_step: int) -> None:
         ckpt.save(mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
 
     bar = tqdm(range(start_step, total), initial=start_step, total=total, desc="fine-tuning", unit="step",
-               disable=None)
+               disable=None if primary else True)
     t_last = time.perf_counter()
     for step in bar:
         batch = graphs.shard_batch(loader.next_batch())

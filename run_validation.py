@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from utils.cli import die, setup_jax, ensure_host_devices, parse_config, setup_logging
+from utils.cli import die, ensure_host_devices, is_main_process, parse_config, setup_jax, setup_logging
 
 logger = logging.getLogger("flan_t5")
 
@@ -57,17 +57,19 @@ class Validator:
         from tqdm import tqdm
 
         from data.mnli import length_buckets
+        from graphs.sharding import fetch, put_global
 
         lengths = feats["attention_mask"].sum(1)
         out = [None] * len(lengths)
         L = self.cfg.model.sequence_length
-        for idx in tqdm(length_buckets(lengths, self.batch_size), desc="validating", unit="batch", disable=None):
+        for idx in tqdm(length_buckets(lengths, self.batch_size), desc="validating", unit="batch",
+                        disable=None if is_main_process() else True):
             # shrink the encoder to the longest prompt of the batch (multiple of 8: few compilations)
             n = int(min(L, -(-int(lengths[idx].max()) // 8) * 8))
             rows = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])  # fill the last batch
-            ids = self._jax.device_put(feats["input_ids"][rows, :n], self.graphs.row_sharding)
-            mask = self._jax.device_put(feats["attention_mask"][rows, :n], self.graphs.row_sharding)
-            tokens = np.asarray(self._generate(params, ids, mask))[: len(idx)]
+            ids = put_global(feats["input_ids"][rows, :n], self.graphs.row_sharding)
+            mask = put_global(feats["attention_mask"][rows, :n], self.graphs.row_sharding)
+            tokens = fetch(self._generate(params, ids, mask))[: len(idx)]
             for i, text in zip(idx, tokenizer.batch_decode(tokens, skip_special_tokens=True)):
                 out[i] = text
         return out
@@ -102,6 +104,8 @@ def main(argv=None) -> None:
                           checkpoint=directory or cfg.data.hf_model, seconds=time.perf_counter() - t0)
             name = f"validation_{cfg.data.split}" + (f"_step{step}" if step is not None else "") + ".json"
             path = args.output if args.output and len(targets) == 1 else os.path.join(directory or "runs", name)
+            if not is_main_process():  # process 0 of a multi-process run writes and prints the report
+                continue
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "w") as f:
                 json.dump(report, f, indent=1)

@@ -214,7 +214,8 @@ def extract_class_label(text: str) -> str:
 
 def score(labels: list, generated: list) -> dict:
     """Accuracy, per-class counts, confusion matrix (rows: true class; columns: predicted
-    class, then 'unknown') and the predictions, from true label ids and generated texts."""
+    class, then 'unknown'), the predictions and the generated texts, from true label ids and
+    generated texts."""
     names = CLASS_LABELS + ["unknown"]
     confusion = [[0] * 4 for _ in CLASS_LABELS]
     predictions = []
@@ -230,7 +231,7 @@ def score(labels: list, generated: list) -> dict:
     return {"accuracy": correct / n if n else 0.0, "samples": n, "correct": correct,
             "unknown": sum(r[3] for r in confusion), "per_class": per_class,
             "confusion_matrix": {"rows": CLASS_LABELS, "columns": names, "counts": confusion},
-            "predictions": predictions}
+            "predictions": predictions, "generated": list(generated)}
 
 
 def length_buckets(lengths: np.ndarray, batch_size: int) -> list:

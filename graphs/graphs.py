@@ -79,7 +79,7 @@ class Graphs:
     def shard_params(self, host_params: dict, memory_kind: str | None = None) -> dict:
         """Places host (numpy) weights in their RTS layout (in host memory with ``memory_kind="pinned_host"``)."""
         shardings = self.param_shardings if memory_kind is None else S.with_memory_kind(self.param_shardings, memory_kind)
-        return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x, np.float32), s), host_params, shardings)
+        return jax.tree.map(lambda x, s: S.put_global(np.asarray(x, np.float32), s), host_params, shardings)
 
     def opt_state_shardings(self, params) -> Any:
         """Shardings of the optimizer state: a leaf shaped like a weight follows that weight."""
@@ -99,18 +99,9 @@ class Graphs:
         """Host batch {key: [GA, dp*mb, len]} -> device arrays split over dp.
 
         With several processes each one reads the same global batch (same seed and
-        position) and feeds only the rows of its own dp replicas.
+        position) and places only the rows of its own devices.
         """
-        batch = {k: np.asarray(v) for k, v in batch.items() if k in BATCH_KEYS}
-        if jax.process_count() == 1:
-            return {k: jax.device_put(v, self.batch_sharding) for k, v in batch.items()}
-        n, p = jax.process_count(), jax.process_index()
-        out = {}
-        for k, v in batch.items():
-            rows = v.shape[1] // n
-            out[k] = jax.make_array_from_process_local_data(
-                self.batch_sharding, v[:, p * rows:(p + 1) * rows], v.shape)
-        return out
+        return {k: S.put_global(v, self.batch_sharding) for k, v in batch.items() if k in BATCH_KEYS}
 
     # ------------------------------------------------------------------ programs
 
@@ -173,15 +164,20 @@ class Graphs:
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    def train_step(self, state: TrainState, batch: dict, rng_data=None):
-        """Fused executor: one optimizer step on one global batch -> (state, metrics)."""
-        if rng_data is None:
-            rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.cfg.model.seed), state.step))
+    def train_step_program(self, state: TrainState):
+        """The fused step as a jitted function (state, batch, rng_data) -> (state, metrics); the state is
+        donated. ``.lower(...)`` on it gives XLA's cost and memory analyses."""
         if self._train_step is None:
             shardings = self.state_shardings(state)
             self._train_step = jax.jit(self._step, donate_argnums=(0,),
                                        out_shardings=(shardings, self.replicated))
-        return self._train_step(state, batch, rng_data)
+        return self._train_step
+
+    def train_step(self, state: TrainState, batch: dict, rng_data=None):
+        """Fused executor: one optimizer step on one global batch -> (state, metrics)."""
+        if rng_data is None:
+            rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.cfg.model.seed), state.step))
+        return self.train_step_program(state)(state, batch, rng_data)
 
     def learning_rate(self, step: int) -> float:
         o = self.cfg.training.optimizer

@@ -43,6 +43,11 @@ def make_mesh(data_parallel: int, tensor_parallel: int, devices=None) -> Mesh:
             f"data_parallel * tensor_parallel = {data_parallel} * {tensor_parallel} = {need} devices are needed "
             f"but {len(devices)} {platform} device(s) are present: lower --data_parallel/--tensor_parallel, or on "
             f"CPU simulate them with XLA_FLAGS=--xla_force_host_platform_device_count={need}")
+    if jax.process_count() > 1 and len(devices) != need:
+        raise DeviceCountError(
+            f"this {jax.process_count()}-process run has {len(devices)} devices but data_parallel * "
+            f"tensor_parallel = {need}: a multi-process mesh must use every device of every process, so set "
+            f"--data_parallel/--tensor_parallel to multiply to {len(devices)} (or start fewer processes)")
     return Mesh(np.asarray(devices[:need]).reshape(data_parallel, tensor_parallel), (DP, TP))
 
 
@@ -122,6 +127,27 @@ def follow_params(abstract_state, params, param_shardings, default):
 def with_memory_kind(shardings, kind: str):
     """The same shardings in another memory (``"pinned_host"`` for the phased executor's remote buffers)."""
     return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
+
+
+def put_global(x, sharding: NamedSharding) -> jax.Array:
+    """A host array that every process holds alike -> one global array in ``sharding``.
+
+    Each process places only the shards of its own devices, so this works for any
+    mesh over any number of processes (dp across hosts, tp within or across them).
+    """
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def fetch(x: jax.Array) -> np.ndarray:
+    """The whole value of a (possibly multi-process) array on this host."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 # --------------------------------------------------------------------------- inside shard_map

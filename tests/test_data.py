@@ -126,3 +126,4 @@ def test_accuracy_on_hand_written_predictions():
     assert r["confusion_matrix"]["counts"] == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1]]
     assert r["per_class"]["contradiction"] == {"support": 2, "correct": 1, "accuracy": 0.5}
     assert r["predictions"] == ["entailment", "neutral", "neutral", "contradiction", "unknown", "entailment"]
+    assert r["generated"] == generated

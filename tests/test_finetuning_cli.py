@@ -22,12 +22,15 @@ SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "
 
 
 def params_at(directory, step):
-    """Weights of a checkpoint as numpy, restored on one device."""
+    """Weights of a checkpoint as numpy, restored on one device (whatever devices or processes wrote it)."""
     import orbax.checkpoint as ocp
 
     meta = ckpt.load_meta(directory, step)
+    saved = ocp.StandardCheckpointer().metadata(os.path.join(directory, str(step), "params")).item_metadata
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), saved)
     mgr = ckpt.manager(directory, read_only=True)
-    restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
+    restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
     return meta, jax.tree.map(np.asarray, restored["params"])
 
 def test_two_steps_then_resume_equals_uninterrupted(tmp_path):

@@ -65,14 +65,27 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def ensure_host_devices(n: int) -> None:
-    """Lets the CPU backend simulate ``n`` devices (must run before JAX starts).
+    """Lets the CPU backend simulate ``n`` devices in all (must run before JAX starts).
 
-    Only the host (CPU) platform is affected: on a GPU or TPU machine the
-    accelerators are used and this flag is inert.
+    In a multi-process run (JAX_NUM_PROCESSES) each process simulates its share,
+    n / processes. Only the host (CPU) platform is affected: on a GPU or TPU machine
+    the accelerators are used and this flag is inert.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags and n > 1:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    procs = _env_int("JAX_NUM_PROCESSES") or 1
+    local = -(-n // procs)
+    if "xla_force_host_platform_device_count" not in flags and local > 1:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local}".strip()
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        die(f"{name}={value!r} is not an integer: set it to a whole number (or unset it)")
 
 
 def ensure_pinned_host_memory(phased: bool) -> None:
@@ -92,19 +105,35 @@ def ensure_pinned_host_memory(phased: bool) -> None:
 def maybe_initialize_distributed() -> None:
     """Multi-process runs (the original's poprun): jax.distributed.initialize() when a cluster is set up.
 
-    Set JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID), or run under
-    SLURM / on a TPU pod with FLAN_T5_DISTRIBUTED=1 for auto-detection. One process otherwise.
+    Set JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID in every process (``python3 -m utils.launch`` does this for processes
+    on one machine), or set FLAN_T5_DISTRIBUTED=1 under SLURM / Open MPI / on a TPU pod
+    to let JAX detect them. One process otherwise.
     """
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("FLAN_T5_DISTRIBUTED") == "1":
-        import jax
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not address and os.environ.get("FLAN_T5_DISTRIBUTED") != "1":
+        return
+    procs, pid = _env_int("JAX_NUM_PROCESSES"), _env_int("JAX_PROCESS_ID")
+    if address and (procs is None or pid is None):
+        die("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES and JAX_PROCESS_ID are not: set all three "
+            "in every process (or FLAN_T5_DISTRIBUTED=1 alone under SLURM / on a TPU pod)")
+    if procs is not None and pid is not None and not 0 <= pid < procs:
+        die(f"JAX_PROCESS_ID={pid} is outside 0..{procs - 1} (JAX_NUM_PROCESSES={procs}): number the processes "
+            "0, 1, ... JAX_NUM_PROCESSES-1")
+    import jax
 
-        jax.distributed.initialize()
+    jax.distributed.initialize(address, procs, pid)
 
 
 def setup_jax() -> Optional[str]:
     """Starts multi-process JAX when configured, and switches on the persistent compilation
-    cache from JAX_COMPILATION_CACHE_DIR (or the original's POPXL_CACHE_DIR); returns its path."""
+    cache from JAX_COMPILATION_CACHE_DIR (or the original's POPXL_CACHE_DIR); returns its path.
+
+    In a multi-process run only process 0 logs at INFO; the others log warnings and errors.
+    """
     maybe_initialize_distributed()
+    if not is_main_process():
+        logger.setLevel(logging.WARNING)
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("POPXL_CACHE_DIR")
     if not path:
         return None
@@ -113,3 +142,13 @@ def setup_jax() -> Optional[str]:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
+
+
+def is_main_process() -> bool:
+    """True in process 0 of a multi-process run (the one that prints and writes reports), and in a
+    single-process run."""
+    if not os.environ.get("JAX_COORDINATOR_ADDRESS") and os.environ.get("FLAN_T5_DISTRIBUTED") != "1":
+        return True
+    import jax
+
+    return jax.process_index() == 0

@@ -20,15 +20,20 @@ def library_versions() -> dict:
 
 
 class Tracker:
-    """Writes metrics.jsonl (one JSON per step) and, optionally, to Weights & Biases."""
+    """Writes metrics.jsonl (one JSON per step) and, optionally, to Weights & Biases.
+
+    ``enabled=False`` (every process but the first of a multi-process run) writes nothing.
+    """
 
     def __init__(self, run_dir: str, config: dict, use_wandb: bool = False, wandb_name: Optional[str] = None,
-                 resume: bool = False):
-        self.run_dir = run_dir
+                 resume: bool = False, enabled: bool = True):
+        self.run_dir, self.enabled = run_dir, enabled
+        self.wandb = None
+        if not enabled:
+            return
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = open(self.path, "a" if resume else "w")
-        self.wandb = None
         if use_wandb:
             import wandb
 
@@ -36,12 +41,16 @@ class Tracker:
                                     config={"config": config, "versions": library_versions()})
 
     def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._file.close()
         plot_loss_curve(self.path, os.path.join(self.run_dir, "loss_curve.png"))
         if self.wandb is not None:

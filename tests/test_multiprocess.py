@@ -1,0 +1,127 @@
+"""Multi-process (multi-host) runs: two cooperating JAX processes on this machine, CPU collectives
+over gloo, checked against the same run in one process.
+
+Fine-tuning (tiny: dp=2 across the processes, tp=2 within each) must give the same losses and
+weights as one process on 4 devices; validation, with tp or dp across the processes, the same
+generated texts. The launcher and the distributed set-up's bad input are tested without JAX peers.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import run_finetuning
+import run_validation
+from tests.test_finetuning_cli import SMALL, params_at
+from utils import checkpoint as ckpt
+from utils import cli
+from utils.launch import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def two_processes(script: str, argv: list, tmp_path, timeout: int = 300) -> None:
+    """Runs a driver as 2 processes under utils.launch; each simulates its own share of the devices."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 8 devices
+    log = tmp_path / f"{os.path.basename(script)}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "utils.launch", "--nproc", "2", script, *argv],
+                              cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def metrics(run_dir, key) -> list:
+    return [json.loads(line)[key] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def test_two_processes_fine_tune_like_one(tmp_path):
+    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+    two_processes("run_finetuning.py", SMALL + ["--steps", "3", "--save", multi], tmp_path)
+    run_finetuning.main(SMALL + ["--steps", "3", "--save", single])
+
+    # process 0 alone wrote the run's files: one metrics line per step
+    assert ckpt.saved_steps(multi) == [3]
+    assert len(metrics(multi, "loss")) == 3
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(metrics(multi, key), metrics(single, key), rtol=1e-5, err_msg=key)
+    # the checkpoint the two processes wrote, restored on one device
+    (meta_m, pm), (meta_s, ps) = params_at(multi, 3), params_at(single, 3)
+    assert meta_m["data_position"] == meta_s["data_position"]
+    for x, y in zip(jax.tree.leaves(pm), jax.tree.leaves(ps)):
+        assert x.shape == y.shape
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_two_processes_validate_like_one(tmp_path):
+    """Greedy decoding of a random model (texts that differ from row to row, so a misplaced row
+    shows) by two processes and by one: tp across the processes (tiny's tp=2), then dp across them
+    (each decodes its own rows and the tokens are gathered); process 0 writes the report."""
+    from tests.hf_utils import make_hf
+
+    hf, _, _ = make_hf("1.1", vocab_size=128, d_model=64, d_ff=256, num_heads=4, d_kv=16, num_layers=4,
+                       relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                       initializer_factor=5.0)  # larger weights than HF's default: texts vary with the prompt
+    hf.save_pretrained(tmp_path / "hf")
+    for name, layout in (("tp", []), ("dp", ["--data_parallel", "2", "--tensor_parallel", "1"])):
+        args = ["--config", "tiny", "--hf_model", str(tmp_path / "hf"), "--limit", "24"] + layout
+        two_processes("run_validation.py", args + ["--output", str(tmp_path / f"{name}_multi.json")], tmp_path)
+        run_validation.main(args + ["--output", str(tmp_path / f"{name}_single.json")])
+        rm, rs = (json.load(open(tmp_path / f"{name}_{n}.json")) for n in ("multi", "single"))
+        assert rm["samples"] == rs["samples"] == 24
+        assert len(set(rs["generated"])) > 12, rs["generated"]
+        assert rm["generated"] == rs["generated"], name
+
+
+def test_launcher_stops_the_other_processes_when_one_fails():
+    # process 1 fails at once; process 0 would wait for its peer forever
+    script = ("import os, sys, time\n"
+              "if os.environ['JAX_PROCESS_ID'] == '1': sys.exit(3)\n"
+              "time.sleep(120)\n")
+    t0 = time.perf_counter()
+    assert launch(2, ["-c", script]) == 3
+    assert time.perf_counter() - t0 < 60
+
+
+def test_launcher_gives_each_process_its_rank(tmp_path):
+    script = ("import os, sys\n"
+              "open(os.path.join(sys.argv[1], os.environ['JAX_PROCESS_ID']), 'w').write("
+              "os.environ['JAX_NUM_PROCESSES'] + ' ' + os.environ['JAX_COORDINATOR_ADDRESS'])\n")
+    assert launch(3, ["-c", script, str(tmp_path)]) == 0
+    seen = {p: (tmp_path / p).read_text() for p in ("0", "1", "2")}
+    assert len(set(seen.values())) == 1 and next(iter(seen.values())).startswith("3 127.0.0.1:")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234"}, "JAX_NUM_PROCESSES and JAX_PROCESS_ID are not"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
+     "JAX_PROCESS_ID=2 is outside 0..1"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+     "JAX_NUM_PROCESSES='two' is not an integer"),
+])
+def test_incomplete_distributed_environment_is_a_one_line_error(monkeypatch, capsys, env, message):
+    for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "FLAN_T5_DISTRIBUTED"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        cli.maybe_initialize_distributed()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_each_process_simulates_its_share_of_the_devices(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    cli.ensure_host_devices(4)
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+    cli.ensure_host_devices(4)  # one device each: the default, no flag
+    assert "XLA_FLAGS" not in os.environ

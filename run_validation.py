@@ -20,8 +20,15 @@ logger = logging.getLogger("flan_t5")
 
 def extra_flags(p):
     p.add_argument("--output", default=None,
-                   help="JSON report path (default: validation_SPLIT[_stepN].json beside the checkpoint, else runs/)")
+                   help="JSON report path (default: SPLIT[_stepN].json, e.g. validation_mismatched_step1000.json, "
+                        "beside the checkpoint, else in runs/)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N samples")
+
+
+def report_name(split: str, step=None) -> str:
+    """validation_mismatched_step1000.json; a split not named validation* gets the prefix (validation_test.json)."""
+    base = split if split.startswith("validation") else f"validation_{split}"
+    return base + (f"_step{step}" if step is not None else "") + ".json"
 
 
 class Validator:
@@ -102,7 +109,7 @@ def main(argv=None) -> None:
             report = score(labels, validator.predict(params, feats, tokenizer))
             report.update(split=cfg.data.split, dataset=cfg.data.dataset, step=step,
                           checkpoint=directory or cfg.data.hf_model, seconds=time.perf_counter() - t0)
-            name = f"validation_{cfg.data.split}" + (f"_step{step}" if step is not None else "") + ".json"
+            name = report_name(cfg.data.split, step)
             path = args.output if args.output and len(targets) == 1 else os.path.join(directory or "runs", name)
             if not is_main_process():  # process 0 of a multi-process run writes and prints the report
                 continue

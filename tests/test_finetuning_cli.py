@@ -102,10 +102,12 @@ def test_validation_after_training_writes_report(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.index("step 1:") < out.index("step 2:")  # every checkpoint, in step order
     for step in (1, 2):
-        r = json.load(open(os.path.join(save, f"validation_validation_step{step}.json")))
+        r = json.load(open(os.path.join(save, f"validation_step{step}.json")))
         assert r["samples"] == 9 and len(r["predictions"]) == 9 and r["step"] == step
         assert 0.0 <= r["accuracy"] <= 1.0
         assert sum(map(sum, r["confusion_matrix"]["counts"])) == 9
+    assert run_validation.report_name("validation_mismatched", 1000) == "validation_mismatched_step1000.json"
+    assert run_validation.report_name("test") == "validation_test.json"
 
 def _fails(capsys, main, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -1,8 +1,8 @@
 """Multi-process (multi-host) runs: two cooperating JAX processes on this machine, CPU collectives
 over gloo, checked against the same run in one process.
 
-Fine-tuning (tiny: dp=2 across the processes, tp=2 within each) must give the same losses and
-weights as one process on 4 devices; validation, with tp or dp across the processes, the same
+Fine-tuning (tiny: dp=2 across the processes, tp=2 within each; fused and phased) must give the
+same losses, gradient norms and weights as one process on 4 devices; validation, with tp or dp across the processes, the same
 generated texts. The launcher and the distributed set-up's bad input are tested without JAX peers.
 """
 
@@ -40,10 +40,14 @@ def metrics(run_dir, key) -> list:
     return [json.loads(line)[key] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-def test_two_processes_fine_tune_like_one(tmp_path):
+@pytest.mark.parametrize("phased", ["false", "true"])
+def test_two_processes_fine_tune_like_one(tmp_path, phased):
+    """Fused and phased executors (the phased one builds its host buffers from each process's
+    own shards)."""
     multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-    two_processes("run_finetuning.py", SMALL + ["--steps", "3", "--save", multi], tmp_path)
-    run_finetuning.main(SMALL + ["--steps", "3", "--save", single])
+    argv = SMALL + ["--steps", "3", "--phased", phased]
+    two_processes("run_finetuning.py", argv + ["--save", multi], tmp_path)
+    run_finetuning.main(argv + ["--save", single])
 
     # process 0 alone wrote the run's files: one metrics line per step
     assert ckpt.saved_steps(multi) == [3]
@@ -76,6 +80,43 @@ def test_two_processes_validate_like_one(tmp_path):
         assert rm["samples"] == rs["samples"] == 24
         assert len(set(rs["generated"])) > 12, rs["generated"]
         assert rm["generated"] == rs["generated"], name
+
+
+SLURM_PROBE = r"""
+import sys
+sys.path.insert(0, {root!r})
+from utils.cli import ensure_host_devices, setup_jax
+ensure_host_devices(4)
+setup_jax()
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from graphs.sharding import fetch, make_mesh, put_global
+mesh = make_mesh(2, 2)
+x = put_global(np.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("dp")))
+total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)
+print(jax.process_index(), jax.process_count(), jax.device_count(), len(jax.local_devices()), float(total),
+      fetch(x).ravel().tolist())
+"""
+
+
+def test_slurm_environment_is_detected_with_flan_t5_distributed(tmp_path):
+    """FLAN_T5_DISTRIBUTED=1 under (a faked) SLURM: JAX reads rank, size and coordinator from the
+    scheduler's variables; each process simulates its share of 4 devices; arrays placed per
+    process and gathered back whole."""
+    from utils.launch import free_port
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
+    env.update(JAX_PLATFORMS="cpu", FLAN_T5_DISTRIBUTED="1", SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost",
+               SLURM_NTASKS="2", JAX_COORDINATOR_PORT=str(free_port()))
+    script = SLURM_PROBE.format(root=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", script], env={**env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    lines = sorted(out.strip().splitlines()[-1] for out, _ in outs)
+    for rank, line in enumerate(lines):
+        assert line == f"{rank} 2 4 2 28.0 [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]"
 
 
 def test_launcher_stops_the_other_processes_when_one_fails():

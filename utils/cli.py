@@ -67,15 +67,28 @@ def setup_logging(level: int = logging.INFO) -> None:
 def ensure_host_devices(n: int) -> None:
     """Lets the CPU backend simulate ``n`` devices in all (must run before JAX starts).
 
-    In a multi-process run (JAX_NUM_PROCESSES) each process simulates its share,
-    n / processes. Only the host (CPU) platform is affected: on a GPU or TPU machine
+    In a multi-process run each process simulates its share, n / processes
+    (process_count_from_env). Only the host (CPU) platform is affected: on a GPU or TPU machine
     the accelerators are used and this flag is inert.
     """
     flags = os.environ.get("XLA_FLAGS", "")
-    procs = _env_int("JAX_NUM_PROCESSES") or 1
+    procs = process_count_from_env()
     local = -(-n // procs)
     if "xla_force_host_platform_device_count" not in flags and local > 1:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local}".strip()
+
+
+def process_count_from_env() -> int:
+    """The number of processes this run will have, read before JAX starts: JAX_NUM_PROCESSES, or
+    under FLAN_T5_DISTRIBUTED=1 the scheduler's count (SLURM_NTASKS, OMPI_COMM_WORLD_SIZE); else 1."""
+    names = ["JAX_NUM_PROCESSES"]
+    if os.environ.get("FLAN_T5_DISTRIBUTED") == "1":
+        names += ["SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"]
+    for name in names:
+        n = _env_int(name)
+        if n:
+            return n
+    return 1
 
 
 def _env_int(name: str) -> Optional[int]:

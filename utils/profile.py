@@ -23,7 +23,8 @@ from utils.bench import write_json
 def op_family(name: str) -> str:
     """Coarse kind of a device op from its kernel / HLO name."""
     n = name.lower()
-    if any(k in n for k in ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot", "convolution")):
+    if any(k in n for k in ("gemm", "cublas", "cutlass", "xmma", "nvjet", "matmul", "dot", "convolution",
+                            "ynn_fusion", "xnn_fusion", "onednn")):  # the last three: XLA:CPU's matmul libraries
         return "matmul"
     if any(k in n for k in ("all-reduce", "all-gather", "reduce-scatter", "nccl", "collective", "all-to-all")):
         return "collective"
@@ -44,7 +45,8 @@ def summarise(trace_path: str, top: int) -> dict:
     pname = {e["pid"]: e.get("args", {}).get("name", "") for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     device_pids = {p for p, n in pname.items() if re.search(r"/device:(GPU|TPU)", n)}
-    if not device_pids:  # CPU: XLA runs the ops on host threads; keep only the XLA op events
+    on_host = not device_pids
+    if on_host:  # CPU: XLA runs the ops on host threads beside Python's events; keep the XLA ops (hlo_op)
         device_pids = {p for p, n in pname.items() if "/host:CPU" in n}
     by_name, by_family = defaultdict(float), defaultdict(float)
     counts, detail = defaultdict(int), {}
@@ -55,6 +57,8 @@ def summarise(trace_path: str, top: int) -> dict:
         name = e.get("name", "?")
         if name.startswith(("Thunk", "PjRt", "Execute", "$")) or "::" in name:
             continue  # host-side wrappers around the ops
+        if on_host and "hlo_op" not in e.get("args", {}):
+            continue  # Python and runtime events (argument parsing, dispatch), not device work
         by_name[name] += e["dur"]
         counts[name] += 1
         if name not in detail:

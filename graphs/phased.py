@@ -171,6 +171,11 @@ class PhasedExecutor:
         self.act_dev = NamedSharding(self.mesh, self.act_spec)
         self.act_host = self.act_dev.with_memory_kind(HOST)
         self.memory = None  # set to a PhaseMemory to record device bytes per phase
+        # Several processes on CPUs (gloo collectives): XLA:CPU may run two dispatched programs at
+        # once, and two programs' collectives can then pair up across processes in different orders
+        # and hang. There, each program with collectives finishes before the next is dispatched. GPUs
+        # and TPUs run the programs in dispatch order on one stream, so nothing waits there.
+        self._serial = jax.process_count() > 1 and self.mesh.devices.flat[0].platform == "cpu"
         self._programs = {}
         self._opt_shardings = {}
         self.last_buffers = {}
@@ -372,7 +377,11 @@ class PhasedExecutor:
     def _run(self, name, program, *args):
         if self.memory is not None:
             self.memory.record(name, program, args)
-        return program(*args)
+        return self._settle(program(*args))
+
+    def _settle(self, out):
+        """``out``, finished first when programs must not overlap (see ``_serial``)."""
+        return jax.block_until_ready(out) if self._serial else out
 
     def embeddings_fwd(self, stream: int):
         lay = self.rest_layouts["shared"]
@@ -629,7 +638,7 @@ class PhasedExecutor:
             g_lp, g_rel, dx, de = self._run("decoder_layer_bwd", bwd, lp, relpos, load_act(x_dec[j]),
                                             load_act(x_buf[L_ + 1]), load_act(dx_dec[j + 1]), masks_dec, rng_data, j)
             dx_dec[j], dx_enc[j] = store_act(dx), store_act(de)
-            sumsq = sumsq + self._sum_squares(g_lp)
+            sumsq = sumsq + self._settle(self._sum_squares(g_lp))
             layer_grads["decoder"][j] = self.store(g_lp, self.row_dev["decoder"])
             accumulate(g_rel, "['decoder']['relpos']")
             del lp, g_lp, dx, de
@@ -658,7 +667,7 @@ class PhasedExecutor:
             g_lp, g_rel, dx, _ = self._run("encoder_layer_bwd", bwd, lp, relpos, x, x, load_act(dx_buf[j + 1]),
                                            masks_enc, rng_data, j)
             dx_buf[j] = store_act(dx)
-            sumsq = sumsq + self._sum_squares(g_lp)
+            sumsq = sumsq + self._settle(self._sum_squares(g_lp))
             layer_grads["encoder"][j] = self.store(g_lp, self.row_dev["encoder"])
             accumulate(g_rel, "['encoder']['relpos']")
             del lp, x, g_lp, dx
@@ -672,7 +681,7 @@ class PhasedExecutor:
         if missing:  # e.g. lm_head when tied: no phase touched it
             raise RuntimeError(f"no gradient for {missing}")
         g_rest = jax.tree.unflatten(treedef, [rest_grads[k] for k in _flat(ps.rest)])
-        sumsq = sumsq + self._sum_squares(g_rest)
+        sumsq = sumsq + self._settle(self._sum_squares(g_rest))
         return loss, g_rest, layer_grads, sumsq
 
     def train_step(self, ps: PhasedState, batch: dict, rng_data=None):

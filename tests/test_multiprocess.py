@@ -8,6 +8,7 @@ generated texts. The launcher and the distributed set-up's bad input are tested 
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,8 +32,15 @@ def two_processes(script: str, argv: list, tmp_path, timeout: int = 300) -> None
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 8 devices
     log = tmp_path / f"{os.path.basename(script)}.log"
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "utils.launch", "--nproc", "2", script, *argv],
-                              cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        # its own process group: on a timeout the launcher and both processes are stopped together
+        proc = subprocess.Popen([sys.executable, "-m", "utils.launch", "--nproc", "2", script, *argv],
+                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"{script} in two processes did not finish in {timeout} s:\n{log.read_text()[-3000:]}")
     assert proc.returncode == 0, log.read_text()[-3000:]
 
 
@@ -129,6 +137,25 @@ def test_launcher_stops_the_other_processes_when_one_fails():
     assert time.perf_counter() - t0 < 60
 
 
+def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\n"
+                      "open(os.path.join(sys.argv[1], os.environ['JAX_PROCESS_ID']), 'w').write(str(os.getpid()))\n"
+                      "time.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "utils.launch", "--nproc", "2", str(script), str(tmp_path)],
+                                cwd=ROOT)
+    deadline = time.time() + 60
+    while not all((tmp_path / r).exists() and (tmp_path / r).read_text() for r in ("0", "1")):
+        assert time.time() < deadline and launcher.poll() is None
+        time.sleep(0.1)
+    pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+    launcher.terminate()
+    assert launcher.wait(timeout=60) == 143
+    for pid in pids:  # gone (reaped by the launcher), not orphaned
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_launcher_gives_each_process_its_rank(tmp_path):
     script = ("import os, sys\n"
               "open(os.path.join(sys.argv[1], os.environ['JAX_PROCESS_ID']), 'w').write("
@@ -140,6 +167,7 @@ def test_launcher_gives_each_process_its_rank(tmp_path):
 
 @pytest.mark.parametrize("env, message", [
     ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234"}, "JAX_NUM_PROCESSES and JAX_PROCESS_ID are not"),
+    ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2"}, "JAX_PROCESS_ID is not"),
     ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"},
      "JAX_PROCESS_ID=2 is outside 0..1"),
     ({"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},

@@ -124,12 +124,14 @@ def maybe_initialize_distributed() -> None:
     to let JAX detect them. One process otherwise.
     """
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if not address and os.environ.get("FLAN_T5_DISTRIBUTED") != "1":
+    detect = os.environ.get("FLAN_T5_DISTRIBUTED") == "1"  # the scheduler fills in what is not set
+    if not address and not detect:
         return
     procs, pid = _env_int("JAX_NUM_PROCESSES"), _env_int("JAX_PROCESS_ID")
-    if address and (procs is None or pid is None):
-        die("JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES and JAX_PROCESS_ID are not: set all three "
-            "in every process (or FLAN_T5_DISTRIBUTED=1 alone under SLURM / on a TPU pod)")
+    missing = [n for n, v in (("JAX_NUM_PROCESSES", procs), ("JAX_PROCESS_ID", pid)) if v is None]
+    if missing and not detect:
+        die(f"JAX_COORDINATOR_ADDRESS is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+            "not: set all three in every process (or FLAN_T5_DISTRIBUTED=1 under SLURM / on a TPU pod)")
     if procs is not None and pid is not None and not 0 <= pid < procs:
         die(f"JAX_PROCESS_ID={pid} is outside 0..{procs - 1} (JAX_NUM_PROCESSES={procs}): number the processes "
             "0, 1, ... JAX_NUM_PROCESSES-1")

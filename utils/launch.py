@@ -29,32 +29,52 @@ def free_port() -> int:
 
 
 def launch(nproc: int, command: list, port: int | None = None, env: dict | None = None) -> int:
-    """Starts ``command`` (a Python script and its arguments) ``nproc`` times; returns the exit status."""
+    """Starts ``command`` (a Python script and its arguments) ``nproc`` times; returns the exit status.
+
+    The processes share the launcher's process group, so a signal to the group (Ctrl-C) reaches
+    them all; SIGTERM to the launcher alone stops them too.
+    """
     address = f"127.0.0.1:{port or free_port()}"
     procs = []
     for i in range(nproc):
         penv = dict(os.environ if env is None else env)
         penv.update(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(nproc), JAX_PROCESS_ID=str(i))
-        procs.append(subprocess.Popen([sys.executable, *command], env=penv, start_new_session=True))
+        procs.append(subprocess.Popen([sys.executable, *command], env=penv))
+
+    def stop(*_):
+        for q in procs:
+            if q.poll() is None:
+                q.terminate()
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     status = 0
     try:
-        while procs:
-            for p in list(procs):
+        running = list(procs)
+        while running:
+            for p in list(running):
                 rc = p.poll()
                 if rc is None:
                     continue
-                procs.remove(p)
+                running.remove(p)
                 if rc != 0 and status == 0:
                     status = rc
-                    for q in procs:  # one failed: the others would wait for it forever
-                        os.killpg(q.pid, signal.SIGTERM)
+                    for q in running:  # one failed: the others would wait for it forever
+                        q.terminate()
             time.sleep(0.2)
     except KeyboardInterrupt:
         for q in procs:
-            os.killpg(q.pid, signal.SIGTERM)
+            if q.poll() is None:
+                q.terminate()
         status = 130
-    for q in procs:
-        q.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for q in procs:
+            try:
+                q.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                q.kill()
+                q.wait()
     return status
 
 

@@ -115,6 +115,11 @@ def ensure_pinned_host_memory(phased: bool) -> None:
     os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(int(0.9 * ram / 2**30), 1))
 
 
+def distributed_requested() -> bool:
+    """Whether this run is one of several processes (the environment asks for jax.distributed)."""
+    return bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or os.environ.get("FLAN_T5_DISTRIBUTED") == "1"
+
+
 def maybe_initialize_distributed() -> None:
     """Multi-process runs (the original's poprun): jax.distributed.initialize() when a cluster is set up.
 
@@ -123,10 +128,10 @@ def maybe_initialize_distributed() -> None:
     on one machine), or set FLAN_T5_DISTRIBUTED=1 under SLURM / Open MPI / on a TPU pod
     to let JAX detect them. One process otherwise.
     """
+    if not distributed_requested():
+        return
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
     detect = os.environ.get("FLAN_T5_DISTRIBUTED") == "1"  # the scheduler fills in what is not set
-    if not address and not detect:
-        return
     procs, pid = _env_int("JAX_NUM_PROCESSES"), _env_int("JAX_PROCESS_ID")
     missing = [n for n, v in (("JAX_NUM_PROCESSES", procs), ("JAX_PROCESS_ID", pid)) if v is None]
     if missing and not detect:
@@ -162,7 +167,7 @@ def setup_jax() -> Optional[str]:
 def is_main_process() -> bool:
     """True in process 0 of a multi-process run (the one that prints and writes reports), and in a
     single-process run."""
-    if not os.environ.get("JAX_COORDINATOR_ADDRESS") and os.environ.get("FLAN_T5_DISTRIBUTED") != "1":
+    if not distributed_requested():
         return True
     import jax
 

@@ -41,13 +41,16 @@ def launch(nproc: int, command: list, port: int | None = None, env: dict | None 
         penv.update(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(nproc), JAX_PROCESS_ID=str(i))
         procs.append(subprocess.Popen([sys.executable, *command], env=penv))
 
-    def stop(*_):
+    def stop_all():
         for q in procs:
             if q.poll() is None:
                 q.terminate()
+
+    def on_sigterm(*_):
+        stop_all()
         raise SystemExit(143)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     status = 0
     try:
         running = list(procs)
@@ -59,13 +62,10 @@ def launch(nproc: int, command: list, port: int | None = None, env: dict | None 
                 running.remove(p)
                 if rc != 0 and status == 0:
                     status = rc
-                    for q in running:  # one failed: the others would wait for it forever
-                        q.terminate()
+                    stop_all()  # one failed: the others would wait for it forever
             time.sleep(0.2)
     except KeyboardInterrupt:
-        for q in procs:
-            if q.poll() is None:
-                q.terminate()
+        stop_all()
         status = 130
     finally:
         signal.signal(signal.SIGTERM, previous)

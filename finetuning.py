@@ -3,8 +3,11 @@
     python3 finetuning.py --config tiny --data_parallel 2 --tensor_parallel 2
     python3 finetuning.py --config xl_pod8 --steps 20 --json runs/xl.json
 
-Prints one line per step with the loss, then median step time, samples/s,
-tokens/s, compile time, model TFLOP/s and MFU (where the device's peak is known
+The generated prompts have MultiNLI-like lengths by default (--lengths mnli) and
+are packed into rows as training packs them (--packing false pads one example to a
+row, as the original). Prints one line per step with the loss, then median step
+time, samples (rows)/s, examples/s, non-pad tokens/s and the packing efficiency,
+compile time, model TFLOP/s and MFU (where the device's peak is known
 or --peak_tflops is given) and peak device memory: the allocator's peak where the
 backend reports one (GPU/TPU), and on every backend the bytes of live device arrays
 plus the compiled programs' temporaries (XLA's memory analysis). With
@@ -26,6 +29,9 @@ def extra_flags(p):
     p.add_argument("--peak_tflops", type=float, default=None, help="peak TFLOP/s of one device, for MFU")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one extra (untimed) step with the JAX profiler into DIR and print the top device ops")
+    p.add_argument("--lengths", choices=("mnli", "uniform"), default="mnli",
+                   help="prompt lengths of the generated data: mnli (drawn to MultiNLI's statistics, about 52 tokens "
+                        "on average with a long tail) or uniform (in [L/2, L]: rows mostly full)")
 
 
 def main(argv=None) -> dict:
@@ -43,6 +49,7 @@ def main(argv=None) -> dict:
     import jax
 
     from data.generated import generated_batch
+    from data.packing import batch_stats
     from graphs.graphs import Graphs
     from graphs.sharding import DeviceCountError
     from config import ConfigError
@@ -54,15 +61,13 @@ def main(argv=None) -> dict:
         g = Graphs(cfg)
     except (DeviceCountError, ConfigError) as e:
         die(str(e))
-    if cfg.execution.phased:
-        from graphs.phased import PhasedExecutor, PhaseMemory
+    from graphs.executor import make_executor
 
-        executor = PhasedExecutor(g)
-        state = executor.init_state(executor.init_params())
-    else:
-        executor = g
-        state = g.init_state(g.init_params())
-    batches = [g.shard_batch(generated_batch(cfg, seed=i)) for i in range(2)]
+    executor = make_executor(g)
+    state = executor.init_state()
+    host_batches = [generated_batch(cfg, seed=i, lengths=args.lengths) for i in range(2)]
+    stats = [batch_stats(b) for b in host_batches]
+    batches = [g.shard_batch(b) for b in host_batches]
     times, losses, compile_s = [], [], None
     for step in range(cfg.training.steps):
         t0 = time.perf_counter()
@@ -79,12 +84,14 @@ def main(argv=None) -> dict:
 
     # device bytes, outside the timed steps: live device arrays + compiled temporaries
     if cfg.execution.phased:
+        from graphs.phased import PhaseMemory
+
         executor.memory = PhaseMemory()
         state, _ = executor.train_step(state, batches[0])
         estimate, by_phase = executor.memory.peak, executor.memory.by_phase
     else:
         rng = jax.random.key_data(jax.random.key(0))
-        analysis = g.train_step_program(state).lower(state, batches[0], rng).compile().memory_analysis()
+        analysis = executor.train_step_program(state).lower(state, batches[0], rng).compile().memory_analysis()
         estimate, by_phase = program_bytes(analysis, max(live_device_bytes().values() or [0])), None
 
     if args.profile:
@@ -97,10 +104,13 @@ def main(argv=None) -> dict:
 
         trace(args.profile, one_step) if primary else one_step()  # process 0 traces its devices
 
-    samples = cfg.training.global_batch_size
-    tokens = samples * (cfg.model.sequence_length + cfg.model.decoder_sequence_length)
+    samples = cfg.training.global_batch_size  # rows of sequence_length tokens
+    dec_len = cfg.decoder_row_length
+    tokens = samples * (cfg.model.sequence_length + dec_len)
+    examples = sum(s["examples"] for s in stats) / len(stats)
+    real_tokens = sum(s["tokens"] for s in stats) / len(stats)
     step_s = median(times)
-    flops = train_flops_per_sample(cfg.model, cfg.model.sequence_length, cfg.model.decoder_sequence_length) * samples
+    flops = train_flops_per_sample(cfg.model, cfg.model.sequence_length, dec_len) * samples
     tflops = flops / step_s / 1e12
     kind = jax.devices()[0].device_kind
     peak = peak_tflops(kind, args.peak_tflops)
@@ -108,18 +118,24 @@ def main(argv=None) -> dict:
         "config": args.config, "device_kind": kind, "devices": cfg.devices,
         "data_parallel": cfg.execution.data_parallel, "tensor_parallel": cfg.execution.tensor_parallel,
         "precision": cfg.model.precision, "parameters": count_params(g.specs), "global_batch_size": samples,
-        "encoder_length": cfg.model.sequence_length, "decoder_length": cfg.model.decoder_sequence_length,
+        "encoder_length": cfg.model.sequence_length, "decoder_length": dec_len,
+        "packing": cfg.data.packing, "lengths": args.lengths, "examples_per_step": examples,
+        "packing_efficiency": sum(s["packing_efficiency"] for s in stats) / len(stats),
         "steps": cfg.training.steps, "timed_steps": len(times), "losses": losses,
         "compile_s": compile_s, "median_step_s": step_s, "samples_per_s": samples / step_s,
-        "tokens_per_s": tokens / step_s, "model_tflops_per_step": flops / 1e12, "model_tflops_per_s": tflops,
+        "examples_per_s": examples / step_s, "tokens_per_s": tokens / step_s,
+        "nonpad_tokens_per_s": real_tokens / step_s,
+        "model_tflops_per_step": flops / 1e12, "model_tflops_per_s": tflops,
         "mfu": tflops / (peak * cfg.devices) if peak else None,
         "phased": cfg.execution.phased, "peak_device_bytes": peak_device_bytes(),
         "device_bytes_estimate": estimate, "device_bytes_by_phase": by_phase,
     }
     if not primary:  # process 0 of a multi-process run prints and writes the report
         return report
-    print(f"median step {step_s * 1e3:.1f} ms | {report['samples_per_s']:.2f} samples/s | "
-          f"{report['tokens_per_s']:.0f} tokens/s | compile {compile_s:.1f} s | {tflops:.3f} model TFLOP/s"
+    print(f"median step {step_s * 1e3:.1f} ms | {report['samples_per_s']:.2f} samples (rows)/s | "
+          f"{report['examples_per_s']:.2f} examples/s ({examples:.0f} a step, "
+          f"{'packed' if cfg.data.packing else 'padded'}, {report['packing_efficiency']:.0%} of token slots used) | "
+          f"{report['nonpad_tokens_per_s']:.0f} non-pad tokens/s | compile {compile_s:.1f} s | {tflops:.3f} model TFLOP/s"
           + (f" | MFU {report['mfu']:.1%}" if peak else "")
           + (f" | peak device memory {report['peak_device_bytes'] / 2**30:.2f} GiB" if report["peak_device_bytes"] else "")
           + f" | device bytes (live arrays + XLA temporaries) {estimate / 2**30:.3f} GiB")

@@ -25,75 +25,49 @@ def extra_flags(p):
 
 
 def build(cfg):
-    """Graphs (with the phased executor when execution.phased), tokenizer and the training data loader."""
-    from data.mnli import TrainLoader, load_rows, load_tokenizer, tokenize_training
+    """Graphs, the executor (fused, or phased when execution.phased), tokenizer and the training data loader."""
+    from data.mnli import TrainLoader, load_rows, load_tokenizer, tokenize_examples
+    from graphs.executor import make_executor
     from graphs.graphs import Graphs
 
     graphs = Graphs(cfg)
-    if cfg.execution.phased:
-        from graphs.phased import PhasedExecutor
-
-        graphs.phased = PhasedExecutor(graphs)
+    executor = make_executor(graphs)
+    if executor.name == "phased":
         logger.info("phased execution: weights, optimizer state and activations in host memory")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         die(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
             "raise --vocab_size or use the tokenizer of this model")
     rows = load_rows(cfg.data.dataset, "train", seed=cfg.model.seed)
-    feats = tokenize_training(rows, tokenizer, cfg.model.sequence_length, cfg.model.decoder_sequence_length)
-    logger.info("training on %d samples of %s", len(rows), cfg.data.dataset)
-    loader = TrainLoader(feats, cfg.training.global_batch_size, cfg.gradient_accumulation, cfg.model.seed)
-    return graphs, loader
+    examples = tokenize_examples(rows, tokenizer)
+    logger.info("training on %d samples of %s (%s rows of %d/%d tokens)", len(rows), cfg.data.dataset,
+                "packed" if cfg.data.packing else "padded", cfg.model.sequence_length, cfg.decoder_row_length)
+    loader = TrainLoader(examples, cfg.training.global_batch_size, cfg.gradient_accumulation, cfg.model.seed,
+                         sequence_length=cfg.model.sequence_length, target_length=cfg.model.decoder_sequence_length,
+                         packing=cfg.data.packing, decoder_length=cfg.decoder_row_length)
+    return executor, loader
 
 
-def initial_state(cfg, graphs, loader):
+def initial_state(cfg, executor, loader):
     """Train state from --load (resume), --hf_model (pretrained) or random init; returns (state, start step).
 
-    Under phased execution the state is a PhasedState in host memory, built without
-    ever placing the whole model on a device.
+    Under phased execution the state lives in host memory, built without ever placing the
+    whole model on a device.
     """
     from modelling.hf_mapping import load_hf_model
     from utils import checkpoint as ckpt
 
-    phased = getattr(graphs, "phased", None)
-    memory = "pinned_host" if phased else None
     if cfg.checkpoint.load:
-        import jax
-        import jax.numpy as jnp
-
-        from graphs.graphs import TrainState
-        from graphs.sharding import with_memory_kind
-
         directory, step = ckpt.resolve(cfg.checkpoint.load)[-1]
-        # restore targets from shapes alone: no random weights or optimizer state are materialised
-        abstract = jax.eval_shape(graphs.init_params)
-        place = (lambda s: with_memory_kind(s, memory)) if memory else (lambda s: s)  # noqa: E731
-        opt_target = None
-        if cfg.checkpoint.optim_state:
-            opt_target = ckpt.abstract_like(jax.eval_shape(graphs.optimizer.init, abstract),
-                                            place(graphs.opt_state_shardings(abstract)))
-        params, opt_state, meta = ckpt.load(directory, step,
-                                            ckpt.abstract_like(abstract, place(graphs.param_shardings)), opt_target)
-        loader.position = meta["data_position"]
+        state, meta = executor.restore(directory, step, cfg.checkpoint.optim_state)
+        loader.restore(meta)
         logger.info("resumed %s at step %d (data position %d)", directory, meta["step"], loader.position)
-        if phased:
-            if opt_state is None:
-                state = phased.init_state(params)
-                state.step = meta["step"]
-                return state, meta["step"]
-            return phased.from_train_state(TrainState(meta["step"], params, opt_state)), meta["step"]
-        if opt_state is None:  # saved without optimizer state: start it afresh
-            opt_state = graphs.init_state(params).opt_state
-        state = TrainState(jax.device_put(jnp.asarray(meta["step"], jnp.int32), graphs.replicated), params, opt_state)
         return state, meta["step"]
     if cfg.data.hf_model:
         _, host = load_hf_model(cfg.data.hf_model, cfg.execution.tensor_parallel, expect=cfg.model)
         logger.info("initialised from %s", cfg.data.hf_model)
-        params = graphs.shard_params(host, memory)
-        return (phased.init_state(params) if phased else graphs.init_state(params)), 0
-    if phased:
-        return phased.init_state(phased.init_params()), 0
-    return graphs.init_state(graphs.init_params()), 0
+        return executor.init_state(host), 0
+    return executor.init_state(), 0
 
 
 def check_save_dir(cfg) -> None:
@@ -109,7 +83,7 @@ def check_save_dir(cfg) -> None:
             "or choose a new --save directory")
 
 
-def train(cfg, args, graphs, loader, state, start_step: int) -> None:
+def train(cfg, args, executor, loader, state, start_step: int) -> None:
     """The training loop: steps, logging, periodic checkpoints."""
     import jax
     from tqdm import tqdm
@@ -117,6 +91,7 @@ def train(cfg, args, graphs, loader, state, start_step: int) -> None:
     from config.config import to_dict
     from utils import checkpoint as ckpt
     from utils.cli import is_main_process
+    from data.packing import batch_stats
     from utils.tracking import Tracker
 
     primary = is_main_process()  # process 0 of a multi-process run writes the metrics and shows progress
@@ -126,29 +101,35 @@ def train(cfg, args, graphs, loader, state, start_step: int) -> None:
     total, every = cfg.training.steps, cfg.checkpoint.steps
     samples = cfg.training.global_batch_size
 
-    executor = getattr(graphs, "phased", None) or graphs
+    graphs = executor.g
 
     def save(step):
-        meta = {"step": step, "data_position": loader.position, "seed": cfg.model.seed, "config": to_dict(cfg)}
+        meta = {"step": step, **loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg)}
         # checkpoints hold the stacked layout whichever executor ran: either one resumes from them
-        stacked = executor.to_train_state(state) if executor is not graphs else state
+        stacked = executor.to_checkpoint(state)
         ckpt.save(mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
 
     bar = tqdm(range(start_step, total), initial=start_step, total=total, desc="fine-tuning", unit="step",
                disable=None if primary else True)
     t_last = time.perf_counter()
     for step in bar:
-        batch = graphs.shard_batch(loader.next_batch())
+        host_batch = loader.next_batch()
+        stats = batch_stats(host_batch)
+        if step == start_step:
+            logger.info("%d examples in the first batch of %d rows: %.1f per row, %.1f%% of the token slots used",
+                        stats["examples"], samples, stats["examples"] / samples, 100 * stats["packing_efficiency"])
+        batch = graphs.shard_batch(host_batch)
         rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
         state, metrics = executor.train_step(state, batch, rng)
         loss = float(metrics["loss"])
         now = time.perf_counter()
         lr = graphs.learning_rate(step)
-        rate = samples / (now - t_last)
-        t_last = now
+        dt, t_last = now - t_last, now
         tracker.log(step + 1, {"loss": loss, "learning_rate": lr, "grad_norm": float(metrics["grad_norm"]),
-                               "samples_per_s": rate})
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", samples_s=f"{rate:.1f}")
+                               "samples_per_s": samples / dt, "examples": stats["examples"],
+                               "examples_per_s": stats["examples"] / dt,
+                               "packing_efficiency": stats["packing_efficiency"]})
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", examples_s=f"{stats['examples'] / dt:.1f}")
         if mgr and every and (step + 1) % every == 0 and step + 1 < total:
             save(step + 1)
     if mgr:
@@ -176,9 +157,9 @@ def main(argv=None) -> None:
 
     try:
         check_save_dir(cfg)
-        graphs, loader = build(cfg)
-        state, start = initial_state(cfg, graphs, loader)
-        train(cfg, args, graphs, loader, state, start)
+        executor, loader = build(cfg)
+        state, start = initial_state(cfg, executor, loader)
+        train(cfg, args, executor, loader, state, start)
     except (DataError, DeviceCountError, ConfigError, CheckpointError, CheckpointNotFound) as e:
         die(str(e))
 

@@ -54,7 +54,7 @@ def train(cfg, args) -> dict:
     model, dev, _ = hf_model(cfg)
     model.train()
     o = cfg.training.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o.learning_rate.maximum, betas=(o.beta1, o.beta2),
+    opt = torch.optim.AdamW(model.parameters(), lr=o.learning_rate.maximum, betas=(0.9 if o.beta1 is None else o.beta1, o.beta2),
                             weight_decay=o.weight_decay)
     batch = {k: torch.tensor(v, dtype=torch.long, device=dev) for k, v in generated_batch(cfg).items()
              if k != "decoder_attention_mask"}

@@ -125,8 +125,9 @@ class Optimizer:
 
     learning_rate: LearningRate = field(default_factory=LearningRate)
 
-    beta1: float = 0.9
-    """Adam beta1."""
+    beta1: Optional[float] = None
+    """First-moment decay: Adam's beta1 (unset: 0.9); Adafactor keeps a first moment only when it is set
+    (unset: none, T5X's default, which saves a weight-sized state)."""
 
     beta2: float = 0.999
     """Adam beta2."""
@@ -226,7 +227,8 @@ class Data:
     """Where the data and the tokenizer come from."""
 
     dataset: str = "glue/mnli"
-    """glue/mnli (Hugging Face hub), synthetic (generated offline), or a local json/jsonl/parquet/csv file or directory."""
+    """glue/mnli (Hugging Face hub), synthetic (generated offline), synthetic-mnli (the same task with MultiNLI-like
+    lengths), or a local json/jsonl/parquet/csv file or directory."""
 
     tokenizer: str = "google/flan-t5-xxl"
     """Hugging Face tokenizer name or directory, or 'synthetic' for the offline word-level tokenizer."""
@@ -236,6 +238,15 @@ class Data:
 
     split: str = "validation_mismatched"
     """Split used by validation."""
+
+    packing: bool = True
+    """Pack several training examples into each row of sequence_length tokens (segment ids and per-segment
+    positions keep them apart); false pads every example to its own row, as the original. global_batch_size
+    then counts rows, not examples."""
+
+    packed_decoder_length: int = 0
+    """Decoder length of a packed row, shared by the targets of all its examples (0: sequence_length // 8,
+    at least decoder_sequence_length). Each target is first cut to decoder_sequence_length, as unpacked."""
 
 
 @dataclass
@@ -262,6 +273,14 @@ class T5Config:
         """Micro-batches accumulated per optimizer step on each replica."""
         denom = self.execution.data_parallel * self.execution.micro_batch_size
         return self.training.global_batch_size // denom
+
+    @property
+    def decoder_row_length(self) -> int:
+        """Decoder tokens of a training row: decoder_sequence_length, or with packing the packed row's."""
+        m = self.model
+        if not self.data.packing:
+            return m.decoder_sequence_length
+        return self.data.packed_decoder_length or max(m.decoder_sequence_length, m.sequence_length // 8)
 
     @property
     def devices(self) -> int:
@@ -322,9 +341,13 @@ class T5Config:
                 f"sequence_length={m.sequence_length} is not divisible by attention_serialisation="
                 f"{ex.attention_serialisation}: choose --attention_serialisation among its divisors"
             )
-        if ex.phased and tr.optimizer.name != "adamw":
-            raise ConfigError(f"phased=true supports optimizer adamw only (got {tr.optimizer.name!r}): "
-                              "pass --optimizer adamw, or drop --phased")
+        p = self.data.packed_decoder_length
+        if p < 0:
+            raise ConfigError(f"packed_decoder_length={p} must not be negative: pass 0 (automatic) or a length")
+        if p and p < m.decoder_sequence_length:
+            raise ConfigError(f"packed_decoder_length={p} is shorter than decoder_sequence_length="
+                              f"{m.decoder_sequence_length}: one target would not fit a row; pass --packed_decoder_length "
+                              f"{m.decoder_sequence_length} or more (or 0 for sequence_length // 8)")
         if self.checkpoint.steps < 0 or self.checkpoint.to_keep < 1:
             raise ConfigError("checkpoint_steps must be >= 0 and to_keep >= 1: fix --checkpoint_steps / --to_keep")
         return self

@@ -1,33 +1,83 @@
-"""Generated token batches for benchmarks and tests (no download, no tokenizer)."""
+"""Generated token batches for benchmarks and tests (no download, no tokenizer).
+
+Length modes for the prompts:
+- ``uniform``: prompt lengths uniform in [L/2, L] (rows mostly full; what the original's
+  benchmarks measured);
+- ``short``: uniform in [2, L/2] (tests: several examples to a packed row);
+- ``mnli``: lengths drawn to match MultiNLI's statistics. The MultiNLI paper (Williams et al.,
+  2018) reports a mean premise of 22.3 words and a mean hypothesis of 11.4; word counts are drawn
+  log-normally around those means (a long right tail), turned into T5 tokens at 1.3 tokens per
+  word (SentencePiece on English prose; an assumption, not a measurement of MNLI), plus the 8
+  tokens of the prompt template (``mnli hypothesis: ... premise: ...``) and EOS. The mean is
+  about 52 tokens, the 99th percentile about 140, the longest a few hundred. Targets are 2 to 4
+  tokens (a class name and EOS).
+
+Batches are padded (one example per row) or packed (data/packing.py), as ``data.packing`` says.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from data.packing import Examples, Packer, pack_rows, pad_rows
 
-def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None,
-                    decoder_length: int | None = None) -> dict:
+MNLI_PREMISE_WORDS, MNLI_HYPOTHESIS_WORDS = 22.3, 11.4  # means reported by the MultiNLI paper
+PREMISE_SIGMA, HYPOTHESIS_SIGMA = 0.6, 0.45  # spread of log word counts: a long tail to a few hundred tokens
+TOKENS_PER_WORD = 1.3
+TEMPLATE_TOKENS = 8  # "mnli hypothesis:" and "premise:" in T5 tokens, and EOS
+
+
+def _lognormal(rng, mean: float, sigma: float, n: int) -> np.ndarray:
+    """Log-normal draws with the given mean (not median)."""
+    return rng.lognormal(np.log(mean) - sigma ** 2 / 2, sigma, n)
+
+
+def mnli_like_lengths(rng: np.random.Generator, n: int) -> tuple:
+    """(prompt token lengths, target token lengths) of n MNLI-like examples (see the module docstring)."""
+    words = _lognormal(rng, MNLI_PREMISE_WORDS, PREMISE_SIGMA, n) + _lognormal(rng, MNLI_HYPOTHESIS_WORDS,
+                                                                               HYPOTHESIS_SIGMA, n)
+    prompts = np.maximum(np.rint(TOKENS_PER_WORD * words), 2).astype(np.int64) + TEMPLATE_TOKENS
+    return prompts, rng.integers(2, 5, n)
+
+
+def generated_examples(rng: np.random.Generator, n: int, vocab_size: int, lengths: str, sequence_length: int,
+                       target_length: int) -> Examples:
+    """n examples of random tokens (ids >= 3), each prompt and target ending in EOS (1)."""
+    if lengths == "mnli":
+        enc, tgt = mnli_like_lengths(rng, n)
+    elif lengths in ("uniform", "short"):
+        half = max(sequence_length // 2, 2)
+        enc = rng.integers(half, sequence_length + 1, n) if lengths == "uniform" else rng.integers(2, half + 1, n)
+        tgt = rng.integers(1, target_length + 1, n)
+    else:
+        raise ValueError(f"lengths={lengths!r}: use 'uniform', 'short' or 'mnli'")
+    inputs = [np.append(rng.integers(3, vocab_size, k - 1), 1).astype(np.int32) for k in enc]
+    targets = [np.append(rng.integers(3, vocab_size, k - 1), 1).astype(np.int32) for k in tgt]
+    return Examples(inputs, targets)
+
+
+def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None, decoder_length: int | None = None,
+                    lengths: str = "uniform", packing: bool | None = None) -> dict:
     """One global batch {key: int32 [gradient_accumulation, dp * micro_batch_size, length]}.
 
-    Encoder prompts have random lengths (right padding, as real prompts); labels end in
-    an EOS (1) followed by -100 padding; decoder inputs are the labels shifted right
-    behind a pad (0) start token, as in the MNLI pipeline.
+    Rows as the training data has them: padded (one example per row, right padding, -100 labels
+    on padding, decoder inputs the targets shifted right behind a 0 start token), or packed
+    (``packing``, default ``cfg.data.packing``: as many examples as fit the rows).
     """
     rng = np.random.default_rng(seed)
     ga = max(cfg.gradient_accumulation, 1)
-    b = cfg.execution.data_parallel * cfg.execution.micro_batch_size
+    rows = ga * cfg.execution.data_parallel * cfg.execution.micro_batch_size
     L = encoder_length or cfg.model.sequence_length
-    D = decoder_length or cfg.model.decoder_sequence_length
+    T = decoder_length or cfg.model.decoder_sequence_length
     V = cfg.model.embedding.vocab_size
-    lengths = rng.integers(max(L // 2, 1), L + 1, (ga, b, 1))
-    mask = (np.arange(L)[None, None] < lengths).astype(np.int32)
-    ids = np.where(mask > 0, rng.integers(3, V, (ga, b, L)), 0).astype(np.int32)
-    ids[np.arange(L)[None, None] == lengths - 1] = 1  # EOS closes each prompt
-    tgt_len = rng.integers(1, D + 1, (ga, b, 1))
-    labels = rng.integers(3, V, (ga, b, D)).astype(np.int32)
-    labels[np.arange(D)[None, None] == tgt_len - 1] = 1
-    labels[np.arange(D)[None, None] >= tgt_len] = -100
-    dec = np.concatenate([np.zeros((ga, b, 1), np.int32), np.where(labels == -100, 0, labels)[..., :-1]], axis=-1)
-    dec_mask = (np.arange(D)[None, None] < tgt_len).astype(np.int32)
-    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": dec,
-            "decoder_attention_mask": dec_mask, "labels": labels}
+    packing = cfg.data.packing if packing is None else packing
+    if not packing:
+        batch = pad_rows(generated_examples(rng, rows, V, lengths, L, T), range(rows), L, T)
+    else:
+        D = decoder_length or cfg.decoder_row_length
+        shortest = {"mnli": TEMPLATE_TOKENS + 2, "short": 2}.get(lengths, max(L // 2, 1))
+        ex = generated_examples(rng, rows * max(L // shortest, 1) + 64, V, lengths, L, T)  # enough for any fill
+        packer = Packer(np.array([len(x) for x in ex.inputs]), np.array([len(t) for t in ex.targets]), L, T, D)
+        filled, _ = packer.fill(rows, [], iter(range(len(ex))))
+        batch = pack_rows(ex, filled, L, T, D)
+    return {k: v.reshape(ga, rows // ga, -1) for k, v in batch.items()}

@@ -10,11 +10,11 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 from data import synthetic
+from data.packing import Examples, Packer, pack_rows, pad_rows
 
 logger = logging.getLogger("flan_t5")
 
@@ -98,8 +98,9 @@ def _local_file(path: str, split: str) -> str:
 
 def load_rows(dataset: str, split: str, seed: int = 0) -> list:
     """Validated MNLI rows of ``split`` from 'glue/mnli', 'synthetic' or a local file/directory."""
-    if dataset == "synthetic":
-        return validate_rows(synthetic.generate_split(split, seed=seed), f"synthetic:{split}")
+    if dataset in ("synthetic", "synthetic-mnli"):
+        lengths = "mnli" if dataset == "synthetic-mnli" else "short"
+        return validate_rows(synthetic.generate_split(split, seed=seed, lengths=lengths), f"{dataset}:{split}")
     if os.path.exists(dataset):
         path = _local_file(dataset, split)
         return validate_rows(_read_table(path), path)
@@ -114,7 +115,8 @@ def load_rows(dataset: str, split: str, seed: int = 0) -> list:
                 f"(datasets.load_dataset('nyu-mll/glue', 'mnli', split='{split}').to_json('{split}.jsonl')), copy it "
                 "here and pass --dataset PATH") from None
         return validate_rows(ds.to_list(), f"glue/mnli:{split}")
-    raise DataError(f"dataset '{dataset}' is neither glue/mnli, synthetic nor an existing path: fix --dataset")
+    raise DataError(f"dataset '{dataset}' is neither glue/mnli, synthetic, synthetic-mnli nor an existing path: "
+                    "fix --dataset")
 
 
 # --------------------------------------------------------------------------- tokenisation
@@ -150,57 +152,87 @@ def tokenize_inputs(rows: list, tokenizer, sequence_length: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def tokenize_examples(rows: list, tokenizer) -> Examples:
+    """Prompt and target ids of every row (EOS included, nothing truncated yet): the input of
+    padding or packing (data/packing.py)."""
+    inputs = tokenizer([prompt(r["hypothesis"], r["premise"]) for r in rows], add_special_tokens=True)["input_ids"]
+    targets = tokenizer([CLASS_LABELS[r["label"]] for r in rows], add_special_tokens=True)["input_ids"]
+    return Examples([np.asarray(x, np.int32) for x in inputs], [np.asarray(t, np.int32) for t in targets])
+
+
 def tokenize_training(rows: list, tokenizer, sequence_length: int, decoder_length: int) -> dict:
-    """Training features [n, len]: input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels."""
-    out = tokenize_inputs(rows, tokenizer, sequence_length)
-    tgt = tokenizer([CLASS_LABELS[r["label"]] for r in rows], add_special_tokens=True)["input_ids"]
-    pad = tokenizer.pad_token_id
-    labels = _pad(tgt, decoder_length, pad)
-    dec_mask = _pad([[1] * len(t) for t in tgt], decoder_length, 0)
-    dec = np.concatenate([np.full((len(rows), 1), pad, np.int32), labels[:, :-1]], axis=1)
-    labels = np.where(dec_mask > 0, labels, -100).astype(np.int32)
-    out.update(decoder_input_ids=dec, decoder_attention_mask=dec_mask, labels=labels)
-    return out
+    """Training features, one example per row [n, len]: input_ids, attention_mask, decoder_input_ids,
+    decoder_attention_mask, labels (-100 on padding)."""
+    ex = tokenize_examples(rows, tokenizer)
+    return pad_rows(ex, range(len(ex)), sequence_length, decoder_length)
 
 
 # --------------------------------------------------------------------------- batching
 
 
-@dataclass
 class TrainLoader:
-    """Deterministic shuffled global batches; resumable from a sample position.
+    """Deterministic shuffled global batches of ``rows`` rows, padded or packed; resumable.
 
-    Epoch e visits the samples in permutation(seed, e); batch k of the run covers samples
-    [k * global_batch, (k + 1) * global_batch) of the concatenated epochs. Batches are
-    shaped [gradient_accumulation, data_parallel * micro_batch_size, len]; dp replica r
-    takes rows [r * mb, (r + 1) * mb) of each micro-batch (the device_put split).
+    The examples are visited in a stream: epoch e in permutation(seed, e). Padded, batch k holds
+    stream examples [k * rows, (k + 1) * rows), one per row. Packed, each batch takes as many
+    examples as fit its rows (data/packing.py), the ones that did not fit held over to the next
+    batch. ``state()`` (the stream position and the held-over examples) is saved in checkpoints;
+    ``restore(state)`` continues with exactly the next batch.
+
+    Batches are {key: int32 [gradient_accumulation, rows / gradient_accumulation, length]}; dp
+    replica r takes rows [r * mb, (r + 1) * mb) of each micro-batch (the device_put split).
     """
 
-    features: dict
-    global_batch_size: int
-    gradient_accumulation: int
-    seed: int = 0
-    position: int = 0  # samples consumed so far (saved in checkpoints)
+    def __init__(self, examples: Examples, rows: int, gradient_accumulation: int, seed: int = 0, *,
+                 sequence_length: int, target_length: int, packing: bool = False, decoder_length: int | None = None):
+        self.examples, self.rows, self.ga, self.seed = examples, rows, gradient_accumulation, seed
+        self.L, self.T = sequence_length, target_length
+        self.packing = packing
+        self.D = decoder_length or target_length
+        self.position = 0  # stream examples consumed so far
+        self.pending: list = []  # examples held over for the next packed batch
+        if packing:
+            self.packer = Packer(np.array([len(x) for x in examples.inputs]),
+                                 np.array([len(t) for t in examples.targets]), self.L, self.T, self.D)
 
     @property
     def size(self) -> int:
-        return len(next(iter(self.features.values())))
+        return len(self.examples)
 
-    def _indices(self, start: int, n: int) -> np.ndarray:
-        out = []
-        while n > 0:
-            epoch, offset = divmod(start, self.size)
+    def _stream(self, start: int):
+        epoch, offset = divmod(start, self.size)
+        while True:
             perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
-            take = min(n, self.size - offset)
-            out.append(perm[offset: offset + take])
-            start, n = start + take, n - take
-        return np.concatenate(out)
+            for i in perm[offset:]:
+                yield int(i)
+            epoch, offset = epoch + 1, 0
 
     def next_batch(self) -> dict:
-        idx = self._indices(self.position, self.global_batch_size)
-        self.position += self.global_batch_size
-        ga = self.gradient_accumulation
-        return {k: v[idx].reshape(ga, self.global_batch_size // ga, -1) for k, v in self.features.items()}
+        stream = self._stream(self.position)
+        if self.packing:
+            taken = [0]
+
+            def counted():
+                for i in stream:
+                    taken[0] += 1
+                    yield i
+
+            rows, self.pending = self.packer.fill(self.rows, self.pending, counted())
+            self.position += taken[0]
+            batch = pack_rows(self.examples, rows, self.L, self.T, self.D)
+        else:
+            idx = [next(stream) for _ in range(self.rows)]
+            self.position += self.rows
+            batch = pad_rows(self.examples, idx, self.L, self.T)
+        return {k: v.reshape(self.ga, self.rows // self.ga, -1) for k, v in batch.items()}
+
+    def state(self) -> dict:
+        """What a checkpoint saves to resume the data exactly."""
+        return {"data_position": self.position, "data_pending": list(self.pending)}
+
+    def restore(self, meta: dict) -> None:
+        self.position = int(meta["data_position"])
+        self.pending = [int(i) for i in meta.get("data_pending", [])]
 
 
 # --------------------------------------------------------------------------- scoring

@@ -5,6 +5,12 @@ Premise: "the {adj} {noun} {verb} in the {place} ." Hypotheses:
 - contradiction: like entailment but one of adj / verb / place replaced by another value;
 - neutral: consistent, plus a time ("... tonight .") that the premise does not mention.
 The label follows from comparing the two sentences word by word.
+
+With ``lengths="mnli"`` (dataset ``synthetic-mnli``) the word counts follow MultiNLI's (a
+mean premise of 22.3 words and hypothesis of 11.4, log-normal, data/generated.py): the premise
+gains clauses about other subjects ("... and the old dog sleeps in the house"), the hypothesis
+leading filler words ("indeed", "well", ...) that carry no content; the label still follows
+from the clause about the hypothesis's subject.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ TIMES = ["today", "tonight", "yesterday", "tomorrow"]
 LABELS = ["entailment", "neutral", "contradiction"]
 SPECIALS = ["<pad>", "</s>", "<unk>"]
 WORDS = ["the", "a", "in", "at", ".", "mnli", "hypothesis:", "premise:"]
+FILLERS = ["indeed", "well", "so", "really", "actually", "surely", "clearly", "perhaps", "also", "now"]
+LENGTHS = ("short", "mnli")
 
 SPLIT_SIZES = {"train": 20000, "validation": 1000, "validation_matched": 1000, "validation_mismatched": 1000,
                "test": 1000}
@@ -27,14 +35,38 @@ SPLIT_SEEDS = {"train": 0, "validation": 1, "validation_matched": 1, "validation
 
 def vocabulary() -> list:
     """Every token of the synthetic task; ids are positions (pad 0, eos 1, unk 2 as in T5)."""
-    return SPECIALS + WORDS + LABELS + NOUNS + ADJS + VERBS + PLACES + TIMES
+    return SPECIALS + WORDS + LABELS + NOUNS + ADJS + VERBS + PLACES + TIMES + ["and"] + FILLERS
 
 
 def _other(rng, options, value):
     return options[(options.index(value) + rng.integers(1, len(options))) % len(options)]
 
 
-def make_example(rng: np.random.Generator) -> dict:
+def _mnli_words(rng: np.random.Generator) -> tuple:
+    """Word counts (premise, hypothesis) drawn as MultiNLI's (data/generated.py)."""
+    from data.generated import HYPOTHESIS_SIGMA, MNLI_HYPOTHESIS_WORDS, MNLI_PREMISE_WORDS, PREMISE_SIGMA, _lognormal
+
+    return (int(_lognormal(rng, MNLI_PREMISE_WORDS, PREMISE_SIGMA, 1)[0]),
+            int(_lognormal(rng, MNLI_HYPOTHESIS_WORDS, HYPOTHESIS_SIGMA, 1)[0]))
+
+
+def _lengthen(rng, premise: str, hypothesis: str, noun: str) -> tuple:
+    """MultiNLI-like lengths: clauses about other subjects after the premise, fillers before the hypothesis."""
+    p_words, h_words = _mnli_words(rng)
+    clauses = []
+    while len(premise.split()) + 8 * (len(clauses) + 1) <= p_words + 4:  # the nearest count of 8-word clauses
+        other = _other(rng, NOUNS, noun)
+        a, v, pl = (o[rng.integers(len(o))] for o in (ADJS, VERBS, PLACES))
+        clauses.append(f"and the {a} {other} {v} in the {pl}")
+    if clauses:
+        premise = premise[:-2] + " " + " ".join(clauses) + " ."
+    fill = max(h_words - len(hypothesis.split()), 0)
+    if fill:
+        hypothesis = " ".join(FILLERS[i] for i in rng.integers(len(FILLERS), size=fill)) + " " + hypothesis
+    return premise, hypothesis
+
+
+def make_example(rng: np.random.Generator, lengths: str = "short") -> dict:
     noun, adj, verb, place = (o[rng.integers(len(o))] for o in (NOUNS, ADJS, VERBS, PLACES))
     premise = f"the {adj} {noun} {verb} in the {place} ."
     label = int(rng.integers(3))
@@ -53,14 +85,20 @@ def make_example(rng: np.random.Generator) -> dict:
         time = TIMES[rng.integers(len(TIMES))]
     words = ["the"] + ([h_adj] if keep_adj else []) + [noun, h_verb]
     words += (["in", "the", h_place] if keep_place else []) + ([time] if time else []) + ["."]
-    return {"premise": premise, "hypothesis": " ".join(words), "label": label}
+    hypothesis = " ".join(words)
+    if lengths == "mnli":
+        premise, hypothesis = _lengthen(rng, premise, hypothesis, noun)
+    return {"premise": premise, "hypothesis": hypothesis, "label": label}
 
 
-def generate_split(split: str, size: int | None = None, seed: int = 0) -> list:
-    """Rows {premise, hypothesis, label} of a split; deterministic from (split, seed)."""
+def generate_split(split: str, size: int | None = None, seed: int = 0, lengths: str = "short") -> list:
+    """Rows {premise, hypothesis, label} of a split; deterministic from (split, seed, lengths)."""
+    if lengths not in LENGTHS:
+        raise ValueError(f"lengths={lengths!r}: use one of {LENGTHS}")
     n = size if size is not None else SPLIT_SIZES.get(split, 1000)
-    rng = np.random.default_rng([seed, SPLIT_SEEDS.get(split, 9)])
-    return [make_example(rng) for _ in range(n)]
+    key = [seed, SPLIT_SEEDS.get(split, 9)] + ([1] if lengths == "mnli" else [])
+    rng = np.random.default_rng(key)
+    return [make_example(rng, lengths) for _ in range(n)]
 
 
 def make_tokenizer():

@@ -1,9 +1,28 @@
-"""Optimizer phase: AdamW (or Adafactor) with the original's hyper-parameters, via optax."""
+"""Optimizer: AdamW or Adafactor (T5X's defaults), applied one weight group at a time.
+
+Weight groups are the unit of an optimizer update in both executors:
+
+    shared    the embedding
+    lm_head   the LM head (absent when tied to the embedding)
+    small     the relative-position biases and final norms of both stacks
+    encoder   the encoder layers, each layer its own group
+    decoder   the decoder layers, each layer its own group
+
+The fused executor keeps a stack's layers stacked and vmaps the update over them; the phased
+executor updates one layer at a time. Both give the same numbers, also for Adafactor, whose
+factored second moments, update clipping and parameter scaling are per weight: each layer's
+matrices are their own weights (T5X treats scanned layers the same way), never the stack as one.
+Global-norm clipping is applied by ``update_group`` with the norm of all gradients, so every
+group sees the same clipping factor.
+"""
 
 from __future__ import annotations
 
 import jax
 import optax
+
+STACKS = ("encoder", "decoder")
+LAYER_GROUPS = STACKS
 
 
 def learning_rate_schedule(maximum: float, warmup_steps: int):
@@ -24,23 +43,70 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(training, clip: bool = True) -> optax.GradientTransformation:
-    """The optimizer of a ``Training`` config section (global-norm clipping first).
+def make_optimizer(training) -> optax.GradientTransformation:
+    """The per-group optimizer of a ``Training`` config section (clipping is done by ``update_group``).
 
-    ``clip=False`` puts an identity where the clipping goes (same state tree): the
-    phased executor clips with the norm of the whole model itself (``clip_by_norm``)
-    and then updates one layer at a time.
+    adamw: decoupled weight decay (not on norms or relative biases). adafactor: optax's
+    Adafactor with T5X's defaults (factored second moments for dims >= 128, decay 0.8, update
+    clipping 1.0, scaling by the parameter's RMS), a first moment only when ``beta1`` is set.
     """
     o = training.optimizer
     lr = learning_rate_schedule(o.learning_rate.maximum, o.learning_rate.warmup_steps)
-    parts = []
-    if o.gradient_clipping > 0:
-        parts.append(optax.clip_by_global_norm(o.gradient_clipping) if clip else optax.identity())
     if o.name == "adamw":
-        parts.append(optax.adamw(lr, b1=o.beta1, b2=o.beta2, eps=1e-8, weight_decay=o.weight_decay, mask=decay_mask))
-    else:
-        parts.append(optax.adafactor(lr, weight_decay_rate=o.weight_decay or None, weight_decay_mask=decay_mask))
-    return optax.chain(*parts)
+        b1 = 0.9 if o.beta1 is None else o.beta1
+        return optax.adamw(lr, b1=b1, b2=o.beta2, eps=1e-8, weight_decay=o.weight_decay, mask=decay_mask)
+    return optax.adafactor(lr, momentum=o.beta1 or None, weight_decay_rate=o.weight_decay or None,
+                           weight_decay_mask=decay_mask)
+
+
+# --------------------------------------------------------------------------- weight groups
+
+
+def split_groups(tree: dict) -> dict:
+    """A parameter-shaped tree -> {group: subtree}; layer groups keep their stacked [layers, ...] leaves."""
+    out = {"shared": {"shared": tree["shared"]}}  # each group a tree whose paths end in the weights' names
+    if "lm_head" in tree:
+        out["lm_head"] = {"lm_head": tree["lm_head"]}
+    out["small"] = {s: {k: v for k, v in tree[s].items() if k != "layers"} for s in STACKS}
+    for s in STACKS:
+        out[s] = tree[s]["layers"]
+    return out
+
+
+def merge_groups(groups: dict) -> dict:
+    """The inverse of ``split_groups``."""
+    tree = {"shared": groups["shared"]["shared"]}
+    if "lm_head" in groups:
+        tree["lm_head"] = groups["lm_head"]["lm_head"]
+    for s in STACKS:
+        tree[s] = {**groups["small"][s], "layers": groups[s]}
+    return tree
+
+
+def init_group(optimizer, params, stacked: bool = False):
+    """Optimizer state of one group; ``stacked``: one state per layer, stacked on a leading axis."""
+    return jax.vmap(optimizer.init)(params) if stacked else optimizer.init(params)
+
+
+def init_state(optimizer, params: dict) -> dict:
+    """{group: state} for a whole (stacked) parameter tree."""
+    return {name: init_group(optimizer, p, name in LAYER_GROUPS) for name, p in split_groups(params).items()}
+
+
+def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stacked: bool = False):
+    """The optimizer phase body for one weight group -> (params, state).
+
+    Gradients are clipped with ``g_norm``, the global norm of every gradient of the step, first.
+    ``stacked``: the group's leaves carry a leading layers axis and each layer is updated on its own.
+    """
+
+    def one(p, s, g):
+        g = jax.tree.map(lambda t, w: t.astype(w.dtype), g, p)  # gradients may arrive in the compute dtype
+        g = clip_by_norm(g, g_norm, max_norm)
+        updates, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    return jax.vmap(one)(params, state, grads) if stacked else one(params, state, grads)
 
 
 def clip_by_norm(tree, g_norm: jax.Array, max_norm: float):

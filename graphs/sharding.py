@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -182,6 +183,26 @@ def reduce_gradient(g: jax.Array, l: Layout) -> jax.Array:
         n = g.shape[d] // jax.lax.axis_size(TP)
         g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(TP) * n, n, axis=d)
     return g
+
+
+def storage_axes(l: Layout) -> tuple:
+    """The mesh axes a weight's stored shards are split over (each device holds a distinct part)."""
+    out = []
+    for a in l.storage_spec:
+        out += list(a) if isinstance(a, tuple) else ([a] if a is not None else [])
+    return tuple(out)
+
+
+def sum_of_squares(grads, lay) -> jax.Array:
+    """Sum of squares of a tree in its storage layout, over the whole mesh (inside shard_map):
+    each weight's local sum is added up over the axes its shards are split over, not over the
+    axes it is replicated on."""
+    total = jnp.zeros((), jnp.float32)
+    for g, l in zip(jax.tree.leaves(grads), jax.tree.leaves(lay, is_leaf=is_layout)):
+        s = jnp.sum(jnp.square(g.astype(jnp.float32)))
+        axes = storage_axes(l)
+        total = total + (jax.lax.psum(s, axes) if axes else s)
+    return total
 
 
 # --------------------------------------------------------------------------- reporting

@@ -100,6 +100,31 @@ def position_bias(table: jax.Array, query_pos: jax.Array, key_len: int, bidirect
     return jnp.transpose(values, (2, 0, 1))[None]
 
 
+def relative_position_bias(table: jax.Array, query_pos: jax.Array, key_pos: jax.Array, bidirectional: bool,
+                           num_buckets: int, max_distance: int) -> jax.Array:
+    """Relative position bias from per-row positions (packed rows: positions restart at 0 in every segment).
+
+    table [buckets, h], query_pos int [b, q], key_pos int [b, k] -> float32 [b, h, q, k].
+    """
+    rel = key_pos.astype(jnp.int32)[:, None, :] - query_pos.astype(jnp.int32)[:, :, None]
+    buckets = relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+    values = jnp.take(table.astype(F32), buckets, axis=0)  # [b, q, k, h]
+    return jnp.transpose(values, (0, 3, 1, 2))
+
+
+def segment_mask_bias(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:
+    """Additive bias that keeps attention inside a segment of a packed row.
+
+    Segment ids: 0 padding, 1, 2, ... the examples of the row. A query sees a key when the key is
+    not padding and both belong to the same example. A padding query sees every non-padding key, as
+    with a plain padding mask: its output reaches no real token, and its softmax row is never empty.
+    query_segments [b, q], key_segments [b, k] -> float32 [b, 1, q, k].
+    """
+    q, k = query_segments[:, :, None], key_segments[:, None, :]
+    visible = (k > 0) & ((q == k) | (q == 0))
+    return jnp.where(visible, 0.0, MASK_VALUE).astype(F32)[:, None]
+
+
 def padding_mask_bias(mask: jax.Array) -> jax.Array:
     """Additive bias from a key padding mask. mask [b, k] (1 keep) -> float32 [b, 1, 1, k]."""
     return jnp.where(mask[:, None, None, :] > 0, 0.0, MASK_VALUE).astype(F32)

@@ -89,6 +89,14 @@ def cast_params(params: dict, dtype) -> dict:
         lambda p, x: x if _keeps_f32(p) else x.astype(dtype), params)
 
 
+# Random streams: the dropout keys of each part of the model, derived from one key per micro-batch
+# as fold_in(key, stream) (and then the layer index). Both executors and the model below use these,
+# so a phased step draws exactly the fused step's dropout masks.
+ENC_EMBED, ENC_LAYERS, ENC_HEAD = 10, 11, 12
+DEC_EMBED, DEC_LAYERS, HEAD = 20, 21, 30
+TP_SHARD = 1000  # added to the tp index for dropout on tp-sharded activations (a key per shard)
+
+
 def _rng(rng, *data):
     if rng is None:
         return None
@@ -99,7 +107,7 @@ def _rng(rng, *data):
 
 def _sharded_rng(rng, tp_axis, *data):
     """A key that differs per tp shard, for dropout on tp-sharded activations."""
-    return None if rng is None else _rng(rng, *data, tp_index(tp_axis) + 1000)
+    return None if rng is None else _rng(rng, *data, tp_index(tp_axis) + TP_SHARD)
 
 
 # --------------------------------------------------------------------------- phases
@@ -111,21 +119,48 @@ def embeddings(shared: jax.Array, ids: jax.Array, opts: ModelOptions, tp_axis: O
     return L.dropout(L.embed(shared, ids, tp_axis), opts.dropout_prob, rng)
 
 
-def encoder_self_bias(relpos: jax.Array, mask: jax.Array, opts: ModelOptions) -> jax.Array:
-    """Encoder self-attention bias. relpos [buckets, h], mask [b, l] -> float32 [b, h, l, l]."""
+def encoder_self_bias(relpos: jax.Array, mask: jax.Array, opts: ModelOptions,
+                      positions: Optional[jax.Array] = None) -> jax.Array:
+    """Encoder self-attention bias.
+
+    relpos [buckets, h]; mask int [b, l]: 1 (or a segment id) for tokens, 0 for padding;
+    positions int [b, l] for packed rows (positions restarting at 0 in each segment), else None.
+    -> float32 [b, h, l, l] (relative positions + padding, or + segments when packed).
+    """
     n = mask.shape[1]
-    bias = L.position_bias(relpos, jnp.arange(n), n, True, opts.num_buckets, opts.max_distance)
-    return bias + L.padding_mask_bias(mask)
+    if positions is None:
+        bias = L.position_bias(relpos, jnp.arange(n), n, True, opts.num_buckets, opts.max_distance)
+        return bias + L.padding_mask_bias(mask)
+    bias = L.relative_position_bias(relpos, positions, positions, True, opts.num_buckets, opts.max_distance)
+    return bias + L.segment_mask_bias(mask, mask)
 
 
-def decoder_self_bias(relpos: jax.Array, length: int, opts: ModelOptions,
-                      mask: Optional[jax.Array] = None) -> jax.Array:
-    """Decoder (causal) self-attention bias -> float32 [1 or b, h, l, l]."""
-    bias = L.position_bias(relpos, jnp.arange(length), length, False, opts.num_buckets, opts.max_distance)
-    bias = bias + L.causal_mask_bias(length, length)
-    if mask is not None:
-        bias = bias + L.padding_mask_bias(mask)
-    return bias
+def decoder_self_bias(relpos: jax.Array, length: int, opts: ModelOptions, mask: Optional[jax.Array] = None,
+                      positions: Optional[jax.Array] = None) -> jax.Array:
+    """Decoder (causal) self-attention bias -> float32 [1 or b, h, l, l].
+
+    mask int [b, l] (1 or segment id, 0 padding) or None; positions int [b, l] for packed rows (then
+    mask holds the segment ids and is required).
+    """
+    if positions is None:
+        bias = L.position_bias(relpos, jnp.arange(length), length, False, opts.num_buckets, opts.max_distance)
+        bias = bias + L.causal_mask_bias(length, length)
+        return bias if mask is None else bias + L.padding_mask_bias(mask)
+    bias = L.relative_position_bias(relpos, positions, positions, False, opts.num_buckets, opts.max_distance)
+    return bias + L.causal_mask_bias(length, length) + L.segment_mask_bias(mask, mask)
+
+
+def cross_bias(mask: jax.Array, decoder_mask: Optional[jax.Array] = None, packed: bool = False) -> jax.Array:
+    """Cross-attention bias: encoder padding [b, 1, 1, k]; for packed rows, each decoder segment sees
+    only its own example's encoder tokens [b, 1, q, k] (decoder_mask holds the decoder segment ids)."""
+    if not packed:
+        return L.padding_mask_bias(mask)
+    return L.segment_mask_bias(decoder_mask, mask)
+
+
+def is_packed(batch: dict) -> bool:
+    """Whether a batch holds packed rows (it then carries per-segment positions)."""
+    return "positions" in batch
 
 
 def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions, tp_axis: Optional[str],
@@ -154,21 +189,17 @@ def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions, tp
 
 def run_stack(layers_p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions,
               tp_axis: Optional[str], enc_out=None, cross_bias=None, rng=None) -> jax.Array:
-    """t5_block over the stacked layers (leading axis): scanned, or unrolled when opts.unroll_layers;
-    remat per block if opts.recompute."""
+    """t5_block over the stacked layers (leading axis), scanned; layer i's dropout key is fold_in(rng, i).
+
+    The reference composition (validation, decoding, tests); training runs the layers through the
+    phase library (graphs/phases.py), which adds recomputation and unrolling."""
 
     def body(x, inputs):
         p, i = inputs
         r = None if rng is None else jax.random.fold_in(rng, i)
         return t5_block(p, x, self_bias, opts, tp_axis, enc_out, cross_bias, r), None
 
-    if opts.recompute:
-        body = jax.checkpoint(body)
     n = jax.tree_util.tree_leaves(layers_p)[0].shape[0]
-    if opts.unroll_layers:
-        for i in range(n):
-            x, _ = body(x, (jax.tree.map(lambda w: w[i], layers_p), jnp.int32(i)))
-        return x
     x, _ = lax.scan(body, x, (layers_p, jnp.arange(n)))
     return x
 
@@ -199,41 +230,43 @@ def head(params: dict, x: jax.Array, labels: jax.Array, opts: ModelOptions, tp_a
 # --------------------------------------------------------------------------- whole model
 
 
-def encode(params: dict, input_ids, attention_mask, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
-    """Encoder. ids/mask [b, k] -> float32 [b, k, d]."""
+def encode(params: dict, input_ids, attention_mask, opts: ModelOptions, tp_axis=None, rng=None,
+           positions=None) -> jax.Array:
+    """Encoder. ids/mask [b, k] (mask: segment ids when packed, with positions [b, k]) -> float32 [b, k, d]."""
     enc = params["encoder"]
-    x = embeddings(params["shared"], input_ids, opts, tp_axis, _rng(rng, 10))
-    bias = encoder_self_bias(enc["relpos"], attention_mask, opts)
-    x = run_stack(enc["layers"], x, bias, opts, tp_axis, rng=_rng(rng, 11))
-    return encoder_head(enc["final_norm"], x, opts, _rng(rng, 12))
+    x = embeddings(params["shared"], input_ids, opts, tp_axis, _rng(rng, ENC_EMBED))
+    bias = encoder_self_bias(enc["relpos"], attention_mask, opts, positions)
+    x = run_stack(enc["layers"], x, bias, opts, tp_axis, rng=_rng(rng, ENC_LAYERS))
+    return encoder_head(enc["final_norm"], x, opts, _rng(rng, ENC_HEAD))
 
 
 def decode(params: dict, enc_out, attention_mask, decoder_input_ids, opts: ModelOptions, tp_axis=None,
-           decoder_attention_mask=None, rng=None) -> jax.Array:
-    """Decoder stack (no head). -> float32 [b, l, d]."""
+           decoder_attention_mask=None, rng=None, positions=None, decoder_positions=None) -> jax.Array:
+    """Decoder stack (no head). -> float32 [b, l, d]. Packed rows pass both positions arrays."""
     dec = params["decoder"]
-    y = embeddings(params["shared"], decoder_input_ids, opts, tp_axis, _rng(rng, 20))
-    self_bias = decoder_self_bias(dec["relpos"], decoder_input_ids.shape[1], opts, decoder_attention_mask)
-    cross_bias = L.padding_mask_bias(attention_mask)
-    return run_stack(dec["layers"], y, self_bias, opts, tp_axis, enc_out, cross_bias, _rng(rng, 21))
+    y = embeddings(params["shared"], decoder_input_ids, opts, tp_axis, _rng(rng, DEC_EMBED))
+    self_bias = decoder_self_bias(dec["relpos"], decoder_input_ids.shape[1], opts, decoder_attention_mask,
+                                  decoder_positions)
+    xbias = cross_bias(attention_mask, decoder_attention_mask, packed=positions is not None)
+    return run_stack(dec["layers"], y, self_bias, opts, tp_axis, enc_out, xbias, _rng(rng, DEC_LAYERS))
+
+
+def _encode_decode(p: dict, batch: dict, opts: ModelOptions, tp_axis, rng) -> jax.Array:
+    enc = encode(p, batch["input_ids"], batch["attention_mask"], opts, tp_axis, rng, batch.get("positions"))
+    return decode(p, enc, batch["attention_mask"], batch["decoder_input_ids"], opts, tp_axis,
+                  batch.get("decoder_attention_mask"), rng, batch.get("positions"), batch.get("decoder_positions"))
 
 
 def forward(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
     """Full model -> float32 logits [b, l, Vl] (this device's vocab slice)."""
     p = cast_params(params, opts.compute_dtype)
-    enc = encode(p, batch["input_ids"], batch["attention_mask"], opts, tp_axis, rng)
-    y = decode(p, enc, batch["attention_mask"], batch["decoder_input_ids"], opts, tp_axis,
-               batch.get("decoder_attention_mask"), rng)
-    return head_logits(p, y, opts, tp_axis, _rng(rng, 30))
+    return head_logits(p, _encode_decode(p, batch, opts, tp_axis, rng), opts, tp_axis, _rng(rng, HEAD))
 
 
 def loss_sum(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
     """Sum of token cross entropies of a batch (divide by the token count for the mean)."""
     p = cast_params(params, opts.compute_dtype)
-    enc = encode(p, batch["input_ids"], batch["attention_mask"], opts, tp_axis, rng)
-    y = decode(p, enc, batch["attention_mask"], batch["decoder_input_ids"], opts, tp_axis,
-               batch.get("decoder_attention_mask"), rng)
-    return head(p, y, batch["labels"], opts, tp_axis, _rng(rng, 30))
+    return head(p, _encode_decode(p, batch, opts, tp_axis, rng), batch["labels"], opts, tp_axis, _rng(rng, HEAD))
 
 
 def token_count(labels: jax.Array) -> jax.Array:

@@ -61,7 +61,7 @@ def test_overrides_apply_with_types():
     ({"micro_batch_size": "two"}, "micro_batch_size='two' is not a valid int"),
     ({"learning_rate": "fast"}, "learning_rate='fast' is not a valid float"),
     ({"no_such_field": 1}, "unknown config field 'no_such_field'"),
-    ({"phased": True, "optimizer": "adafactor"}, "phased=true supports optimizer adamw only"),
+    ({"packed_decoder_length": 2}, "packed_decoder_length=2 is shorter than decoder_sequence_length=4"),
     ({"attention_serialisation": 3}, "sequence_length=64 is not divisible by attention_serialisation=3"),
 ])
 def test_bad_values_name_the_field_and_fix(overrides, message):

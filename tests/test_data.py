@@ -8,6 +8,7 @@ import pytest
 
 from data import synthetic
 from data.mnli import DataError, TrainLoader, load_rows, score, tokenize_training
+from data.packing import Examples
 
 VOCAB = {w: i for i, w in enumerate(synthetic.vocabulary())}
 
@@ -104,17 +105,23 @@ def test_synthetic_labels_follow_from_content():
     assert synthetic.generate_split("validation", 5) != synthetic.generate_split("train", 5)
 
 
+def _numbered(n):
+    """n examples whose first prompt token is 3 + their index."""
+    return Examples([np.array([3 + i, 1]) for i in range(n)], [np.array([5, 1]) for _ in range(n)])
+
+
 def test_loader_is_deterministic_and_resumable():
-    feats = {"x": np.arange(10)[:, None]}
-    a = TrainLoader(feats, global_batch_size=4, gradient_accumulation=2, seed=3)
-    batches = [a.next_batch()["x"] for _ in range(5)]  # crosses two epoch boundaries
-    assert batches[0].shape == (2, 2, 1)
+    kw = dict(sequence_length=4, target_length=2)
+    a = TrainLoader(_numbered(10), 4, gradient_accumulation=2, seed=3, **kw)
+    batches = [a.next_batch()["input_ids"][..., 0] - 3 for _ in range(5)]  # crosses two epoch boundaries
+    assert batches[0].shape == (2, 2)
     seen = np.concatenate([b.ravel() for b in batches])
     assert sorted(seen[:10]) == list(range(10))  # an epoch visits every sample once
-    b = TrainLoader(feats, 4, 2, seed=3, position=8)
-    np.testing.assert_array_equal(b.next_batch()["x"], batches[2])
-    c = TrainLoader(feats, 4, 2, seed=4)
-    assert not np.array_equal(c.next_batch()["x"], batches[0])
+    b = TrainLoader(_numbered(10), 4, 2, seed=3, **kw)
+    b.restore({"data_position": 8})
+    np.testing.assert_array_equal(b.next_batch()["input_ids"][..., 0] - 3, batches[2])
+    c = TrainLoader(_numbered(10), 4, 2, seed=4, **kw)
+    assert not np.array_equal(c.next_batch()["input_ids"][..., 0] - 3, batches[0])
 
 
 def test_accuracy_on_hand_written_predictions():

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from config import load_config
 from graphs import sharding as S
+from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
 from modelling import t5
 from data.generated import generated_batch
@@ -47,13 +48,18 @@ def fro_rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def fused(cfg):
+    return FusedExecutor(Graphs(cfg))
+
+
 def run(cfg, batch, host_params):
-    g = Graphs(cfg)
+    f = fused(cfg)
+    g = f.g
     params = g.shard_params(host_params)
-    loss, grads = g.loss_and_grads(params, g.shard_batch(batch))
-    state = g.init_state(params)
+    loss, grads = f.loss_and_grads(params, g.shard_batch(batch))
+    state = f.init_state(params)
     for _ in range(2):
-        state, metrics = g.train_step(state, g.shard_batch(batch))
+        state, metrics = f.train_step(state, g.shard_batch(batch))
     return float(loss), leaves(grads), leaves(state.params), float(metrics["loss"])
 
 
@@ -85,12 +91,11 @@ def test_batch_serialisation_equals_one_big_batch(reference):
     host, batch, (loss0, grads0, _, _) = reference  # micro_batch 8 x gradient_accumulation 2
     cfg = tiny(micro_batch_size=2)
     assert cfg.gradient_accumulation == 8
-    g = Graphs(cfg)
-    loss, grads = g.loss_and_grads(g.shard_params(host), g.shard_batch(batch))
-    big = tiny(micro_batch_size=16)
-    gb = Graphs(big)
+    f = fused(cfg)
+    loss, grads = f.loss_and_grads(f.g.shard_params(host), f.g.shard_batch(batch))
+    big = fused(tiny(micro_batch_size=16))
     one = {k: v.reshape(1, 16, -1) for k, v in batch.items()}
-    loss_big, grads_big = gb.loss_and_grads(gb.shard_params(host), gb.shard_batch(one))
+    loss_big, grads_big = big.loss_and_grads(big.g.shard_params(host), big.g.shard_batch(one))
     assert abs(float(loss) - float(loss_big)) / float(loss_big) < 1e-6
     for a, b in zip(leaves(grads), leaves(grads_big)):
         assert max_rel(a, b) < 1e-5
@@ -100,9 +105,8 @@ def test_batch_serialisation_equals_one_big_batch(reference):
 @pytest.mark.parametrize("chunks", [2, 4])
 def test_attention_serialisation_gives_same_loss_and_grads(reference, chunks):
     host, batch, (loss0, grads0, _, _) = reference
-    cfg = tiny(micro_batch_size=8, attention_serialisation=chunks)
-    g = Graphs(cfg)
-    loss, grads = g.loss_and_grads(g.shard_params(host), g.shard_batch(batch))
+    f = fused(tiny(micro_batch_size=8, attention_serialisation=chunks))
+    loss, grads = f.loss_and_grads(f.g.shard_params(host), f.g.shard_batch(batch))
     assert abs(float(loss) - loss0) / loss0 < 1e-6
     for a, b in zip(leaves(grads), grads0):
         assert max_rel(a, b) < 1e-5
@@ -111,9 +115,8 @@ def test_attention_serialisation_gives_same_loss_and_grads(reference, chunks):
 @pytest.mark.parametrize("recompute", [False, True])
 def test_unrolled_layers_equal_the_scan(reference, recompute):
     host, batch, (loss0, grads0, _, _) = reference
-    cfg = tiny(micro_batch_size=8, unroll_layers=True, recompute=recompute, tensor_parallel=2)
-    g = Graphs(cfg)
-    loss, grads = g.loss_and_grads(g.shard_params(host), g.shard_batch(batch))
+    f = fused(tiny(micro_batch_size=8, unroll_layers=True, recompute=recompute, tensor_parallel=2))
+    loss, grads = f.loss_and_grads(f.g.shard_params(host), f.g.shard_batch(batch))
     assert abs(float(loss) - loss0) / loss0 < 1e-6
     for a, b in zip(leaves(grads), grads0):
         assert max_rel(a, b) < 1e-5
@@ -123,10 +126,10 @@ def test_tp_replicas_hold_identical_activations(reference):
     host, batch, _ = reference
     cfg = tiny(tensor_parallel=4, micro_batch_size=8)
     g = Graphs(cfg)
-    full = g.gather_params(g.shard_params(host))
     opts = g.opts
 
-    def body(p, b):
+    def body(stored, b):
+        p = S.gather_all(stored, g.layouts)
         enc = t5.encode(p, b["input_ids"], b["attention_mask"], opts, S.TP)
         dec = t5.decode(p, enc, b["attention_mask"], b["decoder_input_ids"], opts, S.TP)
         loss = t5.head(p, dec, b["labels"], opts, S.TP)
@@ -134,8 +137,8 @@ def test_tp_replicas_hold_identical_activations(reference):
 
     mb = {k: v[0] for k, v in batch.items()}
     bspec = {k: P(S.DP, None) for k in mb}
-    fn = g.phase(body, (g.compute_specs(), bspec), (P(S.TP), P(S.TP), P(S.TP)))
-    enc, dec, loss = (np.asarray(x) for x in fn(full, mb))
+    fn = g.phase(body, (S.storage_specs(g.layouts), bspec), (P(S.TP), P(S.TP), P(S.TP)))
+    enc, dec, loss = (np.asarray(x) for x in fn(g.shard_params(host), mb))
     assert enc.shape[0] == dec.shape[0] == loss.shape[0] == 4
     for r in range(1, 4):  # the design says: identical on every tp replica, bit for bit
         np.testing.assert_array_equal(enc[r], enc[0])
@@ -151,11 +154,12 @@ def _bytes_per_device(g, tree):
 
 def test_rts_shrinks_weights_and_optimizer_state_per_device():
     dp, tp = 4, 2
-    on = Graphs(tiny(data_parallel=dp, tensor_parallel=tp, micro_batch_size=2))
-    off = Graphs(tiny(data_parallel=dp, tensor_parallel=tp, micro_batch_size=2, rts=False))
-    s_on, s_off = on.init_state(on.init_params()), off.init_state(off.init_params())
+    on = fused(tiny(data_parallel=dp, tensor_parallel=tp, micro_batch_size=2))
+    off = fused(tiny(data_parallel=dp, tensor_parallel=tp, micro_batch_size=2, rts=False))
+    s_on, s_off = on.init_state(), off.init_state()
+    on = on.g
     hi_on, lo_on = _bytes_per_device(on, (s_on.params, s_on.opt_state))
-    hi_off, _ = _bytes_per_device(off, (s_off.params, s_off.opt_state))
+    hi_off, _ = _bytes_per_device(off.g, (s_off.params, s_off.opt_state))
     assert hi_on == lo_on  # balanced
 
     # expected from the layouts: tp-sharded weights split further by dp; replicated ones by dp*tp
@@ -167,7 +171,8 @@ def test_rts_shrinks_weights_and_optimizer_state_per_device():
         expected_off += local
         assert lay.rts_dim is not None, spec
         expected_on += local // (dp if S.TP in lay.tp_spec else dp * tp)
-    scalars = 4 * 2  # adam count + clipping state
+    # step counts (Adam's and the learning-rate schedule's): for each non-layer group and each layer
+    scalars = 4 * 2 * (3 + 2 * on.cfg.model.layers)
     assert hi_off - scalars <= 3 * expected_off <= hi_off  # weights + mu + nu
     assert hi_on - scalars <= 3 * expected_on <= hi_on
     assert (hi_off - scalars) / (hi_on - scalars) > 0.95 * dp
@@ -188,59 +193,56 @@ def test_too_few_devices_says_how_to_simulate_more():
         S.make_mesh(4, 4)
 
 
-def test_phase_programs_compose_to_the_single_device_loss(reference):
-    from modelling import layers as L
+@pytest.mark.parametrize("recompute", [False, True])
+def test_phase_library_composes_to_the_reference_model(reference, recompute):
+    """PhaseBodies.loss (the fused executor's composition of the phase bodies) equals the pure model,
+    loss and gradients, on one device; with recompute every layer's backward is block_backward."""
+    from graphs.phases import DECODER, PhaseBodies, micro_key
 
     host, batch, _ = reference
-    cfg = tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4)
-    g = Graphs(cfg)
-    full = g.gather_params(g.shard_params(host))
-    mb = {k: jnp.asarray(v[0]) for k, v in batch.items()}  # one micro-batch of 8 rows
-    opts = g.opts
-    emb, eh, head = g.embeddings_phase(), g.encoder_head_phase(), g.head_phase()
-    enc_block, dec_block = g.t5_block_phase(False), g.t5_block_phase(True)
-    layer = lambda stack, i: jax.tree.map(lambda a: a[i], full[stack]["layers"])  # noqa: E731
+    cfg = tiny(micro_batch_size=8, recompute=recompute, dropout_prob=0.1)
+    opts = t5.ModelOptions.from_config(cfg)
+    params = jax.tree.map(jnp.asarray, host)
+    mb = {k: jnp.asarray(v[0]) for k, v in batch.items()}
+    bodies = PhaseBodies(opts, None)
+    key = micro_key(jax.random.key(5), 0)
+    loss, grads = jax.value_and_grad(lambda p: bodies.loss(p, mb, key))(params)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: t5.loss_sum(p, mb, opts, rng=key))(params)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-6 * float(ref_loss)  # the same dropout masks too
+    for a, b in zip(leaves(grads), leaves(ref_grads)):
+        assert max_rel(a, b) < 1e-5
 
-    x = emb(full["shared"], mb["input_ids"])
-    bias = t5.encoder_self_bias(full["encoder"]["relpos"], mb["attention_mask"], opts)
-    for i in range(cfg.model.layers):
-        x = enc_block(layer("encoder", i), x, bias)
-    enc = eh(full["encoder"]["final_norm"], x)
-    y = emb(full["shared"], mb["decoder_input_ids"])
-    self_bias = t5.decoder_self_bias(full["decoder"]["relpos"], y.shape[1], opts)
-    cross_bias = L.padding_mask_bias(mb["attention_mask"])
-    for i in range(cfg.model.layers):
-        y = dec_block(layer("decoder", i), y, self_bias, enc, cross_bias)
-    loss, g_head, g_y = head({"decoder": {"final_norm": full["decoder"]["final_norm"]}, "lm_head": full["lm_head"]},
-                             y, mb["labels"])
-
-    ref_params = jax.tree.map(jnp.asarray, host)
-    ref = t5.loss_sum(ref_params, mb, opts)
-    assert abs(float(loss) - float(ref)) / float(ref) < 1e-6
-    ref_grad = jax.grad(lambda w: t5.loss_sum({**ref_params, "lm_head": w}, mb, opts))(ref_params["lm_head"])
-    assert max_rel(np.asarray(g_head["lm_head"]), np.asarray(ref_grad)) < 1e-5
-    assert g_y.shape == y.shape
+    # block_backward of one decoder layer equals autodiff through the block
+    p0 = jax.tree.map(lambda w: w[1], params["decoder"]["layers"])
+    x = jax.random.normal(jax.random.key(1), (8, mb["decoder_input_ids"].shape[1], cfg.model.hidden_size))
+    enc = jax.random.normal(jax.random.key(2), (8, mb["input_ids"].shape[1], cfg.model.hidden_size))
+    sb, cb = bodies.biases(DECODER, params["decoder"]["relpos"], mb, x.shape[1])
+    dy = jax.random.normal(jax.random.key(3), x.shape)
+    got = bodies.block_backward(DECODER, p0, x, sb, cb, enc, key, dy)
+    want = jax.vjp(lambda p, x_, b, e: bodies.block(DECODER, p, x_, b, cb, e, key), p0, x, sb, enc)[1](dy)
+    for a, b in zip(leaves(got), leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def test_optimizer_phase_matches_the_fused_step(reference):
     host, batch, _ = reference
-    g = Graphs(tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4))
-    state = g.init_state(g.shard_params(host))
-    b = g.shard_batch(batch)
-    _, grads = g.loss_and_grads(state.params, b)
-    params, _ = g.optimizer_phase()(state.params, state.opt_state, grads)
-    fused, _ = g.train_step(state, b)
-    for a, c in zip(leaves(params), leaves(fused.params)):
+    f = fused(tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4))
+    state = f.init_state(host)
+    b = f.g.shard_batch(batch)
+    _, grads = f.loss_and_grads(state.params, b)
+    params, _, _ = jax.jit(f.update)(state.params, state.opt_state, grads)
+    stepped, _ = f.train_step(state, b)
+    for a, c in zip(leaves(params), leaves(stepped.params)):
         assert max_rel(a, c) < 1e-6
 
 
 def test_adafactor_option_trains_under_tp_and_dp(reference):
     host, batch, (loss0, _, _, _) = reference
-    g = Graphs(tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4, optimizer="adafactor"))
-    state = g.init_state(g.shard_params(host))
-    b = g.shard_batch(batch)
-    state, m1 = g.train_step(state, b)
-    state, m2 = g.train_step(state, b)
+    f = fused(tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4, optimizer="adafactor"))
+    state = f.init_state(host)
+    b = f.g.shard_batch(batch)
+    state, m1 = f.train_step(state, b)
+    state, m2 = f.train_step(state, b)
     assert abs(float(m1["loss"]) - loss0) / loss0 < 1e-6  # first step sees the initial weights
     assert float(m2["loss"]) < float(m1["loss"])  # and the update lowers the loss on the same batch
     # (optax factors only dims >= 128, so the tiny model's state is not smaller than its weights)

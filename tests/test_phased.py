@@ -1,4 +1,4 @@
-"""The phased executor equals the fused one (8 simulated CPU devices, float32).
+"""The phased executor equals the fused one (8 simulated CPU devices, float32), AdamW and Adafactor.
 
 Tolerances reached: loss 1e-6 relative (measured ~1e-7); gradients max |a - b| / max |b| per
 weight < 1e-5 (measured < 1e-6: the two executors sum the same terms in another order, e.g.
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from data.generated import generated_batch
+from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
-from graphs.phased import HOST, PhasedExecutor, PhaseMemory
+from graphs.host_state import HOST
+from graphs.phased import PhasedExecutor, PhaseMemory
 from utils.bench import live_device_bytes
 from modelling import layers as L
 from modelling import t5
@@ -25,32 +27,32 @@ def _rng():
 
 def _both(cfg, steps=2):
     g = Graphs(cfg)
+    f, ph = FusedExecutor(g), PhasedExecutor(g)
     batch = g.shard_batch(generated_batch(cfg, seed=0))
     params = g.init_params()
-    ph = PhasedExecutor(g)
     pparams = ph.init_params()
     ps = ph.init_state(pparams)
-    loss, grads = g.loss_and_grads(params, batch, _rng())
+    loss, grads = f.loss_and_grads(params, batch, _rng())
     ploss, g_rest, g_layers, _ = ph.loss_and_grads(ps, batch, _rng())
     pgrads = ph.stacked_grads(g_rest, g_layers)
     params = jax.tree.map(np.asarray, params)  # the fused step donates (deletes) its input state
     pparams = jax.tree.map(np.asarray, pparams)
-    state = g.init_state(g.shard_params(params))
+    state = f.init_state(params)
     for _ in range(steps):
-        state, metrics = g.train_step(state, batch)
+        state, metrics = f.train_step(state, batch)
         ps, pmetrics = ph.train_step(ps, batch)
     return dict(g=g, ph=ph, params=params, pparams=pparams, loss=loss, ploss=ploss, grads=grads, pgrads=pgrads,
                 state=state, ps=ps, metrics=metrics, pmetrics=pmetrics)
 
 
-def _check(r):
+def _check(r, state_tol=1e-5):
     assert abs(float(r["ploss"]) - float(r["loss"])) / float(r["loss"]) < 1e-6
     for a, b in zip(leaves(r["pgrads"]), leaves(r["grads"])):
         assert a.shape == b.shape
         assert max_rel(a, b) < 1e-5
     assert abs(float(r["pmetrics"]["grad_norm"]) - float(r["metrics"]["grad_norm"])) < 1e-5 * float(r["metrics"]["grad_norm"])
     assert abs(float(r["pmetrics"]["loss"]) - float(r["metrics"]["loss"])) < 1e-6 * float(r["metrics"]["loss"])
-    stacked = r["ph"].to_train_state(r["ps"])
+    stacked = r["ph"].to_checkpoint(r["ps"])
     assert int(stacked.step) == int(r["state"].step) == 2
     moved = 0
     for a, b, b0 in zip(leaves(stacked.params), leaves(r["state"].params), leaves(r["params"])):
@@ -58,7 +60,7 @@ def _check(r):
         moved += not np.array_equal(b, b0)
     assert moved == len(leaves(r["params"]))  # every weight was updated
     for a, b in zip(leaves(stacked.opt_state), leaves(r["state"].opt_state)):
-        assert a.shape == b.shape and fro_rel(a, b) < 1e-5
+        assert a.shape == b.shape and fro_rel(a, b) < state_tol
 
 
 @pytest.mark.parametrize("dp,tp,extra", [
@@ -79,20 +81,37 @@ def test_phased_equals_fused(dp, tp, extra):
     _check(r)
 
 
+def test_phased_adafactor_equals_fused_adafactor():
+    """Adafactor with factored second moments (dims >= 128) and a first moment: each layer's
+    matrices are factored on their own in both executors."""
+    cfg = tiny(data_parallel=1, tensor_parallel=2, micro_batch_size=8, hidden_size=128, d_ff=256, layers=2,
+               optimizer="adafactor", beta1=0.9, vocab_size=256)
+    r = _both(cfg)
+    # Adafactor's first moment holds normalised updates g / sqrt(v) of unfactored weights (q: [128, 4, 16]
+    # has one dim >= 128): where v is tiny, float32 summation-order noise of g is amplified, as for Adam's
+    # update (see test_parallel.py); measured 2.6e-5, while the weights agree to 1e-5
+    _check(r, state_tol=1e-4)
+    state = r["state"].opt_state["encoder"]
+    factored = [x for x in jax.tree.leaves(state) if x.ndim == 2 and x.shape[0] == 2]  # [layers, dim] rows/cols
+    assert factored, jax.tree.map(lambda x: x.shape, state)
+    mu = [x for x in jax.tree.leaves(state) if x.shape == r["state"].params["encoder"]["layers"]["wo"].shape]
+    assert mu  # the first moment is kept (beta1 set)
+
+
 def test_state_conversion_round_trip():
     cfg = tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4)
     g = Graphs(cfg)
-    ph = PhasedExecutor(g)
-    state = g.init_state(g.init_params())
-    state, _ = g.train_step(state, g.shard_batch(generated_batch(cfg, seed=0)))
+    f, ph = FusedExecutor(g), PhasedExecutor(g)
+    state = f.init_state()
+    state, _ = f.train_step(state, g.shard_batch(generated_batch(cfg, seed=0)))
     ps = ph.from_train_state(state)
     assert ps.step == 1
     # every per-layer weight and optimizer state lives in host memory
-    for x in jax.tree.leaves((ps.rest, ps.layers, ps.opt_rest, ps.opt_layers)):
+    for x in jax.tree.leaves((ps.rest, ps.layers, ps.opt, ps.opt_layers)):
         assert x.sharding.memory_kind == HOST
     np.testing.assert_array_equal(np.asarray(ps.layers["decoder"][2]["wo"]),
                                   np.asarray(state.params["decoder"]["layers"]["wo"])[2])
-    back = ph.to_train_state(ps)
+    back = ph.to_checkpoint(ps)
     for a, b in zip(leaves(back), leaves(state)):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(state.params)):
@@ -103,12 +122,13 @@ def test_activation_buffer_rows_hold_each_phase_output():
     cfg = tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4)
     g = Graphs(cfg)
     ph = PhasedExecutor(g)
+    ph.retain_buffers = True
     host_batch = generated_batch(cfg, seed=1)
-    ph.loss_and_grads(ph.init_state(ph.init_params()), g.shard_batch(host_batch), _rng())
+    ph.loss_and_grads(ph.init_state(), g.shard_batch(host_batch), _rng())
     bufs = ph.last_buffers
     n = cfg.model.layers
-    assert [len(bufs[k]) for k in ("x_buffer", "dx_buffer", "x_dec_buffer", "dx_dec_buffer", "dx_enc_buffer")] == \
-        [n + 2, n + 2, n + 1, n + 1, n]
+    assert [len(bufs[k]) for k in ("x_buffer", "dx_buffer", "x_dec_buffer", "dx_dec_buffer")] == \
+        [n + 2, n + 2, n + 1, n + 1]
     row = bufs["x_buffer"][0]
     assert row.sharding.memory_kind == HOST
     assert tuple(row.sharding.spec) == (None, "dp", None, "tp")  # RTS on activations: d split over tp
@@ -118,6 +138,7 @@ def test_activation_buffer_rows_hold_each_phase_output():
     p = jax.tree.map(np.asarray, g.init_params())
     opts = t5.ModelOptions.from_config(cfg)
     x_buf, x_dec = bufs["x_buffer"].numpy(), bufs["x_dec_buffer"].numpy()
+    dx_buf = bufs["dx_buffer"].numpy()
     for i in range(cfg.gradient_accumulation):
         b = {k: np.asarray(v[i]) for k, v in host_batch.items()}
         x = t5.embeddings(p["shared"], b["input_ids"], opts, None)
@@ -137,17 +158,27 @@ def test_activation_buffer_rows_hold_each_phase_output():
             lp = jax.tree.map(lambda w: w[j], p["decoder"]["layers"])
             y = t5.t5_block(lp, y, sb, opts, None, enc, cb)
             np.testing.assert_allclose(x_dec[1 + j, i], y, rtol=1e-5, atol=1e-5)
-    # the encoder output's gradient is the sum of the decoder layers' rows
-    np.testing.assert_allclose(bufs["dx_buffer"].numpy()[n + 1], bufs["dx_enc_buffer"].numpy().sum(0),
-                               rtol=1e-5, atol=1e-9)
+
+        # dx_buffer[n + 1]: the encoder output's gradient, summed over the decoder layers on the device,
+        # equals autodiff of the loss (scaled by 1 / token count, as the step's loss is) w.r.t. it
+        count = float(np.sum(host_batch["labels"] != -100))
+
+        def loss_from_enc(e):
+            y_ = t5.embeddings(p["shared"], b["decoder_input_ids"], opts, None)
+            for j in range(n):
+                y_ = t5.t5_block(jax.tree.map(lambda w: w[j], p["decoder"]["layers"]), y_, sb, opts, None, e, cb)
+            return t5.head(p, y_, b["labels"], opts, None) / count
+
+        np.testing.assert_allclose(dx_buf[n + 1, i], jax.grad(loss_from_enc)(enc), rtol=1e-5, atol=1e-7)
 
 
 def test_layer_phases_hold_one_layer_of_weights_on_device():
-    """During a layer phase, the weights on device are that layer's (plus the small non-layer ones)."""
+    """During a layer phase, the weights on device are that layer's and the next one's (prefetched),
+    plus the small non-layer ones."""
     cfg = tiny(data_parallel=1, tensor_parallel=2, micro_batch_size=8, layers=6)
     g = Graphs(cfg)
     ph = PhasedExecutor(g)
-    ps = ph.init_state(ph.init_params())
+    ps = ph.init_state()
     batch = g.shard_batch(generated_batch(cfg, seed=0))
     seen = {}
 

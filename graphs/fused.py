@@ -1,0 +1,144 @@
+"""The fused executor: every phase of a training step composed into one compiled program.
+
+Weights, optimizer state and activations stay on the devices. Per device (``shard_map``): the
+RTS all-gather of every weight, once; the cast to the compute dtype, once; then batch
+serialisation, a ``lax.scan`` over the micro-batches, each running the phase library's
+composition of the model (``PhaseBodies.loss``: embeddings, layers, encoder head, head with the
+loss) and its gradient, accumulated in float32; then one reduce-scatter of the gradients into
+their storage layout. The optimizer phase follows in the same program, one weight group at a
+time (``optim.update_group``, vmapped over the layers of a stack).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from graphs import optim
+from graphs import sharding as S
+from graphs.graphs import TrainState
+from graphs.phases import PhaseBodies, micro_key
+from modelling import t5
+
+
+class FusedExecutor:
+    """All phases in one compiled step (fastest when the model fits on the devices)."""
+
+    name = "fused"
+
+    def __init__(self, graphs):
+        self.g = graphs
+        cfg = graphs.cfg
+        self.bodies = PhaseBodies(graphs.opts, S.TP)
+        self.scale = cfg.execution.loss_scaling
+        self.max_norm = cfg.training.optimizer.gradient_clipping
+        self._step = None
+        self._loss_and_grads = None
+
+    # ------------------------------------------------------------------ state
+
+    def init_state(self, params=None) -> TrainState:
+        """Weights (None: the random init; numpy on the host; or arrays in their layout) with a fresh
+        optimizer state."""
+        g = self.g
+        if params is None:
+            params = g.init_params()
+        elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
+            params = g.shard_params(params)
+        opt_state = jax.jit(lambda p: optim.init_state(g.optimizer, p),
+                            out_shardings=g.opt_state_shardings(params))(params)
+        return TrainState(jax.device_put(jnp.zeros((), jnp.int32), g.replicated), params, opt_state)
+
+    def restore(self, directory: str, step: int, optim_state: bool = True):
+        """(state, meta) of a checkpoint, restored into this executor's layout."""
+        from graphs.executor import restore_train_state
+
+        state, meta = restore_train_state(self.g, directory, step, optim_state)
+        if state.opt_state is None:  # saved without optimizer state: start it afresh
+            fresh = self.init_state(state.params)
+            return TrainState(jax.device_put(jnp.asarray(meta["step"], jnp.int32), self.g.replicated),
+                              fresh.params, fresh.opt_state), meta
+        return state, meta
+
+    def to_checkpoint(self, state: TrainState) -> TrainState:
+        return state
+
+    def state_shardings(self, state: TrainState) -> TrainState:
+        g = self.g
+        return TrainState(g.replicated, g.param_shardings, g.opt_state_shardings(state.params))
+
+    # ------------------------------------------------------------------ the step
+
+    def _local_loss_and_grads(self, params, batch, rng_data):
+        """Per-device body: gather weights, scan micro-batches, reduce-scatter gradients."""
+        lay, opts = self.g.layouts, self.g.opts
+        full = S.gather_all(params, lay)
+        count = jax.lax.psum(jnp.sum(batch["labels"] != -100), S.DP).astype(jnp.float32)
+        scale = self.scale
+        base = None
+        if opts.dropout_prob > 0:
+            # same key on every tp device (identical activations), distinct per dp replica
+            base = jax.random.fold_in(jax.random.wrap_key_data(rng_data), jax.lax.axis_index(S.DP))
+
+        # Weights are cast to the compute dtype once per step, not once per micro-batch; the
+        # gradient of each micro-batch is taken with respect to that copy (the same values as
+        # through the cast) and accumulated in float32.
+        compute = t5.cast_params(full, opts.compute_dtype)
+
+        def micro(acc, inputs):
+            mb, i = inputs
+            loss, grads = jax.value_and_grad(
+                lambda p: self.bodies.loss(p, mb, micro_key(base, i)) * (scale / count))(compute)
+            return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, grads), loss
+
+        zeros = jax.tree.map(jnp.zeros_like, full)
+        n = batch["labels"].shape[0]
+        grads, losses = jax.lax.scan(micro, zeros, (batch, jnp.arange(n)))
+        grads = jax.tree.map(lambda g, l: S.reduce_gradient(g, l) / scale, grads, lay)
+        loss = jax.lax.psum(jnp.sum(losses), S.DP) / scale
+        return loss, grads
+
+    def _sharded_loss_and_grads(self, batch_keys):
+        specs = S.storage_specs(self.g.layouts)
+        batch_spec = {k: P(None, S.DP, None) for k in batch_keys}
+        return jax.shard_map(self._local_loss_and_grads, mesh=self.g.mesh,
+                             in_specs=(specs, batch_spec, P()), out_specs=(P(), specs), check_vma=False)
+
+    def loss_and_grads(self, params, batch, rng_data=None):
+        """(mean token loss, gradients in the RTS layout) of one global batch."""
+        rng_data = jax.random.key_data(jax.random.key(0)) if rng_data is None else rng_data
+        if self._loss_and_grads is None:
+            self._loss_and_grads = jax.jit(lambda p, b, r: self._sharded_loss_and_grads(tuple(b))(p, b, r))
+        return self._loss_and_grads(params, batch, rng_data)
+
+    def update(self, params, opt_state, grads):
+        """The optimizer phase: every weight group clipped with the global norm and updated -> (params, state, norm)."""
+        g_norm = optax.global_norm(grads)
+        pg, gg = optim.split_groups(params), optim.split_groups(grads)
+        new_p, new_s = {}, {}
+        for name in pg:
+            new_p[name], new_s[name] = optim.update_group(self.g.optimizer, self.max_norm, pg[name], opt_state[name],
+                                                          gg[name], g_norm, stacked=name in optim.LAYER_GROUPS)
+        return optim.merge_groups(new_p), new_s, g_norm
+
+    def _step_fn(self, state: TrainState, batch, rng_data):
+        loss, grads = self._sharded_loss_and_grads(tuple(batch))(state.params, batch, rng_data)
+        params, opt_state, g_norm = self.update(state.params, state.opt_state, grads)
+        return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": g_norm}
+
+    def train_step_program(self, state: TrainState):
+        """The fused step as a jitted function (state, batch, rng_data) -> (state, metrics); the state is
+        donated. ``.lower(...)`` on it gives XLA's cost and memory analyses."""
+        if self._step is None:
+            self._step = jax.jit(self._step_fn, donate_argnums=(0,),
+                                 out_shardings=(self.state_shardings(state), self.g.replicated))
+        return self._step
+
+    def train_step(self, state: TrainState, batch: dict, rng_data=None):
+        """One optimizer step on one global batch -> (state, metrics)."""
+        if rng_data is None:
+            rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), state.step))
+        return self.train_step_program(state)(state, batch, rng_data)
+

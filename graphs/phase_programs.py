@@ -1,0 +1,294 @@
+"""The phased executor's programs: each phase body of graphs/phases.py over all micro-batches.
+
+A program loads nothing itself: its arguments are the RTS shards of its weights (already moved
+from host memory by the schedule) and its activation rows. Inside (one ``shard_map``), it
+all-gathers the weights once, casts them to the compute dtype once, gathers the activation rows
+(RTS on activations), runs the body on every micro-batch (batch serialisation, ``lax.scan``),
+and returns its outputs sliced again over tp, and its weight gradients reduce-scattered into
+their storage layout with the sum of their squares (for global-norm clipping).
+
+Each program is compiled once and reused by every layer of its kind.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from graphs import optim
+from graphs import sharding as S
+from graphs.host_state import split_rest
+from graphs.phases import DECODER, ENCODER, PhaseBodies, Stack, head_subtree, micro_key, stream_key
+from modelling import t5
+
+F32 = jnp.float32
+MICRO = P(None, S.DP, None)  # [GA, dp * micro_batch, length] token-level inputs
+
+
+class PhasePrograms:
+    """Compiled per-phase programs of one config (see the module docstring)."""
+
+    def __init__(self, graphs):
+        g = self.g = graphs
+        cfg = g.cfg
+        self.opts = g.opts
+        self.bodies = PhaseBodies(g.opts, S.TP)
+        self.scale = cfg.execution.loss_scaling
+        self.tied = g.opts.tie_word_embeddings
+        self.rest_layouts = split_rest(g.layouts)
+        self.row_layouts = {s: jax.tree.map(lambda l: l.row(), g.layouts[s]["layers"], is_leaf=S.is_layout)
+                            for s in ("encoder", "decoder")}
+        self.rest_specs = S.storage_specs(self.rest_layouts)
+        self.row_specs = {s: S.storage_specs(lay) for s, lay in self.row_layouts.items()}
+        # RTS on activations: rows stored split over tp along d, gathered after loading
+        self.act_tp = g.tp > 1 and cfg.model.hidden_size % g.tp == 0
+        self.act_spec = P(None, S.DP, None, S.TP if self.act_tp else None)
+        # weight gradients leave the device in the compute dtype (they were summed over the
+        # micro-batches in float32, and their norm taken, before that)
+        self.grad_dtype = g.opts.compute_dtype
+        self._cache: dict = {}
+
+    # ------------------------------------------------------------------ helpers inside shard_map
+
+    def _gather_act(self, x):
+        return lax.all_gather(x, S.TP, axis=x.ndim - 1, tiled=True) if self.act_tp else x
+
+    def _slice_act(self, y):
+        if not self.act_tp:
+            return y
+        n = y.shape[-1] // lax.axis_size(S.TP)
+        return lax.dynamic_slice_in_dim(y, lax.axis_index(S.TP) * n, n, axis=y.ndim - 1)
+
+    def _base_key(self, rng_data):
+        """Dropout key of this dp replica (the fused step's), or None without dropout."""
+        if self.opts.dropout_prob <= 0:
+            return None
+        return jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(S.DP))
+
+    def _reduce(self, grads, layouts):
+        """Micro-batch sums of gradients -> storage layout (reduce-scatter over dp), unscaled."""
+        return jax.tree.map(lambda g, l: S.reduce_gradient(g, l) / self.scale, grads, layouts)
+
+    def _cast(self, tree):
+        return t5.cast_params(tree, self.opts.compute_dtype)
+
+    def _program(self, key, fn, in_specs, out_specs, donate=()):
+        if key not in self._cache:
+            self._cache[key] = jax.jit(jax.shard_map(fn, mesh=self.g.mesh, in_specs=in_specs, out_specs=out_specs,
+                                                     check_vma=False), donate_argnums=donate)
+        return self._cache[key]
+
+    def _meta_specs(self, keys):
+        return {k: MICRO for k in keys}
+
+    # ------------------------------------------------------------------ embeddings
+
+    def embeddings_fwd(self, stack: Stack):
+        """(shared shards, ids [GA, B, l], rng) -> activation row [GA, B, l, d]."""
+        lay = self.rest_layouts["shared"]
+
+        def fn(shared, ids, rng_data):
+            w, base = S.gather_weight(shared, lay).astype(self.opts.compute_dtype), self._base_key(rng_data)
+
+            def body(_, inp):
+                ids_i, i = inp
+                y = self.bodies.embeddings(w, ids_i, stream_key(micro_key(base, i), stack.embed_stream))
+                return None, self._slice_act(y)
+
+            return lax.scan(body, None, (ids, jnp.arange(ids.shape[0])))[1]
+
+        return self._program(("embeddings_fwd", stack.name), fn, (self.rest_specs["shared"], MICRO, P()),
+                             self.act_spec)
+
+    def embeddings_bwd(self, stack: Stack):
+        """(shared shards, ids, dy row, rng) -> gradient of shared (storage layout)."""
+        lay = self.rest_layouts["shared"]
+
+        def fn(shared, ids, dy, rng_data):
+            w = S.gather_weight(shared, lay).astype(self.opts.compute_dtype)
+            dy, base = self._gather_act(dy), self._base_key(rng_data)
+
+            def body(acc, inp):
+                ids_i, dy_i, i = inp
+                r = stream_key(micro_key(base, i), stack.embed_stream)
+                _, vjp = jax.vjp(lambda w_: self.bodies.embeddings(w_, ids_i, r), w)
+                return acc + vjp(dy_i)[0].astype(F32), None
+
+            g = lax.scan(body, jnp.zeros(w.shape, F32), (ids, dy, jnp.arange(ids.shape[0])))[0]
+            return self._reduce(g, lay)
+
+        spec = self.rest_specs["shared"]
+        return self._program(("embeddings_bwd", stack.name), fn, (spec, MICRO, self.act_spec, P()), spec)
+
+    # ------------------------------------------------------------------ layers
+
+    def _layer_inputs(self, stack: Stack, meta_keys):
+        specs = [self.row_specs[stack.name], self.rest_specs[stack.name]["relpos"], self.act_spec]
+        if stack.decoder:
+            specs.append(self.act_spec)  # the encoder output row
+        return specs + [self._meta_specs(meta_keys)]
+
+    def layer_fwd(self, stack: Stack, meta_keys: tuple):
+        """(layer shards, relpos shards, x row[, encoder output row], meta, rng, j) -> the layer's output row."""
+        row_lay, rel_lay = self.row_layouts[stack.name], self.rest_layouts[stack.name]["relpos"]
+
+        def fn(lp, relpos, x, *rest):
+            enc, meta, rng_data, j = rest if stack.decoder else (None, *rest)
+            p, relpos = self._cast(S.gather_all(lp, row_lay)), S.gather_weight(relpos, rel_lay)
+            x, base = self._gather_act(x), self._base_key(rng_data)
+            enc = None if enc is None else self._gather_act(enc)
+
+            def body(_, inp):
+                x_i, e_i, m_i, i = inp
+                sb, cb = self.bodies.biases(stack, relpos, m_i, x_i.shape[1])
+                r = stream_key(micro_key(base, i), stack.layers_stream, j)
+                return None, self._slice_act(self.bodies.block(stack, p, x_i, sb, cb, e_i, r))
+
+            n = x.shape[0]
+            return lax.scan(body, None, (x, enc if stack.decoder else jnp.zeros((n,)), meta, jnp.arange(n)))[1]
+
+        return self._program(("layer_fwd", stack.name, meta_keys), fn,
+                             tuple(self._layer_inputs(stack, meta_keys) + [P(), P()]), self.act_spec)
+
+    def layer_bwd(self, stack: Stack, meta_keys: tuple):
+        """Backward of one layer over all micro-batches, recomputing its forward from its input row.
+
+        encoder: (layer, relpos, x, meta, dy, rng, j) -> (layer grads, their sum of squares, relpos grad, dx)
+        decoder: (layer, relpos, x, enc, meta, dy, d_enc, rng, j) -> (..., dx, d_enc + this layer's part)
+        where d_enc, the gradient of the encoder output, is summed over the decoder layers on the device.
+        """
+        decoder = stack.decoder
+        row_lay, rel_lay = self.row_layouts[stack.name], self.rest_layouts[stack.name]["relpos"]
+
+        def fn(lp, relpos, x, *rest):
+            if decoder:
+                enc, meta, dy, d_enc, rng_data, j = rest
+            else:
+                (meta, dy, rng_data, j), enc, d_enc = rest, None, None
+            p, relpos_w = self._cast(S.gather_all(lp, row_lay)), S.gather_weight(relpos, rel_lay)
+            x, dy, base = self._gather_act(x), self._gather_act(dy), self._base_key(rng_data)
+            enc = None if enc is None else self._gather_act(enc)
+
+            def body(acc, inp):
+                x_i, e_i, m_i, dy_i, i = inp
+                length = x_i.shape[1]
+                sb, bias_vjp = jax.vjp(lambda r_: self.bodies.biases(stack, r_, m_i, length)[0], relpos_w)
+                cb = self.bodies.biases(stack, relpos_w, m_i, length)[1] if decoder else None
+                r = stream_key(micro_key(base, i), stack.layers_stream, j)
+                g_p, dx, g_sb, g_e = self.bodies.block_backward(stack, p, x_i, sb, cb, e_i, r, dy_i)
+                g_rel = bias_vjp(g_sb)[0]
+                acc = jax.tree.map(lambda a, b: a + b.astype(F32), acc, (g_p, g_rel))
+                return acc, (self._slice_act(dx), self._slice_act(g_e) if decoder else jnp.zeros(()))
+
+            n = x.shape[0]
+            zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, F32), (p, relpos_w))
+            (g_p, g_rel), (dx, de) = lax.scan(
+                body, zeros, (x, enc if decoder else jnp.zeros((n,)), meta, dy, jnp.arange(n)))
+            g_p, g_rel = self._reduce(g_p, row_lay), self._reduce(g_rel, rel_lay)
+            sumsq = S.sum_of_squares(g_p, row_lay)
+            g_p = jax.tree.map(lambda g: g.astype(self.grad_dtype), g_p)
+            if decoder:
+                return g_p, sumsq, g_rel, dx, d_enc + de.astype(d_enc.dtype)
+            return g_p, sumsq, g_rel, dx
+
+        ins = self._layer_inputs(stack, meta_keys) + [self.act_spec]
+        outs = [self.row_specs[stack.name], P(), self.rest_specs[stack.name]["relpos"], self.act_spec]
+        donate = ()
+        if decoder:
+            ins.append(self.act_spec)
+            outs.append(self.act_spec)
+            donate = (6,)  # the running d_enc sum is updated in place
+        return self._program(("layer_bwd", stack.name, meta_keys), fn, tuple(ins + [P(), P()]), tuple(outs), donate)
+
+    # ------------------------------------------------------------------ encoder head and head
+
+    def encoder_head_fwd(self):
+        lay, spec = self.rest_layouts["encoder"]["final_norm"], self.rest_specs["encoder"]["final_norm"]
+
+        def fn(w, x, rng_data):
+            w, x, base = S.gather_weight(w, lay), self._gather_act(x), self._base_key(rng_data)
+
+            def body(_, inp):
+                x_i, i = inp
+                return None, self._slice_act(self.bodies.encoder_head(w, x_i, stream_key(micro_key(base, i), t5.ENC_HEAD)))
+
+            return lax.scan(body, None, (x, jnp.arange(x.shape[0])))[1]
+
+        return self._program(("encoder_head_fwd",), fn, (spec, self.act_spec, P()), self.act_spec)
+
+    def encoder_head_bwd(self):
+        lay, spec = self.rest_layouts["encoder"]["final_norm"], self.rest_specs["encoder"]["final_norm"]
+
+        def fn(w, x, dy, rng_data):
+            w, x, dy, base = S.gather_weight(w, lay), self._gather_act(x), self._gather_act(dy), self._base_key(rng_data)
+
+            def body(acc, inp):
+                x_i, dy_i, i = inp
+                r = stream_key(micro_key(base, i), t5.ENC_HEAD)
+                _, vjp = jax.vjp(lambda w_, x_: self.bodies.encoder_head(w_, x_, r), w, x_i)
+                g_w, dx = vjp(dy_i)
+                return acc + g_w, self._slice_act(dx)
+
+            g, dx = lax.scan(body, jnp.zeros_like(w), (x, dy, jnp.arange(x.shape[0])))
+            return self._reduce(g, lay), dx
+
+        return self._program(("encoder_head_bwd",), fn, (spec, self.act_spec, self.act_spec, P()),
+                             (spec, self.act_spec))
+
+    def head(self):
+        """Final norm + LM head + loss and its backward, in one phase as in the original:
+        (head weights, x row, labels, rng) -> (mean loss, head gradients, dx row)."""
+        lay = head_subtree(self.rest_layouts, self.tied)
+        specs = head_subtree(self.rest_specs, self.tied)
+        scale = self.scale
+
+        def fn(hp, x, labels, rng_data):
+            hp, x, base = self._cast(S.gather_all(hp, lay)), self._gather_act(x), self._base_key(rng_data)
+            count = lax.psum(jnp.sum(labels != -100), S.DP).astype(F32)
+
+            def body(acc, inp):
+                x_i, lab_i, i = inp
+                r = stream_key(micro_key(base, i), t5.HEAD)
+                loss, (g_hp, dx) = jax.value_and_grad(
+                    lambda hp_, x_: self.bodies.head_loss(hp_, x_, lab_i, r) * (scale / count), argnums=(0, 1))(hp, x_i)
+                acc_g, acc_l = acc
+                return (jax.tree.map(lambda a, b: a + b.astype(F32), acc_g, g_hp), acc_l + loss), self._slice_act(dx)
+
+            zeros = (jax.tree.map(lambda w: jnp.zeros(w.shape, F32), hp), jnp.zeros((), F32))
+            (g, loss), dx = lax.scan(body, zeros, (x, labels, jnp.arange(x.shape[0])))
+            return lax.psum(loss, S.DP) / scale, self._reduce(g, lay), dx
+
+        return self._program(("head",), fn, (specs, self.act_spec, MICRO, P()), (P(), specs, self.act_spec))
+
+    # ------------------------------------------------------------------ optimizer
+
+    def optimizer(self, group: str, stacked: bool = False):
+        """(params, optimizer state, gradients, global norm) of one weight group -> (params, state).
+        Weights and state are donated: their updated values take their place on the device."""
+        key = ("optimizer", group, stacked)
+        if key not in self._cache:
+            update = partial(optim.update_group, self.g.optimizer, self.g.cfg.training.optimizer.gradient_clipping,
+                             stacked=stacked)
+            self._cache[key] = jax.jit(update, donate_argnums=(0, 1))
+        return self._cache[key]
+
+    @staticmethod
+    @jax.jit
+    def add(a, b):
+        return jax.tree.map(jnp.add, a, b)
+
+    def sum_of_squares(self, grads, layouts):
+        """Sum of the squares of gradients in their storage layout, over the whole mesh."""
+        key = ("sum_of_squares", jax.tree.structure(grads))
+        if key not in self._cache:
+            self._cache[key] = jax.jit(jax.shard_map(lambda g: S.sum_of_squares(g, layouts), mesh=self.g.mesh,
+                                                     in_specs=(S.storage_specs(layouts),), out_specs=P(),
+                                                     check_vma=False))
+        return self._cache[key](grads)
+
+
+__all__ = ["PhasePrograms", "ENCODER", "DECODER"]

@@ -29,6 +29,9 @@ def extra_flags(p):
     p.add_argument("--peak_tflops", type=float, default=None, help="peak TFLOP/s of one device, for MFU")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one extra (untimed) step with the JAX profiler into DIR and print the top device ops")
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory plan (device and host bytes at their peaks, from shapes; programs compiled "
+                        "but nothing allocated) and exit")
     p.add_argument("--lengths", choices=("mnli", "uniform"), default="mnli",
                    help="prompt lengths of the generated data: mnli (drawn to MultiNLI's statistics, about 52 tokens "
                         "on average with a long tail) or uniform (in [L/2, L]: rows mostly full)")
@@ -63,7 +66,16 @@ def main(argv=None) -> dict:
         die(str(e))
     from graphs.executor import make_executor
 
+    from graphs.plan import PlanError, check_fits, plan
+
     executor = make_executor(g)
+    if args.plan:
+        print(plan(executor, exact=True).format())
+        return {}
+    try:
+        check_fits(executor, cfg)
+    except PlanError as e:
+        die(str(e))
     state = executor.init_state()
     host_batches = [generated_batch(cfg, seed=i, lengths=args.lengths) for i in range(2)]
     stats = [batch_stats(b) for b in host_batches]

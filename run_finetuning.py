@@ -20,20 +20,33 @@ logger = logging.getLogger("flan_t5")
 def extra_flags(p):
     p.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
     p.add_argument("--wandb-name", dest="wandb_name", default=None, help="W&B run name")
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory plan of the run (device and host bytes at their peaks, from shapes; "
+                        "nothing allocated) and exit")
     p.add_argument("--run_dir", default=None,
                    help="where metrics.jsonl and loss_curve.png go (default: the --save directory, else runs/CONFIG)")
 
 
-def build(cfg):
-    """Graphs, the executor (fused, or phased when execution.phased), tokenizer and the training data loader."""
-    from data.mnli import TrainLoader, load_rows, load_tokenizer, tokenize_examples
+def build_executor(cfg):
+    """Graphs and the executor (fused, or phased when execution.phased)."""
     from graphs.executor import make_executor
     from graphs.graphs import Graphs
 
-    graphs = Graphs(cfg)
-    executor = make_executor(graphs)
+    executor = make_executor(Graphs(cfg))
     if executor.name == "phased":
         logger.info("phased execution: weights, optimizer state and activations in host memory")
+    return executor
+
+
+def build(cfg):
+    """The executor, checked to fit this machine (graphs/plan.py), and the training data loader."""
+    from data.mnli import TrainLoader, load_rows, load_tokenizer, tokenize_examples
+    from graphs.plan import check_fits
+
+    executor = build_executor(cfg)
+    plan = check_fits(executor, cfg)
+    logger.info("memory plan: %.2f GiB per device, %.2f GiB of host memory (before program temporaries; "
+                "--plan counts them)", plan.device_peak / 2**30, plan.host_peak / 2**30)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         die(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
@@ -155,12 +168,17 @@ def main(argv=None) -> None:
     from modelling.hf_mapping import CheckpointError
     from utils.checkpoint import CheckpointNotFound
 
+    from graphs.plan import PlanError, plan
+
     try:
+        if args.plan:
+            print(plan(build_executor(cfg), exact=True).format())
+            return
         check_save_dir(cfg)
         executor, loader = build(cfg)
         state, start = initial_state(cfg, executor, loader)
         train(cfg, args, executor, loader, state, start)
-    except (DataError, DeviceCountError, ConfigError, CheckpointError, CheckpointNotFound) as e:
+    except (DataError, DeviceCountError, ConfigError, CheckpointError, CheckpointNotFound, PlanError) as e:
         die(str(e))
 
 

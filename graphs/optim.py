@@ -55,8 +55,35 @@ def make_optimizer(training) -> optax.GradientTransformation:
     if o.name == "adamw":
         b1 = 0.9 if o.beta1 is None else o.beta1
         return optax.adamw(lr, b1=b1, b2=o.beta2, eps=1e-8, weight_decay=o.weight_decay, mask=decay_mask)
-    return optax.adafactor(lr, momentum=o.beta1 or None, weight_decay_rate=o.weight_decay or None,
-                           weight_decay_mask=decay_mask)
+    return matrix_view(optax.adafactor(lr, momentum=o.beta1 or None, weight_decay_rate=o.weight_decay or None,
+                                       weight_decay_mask=decay_mask))
+
+
+def _as_matrix(path, x):
+    """An attention weight [d, h, kv] as [d, h * kv], its output projection [h, kv, d] as [h * kv, d]
+    (T5X's layout); other weights as they are."""
+    if x.ndim != 3:
+        return x
+    name = str(getattr(path[-1], "key", path[-1]))
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2]) if name in ("o", "co") else x.reshape(x.shape[0], -1)
+
+
+def matrix_view(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``inner`` applied to every weight seen as a matrix (``_as_matrix``). Adafactor factors the two
+    largest dims of a weight: on [d, h, kv] these would be d and 64, too small to factor, and the
+    second moment of every attention weight would be stored whole; as [d, h * kv] it is two vectors."""
+
+    def view(tree):
+        return jax.tree_util.tree_map_with_path(_as_matrix, tree)
+
+    def init(params):
+        return inner.init(view(params))
+
+    def update(updates, state, params=None):
+        out, state = inner.update(view(updates), state, None if params is None else view(params))
+        return jax.tree.map(lambda u, g: u.reshape(g.shape), out, updates), state
+
+    return optax.GradientTransformation(init, update)
 
 
 # --------------------------------------------------------------------------- weight groups

@@ -281,14 +281,16 @@ class PhasePrograms:
     def add(a, b):
         return jax.tree.map(jnp.add, a, b)
 
-    def sum_of_squares(self, grads, layouts):
-        """Sum of the squares of gradients in their storage layout, over the whole mesh."""
-        key = ("sum_of_squares", jax.tree.structure(grads))
-        if key not in self._cache:
-            self._cache[key] = jax.jit(jax.shard_map(lambda g: S.sum_of_squares(g, layouts), mesh=self.g.mesh,
-                                                     in_specs=(S.storage_specs(layouts),), out_specs=P(),
-                                                     check_vma=False))
-        return self._cache[key](grads)
+    @staticmethod
+    @jax.jit
+    def global_norm(sums_of_squares):
+        """The global gradient norm from every phase's sum of squares."""
+        return jnp.sqrt(sum(sums_of_squares))
+
+    def rest_sum_of_squares(self):
+        """(non-layer gradients in their storage layout) -> their sum of squares over the whole mesh."""
+        lay = self.rest_layouts
+        return self._program(("rest_sum_of_squares",), lambda g: S.sum_of_squares(g, lay), (self.rest_specs,), P())
 
 
 __all__ = ["PhasePrograms", "ENCODER", "DECODER"]

@@ -112,6 +112,7 @@ class PhasedExecutor:
         # and hang. There, each program with collectives finishes before the next is dispatched. GPUs
         # and TPUs run the programs in dispatch order on one stream, so nothing waits there.
         self._serial = jax.process_count() > 1 and self.mesh.devices.flat[0].platform == "cpu"
+        self.ops = DeviceOps(self)  # what the schedule runs on: arrays, or placeholders when planning
 
     # ------------------------------------------------------------------ state
 
@@ -197,37 +198,20 @@ class PhasedExecutor:
     # ------------------------------------------------------------------ loading and storing
 
     def load(self, tree, shardings, copy: bool = False):
-        """Remote buffer -> device: one transfer per weight (RTS shards stay shards).
-
-        ``copy``: never alias the host buffer (on CPU host and device memory are one RAM), so the
-        loaded arrays can be donated to the program that updates them.
-        """
-        return jax.device_put(tree, shardings, may_alias=False if copy else None)
+        """Remote buffer -> device (see ``DeviceOps.load``)."""
+        return self.ops.load(tree, shardings, copy)
 
     def store(self, tree, shardings):
-        return jax.device_put(tree, S.with_memory_kind(shardings, HOST))
-
-    def _load_act(self, x):
-        return jax.device_put(x, self.act_dev)
-
-    def _store_act(self, x):
-        return jax.device_put(x, self.act_host)
-
-    def _run(self, name, program, *args):
-        if self.memory is not None:
-            self.memory.record(name, program, args)
-        return self._settle(program(*args))
-
-    def _settle(self, out):
-        """``out``, finished first when programs must not overlap (see ``_serial``)."""
-        return jax.block_until_ready(out) if self._serial else out
+        return self.ops.store(tree, shardings)
 
     # ------------------------------------------------------------------ the step
 
     def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data):
         """Forward, head and backward phases -> (loss, non-layer gradients on the device,
-        {stack: [layer gradients in host memory]}, sum of squares of all gradients)."""
-        prog, L_ = self.programs, self.layers
+        {stack: [layer gradients in host memory]}, global gradient norm)."""
+        ops, prog, L_ = self.ops, self.programs, self.layers
+        load_act = lambda x: ops.load(x, self.act_dev, label="activations")  # noqa: E731
+        store_act = lambda x: ops.store(x, self.act_dev, label="activation rows")  # noqa: E731
         keep = self.retain_buffers
         x_buf, x_dec = ActivationBuffer("x_buffer", L_ + 2, keep), ActivationBuffer("x_dec_buffer", L_ + 1, keep)
         rows = {ENCODER.name: x_buf, DECODER.name: x_dec}
@@ -236,40 +220,42 @@ class PhasedExecutor:
         self.last_buffers = {b.name: b for b in (x_buf, x_dec, *dx_rows.values())} if keep else {}
         meta = {s.name: stack_meta(s, batch) for s in STACKS}
         rest, rest_dev = ps.rest, self.rest_dev
-        shared = self.load(rest["shared"], rest_dev["shared"])
+        shared = ops.load(rest["shared"], rest_dev["shared"])
 
         # ---- forward
         enc_out, relpos = None, {}
         for stack in STACKS:
             buf, keys = rows[stack.name], tuple(sorted(meta[stack.name]))
-            x = self._run("embeddings_fwd", prog.embeddings_fwd(stack), shared, batch[stack.ids], rng_data)
-            relpos[stack.name] = self.load(rest[stack.name]["relpos"], rest_dev[stack.name]["relpos"])
+            x = ops.run("embeddings_fwd", prog.embeddings_fwd(stack), shared, batch[stack.ids], rng_data)
+            relpos[stack.name] = ops.load(rest[stack.name]["relpos"], rest_dev[stack.name]["relpos"])
             fwd = prog.layer_fwd(stack, keys)
-            layer = lambda j, s=stack.name: self.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
+            layer = lambda j, s=stack.name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
             for j, lp in prefetch(L_, layer):
-                buf[j] = self._store_act(x)  # this layer's input, read again by its backward
+                buf[j] = store_act(x)  # this layer's input, read again by its backward
                 extra = (enc_out,) if stack.decoder else ()
-                x = self._run(f"{stack.name}_layer_fwd", fwd, lp, relpos[stack.name], x, *extra,
-                              meta[stack.name], rng_data, j)
+                x = ops.run(f"{stack.name}_layer_fwd", fwd, lp, relpos[stack.name], x, *extra, meta[stack.name],
+                            rng_data, j)
+                del lp
             if not stack.decoder:
-                buf[L_] = self._store_act(x)  # the encoder head's input
-                norm = self.load(rest["encoder"]["final_norm"], rest_dev["encoder"]["final_norm"])
-                enc_out = self._run("encoder_head_fwd", prog.encoder_head_fwd(), norm, x, rng_data)
+                buf[L_] = store_act(x)  # the encoder head's input
+                norm = ops.load(rest["encoder"]["final_norm"], rest_dev["encoder"]["final_norm"])
+                enc_out = ops.run("encoder_head_fwd", prog.encoder_head_fwd(), norm, x, rng_data)
                 if keep:
-                    buf[L_ + 1] = self._store_act(enc_out)
+                    buf[L_ + 1] = store_act(enc_out)
             elif keep:
-                buf[L_] = self._store_act(x)
+                buf[L_] = store_act(x)
 
         # ---- head: loss and its backward
         tied = self.g.opts.tie_word_embeddings
-        hp = self.load(head_subtree(rest, tied), head_subtree(rest_dev, tied))
-        loss, g_head, dy = self._run("head", prog.head(), hp, x, batch["labels"], rng_data)
+        hp = ops.load(head_subtree(rest, tied), head_subtree(rest_dev, tied))
+        loss, g_head, dy = ops.run("head", prog.head(), hp, x, batch["labels"], rng_data)
         del hp, x
         g_shared = g_head["shared"] if tied else None
         g_rest = {"encoder": {}, "decoder": {"final_norm": g_head["decoder"]["final_norm"]}}
         if not tied:
             g_rest["lm_head"] = g_head["lm_head"]
-        sumsq = jnp.zeros((), F32)
+        del g_head
+        sumsq = []  # each phase's sum of squares of its weight gradients
         layer_grads = {s.name: [None] * L_ for s in STACKS}
         d_enc = None
 
@@ -278,59 +264,69 @@ class PhasedExecutor:
             name, keys, buf = stack.name, tuple(sorted(meta[stack.name])), rows[stack.name]
             if not stack.decoder:  # the encoder's final norm, from the summed gradient of its output
                 if keep:
-                    dx_rows[name][L_ + 1] = self._store_act(d_enc)
-                g_rest["encoder"]["final_norm"], dy = self._run(
-                    "encoder_head_bwd", prog.encoder_head_bwd(), norm, self._load_act(buf.pop(L_)), d_enc, rng_data)
-                del d_enc
+                    dx_rows[name][L_ + 1] = store_act(d_enc)
+                g_rest["encoder"]["final_norm"], dy = ops.run(
+                    "encoder_head_bwd", prog.encoder_head_bwd(), norm, load_act(buf.pop(L_)), d_enc, rng_data)
+                d_enc = None
             else:
-                d_enc = jnp.zeros(enc_out.shape, F32, device=self.act_dev)
+                d_enc = ops.zeros(enc_out.shape, F32, self.act_dev)
             if keep:
-                dx_rows[name][L_] = self._store_act(dy)
+                dx_rows[name][L_] = store_act(dy)
             bwd = prog.layer_bwd(stack, keys)
             g_rel = None
-            layer = lambda j, s=name: self.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
+            layer = lambda j, s=name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
             for j, lp in prefetch(L_, layer, reverse=True):
-                x = self._load_act(buf.pop(j))
+                x = load_act(buf.pop(j))
                 if stack.decoder:
-                    g_lp, ss, g_r, dy, d_enc = self._run(f"{name}_layer_bwd", bwd, lp, relpos[name], x, enc_out,
-                                                         meta[name], dy, d_enc, rng_data, j)
+                    g_lp, ss, g_r, dy, d_enc = ops.run(f"{name}_layer_bwd", bwd, lp, relpos[name], x, enc_out,
+                                                       meta[name], dy, d_enc, rng_data, j)
                 else:
-                    g_lp, ss, g_r, dy = self._run(f"{name}_layer_bwd", bwd, lp, relpos[name], x, meta[name], dy,
-                                                  rng_data, j)
-                layer_grads[name][j] = self.store(g_lp, self.row_dev[name])
-                sumsq = sumsq + ss
-                g_rel = g_r if g_rel is None else prog.add(g_rel, g_r)
+                    g_lp, ss, g_r, dy = ops.run(f"{name}_layer_bwd", bwd, lp, relpos[name], x, meta[name], dy,
+                                                rng_data, j)
+                layer_grads[name][j] = ops.store(g_lp, self.row_dev[name], label="weight gradients")
+                sumsq.append(ss)
+                g_rel = g_r if g_rel is None else ops.run("add", prog.add, g_rel, g_r)
                 if keep:
-                    dx_rows[name][j] = self._store_act(dy)
-                del lp, x, g_lp
+                    dx_rows[name][j] = store_act(dy)
+                del lp, x, g_lp, g_r
             g_rest[name]["relpos"] = g_rel
-            g_emb = self._run("embeddings_bwd", prog.embeddings_bwd(stack), shared, batch[stack.ids], dy, rng_data)
-            g_shared = g_emb if g_shared is None else prog.add(g_shared, g_emb)
+            g_emb = ops.run("embeddings_bwd", prog.embeddings_bwd(stack), shared, batch[stack.ids], dy, rng_data)
+            g_shared = g_emb if g_shared is None else ops.run("add", prog.add, g_shared, g_emb)
+            del g_emb, g_rel, dy
             if stack.decoder:
-                del enc_out
+                enc_out = None
+        del shared, relpos, norm
         g_rest["shared"] = g_shared
-        g_rest = {k: g_rest[k] for k in rest}  # the order of the rest tree
+        g_rest = {k: g_rest[k] for k in rest}  # the keys of the rest tree
         g_rest["encoder"] = {k: g_rest["encoder"][k] for k in rest["encoder"]}
         g_rest["decoder"] = {k: g_rest["decoder"][k] for k in rest["decoder"]}
-        sumsq = sumsq + self._settle(prog.sum_of_squares(g_rest, prog.rest_layouts))
-        return loss, g_rest, layer_grads, sumsq
+        sumsq.append(ops.run("sum_of_squares", prog.rest_sum_of_squares(), g_rest))
+        g_norm = ops.run("global_norm", prog.global_norm, sumsq)
+        return loss, g_rest, layer_grads, g_norm
 
     def train_step(self, ps: PhasedState, batch: dict, rng_data=None):
-        """One optimizer step on one global batch, phase by phase -> (state, metrics)."""
+        """One optimizer step on one global batch, phase by phase -> (state, metrics).
+
+        The input state is consumed (as the fused step donates its state): each layer's old
+        weights and optimizer state are let go of as soon as their update is stored, so host
+        memory never holds two copies of the model.
+        """
         if rng_data is None:
             rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), ps.step))
-        loss, g_rest, layer_grads, sumsq = self.loss_and_grads(ps, batch, rng_data)
-        g_norm = jnp.sqrt(sumsq)
-        prog = self.programs
+        loss, g_rest, layer_grads, g_norm = self.loss_and_grads(ps, batch, rng_data)
+        ops, prog = self.ops, self.programs
         # ---- optimizer phases: the embedding, the LM head, the small rest, then one layer at a time
         params_g, grads_g, dev = rest_groups(ps.rest), rest_groups(g_rest), rest_groups(self.rest_dev)
+        ps.rest = None
+        del g_rest
         new_params, new_opt = {}, {}
-        for name in params_g:
-            p, s = self._run("optimizer", prog.optimizer(name), self.load(params_g[name], dev[name], copy=True),
-                             self.load(ps.opt[name], self.opt_dev[name], copy=True), grads_g[name], g_norm)
-            new_params[name], new_opt[name] = self.store(p, dev[name]), self.store(s, self.opt_dev[name])
+        for name in list(params_g):
+            p, s = ops.run("optimizer", prog.optimizer(name), ops.load(params_g.pop(name), dev[name], copy=True),
+                           ops.load(ps.opt[name], self.opt_dev[name], copy=True), grads_g.pop(name), g_norm)
+            ps.opt[name] = None
+            new_params[name] = ops.store(p, dev[name], label="weights")
+            new_opt[name] = ops.store(s, self.opt_dev[name], label="optimizer state")
             del p, s
-        del g_rest, grads_g
         layers, opt_layers = {}, {}
         for stack in STACKS:
             s = stack.name
@@ -338,14 +334,16 @@ class PhasedExecutor:
             layers[s], opt_layers[s] = [None] * self.layers, [None] * self.layers
 
             def load(j, s=s):
-                return (self.load(ps.layers[s][j], self.row_dev[s], copy=True),
-                        self.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True),
-                        self.load(layer_grads[s][j], self.row_dev[s]))
+                out = (ops.load(ps.layers[s][j], self.row_dev[s], copy=True),
+                       ops.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True),
+                       ops.load(layer_grads[s][j], self.row_dev[s]))
+                ps.layers[s][j] = ps.opt_layers[s][j] = layer_grads[s][j] = None
+                return out
 
             for j, (p, st, gr) in prefetch(self.layers, load):
-                p, st = self._run("optimizer", update, p, st, gr, g_norm)
-                layers[s][j], opt_layers[s][j] = self.store(p, self.row_dev[s]), self.store(st, self.opt_row_dev[s])
-                layer_grads[s][j] = None
+                p, st = ops.run("optimizer", update, p, st, gr, g_norm)
+                layers[s][j] = ops.store(p, self.row_dev[s], label="weights")
+                opt_layers[s][j] = ops.store(st, self.opt_row_dev[s], label="optimizer state")
                 del p, st, gr
         metrics = {"loss": loss, "grad_norm": g_norm}
         return PhasedState(ps.step + 1, rest_from_groups(new_params), layers, new_opt, opt_layers), metrics
@@ -357,6 +355,35 @@ class PhasedExecutor:
         stacked = {s: jax.tree.map(lambda *r: np.stack([np.asarray(jax.device_get(x), np.float32) for x in r]),
                                    *layer_grads[s]) for s in layer_grads}
         return with_layers(jax.tree.map(np.asarray, g_rest), stacked)
+
+
+class DeviceOps:
+    """The schedule's operations on real arrays (graphs/plan.py's PlanOps runs the same schedule on
+    placeholders to plan its memory)."""
+
+    def __init__(self, executor):
+        self.x = executor
+
+    def load(self, tree, shardings, copy: bool = False, label: str = ""):
+        """Remote buffer -> device: one transfer per weight (RTS shards stay shards).
+
+        ``copy``: never alias the host buffer (on CPU host and device memory are one RAM), so the
+        loaded arrays can be donated to the program that updates them.
+        """
+        return jax.device_put(tree, shardings, may_alias=False if copy else None)
+
+    def store(self, tree, shardings, label: str = ""):
+        return jax.device_put(tree, S.with_memory_kind(shardings, HOST))
+
+    def zeros(self, shape, dtype, sharding, label: str = ""):
+        return jnp.zeros(shape, dtype, device=sharding)
+
+    def run(self, name, program, *args, label: str = ""):
+        if self.x.memory is not None:
+            self.x.memory.record(name, program, args)
+        out = program(*args)
+        # several processes on CPUs: each program with collectives finishes before the next (see _serial)
+        return jax.block_until_ready(out) if self.x._serial else out
 
 
 class PhaseMemory:

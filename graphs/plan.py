@@ -1,0 +1,329 @@
+"""Memory plan: the device and host bytes a training run needs, from shapes alone, before any allocation.
+
+Phased executor: the training step's own schedule runs once on placeholders (``PlanOps``)
+instead of arrays. A placeholder has a shape, a dtype and a sharding; its bytes count as live
+from its creation until the schedule drops its last reference, exactly as the real arrays'
+would (CPython frees on the last reference), so the plan follows whatever the schedule keeps
+alive, prefetched layers and held activation rows included. Each phase program is traced
+abstractly (``jax.eval_shape``) for its outputs; with ``exact`` it is also compiled from the
+abstract arguments for XLA's own count of its temporaries (slower: one compilation per program
+kind, about what the run itself compiles).
+
+Fused executor: the state, the batch, and the compiled step's temporaries (``exact``), else a
+lower bound (state, gradient accumulator, weights cast to the compute dtype).
+
+Device bytes are per device (the busiest); host bytes per process.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphs import optim
+from graphs import sharding as S
+
+GIB = 2 ** 30
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+class PlanError(RuntimeError):
+    """A run that will not fit; the message names what does not fit and what to change."""
+
+
+def _kind(sharding) -> str:
+    return "host" if getattr(sharding, "memory_kind", None) in HOST_KINDS else "device"
+
+
+def shard_bytes(shape, dtype, sharding) -> int:
+    """Bytes of one device's shard of an array."""
+    shard = sharding.shard_shape(tuple(shape)) if sharding is not None else tuple(shape)
+    return int(np.prod(shard, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+class Ledger:
+    """Live bytes by memory ('device' per device, 'host' per process) and by label; records peaks."""
+
+    def __init__(self):
+        self.live = {"device": {}, "host": {}}
+        self.peak = {"device": (0, "", {}), "host": (0, "", {})}
+        self.phase = "state"  # the phase being run (or last run)
+        self.quiet = False  # while a program's outputs are created: its own peak was noted already
+
+    def add(self, kind: str, label: str, nbytes: int) -> None:
+        self.live[kind][label] = self.live[kind].get(label, 0) + nbytes
+        if not self.quiet:
+            self.note(kind)
+
+    def free(self, kind: str, label: str, nbytes: int) -> None:
+        self.live[kind][label] -= nbytes
+
+    def total(self, kind: str) -> int:
+        return sum(self.live[kind].values())
+
+    def note(self, kind: str, extra: dict | None = None) -> None:
+        items = {k: v for k, v in self.live[kind].items() if v}
+        items.update(extra or {})
+        total = sum(items.values())
+        if total > self.peak[kind][0]:
+            self.peak[kind] = (total, self.phase, items)
+
+
+class Placeholder:
+    """An array that is never allocated: shape, dtype, sharding. Counts in the ledger while referenced."""
+
+    __slots__ = ("shape", "dtype", "sharding", "__weakref__")
+
+    def __init__(self, ledger: Ledger, shape, dtype, sharding, label: str):
+        self.shape, self.dtype, self.sharding = tuple(shape), np.dtype(dtype), sharding
+        kind = _kind(sharding)
+        n = shard_bytes(self.shape, self.dtype, sharding)
+        if kind == "host":
+            n *= len(sharding.addressable_devices)  # every local device's shard lives in this process's memory
+        ledger.add(kind, label, n)
+        weakref.finalize(self, ledger.free, kind, label, n)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def struct(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(self.shape, self.dtype, sharding=self.sharding)
+
+
+def _is_placeholder(x) -> bool:
+    return isinstance(x, Placeholder)
+
+
+class PlanOps:
+    """The phased schedule's operations on placeholders (graphs/phased.py's DeviceOps on arrays)."""
+
+    def __init__(self, exact: bool = False):
+        self.ledger, self.exact = Ledger(), exact
+        self._programs: dict = {}
+
+    def new(self, shape, dtype, sharding, label: str) -> Placeholder:
+        return Placeholder(self.ledger, shape, dtype, sharding, label)
+
+    def abstract(self, tree, shardings, label: str):
+        """Placeholders for a tree of arrays or ShapeDtypeStructs, in ``shardings``."""
+        return jax.tree.map(lambda x, s: self.new(x.shape, x.dtype, s, label), tree, shardings)
+
+    def load(self, tree, shardings, copy: bool = False, label: str = "loaded weights and state"):
+        return jax.tree.map(lambda x, s: self.new(x.shape, x.dtype, s, label), tree, shardings,
+                            is_leaf=_is_placeholder)
+
+    def store(self, tree, shardings, label: str = "stored"):
+        host = S.with_memory_kind(shardings, "pinned_host")
+        return jax.tree.map(lambda x, s: self.new(x.shape, x.dtype, s, label), tree, host, is_leaf=_is_placeholder)
+
+    def zeros(self, shape, dtype, sharding, label: str = "gradient sums"):
+        return self.new(shape, dtype, sharding, label)
+
+    def run(self, name: str, program, *args, label: str = "phase outputs"):
+        structs = jax.tree.map(lambda x: x.struct() if _is_placeholder(x) else x, args, is_leaf=_is_placeholder)
+        sig = (id(program), str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None))
+                                             if hasattr(x, "shape") else x, structs)))
+        if sig not in self._programs:
+            out = jax.eval_shape(program, *structs)
+            temp = alias = 0
+            if self.exact:
+                analysis = program.lower(*structs).compile().memory_analysis()
+                temp, alias = analysis.temp_size_in_bytes, analysis.alias_size_in_bytes
+            self._programs[sig] = (out, temp, alias)
+        out, temp, alias = self._programs[sig]
+        out_bytes = sum(shard_bytes(o.shape, o.dtype, o.sharding) for o in jax.tree.leaves(out)
+                        if _kind(o.sharding) == "device")
+        extra = {"program temporaries": temp, "program outputs": max(out_bytes - alias, 0)}
+        self.ledger.phase = name
+        self.ledger.note("device", extra)  # inputs, temporaries and the outputs that reuse no donated input
+        self.ledger.quiet = True
+        try:
+            return jax.tree.map(lambda o: self.new(o.shape, o.dtype, o.sharding, label), out)
+        finally:
+            self.ledger.quiet = False
+
+
+@dataclass
+class MemoryPlan:
+    """Device bytes (per device) and host bytes (per process) of a run, at their peaks."""
+
+    executor: str
+    device_peak: int
+    device_phase: str
+    device_items: dict
+    host_peak: int
+    host_phase: str
+    host_items: dict
+    exact: bool
+    notes: list = field(default_factory=list)
+
+    def format(self) -> str:
+        def items(d):
+            return ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v)
+
+        how = "XLA's count of program temporaries" if self.exact else "program temporaries not counted: --plan counts them"
+        lines = [f"memory plan ({self.executor} executor, {how}):",
+                 f"  device: {self.device_peak / GIB:.2f} GiB per device at its peak ({self.device_phase}): "
+                 f"{items(self.device_items)} GiB",
+                 f"  host:   {self.host_peak / GIB:.2f} GiB per process at its peak ({self.host_phase}): "
+                 f"{items(self.host_items)} GiB"]
+        return "\n".join(lines + [f"  {n}" for n in self.notes])
+
+    def check(self, device_limit: int | None, host_limit: int | None, cfg) -> None:
+        """Raises PlanError (one line: what does not fit, and the knobs) if a limit is exceeded."""
+        ex, phased = cfg.execution, cfg.execution.phased
+        if device_limit and self.device_peak > device_limit:
+            knobs = ["--micro_batch_size " + str(max(ex.micro_batch_size // 2, 1))]
+            if not ex.recompute:
+                knobs.append("--recompute true")
+            knobs.append(f"--tensor_parallel {ex.tensor_parallel * 2} (more devices)")
+            if not phased:
+                knobs.append("--phased true (weights and optimizer state in host memory)")
+            raise PlanError(f"the run needs {self.device_peak / GIB:.1f} GiB per device ({self.device_phase}) but a "
+                            f"device has {device_limit / GIB:.1f} GiB: try {', '.join(knobs)}")
+        if host_limit and self.host_peak > host_limit:
+            knobs = []
+            if cfg.training.optimizer.name == "adamw":
+                knobs.append("--optimizer adafactor (factored optimizer state)")
+            knobs.append(f"--global_batch_size {max(cfg.training.global_batch_size // 2, 1)} (fewer activation rows)")
+            if not phased:
+                knobs = ["fewer or shorter examples"]
+            raise PlanError(f"the run needs {self.host_peak / GIB:.1f} GiB of host memory ({self.host_phase}: "
+                            + ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(self.host_items.items(),
+                                                                                key=lambda kv: -kv[1]) if v)
+                            + f" GiB) but {host_limit / GIB:.1f} GiB is available: try {', '.join(knobs)}")
+
+
+def device_memory_limit() -> int | None:
+    """Bytes an accelerator device can allocate (None on CPU, where device memory is host RAM)."""
+    d = jax.local_devices()[0]
+    if d.platform == "cpu":
+        return None
+    try:
+        return (d.memory_stats() or {}).get("bytes_limit")
+    except Exception:
+        return None
+
+
+def host_memory_limit() -> int | None:
+    """This machine's available RAM (MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def abstract_batch(cfg, graphs) -> dict:
+    """ShapeDtypeStructs of one global batch as the loader builds it (packed rows carry positions)."""
+    ga = cfg.gradient_accumulation
+    rows = cfg.training.global_batch_size // ga
+    L, D = cfg.model.sequence_length, cfg.decoder_row_length
+    keys = {"input_ids": L, "attention_mask": L, "decoder_input_ids": D, "decoder_attention_mask": D, "labels": D}
+    if cfg.data.packing:
+        keys.update(positions=L, decoder_positions=D)
+    return {k: jax.ShapeDtypeStruct((ga, rows, n), jnp.int32, sharding=graphs.batch_sharding) for k, n in keys.items()}
+
+
+def plan_fused(executor, exact: bool = False) -> MemoryPlan:
+    """The fused executor's device bytes: state + batch + the step's temporaries (exact), or a lower bound."""
+    from graphs.graphs import TrainState
+
+    g = executor.g
+    params = g.abstract_params()
+    opt = jax.eval_shape(lambda p: optim.init_state(g.optimizer, p), params)
+    opt_sh = g.opt_state_shardings(params)
+
+    def per_device(tree, shardings):
+        return sum(shard_bytes(x.shape, x.dtype, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+    batch = abstract_batch(g.cfg, g)
+    items = {"weights": per_device(params, g.param_shardings), "optimizer state": per_device(opt, opt_sh),
+             "batch": sum(shard_bytes(b.shape, b.dtype, b.sharding) for b in batch.values())}
+    notes = []
+    if exact:
+        state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=g.replicated),
+                           jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                                        g.param_shardings),
+                           jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt, opt_sh))
+        rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=g.replicated)
+        analysis = jax.jit(executor._step_fn, donate_argnums=(0,)).lower(state, batch, rng).compile().memory_analysis()
+        items["step temporaries (gradients, activations)"] = analysis.temp_size_in_bytes
+        items["step outputs"] = max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
+    else:
+        # the float32 gradient accumulator and the compute-dtype copy of the weights, both tp-sharded
+        tp_bytes = sum(shard_bytes(x.shape, x.dtype, jax.sharding.NamedSharding(g.mesh, l.compute_spec))
+                       for x, l in zip(jax.tree.leaves(params), jax.tree.leaves(g.layouts, is_leaf=S.is_layout)))
+        items["gradient accumulator"] = tp_bytes
+        if g.opts.compute_dtype != jnp.float32:
+            items["weights in the compute dtype"] = tp_bytes // 2
+        notes.append("activations not counted: --plan compiles the step and counts them")
+    total = sum(items.values())
+    return MemoryPlan("fused", total, "training step", items, 0, "no host-resident state", {}, exact, notes)
+
+
+def plan_phased(executor, exact: bool = False) -> MemoryPlan:
+    """The phased executor's schedule, run once on placeholders (see the module docstring)."""
+    from graphs.host_state import PhasedState, split_rest
+
+    g = executor.g
+    ops = PlanOps(exact)
+    params = g.abstract_params()
+    host = lambda sh: S.with_memory_kind(sh, "pinned_host")  # noqa: E731
+    rest = ops.abstract(split_rest(params), host(split_rest(g.param_shardings)), "weights")
+    layers, opt_layers = {}, {}
+    row_struct = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+    for s in ("encoder", "decoder"):
+        row = jax.tree.map(row_struct, params[s]["layers"])
+        layers[s] = [ops.abstract(row, host(executor.row_dev[s]), "weights") for _ in range(g.cfg.model.layers)]
+        opt_row = jax.eval_shape(g.optimizer.init, row)
+        opt_layers[s] = [ops.abstract(opt_row, host(executor.opt_row_dev[s]), "optimizer state")
+                         for _ in range(g.cfg.model.layers)]
+    from graphs.phased import rest_groups
+
+    opt = {k: ops.abstract(jax.eval_shape(g.optimizer.init, grp), host(executor.opt_dev[k]), "optimizer state")
+           for k, grp in rest_groups(split_rest(params)).items()}
+    state = PhasedState(0, rest, layers, opt, opt_layers)
+    batch = {k: ops.new(b.shape, b.dtype, b.sharding, "batch") for k, b in abstract_batch(g.cfg, g).items()}
+    rng = ops.new((2,), jnp.uint32, g.replicated, "batch")
+    saved, executor.ops = executor.ops, ops
+    try:
+        new_state, _ = executor.train_step(state, batch, rng)
+    finally:
+        executor.ops = saved
+    del state, new_state
+    dev, host_ = ops.ledger.peak["device"], ops.ledger.peak["host"]
+    return MemoryPlan("phased", dev[0], dev[1], dev[2], host_[0], host_[1], host_[2], exact)
+
+
+def plan(executor, exact: bool = False) -> MemoryPlan:
+    """The memory plan of a run with this executor (fused or phased)."""
+    return plan_phased(executor, exact) if executor.name == "phased" else plan_fused(executor, exact)
+
+
+def check_fits(executor, cfg) -> MemoryPlan:
+    """The plan from shapes (fast: no compilation), checked against this machine: PlanError if the run will
+    not fit. On a CPU the devices' memory is host RAM, so both figures count against it."""
+    p = plan(executor, exact=False)
+    host_limit, device_limit = host_memory_limit(), device_memory_limit()
+    if jax.local_devices()[0].platform == "cpu":
+        need = p.host_peak + p.device_peak * len(jax.local_devices())
+        combined = MemoryPlan(p.executor, 0, p.device_phase, {}, need, "host and simulated devices together",
+                              {**{f"host: {k}": v for k, v in p.host_items.items()},
+                               "simulated devices": p.device_peak * len(jax.local_devices())}, p.exact)
+        combined.check(None, host_limit, cfg)
+        return p
+    p.check(device_limit, host_limit, cfg)
+    return p

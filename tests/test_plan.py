@@ -1,0 +1,94 @@
+"""The memory plan (graphs/plan.py): from shapes alone, equal to what a run allocates, and refusing runs
+that will not fit with a one-line message.
+
+Tolerance: the plan's device and host peaks within 10% of the bytes measured during a real step
+(device: live arrays at each phase's start + XLA's temporaries, as utils/bench and PhaseMemory
+count them; host: live arrays in host memory at each phase's start).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from config import load_config
+from data.generated import generated_batch
+from graphs.executor import make_executor
+from graphs.graphs import Graphs
+from graphs.phased import PhaseMemory
+from graphs.plan import GIB, PlanError, plan
+from modelling.params import count_params
+
+
+def _host_bytes():
+    """Bytes of the distinct buffers in host memory (an array built from single-device arrays shares
+    their buffers: each is counted once)."""
+    seen = {}
+    for x in jax.live_arrays():
+        if not x.is_deleted() and x.sharding.memory_kind == "pinned_host":
+            for s in x.addressable_shards:
+                seen[(s.device, s.data.unsafe_buffer_pointer())] = s.data.nbytes
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_phased_plan_equals_what_a_step_allocates(optimizer):
+    cfg = load_config("finetuning", "tiny", dict(
+        data_parallel=1, tensor_parallel=2, global_batch_size=8, micro_batch_size=4, sequence_length=64,
+        hidden_size=256, d_ff=512, heads=4, d_kv=64, layers=2, vocab_size=4096, phased=True, optimizer=optimizer))
+    ex = make_executor(Graphs(cfg))
+    before = len(jax.live_arrays())
+    p = plan(ex, exact=True)
+    assert len(jax.live_arrays()) == before  # planned from shapes: nothing was allocated
+
+    host_peak = [0]
+
+    class Measure(PhaseMemory):
+        def record(self, name, program, args):
+            super().record(name, program, args)
+            host_peak[0] = max(host_peak[0], _host_bytes())
+
+    state = ex.init_state()
+    ex.memory = Measure()
+    ex.train_step(state, ex.g.shard_batch(generated_batch(cfg, seed=0, lengths="short")))
+    assert abs(p.device_peak - ex.memory.peak) <= 0.1 * ex.memory.peak, (p.format(), ex.memory.by_phase)
+    assert abs(p.host_peak - host_peak[0]) <= 0.1 * host_peak[0], (p.format(), host_peak[0] / GIB)
+
+
+def test_fused_plan_equals_the_compiled_step():
+    cfg = load_config("finetuning", "tiny", dict(global_batch_size=8, micro_batch_size=2, sequence_length=32))
+    ex = make_executor(Graphs(cfg))
+    p = plan(ex, exact=True)
+    from utils.bench import live_device_bytes, program_bytes
+
+    state = ex.init_state()
+    batch = ex.g.shard_batch(generated_batch(cfg, seed=0))
+    rng = jax.random.key_data(jax.random.key(0))
+    analysis = ex.train_step_program(state).lower(state, batch, rng).compile().memory_analysis()
+    measured = program_bytes(analysis, max(live_device_bytes().values()))
+    assert abs(p.device_peak - measured) <= 0.1 * measured, (p.format(), measured)
+
+
+def test_xxl_plan_on_one_device_from_shapes_alone():
+    """Flan-T5-XXL at dp = tp = 1, phased: computed on this CPU without allocating anything. Its host
+    figures are the model's own counts; with AdamW it needs more host memory than a 125 GiB box has,
+    with Adafactor (factored second moments, no first moment) it fits one."""
+    base = dict(data_parallel=1, tensor_parallel=1, phased=True, packing=False, micro_batch_size=8)
+    cfg = load_config("finetuning", "xxl_pod16", base)
+    before = len(jax.live_arrays())
+    p = plan(make_executor(Graphs(cfg)), exact=False)
+    assert len(jax.live_arrays()) == before
+    n = count_params(Graphs(cfg).specs)
+    assert 11.0e9 < n < 11.3e9
+    assert p.host_items["weights"] == pytest.approx(4 * n, rel=1e-3)
+    assert p.host_items["optimizer state"] == pytest.approx(8 * n, rel=1e-3)  # AdamW: two float32 moments
+    # the encoder's activation rows alone: 25 rows of [128, 512, 4096] float32 (1 GiB each)
+    assert p.host_items["activation rows"] >= 25 * GIB
+    box = dict(device_limit=80 * GIB, host_limit=125 * GIB, cfg=cfg)
+    with pytest.raises(PlanError, match=r"host memory .* try --optimizer adafactor"):
+        p.check(**box)
+    cfg = load_config("finetuning", "xxl_pod16", dict(base, optimizer="adafactor"))
+    p = plan(make_executor(Graphs(cfg)), exact=False)
+    assert p.host_items["optimizer state"] < 0.01 * p.host_items["weights"]  # factored, per layer
+    p.check(**box)  # fits
+    assert 2 * GIB < p.device_peak < 40 * GIB, p.format()
+    assert 60 * GIB < p.host_peak < 100 * GIB, p.format()

@@ -16,7 +16,6 @@ from graphs.graphs import Graphs
 from graphs.host_state import HOST
 from graphs.phased import PhasedExecutor, PhaseMemory
 from utils.bench import live_device_bytes
-from modelling import layers as L
 from modelling import t5
 from tests.test_parallel import fro_rel, leaves, max_rel, tiny
 
@@ -123,7 +122,8 @@ def test_activation_buffer_rows_hold_each_phase_output():
     g = Graphs(cfg)
     ph = PhasedExecutor(g)
     ph.retain_buffers = True
-    host_batch = generated_batch(cfg, seed=1)
+    host_batch = generated_batch(cfg, seed=1, lengths="short")  # packed rows, several examples each
+    assert host_batch["attention_mask"].max() > 1
     ph.loss_and_grads(ph.init_state(), g.shard_batch(host_batch), _rng())
     bufs = ph.last_buffers
     n = cfg.model.layers
@@ -143,7 +143,7 @@ def test_activation_buffer_rows_hold_each_phase_output():
         b = {k: np.asarray(v[i]) for k, v in host_batch.items()}
         x = t5.embeddings(p["shared"], b["input_ids"], opts, None)
         np.testing.assert_allclose(x_buf[0, i], x, atol=1e-6)
-        bias = t5.encoder_self_bias(p["encoder"]["relpos"], b["attention_mask"], opts)
+        bias = t5.encoder_self_bias(p["encoder"]["relpos"], b["attention_mask"], opts, b["positions"])
         for j in range(n):
             lp = jax.tree.map(lambda w: w[j], p["encoder"]["layers"])
             x = t5.t5_block(lp, x, bias, opts, None)
@@ -152,8 +152,9 @@ def test_activation_buffer_rows_hold_each_phase_output():
         np.testing.assert_allclose(x_buf[n + 1, i], enc, rtol=1e-5, atol=1e-5)
         y = t5.embeddings(p["shared"], b["decoder_input_ids"], opts, None)
         np.testing.assert_allclose(x_dec[0, i], y, atol=1e-6)
-        sb = t5.decoder_self_bias(p["decoder"]["relpos"], y.shape[1], opts, b.get("decoder_attention_mask"))
-        cb = L.padding_mask_bias(b["attention_mask"])
+        sb = t5.decoder_self_bias(p["decoder"]["relpos"], y.shape[1], opts, b["decoder_attention_mask"],
+                                  b["decoder_positions"])
+        cb = t5.cross_bias(b["attention_mask"], b["decoder_attention_mask"], packed=True)
         for j in range(n):
             lp = jax.tree.map(lambda w: w[j], p["decoder"]["layers"])
             y = t5.t5_block(lp, y, sb, opts, None, enc, cb)
@@ -186,10 +187,10 @@ def test_layer_phases_hold_one_layer_of_weights_on_device():
         def record(self, name, program, args):
             seen[name] = max(seen.get(name, 0), max(live_device_bytes().values() or [0]))
 
-    ph.memory = Spy()
-    ph.train_step(ps, batch)
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(ps.layers["decoder"][0])) // 2  # per device (tp=2)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves((ps.rest, ps.layers))) // 2
+    ph.memory = Spy()
+    ph.train_step(ps, batch)  # consumes ps
     assert {"encoder_layer_fwd", "decoder_layer_bwd", "head", "optimizer"} <= set(seen)
     # live on device at the start of a decoder backward phase: its weights, inputs and the small
     # gradient sums; far from the whole model (6 layers per stack)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import time
 
-from utils.cli import die, ensure_host_devices, ensure_pinned_host_memory, is_main_process, parse_config, setup_jax
+from utils.cli import die, ensure_host_devices, ensure_pinned_host_memory, entry, is_main_process, parse_config, setup_jax
 
 
 def extra_flags(p):
@@ -37,11 +37,10 @@ def extra_flags(p):
                         "on average with a long tail) or uniform (in [L/2, L]: rows mostly full)")
 
 
+@entry
 def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags)
-    if "--steps" not in argv:
-        cfg.training.steps = 10  # benchmark default; pass --steps for more
+    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags,
+                             defaults={"steps": 10})  # a benchmark's default; --steps for more
     if cfg.training.steps <= args.warmup_iterations:
         die(f"steps={cfg.training.steps} must exceed --warmup_iterations={args.warmup_iterations}: pass a larger --steps")
     ensure_host_devices(cfg.devices)
@@ -54,28 +53,20 @@ def main(argv=None) -> dict:
     from data.generated import generated_batch
     from data.packing import batch_stats
     from graphs.graphs import Graphs
-    from graphs.sharding import DeviceCountError
-    from config import ConfigError
     from utils.bench import live_device_bytes, median, peak_device_bytes, program_bytes, write_json
     from modelling.params import count_params
     from utils.flops import peak_tflops, train_flops_per_sample
 
-    try:
-        g = Graphs(cfg)
-    except (DeviceCountError, ConfigError) as e:
-        die(str(e))
+    g = Graphs(cfg)
     from graphs.executor import make_executor
 
-    from graphs.plan import PlanError, check_fits, plan
+    from graphs.plan import check_fits, plan
 
     executor = make_executor(g)
     if args.plan:
         print(plan(executor, exact=True).format())
         return {}
-    try:
-        check_fits(executor, cfg)
-    except PlanError as e:
-        die(str(e))
+    check_fits(executor, cfg)
     state = executor.init_state()
     host_batches = [generated_batch(cfg, seed=i, lengths=args.lengths) for i in range(2)]
     stats = [batch_stats(b) for b in host_batches]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
-from utils.cli import die, ensure_host_devices, is_main_process, parse_config, setup_jax
+from utils.cli import die, ensure_host_devices, entry, is_main_process, parse_config, setup_jax
 
 
 def extra_flags(p):
@@ -22,10 +22,10 @@ def extra_flags(p):
     p.add_argument("--iterations", type=int, default=5, help="timed batches (after one warm-up batch)")
 
 
+@entry
 def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    cfg, args = parse_config("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
-    cfg.model.eval, cfg.execution.rts = True, False
+    cfg, args = parse_config("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags,
+                             fixed={"eval": True, "rts": False})
     if args.iterations < 1:
         die(f"--iterations={args.iterations} must be at least 1")
     ensure_host_devices(cfg.devices)
@@ -36,15 +36,11 @@ def main(argv=None) -> dict:
 
     from data.generated import generated_batch
     from graphs import sharding as S
-    from config import ConfigError
     from graphs.graphs import Graphs
     from modelling import t5
     from utils.bench import median, peak_device_bytes, write_json
 
-    try:
-        g = Graphs(cfg)
-    except (S.DeviceCountError, ConfigError) as e:
-        die(str(e))
+    g = Graphs(cfg)
     n = cfg.inference.output_length
     opts = g.opts
     params = g.init_params()

@@ -3,6 +3,9 @@
     python3 run_validation.py --config tiny --load ckpt/tiny            # offline, synthetic split
     python3 run_validation.py --config xxl-mnli --load 'ckpt/xxl/*'     # every checkpoint, in step order
     python3 run_validation.py --config xl-mnli --hf_model google/flan-t5-xl
+
+The model's shape (layers, widths, heads, vocabulary) comes from the checkpoint's saved
+config, or from the --hf_model's config.json: the training overrides need not be repeated.
 """
 
 from __future__ import annotations
@@ -13,22 +16,39 @@ import os
 import sys
 import time
 
-from utils.cli import die, ensure_host_devices, is_main_process, parse_config, setup_jax, setup_logging
+from utils.cli import (ensure_host_devices, ensure_writable, entry, is_main_process, make_config, parse_args, setup_jax,
+                       setup_logging)
+from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1 (omit --limit to score every sample)")
+    return n
 
 
 def extra_flags(p):
     p.add_argument("--output", default=None,
                    help="JSON report path (default: SPLIT[_stepN].json, e.g. validation_mismatched_step1000.json, "
                         "beside the checkpoint, else in runs/)")
-    p.add_argument("--limit", type=int, default=None, help="score only the first N samples")
+    p.add_argument("--limit", type=_positive, default=None,
+                   help="score only the first N samples (the report is then named ..._firstN.json: it never "
+                        "replaces the full one)")
 
 
-def report_name(split: str, step=None) -> str:
-    """validation_mismatched_step1000.json; a split not named validation* gets the prefix (validation_test.json)."""
+def report_name(split: str, step=None, limit=None) -> str:
+    """validation_mismatched_step1000.json (..._first100.json for a --limit run); a split not named validation*
+    gets the prefix (validation_test.json)."""
     base = split if split.startswith("validation") else f"validation_{split}"
-    return base + (f"_step{step}" if step is not None else "") + ".json"
+    return base + (f"_step{step}" if step is not None else "") + (f"_first{limit}" if limit else "") + ".json"
 
 
 class Validator:
@@ -39,7 +59,9 @@ class Validator:
 
         from graphs.graphs import Graphs
 
-        cfg.execution.rts = False  # inference keeps whole tp shards: nothing to gather per call
+        if cfg.execution.rts:
+            raise ValueError("Validator needs a config with rts=false: inference keeps whole tp shards (nothing "
+                             "to gather per call); build it as validation_config does")
         self.cfg, self.graphs = cfg, Graphs(cfg)
         self._generate = self.graphs.generate_phase(cfg.inference.output_length)
         self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
@@ -54,8 +76,8 @@ class Validator:
 
             _, host = load_hf_model(hf_model, self.cfg.execution.tensor_parallel, expect=self.cfg.model)
             return g.shard_params(host)
-        abstract = self._jax.eval_shape(lambda: g.init_params())
-        params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(abstract, g.param_shardings))
+        params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(g.abstract_params(), g.param_shardings),
+                                 cfg=self.cfg)
         return params
 
     def predict(self, params, feats: dict, tokenizer) -> list:
@@ -82,45 +104,94 @@ class Validator:
         return out
 
 
-def main(argv=None) -> None:
-    setup_logging()
-    cfg, args = parse_config("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
-    cfg.model.eval = True
-    ensure_host_devices(cfg.devices)
-    setup_jax()
-    from data.mnli import DataError, load_rows, load_tokenizer, score, tokenize_inputs
-    from graphs.sharding import DeviceCountError
-    from config import ConfigError
-    from modelling.hf_mapping import CheckpointError
+def carried_fields(load, hf_model) -> tuple:
+    """({flag: value} the model carries: its shape, and the tokenizer it was trained with; source name)
+    from the latest checkpoint --load names, or the --hf_model's config.json."""
+    from config.config import model_shape
     from utils import checkpoint as ckpt
 
-    try:
-        if not cfg.checkpoint.load and not cfg.data.hf_model:
-            die("nothing to validate: pass --load CKPT (a --save directory of run_finetuning.py) or --hf_model NAME")
-        targets = ckpt.resolve(cfg.checkpoint.load) if cfg.checkpoint.load else [(None, None)]
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-        rows = load_rows(cfg.data.dataset, cfg.data.split, seed=cfg.model.seed)[: args.limit]
-        feats = tokenize_inputs(rows, tokenizer, cfg.model.sequence_length)
-        labels = [r["label"] for r in rows]
-        validator = Validator(cfg)
-        for directory, step in targets:
-            t0 = time.perf_counter()
-            params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)
-            report = score(labels, validator.predict(params, feats, tokenizer))
-            report.update(split=cfg.data.split, dataset=cfg.data.dataset, step=step,
-                          checkpoint=directory or cfg.data.hf_model, seconds=time.perf_counter() - t0)
-            name = report_name(cfg.data.split, step)
-            path = args.output if args.output and len(targets) == 1 else os.path.join(directory or "runs", name)
-            if not is_main_process():  # process 0 of a multi-process run writes and prints the report
-                continue
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump(report, f, indent=1)
-            print(f"{report['checkpoint']}" + (f" step {step}" if step is not None else "")
-                  + f": accuracy {report['accuracy']:.2%} on {report['samples']} samples of {cfg.data.split} "
-                  f"({report['unknown']} unknown) -> {path}", flush=True)
-    except (DataError, DeviceCountError, ConfigError, CheckpointError, ckpt.CheckpointNotFound) as e:
-        die(str(e))
+    if load:
+        directory, step = ckpt.resolve(load)[-1]
+        saved = ckpt.read_meta(directory, step).get("config")
+        if not saved:
+            return {}, directory
+        fields = model_shape(saved)
+        fields["tokenizer"] = saved.get("data", {}).get("tokenizer")
+        return {k: v for k, v in fields.items() if v is not None}, f"checkpoint {directory}"
+    if hf_model:
+        from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
+
+        from config.config import T5Config
+
+        m = model_config_from_hf(read_hf_config(resolve_hf_dir(hf_model)))
+        return model_shape(T5Config(model=m)), f"model {hf_model}"
+    return {}, None
+
+
+def validation_config(args, overrides: dict):
+    """The inference preset, the model's own shape (explicit flags that contradict it are errors), the command
+    line, and what validation requires (eval mode, no RTS), validated once."""
+    from config.config import FIELDS, coerce
+
+    load, hf_model = overrides.get("load"), overrides.get("hf_model")
+    if not load and not hf_model:
+        raise FlanT5Error("nothing to validate: pass --load CKPT (a --save directory of run_finetuning.py) or "
+                          "--hf_model NAME")
+    carried, source = carried_fields(load, hf_model)
+    for flag, value in carried.items():
+        if flag in overrides and flag != "tokenizer" and coerce(FIELDS[flag], overrides[flag]) != value:
+            raise FlanT5Error(f"--{flag} {overrides[flag]} contradicts the {source}, whose {flag} is {value}: drop "
+                              f"--{flag} (the model's shape comes from the {'checkpoint' if load else 'model'})")
+    if carried:
+        logger.info("model shape from the %s: %s", source, ", ".join(f"{k}={v}" for k, v in carried.items()))
+    return make_config("inference", args.config, overrides, fixed={"eval": True, "rts": False},
+                       defaults={k: v for k, v in carried.items() if not (k == "tokenizer" and not load)})
+
+
+@entry
+def main(argv=None) -> None:
+    setup_logging()
+    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    if args.output:
+        ensure_writable(args.output, "--output", is_dir=False)
+    cfg = validation_config(args, overrides)
+    ensure_host_devices(cfg.devices)
+    setup_jax()
+    from data.mnli import load_rows, load_tokenizer, score, tokenize_inputs
+    from utils import checkpoint as ckpt
+
+    targets = ckpt.resolve(cfg.checkpoint.load) if cfg.checkpoint.load else [(None, None)]
+    for directory, _ in targets:
+        if directory and not args.output:
+            ensure_writable(directory, "the checkpoint directory (where the report goes; pass --output)")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    split, single_file = cfg.data.split, os.path.isfile(cfg.data.dataset)
+    if single_file:
+        # one file holds one set of rows, whatever --split says: name the file, not a split
+        split = os.path.splitext(os.path.basename(cfg.data.dataset))[0]
+        logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a directory "
+                       "holding %s.jsonl to score a split)", cfg.data.dataset, cfg.data.split, cfg.data.split)
+    rows = load_rows(cfg.data.dataset, cfg.data.split, seed=cfg.model.seed)[: args.limit]
+    feats = tokenize_inputs(rows, tokenizer, cfg.model.sequence_length)
+    labels = [r["label"] for r in rows]
+    validator = Validator(cfg)
+    for directory, step in targets:
+        t0 = time.perf_counter()
+        params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)
+        report = score(labels, validator.predict(params, feats, tokenizer))
+        report.update(split=split, dataset=cfg.data.dataset, single_file=single_file, step=step, limit=args.limit,
+                      checkpoint=directory or cfg.data.hf_model, seconds=time.perf_counter() - t0)
+        name = report_name(split, step, args.limit)
+        path = args.output if args.output and len(targets) == 1 else os.path.join(directory or "runs", name)
+        if not is_main_process():  # process 0 of a multi-process run writes and prints the report
+            continue
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+        what = f"the rows of {cfg.data.dataset}" if single_file else cfg.data.split
+        print(f"{report['checkpoint']}" + (f" step {step}" if step is not None else "")
+              + f": accuracy {report['accuracy']:.2%} on {report['samples']} samples of {what} "
+              f"({report['unknown']} unknown) -> {path}", flush=True)
 
 
 if __name__ == "__main__":

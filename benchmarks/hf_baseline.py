@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from utils.cli import die, parse_config  # noqa: E402
+from utils.cli import die, entry, parse_config  # noqa: E402
 
 
 def extra_flags(p):
@@ -118,6 +118,7 @@ def generate(cfg, args) -> dict:
             "generated_tokens_per_s": generated / t, "samples_per_s": b / t, "batch_size": b}
 
 
+@entry
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in ("train", "generate"):

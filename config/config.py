@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import os
 import typing
 from dataclasses import dataclass, field, fields
@@ -21,10 +22,12 @@ from typing import Any, Optional
 
 import yaml
 
+from utils.errors import FlanT5Error
+
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-class ConfigError(ValueError):
+class ConfigError(FlanT5Error, ValueError):
     """A configuration problem; its message names the field and the fix."""
 
 
@@ -212,8 +215,9 @@ class Checkpoint:
     save: Optional[str] = None
     """Directory to save checkpoints to."""
 
-    steps: int = field(default=0, metadata=_flag("checkpoint_steps"))
-    """Save a checkpoint every this many steps (0: only at the end)."""
+    steps: Optional[int] = field(default=None, metadata=_flag("checkpoint_steps"))
+    """Save a checkpoint every this many steps (0: only at the end; unset: every tenth of the run when --save is
+    given). An interrupted run (Ctrl-C, SIGTERM) also saves the step it finished."""
 
     to_keep: int = 4
     """Number of checkpoints to keep."""
@@ -306,8 +310,7 @@ class T5Config:
                 raise ConfigError(f"{name}={value} must be at least 1: pass --{name} with a positive value")
         if tr.steps < 0:
             raise ConfigError(f"steps={tr.steps} must not be negative: pass --steps 0 or more")
-        if not 0.0 <= m.dropout_prob < 1.0:
-            raise ConfigError(f"dropout_prob={m.dropout_prob} must be in [0, 1): pass e.g. --dropout_prob 0.1")
+        _check_numbers(self)
         choices = {
             "precision": (m.precision, ("float32", "bfloat16", "float16")),
             "feed_forward_proj": (m.feed_forward_proj, ("gated-gelu", "relu")),
@@ -348,9 +351,35 @@ class T5Config:
             raise ConfigError(f"packed_decoder_length={p} is shorter than decoder_sequence_length="
                               f"{m.decoder_sequence_length}: one target would not fit a row; pass --packed_decoder_length "
                               f"{m.decoder_sequence_length} or more (or 0 for sequence_length // 8)")
-        if self.checkpoint.steps < 0 or self.checkpoint.to_keep < 1:
+        if (self.checkpoint.steps is not None and self.checkpoint.steps < 0) or self.checkpoint.to_keep < 1:
             raise ConfigError("checkpoint_steps must be >= 0 and to_keep >= 1: fix --checkpoint_steps / --to_keep")
         return self
+
+
+def _check_numbers(cfg: "T5Config") -> None:
+    """Every float field finite and in its range; ConfigError naming the field, the range and an example."""
+    o, m, ex = cfg.training.optimizer, cfg.model, cfg.execution
+    ranges = [  # (flag, value, low, high, low inclusive, high inclusive, example)
+        ("learning_rate", o.learning_rate.maximum, 0.0, 1.0, False, True, "1e-4"),
+        ("beta1", o.beta1, 0.0, 1.0, True, False, "0.9"),
+        ("beta2", o.beta2, 0.0, 1.0, True, False, "0.999"),
+        ("weight_decay", o.weight_decay, 0.0, 1.0, True, True, "0.01"),
+        ("gradient_clipping", o.gradient_clipping, 0.0, float("inf"), True, False, "1.0"),
+        ("loss_scaling", ex.loss_scaling, 0.0, float("inf"), False, False, "1024"),
+        ("eps", m.eps, 0.0, 1.0, False, False, "1e-6"),
+        ("dropout_prob", m.dropout_prob, 0.0, 1.0, True, False, "0.1"),
+    ]
+    for flag, value, lo, hi, lo_in, hi_in, example in ranges:
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            raise ConfigError(f"{flag}={value} is not a finite number: pass e.g. --{flag} {example}")
+        if not ((value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)):
+            interval = f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+            raise ConfigError(f"{flag}={value:g} is outside {interval}: pass e.g. --{flag} {example}")
+    if o.learning_rate.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps={o.learning_rate.warmup_steps} must not be negative: pass --warmup_steps 0 "
+                          "or more")
 
 
 # --------------------------------------------------------------------------- fields
@@ -549,6 +578,23 @@ def apply_overrides(cfg: T5Config, overrides: dict) -> T5Config:
         ref = FIELDS[flag]
         set_path(cfg, ref.path, coerce(ref, value))
     return cfg
+
+
+# The fields that make a model's shape (and numerics): a checkpoint or a Hugging Face config.json carries them.
+MODEL_SHAPE = ("layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv", "relative_attention_num_buckets",
+               "relative_attention_max_distance", "feed_forward_proj", "tie_word_embeddings", "eps")
+
+
+def model_shape(source) -> dict:
+    """{flag: value} of the MODEL_SHAPE fields of a config, or of a nested config mapping (a checkpoint's)."""
+    out = {}
+    for flag in MODEL_SHAPE:
+        ref = FIELDS[flag]
+        value = source
+        for p in ref.path:
+            value = value[p] if isinstance(value, dict) else getattr(value, p)
+        out[flag] = coerce(ref, value)
+    return out
 
 
 def to_dict(cfg: T5Config) -> dict:

@@ -15,6 +15,7 @@ import numpy as np
 
 from data import synthetic
 from data.packing import Examples, Packer, pack_rows, pad_rows
+from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 
@@ -23,7 +24,7 @@ COLUMNS = ("premise", "hypothesis", "label")
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
-class DataError(ValueError):
+class DataError(FlanT5Error, ValueError):
     """A missing, unreadable or malformed dataset; the message names the file, row and column."""
 
 
@@ -61,25 +62,63 @@ def _read_table(path: str) -> list:
     return df.to_dict("records")
 
 
-def validate_rows(rows: list, source: str) -> list:
-    """Checks the MNLI schema row by row; drops label -1 rows (unlabelled) with a count in the log."""
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, (float, np.floating)) and np.isnan(value))
+
+
+def parse_label(value):
+    """A label cell -> 0/1/2 (or -1: unlabelled); a class name (entailment, neutral, contradiction) is accepted
+    beside the number. None for an empty cell; ValueError for anything else."""
+    if _missing(value) or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in CLASS_LABELS:
+            return CLASS_LABELS.index(text)
+        value = float(text)  # "1", "1.0"; ValueError otherwise
+    if isinstance(value, (float, np.floating)):
+        if not float(value).is_integer():
+            raise ValueError
+        value = int(value)
+    if not isinstance(value, (int, np.integer)) or not -1 <= value <= 2:
+        raise ValueError
+    return int(value)
+
+
+def validate_rows(rows: list, source: str, first_line: int | None = None) -> list:
+    """Checks the MNLI schema row by row; drops label -1 rows (unlabelled) with a count in the log.
+
+    Errors name the row (counted from 0 among the data rows; ``first_line``: the file line of row 0,
+    shown beside it), the column and the value.
+    """
     if not rows:
         raise DataError(f"{source}: no rows")
     out, dropped = [], 0
     for i, row in enumerate(rows):
+        where = f"{source}: row {i}" + (f" (line {first_line + i})" if first_line is not None else "")
         for col in COLUMNS:
-            if col not in row or row[col] is None or (isinstance(row[col], float) and np.isnan(row[col])):
-                raise DataError(f"{source}: row {i}: column '{col}' is missing: every row needs {', '.join(COLUMNS)}")
+            if col not in row:
+                raise DataError(f"{where}: column '{col}' is missing: every row needs {', '.join(COLUMNS)}")
         for col in ("premise", "hypothesis"):
-            if not isinstance(row[col], str):
-                raise DataError(f"{source}: row {i}: column '{col}' must be text, got {type(row[col]).__name__}")
-        label = row["label"]
-        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)) or not -1 <= label <= 2:
-            raise DataError(f"{source}: row {i}: column 'label' must be 0, 1, 2 (or -1 for unlabelled), got {label!r}")
+            value = row[col]
+            if _missing(value) or (isinstance(value, str) and not value.strip()):
+                raise DataError(f"{where}: column '{col}' is empty: give the {col} text, or remove the row")
+            if not isinstance(value, str):
+                raise DataError(f"{where}: column '{col}' must be text, got {value!r} ({type(value).__name__})")
+        try:
+            label = parse_label(row["label"])
+        except (ValueError, TypeError):
+            raise DataError(f"{where}: column 'label' must be 0, 1, 2 (or -1 for unlabelled), or entailment, "
+                            f"neutral, contradiction; got {row['label']!r}") from None
+        if label is None:
+            raise DataError(f"{where}: column 'label' is empty: give 0, 1, 2 or a class name (entailment, neutral, "
+                            "contradiction), or -1 for an unlabelled row")
         if label == -1:
             dropped += 1
             continue
-        out.append({"premise": row["premise"], "hypothesis": row["hypothesis"], "label": int(label)})
+        out.append({"premise": row["premise"], "hypothesis": row["hypothesis"], "label": label})
     if dropped:
         logger.info("%s: dropped %d rows with label -1", source, dropped)
     if not out:
@@ -103,7 +142,8 @@ def load_rows(dataset: str, split: str, seed: int = 0) -> list:
         return validate_rows(synthetic.generate_split(split, seed=seed, lengths=lengths), f"{dataset}:{split}")
     if os.path.exists(dataset):
         path = _local_file(dataset, split)
-        return validate_rows(_read_table(path), path)
+        first_line = 2 if path.endswith(".csv") else 1 if path.endswith(".jsonl") else None  # after a csv header
+        return validate_rows(_read_table(path), path, first_line)
     if dataset in ("glue/mnli", "mnli", "nyu-mll/glue"):
         try:
             import datasets
@@ -134,6 +174,26 @@ def load_tokenizer(name: str):
         raise DataError(
             f"cannot load tokenizer '{name}' ({type(e).__name__}): with no network, download it elsewhere "
             f"(huggingface-cli download {name} --local-dir DIR), copy DIR here and pass --tokenizer DIR") from None
+
+
+def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str, limit: float = 0.01,
+                         sample: int = 5000) -> float:
+    """The share of prompt tokens the tokenizer maps to <unk>; DataError above ``limit``, naming a tokenizer
+    that fits (a word-level synthetic tokenizer turns English text into almost nothing but <unk>)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not len(examples):
+        return 0.0
+    ids = examples.inputs[:sample]
+    total = sum(len(x) for x in ids)
+    share = sum(int(np.sum(np.asarray(x) == unk)) for x in ids) / max(total, 1)
+    if share > limit:
+        hint = ("the synthetic tokenizer knows only the synthetic task's words: for other text pass the model's "
+                "tokenizer, e.g. --tokenizer google/flan-t5-small (a hub name or a local directory) with a preset of "
+                "that model" if name == "synthetic" else
+                f"pass the tokenizer of the model this data is for (--tokenizer NAME_OR_DIR)")
+        raise DataError(f"{share:.0%} of the prompt tokens of {dataset} are unknown (<unk>) to tokenizer {name!r}: "
+                        f"{hint}")
+    return share
 
 
 def _pad(seqs: list, length: int, value: int) -> np.ndarray:

@@ -27,12 +27,13 @@ import numpy as np
 
 from graphs import optim
 from graphs import sharding as S
+from utils.errors import FlanT5Error
 
 GIB = 2 ** 30
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
-class PlanError(RuntimeError):
+class PlanError(FlanT5Error, RuntimeError):
     """A run that will not fit; the message names what does not fit and what to change."""
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from modelling.params import ParamSpec, is_spec
+from utils.errors import FlanT5Error
 
 DP, TP = "dp", "tp"
 
@@ -30,7 +31,7 @@ DP, TP = "dp", "tp"
 RULES = {"heads": TP, "mlp": TP, "vocab": TP}
 
 
-class DeviceCountError(RuntimeError):
+class DeviceCountError(FlanT5Error, RuntimeError):
     """Fewer devices than the preset asks for."""
 
 

@@ -18,11 +18,12 @@ import numpy as np
 
 from config.config import ModelConfig
 from modelling.params import padded_vocab
+from utils.errors import FlanT5Error
 
 _ATTN = {"q": "q", "k": "k", "v": "v", "o": "o"}
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FlanT5Error, RuntimeError):
     """A missing or unreadable model checkpoint; the message says how to fix it."""
 
 

@@ -101,8 +101,10 @@ def test_cli_flat_flags(capsys):
     (["--tensor_parallel", "3"], "heads=4 is not divisible by tensor_parallel=3"),
 ])
 def test_cli_errors_exit_nonzero_with_one_line(capsys, argv, message):
+    from utils.cli import entry
+
     with pytest.raises(SystemExit) as e:
-        parse_config("finetuning", "t", "tiny", argv)
+        entry(lambda a: parse_config("finetuning", "t", "tiny", a))(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1]

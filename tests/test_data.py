@@ -62,11 +62,11 @@ def test_other_file_types_load(tmp_path, suffix):
 
 
 @pytest.mark.parametrize("rows,message", [
-    ([{"premise": "a", "label": 0}], r"row 0: column 'hypothesis' is missing"),
+    ([{"premise": "a", "label": 0}], r"row 0 \(line 1\): column 'hypothesis' is missing"),
     ([{"premise": "a", "hypothesis": "b", "label": 0}, {"premise": 3, "hypothesis": "b", "label": 0}],
-     r"row 1: column 'premise' must be text"),
-    ([{"premise": "a", "hypothesis": "b", "label": "yes"}], r"row 0: column 'label' must be 0, 1, 2"),
-    ([{"premise": "a", "hypothesis": "b", "label": 7}], r"row 0: column 'label' must be 0, 1, 2"),
+     r"row 1 \(line 2\): column 'premise' must be text"),
+    ([{"premise": "a", "hypothesis": "b", "label": "yes"}], r"row 0 \(line 1\): column 'label' must be 0, 1, 2"),
+    ([{"premise": "a", "hypothesis": "b", "label": 7}], r"row 0 \(line 1\): column 'label' must be 0, 1, 2"),
 ])
 def test_malformed_rows_name_file_row_and_column(tmp_path, rows, message):
     path = write_jsonl(tmp_path / "train.jsonl", rows)

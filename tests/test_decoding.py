@@ -93,7 +93,7 @@ def test_batches_that_do_not_divide_the_split_score_every_sample_once(tmp_path):
     from config import load_config
     from data.mnli import load_rows, load_tokenizer, tokenize_inputs
 
-    cfg = load_config("inference", "tiny", {"micro_batch_size": 4, "tensor_parallel": 2})
+    cfg = load_config("inference", "tiny", {"micro_batch_size": 4, "tensor_parallel": 2, "rts": False})
     v = run_validation.Validator(cfg)
     params = v.graphs.init_params()
     tok = load_tokenizer("synthetic")

@@ -38,7 +38,8 @@ def test_two_steps_then_resume_equals_uninterrupted(tmp_path):
     run_finetuning.main(SMALL + ["--steps", "2", "--save", a])
     run_finetuning.main(SMALL + ["--steps", "1", "--save", b])
     run_finetuning.main(SMALL + ["--steps", "2", "--save", b, "--load", b])
-    assert ckpt.saved_steps(a) == [2] and ckpt.saved_steps(b) == [1, 2]
+    # with --save, a checkpoint every tenth of the run by default (here every step)
+    assert ckpt.saved_steps(a) == [1, 2] and ckpt.saved_steps(b) == [1, 2]
     meta_a, pa = params_at(a, 2)
     meta_b, pb = params_at(b, 2)
     # packed rows (the default): two steps of 8 rows took more than 16 examples; the resumed run
@@ -105,12 +106,13 @@ def test_validation_after_training_writes_report(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.index("step 1:") < out.index("step 2:")  # every checkpoint, in step order
     for step in (1, 2):
-        r = json.load(open(os.path.join(save, f"validation_step{step}.json")))
+        r = json.load(open(os.path.join(save, f"validation_step{step}_first9.json")))  # a --limit run's name
         assert r["samples"] == 9 and len(r["predictions"]) == 9 and r["step"] == step
         assert 0.0 <= r["accuracy"] <= 1.0
         assert sum(map(sum, r["confusion_matrix"]["counts"])) == 9
     assert run_validation.report_name("validation_mismatched", 1000) == "validation_mismatched_step1000.json"
     assert run_validation.report_name("test") == "validation_test.json"
+    assert run_validation.report_name("validation_mismatched", 10, limit=5) == "validation_mismatched_step10_first5.json"
 
 def _fails(capsys, main, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -130,7 +132,7 @@ def test_bad_inputs_fail_with_one_line_and_keep_saved_checkpoints(tmp_path, caps
     _fails(capsys, run_finetuning.main, SMALL + ["--load", str(tmp_path / "none")], "no checkpoint at")
     bad = tmp_path / "train.jsonl"
     bad.write_text('{"premise": "x", "label": 0}\n')
-    _fails(capsys, run_finetuning.main, SMALL + ["--dataset", str(bad)], "row 0: column 'hypothesis' is missing")
+    _fails(capsys, run_finetuning.main, SMALL + ["--dataset", str(bad)], "row 0 (line 1): column 'hypothesis' is missing")
     _fails(capsys, run_finetuning.main, SMALL + ["--hf_model", str(tmp_path / "nomodel")], "does not exist")
     _fails(capsys, run_finetuning.main, SMALL + ["--data_parallel", "4", "--tensor_parallel", "4"],
            "xla_force_host_platform_device_count=16")

@@ -17,9 +17,15 @@ from typing import Optional
 import jax
 import orbax.checkpoint as ocp
 
+from utils.errors import FlanT5Error
 
-class CheckpointNotFound(FileNotFoundError):
+
+class CheckpointNotFound(FlanT5Error, FileNotFoundError):
     """No loadable checkpoint at a path; the message says what to pass instead."""
+
+
+class CheckpointShapeError(FlanT5Error, ValueError):
+    """A checkpoint of another model shape; the message names both shapes and the flags that fit."""
 
 
 def manager(directory: str, to_keep: int | None = None, read_only: bool = False) -> ocp.CheckpointManager:
@@ -69,13 +75,65 @@ def save(mgr: ocp.CheckpointManager, step: int, params, opt_state, meta: dict) -
     mgr.save(step, args=ocp.args.Composite(**items), force=True)
 
 
+def read_meta(directory: str, step: int) -> dict:
+    """A saved step's meta (step, data position, config) read as the JSON file it is: no JAX needed, so a
+    driver can read the model's config before JAX starts."""
+    import json
+
+    path = os.path.join(directory, str(step), "meta", "metadata")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return load_meta(directory, step)
+
+
 def load_meta(directory: str, step: int) -> dict:
     mgr = manager(directory, read_only=True)
-    return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    try:
+        return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    finally:
+        mgr.close()
 
 
-def load(directory: str, step: int, params_target, opt_state_target=None) -> tuple:
-    """(params, opt_state or None, meta) of a step, restored into the targets' shardings."""
+def saved_shapes(directory: str, step: int) -> dict:
+    """{weight path: shape} of a saved step's weights, read from its metadata (no array data)."""
+    meta = ocp.StandardCheckpointer().metadata(os.path.join(os.path.abspath(directory), str(step), "params"))
+    tree = getattr(meta, "item_metadata", meta)
+    return {jax.tree_util.keystr(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check_shapes(directory: str, step: int, params_target, config: Optional[dict] = None, current=None) -> None:
+    """CheckpointShapeError naming a weight's two shapes (and the flags the checkpoint was trained with, where
+    they differ from ``current``, this run's config) when the saved weights do not fit the target."""
+    try:
+        saved = saved_shapes(directory, step)
+    except Exception:
+        return  # unreadable metadata: the restore below reports it
+    want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params_target)[0]}
+    for key in want:
+        if key in saved and saved[key] != want[key]:
+            hint = "use the preset and flags of the run that wrote it"
+            if config:
+                from config.config import FIELDS, model_shape
+
+                theirs = model_shape(config)
+                ours = model_shape(current) if current is not None else {k: FIELDS[k].default for k in theirs}
+                hint = "it was trained with " + " ".join(f"--{k} {v}" for k, v in theirs.items()
+                                                         if v != ours[k]) + ": pass the same (or that run's preset)"
+            raise CheckpointShapeError(f"{directory}/{step} holds {key} of shape {saved[key]} but this run's model "
+                                       f"has {want[key]}: {hint}")
+
+
+def load(directory: str, step: int, params_target, opt_state_target=None, cfg=None) -> tuple:
+    """(params, opt_state or None, meta) of a step, restored into the targets' shardings (``cfg``: this run's
+    config, named in the error when the checkpoint's model has another shape)."""
+    meta = None
+    try:
+        meta = load_meta(directory, step)
+    except Exception:
+        pass
+    check_shapes(directory, step, params_target, (meta or {}).get("config"), cfg)
     mgr = manager(directory, read_only=True)
     items = {"params": ocp.args.StandardRestore(params_target), "meta": ocp.args.JsonRestore()}
     if opt_state_target is not None:
@@ -83,12 +141,15 @@ def load(directory: str, step: int, params_target, opt_state_target=None) -> tup
     try:
         out = mgr.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax/tensorstore raise many types for missing, corrupt or mismatched data
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        if re.search(r"shape|structure|tree|mismatch", str(e), re.I):
-            fix = "use the preset (model size and tensor_parallel) it was trained with"
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        if opt_state_target is not None and re.search(r"opt_state|structure|tree", str(e), re.I):
+            fix = "its optimizer state has another layout (another optimizer, or an older version): pass " \
+                  "--optim_state false to start the optimizer afresh"
         else:
             fix = "it is incomplete or corrupt: load an earlier step"
         raise CheckpointNotFound(f"cannot load checkpoint {directory}/{step} ({type(e).__name__}: {first}): {fix}") from None
+    finally:
+        mgr.close()  # its background threads end here, not at interpreter exit
     return out["params"], out.get("opt_state"), out["meta"]
 
 

@@ -3,59 +3,186 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 import typing
 from typing import Callable, Optional
 
-from config.config import FIELDS, ConfigError, _base_type, load_config, read_presets, preset_path
+from config.config import (FIELDS, ConfigError, _base_type, config_from_mapping, get_path, load_config, read_presets,
+                           preset_path)
+from utils.errors import FlanT5Error, OutOfMemory
 
 logger = logging.getLogger("flan_t5")
 
 
 def die(message: str, code: int = 2) -> typing.NoReturn:
     """Prints a one-line error and exits non-zero."""
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
+# --------------------------------------------------------------------------- arguments
+
+
+def _preset_values(kind: str, argv: list) -> tuple:
+    """(preset name, {flag: value}) of the --config named in argv, for --help; ({}) if it cannot be read."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    name = pre.parse_known_args(argv)[0].config
+    if name is None:
+        return None, {}
+    try:
+        cfg = config_from_mapping(read_presets(preset_path(kind))[name] or {})
+    except (KeyError, ConfigError):
+        return name, {}
+    return name, {flag: get_path(cfg, ref.path) for flag, ref in FIELDS.items()}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as the one line every other error is (no usage dump)."""
+
+    def error(self, message):
+        die(f"{message} (see --help)")
+
+
 def build_parser(kind: str, description: str, default_preset: str,
-                 extra: Optional[Callable[[argparse.ArgumentParser], None]] = None) -> argparse.ArgumentParser:
-    """An argparse parser with --config and every config field as a flat override flag."""
+                 extra: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+                 argv: Optional[list] = None) -> argparse.ArgumentParser:
+    """An argparse parser with --config and every config field as a flat override flag.
+
+    With ``--config NAME`` in argv, ``--help`` shows that preset's value of every field.
+    """
     presets = list(read_presets(preset_path(kind)))
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", default=default_preset,
-                   help=f"preset of config/{kind}.yml: {', '.join(presets)}")
+    preset, values = _preset_values(kind, argv or [])
+    p = _Parser(description=description, allow_abbrev=False)
+    p.add_argument("--config", default=default_preset, metavar="PRESET",
+                   help=f"preset of config/{kind}.yml: {', '.join(presets)} (default: {default_preset})")
     if extra is not None:
         extra(p)
-    group = p.add_argument_group("config fields (override the preset)")
+    title = "config fields (override the preset" + (f"; [{preset}: value] is the preset's)" if values else ")")
+    group = p.add_argument_group(title)
     for flag, ref in FIELDS.items():
         typ = _base_type(ref.type)
-        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=ref.doc.replace("%", "%%"))
+        doc = ref.doc.replace("%", "%%")
+        if flag in values:
+            shown = values[flag]
+            shown = " ".join(str(v) for v in shown) if isinstance(shown, (list, tuple)) else shown
+            doc += f" [{preset}: {shown}]"
+        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=doc)
         if typ is bool:
             group.add_argument(f"--{flag}", nargs="?", const="true", metavar="BOOL", **kwargs)
         elif typ is tuple:
-            group.add_argument(f"--{flag}", nargs="+", **kwargs)
+            group.add_argument(f"--{flag}", nargs="+", metavar="FLOAT", **kwargs)
         else:
             group.add_argument(f"--{flag}", metavar=typ.__name__.upper(), **kwargs)
     return p
 
 
-def parse_config(kind: str, description: str, default_preset: str, argv=None, extra=None):
-    """Parses argv into (config, namespace of the non-config flags); exits on a bad config."""
-    parser = build_parser(kind, description, default_preset, extra)
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def join_negative_values(argv: list) -> list:
+    """``--flag -1e-3`` -> ``--flag=-1e-3``: argparse takes a value starting with '-' (other than a plain
+    negative integer or decimal) for another option; a number after an option is its value."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and _is_number(argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def parse_args(kind: str, description: str, default_preset: str, argv=None, extra=None) -> tuple:
+    """(namespace of the non-config flags, {flag: value} of the config fields given on the command line)."""
+    argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser(kind, description, default_preset, extra, argv)
     args = parser.parse_args(argv)
     overrides = {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__")}
     for k in list(vars(args)):
         if k.startswith("cfg__"):
             delattr(args, k)
+    return args, overrides
+
+
+def make_config(kind: str, preset: str, overrides: dict, fixed: Optional[dict] = None,
+                defaults: Optional[dict] = None):
+    """The validated config: preset, then ``defaults`` (a driver's own, where the command line says nothing),
+    the command line's ``overrides``, and ``fixed`` (what the driver requires) - all before ``validate()``."""
+    merged = {**(defaults or {}), **overrides, **(fixed or {})}
+    return load_config(kind, preset, merged)
+
+
+def parse_config(kind: str, description: str, default_preset: str, argv=None, extra=None,
+                 fixed: Optional[dict] = None, defaults: Optional[dict] = None):
+    """Parses argv into (config, namespace of the non-config flags); a bad config raises ConfigError."""
+    args, overrides = parse_args(kind, description, default_preset, argv, extra)
+    return make_config(kind, args.config, overrides, fixed, defaults), args
+
+
+# --------------------------------------------------------------------------- the entry wrapper
+
+
+def entry(main: Callable) -> Callable:
+    """Every driver's ``main``: an expected error (``utils.errors.FlanT5Error``) becomes one line on stderr
+    and its exit code; Ctrl-C outside the training loop (which handles it itself) exits 130 without a
+    traceback; a device out of memory becomes one line with the knobs that lower memory."""
+
+    @functools.wraps(main)
+    def run(argv=None):
+        try:
+            return main(argv)
+        except FlanT5Error as e:
+            die(str(e), e.exit_code)
+        except KeyboardInterrupt:
+            die("interrupted", 130)
+        except Exception as e:  # XLA's out-of-memory errors carry no type of their own
+            oom = out_of_memory_message(e)
+            if oom is None:
+                raise
+            die(oom, OutOfMemory.exit_code)
+
+    return run
+
+
+def out_of_memory_message(e: BaseException) -> Optional[str]:
+    """One line for an XLA RESOURCE_EXHAUSTED error (bytes asked for, and the knobs), else None."""
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
+        return None
+    import re
+
+    m = re.search(r"allocat\w* ([0-9.]+)\s*([KMGT]?i?B|bytes)", text)
+    need = f" (an allocation of {m.group(1)} {m.group(2)} failed)" if m else ""
+    return (f"a device ran out of memory{need}: lower --micro_batch_size, pass --recompute true, "
+            "raise --tensor_parallel (more devices), or pass --phased true (weights and optimizer state in host "
+            "memory); --plan prints what the run needs")
+
+
+def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:
+    """Fails early (before any work) if ``path`` (a directory, or a file's directory) cannot be written."""
+    import tempfile
+
+    directory = os.path.abspath(path if is_dir else (os.path.dirname(path) or "."))
+    if not is_dir and os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory: pass a file path")
     try:
-        cfg = load_config(kind, args.config, overrides)
-    except ConfigError as e:
-        die(str(e))
-    return cfg, args
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} cannot be written ({e.strerror or e}): choose a path you can write to") from None
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -145,6 +272,42 @@ def maybe_initialize_distributed() -> None:
     jax.distributed.initialize(address, procs, pid)
 
 
+def filter_stdout_lines(drop) -> None:
+    """Drops the lines of this process's standard output (file descriptor 1, so native libraries' prints too)
+    for which ``drop(line: bytes)`` is true. The filter is a pipe and a thread; at exit the descriptor is
+    restored and the thread drained, so no line is lost."""
+    import atexit
+    import threading
+
+    read_end, write_end = os.pipe()
+    original = os.dup(1)
+    sys.stdout.flush()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def pump():
+        with os.fdopen(read_end, "rb") as src, os.fdopen(os.dup(original), "wb", buffering=0) as dst:
+            for line in src:
+                if not drop(line):
+                    dst.write(line)
+
+    thread = threading.Thread(target=pump, name="stdout-filter", daemon=True)
+    thread.start()
+
+    def restore():
+        sys.stdout.flush()
+        os.dup2(original, 1)  # the pipe's last writer closes: the pump reads to its end
+        thread.join(timeout=5)
+
+    atexit.register(restore)
+
+
+def _gloo_line(line: bytes) -> bool:
+    # gloo prints "[Gloo] Rank N is connected to M peer ranks..." from several threads at once; fragments
+    # of interleaved lines carry one of the two marks
+    return b"[Gloo]" in line or b"connected peer ranks" in line
+
+
 def setup_jax() -> Optional[str]:
     """Starts multi-process JAX when configured, and switches on the persistent compilation
     cache from JAX_COMPILATION_CACHE_DIR (or the original's POPXL_CACHE_DIR); returns its path.
@@ -154,6 +317,11 @@ def setup_jax() -> Optional[str]:
     maybe_initialize_distributed()
     if not is_main_process():
         logger.setLevel(logging.WARNING)
+    if distributed_requested():
+        import jax
+
+        if jax.process_count() > 1 and jax.local_devices()[0].platform == "cpu":
+            filter_stdout_lines(_gloo_line)  # CPU collectives (gloo) announce every connection on stdout
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("POPXL_CACHE_DIR")
     if not path:
         return None

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import netrc
 import os
 from typing import Optional
+
+import numpy as np
+
+from utils.errors import FlanT5Error
 
 
 def library_versions() -> dict:
@@ -19,26 +24,57 @@ def library_versions() -> dict:
     return out
 
 
+def check_wandb() -> None:
+    """--wandb needs a login unless W&B runs offline or disabled: fail before any work, with the fixes."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise FlanT5Error("--wandb needs the wandb package: pip install wandb, or drop --wandb") from None
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return
+    try:
+        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+        if netrc.netrc().authenticators(host):
+            return
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        pass
+    raise FlanT5Error("--wandb: W&B has no login on this machine: run `wandb login`, set WANDB_API_KEY, or set "
+                      "WANDB_MODE=offline (sync later with `wandb sync`)")
+
+
 class Tracker:
     """Writes metrics.jsonl (one JSON per step) and, optionally, to Weights & Biases.
 
+    ``resume_step``: a resumed run keeps the lines up to its checkpoint's step and drops the later
+    ones (an interrupted run logged steps past its last checkpoint; they are trained again).
     ``enabled=False`` (every process but the first of a multi-process run) writes nothing.
     """
 
     def __init__(self, run_dir: str, config: dict, use_wandb: bool = False, wandb_name: Optional[str] = None,
-                 resume: bool = False, enabled: bool = True):
-        self.run_dir, self.enabled = run_dir, enabled
+                 resume_step: int = 0, enabled: bool = True, name: Optional[str] = None):
+        self.run_dir, self.enabled, self.name = run_dir, enabled, name or os.path.basename(os.path.abspath(run_dir))
         self.wandb = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        self._file = open(self.path, "a" if resume else "w")
+        kept = []
+        if resume_step and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        self._file = open(self.path, "a")
         if use_wandb:
             import wandb
 
-            self.wandb = wandb.init(project="flan-t5-jax", name=wandb_name, dir=run_dir,
-                                    config={"config": config, "versions": library_versions()})
+            try:
+                self.wandb = wandb.init(project="flan-t5-jax", name=wandb_name, dir=run_dir,
+                                        config={"config": config, "versions": library_versions()})
+            except Exception as e:  # wandb raises its own types for login and network failures
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise FlanT5Error(f"--wandb: W&B could not start ({type(e).__name__}: {first}): check `wandb login`, "
+                                  "or set WANDB_MODE=offline") from None
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -49,16 +85,26 @@ class Tracker:
             self.wandb.log(metrics, step=step)
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self._file.closed:
             return
         self._file.close()
-        plot_loss_curve(self.path, os.path.join(self.run_dir, "loss_curve.png"))
+        plot_loss_curve(self.path, os.path.join(self.run_dir, "loss_curve.png"), self.name)
         if self.wandb is not None:
             self.wandb.finish()
 
 
-def plot_loss_curve(metrics_path: str, png_path: str) -> None:
-    """Loss against step from a metrics.jsonl, as a PNG."""
+def smooth(values: list, weight: float) -> list:
+    """Exponential moving average with bias correction (TensorBoard's smoothing)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight ** i))
+    return out
+
+
+def plot_loss_curve(metrics_path: str, png_path: str, title: Optional[str] = None) -> Optional[dict]:
+    """Training loss against step (raw, and smoothed), with the learning rate on a second axis, as a PNG.
+    Returns what was drawn: {"title", "curves": [labels]} (None when there is nothing to plot)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,12 +114,33 @@ def plot_loss_curve(metrics_path: str, png_path: str) -> None:
     rows = [r for r in rows if "loss" in r]
     if not rows:
         return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    steps, loss = [r["step"] for r in rows], [r["loss"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, loss, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss")
+    weight = min(0.98, max(0.0, 1 - 50 / max(len(loss), 1)))  # a window of about a fiftieth of the run
+    log = min(loss) > 0
+    smoothed = np.exp(smooth(list(np.log(loss)), weight)) if log else smooth(loss, weight)  # geometric on a log axis
+    ax.plot(steps, smoothed, color="tab:blue", linewidth=2, label="loss, smoothed")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_yscale("log")
+    ax.set_ylabel("training loss (token mean)")
+    if log:
+        ax.set_yscale("log")
     ax.grid(alpha=0.3)
+    lines, labels = ax.get_legend_handles_labels()
+    if any("learning_rate" in r for r in rows):
+        lr_ax = ax.twinx()
+        lr_ax.plot(steps, [r.get("learning_rate", float("nan")) for r in rows], color="tab:orange", linewidth=1.2,
+                   label="learning rate")
+        lr_ax.set_ylabel("learning rate", color="tab:orange")
+        lr_ax.tick_params(axis="y", colors="tab:orange")
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        more = lr_ax.get_legend_handles_labels()
+        lines, labels = lines + more[0], labels + more[1]
+    ax.legend(lines, labels, loc="lower left", fontsize=8)
+    heading = (f"fine-tuning: {title or os.path.basename(os.path.dirname(os.path.abspath(metrics_path)))}"
+               f" ({steps[-1]} steps, last loss {loss[-1]:.4f})")
+    ax.set_title(heading, fontsize=10)
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    fig.savefig(png_path, dpi=110)
     plt.close(fig)
+    return {"title": heading, "curves": labels}

@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     enc = g.phase(lambda p, i, m: t5.encode(t5.cast_params(p, opts.compute_dtype), i, m, opts, S.TP),
                   (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None, None))
     b = g.dp * cfg.execution.micro_batch_size
-    data = generated_batch(cfg, seed=0)
+    data = generated_batch(cfg, seed=0, packing=False)  # one prompt per row, as validation decodes
     L = cfg.model.sequence_length
     ids = S.put_global(data["input_ids"].reshape(-1, L)[:b], rows)
     mask = S.put_global(data["attention_mask"].reshape(-1, L)[:b], rows)

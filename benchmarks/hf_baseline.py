@@ -2,13 +2,20 @@
 
     python3 benchmarks/hf_baseline.py train --config small --sequence_length 128 --global_batch_size 8 \
         --micro_batch_size 8 --precision float32 --json runs/hf_train.json
+    python3 benchmarks/hf_baseline.py train --config base --compile ...      # torch.compile + fused AdamW
     python3 benchmarks/hf_baseline.py generate --config small --sequence_length 128 --micro_batch_size 8 \
         --precision float32 --output_length 8 --json runs/hf_generate.json
 
-Random init from the preset's shape (no download). float32 on CPU, the preset's precision
-(bf16) on GPU. Training: AdamW with gradient accumulation over the same micro-batches
-as ours; generation: greedy, exactly output_length tokens (EOS suppressed, as ours runs
-every step in the benchmark).
+Random init from the preset's shape (no download). Precision policy: float32 on CPU; on a GPU
+the preset's precision for everything ("pure" bf16: weights, gradients and AdamW state, as
+model.to(torch.bfloat16) gives). Training: AdamW with gradient accumulation over the same
+micro-batches as ours, the loss read once a step; ``--compile`` runs the model under
+torch.compile (inductor) with the fused AdamW kernel (what a PyTorch user tuning for speed
+runs), else eager with PyTorch's default AdamW. The generated data has the benchmark's length
+mode (``--lengths``: mnli or uniform), one example per row as HF pipelines batch it, padded
+to the longest row of each micro-batch (``--padding longest``, DataCollatorForSeq2Seq's
+default) or to the full length (``max_length``). Generation: greedy, exactly output_length
+tokens (EOS suppressed, as ours runs every step in the benchmark), eager.
 """
 
 from __future__ import annotations
@@ -24,6 +31,12 @@ from utils.cli import die, entry, parse_config  # noqa: E402
 
 def extra_flags(p):
     p.add_argument("--json", default=None)
+    p.add_argument("--compile", action="store_true", help="training: torch.compile the model, fused AdamW")
+    p.add_argument("--lengths", choices=("mnli", "uniform"), default="uniform",
+                   help="prompt lengths of the generated data (as finetuning.py's --lengths)")
+    p.add_argument("--padding", choices=("longest", "max_length"), default="longest",
+                   help="training rows padded to the longest of each micro-batch (HF's collator default) or to "
+                        "sequence_length")
     p.add_argument("--warmup_iterations", type=int, default=2)
     p.add_argument("--iterations", type=int, default=5, help="timed steps / batches")
 
@@ -45,39 +58,72 @@ def hf_model(cfg):
     return model.to(dev, dtype), dev, dtype
 
 
-def train(cfg, args) -> dict:
+def micro_batches(cfg, args, dev, seed: int) -> list:
+    """One global batch as HF training sees it: [{key: tensor [mb, len]}] per micro-batch, one example per row."""
+    import numpy as np
     import torch
 
     from data.generated import generated_batch
+
+    host = generated_batch(cfg, seed=seed, lengths=args.lengths, packing=False)
+    out = []
+    for i in range(host["labels"].shape[0]):
+        mb = {k: host[k][i] for k in ("input_ids", "attention_mask", "decoder_input_ids", "labels")}
+        if args.padding == "longest":  # DataCollatorForSeq2Seq's default: pad to the longest row
+            n = int(mb["attention_mask"].sum(1).max())
+            t = int((mb["labels"] != -100).sum(1).max())
+            mb = {k: (v[:, :n] if k in ("input_ids", "attention_mask") else v[:, :t]) for k, v in mb.items()}
+        out.append({k: torch.tensor(np.ascontiguousarray(v), dtype=torch.long, device=dev) for k, v in mb.items()})
+    return out
+
+
+def train(cfg, args) -> dict:
+    import torch
+
     from utils.bench import median
 
-    model, dev, _ = hf_model(cfg)
+    model, dev, dtype = hf_model(cfg)
     model.train()
     o = cfg.training.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=o.learning_rate.maximum, betas=(0.9 if o.beta1 is None else o.beta1, o.beta2),
-                            weight_decay=o.weight_decay)
-    batch = {k: torch.tensor(v, dtype=torch.long, device=dev) for k, v in generated_batch(cfg).items()
-             if k != "decoder_attention_mask"}
+    kw = dict(lr=o.learning_rate.maximum, betas=(0.9 if o.beta1 is None else o.beta1, o.beta2),
+              weight_decay=o.weight_decay)
+    optimizer = "AdamW"
+    if args.compile:
+        try:
+            opt = torch.optim.AdamW(model.parameters(), fused=True, **kw)
+            optimizer = "AdamW (fused)"
+        except (RuntimeError, TypeError):  # no fused kernel for this device or dtype
+            opt = torch.optim.AdamW(model.parameters(), **kw)
+        run = torch.compile(model)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **kw)
+        run = model
+    batches = [micro_batches(cfg, args, dev, seed) for seed in (0, 1)]  # alternated, as ours
     times, losses = [], []
     for step in range(args.warmup_iterations + args.iterations):
+        batch = batches[step % 2]
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for i in range(batch["labels"].shape[0]):  # gradient accumulation over micro-batches
-            out = model(**{k: v[i] for k, v in batch.items()})
-            (out.loss / batch["labels"].shape[0]).backward()
-            total += out.loss.item()
+        total = torch.zeros((), device=dev)
+        for mb in batch:  # gradient accumulation over micro-batches
+            loss = run(**mb).loss
+            (loss / len(batch)).backward()
+            total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.gradient_clipping)
         opt.step()
+        losses.append(float(total) / len(batch))  # one host read a step
         if dev == "cuda":
             torch.cuda.synchronize()
         if step >= args.warmup_iterations:
             times.append(time.perf_counter() - t0)
-        losses.append(total / batch["labels"].shape[0])
     step_s = median(times)
     samples = cfg.training.global_batch_size
-    return {"framework": "transformers+torch", "device": dev, "median_step_s": step_s,
-            "samples_per_s": samples / step_s, "losses": losses, "global_batch_size": samples}
+    tokens = sum(int(mb["attention_mask"].sum()) + int((mb["labels"] != -100).sum()) for b in batches for mb in b) / 2
+    return {"framework": "transformers+torch" + (" (torch.compile)" if args.compile else " (eager)"), "device": dev,
+            "compiled": args.compile, "optimizer": optimizer, "precision_policy": str(dtype).replace("torch.", ""),
+            "lengths": args.lengths, "padding": args.padding, "median_step_s": step_s,
+            "samples_per_s": samples / step_s, "examples_per_s": samples / step_s,
+            "nonpad_tokens_per_s": tokens / step_s, "losses": losses, "global_batch_size": samples}
 
 
 def generate(cfg, args) -> dict:
@@ -90,7 +136,7 @@ def generate(cfg, args) -> dict:
     model.eval()
     n = cfg.inference.output_length
     b = cfg.execution.micro_batch_size * cfg.execution.data_parallel
-    data = generated_batch(cfg)
+    data = generated_batch(cfg, packing=False)  # one prompt per row
     L = cfg.model.sequence_length
     ids = torch.tensor(data["input_ids"].reshape(-1, L)[:b], dtype=torch.long, device=dev)
     mask = torch.tensor(data["attention_mask"].reshape(-1, L)[:b], dtype=torch.long, device=dev)

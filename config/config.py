@@ -189,6 +189,11 @@ class Execution:
     recompute: bool = True
     """Rematerialise each block's activations in the backward pass."""
 
+    remat_policy: str = "full"
+    """With recompute: full (a layer's backward recomputes its forward from the layer's input: least memory) or
+    save_dots (the matmul outputs are kept, the cheap elementwise work and attention recomputed: more memory,
+    less recomputation). The phased executor always recomputes fully."""
+
     attention_impl: str = "auto"
     """Self-attention kernel: xla (einsums + softmax), cudnn (fused flash attention via
     jax.nn.dot_product_attention; GPU, bfloat16/float16, no dropout), or auto (cudnn where it
@@ -316,6 +321,7 @@ class T5Config:
             "feed_forward_proj": (m.feed_forward_proj, ("gated-gelu", "relu")),
             "optimizer": (tr.optimizer.name, ("adamw", "adafactor")),
             "attention_impl": (ex.attention_impl, ("auto", "xla", "cudnn")),
+            "remat_policy": (ex.remat_policy, ("full", "save_dots")),
         }
         for name, (value, allowed) in choices.items():
             if value not in allowed:

@@ -125,9 +125,17 @@ class PhaseBodies:
 
     def layers(self, stack: Stack, layers_p: dict, x: jax.Array, self_bias, cross_bias, enc, rng=None):
         """Every layer of a stack on one micro-batch: scanned over the stacked weights, or traced one by
-        one (``unroll_layers``); with ``recompute`` each layer's backward is ``block_backward``."""
-        block = self._recomputed_block(stack) if self.opts.recompute else (
-            lambda p, x_, sb, cb, e, r: self.block(stack, p, x_, sb, cb, e, r))
+        one (``unroll_layers``); with ``recompute`` each layer's backward is ``block_backward`` (remat_policy
+        full), or autodiff's keeping the matmul outputs (save_dots)."""
+        def block(p, x_, sb, cb, e, r):
+            return self.block(stack, p, x_, sb, cb, e, r)
+
+        if self.opts.recompute and self.opts.remat_policy == "save_dots":
+            # keep the outputs of the weight matmuls (no batch dims: projections and feed-forward), recompute the
+            # elementwise work, norms and attention from them
+            block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+        elif self.opts.recompute:
+            block = self._recomputed_block(stack)
 
         def body(x_, inputs):
             p, i = inputs

@@ -38,6 +38,7 @@ class ModelOptions:
     tie_word_embeddings: bool = False
     attention_serialisation: int = 1
     recompute: bool = False
+    remat_policy: str = "full"  # with recompute: full or save_dots
     unroll_layers: bool = False
     dtype: str = "float32"
     attention_impl: str = "xla"  # resolved: xla or cudnn
@@ -51,7 +52,7 @@ class ModelOptions:
             max_distance=m.attention.relative_attention_max_distance, scale_ff=m.scale_ff,
             vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size,
             tie_word_embeddings=m.tie_word_embeddings, attention_serialisation=ex.attention_serialisation,
-            recompute=ex.recompute, unroll_layers=ex.unroll_layers, dtype=m.precision,
+            recompute=ex.recompute, remat_policy=ex.remat_policy, unroll_layers=ex.unroll_layers, dtype=m.precision,
             attention_impl=resolve_attention_impl(ex.attention_impl, m.precision,
                                                   0.0 if m.eval else m.dropout_prob),
         )

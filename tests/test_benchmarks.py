@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 import finetuning
 import inference
 from config.config import ModelConfig
@@ -54,14 +56,30 @@ def test_compare_reports_a_failed_run_and_keeps_the_other(tmp_path, capsys):
 
     path = tmp_path / "cmp.json"
     r = compare.main(["--config", "tiny", "--only", "train", "--batch", "4", "--micro_batch", "2", "--steps", "3",
-                      "--sequence_length", "16", "--ours_flags", "--no_such_flag 1", "--json", str(path)])
+                      "--sequence_length", "16", "--hf", "eager", "--ours_flags", "--no_such_flag 1",
+                      "--json", str(path)])
     out = capsys.readouterr().out
     assert "FAILED (exit 2): finetuning.py" in out
-    assert r["train_samples_per_s"]["ours"] is None and r["train_samples_per_s"]["ratio"] is None
-    assert r["train_samples_per_s"]["hf"] > 0 and r["train_model_tflops_per_s_hf"] > 0
+    assert r["training"]["ours"]["examples_per_s"] is None and r["ratios"]["ours / HF eager"] is None
+    hf = r["training"]["HF eager"]
+    assert hf["examples_per_s"] > 0 and hf["model_tflops_per_s"] > 0
     saved = json.loads(path.read_text())
-    assert saved["train_samples_per_s"] == r["train_samples_per_s"]
-    assert saved["runs"]["ours_t"] == [None] and saved["runs"]["theirs_t"][0]["global_batch_size"] == 4
+    assert saved["training"] == r["training"]
+    assert saved["runs"]["ours"] == [None] and saved["runs"]["HF eager"][0]["global_batch_size"] == 4
+    assert saved["runs"]["HF eager"][0]["padding"] == "max_length"  # equal work: full rows on both sides
+
+
+def test_hf_baseline_under_torch_compile_trains_like_eager(tmp_path):
+    """The compiled baseline (torch.compile, fused AdamW) computes the same losses as eager on the same data."""
+    from benchmarks import hf_baseline
+
+    argv = ["train", "--config", "tiny", "--global_batch_size", "4", "--micro_batch_size", "2", "--sequence_length",
+            "32", "--iterations", "1", "--warmup_iterations", "2", "--lengths", "mnli"]
+    eager = hf_baseline.main(argv + ["--json", str(tmp_path / "e.json")])
+    compiled = hf_baseline.main(argv + ["--compile", "--json", str(tmp_path / "c.json")])
+    assert compiled["compiled"] and compiled["optimizer"] == "AdamW (fused)" and not eager["compiled"]
+    assert compiled["padding"] == "longest" and compiled["precision_policy"] == "float32"
+    np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=1e-4)
 
 
 def test_profile_trace_summarises_the_device_ops(tmp_path, capsys):

@@ -247,3 +247,24 @@ def test_adafactor_option_trains_under_tp_and_dp(reference):
     assert abs(float(m1["loss"]) - loss0) / loss0 < 1e-6  # first step sees the initial weights
     assert float(m2["loss"]) < float(m1["loss"])  # and the update lowers the loss on the same batch
     # (optax factors only dims >= 128, so the tiny model's state is not smaller than its weights)
+
+
+def test_remat_policies_give_the_same_loss_and_gradients_at_their_memory():
+    """recompute false / true with remat_policy save_dots / full: equal loss and gradients; the compiled step's
+    temporaries fall in that order (save_dots keeps the matmul outputs, recomputes the elementwise work)."""
+    out = {}
+    for name, kw in [("none", dict(recompute=False)), ("save_dots", dict(recompute=True, remat_policy="save_dots")),
+                     ("full", dict(recompute=True))]:
+        f = fused(tiny(sequence_length=64, global_batch_size=16, micro_batch_size=16, packing=False, **kw))
+        params = f.g.init_params()
+        batch = f.g.shard_batch(generated_batch(f.g.cfg, seed=0))
+        rng = jax.random.key_data(jax.random.key(0))
+        step = jax.jit(lambda p, b, r: f._sharded_loss_and_grads(tuple(b))(p, b, r)).lower(params, batch, rng).compile()
+        temp = step.memory_analysis().temp_size_in_bytes
+        loss, grads = step(params, batch, rng)
+        out[name] = (temp, float(loss), leaves(grads))
+    for name in ("save_dots", "full"):
+        assert abs(out[name][1] - out["none"][1]) <= 1e-6 * out["none"][1]
+        for a, b in zip(out[name][2], out["none"][2]):
+            assert max_rel(a, b) < 1e-5
+    assert out["none"][0] > out["save_dots"][0] > out["full"][0], {k: v[0] for k, v in out.items()}

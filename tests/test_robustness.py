@@ -285,3 +285,17 @@ def test_every_driver_shares_the_entry_wrapper_and_the_error_base():
     for cls in (ConfigError, DataError, PlanError, DeviceCountError, CheckpointError, ckpt.CheckpointNotFound,
                 ckpt.CheckpointShapeError):
         assert issubclass(cls, FlanT5Error)
+
+
+def test_a_device_out_of_memory_is_one_line_with_the_bytes_and_the_knobs(capsys):
+    """A real XLA out-of-memory error (4 TiB asked of this CPU) under the drivers' entry wrapper."""
+    import jax.numpy as jnp
+
+    from utils.cli import entry
+
+    @entry
+    def main(argv):
+        jnp.zeros((2 ** 40,), jnp.float32).block_until_ready()
+
+    line = _fails(capsys, main, [], "a device ran out of memory allocating 4096.0 GiB", code=4)
+    assert "--micro_batch_size" in line and "--phased true" in line and "--plan" in line

@@ -163,11 +163,15 @@ def out_of_memory_message(e: BaseException) -> Optional[str]:
         return None
     import re
 
-    m = re.search(r"allocat\w* ([0-9.]+)\s*([KMGT]?i?B|bytes)", text)
-    need = f" (an allocation of {m.group(1)} {m.group(2)} failed)" if m else ""
-    return (f"a device ran out of memory{need}: lower --micro_batch_size, pass --recompute true, "
-            "raise --tensor_parallel (more devices), or pass --phased true (weights and optimizer state in host "
-            "memory); --plan prints what the run needs")
+    m = re.search(r"allocat\w* ([0-9.]+)\s*(bytes|[KMGT]i?B)", text)
+    need = ""
+    if m:
+        scale = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6,
+                 "GB": 1e9, "TB": 1e12}.get(m.group(2), 1)
+        need = f" allocating {float(m.group(1)) * scale / 2**30:.1f} GiB"
+    return (f"a device ran out of memory{need}: lower --micro_batch_size, pass --recompute true (--remat_policy "
+            "full), raise --tensor_parallel (more devices), or pass --phased true (weights and optimizer state in "
+            "host memory); --plan prints what the run needs")
 
 
 def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:

@@ -27,13 +27,11 @@ IMGS = os.path.join(ROOT, "imgs")
 GIB = 2 ** 30
 
 
-def _plt():
-    import matplotlib
+def _figure(size):
+    from matplotlib.figure import Figure  # no pyplot: nothing global is switched
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=size)
+    return fig, fig.subplots()
 
 
 def loss_curve(metrics: str, out: str) -> str:
@@ -46,12 +44,11 @@ def loss_curve(metrics: str, out: str) -> str:
 
 def memory(report: str, out: str) -> str:
     """Device GiB against layers per stack, fused and phased (benchmarks/phased_memory.py's JSON)."""
-    plt = _plt()
     with open(report) as f:
         data = json.load(f)
     rows = data["rows"]
     layers = [r["layers"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = _figure((6.5, 3.8))
     ax.plot(layers, [r["fused_device_bytes"] / GIB for r in rows], "o-", label="fused: all weights and state on device")
     ax.plot(layers, [r["phased_device_bytes"] / GIB for r in rows], "s-", label="phased: one layer at a time")
     for r in rows:
@@ -67,13 +64,11 @@ def memory(report: str, out: str) -> str:
     ax.set_title(f"Device memory, {data['config']} shape ({kind}): live arrays + XLA temporaries", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 
 def throughput(report: str, out: str) -> str:
     """Training examples/s of every run of a compare.py --lengths mnli JSON, as bars."""
-    plt = _plt()
     with open(report) as f:
         data = json.load(f)
     training = data["training"]
@@ -81,7 +76,7 @@ def throughput(report: str, out: str) -> str:
     values = [training[n]["examples_per_s"] for n in names]
     colours = ["tab:blue" if n.startswith("ours packed") else "tab:cyan" if n.startswith("ours") else "tab:gray"
                for n in names]
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    fig, ax = _figure((6.5, 3.6))
     bars = ax.bar(names, values, color=colours)
     for b, v in zip(bars, values):
         ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), textcoords="offset points", xytext=(0, 3),
@@ -93,7 +88,6 @@ def throughput(report: str, out: str) -> str:
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
 
 

@@ -105,17 +105,15 @@ def smooth(values: list, weight: float) -> list:
 def plot_loss_curve(metrics_path: str, png_path: str, title: Optional[str] = None) -> Optional[dict]:
     """Training loss against step (raw, and smoothed), with the learning rate on a second axis, as a PNG.
     Returns what was drawn: {"title", "curves": [labels]} (None when there is nothing to plot)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's) is left alone
 
     rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
     rows = [r for r in rows if "loss" in r]
     if not rows:
         return
     steps, loss = [r["step"] for r in rows], [r["loss"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     ax.plot(steps, loss, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss")
     weight = min(0.98, max(0.0, 1 - 50 / max(len(loss), 1)))  # a window of about a fiftieth of the run
     log = min(loss) > 0
@@ -142,5 +140,4 @@ def plot_loss_curve(metrics_path: str, png_path: str, title: Optional[str] = Non
     ax.set_title(heading, fontsize=10)
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
-    plt.close(fig)
     return {"title": heading, "curves": labels}

@@ -92,3 +92,6 @@ def test_xxl_plan_on_one_device_from_shapes_alone():
     p.check(**box)  # fits
     assert 2 * GIB < p.device_peak < 40 * GIB, p.format()
     assert 60 * GIB < p.host_peak < 100 * GIB, p.format()
+    # the xxl_1gpu preset (16 packed rows a step, micro-batch 8) fits the same box
+    one_box = load_config("finetuning", "xxl_1gpu")
+    plan(make_executor(Graphs(one_box)), exact=False).check(device_limit=80 * GIB, host_limit=125 * GIB, cfg=one_box)

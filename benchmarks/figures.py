@@ -57,7 +57,7 @@ def memory(report: str, out: str) -> str:
     ax.set_xlabel("layers per stack")
     ax.set_ylabel("device memory (GiB)")
     ax.set_xticks(layers)
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, max(r["fused_device_bytes"] for r in rows) / GIB * 1.15)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     kind = rows[0].get("device_kind", "")
@@ -76,15 +76,17 @@ def throughput(report: str, out: str) -> str:
     values = [training[n]["examples_per_s"] for n in names]
     colours = ["tab:blue" if n.startswith("ours packed") else "tab:cyan" if n.startswith("ours") else "tab:gray"
                for n in names]
-    fig, ax = _figure((6.5, 3.6))
+    fig, ax = _figure((6.5, 3.9))
     bars = ax.bar(names, values, color=colours)
     for b, v in zip(bars, values):
         ax.annotate(f"{v:.1f}", (b.get_x() + b.get_width() / 2, v), textcoords="offset points", xytext=(0, 3),
                     ha="center", fontsize=8)
     a = data["args"]
     ax.set_ylabel("training examples / s")
-    ax.set_title(f"Fine-tuning throughput: {a['config']} shape, MNLI-like lengths, sequence {a['sequence_length']}, "
-                 f"batch {a['batch']} rows, {a['precision']}", fontsize=8)
+    kind = next((r.get("device_kind") for rs in data["runs"].values() for r in rs if r and r.get("device_kind")), "")
+    ax.set_title(f"Fine-tuning throughput ({kind}): {a['config']} shape, MNLI-like prompt lengths,\n"
+                 f"rows of {a['sequence_length']} tokens, batch {a['batch']} rows, {a['precision']}; ours packed or "
+                 "one example a row;\nHF padded to the longest prompt of each micro-batch", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -1,6 +1,7 @@
 """Benchmarks: FLOP count against a hand count; finetuning.py / inference.py write their JSON reports."""
 
 import json
+import os
 
 import numpy as np
 
@@ -102,3 +103,11 @@ def test_profile_trace_summarises_the_device_ops(tmp_path, capsys):
     assert op_family("nvjet_sm90_tst_128x160") == "matmul" and op_family("all-reduce.3") == "collective"
     assert op_family("ynn_fusion.11") == "matmul"
     assert op_family("loop_add_fusion") == "elementwise/other fusion"
+
+
+def test_figures_are_drawn_from_the_committed_results(tmp_path):
+    from benchmarks import figures
+
+    made = figures.main(["all", "--out_dir", str(tmp_path)])
+    assert [os.path.basename(p) for p in made] == ["quickstart_loss_curve.png", "phased_memory.png", "throughput.png"]
+    assert all(os.path.getsize(p) > 10000 for p in made)

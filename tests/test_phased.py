@@ -12,7 +12,7 @@ import pytest
 
 from data.generated import generated_batch
 from graphs.fused import FusedExecutor
-from graphs.graphs import Graphs
+from graphs.graphs import Graphs, TrainState
 from graphs.host_state import HOST
 from graphs.phased import PhasedExecutor, PhaseMemory
 from utils.bench import live_device_bytes
@@ -34,11 +34,18 @@ def _both(cfg, steps=2):
     loss, grads = f.loss_and_grads(params, batch, _rng())
     ploss, g_rest, g_layers, _ = ph.loss_and_grads(ps, batch, _rng())
     pgrads = ph.stacked_grads(g_rest, g_layers)
-    params = jax.tree.map(np.asarray, params)  # the fused step donates (deletes) its input state
+    params = jax.tree.map(np.asarray, params)
     pparams = jax.tree.map(np.asarray, pparams)
+    # the fused steps as the fused program runs them (loss_and_grads, then the optimizer phase update) without
+    # compiling the fused step a second time: this file compares executors, test_parallel.py the fused step
     state = f.init_state(params)
-    for _ in range(steps):
-        state, metrics = f.train_step(state, batch)
+    update = jax.jit(f.update)
+    for step in range(steps):
+        rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
+        loss_s, grads_s = f.loss_and_grads(state.params, batch, rng)
+        new_params, opt_state, g_norm = update(state.params, state.opt_state, grads_s)
+        state = TrainState(state.step + 1, new_params, opt_state)
+        metrics = {"loss": loss_s, "grad_norm": g_norm}
         ps, pmetrics = ph.train_step(ps, batch)
     return dict(g=g, ph=ph, params=params, pparams=pparams, loss=loss, ploss=ploss, grads=grads, pgrads=pgrads,
                 state=state, ps=ps, metrics=metrics, pmetrics=pmetrics)

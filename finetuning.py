@@ -17,7 +17,6 @@ plus the compiled programs' temporaries (XLA's memory analysis). With
 
 from __future__ import annotations
 
-import sys
 import time
 
 from utils.cli import die, ensure_host_devices, ensure_pinned_host_memory, entry, is_main_process, parse_config, setup_jax

@@ -11,7 +11,6 @@ generated tokens/s and samples/s.
 
 from __future__ import annotations
 
-import sys
 import time
 
 from utils.cli import die, ensure_host_devices, entry, is_main_process, parse_config, setup_jax

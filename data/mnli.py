@@ -190,7 +190,7 @@ def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str,
         hint = ("the synthetic tokenizer knows only the synthetic task's words: for other text pass the model's "
                 "tokenizer, e.g. --tokenizer google/flan-t5-small (a hub name or a local directory) with a preset of "
                 "that model" if name == "synthetic" else
-                f"pass the tokenizer of the model this data is for (--tokenizer NAME_OR_DIR)")
+                "pass the tokenizer of the model this data is for (--tokenizer NAME_OR_DIR)")
         raise DataError(f"{share:.0%} of the prompt tokens of {dataset} are unknown (<unk>) to tokenizer {name!r}: "
                         f"{hint}")
     return share

@@ -5,7 +5,6 @@ import os
 import re
 
 import nbformat
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "flan_t5_mnli.ipynb")

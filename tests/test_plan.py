@@ -7,7 +7,6 @@ count them; host: live arrays in host memory at each phase's start).
 """
 
 import jax
-import numpy as np
 import pytest
 
 from config import load_config

@@ -96,6 +96,8 @@ def cast_params(params: dict, dtype) -> dict:
 ENC_EMBED, ENC_LAYERS, ENC_HEAD = 10, 11, 12
 DEC_EMBED, DEC_LAYERS, HEAD = 20, 21, 30
 TP_SHARD = 1000  # added to the tp index for dropout on tp-sharded activations (a key per shard)
+# inside a block (after the layer index): attention probabilities and output, cross-attention's, feed-forward's
+ATTN_PROBS, ATTN_OUT, CROSS_PROBS, CROSS_OUT, FF_HIDDEN, FF_OUT = 1, 2, 3, 4, 5, 6
 
 
 def _rng(rng, *data):
@@ -175,17 +177,17 @@ def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions, tp
     """
     rate, chunks, dt = opts.dropout_prob, opts.attention_serialisation, opts.compute_dtype
     h = L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt)
-    a = L.attention(p, h, None, self_bias, tp_axis, "", chunks, rate, _sharded_rng(rng, tp_axis, 1),
+    a = L.attention(p, h, None, self_bias, tp_axis, "", chunks, rate, _sharded_rng(rng, tp_axis, ATTN_PROBS),
                     opts.attention_impl)
-    x = x + L.dropout(a, rate, _rng(rng, 2))
+    x = x + L.dropout(a, rate, _rng(rng, ATTN_OUT))
     if enc_out is not None:
         h = L.rms_norm(x, p["cross_norm"], opts.eps).astype(dt)
         a = L.attention(p, h, enc_out.astype(dt), cross_bias, tp_axis, "c", chunks, rate,
-                        _sharded_rng(rng, tp_axis, 3))
-        x = x + L.dropout(a, rate, _rng(rng, 4))
+                        _sharded_rng(rng, tp_axis, CROSS_PROBS))
+        x = x + L.dropout(a, rate, _rng(rng, CROSS_OUT))
     h = L.rms_norm(x, p["ff_norm"], opts.eps).astype(dt)
-    f = L.feed_forward(p, h, tp_axis, opts.scale_ff, rate, _sharded_rng(rng, tp_axis, 5))
-    return x + L.dropout(f, rate, _rng(rng, 6))
+    f = L.feed_forward(p, h, tp_axis, opts.scale_ff, rate, _sharded_rng(rng, tp_axis, FF_HIDDEN))
+    return x + L.dropout(f, rate, _rng(rng, FF_OUT))
 
 
 def run_stack(layers_p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions,

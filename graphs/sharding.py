@@ -111,15 +111,16 @@ def storage_specs(lay: dict) -> dict:
 
 
 def follow_params(abstract_state, params, param_shardings, default):
-    """Shardings for an optimizer-state tree: a leaf shaped like a weight (and whose path ends with
-    that weight's path) gets that weight's sharding, any other leaf (step counts) ``default``."""
-    by_path = {jax.tree_util.keystr(p): (x.shape, s) for (p, x), s in zip(
+    """Shardings for an optimizer-state tree: a leaf shaped like a weight, whose tree path ends with that
+    weight's path (optax keeps its moments as copies of the parameter tree), gets that weight's sharding;
+    any other leaf (step counts, factored moments) ``default``."""
+    by_path = {tuple(p): (x.shape, s) for (p, x), s in zip(
         jax.tree_util.tree_flatten_with_path(params)[0], jax.tree_util.tree_leaves(param_shardings))}
 
     def pick(path, leaf):
-        key = jax.tree_util.keystr(path)
-        for wpath, (shape, s) in by_path.items():
-            if key.endswith(wpath) and leaf.shape == shape:
+        for k in range(len(path)):
+            shape, s = by_path.get(tuple(path[k:]), (None, None))
+            if shape is not None and leaf.shape == shape:
                 return s
         return default
 

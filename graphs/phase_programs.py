@@ -176,8 +176,9 @@ class PhasePrograms:
             def body(acc, inp):
                 x_i, e_i, m_i, dy_i, i = inp
                 length = x_i.shape[1]
-                sb, bias_vjp = jax.vjp(lambda r_: self.bodies.biases(stack, r_, m_i, length)[0], relpos_w)
-                cb = self.bodies.biases(stack, relpos_w, m_i, length)[1] if decoder else None
+                # (self bias, its vjp to relpos, cross bias): the cross bias does not depend on relpos
+                sb, bias_vjp, cb = jax.vjp(lambda r_: self.bodies.biases(stack, r_, m_i, length), relpos_w,
+                                           has_aux=True)
                 r = stream_key(micro_key(base, i), stack.layers_stream, j)
                 g_p, dx, g_sb, g_e = self.bodies.block_backward(stack, p, x_i, sb, cb, e_i, r, dy_i)
                 g_rel = bias_vjp(g_sb)[0]

@@ -77,7 +77,6 @@ def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None, decod
         D = decoder_length or cfg.decoder_row_length
         shortest = {"mnli": TEMPLATE_TOKENS + 2, "short": 2}.get(lengths, max(L // 2, 1))
         ex = generated_examples(rng, rows * max(L // shortest, 1) + 64, V, lengths, L, T)  # enough for any fill
-        packer = Packer(np.array([len(x) for x in ex.inputs]), np.array([len(t) for t in ex.targets]), L, T, D)
-        filled, _ = packer.fill(rows, [], iter(range(len(ex))))
+        filled, _ = Packer.for_examples(ex, L, T, D).fill(rows, [], iter(range(len(ex))))
         batch = pack_rows(ex, filled, L, T, D)
     return {k: v.reshape(ga, rows // ga, -1) for k, v in batch.items()}

@@ -252,8 +252,7 @@ class TrainLoader:
         self.position = 0  # stream examples consumed so far
         self.pending: list = []  # examples held over for the next packed batch
         if packing:
-            self.packer = Packer(np.array([len(x) for x in examples.inputs]),
-                                 np.array([len(t) for t in examples.targets]), self.L, self.T, self.D)
+            self.packer = Packer.for_examples(examples, self.L, self.T, self.D)
 
     @property
     def size(self) -> int:

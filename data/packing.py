@@ -104,6 +104,12 @@ class Packer:
         self.dec = np.minimum(target_lengths, target_length)
         self.L, self.D, self.max_misses = sequence_length, decoder_length, max_misses
 
+    @classmethod
+    def for_examples(cls, examples: Examples, sequence_length: int, target_length: int, decoder_length: int):
+        """A packer of these examples' prompts and targets."""
+        return cls(np.array([len(x) for x in examples.inputs]), np.array([len(t) for t in examples.targets]),
+                   sequence_length, target_length, decoder_length)
+
     def fill(self, n_rows: int, pending: list, stream) -> tuple:
         """(rows: [[example index]], held over: [example index]) for one batch of ``n_rows`` rows.
 

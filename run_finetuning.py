@@ -86,15 +86,15 @@ def resume_point(cfg):
     return directory, step
 
 
-def initial_state(cfg, executor, loader):
-    """Train state from --load (resume), --hf_model (pretrained) or random init; returns (state, start step).
+def initial_state(cfg, executor, loader, point):
+    """Train state from --load (resume: ``point``, the checkpoint ``resume_point`` found), --hf_model
+    (pretrained) or random init; returns (state, start step).
 
     Under phased execution the state lives in host memory, built without ever placing the
     whole model on a device.
     """
     from modelling.hf_mapping import load_hf_model
 
-    point = resume_point(cfg)
     if point:
         state, meta = executor.restore(*point, cfg.checkpoint.optim_state)
         loader.restore(meta)
@@ -296,7 +296,7 @@ def main(argv=None) -> None:
 
         ckpt.check_shapes(*point, executor.g.abstract_params(), ckpt.read_meta(*point).get("config"), cfg)
     executor, loader = build(cfg, executor)
-    state, start = initial_state(cfg, executor, loader)
+    state, start = initial_state(cfg, executor, loader, point)
     train(cfg, args, executor, loader, state, start)
 
 

@@ -41,7 +41,7 @@ class PhasePrograms:
         self.tied = g.opts.tie_word_embeddings
         self.rest_layouts = split_rest(g.layouts)
         self.row_layouts = {s: jax.tree.map(lambda l: l.row(), g.layouts[s]["layers"], is_leaf=S.is_layout)
-                            for s in ("encoder", "decoder")}
+                            for s in optim.STACKS}
         self.rest_specs = S.storage_specs(self.rest_layouts)
         self.row_specs = {s: S.storage_specs(lay) for s, lay in self.row_layouts.items()}
         # RTS on activations: rows stored split over tp along d, gathered after loading

@@ -158,7 +158,7 @@ class PhasedExecutor:
         opt = self.g.optimizer
 
         def init(tree, dev, host):
-            return jax.jit(opt.init, out_shardings=S.with_memory_kind(host, HOST))(self.load(tree, dev))
+            return jax.jit(opt.init, out_shardings=S.with_memory_kind(host, HOST))(self.ops.load(tree, dev))
 
         groups, dev = rest_groups(rest), rest_groups(self.rest_dev)
         opt_rest = {k: init(groups[k], dev[k], self.opt_dev[k]) for k in groups}
@@ -194,15 +194,6 @@ class PhasedExecutor:
             opt[s.name] = from_rows(ps.opt_layers[s.name], S.with_memory_kind(self.opt_stacked[s.name], HOST))
         step = jax.device_put(jnp.asarray(ps.step, jnp.int32), g.replicated)
         return TrainState(step, params, opt)
-
-    # ------------------------------------------------------------------ loading and storing
-
-    def load(self, tree, shardings, copy: bool = False):
-        """Remote buffer -> device (see ``DeviceOps.load``)."""
-        return self.ops.load(tree, shardings, copy)
-
-    def store(self, tree, shardings):
-        return self.ops.store(tree, shardings)
 
     # ------------------------------------------------------------------ the step
 

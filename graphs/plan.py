@@ -286,7 +286,7 @@ def plan_phased(executor, exact: bool = False) -> MemoryPlan:
     rest = ops.abstract(split_rest(params), host(split_rest(g.param_shardings)), "weights")
     layers, opt_layers = {}, {}
     row_struct = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
-    for s in ("encoder", "decoder"):
+    for s in optim.STACKS:
         row = jax.tree.map(row_struct, params[s]["layers"])
         layers[s] = [ops.abstract(row, host(executor.row_dev[s]), "weights") for _ in range(g.cfg.model.layers)]
         opt_row = jax.eval_shape(g.optimizer.init, row)

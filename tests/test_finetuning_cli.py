@@ -183,7 +183,7 @@ def test_hf_model_directory_initialises_training_and_validation(tmp_path, capsys
     hf.save_pretrained(tmp_path / "hf")
     cfg = load_config("finetuning", "tiny", {"hf_model": str(tmp_path / "hf"), "sequence_length": 16})
     executor, loader = run_finetuning.build(cfg)
-    state, start = run_finetuning.initial_state(cfg, executor, loader)
+    state, start = run_finetuning.initial_state(cfg, executor, loader, run_finetuning.resume_point(cfg))
     assert start == 0
     ours = hf_state_dict_from_params(jax.tree.map(np.asarray, state.params), cfg.model)
     for name, ref in hf.state_dict().items():

@@ -130,7 +130,7 @@ def load(directory: str, step: int, params_target, opt_state_target=None, cfg=No
     config, named in the error when the checkpoint's model has another shape)."""
     meta = None
     try:
-        meta = load_meta(directory, step)
+        meta = read_meta(directory, step)
     except Exception:
         pass
     check_shapes(directory, step, params_target, (meta or {}).get("config"), cfg)

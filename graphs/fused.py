@@ -4,7 +4,8 @@ Weights, optimizer state and activations stay on the devices. Per device (``shar
 RTS all-gather of every weight, once; the cast to the compute dtype, once; then batch
 serialisation, a ``lax.scan`` over the micro-batches, each running the phase library's
 composition of the model (``PhaseBodies.loss``: embeddings, layers, encoder head, head with the
-loss) and its gradient, accumulated in float32; then one reduce-scatter of the gradients into
+loss) and its gradient, accumulated in float32 (the layers' matmul weights inside their
+weight-gradient GEMMs, ``phases.with_accumulators``); then one reduce-scatter of the gradients into
 their storage layout. The optimizer phase follows in the same program, one weight group at a
 time (``optim.update_group``, vmapped over the layers of a stack).
 """
@@ -19,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from graphs import optim
 from graphs import sharding as S
 from graphs.graphs import TrainState
-from graphs.phases import PhaseBodies, micro_key
+from graphs.phases import (PhaseBodies, accumulate, accumulating_layers, micro_key, stack_layers,
+                           unstack_layers)
 from modelling import t5
 
 
@@ -86,16 +88,26 @@ class FusedExecutor:
         # gradient of each micro-batch is taken with respect to that copy (the same values as
         # through the cast) and accumulated in float32.
         compute = t5.cast_params(full, opts.compute_dtype)
+        zeros = jax.tree.map(jnp.zeros_like, full)
+        if opts.unroll_layers:
+            # Unrolled layers get their weights and accumulators as one buffer per layer, split once per
+            # step: slicing layer i out of the stacked weights in every micro-batch copies it, and the
+            # layers' gradients would be concatenated into the stacked tree in every micro-batch.
+            compute, zeros = unstack_layers(compute), unstack_layers(zeros)
 
         def micro(acc, inputs):
             mb, i = inputs
+            # the layers' matmul gradients are added to their accumulators inside the weight-gradient
+            # GEMMs; the rest (norms, embeddings, relative positions) after
             loss, grads = jax.value_and_grad(
-                lambda p: self.bodies.loss(p, mb, micro_key(base, i)) * (scale / count))(compute)
-            return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, grads), loss
+                lambda p: self.bodies.loss(p, mb, micro_key(base, i)) * (scale / count))(
+                    accumulating_layers(compute, acc))
+            return accumulate(acc, grads), loss
 
-        zeros = jax.tree.map(jnp.zeros_like, full)
         n = batch["labels"].shape[0]
         grads, losses = jax.lax.scan(micro, zeros, (batch, jnp.arange(n)))
+        if opts.unroll_layers:
+            grads = stack_layers(grads)
         grads = jax.tree.map(lambda g, l: S.reduce_gradient(g, l) / scale, grads, lay)
         loss = jax.lax.psum(jnp.sum(losses), S.DP) / scale
         return loss, grads

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 from graphs import optim
 from graphs import sharding as S
 from graphs.host_state import split_rest
-from graphs.phases import DECODER, ENCODER, PhaseBodies, Stack, head_subtree, micro_key, stream_key
+from graphs.phases import (DECODER, ENCODER, PhaseBodies, Stack, accumulate, head_subtree, micro_key, stream_key,
+                           with_accumulators)
 from modelling import t5
 
 F32 = jnp.float32
@@ -180,9 +181,11 @@ class PhasePrograms:
                 sb, bias_vjp, cb = jax.vjp(lambda r_: self.bodies.biases(stack, r_, m_i, length), relpos_w,
                                            has_aux=True)
                 r = stream_key(micro_key(base, i), stack.layers_stream, j)
-                g_p, dx, g_sb, g_e = self.bodies.block_backward(stack, p, x_i, sb, cb, e_i, r, dy_i)
-                g_rel = bias_vjp(g_sb)[0]
-                acc = jax.tree.map(lambda a, b: a + b.astype(F32), acc, (g_p, g_rel))
+                acc_p, acc_rel = acc
+                # the matmul weights' gradients are added to acc_p inside their weight-gradient GEMMs
+                g_p, dx, g_sb, g_e = self.bodies.block_backward(stack, with_accumulators(p, acc_p), x_i, sb, cb,
+                                                                e_i, r, dy_i)
+                acc = (accumulate(acc_p, g_p), acc_rel + bias_vjp(g_sb)[0].astype(F32))
                 return acc, (self._slice_act(dx), self._slice_act(g_e) if decoder else jnp.zeros(()))
 
             n = x.shape[0]

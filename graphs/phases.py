@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from modelling import layers as L
 from modelling import t5
 
 
@@ -61,6 +62,55 @@ def head_subtree(tree: dict, tied: bool) -> dict:
     out = {"decoder": {"final_norm": tree["decoder"]["final_norm"]}}
     out["shared" if tied else "lm_head"] = tree["shared" if tied else "lm_head"]
     return out
+
+
+def unstack_layers(tree: dict) -> dict:
+    """The tree with each stack's stacked layer weights ``{name: [n, ...]}`` split into a list of n
+    per-layer trees, each leaf its own buffer."""
+    out = dict(tree)
+    for stack in STACKS:
+        s = dict(tree[stack.name])
+        n = jax.tree_util.tree_leaves(s["layers"])[0].shape[0]
+        s["layers"] = [jax.tree.map(lambda w: w[i], s["layers"]) for i in range(n)]
+        out[stack.name] = s
+    return out
+
+
+def stack_layers(tree: dict) -> dict:
+    """The inverse of ``unstack_layers``."""
+    out = dict(tree)
+    for stack in STACKS:
+        s = dict(tree[stack.name])
+        s["layers"] = jax.tree.map(lambda *ws: jnp.stack(ws), *s["layers"])
+        out[stack.name] = s
+    return out
+
+
+def with_accumulators(layers_p: dict, acc: dict) -> dict:
+    """One layer's weights (or a stack's) with every matmul weight paired with its float32 gradient
+    accumulator (``layers.Accumulating``: the weight-gradient GEMM adds into it); the norms stay plain."""
+    return {k: w if k.endswith("norm") else L.Accumulating(w, acc[k]) for k, w in layers_p.items()}
+
+
+def accumulating_layers(p: dict, acc: dict) -> dict:
+    """The whole weight tree with every stack's layers ``with_accumulators`` (stacked, or lists of
+    per-layer trees after ``unstack_layers``); ``acc`` has the tree's structure."""
+    out = dict(p)
+    for stack in STACKS:
+        s, a = dict(p[stack.name]), acc[stack.name]["layers"]
+        if isinstance(s["layers"], list):
+            s["layers"] = [with_accumulators(lp, la) for lp, la in zip(s["layers"], a)]
+        else:
+            s["layers"] = with_accumulators(s["layers"], a)
+        out[stack.name] = s
+    return out
+
+
+def accumulate(acc, grads):
+    """The accumulators after one micro-batch: ``acc + grads``, where a gradient taken through
+    ``with_accumulators`` already is the new accumulator."""
+    return jax.tree.map(lambda a, g: g.acc if isinstance(g, L.Accumulating) else a + g.astype(a.dtype), acc, grads,
+                        is_leaf=lambda n: isinstance(n, L.Accumulating))
 
 
 def micro_key(base: Optional[jax.Array], i) -> Optional[jax.Array]:
@@ -125,15 +175,16 @@ class PhaseBodies:
 
     def layers(self, stack: Stack, layers_p: dict, x: jax.Array, self_bias, cross_bias, enc, rng=None):
         """Every layer of a stack on one micro-batch: scanned over the stacked weights, or traced one by
-        one (``unroll_layers``); with ``recompute`` each layer's backward is ``block_backward`` (remat_policy
-        full), or autodiff's keeping the matmul outputs (save_dots)."""
+        one (``unroll_layers``, or ``layers_p`` a list of per-layer weights); with ``recompute`` each
+        layer's backward is ``block_backward`` (remat_policy full), or autodiff's keeping the matmul
+        outputs (save_dots)."""
         def block(p, x_, sb, cb, e, r):
             return self.block(stack, p, x_, sb, cb, e, r)
 
         if self.opts.recompute and self.opts.remat_policy == "save_dots":
-            # keep the outputs of the weight matmuls (no batch dims: projections and feed-forward), recompute the
-            # elementwise work, norms and attention from them
-            block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+            # keep the outputs of the weight matmuls (projections and feed-forward, ``layers.dense``), recompute
+            # the elementwise work, norms and attention from them
+            block = jax.checkpoint(block, policy=jax.checkpoint_policies.save_only_these_names(L.DENSE))
         elif self.opts.recompute:
             block = self._recomputed_block(stack)
 
@@ -142,6 +193,10 @@ class PhaseBodies:
             r = None if rng is None else jax.random.fold_in(rng, i)
             return block(p, x_, self_bias, cross_bias, enc, r), None
 
+        if isinstance(layers_p, list):  # per-layer weights (``unstack_layers``)
+            for i, p in enumerate(layers_p):
+                x, _ = body(x, (p, jnp.int32(i)))
+            return x
         n = jax.tree_util.tree_leaves(layers_p)[0].shape[0]
         if self.opts.unroll_layers:
             for i in range(n):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from modelling.tp import identical_grad_inputs, identical_inputs, tp_index
 
@@ -65,6 +66,79 @@ def _einsum_f32_bwd(spec, res, g):
 
 
 einsum_f32.defvjp(_einsum_f32_fwd, _einsum_f32_bwd)
+
+
+# --------------------------------------------------------------------------- weight matmuls, accumulating
+
+
+@jax.tree_util.register_pytree_node_class
+class Accumulating:
+    """A weight (compute dtype) paired with the float32 accumulator of its gradient.
+
+    Given to ``dense`` in place of the weight, its gradient is not returned as a new array but
+    added to the accumulator inside the weight-gradient GEMM: the backward computes
+    ``acc + x^T dy`` as the float32 output of the (bf16) GEMM, in the weight's own shape: the
+    pattern XLA:GPU's GEMM rewriter folds into the cuBLAS call (beta = 1, the accumulator
+    overwritten in place). The cotangent of ``w`` is zero; the cotangent of
+    ``acc`` is the new accumulator. Batch serialisation then no longer re-reads and re-writes a
+    whole float32 gradient tree per micro-batch.
+    """
+
+    def __init__(self, w: jax.Array, acc: jax.Array):
+        self.w, self.acc = w, acc
+
+    shape = property(lambda self: self.w.shape)
+    dtype = property(lambda self: self.w.dtype)
+    ndim = property(lambda self: self.w.ndim)
+
+    def tree_flatten(self):
+        return (self.w, self.acc), None
+
+    @classmethod
+    def tree_unflatten(cls, _aux, children):
+        return cls(*children)
+
+
+DENSE = "dense"  # the name of every weight matmul's output (jax.checkpoint policies)
+
+
+def dense(x: jax.Array, w, f32_out: bool = False) -> jax.Array:
+    """x [n, i] @ w, w of any shape [i..., o...] read as the matrix [i, o] -> [n, o].
+
+    The result is float32 (``f32_out``, accumulated in float32 as ``einsum_f32``) or in the weight's
+    dtype. ``w`` may be an ``Accumulating`` weight, whose gradient goes into its accumulator.
+    """
+    if isinstance(w, Accumulating):
+        out = _dense_acc(x.astype(w.dtype), w.w, w.acc, f32_out)
+    else:
+        x = x.astype(w.dtype)
+        w2 = w.reshape(x.shape[-1], -1)
+        out = einsum_f32("ni,io->no", x, w2) if f32_out else x @ w2
+    return checkpoint_name(out, DENSE)  # what ``--remat_policy save_dots`` keeps
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dense_acc(x, w, acc, f32_out):
+    return jnp.matmul(x, w.reshape(x.shape[-1], -1), preferred_element_type=F32 if f32_out else None)
+
+
+def _dense_acc_fwd(x, w, acc, f32_out):
+    return _dense_acc(x, w, acc, f32_out), (x, w, acc)
+
+
+def _dense_acc_bwd(f32_out, res, g):
+    x, w, acc = res
+    g = g.astype(w.dtype)  # the gradient GEMMs run in the operands' dtype (see einsum_f32)
+    dx = lax.dot_general(g, w.reshape(x.shape[-1], -1), (((1,), (1,)), ((), ())), preferred_element_type=x.dtype)
+    # the weight gradient in the weight's own shape (x and dy viewed as [n, in dims...], [n, out dims...]), so
+    # that it is added to the accumulator as the GEMM's own output
+    k = int(np.searchsorted(np.cumprod(w.shape), x.shape[-1])) + 1  # w.shape[:k] multiply to the input size
+    dw = lax.dot_general(x.reshape(-1, *w.shape[:k]), g.reshape(-1, *w.shape[k:]), (((0,), (0,)), ((), ())),
+                         preferred_element_type=F32)
+    return dx, None, acc + dw
+
+
+_dense_acc.defvjp(_dense_acc_fwd, _dense_acc_bwd)
 
 
 # --------------------------------------------------------------------------- relative position bias
@@ -148,8 +222,7 @@ def _in_proj(x: jax.Array, w: jax.Array) -> jax.Array:
     Flan-T5-small shape); the 2-D form maps onto plain GEMMs forward and backward.
     """
     d, h, k = w.shape
-    y = x.astype(w.dtype).reshape(-1, d) @ w.reshape(d, h * k)
-    return y.reshape(*x.shape[:-1], h, k)
+    return dense(x.reshape(-1, d), w).reshape(*x.shape[:-1], h, k)
 
 
 def project_q(p: dict, x: jax.Array, prefix: str = "") -> jax.Array:
@@ -210,8 +283,7 @@ def attention_output(p: dict, ctx: jax.Array, tp_axis: Optional[str], prefix: st
     """Row-parallel output projection. ctx [b, q, h, kv] -> float32 [b, q, d], summed over tp."""
     w = p[prefix + "o"]
     h, k, d = w.shape
-    out = einsum_f32("nk,kd->nd", ctx.astype(w.dtype).reshape(-1, h * k), w.reshape(h * k, d))
-    out = out.reshape(*ctx.shape[:-2], d)
+    out = dense(ctx.reshape(-1, h * k), w, f32_out=True).reshape(*ctx.shape[:-2], d)
     return identical_grad_inputs(out, tp_axis)
 
 
@@ -249,14 +321,13 @@ def feed_forward(p: dict, x: jax.Array, tp_axis: Optional[str], scale_ff: int = 
     x = x.reshape(-1, x.shape[-1])  # tokens flattened: plain GEMMs forward and backward (see _in_proj)
     if "wi_0" in p:
         xc = x.astype(p["wi_0"].dtype)
-        h = jax.nn.gelu(xc @ p["wi_0"], approximate=True) * (xc @ p["wi_1"])
+        h = jax.nn.gelu(dense(xc, p["wi_0"]), approximate=True) * dense(xc, p["wi_1"])
     else:
-        xc = x.astype(p["wi"].dtype)
-        h = jax.nn.relu(xc @ p["wi"])
+        h = jax.nn.relu(dense(x, p["wi"]))
     h = dropout(h, dropout_rate, rng)
     if scale_ff != 1:
         h = h / scale_ff
-    out = einsum_f32("nf,fd->nd", h.astype(p["wo"].dtype), p["wo"])
+    out = dense(h, p["wo"], f32_out=True)
     if scale_ff != 1:
         out = out * scale_ff
     out = out.reshape(*lead, out.shape[-1])

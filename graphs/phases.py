@@ -64,15 +64,18 @@ def head_subtree(tree: dict, tied: bool) -> dict:
     return out
 
 
+def layer_list(layers: dict) -> list:
+    """Stacked layer weights ``{name: [n, ...]}`` -> a list of the n per-layer trees."""
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    return [jax.tree.map(lambda w: w[i], layers) for i in range(n)]
+
+
 def unstack_layers(tree: dict) -> dict:
-    """The tree with each stack's stacked layer weights ``{name: [n, ...]}`` split into a list of n
-    per-layer trees, each leaf its own buffer."""
+    """The tree with each stack's stacked layer weights split into a list of per-layer trees
+    (``layer_list``), each leaf its own buffer."""
     out = dict(tree)
     for stack in STACKS:
-        s = dict(tree[stack.name])
-        n = jax.tree_util.tree_leaves(s["layers"])[0].shape[0]
-        s["layers"] = [jax.tree.map(lambda w: w[i], s["layers"]) for i in range(n)]
-        out[stack.name] = s
+        out[stack.name] = {**tree[stack.name], "layers": layer_list(tree[stack.name]["layers"])}
     return out
 
 
@@ -193,15 +196,13 @@ class PhaseBodies:
             r = None if rng is None else jax.random.fold_in(rng, i)
             return block(p, x_, self_bias, cross_bias, enc, r), None
 
-        if isinstance(layers_p, list):  # per-layer weights (``unstack_layers``)
+        if self.opts.unroll_layers and not isinstance(layers_p, list):
+            layers_p = layer_list(layers_p)
+        if isinstance(layers_p, list):  # per-layer weights: traced one by one
             for i, p in enumerate(layers_p):
                 x, _ = body(x, (p, jnp.int32(i)))
             return x
         n = jax.tree_util.tree_leaves(layers_p)[0].shape[0]
-        if self.opts.unroll_layers:
-            for i in range(n):
-                x, _ = body(x, (jax.tree.map(lambda w: w[i], layers_p), jnp.int32(i)))
-            return x
         return lax.scan(body, x, (layers_p, jnp.arange(n)))[0]
 
     def _recomputed_block(self, stack: Stack):

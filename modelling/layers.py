@@ -89,7 +89,6 @@ class Accumulating:
 
     shape = property(lambda self: self.w.shape)
     dtype = property(lambda self: self.w.dtype)
-    ndim = property(lambda self: self.w.ndim)
 
     def tree_flatten(self):
         return (self.w, self.acc), None

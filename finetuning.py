@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
         trace(args.profile, one_step) if primary else one_step()  # process 0 traces its devices
 
     samples = cfg.training.global_batch_size  # rows of sequence_length tokens
-    dec_len = cfg.decoder_row_length
+    dec_len = 0 if cfg.model.family == "gptj" else cfg.decoder_row_length  # a causal LM has one sequence
     tokens = samples * (cfg.model.sequence_length + dec_len)
     examples = sum(s["examples"] for s in stats) / len(stats)
     real_tokens = sum(s["tokens"] for s in stats) / len(stats)

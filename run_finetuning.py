@@ -1,6 +1,7 @@
-"""MNLI fine-tuning of Flan-T5 with TP x DP.
+"""MNLI fine-tuning of Flan-T5 or GPT-J with TP x DP.
 
     python3 run_finetuning.py --config tiny --save ckpt/tiny          # offline, CPU
+    python3 run_finetuning.py --config gptj_tiny --save ckpt/gptj      # GPT-J, offline, CPU
     python3 run_finetuning.py --config xxl_pod16 --save ckpt/xxl --wandb
     python3 run_finetuning.py --config tiny --save ckpt/tiny --load ckpt/tiny --steps 1200   # resume
     python3 run_finetuning.py --config xxl_pod16 --data_parallel 1 --tensor_parallel 1 --phased true --plan
@@ -63,13 +64,21 @@ def build(cfg, executor=None):
         raise FlanT5Error(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
                           "raise --vocab_size or use the tokenizer of this model")
     rows = load_rows(cfg.data.dataset, "train", seed=cfg.model.seed)
-    examples = tokenize_examples(rows, tokenizer)
+    causal = cfg.model.family == "gptj"
+    examples = tokenize_examples(rows, tokenizer, causal=causal)
     check_unknown_tokens(examples, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
-    logger.info("training on %d samples of %s (%s rows of %d/%d tokens)", len(rows), cfg.data.dataset,
-                "packed" if cfg.data.packing else "padded", cfg.model.sequence_length, cfg.decoder_row_length)
+    if causal:
+        how = f"{cfg.data.causal_packing}-packed" if cfg.data.packing else "padded"
+        logger.info("training on %d samples of %s (causal LM, %s rows of %d tokens, loss on %s tokens)", len(rows),
+                    cfg.data.dataset, how, cfg.model.sequence_length, cfg.data.loss_tokens)
+    else:
+        logger.info("training on %d samples of %s (%s rows of %d/%d tokens)", len(rows), cfg.data.dataset,
+                    "packed" if cfg.data.packing else "padded", cfg.model.sequence_length, cfg.decoder_row_length)
     loader = TrainLoader(examples, cfg.training.global_batch_size, cfg.gradient_accumulation, cfg.model.seed,
                          sequence_length=cfg.model.sequence_length, target_length=cfg.model.decoder_sequence_length,
-                         packing=cfg.data.packing, decoder_length=cfg.decoder_row_length)
+                         packing=cfg.data.packing, decoder_length=cfg.decoder_row_length, causal=causal,
+                         causal_packing=cfg.data.causal_packing, loss_tokens=cfg.data.loss_tokens,
+                         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     return executor, loader
 
 

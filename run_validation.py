@@ -63,9 +63,18 @@ class Validator:
             raise ValueError("Validator needs a config with rts=false: inference keeps whole tp shards (nothing "
                              "to gather per call); build it as validation_config does")
         self.cfg, self.graphs = cfg, Graphs(cfg)
-        self._generate = self.graphs.generate_phase(cfg.inference.output_length)
         self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
+        self.left_pad = getattr(self.graphs.family, "left_pad_prompts", False)  # a causal LM continues its prompt
+        self._generate = None
         self._jax = jax
+
+    def generate(self, tokenizer):
+        """The compiled decoding program, stopping at the tokenizer's end-of-text token."""
+        if self._generate is None:
+            eos = tokenizer.eos_token_id
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+            self._generate = self.graphs.generate_phase(self.cfg.inference.output_length, eos_id=eos, pad_id=pad)
+        return self._generate
 
     def load_params(self, directory=None, step=None, hf_model=None):
         from utils import checkpoint as ckpt
@@ -96,9 +105,13 @@ class Validator:
             # shrink the encoder to the longest prompt of the batch (multiple of 8: few compilations)
             n = int(min(L, -(-int(lengths[idx].max()) // 8) * 8))
             rows = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])  # fill the last batch
-            ids = put_global(feats["input_ids"][rows, :n], self.graphs.row_sharding)
-            mask = put_global(feats["attention_mask"][rows, :n], self.graphs.row_sharding)
-            tokens = fetch(self._generate(params, ids, mask))[: len(idx)]
+            ids, mask = feats["input_ids"][rows, :n], feats["attention_mask"][rows, :n]
+            if self.left_pad:  # right-align each prompt: the generated tokens follow its last token
+                shift = n - mask.sum(1)
+                cols = (np.arange(n)[None, :] - shift[:, None]) % n
+                ids, mask = np.take_along_axis(ids, cols, 1), np.take_along_axis(mask, cols, 1)
+            ids, mask = put_global(ids, self.graphs.row_sharding), put_global(mask, self.graphs.row_sharding)
+            tokens = fetch(self.generate(tokenizer)(params, ids, mask))[: len(idx)]
             for i, text in zip(idx, tokenizer.batch_decode(tokens, skip_special_tokens=True)):
                 out[i] = text
         return out
@@ -123,7 +136,7 @@ def carried_fields(load, hf_model) -> tuple:
 
         from config.config import T5Config
 
-        m = model_config_from_hf(read_hf_config(resolve_hf_dir(hf_model)))
+        m = model_config_from_hf(read_hf_config(resolve_hf_dir(hf_model)))  # any family (config.json's model_type)
         return model_shape(T5Config(model=m)), f"model {hf_model}"
     return {}, None
 
@@ -172,7 +185,7 @@ def main(argv=None) -> None:
         logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a directory "
                        "holding %s.jsonl to score a split)", cfg.data.dataset, cfg.data.split, cfg.data.split)
     rows = load_rows(cfg.data.dataset, cfg.data.split, seed=cfg.model.seed)[: args.limit]
-    feats = tokenize_inputs(rows, tokenizer, cfg.model.sequence_length)
+    feats = tokenize_inputs(rows, tokenizer, cfg.model.sequence_length, causal=cfg.model.family == "gptj")
     labels = [r["label"] for r in rows]
     validator = Validator(cfg)
     for directory, step in targets:

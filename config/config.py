@@ -60,10 +60,19 @@ class Attention:
     relative_attention_max_distance: int = 128
     """Largest distance told apart by the relative position encoding."""
 
+    rotary_dim: int = 0
+    """GPT-J: dimensions of each head that get the rotary position embedding, in interleaved pairs (0: all)."""
+
+    rotary_positional_embeddings_base: float = 10000.0
+    """GPT-J: base of the rotary embedding's frequencies."""
+
 
 @dataclass
 class ModelConfig:
-    """Size and numerics of the T5 model."""
+    """Size and numerics of the model."""
+
+    family: str = "t5"
+    """Model family: t5 (T5 v1.0/v1.1, Flan-T5; an encoder-decoder) or gptj (GPT-J; a causal LM)."""
 
     layers: int = 24
     """Number of encoder blocks and of decoder blocks (hf: num_layers)."""
@@ -253,6 +262,15 @@ class Data:
     positions keep them apart); false pads every example to its own row, as the original. global_batch_size
     then counts rows, not examples."""
 
+    causal_packing: str = "segments"
+    """GPT-J with packing: segments (each example keeps its own attention and rotary positions, which restart
+    at 0: the loss equals the unpacked one) or concat (the original's: examples concatenated and cut into rows
+    of sequence_length, attending across example boundaries, as Hugging Face's run_clm)."""
+
+    loss_tokens: str = "all"
+    """GPT-J: the tokens the causal-LM loss counts: all (every next token, as the original) or target (only the
+    label and end-of-text after 'target:')."""
+
     packed_decoder_length: int = 0
     """Decoder length of a packed row, shared by the targets of all its examples (0: sequence_length // 8,
     at least decoder_sequence_length). Each target is first cut to decoder_sequence_length, as unpacked."""
@@ -319,6 +337,9 @@ class T5Config:
         choices = {
             "precision": (m.precision, ("float32", "bfloat16", "float16")),
             "feed_forward_proj": (m.feed_forward_proj, ("gated-gelu", "relu")),
+            "family": (m.family, ("t5", "gptj")),
+            "causal_packing": (self.data.causal_packing, ("segments", "concat")),
+            "loss_tokens": (self.data.loss_tokens, ("all", "target")),
             "optimizer": (tr.optimizer.name, ("adamw", "adafactor")),
             "attention_impl": (ex.attention_impl, ("auto", "xla", "cudnn")),
             "remat_policy": (ex.remat_policy, ("full", "save_dots")),
@@ -326,6 +347,13 @@ class T5Config:
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}: pass --{name} with one of them")
+        if m.family == "gptj":
+            if a.heads * a.d_kv != m.hidden_size:
+                raise ConfigError(f"GPT-J needs heads * d_kv = hidden_size, got {a.heads} * {a.d_kv} != "
+                                  f"{m.hidden_size}: pass --d_kv {m.hidden_size // a.heads}")
+            if a.rotary_dim < 0 or a.rotary_dim > a.d_kv or a.rotary_dim % 2:
+                raise ConfigError(f"rotary_dim={a.rotary_dim} must be even and at most d_kv={a.d_kv} (0: all of "
+                                  f"d_kv): pass --rotary_dim {min(a.d_kv, 64)}")
         tp = ex.tensor_parallel
         if a.heads % tp:
             raise ConfigError(
@@ -587,8 +615,9 @@ def apply_overrides(cfg: T5Config, overrides: dict) -> T5Config:
 
 
 # The fields that make a model's shape (and numerics): a checkpoint or a Hugging Face config.json carries them.
-MODEL_SHAPE = ("layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv", "relative_attention_num_buckets",
-               "relative_attention_max_distance", "feed_forward_proj", "tie_word_embeddings", "eps")
+MODEL_SHAPE = ("family", "layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv", "relative_attention_num_buckets",
+               "relative_attention_max_distance", "feed_forward_proj", "tie_word_embeddings", "eps", "rotary_dim",
+               "rotary_positional_embeddings_base")
 
 
 def model_shape(source) -> dict:
@@ -597,8 +626,8 @@ def model_shape(source) -> dict:
     for flag in MODEL_SHAPE:
         ref = FIELDS[flag]
         value = source
-        for p in ref.path:
-            value = value[p] if isinstance(value, dict) else getattr(value, p)
+        for p in ref.path:  # a checkpoint saved before a field existed has its default
+            value = value.get(p, ref.default) if isinstance(value, dict) else getattr(value, p)
         out[flag] = coerce(ref, value)
     return out
 

@@ -71,6 +71,14 @@ def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None, decod
     T = decoder_length or cfg.model.decoder_sequence_length
     V = cfg.model.embedding.vocab_size
     packing = cfg.data.packing if packing is None else packing
+    if cfg.model.family == "gptj":  # causal rows of prompt + target (data/packing.py)
+        from data.packing import causal_packer, causal_rows
+
+        n = rows * max(L // 8, 1) + 64 if packing else rows
+        ex = generated_examples(rng, n, V, lengths, max(L - T, 2), T)
+        filled = causal_packer(ex, L).fill(rows, [], iter(range(n)))[0] if packing else [[i] for i in range(rows)]
+        batch = causal_rows(ex, filled, L, cfg.data.loss_tokens)
+        return {k: v.reshape(ga, rows // ga, -1) for k, v in batch.items()}
     if not packing:
         batch = pad_rows(generated_examples(rng, rows, V, lengths, L, T), range(rows), L, T)
     else:

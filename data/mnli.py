@@ -1,8 +1,10 @@
 """MNLI data: loading (hub, local files, synthetic), prompts, tokenisation and batching.
 
-Prompt format of the original app: encoder ``mnli hypothesis: {hypothesis}
+Prompt formats of the original apps. T5: encoder ``mnli hypothesis: {hypothesis}
 premise: {premise}``, target ``{class_label}``; the decoder input is the target
 shifted right behind a ``<pad>`` start token, and padded label positions are -100.
+GPT-J (a causal LM): ``mnli hypothesis: {hypothesis} premise: {premise} target:``
+continued by `` {class_label}<|endoftext|>`` (the tokenizer's end-of-text token).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import numpy as np
 
 from data import synthetic
-from data.packing import Examples, Packer, pack_rows, pad_rows
+from data.packing import Examples, Packer, causal_packer, causal_rows, concat_rows, pack_rows, pad_rows
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
@@ -30,6 +32,11 @@ class DataError(FlanT5Error, ValueError):
 
 def prompt(hypothesis: str, premise: str) -> str:
     return f"mnli hypothesis: {hypothesis} premise: {premise}"
+
+
+def causal_prompt(hypothesis: str, premise: str) -> str:
+    """GPT-J's prompt: the T5 prompt followed by ``target:``, which the model continues with the label."""
+    return f"{prompt(hypothesis, premise)} target:"
 
 
 # --------------------------------------------------------------------------- loading
@@ -204,19 +211,34 @@ def _pad(seqs: list, length: int, value: int) -> np.ndarray:
     return out
 
 
-def tokenize_inputs(rows: list, tokenizer, sequence_length: int) -> dict:
-    """Encoder ids and attention mask [n, sequence_length] (truncated/padded; EOS kept by the tokenizer)."""
-    enc = tokenizer([prompt(r["hypothesis"], r["premise"]) for r in rows], add_special_tokens=True)["input_ids"]
+def _ids(tokenizer, texts: list, special: bool) -> list:
+    return tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
+
+
+def tokenize_inputs(rows: list, tokenizer, sequence_length: int, causal: bool = False) -> dict:
+    """Prompt ids and attention mask [n, sequence_length] (truncated/padded on the right). T5: the encoder
+    prompt, EOS kept by the tokenizer; ``causal`` (GPT-J): the prompt up to ``target:``, no special tokens."""
+    if causal:
+        enc = _ids(tokenizer, [causal_prompt(r["hypothesis"], r["premise"]) for r in rows], False)
+    else:
+        enc = _ids(tokenizer, [prompt(r["hypothesis"], r["premise"]) for r in rows], True)
     ids = _pad(enc, sequence_length, tokenizer.pad_token_id)
     mask = _pad([[1] * len(s) for s in enc], sequence_length, 0)
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def tokenize_examples(rows: list, tokenizer) -> Examples:
-    """Prompt and target ids of every row (EOS included, nothing truncated yet): the input of
-    padding or packing (data/packing.py)."""
-    inputs = tokenizer([prompt(r["hypothesis"], r["premise"]) for r in rows], add_special_tokens=True)["input_ids"]
-    targets = tokenizer([CLASS_LABELS[r["label"]] for r in rows], add_special_tokens=True)["input_ids"]
+def tokenize_examples(rows: list, tokenizer, causal: bool = False) -> Examples:
+    """Prompt and target ids of every row (nothing truncated yet): the input of padding or packing
+    (data/packing.py). T5: each ends in EOS (the tokenizer's special tokens). ``causal`` (GPT-J): the prompt up
+    to ``target:`` and the target `` LABEL`` followed by the end-of-text token, as the original's
+    ``... target: {label} <|endoftext|>``."""
+    if causal:
+        inputs = _ids(tokenizer, [causal_prompt(r["hypothesis"], r["premise"]) for r in rows], False)
+        eos = [tokenizer.eos_token_id]
+        targets = [t + eos for t in _ids(tokenizer, [" " + CLASS_LABELS[r["label"]] for r in rows], False)]
+    else:
+        inputs = _ids(tokenizer, [prompt(r["hypothesis"], r["premise"]) for r in rows], True)
+        targets = _ids(tokenizer, [CLASS_LABELS[r["label"]] for r in rows], True)
     return Examples([np.asarray(x, np.int32) for x in inputs], [np.asarray(t, np.int32) for t in targets])
 
 
@@ -241,17 +263,26 @@ class TrainLoader:
 
     Batches are {key: int32 [gradient_accumulation, rows / gradient_accumulation, length]}; dp
     replica r takes rows [r * mb, (r + 1) * mb) of each micro-batch (the device_put split).
+
+    ``causal`` (GPT-J): rows of prompt + target (data/packing.py's causal rows), packed by segment, or with
+    ``causal_packing="concat"`` the original's concatenated stream cut into rows (``pending`` then holds the
+    example the last row cut, and the offset to continue from).
     """
 
     def __init__(self, examples: Examples, rows: int, gradient_accumulation: int, seed: int = 0, *,
-                 sequence_length: int, target_length: int, packing: bool = False, decoder_length: int | None = None):
+                 sequence_length: int, target_length: int, packing: bool = False, decoder_length: int | None = None,
+                 causal: bool = False, causal_packing: str = "segments", loss_tokens: str = "all", pad_id: int = 0):
         self.examples, self.rows, self.ga, self.seed = examples, rows, gradient_accumulation, seed
         self.L, self.T = sequence_length, target_length
         self.packing = packing
         self.D = decoder_length or target_length
+        self.causal, self.concat = causal, causal and packing and causal_packing == "concat"
+        self.loss_tokens, self.pad_id = loss_tokens, pad_id
         self.position = 0  # stream examples consumed so far
         self.pending: list = []  # examples held over for the next packed batch
-        if packing:
+        if packing and causal:
+            self.packer = causal_packer(examples, self.L)
+        elif packing:
             self.packer = Packer.for_examples(examples, self.L, self.T, self.D)
 
     @property
@@ -268,7 +299,11 @@ class TrainLoader:
 
     def next_batch(self) -> dict:
         stream = self._stream(self.position)
-        if self.packing:
+        if self.concat:
+            batch, pending, started = concat_rows(self.examples, stream, tuple(self.pending), self.rows, self.L,
+                                                  self.loss_tokens)
+            self.pending, self.position = list(pending), self.position + started
+        elif self.packing:
             taken = [0]
 
             def counted():
@@ -278,11 +313,17 @@ class TrainLoader:
 
             rows, self.pending = self.packer.fill(self.rows, self.pending, counted())
             self.position += taken[0]
-            batch = pack_rows(self.examples, rows, self.L, self.T, self.D)
+            if self.causal:
+                batch = causal_rows(self.examples, rows, self.L, self.loss_tokens, self.pad_id)
+            else:
+                batch = pack_rows(self.examples, rows, self.L, self.T, self.D)
         else:
             idx = [next(stream) for _ in range(self.rows)]
             self.position += self.rows
-            batch = pad_rows(self.examples, idx, self.L, self.T)
+            if self.causal:
+                batch = causal_rows(self.examples, [[i] for i in idx], self.L, self.loss_tokens, self.pad_id)
+            else:
+                batch = pad_rows(self.examples, idx, self.L, self.T)
         return {k: v.reshape(self.ga, self.rows // self.ga, -1) for k, v in batch.items()}
 
     def state(self) -> dict:

@@ -150,8 +150,98 @@ def batch_stats(batch: dict) -> dict:
     mask, dec_mask = np.asarray(batch["attention_mask"]), np.asarray(batch["labels"]) != IGNORE
     rows = mask.reshape(-1, mask.shape[-1])
     examples = int(np.sum(rows.max(axis=-1)))  # segment ids count 1..k in each row (1 for a padded row)
+    if "decoder_input_ids" not in batch:  # causal rows: one sequence, its labels on the same tokens
+        tokens = int(np.sum(mask > 0))
+        return {"examples": examples, "tokens": tokens, "encoder_tokens": tokens, "decoder_tokens": 0,
+                "packing_efficiency": tokens / mask.size, "encoder_fill": tokens / mask.size}
     enc_tokens, dec_tokens = int(np.sum(mask > 0)), int(np.sum(dec_mask))
     enc_slots, dec_slots = mask.size, dec_mask.size
     return {"examples": examples, "tokens": enc_tokens + dec_tokens, "encoder_tokens": enc_tokens,
             "decoder_tokens": dec_tokens, "packing_efficiency": (enc_tokens + dec_tokens) / (enc_slots + dec_slots),
             "encoder_fill": enc_tokens / enc_slots}
+
+
+# --------------------------------------------------------------------------- causal-LM rows (GPT-J)
+#
+# A causal example is its prompt followed by its target (``mnli hypothesis: ... premise: ... target:``
+# then `` LABEL<|endoftext|>``). A row holds input_ids, attention_mask (segment ids: 1, 2, ... 0 for
+# padding), positions (restarting at 0 in each segment: the rotary positions) and labels: the next
+# token of the same segment at each position (-100 where there is none, or, with loss_tokens
+# "target", where the next token is part of the prompt).
+
+
+def causal_tokens(examples: Examples, i: int, sequence_length: int) -> tuple:
+    """(tokens, is_target) of example i: prompt + target, cut to the last ``sequence_length`` tokens (an
+    over-long prompt loses its start, never its target)."""
+    x, t = np.asarray(examples.inputs[i], np.int32), np.asarray(examples.targets[i], np.int32)
+    tokens = np.concatenate([x, t])[-sequence_length:]
+    is_target = np.concatenate([np.zeros(len(x), bool), np.ones(len(t), bool)])[-sequence_length:]
+    return tokens, is_target
+
+
+def _next_token_labels(tokens: np.ndarray, is_target: np.ndarray, loss_tokens: str) -> np.ndarray:
+    labels = np.full(len(tokens), IGNORE, np.int32)
+    labels[:-1] = tokens[1:]
+    if loss_tokens == "target":
+        labels[:-1][~is_target[1:]] = IGNORE
+    return labels
+
+
+def causal_rows(examples: Examples, rows: list, sequence_length: int, loss_tokens: str = "all",
+                pad_id: int = 0) -> dict:
+    """Causal rows: rows[r] lists the example indices of row r (one: padded; several: packed by segment).
+
+    -> {key: int32 [len(rows), sequence_length]}: input_ids, attention_mask, positions, labels."""
+    n, L = len(rows), sequence_length
+    out = {"input_ids": np.full((n, L), pad_id, np.int32), "attention_mask": np.zeros((n, L), np.int32),
+           "positions": np.zeros((n, L), np.int32), "labels": np.full((n, L), IGNORE, np.int32)}
+    for r, idx in enumerate(rows):
+        e = 0
+        for seg, i in enumerate(idx, start=1):
+            tokens, is_target = causal_tokens(examples, i, L)
+            if e + len(tokens) > L:
+                raise ValueError(f"row {r} overflows: examples {idx} do not fit {L} tokens")
+            out["input_ids"][r, e: e + len(tokens)] = tokens
+            out["attention_mask"][r, e: e + len(tokens)] = seg
+            out["positions"][r, e: e + len(tokens)] = np.arange(len(tokens))
+            out["labels"][r, e: e + len(tokens)] = _next_token_labels(tokens, is_target, loss_tokens)
+            e += len(tokens)
+    return out
+
+
+def causal_packer(examples: Examples, sequence_length: int) -> "Packer":
+    """A packer of whole causal examples (prompt + target) into rows of ``sequence_length`` tokens."""
+    lengths = np.array([len(x) + len(t) for x, t in zip(examples.inputs, examples.targets)])
+    return Packer(lengths, np.zeros_like(lengths), sequence_length, 1, 1)
+
+
+def concat_rows(examples: Examples, stream, pending: tuple, n_rows: int, sequence_length: int,
+                loss_tokens: str = "all") -> tuple:
+    """The original's rows (as Hugging Face's run_clm): the examples' tokens concatenated and cut into rows of
+    ``sequence_length``, attention and positions running across example boundaries (one segment a row).
+
+    pending: (example, offset) of an example the previous batch cut, or (); stream: example indices.
+    -> (rows {key: int32 [n_rows, sequence_length]}, the new pending (example, offset), examples started)."""
+    L = sequence_length
+    need = n_rows * L + 1  # one token more: the last position's label
+    toks, targ, started, have, i, off = [], [], 0, 0, None, 0
+    while have < need:
+        if pending:
+            (i, off), pending = pending, ()
+        else:
+            i, off = next(stream), 0
+            started += 1
+        tokens, is_target = causal_tokens(examples, i, 1 << 30)
+        take = min(len(tokens) - off, need - have)
+        toks.append(tokens[off: off + take])
+        targ.append(is_target[off: off + take])
+        have, off = have + take, off + take
+    # the last token read is only a label here: the next batch starts with it
+    cut = (i, off - 1)
+    tokens, is_target = np.concatenate(toks), np.concatenate(targ)
+    labels = _next_token_labels(tokens, is_target, loss_tokens)
+    out = {"input_ids": tokens[:-1].reshape(n_rows, L).astype(np.int32),
+           "attention_mask": np.ones((n_rows, L), np.int32),
+           "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (n_rows, L)).copy(),
+           "labels": labels[:-1].reshape(n_rows, L)}
+    return out, cut, started

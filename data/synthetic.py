@@ -34,8 +34,9 @@ SPLIT_SEEDS = {"train": 0, "validation": 1, "validation_matched": 1, "validation
 
 
 def vocabulary() -> list:
-    """Every token of the synthetic task; ids are positions (pad 0, eos 1, unk 2 as in T5)."""
-    return SPECIALS + WORDS + LABELS + NOUNS + ADJS + VERBS + PLACES + TIMES + ["and"] + FILLERS
+    """Every token of the synthetic task; ids are positions (pad 0, eos 1, unk 2 as in T5; "target:" last: the
+    causal-LM prompt's, appended so earlier ids never move)."""
+    return SPECIALS + WORDS + LABELS + NOUNS + ADJS + VERBS + PLACES + TIMES + ["and"] + FILLERS + ["target:"]
 
 
 def _other(rng, options, value):

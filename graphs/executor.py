@@ -56,7 +56,7 @@ def restore_train_state(graphs: Graphs, directory: str, step: int, optim_state: 
                                                                                       memory_kind)
     opt_target = None
     if optim_state and ckpt.has_item(directory, step, "opt_state"):
-        opt_abstract = jax.eval_shape(lambda p: optim.init_state(graphs.optimizer, p), abstract)
+        opt_abstract = jax.eval_shape(lambda p: optim.init_state(graphs.optimizer, p, graphs.tree), abstract)
         opt_target = ckpt.abstract_like(opt_abstract, graphs.opt_state_shardings(abstract, shardings))
     params, opt_state, meta = ckpt.load(directory, step, ckpt.abstract_like(abstract, shardings), opt_target,
                                         graphs.cfg)

@@ -20,9 +20,7 @@ from jax.sharding import PartitionSpec as P
 from graphs import optim
 from graphs import sharding as S
 from graphs.graphs import TrainState
-from graphs.phases import (PhaseBodies, accumulate, accumulating_layers, micro_key, stack_layers,
-                           unstack_layers)
-from modelling import t5
+from graphs.phases import PhaseBodies, accumulate, micro_key
 
 
 class FusedExecutor:
@@ -33,7 +31,7 @@ class FusedExecutor:
     def __init__(self, graphs):
         self.g = graphs
         cfg = graphs.cfg
-        self.bodies = PhaseBodies(graphs.opts, S.TP)
+        self.bodies = PhaseBodies(graphs.opts, S.TP, graphs.family, graphs.tree)
         self.scale = cfg.execution.loss_scaling
         self.max_norm = cfg.training.optimizer.gradient_clipping
         self._step = None
@@ -49,7 +47,7 @@ class FusedExecutor:
             params = g.init_params()
         elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
             params = g.shard_params(params)
-        opt_state = jax.jit(lambda p: optim.init_state(g.optimizer, p),
+        opt_state = jax.jit(lambda p: optim.init_state(g.optimizer, p, g.tree),
                             out_shardings=g.opt_state_shardings(params))(params)
         return TrainState(jax.device_put(jnp.zeros((), jnp.int32), g.replicated), params, opt_state)
 
@@ -87,13 +85,14 @@ class FusedExecutor:
         # Weights are cast to the compute dtype once per step, not once per micro-batch; the
         # gradient of each micro-batch is taken with respect to that copy (the same values as
         # through the cast) and accumulated in float32.
-        compute = t5.cast_params(full, opts.compute_dtype)
+        compute = self.bodies.cast(full)
+        tree = self.g.tree
         zeros = jax.tree.map(jnp.zeros_like, full)
         if opts.unroll_layers:
             # Unrolled layers get their weights and accumulators as one buffer per layer, split once per
             # step: slicing layer i out of the stacked weights in every micro-batch copies it, and the
             # layers' gradients would be concatenated into the stacked tree in every micro-batch.
-            compute, zeros = unstack_layers(compute), unstack_layers(zeros)
+            compute, zeros = tree.unstack_layers(compute), tree.unstack_layers(zeros)
 
         def micro(acc, inputs):
             mb, i = inputs
@@ -101,13 +100,13 @@ class FusedExecutor:
             # GEMMs; the rest (norms, embeddings, relative positions) after
             loss, grads = jax.value_and_grad(
                 lambda p: self.bodies.loss(p, mb, micro_key(base, i)) * (scale / count))(
-                    accumulating_layers(compute, acc))
+                    self.bodies.accumulating_layers(compute, acc))
             return accumulate(acc, grads), loss
 
         n = batch["labels"].shape[0]
         grads, losses = jax.lax.scan(micro, zeros, (batch, jnp.arange(n)))
         if opts.unroll_layers:
-            grads = stack_layers(grads)
+            grads = tree.stack_layers(grads)
         grads = jax.tree.map(lambda g, l: S.reduce_gradient(g, l) / scale, grads, lay)
         loss = jax.lax.psum(jnp.sum(losses), S.DP) / scale
         return loss, grads
@@ -128,12 +127,13 @@ class FusedExecutor:
     def update(self, params, opt_state, grads):
         """The optimizer phase: every weight group clipped with the global norm and updated -> (params, state, norm)."""
         g_norm = optax.global_norm(grads)
-        pg, gg = optim.split_groups(params), optim.split_groups(grads)
+        tree = self.g.tree
+        pg, gg = tree.split_groups(params), tree.split_groups(grads)
         new_p, new_s = {}, {}
         for name in pg:
             new_p[name], new_s[name] = optim.update_group(self.g.optimizer, self.max_norm, pg[name], opt_state[name],
-                                                          gg[name], g_norm, stacked=name in optim.LAYER_GROUPS)
-        return optim.merge_groups(new_p), new_s, g_norm
+                                                          gg[name], g_norm, stacked=tree.is_layer_group(name))
+        return tree.merge_groups(new_p), new_s, g_norm
 
     def _step_fn(self, state: TrainState, batch, rng_data):
         loss, grads = self._sharded_loss_and_grads(tuple(batch))(state.params, batch, rng_data)

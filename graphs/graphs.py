@@ -18,14 +18,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from graphs import optim
 from graphs import sharding as S
-from modelling import t5
-from modelling.decoding import generate, generate_uncached
-from modelling.params import init_params, param_specs, zero_padded_vocab
-
-# batch keys placed on the devices: encoder ids and segment ids (attention_mask), decoder ids,
-# segment ids and labels, and for packed rows the per-segment positions of both
-BATCH_KEYS = ("input_ids", "attention_mask", "positions", "decoder_input_ids", "decoder_attention_mask",
-              "decoder_positions", "labels")
+from graphs.tree import TreeStructure
+from modelling import family as families
+from modelling.family import ModelOptions
+from modelling.params import init_params, zero_padded_vocab
 
 
 @jax.tree_util.register_dataclass
@@ -46,8 +42,11 @@ class Graphs:
         ex = cfg.execution
         self.dp, self.tp = ex.data_parallel, ex.tensor_parallel
         self.mesh = mesh if mesh is not None else S.make_mesh(self.dp, self.tp)
-        self.opts = t5.ModelOptions.from_config(cfg)
-        self.specs = param_specs(cfg.model, self.tp)
+        self.family = families.of_config(cfg)
+        self.opts = ModelOptions.from_config(cfg)
+        self.specs = self.family.param_specs(cfg.model, self.tp)
+        # the tree's structure: its stacks and the weights the head phase reads
+        self.tree = TreeStructure(tuple(s.name for s in self.family.stacks), self.family.head_paths(self.opts))
         self.layouts = S.layouts(self.specs, self.mesh, ex.rts)
         self.param_shardings = S.storage_shardings(self.layouts, self.mesh)
         self.replicated = NamedSharding(self.mesh, P())
@@ -55,7 +54,7 @@ class Graphs:
         self.batch_sharding = NamedSharding(self.mesh, P(None, S.DP, None))
         # inference rows [dp * micro_batch_size, length]
         self.row_sharding = NamedSharding(self.mesh, P(S.DP, None))
-        self.optimizer = None if cfg.model.eval else optim.make_optimizer(cfg.training)
+        self.optimizer = None if cfg.model.eval else optim.make_optimizer(cfg.training, self.family.decays)
 
     # ------------------------------------------------------------------ weights
 
@@ -79,8 +78,8 @@ class Graphs:
         """Shardings of the optimizer state ({group: state}): a leaf shaped like a weight follows that
         weight; any other leaf (step counts, Adafactor's factored moments) is replicated."""
         param_shardings = self.param_shardings if param_shardings is None else param_shardings
-        abstract = jax.eval_shape(partial(optim.init_state, self.optimizer), params)
-        pg, sg = optim.split_groups(params), optim.split_groups(param_shardings)
+        abstract = jax.eval_shape(partial(optim.init_state, self.optimizer, tree=self.tree), params)
+        pg, sg = self.tree.split_groups(params), self.tree.split_groups(param_shardings)
         default = NamedSharding(self.mesh, P(), memory_kind=jax.tree.leaves(param_shardings)[0].memory_kind)
         return {name: S.follow_params(state, pg[name], sg[name], default) for name, state in abstract.items()}
 
@@ -92,7 +91,7 @@ class Graphs:
         With several processes each one reads the same global batch (same seed and
         position) and places only the rows of its own devices.
         """
-        return {k: S.put_global(v, self.batch_sharding) for k, v in batch.items() if k in BATCH_KEYS}
+        return {k: S.put_global(v, self.batch_sharding) for k, v in batch.items() if k in self.family.batch_keys}
 
     def learning_rate(self, step: int) -> float:
         o = self.cfg.training.optimizer
@@ -108,11 +107,12 @@ class Graphs:
         """tp-only specs of the weights (after the RTS gather)."""
         return jax.tree.map(lambda l: l.compute_spec, self.layouts, is_leaf=S.is_layout)
 
-    def generate_phase(self, max_new_tokens: int, eos_id: int = 1, cached: bool = True):
+    def generate_phase(self, max_new_tokens: int, eos_id: int = 1, cached: bool = True, pad_id: int = 0):
         """Greedy decoding: (gathered weights, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens].
 
         Rows split over dp, weights over tp; ``cached=False`` runs the uncached reference.
         """
-        opts, fn = self.opts, generate if cached else generate_uncached
-        return self.phase(lambda p, ids, mask: fn(p, ids, mask, opts, max_new_tokens, S.TP, eos_id=eos_id),
+        opts, gen = self.opts, self.family.generate
+        return self.phase(lambda p, ids, mask: gen(p, ids, mask, opts, max_new_tokens, S.TP, eos_id=eos_id,
+                                                     pad_id=pad_id, cached=cached),
                           (self.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))

@@ -19,18 +19,15 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from graphs import optim
-
 HOST = "pinned_host"
-STACKS = optim.STACKS
 
 
 @dataclass
 class PhasedState:
     """The train state in host memory.
 
-    rest: the weights outside the layers (shared, lm_head, relative biases, final norms), with
-    their whole-tree paths; layers: {stack: [one weight tree per layer]}; opt: the optimizer
+    rest: the weights outside the layers (shared, lm_head, relative biases, final norms: the
+    TreeStructure's ``split_rest``), with their whole-tree paths; layers: {stack: [one weight tree per layer]}; opt: the optimizer
     state of the non-layer weight groups {shared, lm_head, small}; opt_layers: {stack: [one
     optimizer state per layer]}.
     """
@@ -40,22 +37,6 @@ class PhasedState:
     layers: dict
     opt: dict
     opt_layers: dict
-
-
-def split_rest(tree: dict) -> dict:
-    """Everything but the stacked layers, with the same paths."""
-    out = {k: v for k, v in tree.items() if k not in STACKS}
-    for s in STACKS:
-        out[s] = {k: v for k, v in tree[s].items() if k != "layers"}
-    return out
-
-
-def with_layers(rest: dict, layers: dict) -> dict:
-    """The inverse of ``split_rest``: rest + {stack: stacked layers} -> the whole tree."""
-    tree = dict(rest)
-    for s in STACKS:
-        tree[s] = {**rest[s], "layers": layers[s]}
-    return tree
 
 
 def row_sharding(stacked: NamedSharding, memory_kind: str | None = None) -> NamedSharding:

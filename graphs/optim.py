@@ -1,12 +1,8 @@
 """Optimizer: AdamW or Adafactor (T5X's defaults), applied one weight group at a time.
 
-Weight groups are the unit of an optimizer update in both executors:
-
-    shared    the embedding
-    lm_head   the LM head (absent when tied to the embedding)
-    small     the relative-position biases and final norms of both stacks
-    encoder   the encoder layers, each layer its own group
-    decoder   the decoder layers, each layer its own group
+Weight groups (graphs/tree.py) are the unit of an optimizer update in both executors: the
+embedding, the LM head, the small weights (norms, biases, relative-position tables), and one group
+per layer of each stack.
 
 The fused executor keeps a stack's layers stacked and vmaps the update over them; the phased
 executor updates one layer at a time. Both give the same numbers, also for Adafactor, whose
@@ -21,8 +17,7 @@ from __future__ import annotations
 import jax
 import optax
 
-STACKS = ("encoder", "decoder")
-LAYER_GROUPS = STACKS
+from modelling.family import leaf_name
 
 
 def learning_rate_schedule(maximum: float, warmup_steps: int):
@@ -33,18 +28,18 @@ def learning_rate_schedule(maximum: float, warmup_steps: int):
         [optax.linear_schedule(0.0, maximum, warmup_steps), optax.constant_schedule(maximum)], [warmup_steps])
 
 
-def decay_mask(params):
-    """True where weight decay applies: not norms, not the relative-position bias table."""
+def decay_mask(decays):
+    """The optax mask function: True where weight decay applies (``decays(name)``, the family's rule)."""
 
-    def keep(path, _):
-        name = str(getattr(path[-1], "key", path[-1]))
-        return not (name.endswith("norm") or name == "relpos")
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(lambda path, _: decays(leaf_name(path)), params)
 
-    return jax.tree_util.tree_map_with_path(keep, params)
+    return mask
 
 
-def make_optimizer(training) -> optax.GradientTransformation:
-    """The per-group optimizer of a ``Training`` config section (clipping is done by ``update_group``).
+def make_optimizer(training, decays) -> optax.GradientTransformation:
+    """The per-group optimizer of a ``Training`` config section (clipping is done by ``update_group``);
+    ``decays(name)``: whether a weight gets weight decay (the family says: not norms, biases, tables).
 
     adamw: decoupled weight decay (not on norms or relative biases). adafactor: optax's
     Adafactor with T5X's defaults (factored second moments for dims >= 128, decay 0.8, update
@@ -54,9 +49,9 @@ def make_optimizer(training) -> optax.GradientTransformation:
     lr = learning_rate_schedule(o.learning_rate.maximum, o.learning_rate.warmup_steps)
     if o.name == "adamw":
         b1 = 0.9 if o.beta1 is None else o.beta1
-        return optax.adamw(lr, b1=b1, b2=o.beta2, eps=1e-8, weight_decay=o.weight_decay, mask=decay_mask)
+        return optax.adamw(lr, b1=b1, b2=o.beta2, eps=1e-8, weight_decay=o.weight_decay, mask=decay_mask(decays))
     return matrix_view(optax.adafactor(lr, momentum=o.beta1 or None, weight_decay_rate=o.weight_decay or None,
-                                       weight_decay_mask=decay_mask))
+                                       weight_decay_mask=decay_mask(decays)))
 
 
 def _as_matrix(path, x):
@@ -89,35 +84,14 @@ def matrix_view(inner: optax.GradientTransformation) -> optax.GradientTransforma
 # --------------------------------------------------------------------------- weight groups
 
 
-def split_groups(tree: dict) -> dict:
-    """A parameter-shaped tree -> {group: subtree}; layer groups keep their stacked [layers, ...] leaves."""
-    out = {"shared": {"shared": tree["shared"]}}  # each group a tree whose paths end in the weights' names
-    if "lm_head" in tree:
-        out["lm_head"] = {"lm_head": tree["lm_head"]}
-    out["small"] = {s: {k: v for k, v in tree[s].items() if k != "layers"} for s in STACKS}
-    for s in STACKS:
-        out[s] = tree[s]["layers"]
-    return out
-
-
-def merge_groups(groups: dict) -> dict:
-    """The inverse of ``split_groups``."""
-    tree = {"shared": groups["shared"]["shared"]}
-    if "lm_head" in groups:
-        tree["lm_head"] = groups["lm_head"]["lm_head"]
-    for s in STACKS:
-        tree[s] = {**groups["small"][s], "layers": groups[s]}
-    return tree
-
-
 def init_group(optimizer, params, stacked: bool = False):
     """Optimizer state of one group; ``stacked``: one state per layer, stacked on a leading axis."""
     return jax.vmap(optimizer.init)(params) if stacked else optimizer.init(params)
 
 
-def init_state(optimizer, params: dict) -> dict:
-    """{group: state} for a whole (stacked) parameter tree."""
-    return {name: init_group(optimizer, p, name in LAYER_GROUPS) for name, p in split_groups(params).items()}
+def init_state(optimizer, params: dict, tree) -> dict:
+    """{group: state} for a whole (stacked) parameter tree; ``tree``: its TreeStructure (graphs/tree.py)."""
+    return {name: init_group(optimizer, p, tree.is_layer_group(name)) for name, p in tree.split_groups(params).items()}
 
 
 def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stacked: bool = False):

@@ -21,10 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from graphs import optim
 from graphs import sharding as S
-from graphs.host_state import split_rest
-from graphs.phases import (DECODER, ENCODER, PhaseBodies, Stack, accumulate, head_subtree, micro_key, stream_key,
-                           with_accumulators)
-from modelling import t5
+from graphs.phases import PhaseBodies, accumulate, micro_key, stream_key
+from modelling.family import Stack
 
 F32 = jnp.float32
 MICRO = P(None, S.DP, None)  # [GA, dp * micro_batch, length] token-level inputs
@@ -37,12 +35,11 @@ class PhasePrograms:
         g = self.g = graphs
         cfg = g.cfg
         self.opts = g.opts
-        self.bodies = PhaseBodies(g.opts, S.TP)
+        self.bodies = PhaseBodies(g.opts, S.TP, g.family, g.tree)
         self.scale = cfg.execution.loss_scaling
-        self.tied = g.opts.tie_word_embeddings
-        self.rest_layouts = split_rest(g.layouts)
+        self.rest_layouts = g.tree.split_rest(g.layouts)
         self.row_layouts = {s: jax.tree.map(lambda l: l.row(), g.layouts[s]["layers"], is_leaf=S.is_layout)
-                            for s in optim.STACKS}
+                            for s in g.tree.stacks}
         self.rest_specs = S.storage_specs(self.rest_layouts)
         self.row_specs = {s: S.storage_specs(lay) for s, lay in self.row_layouts.items()}
         # RTS on activations: rows stored split over tp along d, gathered after loading
@@ -75,7 +72,11 @@ class PhasePrograms:
         return jax.tree.map(lambda g, l: S.reduce_gradient(g, l) / self.scale, grads, layouts)
 
     def _cast(self, tree):
-        return t5.cast_params(tree, self.opts.compute_dtype)
+        return self.bodies.cast(tree)
+
+    def _ctx(self, tree, stack: Stack) -> dict:
+        """The stack's context weights (``{}`` for none) of a rest-shaped tree (layouts, specs)."""
+        return {k: tree[stack.name][k] for k in stack.context}
 
     def _program(self, key, fn, in_specs, out_specs, donate=()):
         if key not in self._cache:
@@ -128,29 +129,30 @@ class PhasePrograms:
     # ------------------------------------------------------------------ layers
 
     def _layer_inputs(self, stack: Stack, meta_keys):
-        specs = [self.row_specs[stack.name], self.rest_specs[stack.name]["relpos"], self.act_spec]
-        if stack.decoder:
-            specs.append(self.act_spec)  # the encoder output row
+        specs = [self.row_specs[stack.name], self._ctx(self.rest_specs, stack), self.act_spec]
+        if stack.cross:
+            specs.append(self.act_spec)  # the previous stack's output row
         return specs + [self._meta_specs(meta_keys)]
 
     def layer_fwd(self, stack: Stack, meta_keys: tuple):
-        """(layer shards, relpos shards, x row[, encoder output row], meta, rng, j) -> the layer's output row."""
-        row_lay, rel_lay = self.row_layouts[stack.name], self.rest_layouts[stack.name]["relpos"]
+        """(layer shards, context weight shards, x row[, previous stack's output row], meta, rng, j) -> the layer's
+        output row."""
+        row_lay, ctx_lay = self.row_layouts[stack.name], self._ctx(self.rest_layouts, stack)
 
-        def fn(lp, relpos, x, *rest):
-            enc, meta, rng_data, j = rest if stack.decoder else (None, *rest)
-            p, relpos = self._cast(S.gather_all(lp, row_lay)), S.gather_weight(relpos, rel_lay)
+        def fn(lp, ctx_w, x, *rest):
+            enc, meta, rng_data, j = rest if stack.cross else (None, *rest)
+            p, ctx_w = self._cast(S.gather_all(lp, row_lay)), S.gather_all(ctx_w, ctx_lay)
             x, base = self._gather_act(x), self._base_key(rng_data)
             enc = None if enc is None else self._gather_act(enc)
 
             def body(_, inp):
                 x_i, e_i, m_i, i = inp
-                sb, cb = self.bodies.biases(stack, relpos, m_i, x_i.shape[1])
+                sc, cc = self.bodies.context(stack, ctx_w, m_i, x_i.shape[1])
                 r = stream_key(micro_key(base, i), stack.layers_stream, j)
-                return None, self._slice_act(self.bodies.block(stack, p, x_i, sb, cb, e_i, r))
+                return None, self._slice_act(self.bodies.block(stack, p, x_i, sc, cc, e_i, r))
 
             n = x.shape[0]
-            return lax.scan(body, None, (x, enc if stack.decoder else jnp.zeros((n,)), meta, jnp.arange(n)))[1]
+            return lax.scan(body, None, (x, enc if stack.cross else jnp.zeros((n,)), meta, jnp.arange(n)))[1]
 
         return self._program(("layer_fwd", stack.name, meta_keys), fn,
                              tuple(self._layer_inputs(stack, meta_keys) + [P(), P()]), self.act_spec)
@@ -158,97 +160,102 @@ class PhasePrograms:
     def layer_bwd(self, stack: Stack, meta_keys: tuple):
         """Backward of one layer over all micro-batches, recomputing its forward from its input row.
 
-        encoder: (layer, relpos, x, meta, dy, rng, j) -> (layer grads, their sum of squares, relpos grad, dx)
-        decoder: (layer, relpos, x, enc, meta, dy, d_enc, rng, j) -> (..., dx, d_enc + this layer's part)
-        where d_enc, the gradient of the encoder output, is summed over the decoder layers on the device.
+        no cross-attention: (layer, ctx, x, meta, dy, rng, j) -> (layer grads, their sum of squares, ctx grads, dx)
+        cross-attention: (layer, ctx, x, enc, meta, dy, d_enc, rng, j) -> (..., dx, d_enc + this layer's part)
+        where d_enc, the gradient of the previous stack's output, is summed over the layers on the device.
         """
-        decoder = stack.decoder
-        row_lay, rel_lay = self.row_layouts[stack.name], self.rest_layouts[stack.name]["relpos"]
+        cross = stack.cross
+        row_lay, ctx_lay = self.row_layouts[stack.name], self._ctx(self.rest_layouts, stack)
 
-        def fn(lp, relpos, x, *rest):
-            if decoder:
+        def fn(lp, ctx_w, x, *rest):
+            if cross:
                 enc, meta, dy, d_enc, rng_data, j = rest
             else:
                 (meta, dy, rng_data, j), enc, d_enc = rest, None, None
-            p, relpos_w = self._cast(S.gather_all(lp, row_lay)), S.gather_weight(relpos, rel_lay)
+            p, ctx_w = self._cast(S.gather_all(lp, row_lay)), S.gather_all(ctx_w, ctx_lay)
             x, dy, base = self._gather_act(x), self._gather_act(dy), self._base_key(rng_data)
             enc = None if enc is None else self._gather_act(enc)
 
             def body(acc, inp):
                 x_i, e_i, m_i, dy_i, i = inp
                 length = x_i.shape[1]
-                # (self bias, its vjp to relpos, cross bias): the cross bias does not depend on relpos
-                sb, bias_vjp, cb = jax.vjp(lambda r_: self.bodies.biases(stack, r_, m_i, length), relpos_w,
-                                           has_aux=True)
+                # (self context, its vjp to the context weights, cross context): the cross context does not
+                # depend on the context weights
+                sc, ctx_vjp, cc = jax.vjp(lambda w_: self.bodies.context(stack, w_, m_i, length), ctx_w, has_aux=True)
                 r = stream_key(micro_key(base, i), stack.layers_stream, j)
-                acc_p, acc_rel = acc
+                acc_p, acc_ctx = acc
                 # the matmul weights' gradients are added to acc_p inside their weight-gradient GEMMs
-                g_p, dx, g_sb, g_e = self.bodies.block_backward(stack, with_accumulators(p, acc_p), x_i, sb, cb,
-                                                                e_i, r, dy_i)
-                acc = (accumulate(acc_p, g_p), acc_rel + bias_vjp(g_sb)[0].astype(F32))
-                return acc, (self._slice_act(dx), self._slice_act(g_e) if decoder else jnp.zeros(()))
+                g_p, dx, g_sc, g_e = self.bodies.block_backward(stack, self.bodies.with_accumulators(p, acc_p), x_i,
+                                                                sc, cc, e_i, r, dy_i)
+                if g_sc is not None:
+                    acc_ctx = jax.tree.map(lambda a, g: a + g.astype(F32), acc_ctx, ctx_vjp(g_sc)[0])
+                acc = (accumulate(acc_p, g_p), acc_ctx)
+                return acc, (self._slice_act(dx), self._slice_act(g_e) if cross else jnp.zeros(()))
 
             n = x.shape[0]
-            zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, F32), (p, relpos_w))
-            (g_p, g_rel), (dx, de) = lax.scan(
-                body, zeros, (x, enc if decoder else jnp.zeros((n,)), meta, dy, jnp.arange(n)))
-            g_p, g_rel = self._reduce(g_p, row_lay), self._reduce(g_rel, rel_lay)
+            zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, F32), (p, ctx_w))
+            (g_p, g_ctx), (dx, de) = lax.scan(
+                body, zeros, (x, enc if cross else jnp.zeros((n,)), meta, dy, jnp.arange(n)))
+            g_p, g_ctx = self._reduce(g_p, row_lay), self._reduce(g_ctx, ctx_lay)
             sumsq = S.sum_of_squares(g_p, row_lay)
             g_p = jax.tree.map(lambda g: g.astype(self.grad_dtype), g_p)
-            if decoder:
-                return g_p, sumsq, g_rel, dx, d_enc + de.astype(d_enc.dtype)
-            return g_p, sumsq, g_rel, dx
+            if cross:
+                return g_p, sumsq, g_ctx, dx, d_enc + de.astype(d_enc.dtype)
+            return g_p, sumsq, g_ctx, dx
 
         ins = self._layer_inputs(stack, meta_keys) + [self.act_spec]
-        outs = [self.row_specs[stack.name], P(), self.rest_specs[stack.name]["relpos"], self.act_spec]
+        outs = [self.row_specs[stack.name], P(), self._ctx(self.rest_specs, stack), self.act_spec]
         donate = ()
-        if decoder:
+        if cross:
             ins.append(self.act_spec)
             outs.append(self.act_spec)
             donate = (6,)  # the running d_enc sum is updated in place
         return self._program(("layer_bwd", stack.name, meta_keys), fn, tuple(ins + [P(), P()]), tuple(outs), donate)
 
-    # ------------------------------------------------------------------ encoder head and head
+    # ------------------------------------------------------------------ stack output and head
 
-    def encoder_head_fwd(self):
-        lay, spec = self.rest_layouts["encoder"]["final_norm"], self.rest_specs["encoder"]["final_norm"]
+    def stack_output_fwd(self, stack: Stack):
+        """(output norm shards, x row, rng) -> the stack's output row (T5: the encoder's final norm)."""
+        lay, spec = self.rest_layouts[stack.name][stack.output], self.rest_specs[stack.name][stack.output]
 
         def fn(w, x, rng_data):
             w, x, base = S.gather_weight(w, lay), self._gather_act(x), self._base_key(rng_data)
 
             def body(_, inp):
                 x_i, i = inp
-                return None, self._slice_act(self.bodies.encoder_head(w, x_i, stream_key(micro_key(base, i), t5.ENC_HEAD)))
+                r = stream_key(micro_key(base, i), stack.output_stream)
+                return None, self._slice_act(self.bodies.stack_output(stack, w, x_i, r))
 
             return lax.scan(body, None, (x, jnp.arange(x.shape[0])))[1]
 
-        return self._program(("encoder_head_fwd",), fn, (spec, self.act_spec, P()), self.act_spec)
+        return self._program(("stack_output_fwd", stack.name), fn, (spec, self.act_spec, P()), self.act_spec)
 
-    def encoder_head_bwd(self):
-        lay, spec = self.rest_layouts["encoder"]["final_norm"], self.rest_specs["encoder"]["final_norm"]
+    def stack_output_bwd(self, stack: Stack):
+        """(output norm shards, x row, dy row, rng) -> (gradient of the norm, dx row)."""
+        lay, spec = self.rest_layouts[stack.name][stack.output], self.rest_specs[stack.name][stack.output]
 
         def fn(w, x, dy, rng_data):
             w, x, dy, base = S.gather_weight(w, lay), self._gather_act(x), self._gather_act(dy), self._base_key(rng_data)
 
             def body(acc, inp):
                 x_i, dy_i, i = inp
-                r = stream_key(micro_key(base, i), t5.ENC_HEAD)
-                _, vjp = jax.vjp(lambda w_, x_: self.bodies.encoder_head(w_, x_, r), w, x_i)
+                r = stream_key(micro_key(base, i), stack.output_stream)
+                _, vjp = jax.vjp(lambda w_, x_: self.bodies.stack_output(stack, w_, x_, r), w, x_i)
                 g_w, dx = vjp(dy_i)
                 return acc + g_w, self._slice_act(dx)
 
             g, dx = lax.scan(body, jnp.zeros_like(w), (x, dy, jnp.arange(x.shape[0])))
             return self._reduce(g, lay), dx
 
-        return self._program(("encoder_head_bwd",), fn, (spec, self.act_spec, self.act_spec, P()),
+        return self._program(("stack_output_bwd", stack.name), fn, (spec, self.act_spec, self.act_spec, P()),
                              (spec, self.act_spec))
 
     def head(self):
         """Final norm + LM head + loss and its backward, in one phase as in the original:
         (head weights, x row, labels, rng) -> (mean loss, head gradients, dx row)."""
-        lay = head_subtree(self.rest_layouts, self.tied)
-        specs = head_subtree(self.rest_specs, self.tied)
-        scale = self.scale
+        lay = self.g.tree.head_subtree(self.rest_layouts)
+        specs = self.g.tree.head_subtree(self.rest_specs)
+        scale, stream = self.scale, self.g.family.head_stream
 
         def fn(hp, x, labels, rng_data):
             hp, x, base = self._cast(S.gather_all(hp, lay)), self._gather_act(x), self._base_key(rng_data)
@@ -256,7 +263,7 @@ class PhasePrograms:
 
             def body(acc, inp):
                 x_i, lab_i, i = inp
-                r = stream_key(micro_key(base, i), t5.HEAD)
+                r = stream_key(micro_key(base, i), stream)
                 loss, (g_hp, dx) = jax.value_and_grad(
                     lambda hp_, x_: self.bodies.head_loss(hp_, x_, lab_i, r) * (scale / count), argnums=(0, 1))(hp, x_i)
                 acc_g, acc_l = acc
@@ -297,4 +304,4 @@ class PhasePrograms:
         return self._program(("rest_sum_of_squares",), lambda g: S.sum_of_squares(g, lay), (self.rest_specs,), P())
 
 
-__all__ = ["PhasePrograms", "ENCODER", "DECODER"]
+__all__ = ["PhasePrograms"]

@@ -4,11 +4,12 @@ The state lives in host memory (graphs/host_state.py); a training step is a sche
 programs (graphs/phase_programs.py), each loading its weights once and running every
 micro-batch:
 
-    forward    for each stack (encoder, then decoder): embeddings, layers 0..L-1 (the encoder
-               then its final norm)
+    forward    for each stack of the family (T5: encoder, then decoder; GPT-J: its one stack):
+               embeddings, layers 0..L-1 (then the stack's output norm, for a stack that feeds
+               the next one: T5's encoder)
     head       final norm + LM head + loss, and its backward, in one phase
-    backward   for each stack in reverse (decoder, then encoder): layers L-1..0, each recomputing
-               its forward from its stored input (the encoder's final norm first), then the
+    backward   for each stack in reverse: layers L-1..0, each recomputing its forward from its
+               stored input (the output norm first, for a stack that has one), then the
                embeddings
     optimizer  the embedding, the LM head, the small weights, then one layer at a time:
                load weights, optimizer state and gradients, clip with the global norm, update, store
@@ -17,8 +18,8 @@ Transfers overlap compute: while layer j's program runs, layer j+1's weights are
 being loaded (``prefetch``), and layer j's gradients go back to host memory while layer j-1
 computes (JAX dispatches both asynchronously; on a GPU copies run beside the compute stream).
 
-Activation buffers, in host memory, each row [GA, batch, length, d] sharded over dp and over
-tp on d (RTS on activations):
+Activation buffers, in host memory, one per stack, each row [GA, batch, length, d] sharded over
+dp and over tp on d (RTS on activations); for T5:
 
     x_buffer       0: encoder embeddings, 1..L: encoder layer outputs (L+1, the encoder
                    output, stays on the device while the decoder needs it)
@@ -44,30 +45,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from graphs import optim
 from graphs import sharding as S
 from graphs.graphs import TrainState
-from graphs.host_state import (HOST, ActivationBuffer, PhasedState, from_rows, row_sharding, split_rest, to_host,
-                               to_rows, with_layers)
+from graphs.host_state import HOST, ActivationBuffer, PhasedState, from_rows, row_sharding, to_host, to_rows
 from graphs.phase_programs import PhasePrograms
-from graphs.phases import DECODER, ENCODER, STACKS, head_subtree, stack_meta
+from graphs.phases import context_weights, stack_meta
+from graphs.tree import flat_paths, from_flat
 from modelling.params import ParamSpec, init_leaf, is_spec, zero_padded_vocab
 from utils.bench import live_device_bytes, program_bytes
 
 F32 = jnp.float32
-REST_GROUPS = ("shared", "lm_head", "small")  # the optimizer's non-layer weight groups (graphs/optim.py)
-
-
-def rest_groups(rest: dict) -> dict:
-    """The non-layer weight groups of a ``split_rest`` tree."""
-    groups = optim.split_groups(with_layers(rest, {s: None for s in optim.STACKS}))
-    return {k: v for k, v in groups.items() if k in REST_GROUPS}
-
-
-def rest_from_groups(groups: dict) -> dict:
-    """The inverse of ``rest_groups``."""
-    tree = optim.merge_groups({**groups, **{s: None for s in optim.STACKS}})
-    return split_rest(tree)
 
 
 def prefetch(n: int, load, reverse: bool = False):
@@ -93,15 +80,16 @@ class PhasedExecutor:
         cfg = g.cfg
         self.programs = PhasePrograms(g)
         self.mesh, self.layers = g.mesh, cfg.model.layers
+        self.tree, self.stacks = g.tree, g.family.stacks
         # device shardings of what the schedule loads: the non-layer weights, one layer, and their optimizer states
-        self.rest_dev = split_rest(g.param_shardings)
+        self.rest_dev = self.tree.split_rest(g.param_shardings)
         self.row_dev = {s.name: jax.tree.map(lambda sh: row_sharding(sh, "device"), g.param_shardings[s.name]["layers"])
-                        for s in STACKS}
+                        for s in self.stacks}
         opt_dev = g.opt_state_shardings(g.abstract_params())
         self.opt_stacked = opt_dev  # {group: shardings}, layer groups stacked (checkpoint layout)
-        self.opt_dev = {k: v for k, v in opt_dev.items() if k in REST_GROUPS}
+        self.opt_dev = {k: v for k, v in opt_dev.items() if not self.tree.is_layer_group(k)}
         self.opt_row_dev = {s.name: jax.tree.map(lambda sh: row_sharding(sh, "device"), opt_dev[s.name])
-                            for s in STACKS}
+                            for s in self.stacks}
         self.act_dev = NamedSharding(self.mesh, self.programs.act_spec)
         self.act_host = self.act_dev.with_memory_kind(HOST)
         self.memory = None  # set to a PhaseMemory to record device bytes per phase
@@ -126,8 +114,8 @@ class PhasedExecutor:
         vocab = g.cfg.model.embedding.vocab_size
         programs, out = {}, []
         for (path, spec), k, sh in zip(flat, keys, host):
-            top = path[0].key  # shared / lm_head get their padded vocabulary zeroed, as in Graphs.init_params
-            padded = top in ("shared", "lm_head")
+            top = path[0].key  # shared / lm_head(_bias) get their padded vocabulary zeroed, as in Graphs.init_params
+            padded = top in ("shared", "lm_head", "lm_head_bias")
             sig = (spec.shape, spec.is_norm, top if padded else None, sh)
             if sig not in programs:  # one compilation per distinct weight shape, not per weight
 
@@ -143,8 +131,8 @@ class PhasedExecutor:
     def _weights(self, params) -> tuple:
         """Stacked weights (any memory) -> (rest in host memory, {stack: [rows in host memory]})."""
         g = self.g
-        rest = to_host(split_rest(params), split_rest(g.param_shardings))
-        layers = {s.name: to_rows(params[s.name]["layers"], g.param_shardings[s.name]["layers"]) for s in STACKS}
+        rest = to_host(self.tree.split_rest(params), self.rest_dev)
+        layers = {s.name: to_rows(params[s.name]["layers"], g.param_shardings[s.name]["layers"]) for s in self.stacks}
         return rest, layers
 
     def init_state(self, params=None) -> PhasedState:
@@ -160,7 +148,7 @@ class PhasedExecutor:
         def init(tree, dev, host):
             return jax.jit(opt.init, out_shardings=S.with_memory_kind(host, HOST))(self.ops.load(tree, dev))
 
-        groups, dev = rest_groups(rest), rest_groups(self.rest_dev)
+        groups, dev = self.tree.rest_groups(rest), self.tree.rest_groups(self.rest_dev)
         opt_rest = {k: init(groups[k], dev[k], self.opt_dev[k]) for k in groups}
         opt_layers = {s: [init(lp, self.row_dev[s], self.opt_row_dev[s]) for lp in layers[s]] for s in layers}
         return PhasedState(0, rest, layers, opt_rest, opt_layers)
@@ -169,7 +157,7 @@ class PhasedExecutor:
         """A stacked TrainState (a checkpoint's layout, any memory) -> the host-resident per-layer state."""
         rest, layers = self._weights(state.params)
         opt_rest = {k: to_host(state.opt_state[k], self.opt_dev[k]) for k in self.opt_dev}
-        opt_layers = {s.name: to_rows(state.opt_state[s.name], self.opt_stacked[s.name]) for s in STACKS}
+        opt_layers = {s.name: to_rows(state.opt_state[s.name], self.opt_stacked[s.name]) for s in self.stacks}
         return PhasedState(int(state.step), rest, layers, opt_rest, opt_layers)
 
     def restore(self, directory: str, step: int, optim_state: bool = True):
@@ -187,10 +175,10 @@ class PhasedExecutor:
         """Host-resident state -> a stacked TrainState in host memory (what checkpoints hold)."""
         g = self.g
         host = S.with_memory_kind(g.param_shardings, HOST)
-        layers = {s.name: from_rows(ps.layers[s.name], host[s.name]["layers"]) for s in STACKS}
-        params = with_layers(ps.rest, layers)
+        layers = {s.name: from_rows(ps.layers[s.name], host[s.name]["layers"]) for s in self.stacks}
+        params = self.tree.with_layers(ps.rest, layers)
         opt = dict(ps.opt)
-        for s in STACKS:
+        for s in self.stacks:
             opt[s.name] = from_rows(ps.opt_layers[s.name], S.with_memory_kind(self.opt_stacked[s.name], HOST))
         step = jax.device_put(jnp.asarray(ps.step, jnp.int32), g.replicated)
         return TrainState(step, params, opt)
@@ -200,97 +188,99 @@ class PhasedExecutor:
     def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data):
         """Forward, head and backward phases -> (loss, non-layer gradients on the device,
         {stack: [layer gradients in host memory]}, global gradient norm)."""
-        ops, prog, L_ = self.ops, self.programs, self.layers
+        ops, prog, L_, stacks = self.ops, self.programs, self.layers, self.stacks
         load_act = lambda x: ops.load(x, self.act_dev, label="activations")  # noqa: E731
         store_act = lambda x: ops.store(x, self.act_dev, label="activation rows")  # noqa: E731
         keep = self.retain_buffers
-        x_buf, x_dec = ActivationBuffer("x_buffer", L_ + 2, keep), ActivationBuffer("x_dec_buffer", L_ + 1, keep)
-        rows = {ENCODER.name: x_buf, DECODER.name: x_dec}
-        dx_rows = {ENCODER.name: ActivationBuffer("dx_buffer", L_ + 2, True),
-                   DECODER.name: ActivationBuffer("dx_dec_buffer", L_ + 1, True)}
-        self.last_buffers = {b.name: b for b in (x_buf, x_dec, *dx_rows.values())} if keep else {}
-        meta = {s.name: stack_meta(s, batch) for s in STACKS}
+        # a stack's buffer: its input rows 0..L-1, then (a stack with an output norm) the norm's input at L, and
+        # with ``keep`` its output at L + 1 (the last stack's: its output, the head's input, at L)
+        rows = {s.name: ActivationBuffer(s.buffer, L_ + (2 if s.output else 1), keep) for s in stacks}
+        dx_rows = {s.name: ActivationBuffer("d" + s.buffer, L_ + (2 if s.output else 1), True) for s in stacks}
+        self.last_buffers = {b.name: b for b in (*rows.values(), *dx_rows.values())} if keep else {}
+        meta = {s.name: stack_meta(s, batch) for s in stacks}
         rest, rest_dev = ps.rest, self.rest_dev
         shared = ops.load(rest["shared"], rest_dev["shared"])
+        ctx = {s.name: ops.load(context_weights(s, rest[s.name]), context_weights(s, rest_dev[s.name])) for s in stacks}
+        out_norm = {s.name: ops.load(rest[s.name][s.output], rest_dev[s.name][s.output]) for s in stacks if s.output}
 
         # ---- forward
-        enc_out, relpos = None, {}
-        for stack in STACKS:
+        enc_out = None  # the output of a stack that the next one attends to
+        for stack in stacks:
             buf, keys = rows[stack.name], tuple(sorted(meta[stack.name]))
             x = ops.run("embeddings_fwd", prog.embeddings_fwd(stack), shared, batch[stack.ids], rng_data)
-            relpos[stack.name] = ops.load(rest[stack.name]["relpos"], rest_dev[stack.name]["relpos"])
             fwd = prog.layer_fwd(stack, keys)
             layer = lambda j, s=stack.name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
             for j, lp in prefetch(L_, layer):
                 buf[j] = store_act(x)  # this layer's input, read again by its backward
-                extra = (enc_out,) if stack.decoder else ()
-                x = ops.run(f"{stack.name}_layer_fwd", fwd, lp, relpos[stack.name], x, *extra, meta[stack.name],
+                extra = (enc_out,) if stack.cross else ()
+                x = ops.run(f"{stack.name}_layer_fwd", fwd, lp, ctx[stack.name], x, *extra, meta[stack.name],
                             rng_data, j)
                 del lp
-            if not stack.decoder:
-                buf[L_] = store_act(x)  # the encoder head's input
-                norm = ops.load(rest["encoder"]["final_norm"], rest_dev["encoder"]["final_norm"])
-                enc_out = ops.run("encoder_head_fwd", prog.encoder_head_fwd(), norm, x, rng_data)
+            if stack.output:
+                buf[L_] = store_act(x)  # the output norm's input
+                enc_out = ops.run(f"{stack.name}_output_fwd", prog.stack_output_fwd(stack), out_norm[stack.name], x,
+                                  rng_data)
                 if keep:
                     buf[L_ + 1] = store_act(enc_out)
             elif keep:
                 buf[L_] = store_act(x)
 
         # ---- head: loss and its backward
-        tied = self.g.opts.tie_word_embeddings
-        hp = ops.load(head_subtree(rest, tied), head_subtree(rest_dev, tied))
+        hp = ops.load(self.tree.head_subtree(rest), self.tree.head_subtree(rest_dev))
         loss, g_head, dy = ops.run("head", prog.head(), hp, x, batch["labels"], rng_data)
         del hp, x
-        g_shared = g_head["shared"] if tied else None
-        g_rest = {"encoder": {}, "decoder": {"final_norm": g_head["decoder"]["final_norm"]}}
-        if not tied:
-            g_rest["lm_head"] = g_head["lm_head"]
+        g_flat = dict(zip(flat_paths(g_head), jax.tree.leaves(g_head)))  # {weight path: gradient} of the rest
         del g_head
+
+        def add_grad(path, g):
+            g_flat[path] = g if path not in g_flat else ops.run("add", prog.add, g_flat[path], g)
+
         sumsq = []  # each phase's sum of squares of its weight gradients
-        layer_grads = {s.name: [None] * L_ for s in STACKS}
-        d_enc = None
+        layer_grads = {s.name: [None] * L_ for s in stacks}
+        d_enc = None  # the gradient of enc_out, summed over the layers that attend to it
 
         # ---- backward
-        for stack in reversed(STACKS):
+        for stack in reversed(stacks):
             name, keys, buf = stack.name, tuple(sorted(meta[stack.name])), rows[stack.name]
-            if not stack.decoder:  # the encoder's final norm, from the summed gradient of its output
+            if stack.output:  # the output norm, from the summed gradient of its output
                 if keep:
                     dx_rows[name][L_ + 1] = store_act(d_enc)
-                g_rest["encoder"]["final_norm"], dy = ops.run(
-                    "encoder_head_bwd", prog.encoder_head_bwd(), norm, load_act(buf.pop(L_)), d_enc, rng_data)
+                g_norm_w, dy = ops.run(f"{name}_output_bwd", prog.stack_output_bwd(stack), out_norm[name],
+                                       load_act(buf.pop(L_)), d_enc, rng_data)
+                add_grad((name, stack.output), g_norm_w)
                 d_enc = None
-            else:
+            if stack.cross:
                 d_enc = ops.zeros(enc_out.shape, F32, self.act_dev)
             if keep:
                 dx_rows[name][L_] = store_act(dy)
             bwd = prog.layer_bwd(stack, keys)
-            g_rel = None
+            g_ctx = None
             layer = lambda j, s=name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
             for j, lp in prefetch(L_, layer, reverse=True):
                 x = load_act(buf.pop(j))
-                if stack.decoder:
-                    g_lp, ss, g_r, dy, d_enc = ops.run(f"{name}_layer_bwd", bwd, lp, relpos[name], x, enc_out,
+                if stack.cross:
+                    g_lp, ss, g_c, dy, d_enc = ops.run(f"{name}_layer_bwd", bwd, lp, ctx[name], x, enc_out,
                                                        meta[name], dy, d_enc, rng_data, j)
                 else:
-                    g_lp, ss, g_r, dy = ops.run(f"{name}_layer_bwd", bwd, lp, relpos[name], x, meta[name], dy,
+                    g_lp, ss, g_c, dy = ops.run(f"{name}_layer_bwd", bwd, lp, ctx[name], x, meta[name], dy,
                                                 rng_data, j)
                 layer_grads[name][j] = ops.store(g_lp, self.row_dev[name], label="weight gradients")
                 sumsq.append(ss)
-                g_rel = g_r if g_rel is None else ops.run("add", prog.add, g_rel, g_r)
+                if stack.context:
+                    g_ctx = g_c if g_ctx is None else ops.run("add", prog.add, g_ctx, g_c)
                 if keep:
                     dx_rows[name][j] = store_act(dy)
-                del lp, x, g_lp, g_r
-            g_rest[name]["relpos"] = g_rel
-            g_emb = ops.run("embeddings_bwd", prog.embeddings_bwd(stack), shared, batch[stack.ids], dy, rng_data)
-            g_shared = g_emb if g_shared is None else ops.run("add", prog.add, g_shared, g_emb)
-            del g_emb, g_rel, dy
-            if stack.decoder:
+                del lp, x, g_lp, g_c
+            for k in stack.context:
+                add_grad((name, k), g_ctx[k])
+            add_grad(("shared",), ops.run("embeddings_bwd", prog.embeddings_bwd(stack), shared, batch[stack.ids], dy,
+                                          rng_data))
+            del g_ctx, dy
+            if stack.cross:
                 enc_out = None
-        del shared, relpos, norm
-        g_rest["shared"] = g_shared
-        g_rest = {k: g_rest[k] for k in rest}  # the keys of the rest tree
-        g_rest["encoder"] = {k: g_rest["encoder"][k] for k in rest["encoder"]}
-        g_rest["decoder"] = {k: g_rest["decoder"][k] for k in rest["decoder"]}
+        del shared, ctx, out_norm
+        g_rest = from_flat(rest, g_flat)  # the rest tree's structure
+        del g_flat
         sumsq.append(ops.run("sum_of_squares", prog.rest_sum_of_squares(), g_rest))
         g_norm = ops.run("global_norm", prog.global_norm, sumsq)
         return loss, g_rest, layer_grads, g_norm
@@ -307,7 +297,8 @@ class PhasedExecutor:
         loss, g_rest, layer_grads, g_norm = self.loss_and_grads(ps, batch, rng_data)
         ops, prog = self.ops, self.programs
         # ---- optimizer phases: the embedding, the LM head, the small rest, then one layer at a time
-        params_g, grads_g, dev = rest_groups(ps.rest), rest_groups(g_rest), rest_groups(self.rest_dev)
+        tree = self.tree
+        params_g, grads_g, dev = tree.rest_groups(ps.rest), tree.rest_groups(g_rest), tree.rest_groups(self.rest_dev)
         ps.rest = None
         del g_rest
         new_params, new_opt = {}, {}
@@ -319,7 +310,7 @@ class PhasedExecutor:
             new_opt[name] = ops.store(s, self.opt_dev[name], label="optimizer state")
             del p, s
         layers, opt_layers = {}, {}
-        for stack in STACKS:
+        for stack in self.stacks:
             s = stack.name
             update = prog.optimizer(s)
             layers[s], opt_layers[s] = [None] * self.layers, [None] * self.layers
@@ -337,7 +328,7 @@ class PhasedExecutor:
                 opt_layers[s][j] = ops.store(st, self.opt_row_dev[s], label="optimizer state")
                 del p, st, gr
         metrics = {"loss": loss, "grad_norm": g_norm}
-        return PhasedState(ps.step + 1, rest_from_groups(new_params), layers, new_opt, opt_layers), metrics
+        return PhasedState(ps.step + 1, tree.rest_from_groups(new_params), layers, new_opt, opt_layers), metrics
 
     def stacked_grads(self, g_rest, layer_grads) -> dict:
         """Gradients in the fused executor's (stacked) tree, as numpy, for comparisons."""
@@ -345,7 +336,7 @@ class PhasedExecutor:
 
         stacked = {s: jax.tree.map(lambda *r: np.stack([np.asarray(jax.device_get(x), np.float32) for x in r]),
                                    *layer_grads[s]) for s in layer_grads}
-        return with_layers(jax.tree.map(np.asarray, g_rest), stacked)
+        return self.tree.with_layers(jax.tree.map(np.asarray, g_rest), stacked)
 
 
 class DeviceOps:

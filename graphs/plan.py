@@ -231,10 +231,7 @@ def abstract_batch(cfg, graphs) -> dict:
     """ShapeDtypeStructs of one global batch as the loader builds it (packed rows carry positions)."""
     ga = cfg.gradient_accumulation
     rows = cfg.training.global_batch_size // ga
-    L, D = cfg.model.sequence_length, cfg.decoder_row_length
-    keys = {"input_ids": L, "attention_mask": L, "decoder_input_ids": D, "decoder_attention_mask": D, "labels": D}
-    if cfg.data.packing:
-        keys.update(positions=L, decoder_positions=D)
+    keys = graphs.family.batch_lengths(cfg)
     return {k: jax.ShapeDtypeStruct((ga, rows, n), jnp.int32, sharding=graphs.batch_sharding) for k, n in keys.items()}
 
 
@@ -244,7 +241,7 @@ def plan_fused(executor, exact: bool = False) -> MemoryPlan:
 
     g = executor.g
     params = g.abstract_params()
-    opt = jax.eval_shape(lambda p: optim.init_state(g.optimizer, p), params)
+    opt = jax.eval_shape(lambda p: optim.init_state(g.optimizer, p, g.tree), params)
     opt_sh = g.opt_state_shardings(params)
 
     def per_device(tree, shardings):
@@ -277,25 +274,24 @@ def plan_fused(executor, exact: bool = False) -> MemoryPlan:
 
 def plan_phased(executor, exact: bool = False) -> MemoryPlan:
     """The phased executor's schedule, run once on placeholders (see the module docstring)."""
-    from graphs.host_state import PhasedState, split_rest
+    from graphs.host_state import PhasedState
 
     g = executor.g
+    split_rest = g.tree.split_rest
     ops = PlanOps(exact)
     params = g.abstract_params()
     host = lambda sh: S.with_memory_kind(sh, "pinned_host")  # noqa: E731
     rest = ops.abstract(split_rest(params), host(split_rest(g.param_shardings)), "weights")
     layers, opt_layers = {}, {}
     row_struct = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
-    for s in optim.STACKS:
+    for s in g.tree.stacks:
         row = jax.tree.map(row_struct, params[s]["layers"])
         layers[s] = [ops.abstract(row, host(executor.row_dev[s]), "weights") for _ in range(g.cfg.model.layers)]
         opt_row = jax.eval_shape(g.optimizer.init, row)
         opt_layers[s] = [ops.abstract(opt_row, host(executor.opt_row_dev[s]), "optimizer state")
                          for _ in range(g.cfg.model.layers)]
-    from graphs.phased import rest_groups
-
     opt = {k: ops.abstract(jax.eval_shape(g.optimizer.init, grp), host(executor.opt_dev[k]), "optimizer state")
-           for k, grp in rest_groups(split_rest(params)).items()}
+           for k, grp in g.tree.rest_groups(split_rest(params)).items()}
     state = PhasedState(0, rest, layers, opt, opt_layers)
     batch = {k: ops.new(b.shape, b.dtype, b.sharding, "batch") for k, b in abstract_batch(g.cfg, g).items()}
     rng = ops.new((2,), jnp.uint32, g.replicated, "batch")

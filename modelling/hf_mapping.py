@@ -1,4 +1,6 @@
-"""Hugging Face T5 <-> this project's parameter tree, in one place.
+"""Hugging Face checkpoints <-> this project's parameter trees: reading and writing model directories (any
+family: the family comes from config.json's ``model_type``), and the T5 weight mapping (GPT-J's is in
+modelling/gptj.py, next to its layers).
 
 HF Linear weights are [out, in]; ours are [in, ...] with heads split out:
 q/k/v [d, h, kv] = W.T.reshape(d, h, kv); o [h, kv, d] = W.T.reshape(h, kv, d);
@@ -30,7 +32,37 @@ class CheckpointError(FlanT5Error, RuntimeError):
 # --------------------------------------------------------------------------- config
 
 
+# config.json model_type -> our family
+MODEL_TYPES = {"t5": "t5", "gptj": "gptj"}
+
+
+def family_of_hf(hf: Mapping) -> str:
+    """Our family name of an HF config (dict form); CheckpointError naming the supported types."""
+    kind = hf.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise CheckpointError(f"model_type {kind!r} is not supported: this project runs "
+                              f"{', '.join(sorted(MODEL_TYPES))} checkpoints (config.json's model_type)")
+    return MODEL_TYPES[kind]
+
+
+def _family(name: str):
+    from modelling import family
+
+    return family.get(name)
+
+
 def model_config_from_hf(hf: Mapping) -> ModelConfig:
+    """Our ModelConfig from an HF config of any supported family (dict form)."""
+    m = _family(family_of_hf(hf)).model_config_from_hf(hf)
+    return m
+
+
+def hf_config_dict(m: ModelConfig) -> dict:
+    """The HF config dict (config.json) of our ModelConfig, for its family."""
+    return _family(m.family).hf_config_dict(m)
+
+
+def t5_config_from_hf(hf: Mapping) -> ModelConfig:
     """Our ModelConfig from an HF T5 config (dict form)."""
     if hf.get("num_decoder_layers") not in (None, hf["num_layers"]):
         raise CheckpointError("encoder and decoder of different depths are not supported")
@@ -55,7 +87,7 @@ def model_config_from_hf(hf: Mapping) -> ModelConfig:
     return m
 
 
-def hf_config_dict(m: ModelConfig) -> dict:
+def t5_hf_config_dict(m: ModelConfig) -> dict:
     """An HF T5 config dict for our ModelConfig (what config.json holds)."""
     return {
         "architectures": ["T5ForConditionalGeneration"],
@@ -240,6 +272,9 @@ def load_hf_model(name_or_dir: str, tensor_parallel: int = 1, expect: Optional[M
     """(ModelConfig, params) from an HF model name or save_pretrained directory."""
     path = resolve_hf_dir(name_or_dir)
     m = model_config_from_hf(read_hf_config(path))
+    if expect is not None and expect.family != m.family:
+        raise CheckpointError(f"{name_or_dir} is a {m.family} model but the preset is a {expect.family} one: choose "
+                              f"a {m.family} preset")
     if expect is not None:
         mine = (expect.layers, expect.hidden_size, expect.d_ff, expect.attention.heads, expect.attention.d_kv)
         theirs = (m.layers, m.hidden_size, m.d_ff, m.attention.heads, m.attention.d_kv)
@@ -247,7 +282,7 @@ def load_hf_model(name_or_dir: str, tensor_parallel: int = 1, expect: Optional[M
             raise CheckpointError(
                 f"{name_or_dir} has (layers, hidden_size, d_ff, heads, d_kv) = {theirs} but the preset has {mine}: "
                 "choose the preset of that model size")
-    return m, params_from_hf_state_dict(read_safetensors_dir(path), m, tensor_parallel)
+    return m, _family(m.family).params_from_hf(read_safetensors_dir(path), m, tensor_parallel)
 
 
 def save_hf_model(params: dict, m: ModelConfig, path: str) -> None:
@@ -255,9 +290,9 @@ def save_hf_model(params: dict, m: ModelConfig, path: str) -> None:
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
-    sd = hf_state_dict_from_params(params, m)
+    sd = _family(m.family).hf_state_dict(params, m)
     if m.tie_word_embeddings:
-        sd.pop("lm_head.weight")
+        sd.pop("lm_head.weight", None)
     # safetensors refuses aliased buffers; each tensor gets its own copy
     save_file({k: np.array(v, copy=True) for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})

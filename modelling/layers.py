@@ -1,4 +1,4 @@
-"""T5 layers as pure functions over (local shards of) parameter trees.
+"""Transformer layers (T5's and GPT-J's) as pure functions over (local shards of) parameter trees.
 
 Shapes are those one device sees: under tensor parallelism ``h`` is
 heads / tp, ``f`` is d_ff / tp and ``Vl`` is padded_vocab / tp; on one
@@ -37,6 +37,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x = x.astype(F32)
     var = jnp.mean(x * x, axis=-1, keepdims=True)
     return weight.astype(F32) * (x * lax.rsqrt(var + eps))
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm with bias (GPT-J). x [..., d] -> float32 [..., d]."""
+    x = x.astype(F32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * lax.rsqrt(var + eps) * weight.astype(F32) + bias.astype(F32)
 
 
 # --------------------------------------------------------------------------- mixed-precision matmul
@@ -237,43 +245,46 @@ def project_kv(p: dict, x: jax.Array, prefix: str = "") -> tuple:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
-           dropout_rate: float = 0.0, rng: Optional[jax.Array] = None) -> jax.Array:
-    """Softmax attention without 1/sqrt(kv) scaling (T5).
+           dropout_rate: float = 0.0, rng: Optional[jax.Array] = None, scale: float = 1.0) -> jax.Array:
+    """Softmax attention; scores scaled by ``scale`` (T5: 1, no 1/sqrt(kv) scaling; GPT-J: 1/sqrt(kv)).
 
     q [b, q, h, kv], k/v [b, k, h, kv], bias broadcastable to [b, h, q, k]
     (float32) -> [b, q, h, kv] in v's dtype.
     """
-    scores = einsum_f32("bqhd,bkhd->bhqk", q, k) + bias
+    scores = einsum_f32("bqhd,bkhd->bhqk", q, k)
+    if scale != 1.0:
+        scores = scores * scale
+    scores = scores + bias
     probs = jax.nn.softmax(scores, axis=-1)
     probs = dropout(probs, dropout_rate, rng)
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
 
 def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
-                 implementation: Optional[str] = "cudnn") -> jax.Array:
+                 implementation: Optional[str] = "cudnn", scale: float = 1.0) -> jax.Array:
     """attend() as one fused kernel (cuDNN flash attention on a GPU): the [b, h, q, k] scores
     and probabilities are never written to memory. No dropout. The bias (relative positions
     plus padding) is passed in the operands' dtype, broadcast to [b, h, q, k]."""
     b, nq, h, _ = q.shape
     bias = jnp.maximum(jnp.broadcast_to(bias, (b, h, nq, k.shape[1])), jnp.finfo(q.dtype).min).astype(q.dtype)
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=1.0, implementation=implementation)
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, implementation=implementation)
 
 
-def attend_serialised(q, k, v, bias, chunks: int, dropout_rate=0.0, rng=None, impl: str = "xla"):
+def attend_serialised(q, k, v, bias, chunks: int, dropout_rate=0.0, rng=None, impl: str = "xla", scale: float = 1.0):
     """attend() over `chunks` query chunks, each rematerialised on its own (attention serialisation).
 
     Peak memory of the scores falls from [b, h, q, k] to [b, h, q/chunks, k].
     """
     if impl == "cudnn" and dropout_rate == 0.0 and q.shape[1] == k.shape[1]:
-        return attend_fused(q, k, v, bias)  # flash attention needs no query chunking
+        return attend_fused(q, k, v, bias, scale=scale)  # flash attention needs no query chunking
     if chunks == 1:
-        return attend(q, k, v, bias, dropout_rate, rng)
+        return attend(q, k, v, bias, dropout_rate, rng, scale)
     n = q.shape[1] // chunks
     outs = []
     for i in range(chunks):
         b_i = bias if bias.shape[2] == 1 else lax.slice_in_dim(bias, i * n, (i + 1) * n, axis=2)
         r_i = None if rng is None else jax.random.fold_in(rng, i)
-        fn = jax.checkpoint(partial(attend, dropout_rate=dropout_rate))
+        fn = jax.checkpoint(partial(attend, dropout_rate=dropout_rate, scale=scale))
         outs.append(fn(lax.slice_in_dim(q, i * n, (i + 1) * n, axis=1), k, v, b_i, rng=r_i))
     return jnp.concatenate(outs, axis=1)
 
@@ -347,8 +358,9 @@ def embed(table: jax.Array, ids: jax.Array, tp_axis: Optional[str]) -> jax.Array
     return identical_grad_inputs(out, tp_axis)
 
 
-def lm_logits(x: jax.Array, w: jax.Array, tp_axis: Optional[str], vocab_size: int) -> jax.Array:
-    """Vocab-sharded LM head. x [b, l, d], w [d, Vl] -> float32 logits [b, l, Vl].
+def lm_logits(x: jax.Array, w: jax.Array, tp_axis: Optional[str], vocab_size: int,
+              bias: Optional[jax.Array] = None) -> jax.Array:
+    """Vocab-sharded LM head. x [b, l, d], w [d, Vl], bias [Vl] or None -> float32 logits [b, l, Vl].
 
     Columns past vocab_size (tp padding) get MASK_VALUE, so softmax and argmax ignore them.
     """
@@ -356,6 +368,8 @@ def lm_logits(x: jax.Array, w: jax.Array, tp_axis: Optional[str], vocab_size: in
     # a 2-D GEMM (see _in_proj); as a 3-D einsum XLA:CPU ran the decode step's head ~1.7x slower
     logits = einsum_f32("nd,dv->nv", x.astype(w.dtype).reshape(-1, x.shape[-1]), w)
     logits = logits.reshape(*x.shape[:-1], w.shape[1])
+    if bias is not None:
+        logits = logits + bias.astype(F32)
     cols = tp_index(tp_axis) * w.shape[1] + jnp.arange(w.shape[1])
     return jnp.where(cols < vocab_size, logits, MASK_VALUE)
 

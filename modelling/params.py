@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from config.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -39,50 +38,11 @@ def padded_vocab(vocab_size: int, tensor_parallel: int) -> int:
     return -(-vocab_size // tensor_parallel) * tensor_parallel
 
 
-def _attention_specs(L, d, h, kv, prefix=""):
-    # Initialisers as in Hugging Face T5 (_init_weights, initializer_factor 1.0).
-    return {
-        f"{prefix}q": ParamSpec((L, d, h, kv), ("layers", "embed", "heads", "kv"), (d * kv) ** -0.5),
-        f"{prefix}k": ParamSpec((L, d, h, kv), ("layers", "embed", "heads", "kv"), d ** -0.5),
-        f"{prefix}v": ParamSpec((L, d, h, kv), ("layers", "embed", "heads", "kv"), d ** -0.5),
-        f"{prefix}o": ParamSpec((L, h, kv, d), ("layers", "heads", "kv", "embed"), (h * kv) ** -0.5),
-    }
+def param_specs(m, tensor_parallel: int = 1) -> dict:
+    """The spec tree of a model config, from its family (modelling/family.py); vocab padded to tensor_parallel."""
+    from modelling import family
 
-
-def _stack_specs(m: ModelConfig, decoder: bool) -> dict:
-    L, d, f = m.layers, m.hidden_size, m.d_ff
-    h, kv = m.attention.heads, m.attention.d_kv
-    layers = {"attn_norm": ParamSpec((L, d), ("layers", "embed"))}
-    layers.update(_attention_specs(L, d, h, kv))
-    if decoder:
-        layers["cross_norm"] = ParamSpec((L, d), ("layers", "embed"))
-        layers.update(_attention_specs(L, d, h, kv, prefix="c"))
-    layers["ff_norm"] = ParamSpec((L, d), ("layers", "embed"))
-    if m.feed_forward_proj == "gated-gelu":
-        layers["wi_0"] = ParamSpec((L, d, f), ("layers", "embed", "mlp"), d ** -0.5)
-        layers["wi_1"] = ParamSpec((L, d, f), ("layers", "embed", "mlp"), d ** -0.5)
-    else:
-        layers["wi"] = ParamSpec((L, d, f), ("layers", "embed", "mlp"), d ** -0.5)
-    layers["wo"] = ParamSpec((L, f, d), ("layers", "mlp", "embed"), f ** -0.5)
-    return {
-        "relpos": ParamSpec((m.attention.relative_attention_num_buckets, h), ("relpos_buckets", "heads"), d ** -0.5),
-        "layers": layers,
-        "final_norm": ParamSpec((d,), ("embed",)),
-    }
-
-
-def param_specs(m: ModelConfig, tensor_parallel: int = 1) -> dict:
-    """The spec tree of a T5 model; vocab padded to a multiple of tensor_parallel."""
-    V = padded_vocab(m.embedding.vocab_size, tensor_parallel)
-    d = m.hidden_size
-    specs = {
-        "shared": ParamSpec((V, d), ("vocab", "embed"), 1.0),
-        "encoder": _stack_specs(m, decoder=False),
-        "decoder": _stack_specs(m, decoder=True),
-    }
-    if not m.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((d, V), ("embed", "vocab"), d ** -0.5)
-    return specs
+    return family.get(m.family).param_specs(m, tensor_parallel)
 
 
 def is_spec(x) -> bool:
@@ -104,7 +64,7 @@ def init_leaf(spec: ParamSpec, key: jax.Array) -> jax.Array:
 
 
 def zero_padded_vocab(params: dict, vocab_size: int) -> dict:
-    """Zeroes the rows (shared) / columns (lm_head) of the padded vocabulary (beyond vocab_size).
+    """Zeroes the rows (shared) / columns (lm_head, lm_head_bias) of the padded vocabulary (beyond vocab_size).
 
     Either weight may be absent (the phased executor passes one weight at a time).
     """
@@ -113,6 +73,8 @@ def zero_padded_vocab(params: dict, vocab_size: int) -> dict:
         params["shared"] = params["shared"].at[vocab_size:].set(0.0)
     if "lm_head" in params:
         params["lm_head"] = params["lm_head"].at[:, vocab_size:].set(0.0)
+    if "lm_head_bias" in params:
+        params["lm_head_bias"] = params["lm_head_bias"].at[vocab_size:].set(0.0)
     return params
 
 

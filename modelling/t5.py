@@ -9,85 +9,30 @@ parallelism; the graphs/ package composes them into programs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from config.config import ConfigError
+from modelling import family as fam
 from modelling import layers as L
+from modelling.family import ModelOptions, Stack, resolve_attention_impl  # noqa: F401  (re-exported)
+from modelling.params import ParamSpec, padded_vocab
 from modelling.tp import tp_index
 
 F32 = jnp.float32
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = fam.DTYPES
 
 
-@dataclass(frozen=True)
-class ModelOptions:
-    """The fields of the config that the model functions need (hashable, static under jit)."""
-
-    eps: float = 1e-6
-    dropout_prob: float = 0.0
-    num_buckets: int = 32
-    max_distance: int = 128
-    scale_ff: int = 1
-    vocab_size: int = 32128
-    hidden_size: int = 512
-    tie_word_embeddings: bool = False
-    attention_serialisation: int = 1
-    recompute: bool = False
-    remat_policy: str = "full"  # with recompute: full or save_dots
-    unroll_layers: bool = False
-    dtype: str = "float32"
-    attention_impl: str = "xla"  # resolved: xla or cudnn
-
-    @classmethod
-    def from_config(cls, cfg) -> "ModelOptions":
-        m, ex = cfg.model, cfg.execution
-        return cls(
-            eps=m.eps, dropout_prob=0.0 if m.eval else m.dropout_prob,
-            num_buckets=m.attention.relative_attention_num_buckets,
-            max_distance=m.attention.relative_attention_max_distance, scale_ff=m.scale_ff,
-            vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size,
-            tie_word_embeddings=m.tie_word_embeddings, attention_serialisation=ex.attention_serialisation,
-            recompute=ex.recompute, remat_policy=ex.remat_policy, unroll_layers=ex.unroll_layers, dtype=m.precision,
-            attention_impl=resolve_attention_impl(ex.attention_impl, m.precision,
-                                                  0.0 if m.eval else m.dropout_prob),
-        )
-
-    @property
-    def compute_dtype(self):
-        return DTYPES[self.dtype]
-
-
-def resolve_attention_impl(requested: str, precision: str, dropout_prob: float) -> str:
-    """'auto' -> 'cudnn' on a GPU in bfloat16/float16 without dropout, else 'xla'; an explicit
-    'cudnn' where it cannot run is a ConfigError naming the fix."""
-    usable = jax.default_backend() == "gpu" and precision in ("bfloat16", "float16")
-    if requested == "cudnn":
-        if not usable:
-            raise ConfigError(f"attention_impl=cudnn needs a GPU and precision bfloat16 or float16 (backend "
-                             f"{jax.default_backend()}, precision {precision}): pass --attention_impl auto or xla")
-        if dropout_prob > 0:
-            raise ConfigError(f"attention_impl=cudnn has no attention dropout (dropout_prob={dropout_prob}): "
-                             "pass --attention_impl xla, or --dropout_prob 0")
-        return "cudnn"
-    if requested == "auto":
-        return "cudnn" if usable and dropout_prob == 0 else "xla"
-    return "xla"
-
-
-def _keeps_f32(path) -> bool:
-    name = str(path[-1].key) if hasattr(path[-1], "key") else str(path[-1])
+def keeps_f32(name: str) -> bool:
+    """Norms and the relative-position tables stay float32 in the compute copy of the weights."""
     return name.endswith("norm") or name == "relpos"
 
 
 def cast_params(params: dict, dtype) -> dict:
     """Casts matmul weights to the compute dtype; norms and relative bias stay float32."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: x if _keeps_f32(p) else x.astype(dtype), params)
+    return fam.cast_params(params, dtype, keeps_f32)
 
 
 # Random streams: the dropout keys of each part of the model, derived from one key per micro-batch
@@ -100,12 +45,7 @@ TP_SHARD = 1000  # added to the tp index for dropout on tp-sharded activations (
 ATTN_PROBS, ATTN_OUT, CROSS_PROBS, CROSS_OUT, FF_HIDDEN, FF_OUT = 1, 2, 3, 4, 5, 6
 
 
-def _rng(rng, *data):
-    if rng is None:
-        return None
-    for d in data:
-        rng = jax.random.fold_in(rng, d)
-    return rng
+_rng = fam.rng
 
 
 def _sharded_rng(rng, tp_axis, *data):
@@ -275,3 +215,161 @@ def loss_sum(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=No
 def token_count(labels: jax.Array) -> jax.Array:
     """Number of labels that count towards the loss (not -100)."""
     return jnp.sum(labels != -100)
+
+
+# --------------------------------------------------------------------------- parameter specs
+
+
+def _attention_specs(L_, d, h, kv, prefix=""):
+    # Initialisers as in Hugging Face T5 (_init_weights, initializer_factor 1.0).
+    return {
+        f"{prefix}q": ParamSpec((L_, d, h, kv), ("layers", "embed", "heads", "kv"), (d * kv) ** -0.5),
+        f"{prefix}k": ParamSpec((L_, d, h, kv), ("layers", "embed", "heads", "kv"), d ** -0.5),
+        f"{prefix}v": ParamSpec((L_, d, h, kv), ("layers", "embed", "heads", "kv"), d ** -0.5),
+        f"{prefix}o": ParamSpec((L_, h, kv, d), ("layers", "heads", "kv", "embed"), (h * kv) ** -0.5),
+    }
+
+
+def _stack_specs(m, decoder: bool) -> dict:
+    L_, d, f = m.layers, m.hidden_size, m.d_ff
+    h, kv = m.attention.heads, m.attention.d_kv
+    layers = {"attn_norm": ParamSpec((L_, d), ("layers", "embed"))}
+    layers.update(_attention_specs(L_, d, h, kv))
+    if decoder:
+        layers["cross_norm"] = ParamSpec((L_, d), ("layers", "embed"))
+        layers.update(_attention_specs(L_, d, h, kv, prefix="c"))
+    layers["ff_norm"] = ParamSpec((L_, d), ("layers", "embed"))
+    if m.feed_forward_proj == "gated-gelu":
+        layers["wi_0"] = ParamSpec((L_, d, f), ("layers", "embed", "mlp"), d ** -0.5)
+        layers["wi_1"] = ParamSpec((L_, d, f), ("layers", "embed", "mlp"), d ** -0.5)
+    else:
+        layers["wi"] = ParamSpec((L_, d, f), ("layers", "embed", "mlp"), d ** -0.5)
+    layers["wo"] = ParamSpec((L_, f, d), ("layers", "mlp", "embed"), f ** -0.5)
+    return {
+        "relpos": ParamSpec((m.attention.relative_attention_num_buckets, h), ("relpos_buckets", "heads"), d ** -0.5),
+        "layers": layers,
+        "final_norm": ParamSpec((d,), ("embed",)),
+    }
+
+
+def param_specs(m, tensor_parallel: int = 1) -> dict:
+    """The spec tree of a T5 model; vocab padded to a multiple of tensor_parallel."""
+    V = padded_vocab(m.embedding.vocab_size, tensor_parallel)
+    d = m.hidden_size
+    specs = {
+        "shared": ParamSpec((V, d), ("vocab", "embed"), 1.0),
+        "encoder": _stack_specs(m, decoder=False),
+        "decoder": _stack_specs(m, decoder=True),
+    }
+    if not m.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((d, V), ("embed", "vocab"), d ** -0.5)
+    return specs
+
+
+# --------------------------------------------------------------------------- the family, as the engine sees it
+
+ENCODER = Stack("encoder", "input_ids", ("attention_mask", "positions"), ENC_EMBED, ENC_LAYERS, "x_buffer",
+                context=("relpos",), output="final_norm", output_stream=ENC_HEAD)
+DECODER = Stack("decoder", "decoder_input_ids",
+                ("attention_mask", "positions", "decoder_attention_mask", "decoder_positions"), DEC_EMBED, DEC_LAYERS,
+                "x_dec_buffer", context=("relpos",), cross=True)
+
+
+class T5Family:
+    """T5 v1.0 / v1.1 / Flan-T5: an encoder and a causal decoder with cross-attention (modelling/family.py)."""
+
+    name = "t5"
+    stacks = (ENCODER, DECODER)
+    head_stream = HEAD
+    batch_keys = ("input_ids", "attention_mask", "positions", "decoder_input_ids", "decoder_attention_mask",
+                  "decoder_positions", "labels")
+
+    param_specs = staticmethod(param_specs)
+    keeps_f32 = staticmethod(keeps_f32)
+
+    @staticmethod
+    def batch_lengths(cfg) -> dict:
+        """{batch key: row length} of a training batch as the loader builds it (packed rows carry positions)."""
+        L, D = cfg.model.sequence_length, cfg.decoder_row_length
+        keys = {"input_ids": L, "attention_mask": L, "decoder_input_ids": D, "decoder_attention_mask": D, "labels": D}
+        if cfg.data.packing:
+            keys.update(positions=L, decoder_positions=D)
+        return keys
+
+    @staticmethod
+    def decays(name: str) -> bool:
+        """Weight decay applies to every matmul weight: not to norms, not to the relative-position tables."""
+        return not keeps_f32(name)
+
+    @staticmethod
+    def is_dense(name: str) -> bool:
+        return not name.endswith("norm")
+
+    @staticmethod
+    def head_paths(opts: ModelOptions) -> tuple:
+        return (("decoder", "final_norm"), ("shared",) if opts.tie_word_embeddings else ("lm_head",))
+
+    # ------------------------------------------------------------------ per-device bodies
+
+    @staticmethod
+    def embeddings(shared, ids, opts, tp_axis, rng=None):
+        return embeddings(shared, ids, opts, tp_axis, rng)
+
+    @staticmethod
+    def context(stack: Stack, ctx_w: dict, meta: dict, length: int, opts) -> tuple:
+        """(self-attention bias [1 or b, h, l, l], cross-attention bias or None) of a micro-batch."""
+        relpos = ctx_w["relpos"]
+        if not stack.cross:
+            return encoder_self_bias(relpos, meta["attention_mask"], opts, meta.get("positions")), None
+        self_bias = decoder_self_bias(relpos, length, opts, meta.get("decoder_attention_mask"),
+                                      meta.get("decoder_positions"))
+        return self_bias, cross_bias(meta["attention_mask"], meta.get("decoder_attention_mask"), is_packed(meta))
+
+    @staticmethod
+    def block(stack: Stack, p, x, self_ctx, cross_ctx, enc, opts, tp_axis, rng=None):
+        return t5_block(p, x, self_ctx, opts, tp_axis, enc if stack.cross else None, cross_ctx, rng)
+
+    @staticmethod
+    def stack_output(stack: Stack, w, x, opts, rng=None):
+        return encoder_head(w, x, opts, rng)
+
+    @staticmethod
+    def head_loss(head_p, x, labels, opts, tp_axis, rng=None):
+        return head(head_p, x, labels, opts, tp_axis, rng)
+
+    # ------------------------------------------------------------------ decoding and Hugging Face
+
+    @staticmethod
+    def generate(params, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None, eos_id=1, pad_id=0,
+                 cached=True):
+        from modelling import decoding
+
+        fn = decoding.generate if cached else decoding.generate_uncached
+        return fn(params, input_ids, attention_mask, opts, max_new_tokens, tp_axis, eos_id=eos_id, pad_id=pad_id)
+
+    @staticmethod
+    def model_config_from_hf(hf):
+        from modelling import hf_mapping
+
+        return hf_mapping.t5_config_from_hf(hf)
+
+    @staticmethod
+    def params_from_hf(sd, m, tensor_parallel=1):
+        from modelling import hf_mapping
+
+        return hf_mapping.params_from_hf_state_dict(sd, m, tensor_parallel)
+
+    @staticmethod
+    def hf_state_dict(params, m):
+        from modelling import hf_mapping
+
+        return hf_mapping.hf_state_dict_from_params(params, m)
+
+    @staticmethod
+    def hf_config_dict(m):
+        from modelling import hf_mapping
+
+        return hf_mapping.t5_hf_config_dict(m)
+
+
+FAMILY = T5Family()

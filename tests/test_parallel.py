@@ -197,7 +197,8 @@ def test_phase_library_composes_to_the_reference_model(reference):
     """PhaseBodies.loss (the fused executor's composition of the phase bodies) equals the pure model,
     loss and gradients, on one device; with recompute every layer's backward is block_backward (without,
     autodiff's: see test_unrolled_layers_equal_the_scan)."""
-    from graphs.phases import DECODER, PhaseBodies, micro_key
+    from graphs.phases import PhaseBodies, micro_key
+    from modelling.t5 import DECODER
 
     host, batch, _ = reference
     cfg = tiny(micro_batch_size=8, recompute=True, dropout_prob=0.1)
@@ -216,7 +217,7 @@ def test_phase_library_composes_to_the_reference_model(reference):
     p0 = jax.tree.map(lambda w: w[1], params["decoder"]["layers"])
     x = jax.random.normal(jax.random.key(1), (8, mb["decoder_input_ids"].shape[1], cfg.model.hidden_size))
     enc = jax.random.normal(jax.random.key(2), (8, mb["input_ids"].shape[1], cfg.model.hidden_size))
-    sb, cb = bodies.biases(DECODER, params["decoder"]["relpos"], mb, x.shape[1])
+    sb, cb = bodies.context(DECODER, {"relpos": params["decoder"]["relpos"]}, mb, x.shape[1])
     dy = jax.random.normal(jax.random.key(3), x.shape)
     got = jax.jit(lambda: bodies.block_backward(DECODER, p0, x, sb, cb, enc, key, dy))()
     want = jax.jit(lambda: jax.vjp(lambda p, x_, b, e: bodies.block(DECODER, p, x_, b, cb, e, key),

@@ -1,4 +1,4 @@
-"""Model FLOPs of an encoder-decoder T5 step, and peak FLOP/s of known devices."""
+"""Model FLOPs of a training step (T5's encoder-decoder, GPT-J's causal stack), and peak FLOP/s of known devices."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ def forward_flops_per_sample(m, encoder_length: int, decoder_length: int) -> int
     cross scores and context (decoder x encoder), feed-forward. Plus the LM head.
     """
     d, f, hk, V, n = m.hidden_size, m.d_ff, m.attention.heads * m.attention.d_kv, m.embedding.vocab_size, m.layers
+    if m.family == "gptj":  # one causal stack over the encoder length: q/k/v/o, scores and context, MLP, head
+        Lc = encoder_length
+        return n * 2 * (4 * Lc * d * hk + 2 * Lc * Lc * hk + 2 * Lc * d * f) + 2 * Lc * d * V
     ff_mats = 3 if m.feed_forward_proj == "gated-gelu" else 2
     Le, Ld = encoder_length, decoder_length
     enc = 2 * (4 * Le * d * hk + 2 * Le * Le * hk + ff_mats * Le * d * f)

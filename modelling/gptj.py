@@ -1,0 +1,492 @@
+"""GPT-J as a model family: one causal stack, as Hugging Face's ``GPTJForCausalLM`` defines it.
+
+    x = wte[ids]                                      (shared [V, d]; no position embedding)
+    layer:  h = LayerNorm(x);  x = x + attn(h) + mlp(h)          (attention and MLP in parallel)
+        attn: q, k, v = h W_q, h W_k, h W_v (no biases); rotary position embedding on the first
+              ``rotary_dim`` dims of each head of q and k, in interleaved pairs (GPT-J's
+              rotate_every_two); softmax(q k^T / sqrt(d_kv) + causal mask) v, in float32; W_o
+        mlp:  gelu_new(h W_in + b_in) W_out + b_out
+    head:   LayerNorm (final_norm) -> lm_head [d, V] + bias -> logits (float32)
+
+Tensor parallelism (Megatron, as T5's): heads split over tp (q/k/v column-parallel, o row-parallel),
+the MLP's inner dim split (fc_in and its bias column-parallel, fc_out row-parallel, its bias added
+once after the all-reduce), the vocabulary split (embedding rows, LM-head columns and bias);
+rotary embeddings act within a head, so each device applies them to its own heads unchanged.
+
+Batches hold ``input_ids``, ``attention_mask`` (segment ids: 1, 2, ... per example of a packed row,
+0 padding), ``positions`` (restarting at 0 per example; rotary positions), and ``labels`` (the next
+token at each position, -100 where no loss is taken). Attention never crosses a segment; the
+original's "concat" rows are one segment of consecutive positions.
+
+Parameter tree (modelling/family.py's common top level): ``shared``, ``lm_head``, ``lm_head_bias``,
+``decoder`` {``layers`` {norm, norm_bias, q, k, v, o, fc_in, fc_in_bias, fc_out, fc_out_bias},
+``final_norm``, ``final_norm_bias``}.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from modelling import family as fam
+from modelling import layers as L
+from modelling.family import ModelOptions, Stack
+from modelling.params import ParamSpec, padded_vocab
+from modelling.tp import identical_grad_inputs, identical_inputs, tp_index
+
+F32 = jnp.float32
+EMBED, LAYERS, HEAD = 10, 11, 30  # dropout streams (modelling/family.py's convention)
+ATTN_PROBS, ATTN_OUT, FF_OUT = 1, 2, 6  # inside a block, after the layer index
+TP_SHARD = 1000
+DENSE = ("q", "k", "v", "o", "fc_in", "fc_out")
+
+STACK = Stack("decoder", "input_ids", ("attention_mask", "positions"), EMBED, LAYERS, "x_buffer")
+
+
+def keeps_f32(name: str) -> bool:
+    """LayerNorm weights and biases stay float32 in the compute copy of the weights."""
+    return name.endswith("norm") or name.endswith("norm_bias")
+
+
+# --------------------------------------------------------------------------- parameter specs
+
+
+def param_specs(m, tensor_parallel: int = 1) -> dict:
+    """The spec tree of a GPT-J model (initialisers: normal(0.02), biases 0, norms 1, as HF's)."""
+    V = padded_vocab(m.embedding.vocab_size, tensor_parallel)
+    L_, d, f = m.layers, m.hidden_size, m.d_ff
+    h, kv = m.attention.heads, m.attention.d_kv
+    std = 0.02
+    layers = {
+        "norm": ParamSpec((L_, d), ("layers", "embed")),
+        "norm_bias": ParamSpec((L_, d), ("layers", "embed"), 0.0),
+        "q": ParamSpec((L_, d, h, kv), ("layers", "embed", "heads", "kv"), std),
+        "k": ParamSpec((L_, d, h, kv), ("layers", "embed", "heads", "kv"), std),
+        "v": ParamSpec((L_, d, h, kv), ("layers", "embed", "heads", "kv"), std),
+        "o": ParamSpec((L_, h, kv, d), ("layers", "heads", "kv", "embed"), std),
+        "fc_in": ParamSpec((L_, d, f), ("layers", "embed", "mlp"), std),
+        "fc_in_bias": ParamSpec((L_, f), ("layers", "mlp"), 0.0),
+        "fc_out": ParamSpec((L_, f, d), ("layers", "mlp", "embed"), std),
+        "fc_out_bias": ParamSpec((L_, d), ("layers", "embed"), 0.0),
+    }
+    return {
+        "shared": ParamSpec((V, d), ("vocab", "embed"), std),
+        "decoder": {"layers": layers, "final_norm": ParamSpec((d,), ("embed",)),
+                    "final_norm_bias": ParamSpec((d,), ("embed",), 0.0)},
+        "lm_head": ParamSpec((d, V), ("embed", "vocab"), std),
+        "lm_head_bias": ParamSpec((V,), ("vocab",), 0.0),
+    }
+
+
+# --------------------------------------------------------------------------- rotary position embedding
+
+
+def rotary_tables(positions: jax.Array, rotary_dim: int, base: float = 10000.0) -> tuple:
+    """(sin, cos) of GPT-J's rotary embedding. positions int [b, l] -> each float32 [b, l, rotary_dim // 2]."""
+    inv_freq = 1.0 / (base ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
+    angles = positions.astype(F32)[..., None] * jnp.asarray(inv_freq, F32)
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotary embedding on the first ``2 * sin.shape[-1]`` dims of each head, pairs (2i, 2i + 1) rotated
+    together (GPT-J's interleaving). x [b, l, h, kv], sin/cos [b, l, r/2] -> [b, l, h, kv] in x's dtype."""
+    r = 2 * sin.shape[-1]
+    rot, rest = x[..., :r].astype(F32), x[..., r:]
+    s = jnp.repeat(sin, 2, axis=-1)[:, :, None, :]
+    c = jnp.repeat(cos, 2, axis=-1)[:, :, None, :]
+    pairs = rot.reshape(*rot.shape[:-1], r // 2, 2)
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(rot.shape)  # rotate_every_two
+    out = (rot * c + rotated * s).astype(x.dtype)
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def _sharded_rng(rng, tp_axis, *data):
+    return None if rng is None else fam.rng(rng, *data, tp_index(tp_axis) + TP_SHARD)
+
+
+def embeddings(shared: jax.Array, ids: jax.Array, opts: ModelOptions, tp_axis: Optional[str], rng=None) -> jax.Array:
+    """shared [Vl, d], ids int [b, l] -> float32 [b, l, d] identical over tp (wte, then embedding dropout)."""
+    return L.dropout(L.embed(shared, ids, tp_axis), opts.dropout_prob, rng)
+
+
+def context(meta: dict, length: int, opts: ModelOptions) -> tuple:
+    """(attention bias float32 [b, 1, l, l]: causal and within a segment, (sin, cos) [b, l, r/2]) of a batch.
+
+    meta: attention_mask int [b, l] (segment ids, 0 padding) and positions int [b, l] (arange if absent)."""
+    mask = meta["attention_mask"]
+    positions = meta.get("positions")
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(length), mask.shape)
+    bias = L.causal_mask_bias(length, length) + L.segment_mask_bias(mask, mask)
+    return bias, rotary_tables(positions, opts.rotary_dim or opts.d_kv, opts.rotary_base)
+
+
+def attention_qkv(p: dict, h: jax.Array, rot: tuple, tp_axis: Optional[str]) -> tuple:
+    """q, k, v [b, l, h, kv] of a normed input h [b, l, d] (identical over tp), rotary applied to q and k."""
+    h = identical_inputs(h, tp_axis)
+    q = L.project_q(p, h)
+    k, v = L.project_kv(p, h)
+    sin, cos = rot
+    return apply_rotary(q, sin, cos), apply_rotary(k, sin, cos), v
+
+
+def mlp(p: dict, h: jax.Array, tp_axis: Optional[str], scale_ff: int = 1, dropout_rate: float = 0.0,
+        rng=None) -> jax.Array:
+    """gelu_new(h W_in + b_in) W_out + b_out, inner dim split over tp. h [b, l, d] -> float32 [b, l, d]."""
+    h = identical_inputs(h, tp_axis)
+    lead = h.shape[:-1]
+    x = h.reshape(-1, h.shape[-1])
+    a = jax.nn.gelu(L.dense(x, p["fc_in"]) + p["fc_in_bias"].astype(p["fc_in"].dtype), approximate=True)
+    if scale_ff != 1:
+        a = a / scale_ff
+    out = L.dense(a, p["fc_out"], f32_out=True)
+    if scale_ff != 1:
+        out = out * scale_ff
+    out = identical_grad_inputs(out.reshape(*lead, out.shape[-1]), tp_axis)
+    return L.dropout(out + p["fc_out_bias"].astype(F32), dropout_rate, rng)  # the bias once, after the all-reduce
+
+
+def block(p: dict, x: jax.Array, ctx: tuple, opts: ModelOptions, tp_axis: Optional[str], rng=None) -> jax.Array:
+    """One GPT-J layer. x float32 [b, l, d]; ctx: ``context``'s -> float32 [b, l, d], identical over tp."""
+    bias, rot = ctx
+    rate, dt = opts.dropout_prob, opts.compute_dtype
+    h = L.layer_norm(x, p["norm"], p["norm_bias"], opts.eps).astype(dt)
+    q, k, v = attention_qkv(p, h, rot, tp_axis)
+    kv = q.shape[-1]
+    a = L.attend_serialised(q, k, v, bias, opts.attention_serialisation, rate,
+                            _sharded_rng(rng, tp_axis, ATTN_PROBS), opts.attention_impl, scale=kv ** -0.5)
+    a = L.dropout(L.attention_output(p, a, tp_axis), rate, fam.rng(rng, ATTN_OUT))
+    f = mlp(p, h, tp_axis, opts.scale_ff, rate, fam.rng(rng, FF_OUT))
+    return x + a + f
+
+
+def head_logits(params: dict, x: jax.Array, opts: ModelOptions, tp_axis: Optional[str], rng=None) -> jax.Array:
+    """Final LayerNorm + LM head with bias. x float32 [b, l, d] -> float32 logits [b, l, Vl] (vocab-sharded)."""
+    dec = params["decoder"]
+    h = L.dropout(L.layer_norm(x, dec["final_norm"], dec["final_norm_bias"], opts.eps), 0.0, rng)
+    return L.lm_logits(h.astype(opts.compute_dtype), params["lm_head"], tp_axis, opts.vocab_size,
+                       params["lm_head_bias"])
+
+
+def head(params: dict, x, labels, opts: ModelOptions, tp_axis: Optional[str], rng=None) -> jax.Array:
+    """Head phase with the loss: -> sum of token cross entropies (labels -100 ignored)."""
+    return L.cross_entropy_sum(head_logits(params, x, opts, tp_axis, rng), labels, tp_axis)
+
+
+def cast_params(params: dict, dtype) -> dict:
+    return fam.cast_params(params, dtype, keeps_f32)
+
+
+# --------------------------------------------------------------------------- whole model (reference composition)
+
+
+def hidden(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
+    """Every layer on a batch -> float32 [b, l, d] (before the final norm). params: cast to the compute dtype."""
+    dec = params["decoder"]
+    ids = batch["input_ids"]
+    x = embeddings(params["shared"], ids, opts, tp_axis, fam.rng(rng, EMBED))
+    ctx = context({k: batch[k] for k in STACK.meta if k in batch}, ids.shape[1], opts)
+    r_layers = fam.rng(rng, LAYERS)
+
+    def body(x, inputs):
+        p, i = inputs
+        return block(p, x, ctx, opts, tp_axis, None if r_layers is None else jax.random.fold_in(r_layers, i)), None
+
+    n = dec["layers"]["q"].shape[0]
+    return lax.scan(body, x, (dec["layers"], jnp.arange(n)))[0]
+
+
+def forward(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
+    """Full model -> float32 logits [b, l, Vl] (this device's vocab slice)."""
+    p = cast_params(params, opts.compute_dtype)
+    return head_logits(p, hidden(p, batch, opts, tp_axis, rng), opts, tp_axis)
+
+
+def loss_sum(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
+    """Sum of token cross entropies of a batch (labels: the next token at each position, -100 ignored)."""
+    p = cast_params(params, opts.compute_dtype)
+    return head(p, hidden(p, batch, opts, tp_axis, rng), batch["labels"], opts, tp_axis, fam.rng(rng, HEAD))
+
+
+# --------------------------------------------------------------------------- greedy decoding with a KV cache
+
+
+def generate(params: dict, input_ids: jax.Array, attention_mask: jax.Array, opts: ModelOptions, max_new_tokens: int,
+             tp_axis: Optional[str] = None, eos_id: int = 50256, pad_id: int = 50256, cached: bool = True) -> jax.Array:
+    """Greedy continuation of left-padded prompts. ids/mask [b, k] (padding on the left, as for HF ``generate``
+    of a decoder-only model) -> int32 tokens [b, max_new_tokens]; a row stops at ``eos_id`` (kept) and is padded
+    with ``pad_id`` after it.
+
+    The prompt runs once (prefill), filling a [b, h, k + max_new_tokens, kv] cache per layer; each new token
+    then attends to the cache. Rotary positions count real tokens only (padding is not a position), as HF's
+    ``generate`` derives them from the attention mask. ``cached=False`` re-runs the whole sequence per token
+    (the reference)."""
+    if not cached:
+        return generate_uncached(params, input_ids, attention_mask, opts, max_new_tokens, tp_axis, eos_id, pad_id)
+    p = cast_params(params, opts.compute_dtype)
+    dec, dt = p["decoder"], opts.compute_dtype
+    rows = [jax.tree.map(lambda w, i=i: w[i], dec["layers"]) for i in range(dec["layers"]["q"].shape[0])]
+    b, k = input_ids.shape
+    total = k + max_new_tokens
+    mask = attention_mask.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    head_dim = rows[0]["q"].shape[-1]
+    rd = opts.rotary_dim or head_dim
+    # keys: the prompt's real tokens, then the generated ones as they come
+    key_ok = jnp.concatenate([mask > 0, jnp.zeros((b, max_new_tokens), bool)], axis=1)
+
+    # ---- prefill
+    x = embeddings(p["shared"], input_ids, opts, tp_axis)
+    bias = L.causal_mask_bias(k, k) + jnp.where(mask[:, None, None, :] > 0, 0.0, L.MASK_VALUE)
+    rot = rotary_tables(positions, rd, opts.rotary_base)
+    caches = []
+    for lp in rows:
+        h = L.layer_norm(x, lp["norm"], lp["norm_bias"], opts.eps).astype(dt)
+        q, kk, v = attention_qkv(lp, h, rot, tp_axis)
+        a = L.attend(q, kk, v, bias, scale=head_dim ** -0.5)
+        x = x + L.attention_output(lp, a, tp_axis) + mlp(lp, h, tp_axis, opts.scale_ff)
+        pad = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0))
+        caches.append((jnp.pad(jnp.transpose(kk, (0, 2, 1, 3)), pad), jnp.pad(jnp.transpose(v, (0, 2, 1, 3)), pad)))
+    logits = head_logits(p, x[:, -1:], opts, tp_axis)[:, 0]
+    first = _greedy(logits, tp_axis)
+    next_pos = positions[:, -1] + 1
+
+    def step(token, i, caches, key_ok):
+        """Token at cache column k + i -> (logits [b, Vl], caches, key_ok)."""
+        col = k + i
+        key_ok = lax.dynamic_update_slice_in_dim(key_ok, jnp.ones((b, 1), bool), col, axis=1)
+        bias = jnp.where(key_ok, 0.0, L.MASK_VALUE)[:, None, None, :]
+        rot = rotary_tables((next_pos + i)[:, None], rd, opts.rotary_base)
+        y = embeddings(p["shared"], token[:, None], opts, tp_axis)
+        new = []
+        for lp, (k_c, v_c) in zip(rows, caches):
+            h = L.layer_norm(y, lp["norm"], lp["norm_bias"], opts.eps).astype(dt)
+            q, kk, v = attention_qkv(lp, h, rot, tp_axis)
+            k_c = lax.dynamic_update_slice_in_dim(k_c, jnp.transpose(kk, (0, 2, 1, 3)).astype(k_c.dtype), col, axis=2)
+            v_c = lax.dynamic_update_slice_in_dim(v_c, jnp.transpose(v, (0, 2, 1, 3)).astype(v_c.dtype), col, axis=2)
+            scores = jnp.einsum("bqhd,bhkd->bhqk", q, k_c, preferred_element_type=F32) * head_dim ** -0.5 + bias
+            probs = jax.nn.softmax(scores, axis=-1)
+            a = jnp.einsum("bhqk,bhkd->bqhd", probs.astype(v_c.dtype), v_c)
+            y = y + L.attention_output(lp, a, tp_axis) + mlp(lp, h, tp_axis, opts.scale_ff)
+            new.append((k_c, v_c))
+        return head_logits(p, y, opts, tp_axis)[:, 0], new, key_ok
+
+    def cond(carry):
+        i, _, _, _, _, done = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        i, token, out, caches, key_ok, done = carry
+        logits, caches, key_ok = step(token, i - 1, caches, key_ok)
+        nxt = jnp.where(done, pad_id, _greedy(logits, tp_axis))
+        out = lax.dynamic_update_slice_in_dim(out, nxt[:, None], i, axis=1)
+        return i + 1, nxt, out, caches, key_ok, done | (nxt == eos_id)
+
+    out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    init = (jnp.int32(1), first, out, caches, key_ok, first == eos_id)
+    return lax.while_loop(cond, body, init)[2]
+
+
+def generate_uncached(params, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None, eos_id=50256,
+                      pad_id=50256) -> jax.Array:
+    """Reference greedy decoding: the whole (left-padded) sequence re-run for every new token."""
+    p = cast_params(params, opts.compute_dtype)
+    ids, mask = input_ids, attention_mask.astype(jnp.int32)
+    b = ids.shape[0]
+    done = jnp.zeros((b,), bool)
+    out = []
+    for _ in range(max_new_tokens):
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        x = hidden(p, {"input_ids": ids, "attention_mask": mask, "positions": positions}, opts, tp_axis)
+        nxt = jnp.where(done, pad_id, _greedy(head_logits(p, x[:, -1:], opts, tp_axis)[:, 0], tp_axis))
+        out.append(nxt)
+        done = done | (nxt == eos_id)
+        ids = jnp.concatenate([ids, nxt[:, None]], axis=1)
+        mask = jnp.concatenate([mask, jnp.ones((b, 1), jnp.int32)], axis=1)
+    return jnp.stack(out, axis=1)
+
+
+def _greedy(logits, tp_axis):
+    from modelling.decoding import greedy_token
+
+    return greedy_token(logits, tp_axis)
+
+
+# --------------------------------------------------------------------------- Hugging Face mapping
+
+
+def config_from_hf(hf) -> "object":
+    """Our ModelConfig from an HF GPT-J config (dict form)."""
+    from config.config import ModelConfig
+    from modelling.hf_mapping import CheckpointError
+
+    act = hf.get("activation_function", "gelu_new")
+    if act != "gelu_new":
+        raise CheckpointError(f"GPT-J activation_function {act!r} is not supported (gelu_new)")
+    m = ModelConfig()
+    m.family = "gptj"
+    m.layers, m.hidden_size = hf["n_layer"], hf["n_embd"]
+    m.d_ff = hf.get("n_inner") or 4 * hf["n_embd"]
+    m.attention.heads = hf["n_head"]
+    m.attention.d_kv = hf["n_embd"] // hf["n_head"]
+    m.attention.rotary_dim = hf.get("rotary_dim") or 0
+    m.embedding.vocab_size = hf["vocab_size"]
+    m.eps = hf.get("layer_norm_epsilon", 1e-5)
+    m.tie_word_embeddings = False
+    return m
+
+
+def hf_config_dict(m) -> dict:
+    """An HF GPT-J config dict (config.json) for our ModelConfig."""
+    return {
+        "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
+        "vocab_size": m.embedding.vocab_size, "n_positions": max(m.sequence_length, 2048), "n_embd": m.hidden_size,
+        "n_layer": m.layers, "n_head": m.attention.heads, "rotary_dim": m.attention.rotary_dim or None,
+        "n_inner": m.d_ff, "activation_function": "gelu_new", "layer_norm_epsilon": m.eps,
+        "resid_pdrop": m.dropout_prob, "embd_pdrop": m.dropout_prob, "attn_pdrop": m.dropout_prob,
+        "initializer_range": 0.02, "bos_token_id": 50256, "eos_token_id": 50256, "tie_word_embeddings": False,
+    }
+
+
+def _layer_keys(i: int) -> dict:
+    s = f"transformer.h.{i}"
+    return {"norm": f"{s}.ln_1.weight", "norm_bias": f"{s}.ln_1.bias", "q": f"{s}.attn.q_proj.weight",
+            "k": f"{s}.attn.k_proj.weight", "v": f"{s}.attn.v_proj.weight", "o": f"{s}.attn.out_proj.weight",
+            "fc_in": f"{s}.mlp.fc_in.weight", "fc_in_bias": f"{s}.mlp.fc_in.bias",
+            "fc_out": f"{s}.mlp.fc_out.weight", "fc_out_bias": f"{s}.mlp.fc_out.bias"}
+
+
+def params_from_hf(sd, m, tensor_parallel: int = 1) -> dict:
+    """Our float32 GPT-J tree from an HF state dict (numpy arrays or torch tensors). HF Linear weights are
+    [out, in]: q/k/v [d, h, kv] = W.T.reshape; o [h, kv, d] = W.T.reshape; fc_in/fc_out/lm_head = W.T."""
+    from modelling.hf_mapping import CheckpointError
+
+    def get(key):
+        if key not in sd:
+            raise CheckpointError(f"weight {key} is missing from the checkpoint: is it a GPT-J checkpoint of this size?")
+        v = sd[key]
+        if hasattr(v, "detach"):
+            v = v.detach().float().cpu().numpy()
+        return np.asarray(v, dtype=np.float32)
+
+    h, kv = m.attention.heads, m.attention.d_kv
+    V = padded_vocab(m.embedding.vocab_size, tensor_parallel)
+
+    def pad(w, axis):
+        widths = [(0, 0)] * w.ndim
+        widths[axis] = (0, V - w.shape[axis])
+        if widths[axis][1] < 0:
+            raise CheckpointError(f"checkpoint vocab {w.shape[axis]} is larger than vocab_size {m.embedding.vocab_size}")
+        return np.pad(w, widths)
+
+    def ours(name, w):
+        if name in ("q", "k", "v"):
+            return w.T.reshape(w.shape[1], h, kv)
+        if name == "o":
+            return w.T.reshape(h, kv, w.shape[0])
+        return w.T if name in ("fc_in", "fc_out") else w
+
+    per_layer = [_layer_keys(i) for i in range(m.layers)]
+    layers = {n: np.stack([ours(n, get(keys[n])) for keys in per_layer]) for n in per_layer[0]}
+    return {
+        "shared": pad(get("transformer.wte.weight"), 0),
+        "decoder": {"layers": layers, "final_norm": get("transformer.ln_f.weight"),
+                    "final_norm_bias": get("transformer.ln_f.bias")},
+        "lm_head": pad(get("lm_head.weight").T, 1),
+        "lm_head_bias": pad(get("lm_head.bias"), 0),
+    }
+
+
+def hf_state_dict(params: dict, m) -> dict:
+    """HF state dict (numpy float32) from our GPT-J tree; padded vocab is stripped."""
+    V = m.embedding.vocab_size
+    g = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
+    dec = params["decoder"]
+
+    def theirs(name, w):
+        if name in ("q", "k", "v"):
+            return w.reshape(w.shape[0], -1).T
+        if name == "o":
+            return w.reshape(-1, w.shape[-1]).T
+        return w.T if name in ("fc_in", "fc_out") else w
+
+    sd = {"transformer.wte.weight": g(params["shared"])[:V], "transformer.ln_f.weight": g(dec["final_norm"]),
+          "transformer.ln_f.bias": g(dec["final_norm_bias"]),
+          "lm_head.weight": np.ascontiguousarray(g(params["lm_head"])[:, :V].T),
+          "lm_head.bias": g(params["lm_head_bias"])[:V]}
+    for i in range(m.layers):
+        for name, key in _layer_keys(i).items():
+            sd[key] = np.ascontiguousarray(theirs(name, g(dec["layers"][name][i])))
+    return sd
+
+
+# --------------------------------------------------------------------------- the family, as the engine sees it
+
+
+class GPTJFamily:
+    """GPT-J: one causal stack with parallel attention and MLP (modelling/family.py)."""
+
+    name = "gptj"
+    stacks = (STACK,)
+    head_stream = HEAD
+    batch_keys = ("input_ids", "attention_mask", "positions", "labels")
+    left_pad_prompts = True  # decoding continues the prompt: prompts are right-aligned
+
+    param_specs = staticmethod(param_specs)
+    keeps_f32 = staticmethod(keeps_f32)
+
+    @staticmethod
+    def batch_lengths(cfg) -> dict:
+        """{batch key: row length} of a training batch: one sequence of sequence_length tokens."""
+        return {k: cfg.model.sequence_length for k in GPTJFamily.batch_keys}
+
+    @staticmethod
+    def decays(name: str) -> bool:
+        """Weight decay on matmul weights and the embedding: not on norms or biases."""
+        return not (keeps_f32(name) or name.endswith("_bias"))
+
+    @staticmethod
+    def is_dense(name: str) -> bool:
+        return name in DENSE
+
+    @staticmethod
+    def head_paths(opts) -> tuple:
+        return (("decoder", "final_norm"), ("decoder", "final_norm_bias"), ("lm_head",), ("lm_head_bias",))
+
+    @staticmethod
+    def embeddings(shared, ids, opts, tp_axis, rng=None):
+        return embeddings(shared, ids, opts, tp_axis, rng)
+
+    @staticmethod
+    def context(stack, ctx_w, meta, length, opts):
+        """(GPT-J's context: attention bias and rotary tables, no cross context); it reads no weights."""
+        return context(meta, length, opts), None
+
+    @staticmethod
+    def block(stack, p, x, self_ctx, cross_ctx, enc, opts, tp_axis, rng=None):
+        return block(p, x, self_ctx, opts, tp_axis, rng)
+
+    @staticmethod
+    def stack_output(stack, w, x, opts, rng=None):
+        raise NotImplementedError("GPT-J's stack has no output norm: its final norm is the head's")
+
+    @staticmethod
+    def head_loss(head_p, x, labels, opts, tp_axis, rng=None):
+        return head(head_p, x, labels, opts, tp_axis, rng)
+
+    generate = staticmethod(generate)
+    model_config_from_hf = staticmethod(config_from_hf)
+    params_from_hf = staticmethod(params_from_hf)
+    hf_state_dict = staticmethod(hf_state_dict)
+    hf_config_dict = staticmethod(hf_config_dict)
+
+
+FAMILY = GPTJFamily()

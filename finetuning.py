@@ -36,75 +36,57 @@ def extra_flags(p):
                         "on average with a long tail) or uniform (in [L/2, L]: rows mostly full)")
 
 
-@entry
-def main(argv=None) -> dict:
-    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags,
-                             defaults={"steps": 10})  # a benchmark's default; --steps for more
-    if cfg.training.steps <= args.warmup_iterations:
-        die(f"steps={cfg.training.steps} must exceed --warmup_iterations={args.warmup_iterations}: pass a larger --steps")
-    ensure_host_devices(cfg.devices)
-    ensure_pinned_host_memory(cfg.execution.phased)
-    setup_jax()
-    primary = is_main_process()
-
-    import jax
-
-    from data.generated import generated_batch
-    from data.packing import batch_stats
-    from graphs.graphs import Graphs
-    from utils.bench import live_device_bytes, median, peak_device_bytes, program_bytes, write_json
-    from modelling.params import count_params
-    from utils.flops import peak_tflops, train_flops_per_sample
-
-    g = Graphs(cfg)
+def build(cfg):
+    """The executor of the preset (fused or phased), checked to fit this machine."""
     from graphs.executor import make_executor
+    from graphs.graphs import Graphs
+    from graphs.plan import check_fits
 
-    from graphs.plan import check_fits, plan
-
-    executor = make_executor(g)
-    if args.plan:
-        print(plan(executor, exact=True).format())
-        return {}
+    executor = make_executor(Graphs(cfg))
     check_fits(executor, cfg)
-    state = executor.init_state()
-    host_batches = [generated_batch(cfg, seed=i, lengths=args.lengths) for i in range(2)]
-    stats = [batch_stats(b) for b in host_batches]
-    batches = [g.shard_batch(b) for b in host_batches]
+    return executor
+
+
+def time_steps(executor, state, batches: list, steps: int, warmup: int, show: bool) -> tuple:
+    """Runs ``steps`` optimizer steps over the batches in turn -> (state, timed step seconds (after ``warmup``),
+    losses, the first step's seconds (compilation included))."""
     times, losses, compile_s = [], [], None
-    for step in range(cfg.training.steps):
+    for step in range(steps):
         t0 = time.perf_counter()
-        state, metrics = executor.train_step(state, batches[step % 2])
+        state, metrics = executor.train_step(state, batches[step % len(batches)])
         loss = float(metrics["loss"])  # blocks until the step is done
         dt = time.perf_counter() - t0
-        if step == 0:
-            compile_s = dt
-        if step >= args.warmup_iterations:
+        compile_s = dt if step == 0 else compile_s
+        if step >= warmup:
             times.append(dt)
         losses.append(loss)
-        if primary:
-            print(f"step {step + 1}/{cfg.training.steps} loss {loss:.5f} time {dt * 1e3:.1f} ms", flush=True)
+        if show:
+            print(f"step {step + 1}/{steps} loss {loss:.5f} time {dt * 1e3:.1f} ms", flush=True)
+    return state, times, losses, compile_s
 
-    # device bytes, outside the timed steps: live device arrays + compiled temporaries
-    if cfg.execution.phased:
-        from graphs.phased import PhaseMemory
 
-        executor.memory = PhaseMemory()
-        state, _ = executor.train_step(state, batches[0])
-        estimate, by_phase = executor.memory.peak, executor.memory.by_phase
-    else:
-        rng = jax.random.key_data(jax.random.key(0))
-        analysis = executor.train_step_program(state).lower(state, batches[0], rng).compile().memory_analysis()
-        estimate, by_phase = program_bytes(analysis, max(live_device_bytes().values() or [0])), None
-
-    if args.profile:
+def measure(executor, state, batch, profile_dir, primary: bool) -> tuple:
+    """(state, device bytes of a step, {phase: bytes} or None), outside the timed steps; with ``profile_dir`` one
+    more step traced by the JAX profiler (process 0 traces its devices)."""
+    state, estimate, by_phase = executor.memory_report(state, batch)
+    if profile_dir:
         from utils.profile import trace
 
         def one_step():
             nonlocal state
-            state, m = executor.train_step(state, batches[0])
+            state, m = executor.train_step(state, batch)
             float(m["loss"])
 
-        trace(args.profile, one_step) if primary else one_step()  # process 0 traces its devices
+        trace(profile_dir, one_step) if primary else one_step()
+    return state, estimate, by_phase
+
+
+def make_report(cfg, args, executor, stats: list, times: list, losses: list, compile_s: float, estimate: int,
+                by_phase) -> dict:
+    """The benchmark's figures: throughput in rows, examples and tokens, model FLOP/s and MFU, memory."""
+    from modelling.params import count_params
+    from utils.bench import device_header, median, peak_device_bytes
+    from utils.flops import peak_tflops, train_flops_per_sample
 
     samples = cfg.training.global_batch_size  # rows of sequence_length tokens
     dec_len = 0 if cfg.model.family == "gptj" else cfg.decoder_row_length  # a causal LM has one sequence
@@ -114,13 +96,11 @@ def main(argv=None) -> dict:
     step_s = median(times)
     flops = train_flops_per_sample(cfg.model, cfg.model.sequence_length, dec_len) * samples
     tflops = flops / step_s / 1e12
-    kind = jax.devices()[0].device_kind
-    peak = peak_tflops(kind, args.peak_tflops)
-    report = {
-        "config": args.config, "device_kind": kind, "devices": cfg.devices,
-        "data_parallel": cfg.execution.data_parallel, "tensor_parallel": cfg.execution.tensor_parallel,
-        "precision": cfg.model.precision, "parameters": count_params(g.specs), "global_batch_size": samples,
-        "encoder_length": cfg.model.sequence_length, "decoder_length": dec_len,
+    header = device_header(cfg, args.config)
+    peak = peak_tflops(header["device_kind"], args.peak_tflops)
+    return {
+        **header, "family": cfg.model.family, "parameters": count_params(executor.g.specs),
+        "global_batch_size": samples, "encoder_length": cfg.model.sequence_length, "decoder_length": dec_len,
         "packing": cfg.data.packing, "lengths": args.lengths, "examples_per_step": examples,
         "packing_efficiency": sum(s["packing_efficiency"] for s in stats) / len(stats),
         "steps": cfg.training.steps, "timed_steps": len(times), "losses": losses,
@@ -132,15 +112,53 @@ def main(argv=None) -> dict:
         "phased": cfg.execution.phased, "peak_device_bytes": peak_device_bytes(),
         "device_bytes_estimate": estimate, "device_bytes_by_phase": by_phase,
     }
-    if not primary:  # process 0 of a multi-process run prints and writes the report
-        return report
-    print(f"median step {step_s * 1e3:.1f} ms | {report['samples_per_s']:.2f} samples (rows)/s | "
-          f"{report['examples_per_s']:.2f} examples/s ({examples:.0f} a step, "
+
+
+def print_report(report: dict, cfg) -> None:
+    tflops, estimate = report["model_tflops_per_s"], report["device_bytes_estimate"]
+    print(f"median step {report['median_step_s'] * 1e3:.1f} ms | {report['samples_per_s']:.2f} samples (rows)/s | "
+          f"{report['examples_per_s']:.2f} examples/s ({report['examples_per_step']:.0f} a step, "
           f"{'packed' if cfg.data.packing else 'padded'}, {report['packing_efficiency']:.0%} of token slots used) | "
-          f"{report['nonpad_tokens_per_s']:.0f} non-pad tokens/s | compile {compile_s:.1f} s | {tflops:.3f} model TFLOP/s"
-          + (f" | MFU {report['mfu']:.1%}" if peak else "")
+          f"{report['nonpad_tokens_per_s']:.0f} non-pad tokens/s | compile {report['compile_s']:.1f} s | "
+          f"{tflops:.3f} model TFLOP/s"
+          + (f" | MFU {report['mfu']:.1%}" if report["mfu"] else "")
           + (f" | peak device memory {report['peak_device_bytes'] / 2**30:.2f} GiB" if report["peak_device_bytes"] else "")
           + f" | device bytes (live arrays + XLA temporaries) {estimate / 2**30:.3f} GiB")
+
+
+@entry
+def main(argv=None) -> dict:
+    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags,
+                             defaults={"steps": 10})  # a benchmark's default; --steps for more
+    if cfg.training.steps <= args.warmup_iterations:
+        die(f"steps={cfg.training.steps} must exceed --warmup_iterations={args.warmup_iterations}: pass a larger --steps")
+    ensure_host_devices(cfg.devices)
+    ensure_pinned_host_memory(cfg.execution.phased)
+    setup_jax()
+    primary = is_main_process()
+
+    from data.generated import generated_batch
+    from data.packing import batch_stats
+    from utils.bench import write_json
+
+    if args.plan:
+        from graphs.executor import make_executor
+        from graphs.graphs import Graphs
+
+        print(make_executor(Graphs(cfg)).plan(exact=True).format())
+        return {}
+    executor = build(cfg)
+    state = executor.init_state()
+    host_batches = [generated_batch(cfg, seed=i, lengths=args.lengths) for i in range(2)]
+    stats = [batch_stats(b) for b in host_batches]
+    batches = [executor.g.shard_batch(b) for b in host_batches]
+    state, times, losses, compile_s = time_steps(executor, state, batches, cfg.training.steps,
+                                                 args.warmup_iterations, primary)
+    state, estimate, by_phase = measure(executor, state, batches[0], args.profile, primary)
+    report = make_report(cfg, args, executor, stats, times, losses, compile_s, estimate, by_phase)
+    if not primary:  # process 0 of a multi-process run prints and writes the report
+        return report
+    print_report(report, cfg)
     write_json(args.json, report)
     return report
 

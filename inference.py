@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     from data.generated import generated_batch
     from graphs import sharding as S
     from graphs.graphs import Graphs
-    from utils.bench import median, peak_device_bytes, write_json
+    from utils.bench import device_header, median, peak_device_bytes, write_json
 
     g = Graphs(cfg)
     n = cfg.inference.output_length
@@ -55,8 +55,12 @@ def main(argv=None) -> dict:
     b = g.dp * cfg.execution.micro_batch_size
     data = generated_batch(cfg, seed=0, packing=False)  # one prompt per row, as validation decodes
     L = cfg.model.sequence_length
-    ids = S.put_global(data["input_ids"].reshape(-1, L)[:b], rows)
-    mask = S.put_global(data["attention_mask"].reshape(-1, L)[:b], rows)
+    ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
+    if getattr(g.family, "left_pad_prompts", False):  # a causal LM continues each prompt from its last token
+        from data.packing import left_align
+
+        ids, mask = left_align(ids, mask)
+    ids, mask = S.put_global(ids, rows), S.put_global(mask, rows)
 
     t0 = time.perf_counter()
     jax.block_until_ready(gen(params, ids, mask))
@@ -81,8 +85,7 @@ def main(argv=None) -> dict:
     if per_token <= 0:  # below the timing noise (tiny models): the average over all tokens instead
         per_token = max(total - encoder, 1e-9) / n
     report = {
-        "config": args.config, "device_kind": jax.devices()[0].device_kind, "devices": cfg.devices,
-        "tensor_parallel": g.tp, "data_parallel": g.dp, "precision": cfg.model.precision, "batch_size": b,
+        **device_header(cfg, args.config), "family": cfg.model.family, "batch_size": b,
         "encoder_length": cfg.model.sequence_length, "output_length": n, "compile_s": compile_s,
         "encoder_s": encoder, "first_token_s": first, "generate_s": total,
         "decode_token_latency_s": per_token,

@@ -178,13 +178,91 @@ def diverged(step: int, loss: float, grad_norm: float, lr: float, cfg, last_save
                             f"{'; '.join(causes)}. Nothing of this step was saved ({kept})")
 
 
+class Saver:
+    """Checkpoints of a run: the stacked layout whichever executor ran (either one resumes from them), the data
+    position and the config; remembers the last one written (named when a run stops)."""
+
+    def __init__(self, cfg, executor, loader, start_step: int):
+        from utils import checkpoint as ckpt
+
+        self.cfg, self.executor, self.loader = cfg, executor, loader
+        self.mgr = ckpt.manager(cfg.checkpoint.save, cfg.checkpoint.to_keep) if cfg.checkpoint.save else None
+        self.last = f"{cfg.checkpoint.load} step {start_step}" if start_step else None
+
+    def save(self, step: int, state) -> None:
+        from config.config import to_dict
+        from utils import checkpoint as ckpt
+
+        cfg = self.cfg
+        meta = {"step": step, **self.loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg)}
+        stacked = self.executor.to_checkpoint(state)
+        ckpt.save(self.mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
+        self.last = f"{cfg.checkpoint.save}/{step}"
+
+    def wait(self) -> None:
+        if self.mgr:
+            self.mgr.wait_until_finished()
+
+
+class Progress:
+    """A progress bar on a terminal; in a cluster log (no terminal) a line every ``log_every`` steps and at least
+    once a minute, with the ETA. Process 0 of a multi-process run alone shows it."""
+
+    def __init__(self, start_step: int, total: int, primary: bool, log_every: int | None):
+        from tqdm import tqdm
+
+        self.terminal, self.primary, self.total, self.start = sys.stderr.isatty(), primary, total, start_step
+        self.every = log_every or max(total // 20, 1)
+        self.bar = tqdm(range(start_step, total), initial=start_step, total=total, desc="fine-tuning", unit="step",
+                        disable=not (primary and self.terminal))
+        self.t_start = self.t_logged = time.perf_counter()
+
+    def __iter__(self):
+        return iter(self.bar)
+
+    def update(self, done: int, loss: float, lr: float, rows_s: float, examples_s: float) -> None:
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", examples_s=f"{examples_s:.1f}")
+        now = time.perf_counter()
+        if self.primary and not self.terminal and (done % self.every == 0 or now - self.t_logged > 60
+                                                   or done == self.total):
+            eta = (now - self.t_start) / (done - self.start) * (self.total - done)
+            logger.info("step %d/%d loss %.4f lr %.2e %.1f samples/s %.1f examples/s ETA %s", done, self.total, loss,
+                        lr, rows_s, examples_s, _duration(eta))
+            self.t_logged = now
+
+
+def train_step(cfg, executor, loader, state, step: int, start_step: int) -> tuple:
+    """One step of the run -> (state, metrics, batch statistics); DivergedError past a non-finite loss."""
+    import jax
+
+    from data.packing import batch_stats
+
+    host_batch = loader.next_batch()
+    stats = batch_stats(host_batch)
+    if step == start_step:
+        rows = cfg.training.global_batch_size
+        logger.info("%d examples in the first batch of %d rows: %.1f per row, %.1f%% of the token slots used",
+                    stats["examples"], rows, stats["examples"] / rows, 100 * stats["packing_efficiency"])
+    rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
+    state, metrics = executor.train_step(state, executor.g.shard_batch(host_batch), rng)
+    return state, {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}, stats
+
+
+def stop_after_signal(signum: int, done: int, cfg, saver: Saver, state, tracker) -> None:
+    """Saves the finished step (with --save) and exits 128 + the signal's number, with one line."""
+    if saver.mgr:
+        saver.save(done, state)
+        saver.wait()
+    tracker.close()
+    where = f"saved {cfg.checkpoint.save}/{done}; resume with --load {cfg.checkpoint.save}" \
+        if saver.mgr else "nothing saved (no --save)"
+    print(f"{signal.Signals(signum).name}: stopped after step {done}: {where}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def train(cfg, args, executor, loader, state, start_step: int) -> None:
     """The training loop: steps, logging, periodic checkpoints, signals, and the non-finite stop."""
-    import jax
-    from tqdm import tqdm
-
     from config.config import to_dict
-    from data.packing import batch_stats
     from utils import checkpoint as ckpt
     from utils.cli import is_main_process
     from utils.tracking import Tracker
@@ -193,76 +271,37 @@ def train(cfg, args, executor, loader, state, start_step: int) -> None:
     run_dir = args.run_dir or cfg.checkpoint.save or os.path.join("runs", args.config)
     tracker = Tracker(run_dir, to_dict(cfg), args.wandb, args.wandb_name, resume_step=start_step, enabled=primary,
                       name=f"{args.config} ({os.path.basename(os.path.abspath(run_dir))})")
-    mgr = ckpt.manager(cfg.checkpoint.save, cfg.checkpoint.to_keep) if cfg.checkpoint.save else None
-    total, every = cfg.training.steps, checkpoint_every(cfg)
-    rows = cfg.training.global_batch_size
-    graphs = executor.g
-    last_saved = f"{cfg.checkpoint.load} step {start_step}" if start_step else None
-
-    def save(step):
-        nonlocal last_saved
-        meta = {"step": step, **loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg)}
-        # checkpoints hold the stacked layout whichever executor ran: either one resumes from them
-        stacked = executor.to_checkpoint(state)
-        ckpt.save(mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
-        last_saved = f"{cfg.checkpoint.save}/{step}"
-
-    terminal = sys.stderr.isatty()
-    log_every = args.log_every or max(total // 20, 1)
-    bar = tqdm(range(start_step, total), initial=start_step, total=total, desc="fine-tuning", unit="step",
-               disable=not (primary and terminal))
-    t_start = t_last = t_logged = time.perf_counter()
-    step = start_step
+    saver = Saver(cfg, executor, loader, start_step)
+    total, every, rows = cfg.training.steps, checkpoint_every(cfg), cfg.training.global_batch_size
+    progress = Progress(start_step, total, primary, args.log_every)
+    t_last = time.perf_counter()
     try:
         with StopSignals() as stop:
-            for step in bar:
-                host_batch = loader.next_batch()
-                stats = batch_stats(host_batch)
-                if step == start_step:
-                    logger.info("%d examples in the first batch of %d rows: %.1f per row, %.1f%% of the token slots "
-                                "used", stats["examples"], rows, stats["examples"] / rows,
-                                100 * stats["packing_efficiency"])
-                batch = graphs.shard_batch(host_batch)
-                rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
-                state, metrics = executor.train_step(state, batch, rng)
-                loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-                lr = graphs.learning_rate(step)
-                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                    raise diverged(step + 1, loss, grad_norm, lr, cfg, last_saved)
+            for step in progress:
+                state, m, stats = train_step(cfg, executor, loader, state, step, start_step)
+                lr = executor.g.learning_rate(step)
+                if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+                    raise diverged(step + 1, m["loss"], m["grad_norm"], lr, cfg, saver.last)
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
-                tracker.log(step + 1, {"loss": loss, "learning_rate": lr, "grad_norm": grad_norm,
-                                       "samples_per_s": rows / dt, "examples": stats["examples"],
-                                       "examples_per_s": stats["examples"] / dt,
-                                       "packing_efficiency": stats["packing_efficiency"]})
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", examples_s=f"{stats['examples'] / dt:.1f}")
                 done = step + 1
-                if primary and not terminal and (done % log_every == 0 or now - t_logged > 60 or done == total):
-                    eta = (now - t_start) / (done - start_step) * (total - done)
-                    logger.info("step %d/%d loss %.4f lr %.2e %.1f samples/s %.1f examples/s ETA %s", done, total,
-                                loss, lr, rows / dt, stats["examples"] / dt, _duration(eta))
-                    t_logged = now
+                tracker.log(done, {"loss": m["loss"], "learning_rate": lr, "grad_norm": m["grad_norm"],
+                                   "samples_per_s": rows / dt, "examples": stats["examples"],
+                                   "examples_per_s": stats["examples"] / dt,
+                                   "packing_efficiency": stats["packing_efficiency"]})
+                progress.update(done, m["loss"], lr, rows / dt, stats["examples"] / dt)
                 if stop.signum is not None:
-                    if mgr:
-                        save(done)
-                        mgr.wait_until_finished()
-                    tracker.close()
-                    where = f"saved {cfg.checkpoint.save}/{done}; resume with --load {cfg.checkpoint.save}" \
-                        if mgr else "nothing saved (no --save)"
-                    name = signal.Signals(stop.signum).name
-                    print(f"{name}: stopped after step {done}: {where}", file=sys.stderr, flush=True)
-                    raise SystemExit(128 + stop.signum)
-                if mgr and every and done % every == 0 and done < total:
-                    save(done)
+                    stop_after_signal(stop.signum, done, cfg, saver, state, tracker)
+                if saver.mgr and every and done % every == 0 and done < total:
+                    saver.save(done, state)
     except TrainingDiverged:
-        if mgr:
-            mgr.wait_until_finished()  # earlier checkpoints stay complete
+        saver.wait()  # earlier checkpoints stay complete
         tracker.close()
         raise
-    if mgr:
+    if saver.mgr:
         if start_step < total or not ckpt.saved_steps(cfg.checkpoint.save):
-            save(total)
-        mgr.wait_until_finished()
+            saver.save(total, state)
+        saver.wait()
         logger.info("saved %s/%d", cfg.checkpoint.save, total)
     tracker.close()
     logger.info("metrics and loss curve in %s", run_dir)

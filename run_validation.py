@@ -95,6 +95,7 @@ class Validator:
         from tqdm import tqdm
 
         from data.mnli import length_buckets
+        from data.packing import left_align
         from graphs.sharding import fetch, put_global
 
         lengths = feats["attention_mask"].sum(1)
@@ -107,9 +108,7 @@ class Validator:
             rows = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])  # fill the last batch
             ids, mask = feats["input_ids"][rows, :n], feats["attention_mask"][rows, :n]
             if self.left_pad:  # right-align each prompt: the generated tokens follow its last token
-                shift = n - mask.sum(1)
-                cols = (np.arange(n)[None, :] - shift[:, None]) % n
-                ids, mask = np.take_along_axis(ids, cols, 1), np.take_along_axis(mask, cols, 1)
+                ids, mask = left_align(ids, mask)
             ids, mask = put_global(ids, self.graphs.row_sharding), put_global(mask, self.graphs.row_sharding)
             tokens = fetch(self.generate(tokenizer)(params, ids, mask))[: len(idx)]
             for i, text in zip(idx, tokenizer.batch_decode(tokens, skip_special_tokens=True)):

@@ -1,4 +1,5 @@
-"""The two benchmark workloads in Hugging Face transformers + PyTorch, at the same shapes.
+"""The two benchmark workloads in Hugging Face transformers + PyTorch, at the same shapes (T5 or GPT-J: the
+preset's family).
 
     python3 benchmarks/hf_baseline.py train --config small --sequence_length 128 --global_batch_size 8 \
         --micro_batch_size 8 --precision float32 --json runs/hf_train.json
@@ -42,17 +43,19 @@ def extra_flags(p):
 
 
 def hf_model(cfg):
+    """The HF model of the preset's family (T5ForConditionalGeneration or GPTJForCausalLM), randomly initialised."""
     import torch
-    from transformers import T5Config, T5ForConditionalGeneration
+    import transformers
 
     from modelling.hf_mapping import hf_config_dict
 
     torch.manual_seed(cfg.model.seed)
     kw = hf_config_dict(cfg.model)
-    kw.pop("architectures"), kw.pop("model_type")
+    arch = kw.pop("architectures")[0]
+    config_cls = transformers.AutoConfig.for_model(kw.pop("model_type")).__class__
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(dev):  # initialised where it runs: an XL model is slow to initialise on the host
-        model = T5ForConditionalGeneration(T5Config(**kw))
+        model = getattr(transformers, arch)(config_cls(**kw))
     dtype = torch.float32 if dev == "cpu" else {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         cfg.model.precision, torch.float32)
     return model.to(dev, dtype), dev, dtype
@@ -67,7 +70,16 @@ def micro_batches(cfg, args, dev, seed: int) -> list:
 
     host = generated_batch(cfg, seed=seed, lengths=args.lengths, packing=False)
     out = []
+    causal = cfg.model.family == "gptj"
     for i in range(host["labels"].shape[0]):
+        if causal:  # HF shifts the labels itself: the row's own tokens, -100 on padding
+            ids, mask = host["input_ids"][i], host["attention_mask"][i]
+            mb = {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100)}
+            if args.padding == "longest":
+                n = int(mask.sum(1).max())
+                mb = {k: v[:, :n] for k, v in mb.items()}
+            out.append({k: torch.tensor(np.ascontiguousarray(v), dtype=torch.long, device=dev) for k, v in mb.items()})
+            continue
         mb = {k: host[k][i] for k in ("input_ids", "attention_mask", "decoder_input_ids", "labels")}
         if args.padding == "longest":  # DataCollatorForSeq2Seq's default: pad to the longest row
             n = int(mb["attention_mask"].sum(1).max())
@@ -118,7 +130,9 @@ def train(cfg, args) -> dict:
             times.append(time.perf_counter() - t0)
     step_s = median(times)
     samples = cfg.training.global_batch_size
-    tokens = sum(int(mb["attention_mask"].sum()) + int((mb["labels"] != -100).sum()) for b in batches for mb in b) / 2
+    dec = 0 if cfg.model.family == "gptj" else 1  # a causal LM's labels are its own tokens
+    tokens = sum(int(mb["attention_mask"].sum()) + dec * int((mb["labels"] != -100).sum())
+                 for b in batches for mb in b) / 2
     return {"framework": "transformers+torch" + (" (torch.compile)" if args.compile else " (eager)"), "device": dev,
             "compiled": args.compile, "optimizer": optimizer, "precision_policy": str(dtype).replace("torch.", ""),
             "lengths": args.lengths, "padding": args.padding, "median_step_s": step_s,
@@ -138,13 +152,20 @@ def generate(cfg, args) -> dict:
     b = cfg.execution.micro_batch_size * cfg.execution.data_parallel
     data = generated_batch(cfg, packing=False)  # one prompt per row
     L = cfg.model.sequence_length
-    ids = torch.tensor(data["input_ids"].reshape(-1, L)[:b], dtype=torch.long, device=dev)
-    mask = torch.tensor(data["attention_mask"].reshape(-1, L)[:b], dtype=torch.long, device=dev)
+    ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
+    extra = {"decoder_start_token_id": 0}
+    if cfg.model.family == "gptj":  # a decoder-only model continues left-padded prompts
+        from data.packing import left_align
+
+        ids, mask = left_align(ids, mask)
+        extra = {}
+    ids = torch.tensor(ids, dtype=torch.long, device=dev)
+    mask = torch.tensor(mask, dtype=torch.long, device=dev)
+
     def timed(tokens):
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1,
-                             max_new_tokens=tokens, min_new_tokens=tokens, decoder_start_token_id=0, eos_token_id=1,
-                             pad_token_id=0)
+                             max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=1, pad_token_id=0, **extra)
         if dev == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0, out
@@ -158,7 +179,7 @@ def generate(cfg, args) -> dict:
                 times.append(t)
                 first.append(t1)
     t, t1 = median(times), median(first)
-    generated = out.shape[0] * (out.shape[1] - 1)
+    generated = b * n
     return {"framework": "transformers+torch", "device": dev, "generate_s": t, "first_token_s": t1,
             "decode_token_latency_s": (t - t1) / (n - 1) if n > 1 else t,
             "generated_tokens_per_s": generated / t, "samples_per_s": b / t, "batch_size": b}

@@ -4,6 +4,8 @@
     restore(directory, step, optim)   -> (state, checkpoint meta)
     train_step(state, batch, rng)     -> (state, {"loss", "grad_norm"})
     to_checkpoint(state)              -> TrainState in the stacked layout that checkpoints hold
+    plan(exact=False)                 -> MemoryPlan from shapes alone (graphs/plan.py), nothing allocated
+    memory_report(state, batch)       -> (state, device bytes at the step's peak, {phase: bytes} or None)
 
 Both executors read and write the same checkpoints (stacked weights, optimizer state per
 weight group), so a run may switch executors on ``--load``.
@@ -31,6 +33,10 @@ class Executor(Protocol):
     def train_step(self, state, batch: dict, rng_data=None) -> tuple: ...
 
     def to_checkpoint(self, state) -> TrainState: ...
+
+    def plan(self, exact: bool = False): ...
+
+    def memory_report(self, state, batch: dict) -> tuple: ...
 
 
 def make_executor(graphs: Graphs) -> Executor:

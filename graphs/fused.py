@@ -148,6 +148,22 @@ class FusedExecutor:
                                  out_shardings=(self.state_shardings(state), self.g.replicated))
         return self._step
 
+    def plan(self, exact: bool = False):
+        """The memory plan of this executor's runs (graphs/plan.py): the step's state and batch, and with ``exact``
+        XLA's count of its temporaries."""
+        from graphs.plan import plan_fused
+
+        return plan_fused(self, exact)
+
+    def memory_report(self, state: TrainState, batch: dict) -> tuple:
+        """(state, device bytes of the step: live device arrays plus the compiled step's temporaries and outputs
+        (XLA's memory analysis), None); nothing is run."""
+        from utils.bench import live_device_bytes, program_bytes
+
+        rng = jax.random.key_data(jax.random.key(0))
+        analysis = self.train_step_program(state).lower(state, batch, rng).compile().memory_analysis()
+        return state, program_bytes(analysis, max(live_device_bytes().values() or [0])), None
+
     def train_step(self, state: TrainState, batch: dict, rng_data=None):
         """One optimizer step on one global batch -> (state, metrics)."""
         if rng_data is None:

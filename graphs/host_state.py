@@ -96,8 +96,8 @@ class ActivationBuffer:
     """Rows of host-resident activations, each [GA, batch, length, d]. A row is dropped once its last
     reader has run (``pop``), so only the rows still needed are kept alive."""
 
-    def __init__(self, name: str, rows: int, retain: bool = False):
-        self.name, self.retain = name, retain  # retain: keep every row (tests inspect them after a step)
+    def __init__(self, name: str, rows: int):
+        self.name = name
         self.rows: list = [None] * rows
 
     def __len__(self):
@@ -114,14 +114,9 @@ class ActivationBuffer:
     def pop(self, i):
         """Row i, which no later phase reads: the buffer lets go of it."""
         row = self[i]
-        if not self.retain:
-            self.rows[i] = None
+        self.rows[i] = None
         return row
 
     def live_bytes(self) -> int:
         """Bytes of the rows still held (on this process)."""
         return sum(s.data.nbytes for r in self.rows if r is not None for s in r.addressable_shards)
-
-    def numpy(self) -> np.ndarray:
-        """All rows gathered to one host array [rows, GA, batch, length, d] (for tests and inspection)."""
-        return np.stack([np.asarray(jax.device_get(r)) for r in self.rows])

@@ -93,8 +93,6 @@ class PhasedExecutor:
         self.act_dev = NamedSharding(self.mesh, self.programs.act_spec)
         self.act_host = self.act_dev.with_memory_kind(HOST)
         self.memory = None  # set to a PhaseMemory to record device bytes per phase
-        self.retain_buffers = False  # keep every activation row, and copies of the gradient rows (tests)
-        self.last_buffers: dict = {}
         # Several processes on CPUs (gloo collectives): XLA:CPU may run two dispatched programs at
         # once, and two programs' collectives can then pair up across processes in different orders
         # and hang. There, each program with collectives finishes before the next is dispatched. GPUs
@@ -191,12 +189,8 @@ class PhasedExecutor:
         ops, prog, L_, stacks = self.ops, self.programs, self.layers, self.stacks
         load_act = lambda x: ops.load(x, self.act_dev, label="activations")  # noqa: E731
         store_act = lambda x: ops.store(x, self.act_dev, label="activation rows")  # noqa: E731
-        keep = self.retain_buffers
-        # a stack's buffer: its input rows 0..L-1, then (a stack with an output norm) the norm's input at L, and
-        # with ``keep`` its output at L + 1 (the last stack's: its output, the head's input, at L)
-        rows = {s.name: ActivationBuffer(s.buffer, L_ + (2 if s.output else 1), keep) for s in stacks}
-        dx_rows = {s.name: ActivationBuffer("d" + s.buffer, L_ + (2 if s.output else 1), True) for s in stacks}
-        self.last_buffers = {b.name: b for b in (*rows.values(), *dx_rows.values())} if keep else {}
+        # a stack's buffer: its layers' input rows 0..L-1, then (a stack with an output norm) the norm's input at L
+        rows = {s.name: ActivationBuffer(s.buffer, L_ + (1 if s.output else 0)) for s in stacks}
         meta = {s.name: stack_meta(s, batch) for s in stacks}
         rest, rest_dev = ps.rest, self.rest_dev
         shared = ops.load(rest["shared"], rest_dev["shared"])
@@ -220,10 +214,6 @@ class PhasedExecutor:
                 buf[L_] = store_act(x)  # the output norm's input
                 enc_out = ops.run(f"{stack.name}_output_fwd", prog.stack_output_fwd(stack), out_norm[stack.name], x,
                                   rng_data)
-                if keep:
-                    buf[L_ + 1] = store_act(enc_out)
-            elif keep:
-                buf[L_] = store_act(x)
 
         # ---- head: loss and its backward
         hp = ops.load(self.tree.head_subtree(rest), self.tree.head_subtree(rest_dev))
@@ -243,16 +233,12 @@ class PhasedExecutor:
         for stack in reversed(stacks):
             name, keys, buf = stack.name, tuple(sorted(meta[stack.name])), rows[stack.name]
             if stack.output:  # the output norm, from the summed gradient of its output
-                if keep:
-                    dx_rows[name][L_ + 1] = store_act(d_enc)
                 g_norm_w, dy = ops.run(f"{name}_output_bwd", prog.stack_output_bwd(stack), out_norm[name],
                                        load_act(buf.pop(L_)), d_enc, rng_data)
                 add_grad((name, stack.output), g_norm_w)
                 d_enc = None
             if stack.cross:
                 d_enc = ops.zeros(enc_out.shape, F32, self.act_dev)
-            if keep:
-                dx_rows[name][L_] = store_act(dy)
             bwd = prog.layer_bwd(stack, keys)
             g_ctx = None
             layer = lambda j, s=name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
@@ -268,8 +254,6 @@ class PhasedExecutor:
                 sumsq.append(ss)
                 if stack.context:
                     g_ctx = g_c if g_ctx is None else ops.run("add", prog.add, g_ctx, g_c)
-                if keep:
-                    dx_rows[name][j] = store_act(dy)
                 del lp, x, g_lp, g_c
             for k in stack.context:
                 add_grad((name, k), g_ctx[k])
@@ -280,7 +264,6 @@ class PhasedExecutor:
                 enc_out = None
         del shared, ctx, out_norm
         g_rest = from_flat(rest, g_flat)  # the rest tree's structure
-        del g_flat
         sumsq.append(ops.run("sum_of_squares", prog.rest_sum_of_squares(), g_rest))
         g_norm = ops.run("global_norm", prog.global_norm, sumsq)
         return loss, g_rest, layer_grads, g_norm
@@ -329,6 +312,22 @@ class PhasedExecutor:
                 del p, st, gr
         metrics = {"loss": loss, "grad_norm": g_norm}
         return PhasedState(ps.step + 1, tree.rest_from_groups(new_params), layers, new_opt, opt_layers), metrics
+
+    def plan(self, exact: bool = False):
+        """The memory plan (graphs/plan.py): this step's own schedule run once on placeholders."""
+        from graphs.plan import plan_phased
+
+        return plan_phased(self, exact)
+
+    def memory_report(self, state: PhasedState, batch: dict) -> tuple:
+        """(state after one more step, device bytes at the step's peak, {phase: bytes}): one step with every phase
+        program's live arrays, temporaries and outputs recorded (``PhaseMemory``)."""
+        self.memory = PhaseMemory()
+        try:
+            state, _ = self.train_step(state, batch)
+            return state, self.memory.peak, self.memory.by_phase
+        finally:
+            self.memory = None
 
     def stacked_grads(self, g_rest, layer_grads) -> dict:
         """Gradients in the fused executor's (stacked) tree, as numpy, for comparisons."""

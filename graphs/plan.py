@@ -306,8 +306,8 @@ def plan_phased(executor, exact: bool = False) -> MemoryPlan:
 
 
 def plan(executor, exact: bool = False) -> MemoryPlan:
-    """The memory plan of a run with this executor (fused or phased)."""
-    return plan_phased(executor, exact) if executor.name == "phased" else plan_fused(executor, exact)
+    """The memory plan of a run with this executor (its own ``plan``)."""
+    return executor.plan(exact)
 
 
 def check_fits(executor, cfg) -> MemoryPlan:

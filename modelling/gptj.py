@@ -235,7 +235,6 @@ def generate(params: dict, input_ids: jax.Array, attention_mask: jax.Array, opts
     dec, dt = p["decoder"], opts.compute_dtype
     rows = [jax.tree.map(lambda w, i=i: w[i], dec["layers"]) for i in range(dec["layers"]["q"].shape[0])]
     b, k = input_ids.shape
-    total = k + max_new_tokens
     mask = attention_mask.astype(jnp.int32)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     head_dim = rows[0]["q"].shape[-1]

@@ -17,7 +17,7 @@ from jax import lax
 
 from modelling import family as fam
 from modelling import layers as L
-from modelling.family import ModelOptions, Stack, resolve_attention_impl  # noqa: F401  (re-exported)
+from modelling.family import ModelOptions, Stack
 from modelling.params import ParamSpec, padded_vocab
 from modelling.tp import tp_index
 

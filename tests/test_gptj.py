@@ -316,3 +316,20 @@ def test_graphs_imports_no_model_family_by_name():
             offenders += [f"{os.path.basename(path)}: {n}" for n in names
                           if n.startswith("modelling.") and n.split(".")[1] in families]
     assert not offenders, offenders
+
+
+def test_remat_policies_and_attention_serialisation_keep_loss_and_gradients():
+    """recompute none / full / save_dots and attention serialisation in 4 query chunks: one loss and gradients."""
+    base = tiny_cfg(global_batch_size=4, micro_batch_size=2)
+    batch = synthetic_batches(base, 1)[0]
+    host = jax.tree.map(np.asarray, Graphs(base).init_params())
+    out = []
+    for kw in (dict(recompute=False), dict(recompute=True), dict(recompute=True, remat_policy="save_dots"),
+               dict(recompute=True, attention_serialisation=4)):
+        ex = make_executor(Graphs(tiny_cfg(global_batch_size=4, micro_batch_size=2, **kw)))
+        loss, grads = ex.loss_and_grads(ex.g.shard_params(host), ex.g.shard_batch(batch))
+        out.append((float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)]))
+    for loss, grads in out[1:]:
+        assert abs(loss - out[0][0]) <= 1e-6 * out[0][0]
+        for a, b in zip(grads, out[0][1]):
+            assert max_rel(a, b) < 1e-5

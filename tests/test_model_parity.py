@@ -12,6 +12,7 @@ import torch
 
 from modelling import layers as L
 from modelling import t5
+from modelling.family import resolve_attention_impl
 from modelling.hf_mapping import hf_state_dict_from_params
 from tests.hf_utils import hf_outputs, make_hf, options, random_batch, rel_err
 
@@ -215,9 +216,9 @@ def test_fused_attention_path_equals_attend(v11, monkeypatch):
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
         assert rel_err(a, np.asarray(b)) < 1e-5
     # 'auto' picks XLA on CPU; an explicit 'cudnn' where it cannot run says how to fix it
-    assert t5.resolve_attention_impl("auto", "bfloat16", 0.0) == "xla"
+    assert resolve_attention_impl("auto", "bfloat16", 0.0) == "xla"
     with pytest.raises(ConfigError, match="pass --attention_impl auto or xla"):
-        t5.resolve_attention_impl("cudnn", "bfloat16", 0.0)
+        resolve_attention_impl("cudnn", "bfloat16", 0.0)
 
 
 def test_dropout_only_in_training(v11):

@@ -49,12 +49,12 @@ def metrics(run_dir, key) -> list:
     return [json.loads(line)[key] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
 
 
-@pytest.mark.parametrize("phased", ["false", "true"])
-def test_two_processes_fine_tune_like_one(tmp_path, phased):
+@pytest.mark.parametrize("preset,phased", [("tiny", "false"), ("tiny", "true"), ("gptj_tiny", "false")])
+def test_two_processes_fine_tune_like_one(tmp_path, preset, phased):
     """Fused and phased executors (the phased one builds its host buffers from each process's
-    own shards)."""
+    own shards), T5 and GPT-J."""
     multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
-    argv = SMALL + ["--steps", "3", "--phased", phased]
+    argv = [preset if a == "tiny" else a for a in SMALL] + ["--steps", "3", "--phased", phased]
     out = two_processes("run_finetuning.py", argv + ["--save", multi], tmp_path)
     run_finetuning.main(argv + ["--save", single])
     assert "[Gloo]" not in out and "peer ranks" not in out  # the CPU collectives' connection lines are silenced

@@ -14,7 +14,7 @@ from data.generated import generated_batch
 from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs, TrainState
 from graphs.host_state import HOST
-from graphs.phased import PhasedExecutor, PhaseMemory
+from graphs.phased import DeviceOps, PhasedExecutor, PhaseMemory
 from utils.bench import live_device_bytes
 from modelling import t5
 from tests.test_parallel import fro_rel, leaves, max_rel, tiny
@@ -124,28 +124,56 @@ def test_state_conversion_round_trip():
         assert a.sharding.spec == b.sharding.spec
 
 
+class RecordingOps(DeviceOps):
+    """The phased schedule's real operations, recording (as host copies, before anything is donated or freed)
+    every activation row it stores and every phase program's inputs and outputs."""
+
+    def __init__(self, executor):
+        super().__init__(executor)
+        self.rows, self.runs = [], []
+
+    def store(self, tree, shardings, label=""):
+        out = super().store(tree, shardings, label)
+        if label == "activation rows":
+            self.rows.append(out)
+        return out
+
+    def run(self, name, program, *args, label=""):
+        inputs = jax.tree.map(lambda x: np.asarray(jax.device_get(x)) if isinstance(x, jax.Array) else x, args)
+        out = super().run(name, program, *args, label=label)
+        self.runs.append((name, inputs, jax.tree.map(lambda x: np.asarray(jax.device_get(x)), out)))
+        return out
+
+    def inputs(self, name):
+        return [i for n, i, _ in self.runs if n == name]
+
+    def outputs(self, name):
+        return [o for n, _, o in self.runs if n == name]
+
+
 def test_activation_buffer_rows_hold_each_phase_output():
     cfg = tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4)
     g = Graphs(cfg)
     ph = PhasedExecutor(g)
-    ph.retain_buffers = True
+    ph.ops = rec = RecordingOps(ph)
     host_batch = generated_batch(cfg, seed=1, lengths="short")  # packed rows, several examples each
     assert host_batch["attention_mask"].max() > 1
     ph.loss_and_grads(ph.init_state(), g.shard_batch(host_batch), _rng())
-    bufs = ph.last_buffers
     n = cfg.model.layers
-    assert [len(bufs[k]) for k in ("x_buffer", "dx_buffer", "x_dec_buffer", "dx_dec_buffer")] == \
-        [n + 2, n + 2, n + 1, n + 1]
-    row = bufs["x_buffer"][0]
+    # stored rows, in order: the encoder layers' inputs and its final norm's input, then the decoder layers' inputs
+    assert len(rec.rows) == 2 * n + 1
+    row = rec.rows[0]
     assert row.sharding.memory_kind == HOST
     assert tuple(row.sharding.spec) == (None, "dp", None, "tp")  # RTS on activations: d split over tp
     assert row.addressable_shards[0].data.shape[-1] == cfg.model.hidden_size // 2
+    rows = [np.asarray(jax.device_get(r)) for r in rec.rows]
+    x_buf = np.stack(rows[: n + 1] + rec.outputs("encoder_output_fwd"))  # + the encoder output
+    x_dec = np.stack(rows[n + 1:] + [rec.inputs("head")[0][1]])  # + the last decoder layer's output (head input)
+    d_enc = rec.inputs("encoder_output_bwd")[0][2]  # the encoder output's gradient, summed over decoder layers
 
     # the single-device model, phase by phase, on the same weights and micro-batches
     p = jax.tree.map(np.asarray, g.init_params())
     opts = t5.ModelOptions.from_config(cfg)
-    x_buf, x_dec = bufs["x_buffer"].numpy(), bufs["x_dec_buffer"].numpy()
-    dx_buf = bufs["dx_buffer"].numpy()
     for i in range(cfg.gradient_accumulation):
         b = {k: np.asarray(v[i]) for k, v in host_batch.items()}
         x = t5.embeddings(p["shared"], b["input_ids"], opts, None)
@@ -167,7 +195,7 @@ def test_activation_buffer_rows_hold_each_phase_output():
             y = t5.t5_block(lp, y, sb, opts, None, enc, cb)
             np.testing.assert_allclose(x_dec[1 + j, i], y, rtol=1e-5, atol=1e-5)
 
-        # dx_buffer[n + 1]: the encoder output's gradient, summed over the decoder layers on the device,
+        # d_enc: the encoder output's gradient, summed over the decoder layers on the device,
         # equals autodiff of the loss (scaled by 1 / token count, as the step's loss is) w.r.t. it
         count = float(np.sum(host_batch["labels"] != -100))
 
@@ -177,7 +205,7 @@ def test_activation_buffer_rows_hold_each_phase_output():
                 y_ = t5.t5_block(jax.tree.map(lambda w: w[j], p["decoder"]["layers"]), y_, sb, opts, None, e, cb)
             return t5.head(p, y_, b["labels"], opts, None) / count
 
-        np.testing.assert_allclose(dx_buf[n + 1, i], jax.grad(loss_from_enc)(enc), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(d_enc[i], jax.grad(loss_from_enc)(enc), rtol=1e-5, atol=1e-7)
 
 
 def test_layer_phases_hold_one_layer_of_weights_on_device():

@@ -39,6 +39,16 @@ def program_bytes(analysis, live: int) -> int:
     return int(live + analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes)
 
 
+def device_header(cfg, preset: str) -> dict:
+    """The fields every benchmark report starts with: preset, device kind and count, mesh, precision."""
+    import jax
+
+    ex = cfg.execution
+    return {"config": preset, "device_kind": jax.devices()[0].device_kind, "devices": cfg.devices,
+            "data_parallel": ex.data_parallel, "tensor_parallel": ex.tensor_parallel,
+            "precision": cfg.model.precision}
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

@@ -66,9 +66,10 @@ def time_steps(executor, state, batches: list, steps: int, warmup: int, show: bo
 
 
 def measure(executor, state, batch, profile_dir, primary: bool) -> tuple:
-    """(state, device bytes of a step, {phase: bytes} or None), outside the timed steps; with ``profile_dir`` one
-    more step traced by the JAX profiler (process 0 traces its devices)."""
+    """(state, device bytes of a step, {phase: bytes} or None, the executor's timing report or None), outside the
+    timed steps; with ``profile_dir`` one more step traced by the JAX profiler (process 0 traces its devices)."""
     state, estimate, by_phase = executor.memory_report(state, batch)
+    state, timing = executor.timing_report(state, batch)
     if profile_dir:
         from utils.profile import trace
 
@@ -78,16 +79,17 @@ def measure(executor, state, batch, profile_dir, primary: bool) -> tuple:
             float(m["loss"])
 
         trace(profile_dir, one_step) if primary else one_step()
-    return state, estimate, by_phase
+    return state, estimate, by_phase, timing
 
 
 def make_report(cfg, args, executor, stats: list, times: list, losses: list, compile_s: float, estimate: int,
-                by_phase) -> dict:
+                by_phase, timing=None) -> dict:
     """The benchmark's figures: throughput in rows, examples and tokens, model FLOP/s and MFU, memory."""
     from modelling.params import count_params
-    from utils.bench import device_header, median, peak_device_bytes
+    from utils.bench import device_header, median, peak_device_bytes, peak_rss_bytes
     from utils.flops import peak_tflops, train_flops_per_sample
 
+    plan = executor.plan(exact=False)  # the plan's figures from shapes, beside the measured ones
     samples = cfg.training.global_batch_size  # rows of sequence_length tokens
     dec_len = 0 if cfg.model.family == "gptj" else cfg.decoder_row_length  # a causal LM has one sequence
     tokens = samples * (cfg.model.sequence_length + dec_len)
@@ -111,6 +113,8 @@ def make_report(cfg, args, executor, stats: list, times: list, losses: list, com
         "mfu": tflops / (peak * cfg.devices) if peak else None,
         "phased": cfg.execution.phased, "peak_device_bytes": peak_device_bytes(),
         "device_bytes_estimate": estimate, "device_bytes_by_phase": by_phase,
+        "plan_device_bytes": plan.device_peak, "plan_host_bytes": plan.host_peak,
+        "host_peak_rss_bytes": peak_rss_bytes(), "phase_timing": timing,
     }
 
 
@@ -154,8 +158,8 @@ def main(argv=None) -> dict:
     batches = [executor.g.shard_batch(b) for b in host_batches]
     state, times, losses, compile_s = time_steps(executor, state, batches, cfg.training.steps,
                                                  args.warmup_iterations, primary)
-    state, estimate, by_phase = measure(executor, state, batches[0], args.profile, primary)
-    report = make_report(cfg, args, executor, stats, times, losses, compile_s, estimate, by_phase)
+    state, estimate, by_phase, timing = measure(executor, state, batches[0], args.profile, primary)
+    report = make_report(cfg, args, executor, stats, times, losses, compile_s, estimate, by_phase, timing)
     if not primary:  # process 0 of a multi-process run prints and writes the report
         return report
     print_report(report, cfg)

@@ -6,6 +6,7 @@
     to_checkpoint(state)              -> TrainState in the stacked layout that checkpoints hold
     plan(exact=False)                 -> MemoryPlan from shapes alone (graphs/plan.py), nothing allocated
     memory_report(state, batch)       -> (state, device bytes at the step's peak, {phase: bytes} or None)
+    timing_report(state, batch)       -> (state, {load_s, store_s, compute_s, serial_step_s} or None)
 
 Both executors read and write the same checkpoints (stacked weights, optimizer state per
 weight group), so a run may switch executors on ``--load``.
@@ -37,6 +38,8 @@ class Executor(Protocol):
     def plan(self, exact: bool = False): ...
 
     def memory_report(self, state, batch: dict) -> tuple: ...
+
+    def timing_report(self, state, batch: dict) -> tuple: ...
 
 
 def make_executor(graphs: Graphs) -> Executor:

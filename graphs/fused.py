@@ -164,6 +164,10 @@ class FusedExecutor:
         analysis = self.train_step_program(state).lower(state, batch, rng).compile().memory_analysis()
         return state, program_bytes(analysis, max(live_device_bytes().values() or [0])), None
 
+    def timing_report(self, state: TrainState, batch: dict) -> tuple:
+        """(state, None): one program, nothing to time apart (the profiler splits it: finetuning.py --profile)."""
+        return state, None
+
     def train_step(self, state: TrainState, batch: dict, rng_data=None):
         """One optimizer step on one global batch -> (state, metrics)."""
         if rng_data is None:

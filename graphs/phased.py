@@ -329,6 +329,23 @@ class PhasedExecutor:
         finally:
             self.memory = None
 
+    def timing_report(self, state: PhasedState, batch: dict) -> tuple:
+        """(state after one more step, {load_s, store_s, compute_s, serial_step_s}): one step in which every
+        transfer and every phase program is waited for on its own and timed, so their sums say what the step
+        spends on transfers and on compute (the real step overlaps them; its time minus compute_s is about what
+        it waits on transfers)."""
+        import time
+
+        saved, self.ops = self.ops, TimingOps(self)
+        t0 = time.perf_counter()
+        try:
+            state, metrics = self.train_step(state, batch)
+            jax.block_until_ready(metrics["loss"])
+            times = dict(self.ops.seconds, serial_step_s=time.perf_counter() - t0)
+        finally:
+            self.ops = saved
+        return state, times
+
     def stacked_grads(self, g_rest, layer_grads) -> dict:
         """Gradients in the fused executor's (stacked) tree, as numpy, for comparisons."""
         import numpy as np
@@ -365,6 +382,31 @@ class DeviceOps:
         out = program(*args)
         # several processes on CPUs: each program with collectives finishes before the next (see _serial)
         return jax.block_until_ready(out) if self.x._serial else out
+
+
+class TimingOps(DeviceOps):
+    """DeviceOps that wait for each transfer and program and add up their seconds (``timing_report``)."""
+
+    def __init__(self, executor):
+        super().__init__(executor)
+        self.seconds = {"load_s": 0.0, "store_s": 0.0, "compute_s": 0.0}
+
+    def _timed(self, key, fn, *args, **kw):
+        import time
+
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kw))
+        self.seconds[key] += time.perf_counter() - t0
+        return out
+
+    def load(self, tree, shardings, copy: bool = False, label: str = ""):
+        return self._timed("load_s", super().load, tree, shardings, copy, label)
+
+    def store(self, tree, shardings, label: str = ""):
+        return self._timed("store_s", super().store, tree, shardings, label)
+
+    def run(self, name, program, *args, label: str = ""):
+        return self._timed("compute_s", super().run, name, program, *args, label=label)
 
 
 class PhaseMemory:

@@ -49,6 +49,15 @@ def device_header(cfg, preset: str) -> dict:
             "precision": cfg.model.precision}
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (host RAM), in bytes."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
 

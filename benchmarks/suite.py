@@ -1,0 +1,482 @@
+"""Every GPU figure the README reports, from one command, in priority order, within a time budget.
+
+    python3 benchmarks/suite.py --out benchmarks/results/h100            # a GPU box: every part, 25 min budget
+    python3 benchmarks/suite.py --budget 900 --only xxl_1gpu,xl_mfu      # some parts
+    python3 benchmarks/suite.py --smoke --out /tmp/suite                 # CPU, tiny shapes, under two minutes
+    python3 benchmarks/suite.py --summarize benchmarks/results/h100 --readme README.md   # tables from results
+
+Parts, in priority order (each against its baseline, measured in the same run):
+  xxl_1gpu        Flan-T5-XXL phased on one device, packed, encoder 512 / decoder 8: the preset's 16 rows and
+                  the issue's 128 rows; step time, losses, device and host peaks against the plan's, and a
+                  serialised step's transfer and compute seconds (what the step waits on transfers)
+  xl_mfu          Flan-T5-XL fused on one device at micro-batch 8 and 16: MFU of the best, with the profile of
+                  its step (top ops, GEMM / elementwise / copy shares)
+  vs_hf           ours against HF eager and HF torch.compile + fused AdamW at equal work (base, xl), and ours
+                  packed / unpacked against HF padded at MNLI-like lengths (base), in examples/s
+  xl_phased       xl phased against fused at global batch 64
+  decode          greedy decoding against HF generate (base, xl)
+  gptj            GPT-J 6B phased on one device (gptj_1gpu), and a small GPT-J shape against HF compiled
+
+Each part runs its benchmarks as subprocesses (finetuning.py, compare.py, inference.py) and writes
+``OUT/<part>.json`` the moment it ends: status (ok, failed, out of memory, timed out, skipped), figures, the
+exact commands, every run's raw report, and the environment (device kind and count, host RAM, jax, jaxlib,
+CUDA, torch, transformers, the commit). A part whose estimate does not fit what is left of the budget is
+skipped, not cut off, and the skip is recorded; a failed part is recorded and the suite goes on.
+``OUT/summary.md`` is rewritten after every part, so a killed run leaves every finished figure behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+PY = sys.executable
+# what the benchmarks import; a bare GPU machine has JAX, PyTorch and transformers (datasets and wandb, which
+# only the MNLI download and --wandb use, are imported lazily)
+NEEDS = {"jax": "jax", "optax": "optax", "orbax.checkpoint": "orbax-checkpoint", "transformers": "transformers",
+         "torch": "torch==2.13.0", "tokenizers": "tokenizers", "safetensors": "safetensors", "yaml": "pyyaml",
+         "pandas": "pandas", "matplotlib": "matplotlib", "tqdm": "tqdm"}
+BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
+
+
+@dataclass
+class Run:
+    """One benchmark process: its command (without --json) and its report's name within the part."""
+
+    name: str
+    cmd: list
+    required: bool = True  # a required run's failure fails the part; another's is recorded beside it
+
+
+@dataclass
+class Part:
+    name: str
+    what: str
+    estimate_s: float  # on one H100, from a bare start (compilation included)
+    runs: list = field(default_factory=list)
+    figures: object = None  # fn(reports: {name: report}) -> {figure: value}
+
+
+# --------------------------------------------------------------------------- the parts
+
+
+def _finetune(preset, *flags):
+    return ["finetuning.py", "--config", preset, *flags]
+
+
+def _compare(*flags):
+    return ["benchmarks/compare.py", *flags]
+
+
+def parts(smoke: bool) -> list:
+    """The parts in priority order; ``smoke``: the same runs at tiny shapes on CPU."""
+    if smoke:
+        t5 = ["--sequence_length", "32", "--decoder_sequence_length", "4"]
+        xxl = _finetune("tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1", *t5,
+                        "--global_batch_size", "8", "--micro_batch_size", "4", "--data_parallel", "1",
+                        "--tensor_parallel", "1")
+        xxl128 = xxl[:-8] + ["--global_batch_size", "16", "--micro_batch_size", "4", "--data_parallel", "1",
+                             "--tensor_parallel", "1"]
+        xl = [_finetune("tiny", "--steps", "3", "--warmup_iterations", "1", *t5, "--global_batch_size", "8",
+                        "--micro_batch_size", str(mb), "--data_parallel", "1", "--tensor_parallel", "1",
+                        "--recompute", "false") for mb in (4, 8)]
+        cmp_small = ["--config", "tiny", "--inference_config", "tiny", "--sequence_length", "32", "--batch", "4",
+                     "--steps", "3", "--hf", "eager", "--decoder_sequence_length", "4"]
+        gptj = _finetune("gptj_tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1",
+                         "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4",
+                         "--data_parallel", "1", "--tensor_parallel", "1")
+        gptj_cmp = ["--config", "gptj_tiny", "--inference_config", "gptj_tiny", "--sequence_length", "32",
+                    "--batch", "4", "--steps", "3", "--hf", "eager", "--only", "train"]
+        phased_pair = [xl[0], xl[0] + ["--phased", "true"]]
+        decode = _compare(*cmp_small, "--only", "decode")
+        vs_hf = [_compare(*cmp_small, "--only", "train")]
+        vs_hf_mnli = _compare(*cmp_small, "--only", "train", "--lengths", "mnli")
+    else:
+        enc = ["--sequence_length", "512", "--decoder_sequence_length", "8", "--precision", "bfloat16"]
+        one = ["--data_parallel", "1", "--tensor_parallel", "1"]
+        xxl = _finetune("xxl_1gpu", "--steps", "4", "--warmup_iterations", "1", "--lengths", "mnli")
+        xxl128 = xxl + ["--global_batch_size", "128", "--micro_batch_size", "8"]
+        xl = [_finetune("xl_pod8", *one, *enc, "--recompute", "false", "--unroll_layers", "true",
+                        "--global_batch_size", "64", "--micro_batch_size", str(mb), "--lengths", "uniform",
+                        "--packing", "false", "--steps", "6") for mb in (8, 16)]
+        hf = ["--precision", "bfloat16", "--sequence_length", "512", "--steps", "7", "--hf", "both"]
+        vs_hf = [_compare("--config", "base", "--inference_config", "base", *hf, "--batch", "64",
+                          "--micro_batch", "16", "--only", "train"),
+                 _compare("--config", "xl_pod8", "--inference_config", "xl", *hf, "--batch", "64",
+                          "--micro_batch", "8", "--only", "train")]
+        vs_hf_mnli = _compare("--config", "base", *hf, "--batch", "64", "--micro_batch", "16", "--only", "train",
+                              "--lengths", "mnli")
+        phased_pair = [xl[0][:-2] + ["--steps", "4"], xl[0][:-2] + ["--steps", "4", "--phased", "true"]]
+        decode = _compare("--config", "base", "--inference_config", "base", "--precision", "bfloat16",
+                          "--sequence_length", "512", "--batch", "64", "--only", "decode")
+        gptj = _finetune("gptj_1gpu", "--steps", "3", "--warmup_iterations", "1", "--lengths", "mnli")
+        gptj_cmp = ["--config", "gptj_small", "--inference_config", "gptj_small", "--precision", "bfloat16",
+                    "--sequence_length", "256", "--batch", "64", "--micro_batch", "16", "--steps", "7",
+                    "--hf", "compiled", "--only", "train"]
+    out = [
+        Part("xxl_1gpu", "Flan-T5-XXL phased on one device (packed, 16 and 128 rows)", 420,
+             [Run("rows16", xxl), Run("rows128", xxl128, required=False)], _xxl_figures),
+        Part("xl_mfu", "Flan-T5-XL fused, one device: MFU at the best micro-batch, with its profile", 300,
+             [Run(f"mb{c[c.index('--micro_batch_size') + 1]}", c, required=False) for c in xl], _xl_figures),
+        Part("vs_hf", "ours against HF eager and torch.compile (equal work), packed vs unpacked vs HF padded", 420,
+             [Run(f"equal_work_{i}", c) for i, c in enumerate(vs_hf)] + [Run("mnli", vs_hf_mnli)], _vs_hf_figures),
+        Part("xl_phased", "xl phased against fused at global batch 64", 240,
+             [Run("fused", phased_pair[0]), Run("phased", phased_pair[1])], _phased_figures),
+        Part("decode", "greedy decoding against HF generate", 120, [Run("base", decode)] + (
+            [] if smoke else [Run("xl", _compare("--config", "xl_pod8", "--inference_config", "xl", "--precision",
+                                                  "bfloat16", "--sequence_length", "512", "--batch", "64",
+                                                  "--only", "decode"), required=False)]), _decode_figures),
+        Part("gptj", "GPT-J 6B phased on one device; a small GPT-J against HF", 420,
+             [Run("gptj_1gpu", gptj), Run("vs_hf", _compare(*gptj_cmp), required=False)], _gptj_figures),
+    ]
+    out[1].runs[-1].cmd = out[1].runs[-1].cmd + ["--profile", "{dir}/xl_profile"]  # the larger micro-batch's profile
+    if smoke:  # CPU seconds at tiny shapes: a tenth of the GPU estimates
+        for q in out:
+            q.estimate_s /= 10
+    return out
+
+
+# --------------------------------------------------------------------------- figures of each part
+
+
+def _step_figures(r: dict) -> dict:
+    keys = ("median_step_s", "samples_per_s", "examples_per_s", "mfu", "losses", "peak_device_bytes",
+            "device_bytes_estimate", "plan_device_bytes", "plan_host_bytes", "host_peak_rss_bytes", "phase_timing")
+    return {k: r.get(k) for k in keys}
+
+
+def _xxl_figures(reports: dict) -> dict:
+    out = {}
+    for name, r in reports.items():
+        f = _step_figures(r)
+        t = r.get("phase_timing") or {}
+        if t.get("compute_s") is not None:  # the overlapped step against its programs' own time
+            f["transfer_wait_s"] = max(r["median_step_s"] - t["compute_s"], 0.0)
+        losses = r.get("losses") or []
+        f["losses_decrease"] = len(losses) > 1 and losses[-1] < losses[0]
+        out[name] = f
+    return out
+
+
+def _xl_figures(reports: dict) -> dict:
+    best = max(reports, key=lambda n: reports[n].get("samples_per_s") or 0)
+    out = {"best": best, **{n: _step_figures(r) for n, r in reports.items()}}
+    profiled = [n for n, r in reports.items() if r.get("profile")]
+    if profiled:  # where the device time of a step went: top ops, GEMM / elementwise / copy shares
+        out["profile"] = {"run": profiled[0], **reports[profiled[0]]["profile"]}
+    return out
+
+
+def _vs_hf_figures(reports: dict) -> dict:
+    return {n: {"training": r.get("training"), "ratios": r.get("ratios")} for n, r in reports.items()}
+
+
+def _phased_figures(reports: dict) -> dict:
+    f, p = reports.get("fused"), reports.get("phased")
+    out = {n: _step_figures(r) for n, r in reports.items()}
+    if f and p and f.get("samples_per_s"):
+        out["phased_over_fused_samples_per_s"] = p["samples_per_s"] / f["samples_per_s"]
+    return out
+
+
+def _decode_figures(reports: dict) -> dict:
+    return {n: {k: r.get(k) for k in ("decode_tokens_per_s", "first_token_s", "decode_token_latency_s")}
+            for n, r in reports.items()}
+
+
+def _gptj_figures(reports: dict) -> dict:
+    out = {}
+    if "gptj_1gpu" in reports:
+        out["gptj_1gpu"] = _xxl_figures({"x": reports["gptj_1gpu"]})["x"]
+    if "vs_hf" in reports:
+        out["vs_hf"] = _vs_hf_figures({"x": reports["vs_hf"]})["x"]
+    return out
+
+
+# --------------------------------------------------------------------------- environment and installs
+
+
+def environment() -> dict:
+    """Device kind and count, host RAM, versions, the commit: read in a subprocess, so that this process never
+    takes the accelerator (JAX preallocates most of a GPU's memory in the first process that starts it)."""
+    probe = r"""
+import json, os, platform
+out = {"python": platform.python_version()}
+try:
+    import jax, jaxlib
+    d = jax.devices()
+    out.update(jax=jax.__version__, jaxlib=jaxlib.__version__, platform=d[0].platform, device_kind=d[0].device_kind,
+               device_count=len(d))
+except Exception as e:
+    out["jax_error"] = repr(e)
+try:
+    import torch
+    out.update(torch=torch.__version__, cuda=torch.version.cuda)
+except Exception:
+    pass
+try:
+    import transformers
+    out["transformers"] = transformers.__version__
+except Exception:
+    pass
+try:
+    out["host_ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+except Exception:
+    pass
+print(json.dumps(out))
+"""
+    env = {"error": "probe failed"}
+    try:
+        p = subprocess.run([PY, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        env = json.loads(p.stdout.strip().splitlines()[-1])
+    except Exception as e:  # the suite still runs and records what it could not read
+        env = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                                       timeout=30).stdout.strip() or None
+    except Exception:
+        env["commit"] = None
+    env["date"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    return env
+
+
+def ensure_packages() -> dict:
+    """Installs, in one step, what the benchmarks import and this machine lacks: from wheels in ``.whl/`` when
+    the machine reaches no package index (a lent GPU box), else from PyPI. -> {installed, missing}."""
+    import importlib.util
+
+    missing = [pkg for mod, pkg in NEEDS.items() if importlib.util.find_spec(mod) is None]
+    if not missing:
+        return {"installed": [], "missing": []}
+    wheels = os.path.join(ROOT, ".whl")
+    cmd = [PY, "-m", "pip", "install", "-q", *missing]
+    if os.path.isdir(wheels):
+        cmd[4:4] = ["--no-index", "--find-links", wheels]
+    ok = subprocess.run(cmd, cwd=ROOT).returncode == 0
+    still = [pkg for mod, pkg in NEEDS.items() if importlib.util.find_spec(mod) is None]
+    print(f"installed {', '.join(missing)}" if ok and not still else f"could not install {', '.join(still)}",
+          flush=True)
+    return {"installed": [p for p in missing if p not in still], "missing": still}
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_one(run: Run, out_dir: str, part: str, timeout: float) -> dict:
+    """One benchmark process -> its report (``status`` ok, failed, out_of_memory or timed_out), its output kept."""
+    path = os.path.join(out_dir, f"{part}__{run.name}.run.json")
+    cmd = [c.replace("{dir}", out_dir) for c in run.cmd] + ["--json", path]
+    log = os.path.join(out_dir, f"{part}__{run.name}.log")
+    if os.path.exists(path):
+        os.remove(path)
+    t0 = time.perf_counter()
+    try:
+        with open(log, "w") as f:
+            p = subprocess.run([PY, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout, 1))
+        code = p.returncode
+    except subprocess.TimeoutExpired:
+        code = None
+    seconds = time.perf_counter() - t0
+    text = open(log).read() if os.path.exists(log) else ""
+    report = json.load(open(path)) if code == 0 and os.path.exists(path) else {}
+    if code == 0 and report:
+        status = "ok"
+    elif code is None:
+        status = "timed_out"
+    elif code == 4 or "out of memory" in text.lower() or "RESOURCE_EXHAUSTED" in text:
+        status = "out_of_memory"
+    else:
+        status = "failed"
+    profile = os.path.join(out_dir, "xl_profile", "summary.json")
+    if status == "ok" and "--profile" in run.cmd and os.path.exists(profile):
+        report["profile"] = json.load(open(profile))
+    tail = "\n".join(text.strip().splitlines()[-5:]) if status != "ok" else None
+    return {"status": status, "seconds": seconds, "command": "python3 " + " ".join(cmd), "report": report,
+            "log_tail": tail}
+
+
+def run_part(part: Part, out_dir: str, left: float, env: dict) -> dict:
+    """Runs a part's benchmarks (skipped whole when its estimate does not fit ``left`` seconds)."""
+    base = {"part": part.name, "what": part.what, "env": env, "estimate_s": part.estimate_s,
+            "commands": ["python3 " + " ".join(r.cmd) for r in part.runs]}
+    if part.estimate_s > left:
+        return {**base, "status": "skipped", "reason": f"needs about {part.estimate_s:.0f} s, {left:.0f} s left",
+                "figures": None, "runs": {}}
+    t0, runs = time.perf_counter(), {}
+    for r in part.runs:
+        runs[r.name] = run_one(r, out_dir, part.name, left - (time.perf_counter() - t0))
+    required = [runs[r.name]["status"] for r in part.runs if r.required]
+    bad = [s for s in required if s != "ok"]
+    status = "ok" if not bad else ("out_of_memory" if "out_of_memory" in bad else
+                                   "timed_out" if "timed_out" in bad else "failed")
+    ok_reports = {n: r["report"] for n, r in runs.items() if r["status"] == "ok"}
+    figures = None
+    if ok_reports:
+        try:
+            figures = part.figures(ok_reports)
+        except Exception as e:  # a figure that cannot be read is recorded; the raw reports stay
+            figures = {"error": f"{type(e).__name__}: {e}"}
+    return {**base, "status": status, "seconds": time.perf_counter() - t0, "figures": figures, "runs": runs}
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _fmt(x, unit=""):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3g}{unit}"
+    return f"{x}{unit}"
+
+
+def summary_rows(results: list) -> list:
+    """(part, status, headline figures, baseline) rows of the summary table."""
+    rows = []
+    for r in results:
+        f, head = r.get("figures") or {}, ""
+        if r["part"] == "xxl_1gpu" and f.get("rows16"):
+            x = f["rows16"]
+            head = (f"step {_fmt(x['median_step_s'], ' s')} (16 rows), "
+                    f"{_fmt((f.get('rows128') or {}).get('median_step_s'), ' s')} (128 rows); device "
+                    f"{_fmt((x.get('peak_device_bytes') or x.get('device_bytes_estimate') or 0) / 2**30, ' GiB')} "
+                    f"(plan {_fmt((x.get('plan_device_bytes') or 0) / 2**30, ' GiB')}), host "
+                    f"{_fmt((x.get('host_peak_rss_bytes') or 0) / 2**30, ' GiB')} (plan "
+                    f"{_fmt((x.get('plan_host_bytes') or 0) / 2**30, ' GiB')}); transfer wait "
+                    f"{_fmt(x.get('transfer_wait_s'), ' s')}")
+        elif r["part"] == "xl_mfu" and f.get("best"):
+            b = f[f["best"]]
+            head = f"{f['best']}: MFU {_fmt(b.get('mfu'))}, {_fmt(b.get('samples_per_s'))} samples/s"
+        elif r["part"] == "vs_hf" and f:
+            head = "; ".join(f"{k} {_fmt(v, 'x')}" for n in f.values() for k, v in (n.get("ratios") or {}).items())
+        elif r["part"] == "xl_phased" and f:
+            head = f"phased / fused samples/s {_fmt(f.get('phased_over_fused_samples_per_s'))}"
+        elif r["part"] == "decode" and f:
+            head = "; ".join(f"{n}: {_fmt((v.get('decode_tokens_per_s') or {}).get('ratio'), 'x')} tokens/s"
+                             for n, v in f.items())
+        elif r["part"] == "gptj" and f:
+            g = f.get("gptj_1gpu") or {}
+            ratios = ((f.get("vs_hf") or {}).get("ratios") or {})
+            head = f"6B step {_fmt(g.get('median_step_s'), ' s')}, MFU {_fmt(g.get('mfu'))}; " + "; ".join(
+                f"{k} {_fmt(v, 'x')}" for k, v in ratios.items())
+        rows.append((r["part"], r["status"] + (f" ({r['reason']})" if r.get("reason") else ""), head or "-"))
+    return rows
+
+
+def write_summary(results: list, out_dir: str) -> str:
+    env = next((r["env"] for r in results if r.get("env")), {})
+    lines = [f"Benchmark suite, {env.get('date', '?')}: {env.get('device_count', '?')} x "
+             f"{env.get('device_kind', '?')}, commit {str(env.get('commit'))[:10]}, jax {env.get('jax')}, "
+             f"torch {env.get('torch')}, transformers {env.get('transformers')}", "",
+             "| part | status | figures (each against its baseline in the part's JSON) |", "|---|---|---|"]
+    lines += [f"| {p} | {s} | {h} |" for p, s, h in summary_rows(results)]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def draw_figures(out_dir: str, imgs: str | None = None) -> list:
+    """The README's figures that the suite's results feed, drawn into ``out_dir`` (and into ``imgs``, the tracked
+    folder, only when asked: regenerating the committed figures is done on purpose)."""
+    from benchmarks import figures
+
+    made = []
+    mnli = os.path.join(out_dir, "vs_hf__mnli.run.json")
+    if os.path.exists(mnli):
+        for folder in [out_dir] + ([imgs] if imgs else []):
+            made.append(figures.throughput(mnli, os.path.join(folder, "throughput.png")))
+    return made
+
+
+def load_results(out_dir: str) -> list:
+    order = [p.name for p in parts(False)]
+    found = {}
+    for name in order:
+        path = os.path.join(out_dir, f"{name}.json")
+        if os.path.exists(path):
+            found[name] = json.load(open(path))
+    return [found[n] for n in order if n in found]
+
+
+def update_readme(readme: str, out_dir: str) -> None:
+    """Replaces the README's text between the suite markers with the summary of ``out_dir``'s results."""
+    results = load_results(out_dir)
+    text = write_summary(results, out_dir) if results else "No suite results yet.\n"
+    src = open(readme).read()
+    if BEGIN not in src or END not in src:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} markers: add them where the suite's table goes")
+    head, rest = src.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    with open(readme, "w") as f:
+        f.write(f"{head}{BEGIN}\n(generated by `python3 benchmarks/suite.py --summarize {os.path.relpath(out_dir, ROOT)} "
+                f"--readme {os.path.relpath(readme, ROOT)}`)\n\n{text}{END}{tail}")
+
+
+def main(argv=None) -> list:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/suite, or with "
+                                              "--smoke runs/suite_smoke)")
+    p.add_argument("--budget", type=float, default=1500.0, help="seconds for the whole suite (default 25 min)")
+    p.add_argument("--only", default=None, help="comma-separated part names")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: every part runs, quickly")
+    p.add_argument("--summarize", default=None, metavar="DIR", help="only rewrite DIR/summary.md from its JSONs")
+    p.add_argument("--readme", default=None, help="with --summarize: also rewrite this README's suite table")
+    p.add_argument("--jobs", type=int, default=None, help="parts run side by side (default: 1; 2 with --smoke)")
+    p.add_argument("--imgs", action="store_true", help="with --summarize: also redraw the tracked figures in imgs/")
+    a = p.parse_args(argv)
+    if a.summarize:
+        if a.readme:
+            update_readme(a.readme, a.summarize)
+        draw_figures(a.summarize, os.path.join(ROOT, "imgs") if a.imgs else None)
+        print(write_summary(load_results(a.summarize), a.summarize))
+        return []
+    out_dir = os.path.abspath(a.out or os.path.join(ROOT, "runs/suite_smoke" if a.smoke else "benchmarks/results/suite"))
+    os.makedirs(out_dir, exist_ok=True)
+    # one persistent compilation cache for every benchmark process: programs of equal shapes compile once
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(out_dir, "jax_cache"))
+    t_start = time.perf_counter()
+    installs = ensure_packages()
+    env = {**environment(), "installs": installs, "smoke": a.smoke}
+    chosen = parts(a.smoke)
+    if a.only:
+        names = a.only.split(",")
+        unknown = set(names) - {q.name for q in chosen}
+        if unknown:
+            raise SystemExit(f"unknown part(s) {', '.join(sorted(unknown))}: choose among "
+                             f"{', '.join(q.name for q in chosen)}")
+        chosen = [q for q in chosen if q.name in names]
+    results, lock = {}, threading.Lock()
+
+    def one(part):
+        left = a.budget - (time.perf_counter() - t_start)
+        print(f"== {part.name}: {part.what} ({left:.0f} s of the budget left)", flush=True)
+        result = run_part(part, out_dir, left, env)
+        with open(os.path.join(out_dir, f"{part.name}.json"), "w") as f:  # each part's JSON the moment it ends
+            json.dump(result, f, indent=1)
+        with lock:
+            results[part.name] = result
+            write_summary([results[q.name] for q in chosen if q.name in results], out_dir)
+        print(f"   {part.name}: {result['status']}" + (f" in {result['seconds']:.0f} s" if "seconds" in result else "")
+              + (f": {result.get('reason')}" if result.get("reason") else ""), flush=True)
+
+    jobs = a.jobs or (2 if a.smoke else 1)  # an accelerator runs one benchmark at a time; CPU cores share out
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(one, chosen))
+    ordered = [results[q.name] for q in chosen]
+    draw_figures(out_dir)
+    print(write_summary(ordered, out_dir))
+    return ordered
+
+
+if __name__ == "__main__":
+    main()

@@ -33,7 +33,11 @@ def extra_flags(p):
                    help="print the memory plan of the run (device and host bytes at their peaks, from shapes; "
                         "nothing allocated) and exit")
     p.add_argument("--run_dir", default=None,
-                   help="where metrics.jsonl and loss_curve.png go: the --save directory if given, else runs/PRESET")
+                   help="where metrics.jsonl and loss_curve.png go: the --save directory if given, else a fresh "
+                        "runs/PRESET-DATE-TIME")
+    p.add_argument("--discard_later_steps", action="store_true",
+                   help="with --load DIR/STEP --save DIR: continue from STEP on a new branch, deleting DIR's later "
+                        "steps (without it, such a rollback stops before any work)")
     p.add_argument("--log_every", type=int, default=None, metavar="N",
                    help="when the output is not a terminal (a cluster job's log), a progress line every N steps "
                         "(default: a twentieth of the run, and at least once a minute)")
@@ -53,12 +57,12 @@ def build_executor(cfg):
 def build(cfg, executor=None):
     """The executor, checked to fit this machine (graphs/plan.py), and the training data loader."""
     from data.mnli import TrainLoader, check_unknown_tokens, load_rows, load_tokenizer, tokenize_examples
-    from graphs.plan import check_fits
+    from graphs.plan import check_fits, human_bytes
 
     executor = executor or build_executor(cfg)
     plan = check_fits(executor, cfg)
-    logger.info("memory plan: %.2f GiB per device, %.2f GiB of host memory (before program temporaries; "
-                "--plan counts them)", plan.device_peak / 2**30, plan.host_peak / 2**30)
+    logger.info("memory plan: %s per device, %s of host memory (before program temporaries; --plan counts them)",
+                human_bytes(plan.device_peak), human_bytes(plan.host_peak))
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         raise FlanT5Error(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
@@ -116,17 +120,45 @@ def initial_state(cfg, executor, loader, point):
     return executor.init_state(), 0
 
 
-def check_save_dir(cfg) -> None:
-    """Refuses to write into a directory holding another run's checkpoints."""
+def check_save_dir(cfg, point, discard_later: bool = False) -> None:
+    """Decides, before any work, what a run may do to its --save directory: never write into another run's
+    checkpoints, never over a folder that is not ours, and roll back (``--load DIR/STEP --save DIR`` with later
+    steps in DIR) only when asked to discard the later steps. ``point``: (directory, step) of --load, or None."""
+    import shutil
+
     from utils import checkpoint as ckpt
 
     save = cfg.checkpoint.save
-    if not save or not ckpt.saved_steps(save):
+    if not save:
         return
-    loading = cfg.checkpoint.load and os.path.abspath(ckpt.resolve(cfg.checkpoint.load)[-1][0]) == os.path.abspath(save)
-    if not loading:
+    foreign = ckpt.foreign_steps(save)
+    start, total, every = (point[1] if point else 0), cfg.training.steps, checkpoint_every(cfg)
+    will = {s for s in range(start + 1, total + 1) if every and s % every == 0} | {total}
+    clash = sorted(set(foreign) & will)
+    if clash:
+        raise FlanT5Error(f"{save} holds folder(s) {', '.join(map(str, clash))} that are not this project's "
+                          "checkpoints, and this run would save steps of those numbers: choose another --save "
+                          "directory (nothing was touched)")
+    if foreign:
+        logger.info("%s holds folder(s) %s that are not checkpoints of this project: they are left alone", save,
+                    ", ".join(map(str, foreign)))
+    ours = sorted(set(ckpt.saved_steps(save)) | set(ckpt.incomplete_steps(save)))
+    if not ours:
+        return
+    if not (point and os.path.abspath(point[0]) == os.path.abspath(save)):
         raise FlanT5Error(f"{save} already holds checkpoints (steps {ckpt.saved_steps(save)}): pass --load {save} to "
                           "resume, or choose a new --save directory")
+    later = [s for s in ours if s > point[1]]
+    if later and not discard_later:
+        raise FlanT5Error(f"--load {save}/{point[1]} is older than {save}'s step(s) {', '.join(map(str, later))}, "
+                          f"which this run would write over: pass --discard_later_steps to continue from step "
+                          f"{point[1]} on a new branch (deleting step(s) {', '.join(map(str, later))} of {save}), or "
+                          "--save NEW_DIR to keep them")
+    for s_ in later:
+        shutil.rmtree(os.path.join(save, str(s_)))
+    if later:
+        logger.info("--discard_later_steps: deleted step(s) %s of %s; continuing from step %d", ", ".join(map(str, later)),
+                    save, point[1])
 
 
 def checkpoint_every(cfg) -> int:
@@ -152,7 +184,9 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         if self.signum is not None:
-            raise KeyboardInterrupt
+            from utils.cli import exit_on_signal
+
+            exit_on_signal(signum)  # a checkpoint being written stays incomplete: it is never loaded
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving and stopping "
               "(send it again to stop at once)", file=sys.stderr, flush=True)
@@ -186,22 +220,34 @@ class Saver:
         from utils import checkpoint as ckpt
 
         self.cfg, self.executor, self.loader = cfg, executor, loader
-        self.mgr = ckpt.manager(cfg.checkpoint.save, cfg.checkpoint.to_keep) if cfg.checkpoint.save else None
+        self.mgr = ckpt.manager(cfg.checkpoint.save) if cfg.checkpoint.save else None
         self.last = f"{cfg.checkpoint.load} step {start_step}" if start_step else None
+        self.pending = None  # the step being written (asynchronously)
 
     def save(self, step: int, state) -> None:
         from config.config import to_dict
         from utils import checkpoint as ckpt
 
+        self.wait()  # the previous checkpoint complete (and older ones pruned) before the next starts
         cfg = self.cfg
         meta = {"step": step, **self.loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg)}
         stacked = self.executor.to_checkpoint(state)
         ckpt.save(self.mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
-        self.last = f"{cfg.checkpoint.save}/{step}"
+        self.last, self.pending = f"{cfg.checkpoint.save}/{step}", step
 
     def wait(self) -> None:
-        if self.mgr:
-            self.mgr.wait_until_finished()
+        """Waits for the checkpoint being written; then keeps the newest ``to_keep`` of this run's steps."""
+        from utils import checkpoint as ckpt
+
+        if not self.mgr:
+            return
+        self.mgr.wait_until_finished()
+        if self.pending is not None:
+            gone = ckpt.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep, keep=(self.pending,))
+            if gone:
+                logger.info("removed checkpoint step(s) %s of %s (--to_keep %d)", ", ".join(map(str, gone)),
+                            self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep)
+            self.pending = None
 
 
 class Progress:
@@ -268,7 +314,7 @@ def train(cfg, args, executor, loader, state, start_step: int) -> None:
     from utils.tracking import Tracker
 
     primary = is_main_process()  # process 0 of a multi-process run writes the metrics and shows progress
-    run_dir = args.run_dir or cfg.checkpoint.save or os.path.join("runs", args.config)
+    run_dir = args.run_dir
     tracker = Tracker(run_dir, to_dict(cfg), args.wandb, args.wandb_name, resume_step=start_step, enabled=primary,
                       name=f"{args.config} ({os.path.basename(os.path.abspath(run_dir))})")
     saver = Saver(cfg, executor, loader, start_step)
@@ -336,16 +382,47 @@ def main(argv=None) -> None:
     if args.plan:
         print(plan(build_executor(cfg), exact=True).format())
         return
-    check_save_dir(cfg)
-    executor = build_executor(cfg)
+    if cfg.training.steps == 0:
+        raise FlanT5Error("--steps 0: nothing to train (and nothing is written): pass --steps 1 or more")
     point = resume_point(cfg)
-    if point:  # a checkpoint of another model shape fails here, before the data is read
-        from utils import checkpoint as ckpt
+    locks = own_directories(cfg, args, point)  # held for the run's life, released on any exit
+    try:
+        check_save_dir(cfg, point, args.discard_later_steps)
+        executor = build_executor(cfg)
+        if point:  # a checkpoint of another model shape fails here, before the data is read
+            from utils import checkpoint as ckpt
 
-        ckpt.check_shapes(*point, executor.g.abstract_params(), ckpt.read_meta(*point).get("config"), cfg)
-    executor, loader = build(cfg, executor)
-    state, start = initial_state(cfg, executor, loader, point)
-    train(cfg, args, executor, loader, state, start)
+            ckpt.check_shapes(*point, executor.g.abstract_params(), ckpt.read_meta(*point).get("config"), cfg)
+        executor, loader = build(cfg, executor)
+        state, start = initial_state(cfg, executor, loader, point)
+        train(cfg, args, executor, loader, state, start)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def own_directories(cfg, args, point) -> list:
+    """Locks the directories this run writes (process 0 of a multi-process run), picks a fresh run directory
+    when neither --run_dir nor --save names one, and refuses to truncate another run's metrics.jsonl."""
+    from utils.cli import is_main_process
+    from utils.rundir import RunLock, check_metrics_owner, fresh_run_dir
+
+    save = cfg.checkpoint.save
+    args.run_dir = args.run_dir or save or fresh_run_dir("runs", args.config)
+    if not is_main_process():
+        return []
+    locks = []
+    try:
+        for d in dict.fromkeys([save, args.run_dir]):
+            if d:
+                locks.append(RunLock(d))
+        resuming_here = bool(point) and os.path.abspath(point[0]) == os.path.abspath(args.run_dir)
+        check_metrics_owner(args.run_dir, resuming_here)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
 
 
 if __name__ == "__main__":

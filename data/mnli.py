@@ -215,15 +215,17 @@ def _ids(tokenizer, texts: list, special: bool) -> list:
     return tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
 
 
-def tokenize_inputs(rows: list, tokenizer, sequence_length: int, causal: bool = False) -> dict:
-    """Prompt ids and attention mask [n, sequence_length] (truncated/padded on the right). T5: the encoder
-    prompt, EOS kept by the tokenizer; ``causal`` (GPT-J): the prompt up to ``target:``, no special tokens."""
+def tokenize_inputs(rows: list, tokenizer, sequence_length: int | None, causal: bool = False) -> dict:
+    """Prompt ids and attention mask [n, sequence_length] (truncated/padded on the right; None: padded to the
+    longest prompt, none truncated). T5: the encoder prompt, EOS kept by the tokenizer; ``causal`` (GPT-J): the
+    prompt up to ``target:``, no special tokens."""
     if causal:
         enc = _ids(tokenizer, [causal_prompt(r["hypothesis"], r["premise"]) for r in rows], False)
     else:
         enc = _ids(tokenizer, [prompt(r["hypothesis"], r["premise"]) for r in rows], True)
-    ids = _pad(enc, sequence_length, tokenizer.pad_token_id)
-    mask = _pad([[1] * len(s) for s in enc], sequence_length, 0)
+    length = sequence_length or max(len(x) for x in enc)
+    ids = _pad(enc, length, tokenizer.pad_token_id)
+    mask = _pad([[1] * len(s) for s in enc], length, 0)
     return {"input_ids": ids, "attention_mask": mask}
 
 

@@ -6,7 +6,9 @@ import argparse
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
 import typing
 from typing import Callable, Optional
 
@@ -44,6 +46,16 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as the one line every other error is (no usage dump)."""
 
     def error(self, message):
+        import difflib
+        import re
+
+        m = re.match(r"unrecognized arguments: (.*)", message)
+        if m:  # a close typo gets its likely flag named
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = [f"{w} (did you mean {c[0]}?)" for w in m.group(1).split() if w.startswith("--")
+                     for c in [difflib.get_close_matches(w.split("=")[0], known, n=1, cutoff=0.75)] if c]
+            if hints:
+                message = "unrecognized arguments: " + ", ".join(hints)
         die(f"{message} (see --help)")
 
 
@@ -141,6 +153,10 @@ def entry(main: Callable) -> Callable:
 
     @functools.wraps(main)
     def run(argv=None):
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, exit_on_signal)
         try:
             return main(argv)
         except FlanT5Error as e:
@@ -152,8 +168,27 @@ def entry(main: Callable) -> Callable:
             if oom is None:
                 raise
             die(oom, OutOfMemory.exit_code)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
 
     return run
+
+
+def exit_on_signal(signum, frame=None) -> None:
+    """Ctrl-C or SIGTERM at any moment outside the training loop's own handling (start-up, compilation, loading,
+    validation, decoding): one line and exit 130 / 143 at once. No Python exception is raised into a program
+    that XLA's threads are running (that is what ended in segmentation faults, or in an interrupt swallowed by a
+    garbage-collection callback); files are written atomically, so what was saved before stays intact."""
+    name = signal.Signals(signum).name
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os.write(2, f"\n{name}: stopped; the work in progress was not saved (earlier checkpoints and reports are "
+                f"intact)\n".encode())
+    os._exit(128 + signum)
 
 
 def out_of_memory_message(e: BaseException) -> Optional[str]:

@@ -35,6 +35,9 @@ def extra_flags(p):
     p.add_argument("--run_dir", default=None,
                    help="where metrics.jsonl and loss_curve.png go: the --save directory if given, else a fresh "
                         "runs/PRESET-DATE-TIME")
+    p.add_argument("--init_from", default=None, metavar="CKPT",
+                   help="start a new run from a checkpoint's weights (step 0, fresh optimizer state and learning-rate "
+                        "schedule, any dataset), unlike --load, which resumes a run where it stopped")
     p.add_argument("--discard_later_steps", action="store_true",
                    help="with --load DIR/STEP --save DIR: continue from STEP on a new branch, deleting DIR's later "
                         "steps (without it, such a rollback stops before any work)")
@@ -70,7 +73,8 @@ def build(cfg, executor=None):
     rows = load_rows(cfg.data.dataset, "train", seed=cfg.model.seed)
     causal = cfg.model.family == "gptj"
     examples = tokenize_examples(rows, tokenizer, causal=causal)
-    check_unknown_tokens(examples, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
+    unknown = check_unknown_tokens(examples, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
+    report_lengths(cfg, examples, tokenizer, causal, unknown)
     if causal:
         how = f"{cfg.data.causal_packing}-packed" if cfg.data.packing else "padded"
         logger.info("training on %d samples of %s (causal LM, %s rows of %d tokens, loss on %s tokens)", len(rows),
@@ -86,8 +90,36 @@ def build(cfg, executor=None):
     return executor, loader
 
 
+# what decides the order of the training data: a resumed run must keep them to continue the same stream
+DATA_ORDER = (("dataset", ("data", "dataset")), ("global_batch_size", ("training", "global_batch_size")),
+              ("packing", ("data", "packing")), ("causal_packing", ("data", "causal_packing")),
+              ("sequence_length", ("model", "sequence_length")), ("seed", ("model", "seed")))
+
+
+def report_lengths(cfg, examples, tokenizer, causal: bool, unknown: float) -> None:
+    """A sequence_length that cannot hold the prompt template is an error; examples that do not fit are counted
+    and said (a warning when more than 1% are cut), never cut silently."""
+    from data.mnli import DataError, causal_prompt, prompt
+
+    L = cfg.model.sequence_length
+    template = len(tokenizer((causal_prompt if causal else prompt)("x", "x"),
+                             add_special_tokens=not causal)["input_ids"]) + (4 if causal else 0)
+    if L < template:
+        raise DataError(f"sequence_length={L} cannot hold the prompt template ({template} tokens before any "
+                        f"premise or hypothesis{' and target' if causal else ''}): pass --sequence_length "
+                        f"{max(64, 2 * template)} or more")
+    sizes = [len(x) + (len(t) if causal else 0) for x, t in zip(examples.inputs, examples.targets)]
+    cut = sum(n > L for n in sizes)
+    share = cut / max(len(sizes), 1)
+    log = logger.warning if share > 0.01 else logger.info
+    log("%d of %d training examples (%.1f%%) are longer than sequence_length %d (the longest: %d tokens) and are cut"
+        "%s; %.2f%% of the prompt tokens are unknown to the tokenizer", cut, len(sizes), 100 * share, L, max(sizes),
+        " (their start: the target is kept)" if causal else " (their end)", 100 * unknown)
+
+
 def resume_point(cfg):
-    """(directory, step) of the checkpoint --load names, checked against --steps; None without --load."""
+    """(directory, step) of the checkpoint --load names, checked against --steps and against the data order it
+    was trained with; None without --load."""
     from utils import checkpoint as ckpt
 
     if not cfg.checkpoint.load:
@@ -96,12 +128,33 @@ def resume_point(cfg):
     if step >= cfg.training.steps:
         raise FlanT5Error(f"{directory} is at step {step} and --steps is {cfg.training.steps}: nothing to train; "
                           f"pass --steps greater than {step} to continue, or evaluate it with run_validation.py")
+    saved = ckpt.read_meta(directory, step).get("config") or {}
+    for flag, (section, key) in DATA_ORDER:
+        theirs, ours = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+        if theirs is not None and theirs != ours:
+            raise FlanT5Error(f"resuming {directory}/{step} with --{flag} {ours}, but it was trained with --{flag} "
+                              f"{theirs}: its data order cannot continue; resume with --{flag} {theirs}, or start a "
+                              f"new run from its weights with --init_from {directory}/{step} (step 0, fresh optimizer "
+                              "state and schedule)")
     return directory, step
 
 
-def initial_state(cfg, executor, loader, point):
-    """Train state from --load (resume: ``point``, the checkpoint ``resume_point`` found), --hf_model
-    (pretrained) or random init; returns (state, start step).
+def init_point(cfg, args):
+    """(directory, step) of --init_from: a new run (step 0, new data, fresh optimizer state and schedule) starting
+    from a checkpoint's weights; None without it."""
+    from utils import checkpoint as ckpt
+
+    if not args.init_from:
+        return None
+    if cfg.checkpoint.load:
+        raise FlanT5Error("--load resumes a run and --init_from starts a new one from a checkpoint's weights: pass "
+                          "one of them")
+    return ckpt.resolve(args.init_from)[-1]
+
+
+def initial_state(cfg, executor, loader, point, warm=None):
+    """Train state from --load (resume: ``point``, the checkpoint ``resume_point`` found), --init_from (``warm``:
+    a checkpoint's weights, step 0), --hf_model (pretrained) or random init; returns (state, start step).
 
     Under phased execution the state lives in host memory, built without ever placing the
     whole model on a device.
@@ -113,6 +166,10 @@ def initial_state(cfg, executor, loader, point):
         loader.restore(meta)
         logger.info("resumed %s at step %d (data position %d)", point[0], meta["step"], loader.position)
         return state, meta["step"]
+    if warm:
+        state = executor.warm_start(*warm)
+        logger.info("a new run from the weights of %s/%d (step 0, fresh optimizer state and schedule)", *warm)
+        return state, 0
     if cfg.data.hf_model:
         _, host = load_hf_model(cfg.data.hf_model, cfg.execution.tensor_parallel, expect=cfg.model)
         logger.info("initialised from %s", cfg.data.hf_model)
@@ -384,17 +441,18 @@ def main(argv=None) -> None:
         return
     if cfg.training.steps == 0:
         raise FlanT5Error("--steps 0: nothing to train (and nothing is written): pass --steps 1 or more")
-    point = resume_point(cfg)
+    point, warm = resume_point(cfg), init_point(cfg, args)
     locks = own_directories(cfg, args, point)  # held for the run's life, released on any exit
     try:
         check_save_dir(cfg, point, args.discard_later_steps)
         executor = build_executor(cfg)
-        if point:  # a checkpoint of another model shape fails here, before the data is read
-            from utils import checkpoint as ckpt
+        for source in (point, warm):  # a checkpoint of another model shape fails here, before the data is read
+            if source:
+                from utils import checkpoint as ckpt
 
-            ckpt.check_shapes(*point, executor.g.abstract_params(), ckpt.read_meta(*point).get("config"), cfg)
+                ckpt.check_shapes(*source, executor.g.abstract_params(), ckpt.read_meta(*source).get("config"), cfg)
         executor, loader = build(cfg, executor)
-        state, start = initial_state(cfg, executor, loader, point)
+        state, start = initial_state(cfg, executor, loader, point, warm)
         train(cfg, args, executor, loader, state, start)
     finally:
         for lock in locks:

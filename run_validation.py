@@ -219,12 +219,18 @@ def main(argv=None) -> None:
                     int((feats["attention_mask"].sum(1) > cfg.model.sequence_length).sum()), cfg.model.sequence_length,
                     longest)
     labels = [r["label"] for r in rows]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    unknown_share = 0.0 if unk is None else float((feats["input_ids"][feats["attention_mask"] > 0] == unk).mean())
+    if unknown_share > 0.01:
+        logger.warning("%.1f%% of the prompt tokens are unknown to tokenizer %s: the model sees <unk> there",
+                       100 * unknown_share, cfg.data.tokenizer)
     validator = Validator(cfg)
     for directory, step in targets:
         t0 = time.perf_counter()
         params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)
         report = score(labels, validator.predict(params, feats, tokenizer))
         report.update(split=split, dataset=cfg.data.dataset, single_file=single_file, step=step, limit=args.limit,
+                      prompt_tokens_unknown=unknown_share, longest_prompt=int(feats["attention_mask"].sum(1).max()),
                       checkpoint=directory or cfg.data.hf_model, seconds=time.perf_counter() - t0)
         name = report_name(split, step, args.limit)
         path = args.output if args.output and len(targets) == 1 else os.path.join(directory or "runs", name)

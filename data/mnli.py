@@ -48,15 +48,23 @@ def _read_table(path: str) -> list:
 
     try:
         if path.endswith(".jsonl"):
-            df = pd.read_json(path, lines=True, dtype=False)
+            return _read_jsonl(path)
         elif path.endswith(".json"):
             try:
                 df = pd.read_json(path, dtype=False)
             except ValueError:
-                df = pd.read_json(path, lines=True, dtype=False)
+                return _read_jsonl(path)
         elif path.endswith(".parquet"):
             df = pd.read_parquet(path)
         elif path.endswith(".csv"):
+            import csv
+
+            with open(path, newline="") as f:
+                header = next(csv.reader(f), [])
+            dup = sorted({c for c in header if header.count(c) > 1})
+            if dup:
+                raise DataError(f"{path}: line 1: column(s) {', '.join(dup)} appear more than once in the header: "
+                                "keep one of each")
             df = pd.read_csv(path, keep_default_na=False)
         else:
             raise DataError(f"{path}: unknown file type: use one of {', '.join(SUFFIXES)}")
@@ -67,6 +75,35 @@ def _read_table(path: str) -> list:
     if len(df) == 0:
         raise DataError(f"{path}: the file has no rows: give a file with premise, hypothesis and label columns")
     return df.to_dict("records")
+
+
+def _read_jsonl(path: str) -> list:
+    """Rows of a JSON-lines file; a malformed line or a key given twice in a row is a DataError naming its line."""
+    import json
+
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"key(s) {', '.join(dup)} appear more than once")
+        return dict(pairs)
+
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line, object_pairs_hook=no_duplicates)
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                raise DataError(f"{path}: line {n}: not a valid JSON object ({e}): fix or remove the line") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: line {n}: a JSON object with premise, hypothesis and label is expected, got "
+                                f"{type(row).__name__}")
+            rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: the file has no rows: give a file with premise, hypothesis and label columns")
+    return rows
 
 
 def _missing(value) -> bool:
@@ -145,6 +182,13 @@ def _local_file(path: str, split: str) -> str:
 def load_rows(dataset: str, split: str, seed: int = 0) -> list:
     """Validated MNLI rows of ``split`` from 'glue/mnli', 'synthetic' or a local file/directory."""
     if dataset in ("synthetic", "synthetic-mnli"):
+        if split not in synthetic.SPLIT_SIZES:
+            import difflib
+
+            close = difflib.get_close_matches(split, list(synthetic.SPLIT_SIZES), n=1)
+            raise DataError(f"split {split!r} is not a split of {dataset}" + (f" (did you mean {close[0]}?)" if close
+                                                                               else "")
+                            + f": choose one of {', '.join(synthetic.SPLIT_SIZES)} (--split)")
         lengths = "mnli" if dataset == "synthetic-mnli" else "short"
         return validate_rows(synthetic.generate_split(split, seed=seed, lengths=lengths), f"{dataset}:{split}")
     if os.path.exists(dataset):

@@ -169,3 +169,47 @@ def test_a_signal_at_start_up_or_during_validation_exits_cleanly(tmp_path, when)
     assert "SIGINT: stopped" in err
     assert open(earlier).read() == '{"earlier": true}'
     assert not [f for f in os.listdir(save) if ".tmp" in f]
+
+
+def test_a_new_run_from_a_checkpoint_on_new_data_and_resume_keeps_the_data_order(tmp_path, capsys):
+    """--init_from: step 0, fresh optimizer state, another dataset (resuming with --load on it was an IndexError
+    traceback); --load with another dataset or batch size is refused before work, naming --init_from."""
+    from data.synthetic import generate_split
+
+    save = str(tmp_path / "ck")
+    train(save, 2)
+    new = tmp_path / "new"
+    new.mkdir()
+    (new / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in generate_split("train", 40, seed=5)))
+    err = _fails(capsys, run_finetuning.main, SMALL + ["--steps", "3", "--load", save, "--save", save, "--dataset",
+                                                       str(new)], "--init_from")
+    assert "--dataset synthetic" in err
+    _fails(capsys, run_finetuning.main, SMALL + ["--steps", "3", "--load", save, "--save", save,
+                                                 "--global_batch_size", "16"], "--global_batch_size 8")
+    warm = str(tmp_path / "warm")
+    run_finetuning.main(SMALL + ["--steps", "2", "--init_from", save, "--save", warm, "--dataset", str(new),
+                                 "--warmup_steps", "2"])
+    meta, _ = params_at(warm, 2)
+    assert meta["step"] == 2 and meta["config"]["data"]["dataset"] == str(new)
+    lines = [json.loads(x) for x in open(os.path.join(warm, "metrics.jsonl"))]
+    assert [r["step"] for r in lines] == [1, 2] and lines[0]["learning_rate"] == 0.0  # a fresh schedule
+
+
+def test_malformed_lines_duplicated_columns_and_split_typos_are_named(tmp_path, capsys):
+    from data.mnli import DataError, load_rows
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n{"premise": "a", "hypothesis": \n')
+    with pytest.raises(DataError, match=r"bad.jsonl: line 2: not a valid JSON object"):
+        load_rows(str(bad), "train")
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"premise": "a", "hypothesis": "b", "label": 0, "label": 2}\n')
+    with pytest.raises(DataError, match=r"line 1: .*label appear more than once"):
+        load_rows(str(dup), "train")
+    csv = tmp_path / "dup.csv"
+    csv.write_text("premise,hypothesis,label,label\na,b,0,2\n")
+    with pytest.raises(DataError, match=r"line 1: column\(s\) label appear more than once"):
+        load_rows(str(csv), "train")
+    with pytest.raises(DataError, match=r"did you mean validation_mismatched"):
+        load_rows("synthetic", "validaton_mismatched")
+    _fails(capsys, run_finetuning.main, SMALL + ["--steps", "1", "--sequence_length", "4"], "prompt template")

@@ -57,21 +57,32 @@ def build_executor(cfg):
     return executor
 
 
-def build(cfg, executor=None):
-    """The executor, checked to fit this machine (graphs/plan.py), and the training data loader."""
-    from data.mnli import TrainLoader, check_unknown_tokens, load_rows, load_tokenizer, tokenize_examples
+def build(cfg, executor=None, run_dir: str | None = None):
+    """The executor, checked to fit this machine (graphs/plan.py), and the training data loader. With
+    ``--tokenizer train`` the tokenizer is learnt from the training data and saved to RUN_DIR/tokenizer, which
+    the config (and so every checkpoint) then names."""
+    from data.mnli import (TRAINED, TrainLoader, check_unknown_tokens, load_rows, load_tokenizer, tokenize_examples,
+                           train_tokenizer)
     from graphs.plan import check_fits, human_bytes
 
     executor = executor or build_executor(cfg)
     plan = check_fits(executor, cfg)
     logger.info("memory plan: %s per device, %s of host memory (before program temporaries; --plan counts them)",
                 human_bytes(plan.device_peak), human_bytes(plan.host_peak))
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    rows = load_rows(cfg.data.dataset, "train", seed=cfg.model.seed)
+    causal = cfg.model.family == "gptj"
+    if cfg.data.tokenizer == TRAINED:
+        out = os.path.abspath(os.path.join(run_dir or cfg.checkpoint.save or "runs", "tokenizer"))
+        t0 = time.perf_counter()
+        tokenizer = train_tokenizer(rows, cfg.model.embedding.vocab_size, out, causal)
+        cfg.data.tokenizer = out  # what checkpoints record: validation loads it from there
+        logger.info("trained a %d-token tokenizer on %d rows of %s in %.1f s -> %s", len(tokenizer), len(rows),
+                    cfg.data.dataset, time.perf_counter() - t0, out)
+    else:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         raise FlanT5Error(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
                           "raise --vocab_size or use the tokenizer of this model")
-    rows = load_rows(cfg.data.dataset, "train", seed=cfg.model.seed)
-    causal = cfg.model.family == "gptj"
     examples = tokenize_examples(rows, tokenizer, causal=causal)
     unknown = check_unknown_tokens(examples, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
     report_lengths(cfg, examples, tokenizer, causal, unknown)
@@ -451,7 +462,7 @@ def main(argv=None) -> None:
                 from utils import checkpoint as ckpt
 
                 ckpt.check_shapes(*source, executor.g.abstract_params(), ckpt.read_meta(*source).get("config"), cfg)
-        executor, loader = build(cfg, executor)
+        executor, loader = build(cfg, executor, args.run_dir)
         state, start = initial_state(cfg, executor, loader, point, warm)
         train(cfg, args, executor, loader, state, start)
     finally:

@@ -251,7 +251,8 @@ class Data:
     lengths), or a local json/jsonl/parquet/csv file or directory."""
 
     tokenizer: str = "google/flan-t5-xxl"
-    """Hugging Face tokenizer name or directory, or 'synthetic' for the offline word-level tokenizer."""
+    """Hugging Face tokenizer name or directory, 'synthetic' for the offline word-level tokenizer, or 'train' to
+    learn one from the training data (offline, seconds; saved with the run, and used by validation)."""
 
     hf_model: Optional[str] = None
     """Hugging Face model name or directory to initialise the weights from (random init if unset)."""

@@ -213,10 +213,44 @@ def load_rows(dataset: str, split: str, seed: int = 0) -> list:
 # --------------------------------------------------------------------------- tokenisation
 
 
+TRAINED = "train"  # --tokenizer train: learn one from the training data (train_tokenizer)
+
+
+def train_tokenizer(rows: list, vocab_size: int, out_dir: str, causal: bool = False):
+    """A BPE tokenizer learnt from the training rows' prompts and labels in seconds, no download: at most
+    ``vocab_size`` tokens (the model's), <pad> 0, </s> 1, <unk> 2 as T5's, every character of the data in its
+    alphabet (so no word of the data is unknown), saved to ``out_dir`` (a directory AutoTokenizer loads, which
+    checkpoints name and validation uses)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # every row's label too: frequent, they become whole tokens (the targets are a few tokens long)
+    texts = [(causal_prompt if causal else prompt)(r["hypothesis"], r["premise"]) for r in rows]
+    texts += [CLASS_LABELS[r["label"]] for r in rows] + CLASS_LABELS
+    alphabet = sorted({c for t in texts for c in t if not c.isspace()} | {"\u2581"})  # + Metaspace's word marker
+    specials = ["<pad>", "</s>", "<unk>"]
+    if len(alphabet) + len(specials) + 1 > vocab_size:
+        raise DataError(f"the training data has {len(alphabet)} distinct characters but vocab_size is {vocab_size}: "
+                        f"a tokenizer needs at least {len(alphabet) + len(specials) + 1} tokens; raise --vocab_size")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                        initial_alphabet=alphabet, limit_alphabet=len(alphabet),
+                                                        show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
 def load_tokenizer(name: str):
     """The tokenizer: 'synthetic' (offline word-level) or an HF name/directory."""
     if name == "synthetic":
         return synthetic.make_tokenizer()
+    if name == TRAINED:
+        raise DataError("--tokenizer train learns a tokenizer from the training data: run_finetuning.py does that; "
+                        "validation then uses the one saved with the checkpoint")
     try:
         from transformers import AutoTokenizer
 
@@ -238,9 +272,9 @@ def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str,
     total = sum(len(x) for x in ids)
     share = sum(int(np.sum(np.asarray(x) == unk)) for x in ids) / max(total, 1)
     if share > limit:
-        hint = ("the synthetic tokenizer knows only the synthetic task's words: for other text pass the model's "
-                "tokenizer, e.g. --tokenizer google/flan-t5-small (a hub name or a local directory) with a preset of "
-                "that model" if name == "synthetic" else
+        hint = ("the synthetic tokenizer knows only the synthetic task's words: pass --tokenizer train to learn one "
+                "from this data (offline, seconds), or the model's tokenizer, e.g. --tokenizer google/flan-t5-small "
+                "(a hub name or a local directory) with a preset of that model" if name == "synthetic" else
                 "pass the tokenizer of the model this data is for (--tokenizer NAME_OR_DIR)")
         raise DataError(f"{share:.0%} of the prompt tokens of {dataset} are unknown (<unk>) to tokenizer {name!r}: "
                         f"{hint}")

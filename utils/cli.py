@@ -59,6 +59,12 @@ class _Parser(argparse.ArgumentParser):
         die(f"{message} (see --help)")
 
 
+# fields that only training reads, outside the training section
+TRAINING_ONLY = ("save", "checkpoint_steps", "to_keep", "optim_state", "phased", "recompute", "remat_policy", "rts",
+                 "loss_scaling", "packing", "packed_decoder_length", "causal_packing", "loss_tokens", "dropout_prob",
+                 "unroll_layers", "decoder_sequence_length")
+
+
 def build_parser(kind: str, description: str, default_preset: str,
                  extra: Optional[Callable[[argparse.ArgumentParser], None]] = None,
                  argv: Optional[list] = None) -> argparse.ArgumentParser:
@@ -82,7 +88,9 @@ def build_parser(kind: str, description: str, default_preset: str,
             shown = values[flag]
             shown = " ".join(str(v) for v in shown) if isinstance(shown, (list, tuple)) else shown
             doc += f" [{preset}: {shown}]"
-        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=doc)
+        # decoding drivers accept the training fields (a shared preset may set them) but do not list them
+        hidden = kind == "inference" and (ref.path[0] == "training" or flag in TRAINING_ONLY)
+        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS if hidden else doc)
         if typ is bool:
             group.add_argument(f"--{flag}", nargs="?", const="true", metavar="BOOL", **kwargs)
         elif typ is tuple:
@@ -224,8 +232,22 @@ def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:
         raise ConfigError(f"{flag} {path} cannot be written ({e.strerror or e}): choose a path you can write to") from None
 
 
+class _ProgressFriendly(logging.StreamHandler):
+    """On a terminal, log lines are written above the progress bar (tqdm.write) instead of through it."""
+
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    handlers = [_ProgressFriendly(sys.stderr)] if sys.stderr.isatty() else None
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        handlers=handlers)
     for noisy in ("absl", "orbax", "jax", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 

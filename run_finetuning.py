@@ -85,7 +85,7 @@ def build(cfg, executor=None, run_dir: str | None = None):
                           "raise --vocab_size or use the tokenizer of this model")
     examples = tokenize_examples(rows, tokenizer, causal=causal)
     unknown = check_unknown_tokens(examples, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
-    report_lengths(cfg, examples, tokenizer, causal, unknown)
+    data_report = report_lengths(cfg, examples, tokenizer, causal, unknown)
     if causal:
         how = f"{cfg.data.causal_packing}-packed" if cfg.data.packing else "padded"
         logger.info("training on %d samples of %s (causal LM, %s rows of %d tokens, loss on %s tokens)", len(rows),
@@ -98,6 +98,7 @@ def build(cfg, executor=None, run_dir: str | None = None):
                          packing=cfg.data.packing, decoder_length=cfg.decoder_row_length, causal=causal,
                          causal_packing=cfg.data.causal_packing, loss_tokens=cfg.data.loss_tokens,
                          pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    loader.report = data_report  # written with the run's first metrics line
     return executor, loader
 
 
@@ -107,7 +108,7 @@ DATA_ORDER = (("dataset", ("data", "dataset")), ("global_batch_size", ("training
               ("sequence_length", ("model", "sequence_length")), ("seed", ("model", "seed")))
 
 
-def report_lengths(cfg, examples, tokenizer, causal: bool, unknown: float) -> None:
+def report_lengths(cfg, examples, tokenizer, causal: bool, unknown: float) -> dict:
     """A sequence_length that cannot hold the prompt template is an error; examples that do not fit are counted
     and said (a warning when more than 1% are cut), never cut silently."""
     from data.mnli import DataError, causal_prompt, prompt
@@ -126,6 +127,7 @@ def report_lengths(cfg, examples, tokenizer, causal: bool, unknown: float) -> No
     log("%d of %d training examples (%.1f%%) are longer than sequence_length %d (the longest: %d tokens) and are cut"
         "%s; %.2f%% of the prompt tokens are unknown to the tokenizer", cut, len(sizes), 100 * share, L, max(sizes),
         " (their start: the target is kept)" if causal else " (their end)", 100 * unknown)
+    return {"truncated_examples": cut, "truncated_share": share, "unknown_token_share": unknown}
 
 
 def resume_point(cfg):
@@ -399,10 +401,11 @@ def train(cfg, args, executor, loader, state, start_step: int) -> None:
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
                 done = step + 1
+                first = getattr(loader, "report", {}) if step == start_step else {}
                 tracker.log(done, {"loss": m["loss"], "learning_rate": lr, "grad_norm": m["grad_norm"],
                                    "samples_per_s": rows / dt, "examples": stats["examples"],
                                    "examples_per_s": stats["examples"] / dt,
-                                   "packing_efficiency": stats["packing_efficiency"]})
+                                   "packing_efficiency": stats["packing_efficiency"], **first})
                 progress.update(done, m["loss"], lr, rows / dt, stats["examples"] / dt)
                 if stop.signum is not None:
                     stop_after_signal(stop.signum, done, cfg, saver, state, tracker)

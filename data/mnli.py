@@ -251,14 +251,20 @@ def load_tokenizer(name: str):
     if name == TRAINED:
         raise DataError("--tokenizer train learns a tokenizer from the training data: run_finetuning.py does that; "
                         "validation then uses the one saved with the checkpoint")
-    try:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(name)
+    from utils.hub import fetch
+
+    fix = ("pass --tokenizer train to learn one from the training data offline, or download it elsewhere "
+           f"(huggingface-cli download {name} --local-dir DIR), copy DIR here and pass --tokenizer DIR")
+    try:
+        if os.path.isdir(name):
+            return AutoTokenizer.from_pretrained(name)
+        return fetch(lambda **kw: AutoTokenizer.from_pretrained(name, **kw), name, "tokenizer", fix, DataError)
+    except DataError:
+        raise
     except Exception as e:
-        raise DataError(
-            f"cannot load tokenizer '{name}' ({type(e).__name__}): with no network, download it elsewhere "
-            f"(huggingface-cli download {name} --local-dir DIR), copy DIR here and pass --tokenizer DIR") from None
+        raise DataError(f"cannot load tokenizer '{name}' ({type(e).__name__}): {fix}") from None
 
 
 def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str, limit: float = 0.01,

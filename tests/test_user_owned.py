@@ -244,3 +244,38 @@ def test_own_words_train_offline_with_a_tokenizer_learnt_from_the_data(tmp_path)
     r = json.load(open(out))
     assert r["prompt_tokens_unknown"] == 0.0 and r["unknown"] == 0
     assert r["accuracy"] > 0.55, r["per_class"]  # chance: 1/3 (measured: 74% after 300 steps, 150 words unseen)
+
+
+def test_no_network_is_one_line_at_once_naming_the_offline_choice(monkeypatch):
+    from data.mnli import DataError, load_tokenizer
+    from utils import hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "reachable", lambda timeout=3.0: False)  # as on a machine with no network
+    t0 = time.time()
+    with pytest.raises(DataError, match=r"no network .* --tokenizer train"):
+        load_tokenizer("google/flan-t5-small-not-cached")
+    assert time.time() - t0 < 20  # the hub's retries took 52 s
+
+
+def test_truncation_and_unknown_counts_are_in_the_first_metrics_line(tmp_path):
+    save = str(tmp_path / "ck")
+    run_finetuning.main(SMALL + ["--steps", "2", "--save", save, "--sequence_length", "12"])
+    first = json.loads(open(os.path.join(save, "metrics.jsonl")).readline())
+    assert first["truncated_examples"] > 0 and 0 < first["truncated_share"] <= 1 and first["unknown_token_share"] == 0
+
+
+def test_a_second_signal_during_the_save_stops_at_once_and_earlier_steps_stay_loadable(tmp_path):
+    save = str(tmp_path / "ck")
+    proc = _subprocess(["run_finetuning.py"] + SMALL + ["--steps", "300", "--save", save, "--checkpoint_steps", "2"])
+    from tests.test_robustness import _wait_for_steps
+
+    _wait_for_steps(os.path.join(save, "metrics.jsonl"), 5, proc)
+    proc.send_signal(signal.SIGTERM)  # finish the step, then save it ...
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # ... and stop at once, mid-save
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err and "Segmentation fault" not in err, err[-2000:]
+    steps = ckpt.saved_steps(save)
+    assert steps and all(ckpt.is_complete(os.path.join(save, str(s))) for s in steps)
+    run_validation.main(["--load", save, "--limit", "2"])  # the newest complete step loads

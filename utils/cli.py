@@ -248,6 +248,8 @@ def setup_logging(level: int = logging.INFO) -> None:
     handlers = [_ProgressFriendly(sys.stderr)] if sys.stderr.isatty() else None
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
                         handlers=handlers)
+    if distributed_requested() and rank_from_env() > 0:  # from the start, before JAX knows the process index
+        logger.setLevel(logging.WARNING)
     for noisy in ("absl", "orbax", "jax", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -301,6 +303,16 @@ def ensure_pinned_host_memory(phased: bool) -> None:
     except (ValueError, OSError, AttributeError):
         return
     os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(int(0.9 * ram / 2**30), 1))
+
+
+def rank_from_env() -> int:
+    """This process's rank as the launcher or scheduler set it (JAX_PROCESS_ID, SLURM_PROCID, OMPI_COMM_WORLD_RANK),
+    read before JAX starts; 0 where none is set."""
+    for name in ("JAX_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        value = _env_int(name)
+        if value is not None:
+            return value
+    return 0
 
 
 def distributed_requested() -> bool:

@@ -190,17 +190,16 @@ def initial_state(cfg, executor, loader, point, warm=None):
     return executor.init_state(), 0
 
 
-def check_save_dir(cfg, point, discard_later: bool = False) -> None:
-    """Decides, before any work, what a run may do to its --save directory: never write into another run's
-    checkpoints, never over a folder that is not ours, and roll back (``--load DIR/STEP --save DIR`` with later
-    steps in DIR) only when asked to discard the later steps. ``point``: (directory, step) of --load, or None."""
-    import shutil
-
+def check_save_dir(cfg, point, discard_later: bool = False) -> list:
+    """Decides, before any work and reading only, what a run may do to its --save directory: never write into
+    another run's checkpoints, never over a folder that is not ours, and roll back (``--load DIR/STEP --save DIR``
+    with later steps in DIR) only when asked to discard the later steps. ``point``: (directory, step) of --load,
+    or None. -> the later steps to discard (``discard_steps``)."""
     from utils import checkpoint as ckpt
 
     save = cfg.checkpoint.save
     if not save:
-        return
+        return []
     foreign = ckpt.foreign_steps(save)
     start, total, every = (point[1] if point else 0), cfg.training.steps, checkpoint_every(cfg)
     will = {s for s in range(start + 1, total + 1) if every and s % every == 0} | {total}
@@ -214,7 +213,7 @@ def check_save_dir(cfg, point, discard_later: bool = False) -> None:
                     ", ".join(map(str, foreign)))
     ours = sorted(set(ckpt.saved_steps(save)) | set(ckpt.incomplete_steps(save)))
     if not ours:
-        return
+        return []
     if not (point and os.path.abspath(point[0]) == os.path.abspath(save)):
         raise FlanT5Error(f"{save} already holds checkpoints (steps {ckpt.saved_steps(save)}): pass --load {save} to "
                           "resume, or choose a new --save directory")
@@ -224,6 +223,13 @@ def check_save_dir(cfg, point, discard_later: bool = False) -> None:
                           f"which this run would write over: pass --discard_later_steps to continue from step "
                           f"{point[1]} on a new branch (deleting step(s) {', '.join(map(str, later))} of {save}), or "
                           "--save NEW_DIR to keep them")
+    return later
+
+
+def discard_steps(save: str, later: list, point) -> None:
+    """--discard_later_steps: deletes the steps ``check_save_dir`` found after the loaded one (under the run's lock)."""
+    import shutil
+
     for s_ in later:
         shutil.rmtree(os.path.join(save, str(s_)))
     if later:
@@ -455,10 +461,19 @@ def main(argv=None) -> None:
         return
     if cfg.training.steps == 0:
         raise FlanT5Error("--steps 0: nothing to train (and nothing is written): pass --steps 1 or more")
+    from utils.rundir import check_free, check_metrics_owner, fresh_run_dir
+
     point, warm = resume_point(cfg), init_point(cfg, args)
-    locks = own_directories(cfg, args, point)  # held for the run's life, released on any exit
+    args.run_dir = args.run_dir or cfg.checkpoint.save or fresh_run_dir("runs", args.config)
+    # every check that can refuse the run reads only: a refused run leaves its directories as they were
+    for d in dict.fromkeys([cfg.checkpoint.save, args.run_dir]):
+        if d:
+            check_free(d)
+    later = check_save_dir(cfg, point, args.discard_later_steps)
+    check_metrics_owner(args.run_dir, bool(point) and os.path.abspath(point[0]) == os.path.abspath(args.run_dir))
+    locks = own_directories(cfg, args)  # held for the run's life, released on any exit
     try:
-        check_save_dir(cfg, point, args.discard_later_steps)
+        discard_steps(cfg.checkpoint.save, later, point)
         executor = build_executor(cfg)
         for source in (point, warm):  # a checkpoint of another model shape fails here, before the data is read
             if source:
@@ -473,14 +488,12 @@ def main(argv=None) -> None:
             lock.release()
 
 
-def own_directories(cfg, args, point) -> list:
-    """Locks the directories this run writes (process 0 of a multi-process run), picks a fresh run directory
-    when neither --run_dir nor --save names one, and refuses to truncate another run's metrics.jsonl."""
+def own_directories(cfg, args) -> list:
+    """Locks the directories this run writes (process 0 of a multi-process run)."""
     from utils.cli import is_main_process
-    from utils.rundir import RunLock, check_metrics_owner, fresh_run_dir
+    from utils.rundir import RunLock
 
     save = cfg.checkpoint.save
-    args.run_dir = args.run_dir or save or fresh_run_dir("runs", args.config)
     if not is_main_process():
         return []
     locks = []
@@ -488,8 +501,6 @@ def own_directories(cfg, args, point) -> list:
         for d in dict.fromkeys([save, args.run_dir]):
             if d:
                 locks.append(RunLock(d))
-        resuming_here = bool(point) and os.path.abspath(point[0]) == os.path.abspath(args.run_dir)
-        check_metrics_owner(args.run_dir, resuming_here)
     except BaseException:
         for lock in locks:
             lock.release()

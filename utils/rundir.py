@@ -23,6 +23,23 @@ class DirectoryBusy(FlanT5Error, RuntimeError):
     """Another live run holds the directory."""
 
 
+def check_free(directory: str) -> None:
+    """DirectoryBusy if a live run holds the directory; reads only (a run refused later must leave no trace)."""
+    path = os.path.join(directory, LOCK)
+    if not os.path.exists(path):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+        raise DirectoryBusy(f"{directory} is in use by another run ({holder}): wait for it to end, or choose "
+                            "another directory") from None
+    finally:
+        os.close(fd)
+
+
 class RunLock:
     """An exclusive lock on a directory, held until ``release`` or the process's end."""
 

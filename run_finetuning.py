@@ -461,13 +461,14 @@ def main(argv=None) -> None:
         return
     if cfg.training.steps == 0:
         raise FlanT5Error("--steps 0: nothing to train (and nothing is written): pass --steps 1 or more")
+    from utils.cli import is_main_process
     from utils.rundir import check_free, check_metrics_owner, fresh_run_dir
 
     point, warm = resume_point(cfg), init_point(cfg, args)
     args.run_dir = args.run_dir or cfg.checkpoint.save or fresh_run_dir("runs", args.config)
     # every check that can refuse the run reads only: a refused run leaves its directories as they were
     for d in dict.fromkeys([cfg.checkpoint.save, args.run_dir]):
-        if d:
+        if d and is_main_process():  # process 0 owns the run's directories (and holds their locks)
             check_free(d)
     later = check_save_dir(cfg, point, args.discard_later_steps)
     check_metrics_owner(args.run_dir, bool(point) and os.path.abspath(point[0]) == os.path.abspath(args.run_dir))

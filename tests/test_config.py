@@ -9,13 +9,16 @@ from config import ConfigError, load_config, read_presets, preset_path
 from config.config import FIELDS, config_from_mapping, dumps_yaml
 from utils.cli import parse_config
 
-FINETUNING = ["tiny", "xl_pod8", "xl_pod16", "xxl_1gpu", "xxl_pod16", "xxl_pod64", "small", "base", "large"]
-INFERENCE = ["tiny", "xl", "xl-mnli", "xxl", "xxl-mnli", "small", "base", "large"]
+FINETUNING = ["tiny", "xl_pod8", "xl_pod16", "xxl_1gpu", "xxl_pod16", "xxl_pod64", "small", "base", "large",
+              "gptj_6B_1024_pod64", "gptj_6B_1024_pod16", "gptj_1gpu", "gptj_small", "gptj_tiny"]
+INFERENCE = ["tiny", "xl", "xl-mnli", "xxl", "xxl-mnli", "small", "base", "large", "gpt-j", "gpt-j-mnli", "gptj_small",
+             "gptj_tiny"]
 
 
 def test_preset_files_hold_exactly_the_documented_presets():
     assert list(read_presets(preset_path("finetuning"))) == [
-        "xxl_pod64", "xxl_1gpu", "xxl_pod16", "xl_pod16", "xl_pod8", "large", "base", "small", "tiny"]
+        "xxl_pod64", "xxl_1gpu", "xxl_pod16", "xl_pod16", "xl_pod8", "large", "base", "small", "tiny",
+        "gptj_6B_1024_pod64", "gptj_6B_1024_pod16", "gptj_1gpu", "gptj_small", "gptj_tiny"]
     assert set(read_presets(preset_path("inference"))) == set(INFERENCE)
 
 

@@ -37,10 +37,6 @@ class TreeStructure:
             out[s] = {k: v for k, v in tree[s].items() if k != "layers"}
         return out
 
-    def layers(self, tree: dict) -> dict:
-        """{stack: the stack's layers} of a tree."""
-        return {s: tree[s]["layers"] for s in self.stacks}
-
     def with_layers(self, rest: dict, layers: dict) -> dict:
         """The inverse of ``split_rest``: rest + {stack: layers} -> the whole tree."""
         tree = dict(rest)
@@ -49,7 +45,7 @@ class TreeStructure:
         return tree
 
     def map_layers(self, fn, tree: dict) -> dict:
-        """The tree with each stack's layers replaced by ``fn(layers)`` (or ``fn(name, layers)``)."""
+        """The tree with each stack's layers replaced by ``fn(layers)``."""
         return self.with_layers(self.split_rest(tree), {s: fn(tree[s]["layers"]) for s in self.stacks})
 
     # ------------------------------------------------------------------ weight groups

@@ -53,10 +53,6 @@ class Stack:
     output: Optional[str] = None  # its final-norm weight, whose output the next stack reads (T5's encoder)
     output_stream: int = 0  # dropout stream of that output
 
-    @property
-    def decoder(self) -> bool:
-        return self.cross
-
 
 @dataclass(frozen=True)
 class ModelOptions:

@@ -366,25 +366,10 @@ def _layer_keys(i: int) -> dict:
 def params_from_hf(sd, m, tensor_parallel: int = 1) -> dict:
     """Our float32 GPT-J tree from an HF state dict (numpy arrays or torch tensors). HF Linear weights are
     [out, in]: q/k/v [d, h, kv] = W.T.reshape; o [h, kv, d] = W.T.reshape; fc_in/fc_out/lm_head = W.T."""
-    from modelling.hf_mapping import CheckpointError
+    from modelling.hf_mapping import state_dict_reader, vocab_padder
 
-    def get(key):
-        if key not in sd:
-            raise CheckpointError(f"weight {key} is missing from the checkpoint: is it a GPT-J checkpoint of this size?")
-        v = sd[key]
-        if hasattr(v, "detach"):
-            v = v.detach().float().cpu().numpy()
-        return np.asarray(v, dtype=np.float32)
-
+    get, pad = state_dict_reader(sd, "GPT-J"), vocab_padder(m, tensor_parallel)
     h, kv = m.attention.heads, m.attention.d_kv
-    V = padded_vocab(m.embedding.vocab_size, tensor_parallel)
-
-    def pad(w, axis):
-        widths = [(0, 0)] * w.ndim
-        widths[axis] = (0, V - w.shape[axis])
-        if widths[axis][1] < 0:
-            raise CheckpointError(f"checkpoint vocab {w.shape[axis]} is larger than vocab_size {m.embedding.vocab_size}")
-        return np.pad(w, widths)
 
     def ours(name, w):
         if name in ("q", "k", "v"):

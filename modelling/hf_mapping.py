@@ -160,28 +160,41 @@ def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- import / export
 
 
-def params_from_hf_state_dict(sd: Mapping[str, np.ndarray], m: ModelConfig, tensor_parallel: int = 1) -> dict:
-    """Our float32 parameter tree from an HF state dict (values: numpy arrays or torch tensors)."""
+def state_dict_reader(sd: Mapping, family: str):
+    """get(key) -> an HF state dict's entry (numpy or torch) as float32 numpy; a missing key is a CheckpointError."""
 
     def get(key):
         if key not in sd:
-            raise CheckpointError(f"weight {key} is missing from the checkpoint: is it a T5 checkpoint of this size?")
+            raise CheckpointError(f"weight {key} is missing from the checkpoint: is it a {family} checkpoint of this "
+                                  "size?")
         v = sd[key]
         if hasattr(v, "detach"):
             v = v.detach().float().cpu().numpy()
         return np.asarray(v, dtype=np.float32)
 
-    h, kv = m.attention.heads, m.attention.d_kv
-    gated = m.feed_forward_proj == "gated-gelu"
+    return get
+
+
+def vocab_padder(m: ModelConfig, tensor_parallel: int):
+    """pad(w, axis) -> w with its vocabulary axis zero-padded to the multiple of tensor_parallel the model uses."""
     V = padded_vocab(m.embedding.vocab_size, tensor_parallel)
 
-    def pad_rows(w, axis):
+    def pad(w, axis):
         extra = V - w.shape[axis]
         if extra < 0:
             raise CheckpointError(f"checkpoint vocab {w.shape[axis]} is larger than vocab_size {m.embedding.vocab_size}")
         widths = [(0, 0)] * w.ndim
         widths[axis] = (0, extra)
         return np.pad(w, widths)
+
+    return pad
+
+
+def params_from_hf_state_dict(sd: Mapping[str, np.ndarray], m: ModelConfig, tensor_parallel: int = 1) -> dict:
+    """Our float32 parameter tree from an HF state dict (values: numpy arrays or torch tensors)."""
+    get, pad_rows = state_dict_reader(sd, "T5"), vocab_padder(m, tensor_parallel)
+    h, kv = m.attention.heads, m.attention.d_kv
+    gated = m.feed_forward_proj == "gated-gelu"
 
     shared_key = "shared.weight" if "shared.weight" in sd else "encoder.embed_tokens.weight"
     params = {"shared": pad_rows(get(shared_key), 0)}

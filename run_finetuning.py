@@ -33,7 +33,14 @@ def extra_flags(p):
                    help="print the memory plan of the run (device and host bytes at their peaks, from shapes; "
                         "nothing allocated) and exit")
     p.add_argument("--run_dir", default=None,
-                   help="where metrics.jsonl and loss_curve.png go: the --save directory if given, else runs/PRESET")
+                   help="where metrics.jsonl and loss_curve.png go: the --save directory if given, else a fresh "
+                        "runs/PRESET-DATE-TIME")
+    p.add_argument("--init_from", default=None, metavar="CKPT",
+                   help="start a new run from a checkpoint's weights (step 0, fresh optimizer state and learning-rate "
+                        "schedule, any dataset), unlike --load, which resumes a run where it stopped")
+    p.add_argument("--discard_later_steps", action="store_true",
+                   help="with --load DIR/STEP --save DIR: continue from STEP on a new branch, deleting DIR's later "
+                        "steps (without it, such a rollback stops before any work)")
     p.add_argument("--log_every", type=int, default=None, metavar="N",
                    help="when the output is not a terminal (a cluster job's log), a progress line every N steps "
                         "(default: a twentieth of the run, and at least once a minute)")
@@ -50,23 +57,35 @@ def build_executor(cfg):
     return executor
 
 
-def build(cfg, executor=None):
-    """The executor, checked to fit this machine (graphs/plan.py), and the training data loader."""
-    from data.mnli import TrainLoader, check_unknown_tokens, load_rows, load_tokenizer, tokenize_examples
-    from graphs.plan import check_fits
+def build(cfg, executor=None, run_dir: str | None = None):
+    """The executor, checked to fit this machine (graphs/plan.py), and the training data loader. With
+    ``--tokenizer train`` the tokenizer is learnt from the training data and saved to RUN_DIR/tokenizer, which
+    the config (and so every checkpoint) then names."""
+    from data.mnli import (TRAINED, TrainLoader, check_unknown_tokens, load_rows, load_tokenizer, tokenize_examples,
+                           train_tokenizer)
+    from graphs.plan import check_fits, human_bytes
 
     executor = executor or build_executor(cfg)
     plan = check_fits(executor, cfg)
-    logger.info("memory plan: %.2f GiB per device, %.2f GiB of host memory (before program temporaries; "
-                "--plan counts them)", plan.device_peak / 2**30, plan.host_peak / 2**30)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    logger.info("memory plan: %s per device, %s of host memory (before program temporaries; --plan counts them)",
+                human_bytes(plan.device_peak), human_bytes(plan.host_peak))
+    rows = load_rows(cfg.data.dataset, "train", seed=cfg.model.seed)
+    causal = cfg.model.family == "gptj"
+    if cfg.data.tokenizer == TRAINED:
+        out = os.path.abspath(os.path.join(run_dir or cfg.checkpoint.save or "runs", "tokenizer"))
+        t0 = time.perf_counter()
+        tokenizer = train_tokenizer(rows, cfg.model.embedding.vocab_size, out, causal)
+        cfg.data.tokenizer = out  # what checkpoints record: validation loads it from there
+        logger.info("trained a %d-token tokenizer on %d rows of %s in %.1f s -> %s", len(tokenizer), len(rows),
+                    cfg.data.dataset, time.perf_counter() - t0, out)
+    else:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         raise FlanT5Error(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
                           "raise --vocab_size or use the tokenizer of this model")
-    rows = load_rows(cfg.data.dataset, "train", seed=cfg.model.seed)
-    causal = cfg.model.family == "gptj"
     examples = tokenize_examples(rows, tokenizer, causal=causal)
-    check_unknown_tokens(examples, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
+    unknown = check_unknown_tokens(examples, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
+    data_report = report_lengths(cfg, examples, tokenizer, causal, unknown)
     if causal:
         how = f"{cfg.data.causal_packing}-packed" if cfg.data.packing else "padded"
         logger.info("training on %d samples of %s (causal LM, %s rows of %d tokens, loss on %s tokens)", len(rows),
@@ -79,11 +98,41 @@ def build(cfg, executor=None):
                          packing=cfg.data.packing, decoder_length=cfg.decoder_row_length, causal=causal,
                          causal_packing=cfg.data.causal_packing, loss_tokens=cfg.data.loss_tokens,
                          pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    loader.report = data_report  # written with the run's first metrics line
     return executor, loader
 
 
+# what decides the order of the training data: a resumed run must keep them to continue the same stream
+DATA_ORDER = (("dataset", ("data", "dataset")), ("global_batch_size", ("training", "global_batch_size")),
+              ("packing", ("data", "packing")), ("causal_packing", ("data", "causal_packing")),
+              ("sequence_length", ("model", "sequence_length")), ("seed", ("model", "seed")))
+
+
+def report_lengths(cfg, examples, tokenizer, causal: bool, unknown: float) -> dict:
+    """A sequence_length that cannot hold the prompt template is an error; examples that do not fit are counted
+    and said (a warning when more than 1% are cut), never cut silently."""
+    from data.mnli import DataError, causal_prompt, prompt
+
+    L = cfg.model.sequence_length
+    template = len(tokenizer((causal_prompt if causal else prompt)("x", "x"),
+                             add_special_tokens=not causal)["input_ids"]) + (4 if causal else 0)
+    if L < template:
+        raise DataError(f"sequence_length={L} cannot hold the prompt template ({template} tokens before any "
+                        f"premise or hypothesis{' and target' if causal else ''}): pass --sequence_length "
+                        f"{max(64, 2 * template)} or more")
+    sizes = [len(x) + (len(t) if causal else 0) for x, t in zip(examples.inputs, examples.targets)]
+    cut = sum(n > L for n in sizes)
+    share = cut / max(len(sizes), 1)
+    log = logger.warning if share > 0.01 else logger.info
+    log("%d of %d training examples (%.1f%%) are longer than sequence_length %d (the longest: %d tokens) and are cut"
+        "%s; %.2f%% of the prompt tokens are unknown to the tokenizer", cut, len(sizes), 100 * share, L, max(sizes),
+        " (their start: the target is kept)" if causal else " (their end)", 100 * unknown)
+    return {"truncated_examples": cut, "truncated_share": share, "unknown_token_share": unknown}
+
+
 def resume_point(cfg):
-    """(directory, step) of the checkpoint --load names, checked against --steps; None without --load."""
+    """(directory, step) of the checkpoint --load names, checked against --steps and against the data order it
+    was trained with; None without --load."""
     from utils import checkpoint as ckpt
 
     if not cfg.checkpoint.load:
@@ -92,12 +141,33 @@ def resume_point(cfg):
     if step >= cfg.training.steps:
         raise FlanT5Error(f"{directory} is at step {step} and --steps is {cfg.training.steps}: nothing to train; "
                           f"pass --steps greater than {step} to continue, or evaluate it with run_validation.py")
+    saved = ckpt.read_meta(directory, step).get("config") or {}
+    for flag, (section, key) in DATA_ORDER:
+        theirs, ours = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+        if theirs is not None and theirs != ours:
+            raise FlanT5Error(f"resuming {directory}/{step} with --{flag} {ours}, but it was trained with --{flag} "
+                              f"{theirs}: its data order cannot continue; resume with --{flag} {theirs}, or start a "
+                              f"new run from its weights with --init_from {directory}/{step} (step 0, fresh optimizer "
+                              "state and schedule)")
     return directory, step
 
 
-def initial_state(cfg, executor, loader, point):
-    """Train state from --load (resume: ``point``, the checkpoint ``resume_point`` found), --hf_model
-    (pretrained) or random init; returns (state, start step).
+def init_point(cfg, args):
+    """(directory, step) of --init_from: a new run (step 0, new data, fresh optimizer state and schedule) starting
+    from a checkpoint's weights; None without it."""
+    from utils import checkpoint as ckpt
+
+    if not args.init_from:
+        return None
+    if cfg.checkpoint.load:
+        raise FlanT5Error("--load resumes a run and --init_from starts a new one from a checkpoint's weights: pass "
+                          "one of them")
+    return ckpt.resolve(args.init_from)[-1]
+
+
+def initial_state(cfg, executor, loader, point, warm=None):
+    """Train state from --load (resume: ``point``, the checkpoint ``resume_point`` found), --init_from (``warm``:
+    a checkpoint's weights, step 0), --hf_model (pretrained) or random init; returns (state, start step).
 
     Under phased execution the state lives in host memory, built without ever placing the
     whole model on a device.
@@ -109,6 +179,10 @@ def initial_state(cfg, executor, loader, point):
         loader.restore(meta)
         logger.info("resumed %s at step %d (data position %d)", point[0], meta["step"], loader.position)
         return state, meta["step"]
+    if warm:
+        state = executor.warm_start(*warm)
+        logger.info("a new run from the weights of %s/%d (step 0, fresh optimizer state and schedule)", *warm)
+        return state, 0
     if cfg.data.hf_model:
         _, host = load_hf_model(cfg.data.hf_model, cfg.execution.tensor_parallel, expect=cfg.model)
         logger.info("initialised from %s", cfg.data.hf_model)
@@ -116,17 +190,51 @@ def initial_state(cfg, executor, loader, point):
     return executor.init_state(), 0
 
 
-def check_save_dir(cfg) -> None:
-    """Refuses to write into a directory holding another run's checkpoints."""
+def check_save_dir(cfg, point, discard_later: bool = False) -> list:
+    """Decides, before any work and reading only, what a run may do to its --save directory: never write into
+    another run's checkpoints, never over a folder that is not ours, and roll back (``--load DIR/STEP --save DIR``
+    with later steps in DIR) only when asked to discard the later steps. ``point``: (directory, step) of --load,
+    or None. -> the later steps to discard (``discard_steps``)."""
     from utils import checkpoint as ckpt
 
     save = cfg.checkpoint.save
-    if not save or not ckpt.saved_steps(save):
-        return
-    loading = cfg.checkpoint.load and os.path.abspath(ckpt.resolve(cfg.checkpoint.load)[-1][0]) == os.path.abspath(save)
-    if not loading:
+    if not save:
+        return []
+    foreign = ckpt.foreign_steps(save)
+    start, total, every = (point[1] if point else 0), cfg.training.steps, checkpoint_every(cfg)
+    will = {s for s in range(start + 1, total + 1) if every and s % every == 0} | {total}
+    clash = sorted(set(foreign) & will)
+    if clash:
+        raise FlanT5Error(f"{save} holds folder(s) {', '.join(map(str, clash))} that are not this project's "
+                          "checkpoints, and this run would save steps of those numbers: choose another --save "
+                          "directory (nothing was touched)")
+    if foreign:
+        logger.info("%s holds folder(s) %s that are not checkpoints of this project: they are left alone", save,
+                    ", ".join(map(str, foreign)))
+    ours = sorted(set(ckpt.saved_steps(save)) | set(ckpt.incomplete_steps(save)))
+    if not ours:
+        return []
+    if not (point and os.path.abspath(point[0]) == os.path.abspath(save)):
         raise FlanT5Error(f"{save} already holds checkpoints (steps {ckpt.saved_steps(save)}): pass --load {save} to "
                           "resume, or choose a new --save directory")
+    later = [s for s in ours if s > point[1]]
+    if later and not discard_later:
+        raise FlanT5Error(f"--load {save}/{point[1]} is older than {save}'s step(s) {', '.join(map(str, later))}, "
+                          f"which this run would write over: pass --discard_later_steps to continue from step "
+                          f"{point[1]} on a new branch (deleting step(s) {', '.join(map(str, later))} of {save}), or "
+                          "--save NEW_DIR to keep them")
+    return later
+
+
+def discard_steps(save: str, later: list, point) -> None:
+    """--discard_later_steps: deletes the steps ``check_save_dir`` found after the loaded one (under the run's lock)."""
+    import shutil
+
+    for s_ in later:
+        shutil.rmtree(os.path.join(save, str(s_)))
+    if later:
+        logger.info("--discard_later_steps: deleted step(s) %s of %s; continuing from step %d", ", ".join(map(str, later)),
+                    save, point[1])
 
 
 def checkpoint_every(cfg) -> int:
@@ -152,7 +260,9 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         if self.signum is not None:
-            raise KeyboardInterrupt
+            from utils.cli import exit_on_signal
+
+            exit_on_signal(signum)  # a checkpoint being written stays incomplete: it is never loaded
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then saving and stopping "
               "(send it again to stop at once)", file=sys.stderr, flush=True)
@@ -186,22 +296,34 @@ class Saver:
         from utils import checkpoint as ckpt
 
         self.cfg, self.executor, self.loader = cfg, executor, loader
-        self.mgr = ckpt.manager(cfg.checkpoint.save, cfg.checkpoint.to_keep) if cfg.checkpoint.save else None
+        self.mgr = ckpt.manager(cfg.checkpoint.save) if cfg.checkpoint.save else None
         self.last = f"{cfg.checkpoint.load} step {start_step}" if start_step else None
+        self.pending = None  # the step being written (asynchronously)
 
     def save(self, step: int, state) -> None:
         from config.config import to_dict
         from utils import checkpoint as ckpt
 
+        self.wait()  # the previous checkpoint complete (and older ones pruned) before the next starts
         cfg = self.cfg
         meta = {"step": step, **self.loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg)}
         stacked = self.executor.to_checkpoint(state)
         ckpt.save(self.mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
-        self.last = f"{cfg.checkpoint.save}/{step}"
+        self.last, self.pending = f"{cfg.checkpoint.save}/{step}", step
 
     def wait(self) -> None:
-        if self.mgr:
-            self.mgr.wait_until_finished()
+        """Waits for the checkpoint being written; then keeps the newest ``to_keep`` of this run's steps."""
+        from utils import checkpoint as ckpt
+
+        if not self.mgr:
+            return
+        self.mgr.wait_until_finished()
+        if self.pending is not None:
+            gone = ckpt.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep, keep=(self.pending,))
+            if gone:
+                logger.info("removed checkpoint step(s) %s of %s (--to_keep %d)", ", ".join(map(str, gone)),
+                            self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep)
+            self.pending = None
 
 
 class Progress:
@@ -268,7 +390,7 @@ def train(cfg, args, executor, loader, state, start_step: int) -> None:
     from utils.tracking import Tracker
 
     primary = is_main_process()  # process 0 of a multi-process run writes the metrics and shows progress
-    run_dir = args.run_dir or cfg.checkpoint.save or os.path.join("runs", args.config)
+    run_dir = args.run_dir
     tracker = Tracker(run_dir, to_dict(cfg), args.wandb, args.wandb_name, resume_step=start_step, enabled=primary,
                       name=f"{args.config} ({os.path.basename(os.path.abspath(run_dir))})")
     saver = Saver(cfg, executor, loader, start_step)
@@ -285,10 +407,11 @@ def train(cfg, args, executor, loader, state, start_step: int) -> None:
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
                 done = step + 1
+                first = getattr(loader, "report", {}) if step == start_step else {}
                 tracker.log(done, {"loss": m["loss"], "learning_rate": lr, "grad_norm": m["grad_norm"],
                                    "samples_per_s": rows / dt, "examples": stats["examples"],
                                    "examples_per_s": stats["examples"] / dt,
-                                   "packing_efficiency": stats["packing_efficiency"]})
+                                   "packing_efficiency": stats["packing_efficiency"], **first})
                 progress.update(done, m["loss"], lr, rows / dt, stats["examples"] / dt)
                 if stop.signum is not None:
                     stop_after_signal(stop.signum, done, cfg, saver, state, tracker)
@@ -336,16 +459,54 @@ def main(argv=None) -> None:
     if args.plan:
         print(plan(build_executor(cfg), exact=True).format())
         return
-    check_save_dir(cfg)
-    executor = build_executor(cfg)
-    point = resume_point(cfg)
-    if point:  # a checkpoint of another model shape fails here, before the data is read
-        from utils import checkpoint as ckpt
+    if cfg.training.steps == 0:
+        raise FlanT5Error("--steps 0: nothing to train (and nothing is written): pass --steps 1 or more")
+    from utils.cli import is_main_process
+    from utils.rundir import check_free, check_metrics_owner, fresh_run_dir
 
-        ckpt.check_shapes(*point, executor.g.abstract_params(), ckpt.read_meta(*point).get("config"), cfg)
-    executor, loader = build(cfg, executor)
-    state, start = initial_state(cfg, executor, loader, point)
-    train(cfg, args, executor, loader, state, start)
+    point, warm = resume_point(cfg), init_point(cfg, args)
+    args.run_dir = args.run_dir or cfg.checkpoint.save or fresh_run_dir("runs", args.config)
+    # every check that can refuse the run reads only: a refused run leaves its directories as they were
+    for d in dict.fromkeys([cfg.checkpoint.save, args.run_dir]):
+        if d and is_main_process():  # process 0 owns the run's directories (and holds their locks)
+            check_free(d)
+    later = check_save_dir(cfg, point, args.discard_later_steps)
+    check_metrics_owner(args.run_dir, bool(point) and os.path.abspath(point[0]) == os.path.abspath(args.run_dir))
+    locks = own_directories(cfg, args)  # held for the run's life, released on any exit
+    try:
+        discard_steps(cfg.checkpoint.save, later, point)
+        executor = build_executor(cfg)
+        for source in (point, warm):  # a checkpoint of another model shape fails here, before the data is read
+            if source:
+                from utils import checkpoint as ckpt
+
+                ckpt.check_shapes(*source, executor.g.abstract_params(), ckpt.read_meta(*source).get("config"), cfg)
+        executor, loader = build(cfg, executor, args.run_dir)
+        state, start = initial_state(cfg, executor, loader, point, warm)
+        train(cfg, args, executor, loader, state, start)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def own_directories(cfg, args) -> list:
+    """Locks the directories this run writes (process 0 of a multi-process run)."""
+    from utils.cli import is_main_process
+    from utils.rundir import RunLock
+
+    save = cfg.checkpoint.save
+    if not is_main_process():
+        return []
+    locks = []
+    try:
+        for d in dict.fromkeys([save, args.run_dir]):
+            if d:
+                locks.append(RunLock(d))
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
 
 
 if __name__ == "__main__":

@@ -51,6 +51,30 @@ def report_name(split: str, step=None, limit=None) -> str:
     return base + (f"_step{step}" if step is not None else "") + (f"_first{limit}" if limit else "") + ".json"
 
 
+def unused_path(path: str) -> str:
+    """``path``, or when it exists ``stem_2.json``, ``stem_3.json`` ...: a report never replaces another."""
+    stem, ext = os.path.splitext(path)
+    n, out = 1, path
+    while os.path.exists(out):
+        n += 1
+        out = f"{stem}_{n}{ext}"
+    return out
+
+
+def write_report(report: dict, path: str) -> str:
+    """Writes a report under a name no other report has (``unused_path``), atomically: an interrupted write
+    leaves no half report and every earlier one intact. -> the path written."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    final = unused_path(path)
+    if final != path:
+        logger.warning("%s exists (another dataset or an earlier run): this report goes to %s", path, final)
+    tmp = f"{final}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, final)
+    return final
+
+
 class Validator:
     """Compiled sharded greedy decoding over length-bucketed micro-batches."""
 
@@ -100,11 +124,14 @@ class Validator:
 
         lengths = feats["attention_mask"].sum(1)
         out = [None] * len(lengths)
-        L = self.cfg.model.sequence_length
+        L = feats["input_ids"].shape[1]
         for idx in tqdm(length_buckets(lengths, self.batch_size), desc="validating", unit="batch",
                         disable=None if is_main_process() else True):
-            # shrink the encoder to the longest prompt of the batch (multiple of 8: few compilations)
-            n = int(min(L, -(-int(lengths[idx].max()) // 8) * 8))
+            # pad to the longest prompt of the batch (a multiple of 8: few compilations); no prompt is ever cut
+            n = int(-(-int(lengths[idx].max()) // 8) * 8)
+            if n > L:  # the feats' width: pad it to the multiple of 8
+                feats = {k: np.pad(v, ((0, 0), (0, n - L))) for k, v in feats.items()}
+                L = n
             rows = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])  # fill the last batch
             ids, mask = feats["input_ids"][rows, :n], feats["attention_mask"][rows, :n]
             if self.left_pad:  # right-align each prompt: the generated tokens follow its last token
@@ -184,22 +211,32 @@ def main(argv=None) -> None:
         logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a directory "
                        "holding %s.jsonl to score a split)", cfg.data.dataset, cfg.data.split, cfg.data.split)
     rows = load_rows(cfg.data.dataset, cfg.data.split, seed=cfg.model.seed)[: args.limit]
-    feats = tokenize_inputs(rows, tokenizer, cfg.model.sequence_length, causal=cfg.model.family == "gptj")
+    feats = tokenize_inputs(rows, tokenizer, None, causal=cfg.model.family == "gptj")  # never truncated
+    longest = feats["input_ids"].shape[1]
+    if longest > cfg.model.sequence_length:
+        logger.info("%d prompt(s) are longer than sequence_length %d (the longest: %d tokens): each batch is padded "
+                    "to its own longest prompt, as the original validated, none is cut",
+                    int((feats["attention_mask"].sum(1) > cfg.model.sequence_length).sum()), cfg.model.sequence_length,
+                    longest)
     labels = [r["label"] for r in rows]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    unknown_share = 0.0 if unk is None else float((feats["input_ids"][feats["attention_mask"] > 0] == unk).mean())
+    if unknown_share > 0.01:
+        logger.warning("%.1f%% of the prompt tokens are unknown to tokenizer %s: the model sees <unk> there",
+                       100 * unknown_share, cfg.data.tokenizer)
     validator = Validator(cfg)
     for directory, step in targets:
         t0 = time.perf_counter()
         params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)
         report = score(labels, validator.predict(params, feats, tokenizer))
         report.update(split=split, dataset=cfg.data.dataset, single_file=single_file, step=step, limit=args.limit,
+                      prompt_tokens_unknown=unknown_share, longest_prompt=int(feats["attention_mask"].sum(1).max()),
                       checkpoint=directory or cfg.data.hf_model, seconds=time.perf_counter() - t0)
         name = report_name(split, step, args.limit)
         path = args.output if args.output and len(targets) == 1 else os.path.join(directory or "runs", name)
         if not is_main_process():  # process 0 of a multi-process run writes and prints the report
             continue
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
+        path = write_report(report, path)
         what = f"the rows of {cfg.data.dataset}" if single_file else cfg.data.split
         print(f"{report['checkpoint']}" + (f" step {step}" if step is not None else "")
               + f": accuracy {report['accuracy']:.2%} on {report['samples']} samples of {what} "

@@ -1,7 +1,7 @@
 """The README's figures in imgs/, each drawn from a result file that a named command writes.
 
     python3 benchmarks/figures.py              # all of them, from the files in benchmarks/results/
-    python3 benchmarks/figures.py loss-curve runs/tiny/metrics.jsonl
+    python3 benchmarks/figures.py loss-curve ckpt/tiny/metrics.jsonl    # -> ckpt/tiny/quickstart_loss_curve.png
     python3 benchmarks/figures.py memory benchmarks/results/cpu/phased_memory.json
     python3 benchmarks/figures.py throughput benchmarks/results/cpu/compare_mnli.json
 
@@ -97,8 +97,12 @@ def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("figure", nargs="?", choices=("all", "loss-curve", "memory", "throughput"), default="all")
     p.add_argument("source", nargs="?", default=None, help="the result file (default: the committed one)")
-    p.add_argument("--out_dir", default=IMGS)
+    p.add_argument("--out_dir", default=None,
+                   help="where the figures go (default: beside SOURCE when one is given; the tracked imgs/ only "
+                        "when redrawing the committed figures from the committed results)")
     a = p.parse_args(argv)
+    if a.out_dir is None:
+        a.out_dir = os.path.dirname(os.path.abspath(a.source)) if a.source else IMGS
     os.makedirs(a.out_dir, exist_ok=True)
     jobs = {
         "loss-curve": (loss_curve, os.path.join(RESULTS, "cpu", "quickstart_metrics.jsonl"), "quickstart_loss_curve.png"),

@@ -181,7 +181,8 @@ class Execution:
     """Number of devices a layer is split over (mesh axis 'tp')."""
 
     device_iterations: int = 1
-    """Optimizer steps run per call from the host."""
+    """IPU-only (steps per host call of the original's device loop); kept so the original's configs load. Must be 1:
+    any other value is refused, not ignored."""
 
     io_tiles: int = 1
     """IPU-only; kept so the original's configs load. No effect here."""
@@ -234,7 +235,8 @@ class Checkpoint:
     given). An interrupted run (Ctrl-C, SIGTERM) also saves the step it finished."""
 
     to_keep: int = 4
-    """Number of checkpoints to keep."""
+    """Number of this run's checkpoints to keep: older steps are deleted once a newer one is complete (0: keep
+    all). Only this project's step folders are ever deleted; other folders in the directory are left alone."""
 
     optim_state: bool = True
     """Include the optimizer state in checkpoints."""
@@ -249,7 +251,8 @@ class Data:
     lengths), or a local json/jsonl/parquet/csv file or directory."""
 
     tokenizer: str = "google/flan-t5-xxl"
-    """Hugging Face tokenizer name or directory, or 'synthetic' for the offline word-level tokenizer."""
+    """Hugging Face tokenizer name or directory, 'synthetic' for the offline word-level tokenizer, or 'train' to
+    learn one from the training data (offline, seconds; saved with the run, and used by validation)."""
 
     hf_model: Optional[str] = None
     """Hugging Face model name or directory to initialise the weights from (random init if unset)."""
@@ -385,8 +388,13 @@ class T5Config:
             raise ConfigError(f"packed_decoder_length={p} is shorter than decoder_sequence_length="
                               f"{m.decoder_sequence_length}: one target would not fit a row; pass --packed_decoder_length "
                               f"{m.decoder_sequence_length} or more (or 0 for sequence_length // 8)")
-        if (self.checkpoint.steps is not None and self.checkpoint.steps < 0) or self.checkpoint.to_keep < 1:
-            raise ConfigError("checkpoint_steps must be >= 0 and to_keep >= 1: fix --checkpoint_steps / --to_keep")
+        if (self.checkpoint.steps is not None and self.checkpoint.steps < 0) or self.checkpoint.to_keep < 0:
+            raise ConfigError("checkpoint_steps and to_keep must be >= 0: fix --checkpoint_steps / --to_keep "
+                              "(--to_keep 0 keeps every checkpoint)")
+        if ex.device_iterations != 1:
+            raise ConfigError(f"device_iterations={ex.device_iterations}: this backend runs one optimizer step per "
+                              "call from the host (the IPU's device loop has no counterpart here): pass "
+                              "--device_iterations 1")
         return self
 
 

@@ -48,15 +48,23 @@ def _read_table(path: str) -> list:
 
     try:
         if path.endswith(".jsonl"):
-            df = pd.read_json(path, lines=True, dtype=False)
+            return _read_jsonl(path)
         elif path.endswith(".json"):
             try:
                 df = pd.read_json(path, dtype=False)
             except ValueError:
-                df = pd.read_json(path, lines=True, dtype=False)
+                return _read_jsonl(path)
         elif path.endswith(".parquet"):
             df = pd.read_parquet(path)
         elif path.endswith(".csv"):
+            import csv
+
+            with open(path, newline="") as f:
+                header = next(csv.reader(f), [])
+            dup = sorted({c for c in header if header.count(c) > 1})
+            if dup:
+                raise DataError(f"{path}: line 1: column(s) {', '.join(dup)} appear more than once in the header: "
+                                "keep one of each")
             df = pd.read_csv(path, keep_default_na=False)
         else:
             raise DataError(f"{path}: unknown file type: use one of {', '.join(SUFFIXES)}")
@@ -67,6 +75,35 @@ def _read_table(path: str) -> list:
     if len(df) == 0:
         raise DataError(f"{path}: the file has no rows: give a file with premise, hypothesis and label columns")
     return df.to_dict("records")
+
+
+def _read_jsonl(path: str) -> list:
+    """Rows of a JSON-lines file; a malformed line or a key given twice in a row is a DataError naming its line."""
+    import json
+
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"key(s) {', '.join(dup)} appear more than once")
+        return dict(pairs)
+
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line, object_pairs_hook=no_duplicates)
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                raise DataError(f"{path}: line {n}: not a valid JSON object ({e}): fix or remove the line") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: line {n}: a JSON object with premise, hypothesis and label is expected, got "
+                                f"{type(row).__name__}")
+            rows.append(row)
+    if not rows:
+        raise DataError(f"{path}: the file has no rows: give a file with premise, hypothesis and label columns")
+    return rows
 
 
 def _missing(value) -> bool:
@@ -145,6 +182,13 @@ def _local_file(path: str, split: str) -> str:
 def load_rows(dataset: str, split: str, seed: int = 0) -> list:
     """Validated MNLI rows of ``split`` from 'glue/mnli', 'synthetic' or a local file/directory."""
     if dataset in ("synthetic", "synthetic-mnli"):
+        if split not in synthetic.SPLIT_SIZES:
+            import difflib
+
+            close = difflib.get_close_matches(split, list(synthetic.SPLIT_SIZES), n=1)
+            raise DataError(f"split {split!r} is not a split of {dataset}" + (f" (did you mean {close[0]}?)" if close
+                                                                               else "")
+                            + f": choose one of {', '.join(synthetic.SPLIT_SIZES)} (--split)")
         lengths = "mnli" if dataset == "synthetic-mnli" else "short"
         return validate_rows(synthetic.generate_split(split, seed=seed, lengths=lengths), f"{dataset}:{split}")
     if os.path.exists(dataset):
@@ -169,18 +213,58 @@ def load_rows(dataset: str, split: str, seed: int = 0) -> list:
 # --------------------------------------------------------------------------- tokenisation
 
 
+TRAINED = "train"  # --tokenizer train: learn one from the training data (train_tokenizer)
+
+
+def train_tokenizer(rows: list, vocab_size: int, out_dir: str, causal: bool = False):
+    """A BPE tokenizer learnt from the training rows' prompts and labels in seconds, no download: at most
+    ``vocab_size`` tokens (the model's), <pad> 0, </s> 1, <unk> 2 as T5's, every character of the data in its
+    alphabet (so no word of the data is unknown), saved to ``out_dir`` (a directory AutoTokenizer loads, which
+    checkpoints name and validation uses)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    # every row's label too: frequent, they become whole tokens (the targets are a few tokens long)
+    texts = [(causal_prompt if causal else prompt)(r["hypothesis"], r["premise"]) for r in rows]
+    texts += [CLASS_LABELS[r["label"]] for r in rows] + CLASS_LABELS
+    alphabet = sorted({c for t in texts for c in t if not c.isspace()} | {"\u2581"})  # + Metaspace's word marker
+    specials = ["<pad>", "</s>", "<unk>"]
+    if len(alphabet) + len(specials) + 1 > vocab_size:
+        raise DataError(f"the training data has {len(alphabet)} distinct characters but vocab_size is {vocab_size}: "
+                        f"a tokenizer needs at least {len(alphabet) + len(specials) + 1} tokens; raise --vocab_size")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                        initial_alphabet=alphabet, limit_alphabet=len(alphabet),
+                                                        show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(out_dir)
+    return fast
+
+
 def load_tokenizer(name: str):
     """The tokenizer: 'synthetic' (offline word-level) or an HF name/directory."""
     if name == "synthetic":
         return synthetic.make_tokenizer()
-    try:
-        from transformers import AutoTokenizer
+    if name == TRAINED:
+        raise DataError("--tokenizer train learns a tokenizer from the training data: run_finetuning.py does that; "
+                        "validation then uses the one saved with the checkpoint")
+    from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(name)
+    from utils.hub import fetch
+
+    fix = ("pass --tokenizer train to learn one from the training data offline, or download it elsewhere "
+           f"(huggingface-cli download {name} --local-dir DIR), copy DIR here and pass --tokenizer DIR")
+    try:
+        if os.path.isdir(name):
+            return AutoTokenizer.from_pretrained(name)
+        return fetch(lambda **kw: AutoTokenizer.from_pretrained(name, **kw), name, "tokenizer", fix, DataError)
+    except DataError:
+        raise
     except Exception as e:
-        raise DataError(
-            f"cannot load tokenizer '{name}' ({type(e).__name__}): with no network, download it elsewhere "
-            f"(huggingface-cli download {name} --local-dir DIR), copy DIR here and pass --tokenizer DIR") from None
+        raise DataError(f"cannot load tokenizer '{name}' ({type(e).__name__}): {fix}") from None
 
 
 def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str, limit: float = 0.01,
@@ -194,9 +278,9 @@ def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str,
     total = sum(len(x) for x in ids)
     share = sum(int(np.sum(np.asarray(x) == unk)) for x in ids) / max(total, 1)
     if share > limit:
-        hint = ("the synthetic tokenizer knows only the synthetic task's words: for other text pass the model's "
-                "tokenizer, e.g. --tokenizer google/flan-t5-small (a hub name or a local directory) with a preset of "
-                "that model" if name == "synthetic" else
+        hint = ("the synthetic tokenizer knows only the synthetic task's words: pass --tokenizer train to learn one "
+                "from this data (offline, seconds), or the model's tokenizer, e.g. --tokenizer google/flan-t5-small "
+                "(a hub name or a local directory) with a preset of that model" if name == "synthetic" else
                 "pass the tokenizer of the model this data is for (--tokenizer NAME_OR_DIR)")
         raise DataError(f"{share:.0%} of the prompt tokens of {dataset} are unknown (<unk>) to tokenizer {name!r}: "
                         f"{hint}")
@@ -215,15 +299,17 @@ def _ids(tokenizer, texts: list, special: bool) -> list:
     return tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
 
 
-def tokenize_inputs(rows: list, tokenizer, sequence_length: int, causal: bool = False) -> dict:
-    """Prompt ids and attention mask [n, sequence_length] (truncated/padded on the right). T5: the encoder
-    prompt, EOS kept by the tokenizer; ``causal`` (GPT-J): the prompt up to ``target:``, no special tokens."""
+def tokenize_inputs(rows: list, tokenizer, sequence_length: int | None, causal: bool = False) -> dict:
+    """Prompt ids and attention mask [n, sequence_length] (truncated/padded on the right; None: padded to the
+    longest prompt, none truncated). T5: the encoder prompt, EOS kept by the tokenizer; ``causal`` (GPT-J): the
+    prompt up to ``target:``, no special tokens."""
     if causal:
         enc = _ids(tokenizer, [causal_prompt(r["hypothesis"], r["premise"]) for r in rows], False)
     else:
         enc = _ids(tokenizer, [prompt(r["hypothesis"], r["premise"]) for r in rows], True)
-    ids = _pad(enc, sequence_length, tokenizer.pad_token_id)
-    mask = _pad([[1] * len(s) for s in enc], sequence_length, 0)
+    length = sequence_length or max(len(x) for x in enc)
+    ids = _pad(enc, length, tokenizer.pad_token_id)
+    mask = _pad([[1] * len(s) for s in enc], length, 0)
     return {"input_ids": ids, "attention_mask": mask}
 
 

@@ -2,6 +2,7 @@
 
     init_state(params=None)           -> state     fresh optimizer state; random weights when None
     restore(directory, step, optim)   -> (state, checkpoint meta)
+    warm_start(directory, step)       -> state at step 0 from a checkpoint's weights, fresh optimizer state
     train_step(state, batch, rng)     -> (state, {"loss", "grad_norm"})
     to_checkpoint(state)              -> TrainState in the stacked layout that checkpoints hold
     plan(exact=False)                 -> MemoryPlan from shapes alone (graphs/plan.py), nothing allocated
@@ -30,6 +31,8 @@ class Executor(Protocol):
     def init_state(self, params=None) -> Any: ...
 
     def restore(self, directory: str, step: int, optim_state: bool = True) -> tuple: ...
+
+    def warm_start(self, directory: str, step: int) -> Any: ...
 
     def train_step(self, state, batch: dict, rng_data=None) -> tuple: ...
 

@@ -62,6 +62,12 @@ class FusedExecutor:
                               fresh.params, fresh.opt_state), meta
         return state, meta
 
+    def warm_start(self, directory: str, step: int) -> TrainState:
+        """A new run's state from a checkpoint's weights: step 0 and a fresh optimizer state."""
+        from graphs.executor import restore_train_state
+
+        return self.init_state(restore_train_state(self.g, directory, step, optim_state=False)[0].params)
+
     def to_checkpoint(self, state: TrainState) -> TrainState:
         return state
 

@@ -169,6 +169,12 @@ class PhasedExecutor:
             return ps, meta
         return self.from_train_state(state), meta
 
+    def warm_start(self, directory: str, step: int) -> PhasedState:
+        """A new run's host-resident state from a checkpoint's weights: step 0 and a fresh optimizer state."""
+        from graphs.executor import restore_train_state
+
+        return self.init_state(restore_train_state(self.g, directory, step, False, HOST)[0].params)
+
     def to_checkpoint(self, ps: PhasedState) -> TrainState:
         """Host-resident state -> a stacked TrainState in host memory (what checkpoints hold)."""
         g = self.g

@@ -33,6 +33,14 @@ GIB = 2 ** 30
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
+def human_bytes(n: float) -> str:
+    """Bytes in the unit that reads best: 512 B, 3.4 MiB, 62.7 GiB."""
+    for unit, size in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.{1 if n >= 10 * size else 2}f} {unit}"
+    return f"{int(n)} B"
+
+
 class PlanError(FlanT5Error, RuntimeError):
     """A run that will not fit; the message names what does not fit and what to change."""
 
@@ -166,14 +174,14 @@ class MemoryPlan:
 
     def format(self) -> str:
         def items(d):
-            return ", ".join(f"{k} {v / GIB:.2f}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v)
+            return ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v)
 
         how = "XLA's count of program temporaries" if self.exact else "program temporaries not counted: --plan counts them"
         lines = [f"memory plan ({self.executor} executor, {how}):",
-                 f"  device: {self.device_peak / GIB:.2f} GiB per device at its peak ({self.device_phase}): "
-                 f"{items(self.device_items)} GiB",
-                 f"  host:   {self.host_peak / GIB:.2f} GiB per process at its peak ({self.host_phase}): "
-                 f"{items(self.host_items)} GiB"]
+                 f"  device: {human_bytes(self.device_peak)} per device at its peak ({self.device_phase}): "
+                 f"{items(self.device_items)}",
+                 f"  host:   {human_bytes(self.host_peak)} per process at its peak ({self.host_phase}): "
+                 f"{items(self.host_items) or 'nothing'}"]
         return "\n".join(lines + [f"  {n}" for n in self.notes])
 
     def check(self, device_limit: int | None, host_limit: int | None, cfg) -> None:
@@ -190,15 +198,21 @@ class MemoryPlan:
                             f"device has {device_limit / GIB:.1f} GiB: try {', '.join(knobs)}")
         if host_limit and self.host_peak > host_limit:
             knobs = []
+            state = sum(v for k, v in self.host_items.items() if any(w in k for w in ("weights", "optimizer state")))
             if cfg.training.optimizer.name == "adamw":
                 knobs.append("--optimizer adafactor (factored optimizer state)")
-            knobs.append(f"--global_batch_size {max(cfg.training.global_batch_size // 2, 1)} (fewer activation rows)")
-            if not phased:
+            if state > host_limit:  # a smaller batch cannot help: the model's own state does not fit
+                knobs.append(f"a machine with more than {human_bytes(state)} of memory (the weights and optimizer "
+                             "state alone need that; a smaller batch cannot reduce it)")
+            else:
+                knobs.append(f"--global_batch_size {max(cfg.training.global_batch_size // 2, 1)} (fewer activation "
+                             "rows)")
+            if not phased and state <= host_limit:
                 knobs = ["fewer or shorter examples"]
-            raise PlanError(f"the run needs {self.host_peak / GIB:.1f} GiB of host memory ({self.host_phase}: "
-                            + ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(self.host_items.items(),
-                                                                                key=lambda kv: -kv[1]) if v)
-                            + f" GiB) but {host_limit / GIB:.1f} GiB is available: try {', '.join(knobs)}")
+            raise PlanError(f"the run needs {human_bytes(self.host_peak)} of host memory ({self.host_phase}: "
+                            + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(self.host_items.items(),
+                                                                                 key=lambda kv: -kv[1]) if v)
+                            + f") but {human_bytes(host_limit)} is available: try {', '.join(knobs)}")
 
 
 def device_memory_limit() -> int | None:

@@ -273,7 +273,14 @@ def resolve_hf_dir(name_or_dir: str) -> str:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(name_or_dir, allow_patterns=["*.json", "*.safetensors"])
+        from utils.hub import fetch
+
+        fix = (f"download it elsewhere (huggingface-cli download {name_or_dir} --local-dir DIR), copy DIR here and "
+               "pass --hf_model DIR")
+        return fetch(lambda **kw: snapshot_download(name_or_dir, allow_patterns=["*.json", "*.safetensors"], **kw),
+                     name_or_dir, "model", fix, CheckpointError)
+    except CheckpointError:
+        raise
     except Exception as e:  # offline, unknown repo, no permission...
         raise CheckpointError(
             f"cannot download {name_or_dir} from the Hugging Face hub ({type(e).__name__}): with no network, "

@@ -85,7 +85,8 @@ def test_two_processes_validate_like_one(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     for name, layout in (("tp", []), ("dp", ["--data_parallel", "2", "--tensor_parallel", "1"])):
         args = ["--config", "tiny", "--hf_model", str(tmp_path / "hf"), "--limit", "24"] + layout
-        two_processes("run_validation.py", args + ["--output", str(tmp_path / f"{name}_multi.json")], tmp_path)
+        out = two_processes("run_validation.py", args + ["--output", str(tmp_path / f"{name}_multi.json")], tmp_path)
+        assert out.count("model shape from the model") == 1, out[-2000:]  # logged by process 0 alone
         run_validation.main(args + ["--output", str(tmp_path / f"{name}_single.json")])
         rm, rs = (json.load(open(tmp_path / f"{name}_{n}.json")) for n in ("multi", "single"))
         assert rm["samples"] == rs["samples"] == 24

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 from typing import Optional
 
 import jax
@@ -28,34 +27,116 @@ class CheckpointShapeError(FlanT5Error, ValueError):
     """A checkpoint of another model shape; the message names both shapes and the flags that fit."""
 
 
-def manager(directory: str, to_keep: int | None = None, read_only: bool = False) -> ocp.CheckpointManager:
-    opts = ocp.CheckpointManagerOptions(max_to_keep=to_keep, create=not read_only, read_only=read_only,
+COMMIT = "commit_success.txt"  # orbax writes it into a step directory once the step is complete
+
+
+def manager(directory: str, read_only: bool = False) -> ocp.CheckpointManager:
+    """orbax's manager of a save directory; it never deletes anything (retention is ``prune``'s: orbax would
+    count any numbered folder as a step and delete it)."""
+    opts = ocp.CheckpointManagerOptions(max_to_keep=None, create=not read_only, read_only=read_only,
                                         save_interval_steps=1)
     return ocp.CheckpointManager(os.path.abspath(directory), options=opts,
                                  item_names=("params", "opt_state", "meta"))
 
 
-def saved_steps(directory: str) -> list:
-    """Completed checkpoint steps in a save directory (empty if none or no directory)."""
+def is_ours(step_dir: str) -> bool:
+    """Whether a numbered folder is one of this project's checkpoint steps: its meta item holds our schema
+    (step and config). A user's own folder named like a step is not."""
+    import json
+
+    try:
+        with open(os.path.join(step_dir, "meta", "metadata")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "step" in meta and "config" in meta
+
+
+def is_complete(step_dir: str) -> bool:
+    """Whether orbax finished writing a step (its commit marker is there)."""
+    return os.path.isfile(os.path.join(step_dir, COMMIT))
+
+
+def _numbered(directory: str) -> list:
     if not os.path.isdir(directory):
         return []
-    return sorted(int(d) for d in os.listdir(directory)
-                  if d.isdigit() and os.path.isdir(os.path.join(directory, d, "meta")))
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit() and os.path.isdir(os.path.join(directory, d)))
+
+
+def saved_steps(directory: str) -> list:
+    """This project's complete checkpoint steps in a save directory (empty if none or no directory)."""
+    return [s for s in _numbered(directory)
+            if is_ours(os.path.join(directory, str(s))) and is_complete(os.path.join(directory, str(s)))]
+
+
+def foreign_steps(directory: str) -> list:
+    """Numbered folders in a save directory that are not this project's checkpoints (never touched)."""
+    return [s for s in _numbered(directory) if not is_ours(os.path.join(directory, str(s)))
+            and not os.path.isdir(os.path.join(directory, str(s), "meta"))]
+
+
+def incomplete_steps(directory: str) -> list:
+    """Steps of this project whose write did not finish, or whose meta cannot be read."""
+    return [s for s in _numbered(directory) if s not in saved_steps(directory) and s not in foreign_steps(directory)]
+
+
+def prune(directory: str, to_keep: int, keep: tuple = ()) -> list:
+    """Deletes the oldest of this project's complete steps beyond the newest ``to_keep`` (0: keep all), never a
+    step in ``keep`` and never a folder that is not ours -> the steps deleted."""
+    import shutil
+
+    if to_keep <= 0:
+        return []
+    steps = saved_steps(directory)
+    gone = [s for s in steps[: max(len(steps) - to_keep, 0)] if s not in keep]
+    for s in gone:
+        shutil.rmtree(os.path.join(directory, str(s)))
+    return gone
+
+
+def _previous_complete(directory: str, step: int) -> str:
+    earlier = [s for s in saved_steps(directory) if s < step]
+    return (f"load the previous complete step, {directory}/{earlier[-1]}" if earlier else
+            "no earlier complete step exists in this directory: start afresh, or load another run")
+
+
+def check_step(directory: str, step: int) -> None:
+    """CheckpointNotFound (one line: the step, what is missing, the fix) unless the step is complete and ours."""
+    d = os.path.join(directory, str(step))
+    if not os.path.isdir(os.path.join(d, "meta")) or not os.path.isfile(os.path.join(d, "meta", "metadata")):
+        raise CheckpointNotFound(f"{d} has no meta/metadata (its step, data position and config): it is not a "
+                                 f"complete checkpoint of this project; {_previous_complete(directory, step)}")
+    if not is_complete(d):
+        raise CheckpointNotFound(f"{d} is incomplete: it has no {COMMIT} (its write was interrupted); "
+                                 f"{_previous_complete(directory, step)}")
+    if not is_ours(d):
+        raise CheckpointNotFound(f"{d}/meta/metadata is unreadable or not this project's: "
+                                 f"{_previous_complete(directory, step)}")
 
 
 def resolve(path: str) -> list:
-    """[(save_dir, step)] named by a path: a save dir (latest step), a step dir, or a glob of either.
+    """[(save_dir, step)] named by a path: a save dir (its latest complete step), a step dir, or a glob of either.
 
-    Sorted by step, as the original validated checkpoints in training order.
+    Sorted by step, as the original validated checkpoints in training order. A step directory that is
+    incomplete or not ours is an error naming the previous complete step.
     """
+    import logging
+
     found = []
     for p in sorted(glob.glob(path)) or [path]:
         p = p.rstrip("/")
         name = os.path.basename(p)
-        if name.isdigit() and os.path.isdir(os.path.join(p, "meta")):
-            found.append((os.path.dirname(p) or ".", int(name)))
+        if name.isdigit() and os.path.isdir(p) and (os.path.isdir(os.path.join(p, "meta")) or not saved_steps(p)):
+            parent = os.path.dirname(p) or "."
+            check_step(parent, int(name))
+            found.append((parent, int(name)))
         elif saved_steps(p):
-            found.append((p, saved_steps(p)[-1]))
+            steps = saved_steps(p)
+            later = [s for s in incomplete_steps(p) if s > steps[-1]]
+            if later:
+                logging.getLogger("flan_t5").warning("%s/%d is incomplete (its write was interrupted): using %s/%d",
+                                                     p, later[-1], p, steps[-1])
+            found.append((p, steps[-1]))
     if not found:
         raise CheckpointNotFound(
             f"no checkpoint at {path}: pass the --save directory of a run (or one of its step directories)")
@@ -128,6 +209,7 @@ def check_shapes(directory: str, step: int, params_target, config: Optional[dict
 def load(directory: str, step: int, params_target, opt_state_target=None, cfg=None) -> tuple:
     """(params, opt_state or None, meta) of a step, restored into the targets' shardings (``cfg``: this run's
     config, named in the error when the checkpoint's model has another shape)."""
+    check_step(directory, step)  # a step without its commit marker is never loaded as if complete
     meta = None
     try:
         meta = read_meta(directory, step)
@@ -142,12 +224,11 @@ def load(directory: str, step: int, params_target, opt_state_target=None, cfg=No
         out = mgr.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax/tensorstore raise many types for missing, corrupt or mismatched data
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        if opt_state_target is not None and re.search(r"opt_state|structure|tree", str(e), re.I):
-            fix = "its optimizer state has another layout (another optimizer, or an older version): pass " \
-                  "--optim_state false to start the optimizer afresh"
-        else:
-            fix = "it is incomplete or corrupt: load an earlier step"
-        raise CheckpointNotFound(f"cannot load checkpoint {directory}/{step} ({type(e).__name__}: {first}): {fix}") from None
+        fix = _previous_complete(directory, step)
+        if opt_state_target is not None and "opt_state" in str(e):
+            fix += " (or pass --optim_state false if only its optimizer state is unreadable)"
+        raise CheckpointNotFound(f"cannot load checkpoint {directory}/{step}: it is corrupt or incomplete "
+                                 f"({type(e).__name__}: {first}); {fix}") from None
     finally:
         mgr.close()  # its background threads end here, not at interpreter exit
     return out["params"], out.get("opt_state"), out["meta"]

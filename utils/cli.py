@@ -6,7 +6,9 @@ import argparse
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
 import typing
 from typing import Callable, Optional
 
@@ -44,7 +46,23 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as the one line every other error is (no usage dump)."""
 
     def error(self, message):
+        import difflib
+        import re
+
+        m = re.match(r"unrecognized arguments: (.*)", message)
+        if m:  # a close typo gets its likely flag named
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = [f"{w} (did you mean {c[0]}?)" for w in m.group(1).split() if w.startswith("--")
+                     for c in [difflib.get_close_matches(w.split("=")[0], known, n=1, cutoff=0.75)] if c]
+            if hints:
+                message = "unrecognized arguments: " + ", ".join(hints)
         die(f"{message} (see --help)")
+
+
+# fields that only training reads, outside the training section
+TRAINING_ONLY = ("save", "checkpoint_steps", "to_keep", "optim_state", "phased", "recompute", "remat_policy", "rts",
+                 "loss_scaling", "packing", "packed_decoder_length", "causal_packing", "loss_tokens", "dropout_prob",
+                 "unroll_layers", "decoder_sequence_length")
 
 
 def build_parser(kind: str, description: str, default_preset: str,
@@ -70,7 +88,9 @@ def build_parser(kind: str, description: str, default_preset: str,
             shown = values[flag]
             shown = " ".join(str(v) for v in shown) if isinstance(shown, (list, tuple)) else shown
             doc += f" [{preset}: {shown}]"
-        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=doc)
+        # decoding drivers accept the training fields (a shared preset may set them) but do not list them
+        hidden = kind == "inference" and (ref.path[0] == "training" or flag in TRAINING_ONLY)
+        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS if hidden else doc)
         if typ is bool:
             group.add_argument(f"--{flag}", nargs="?", const="true", metavar="BOOL", **kwargs)
         elif typ is tuple:
@@ -141,6 +161,10 @@ def entry(main: Callable) -> Callable:
 
     @functools.wraps(main)
     def run(argv=None):
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, exit_on_signal)
         try:
             return main(argv)
         except FlanT5Error as e:
@@ -152,8 +176,27 @@ def entry(main: Callable) -> Callable:
             if oom is None:
                 raise
             die(oom, OutOfMemory.exit_code)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
 
     return run
+
+
+def exit_on_signal(signum, frame=None) -> None:
+    """Ctrl-C or SIGTERM at any moment outside the training loop's own handling (start-up, compilation, loading,
+    validation, decoding): one line and exit 130 / 143 at once. No Python exception is raised into a program
+    that XLA's threads are running (that is what ended in segmentation faults, or in an interrupt swallowed by a
+    garbage-collection callback); files are written atomically, so what was saved before stays intact."""
+    name = signal.Signals(signum).name
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os.write(2, f"\n{name}: stopped; the work in progress was not saved (earlier checkpoints and reports are "
+                f"intact)\n".encode())
+    os._exit(128 + signum)
 
 
 def out_of_memory_message(e: BaseException) -> Optional[str]:
@@ -189,8 +232,24 @@ def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:
         raise ConfigError(f"{flag} {path} cannot be written ({e.strerror or e}): choose a path you can write to") from None
 
 
+class _ProgressFriendly(logging.StreamHandler):
+    """On a terminal, log lines are written above the progress bar (tqdm.write) instead of through it."""
+
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def setup_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    handlers = [_ProgressFriendly(sys.stderr)] if sys.stderr.isatty() else None
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        handlers=handlers)
+    if distributed_requested() and rank_from_env() > 0:  # from the start, before JAX knows the process index
+        logger.setLevel(logging.WARNING)
     for noisy in ("absl", "orbax", "jax", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -244,6 +303,16 @@ def ensure_pinned_host_memory(phased: bool) -> None:
     except (ValueError, OSError, AttributeError):
         return
     os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(int(0.9 * ram / 2**30), 1))
+
+
+def rank_from_env() -> int:
+    """This process's rank as the launcher or scheduler set it (JAX_PROCESS_ID, SLURM_PROCID, OMPI_COMM_WORLD_RANK),
+    read before JAX starts; 0 where none is set."""
+    for name in ("JAX_PROCESS_ID", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        value = _env_int(name)
+        if value is not None:
+            return value
+    return 0
 
 
 def distributed_requested() -> bool:

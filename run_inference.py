@@ -46,6 +46,8 @@ def hf_generate(cfg, host_params, ids, mask, eos: int, pad: int):
         # transformers 5 ties T5's head to the embedding whatever the config says; Flan-T5's are separate, so
         # the head gets its own tensor before loading (loading into tied tensors would overwrite the embedding)
         model.get_output_embeddings().weight = torch.nn.Parameter(sd["lm_head.weight"].clone())
+    if not cfg.model.tie_word_embeddings:
+        model.config.tie_word_embeddings = False  # UMT5 rescales its output when it reads True (forced on construction)
     model.load_state_dict(sd, strict=False)
     n = cfg.inference.output_length
     extra = {} if cfg.model.family == "gptj" else {"decoder_start_token_id": 0}

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from utils.cli import (ensure_host_devices, ensure_writable, entry, is_main_process, make_config, parse_args, setup_jax,
+from utils.cli import (carried_model, ensure_host_devices, ensure_writable, entry, is_main_process, make_config, parse_args, setup_jax,
                        setup_logging)
 from utils.errors import FlanT5Error
 
@@ -143,46 +143,14 @@ class Validator:
         return out
 
 
-def carried_fields(load, hf_model) -> tuple:
-    """({flag: value} the model carries: its shape, and the tokenizer it was trained with; source name)
-    from the latest checkpoint --load names, or the --hf_model's config.json."""
-    from config.config import model_shape
-    from utils import checkpoint as ckpt
-
-    if load:
-        directory, step = ckpt.resolve(load)[-1]
-        saved = ckpt.read_meta(directory, step).get("config")
-        if not saved:
-            return {}, directory
-        fields = model_shape(saved)
-        fields["tokenizer"] = saved.get("data", {}).get("tokenizer")
-        return {k: v for k, v in fields.items() if v is not None}, f"checkpoint {directory}"
-    if hf_model:
-        from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
-
-        from config.config import T5Config
-
-        m = model_config_from_hf(read_hf_config(resolve_hf_dir(hf_model)))  # any family (config.json's model_type)
-        return model_shape(T5Config(model=m)), f"model {hf_model}"
-    return {}, None
-
-
 def validation_config(args, overrides: dict):
     """The inference preset, the model's own shape (explicit flags that contradict it are errors), the command
     line, and what validation requires (eval mode, no RTS), validated once."""
-    from config.config import FIELDS, coerce
-
     load, hf_model = overrides.get("load"), overrides.get("hf_model")
     if not load and not hf_model:
         raise FlanT5Error("nothing to validate: pass --load CKPT (a --save directory of run_finetuning.py) or "
                           "--hf_model NAME")
-    carried, source = carried_fields(load, hf_model)
-    for flag, value in carried.items():
-        if flag in overrides and flag != "tokenizer" and coerce(FIELDS[flag], overrides[flag]) != value:
-            raise FlanT5Error(f"--{flag} {overrides[flag]} contradicts the {source}, whose {flag} is {value}: drop "
-                              f"--{flag} (the model's shape comes from the {'checkpoint' if load else 'model'})")
-    if carried:
-        logger.info("model shape from the %s: %s", source, ", ".join(f"{k}={v}" for k, v in carried.items()))
+    carried = carried_model(overrides, load, hf_model)
     return make_config("inference", args.config, overrides, fixed={"eval": True, "rts": False},
                        defaults={k: v for k, v in carried.items() if not (k == "tokenizer" and not load)})
 

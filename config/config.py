@@ -67,15 +67,24 @@ class Attention:
     """GPT-J: base of the rotary embedding's frequencies."""
 
 
+# feed_forward_proj values: "gated-ACT" (two input projections, one through ACT) or "ACT", as HF's T5Config
+FEED_FORWARD_PROJ = ("gated-gelu", "gated-silu", "gated-relu", "relu", "gelu", "silu")
+
+
 @dataclass
 class ModelConfig:
     """Size and numerics of the model."""
 
     family: str = "t5"
-    """Model family: t5 (T5 v1.0/v1.1, Flan-T5; an encoder-decoder) or gptj (GPT-J; a causal LM)."""
+    """Model family: t5 (T5 v1.0/v1.1, Flan-T5, mT5, UL2; an encoder-decoder), umt5 (UMT5: T5 with a relative
+    position table in every layer) or gptj (GPT-J; a causal LM)."""
 
     layers: int = 24
-    """Number of encoder blocks and of decoder blocks (hf: num_layers)."""
+    """Number of encoder blocks, and of decoder blocks unless decoder_layers says otherwise (hf: num_layers)."""
+
+    decoder_layers: int = 0
+    """Number of decoder blocks of an encoder-decoder when it differs from layers (hf: num_decoder_layers); 0: as
+    many as layers."""
 
     hidden_size: int = 4096
     """Width of the residual stream (hf: d_model)."""
@@ -108,13 +117,19 @@ class ModelConfig:
     """Divide before the feed-forward down-projection and multiply back in float32 (float16 overflow guard)."""
 
     feed_forward_proj: str = "gated-gelu"
-    """Feed-forward kind: gated-gelu (T5 v1.1 / Flan-T5) or relu (T5 v1.0)."""
+    """Feed-forward kind, as HF's T5 config names it: gated-gelu (T5 v1.1, Flan-T5, mT5, UMT5), gated-silu
+    (UL2, Flan-UL2), relu (T5 v1.0), or gated-relu, gelu, silu."""
 
     tie_word_embeddings: bool = False
     """Share the embedding with the LM head and rescale by hidden_size**-0.5 (T5 v1.0); Flan-T5 unties them."""
 
     embedding: Embedding = field(default_factory=Embedding)
     attention: Attention = field(default_factory=Attention)
+
+    @property
+    def decoder_depth(self) -> int:
+        """Number of decoder blocks of an encoder-decoder."""
+        return self.decoder_layers or self.layers
 
 
 @dataclass
@@ -162,7 +177,9 @@ class Training:
     """Samples that contribute to one optimizer step."""
 
     stochastic_rounding: bool = False
-    """Kept for compatibility with the original's configs; has no effect on this backend."""
+    """Keep the master weights in the compute dtype (bfloat16 or float16: half the bytes of float32) and round every
+    optimizer update to it stochastically, so that updates smaller than the dtype's spacing still move the weights on
+    average; the update itself and the optimizer state stay float32. Needs precision bfloat16 or float16."""
 
     optimizer: Optimizer = field(default_factory=Optimizer)
 
@@ -339,8 +356,8 @@ class T5Config:
         _check_numbers(self)
         choices = {
             "precision": (m.precision, ("float32", "bfloat16", "float16")),
-            "feed_forward_proj": (m.feed_forward_proj, ("gated-gelu", "relu")),
-            "family": (m.family, ("t5", "gptj")),
+            "feed_forward_proj": (m.feed_forward_proj, FEED_FORWARD_PROJ),
+            "family": (m.family, ("t5", "umt5", "gptj")),
             "causal_packing": (self.data.causal_packing, ("segments", "concat")),
             "loss_tokens": (self.data.loss_tokens, ("all", "target")),
             "optimizer": (tr.optimizer.name, ("adamw", "adafactor")),
@@ -350,6 +367,12 @@ class T5Config:
         for name, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}: pass --{name} with one of them")
+        if tr.stochastic_rounding and m.precision == "float32" and not m.eval:
+            raise ConfigError("stochastic_rounding=true rounds float32 updates to 16-bit master weights, but precision "
+                              "is float32: pass --precision bfloat16 (or float16), or --stochastic_rounding false")
+        if m.decoder_layers < 0 or (m.decoder_layers and m.family == "gptj"):
+            raise ConfigError(f"decoder_layers={m.decoder_layers} needs an encoder-decoder family and a value >= 0 "
+                              "(0: as many as layers): pass --decoder_layers 0")
         if m.family == "gptj":
             if a.heads * a.d_kv != m.hidden_size:
                 raise ConfigError(f"GPT-J needs heads * d_kv = hidden_size, got {a.heads} * {a.d_kv} != "
@@ -623,7 +646,7 @@ def apply_overrides(cfg: T5Config, overrides: dict) -> T5Config:
 
 
 # The fields that make a model's shape (and numerics): a checkpoint or a Hugging Face config.json carries them.
-MODEL_SHAPE = ("family", "layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv", "relative_attention_num_buckets",
+MODEL_SHAPE = ("family", "layers", "decoder_layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv", "relative_attention_num_buckets",
                "relative_attention_max_distance", "feed_forward_proj", "tie_word_embeddings", "eps", "rotary_dim",
                "rotary_positional_embeddings_base")
 

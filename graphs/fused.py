@@ -93,7 +93,7 @@ class FusedExecutor:
         # through the cast) and accumulated in float32.
         compute = self.bodies.cast(full)
         tree = self.g.tree
-        zeros = jax.tree.map(jnp.zeros_like, full)
+        zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), full)  # float32 whatever the master dtype
         if opts.unroll_layers:
             # Unrolled layers get their weights and accumulators as one buffer per layer, split once per
             # step: slicing layer i out of the stacked weights in every micro-batch copies it, and the
@@ -130,20 +130,23 @@ class FusedExecutor:
             self._loss_and_grads = jax.jit(lambda p, b, r: self._sharded_loss_and_grads(tuple(b))(p, b, r))
         return self._loss_and_grads(params, batch, rng_data)
 
-    def update(self, params, opt_state, grads):
-        """The optimizer phase: every weight group clipped with the global norm and updated -> (params, state, norm)."""
+    def update(self, params, opt_state, grads, rng_data=None):
+        """The optimizer phase: every weight group clipped with the global norm and updated -> (params, state, norm).
+        With stochastic rounding, rng_data (the step's key data) seeds each group's rounding."""
         g_norm = optax.global_norm(grads)
         tree = self.g.tree
         pg, gg = tree.split_groups(params), tree.split_groups(grads)
+        sr = self.g.cfg.training.stochastic_rounding
         new_p, new_s = {}, {}
         for name in pg:
+            key = optim.group_key(rng_data, name) if sr else None
             new_p[name], new_s[name] = optim.update_group(self.g.optimizer, self.max_norm, pg[name], opt_state[name],
-                                                          gg[name], g_norm, stacked=tree.is_layer_group(name))
+                                                          gg[name], g_norm, stacked=tree.is_layer_group(name), key=key)
         return tree.merge_groups(new_p), new_s, g_norm
 
     def _step_fn(self, state: TrainState, batch, rng_data):
         loss, grads = self._sharded_loss_and_grads(tuple(batch))(state.params, batch, rng_data)
-        params, opt_state, g_norm = self.update(state.params, state.opt_state, grads)
+        params, opt_state, g_norm = self.update(state.params, state.opt_state, grads, rng_data)
         return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": g_norm}
 
     def train_step_program(self, state: TrainState):

@@ -58,21 +58,46 @@ class Graphs:
 
     # ------------------------------------------------------------------ weights
 
+    @property
+    def master_dtype(self):
+        """The dtype of the master weights: the compute dtype under ``training.stochastic_rounding`` (16-bit weights
+        that still learn: every update is rounded stochastically), else float32. The family's float32 weights
+        (norms, relative-position tables, biases) stay float32 either way."""
+        sr = self.cfg.training.stochastic_rounding and not self.cfg.model.eval
+        return self.opts.compute_dtype if sr else np.float32
+
+    def to_master(self, params: dict) -> dict:
+        """Weights (float32) in their master dtypes."""
+        dt = self.master_dtype
+        if dt == np.float32:
+            return params
+        keep = self.family.keeps_f32
+        return jax.tree_util.tree_map_with_path(lambda path, x: x if keep(families.leaf_name(path)) else x.astype(dt),
+                                                params)
+
     def init_params(self, seed: int | None = None) -> dict:
-        """Random weights, created directly in their RTS layout."""
+        """Random weights, created directly in their RTS layout (and master dtypes)."""
         key = jax.random.key(self.cfg.model.seed if seed is None else seed)
         vocab = self.cfg.model.embedding.vocab_size
-        fn = jax.jit(lambda k: zero_padded_vocab(init_params(self.specs, k), vocab), out_shardings=self.param_shardings)
+        fn = jax.jit(lambda k: self.to_master(zero_padded_vocab(init_params(self.specs, k), vocab)),
+                     out_shardings=self.param_shardings)
         return fn(key)
 
     def shard_params(self, host_params: dict, memory_kind: str | None = None) -> dict:
-        """Places host (numpy) weights in their RTS layout (in host memory with ``memory_kind="pinned_host"``)."""
+        """Places host (numpy) weights in their RTS layout (in host memory with ``memory_kind="pinned_host"``), in
+        their master dtypes (rounded to nearest, once, from float32)."""
         shardings = self.param_shardings if memory_kind is None else S.with_memory_kind(self.param_shardings, memory_kind)
-        return jax.tree.map(lambda x, s: S.put_global(np.asarray(x, np.float32), s), host_params, shardings)
+        host = self.to_master(jax.tree.map(lambda x: np.asarray(x, np.float32), host_params))
+        return jax.tree.map(lambda x, s: S.put_global(np.asarray(x), s), host, shardings)
 
     def abstract_params(self) -> dict:
         """ShapeDtypeStructs of the weights (no allocation)."""
         return jax.eval_shape(self.init_params)
+
+    def depths(self) -> dict:
+        """{stack name: number of layers} (an encoder and a decoder may differ)."""
+        params = self.abstract_params()
+        return {s: jax.tree.leaves(params[s]["layers"])[0].shape[0] for s in self.tree.stacks}
 
     def opt_state_shardings(self, params, param_shardings=None) -> dict:
         """Shardings of the optimizer state ({group: state}): a leaf shaped like a weight follows that

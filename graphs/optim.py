@@ -14,10 +14,16 @@ group sees the same clipping factor.
 
 from __future__ import annotations
 
+import zlib
+
 import jax
+import jax.numpy as jnp
 import optax
 
 from modelling.family import leaf_name
+
+F32 = jnp.float32
+SR_STREAM = 0x5352  # the random stream of stochastic rounding, folded into the step's key
 
 
 def learning_rate_schedule(maximum: float, warmup_steps: int):
@@ -84,9 +90,53 @@ def matrix_view(inner: optax.GradientTransformation) -> optax.GradientTransforma
 # --------------------------------------------------------------------------- weight groups
 
 
+def as_f32(tree):
+    return jax.tree.map(lambda x: x.astype(F32), tree)
+
+
 def init_group(optimizer, params, stacked: bool = False):
-    """Optimizer state of one group; ``stacked``: one state per layer, stacked on a leading axis."""
-    return jax.vmap(optimizer.init)(params) if stacked else optimizer.init(params)
+    """Optimizer state of one group, float32 whatever the weights' dtype (16-bit master weights under stochastic
+    rounding keep float32 moments); ``stacked``: one state per layer, stacked on a leading axis."""
+    init = lambda p: optimizer.init(as_f32(p))  # noqa: E731
+    return jax.vmap(init)(params) if stacked else init(params)
+
+
+# --------------------------------------------------------------------------- stochastic rounding
+
+
+def stochastic_round(x: jax.Array, dtype, key) -> jax.Array:
+    """x (float32) rounded to ``dtype`` up or down at random, with the probability that makes the result's expected
+    value x: the nearer neighbour y = round(x), the other neighbour y' on x's side of y, y' with probability
+    |x - y| / |y' - y|. Any float dtype (bfloat16, float16); a value the dtype holds exactly stays as it is."""
+    y = x.astype(dtype)
+    yf = y.astype(F32)
+    other = jnp.nextafter(y, jnp.where(x > yf, jnp.inf, -jnp.inf).astype(dtype)).astype(F32)
+    gap = other - yf
+    p = jnp.where(gap != 0, (x - yf) / jnp.where(gap != 0, gap, 1.0), 0.0)
+    u = jax.random.uniform(key, x.shape, F32)
+    return jnp.where(u < p, other, yf).astype(dtype)
+
+
+def group_key(rng_data, group: str):
+    """The stochastic-rounding key of a weight group at a step (rng_data: the step's key data); the phased
+    executor folds in the layer index as the fused one's vmap does, so both draw the same bits."""
+    key = jax.random.fold_in(jax.random.wrap_key_data(rng_data), SR_STREAM)
+    return jax.random.fold_in(key, zlib.crc32(group.encode()) & 0x7FFFFFFF)
+
+
+def layer_keys(key, n: int):
+    """The keys of a stacked group's n layers: fold_in(key, layer)."""
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(n))
+
+
+def round_like(new, old, key):
+    """The updated float32 weights back in their master dtype: float32 leaves as they are, 16-bit ones rounded
+    stochastically (a key per leaf, folded from ``key``), or to nearest when key is None."""
+    leaves, treedef = jax.tree.flatten(new)
+    dtypes = [w.dtype for w in jax.tree.leaves(old)]
+    out = [x if dt == F32 else x.astype(dt) if key is None else stochastic_round(x, dt, jax.random.fold_in(key, i))
+           for i, (x, dt) in enumerate(zip(leaves, dtypes))]
+    return jax.tree.unflatten(treedef, out)
 
 
 def init_state(optimizer, params: dict, tree) -> dict:
@@ -94,20 +144,26 @@ def init_state(optimizer, params: dict, tree) -> dict:
     return {name: init_group(optimizer, p, tree.is_layer_group(name)) for name, p in tree.split_groups(params).items()}
 
 
-def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stacked: bool = False):
+def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stacked: bool = False, key=None):
     """The optimizer phase body for one weight group -> (params, state).
 
     Gradients are clipped with ``g_norm``, the global norm of every gradient of the step, first.
     ``stacked``: the group's leaves carry a leading layers axis and each layer is updated on its own.
+    The update is computed in float32; 16-bit master weights (``training.stochastic_rounding``) are rounded back
+    stochastically with ``key`` (``group_key``; a stacked group's layer i with fold_in(key, i)).
     """
 
-    def one(p, s, g):
-        g = jax.tree.map(lambda t, w: t.astype(w.dtype), g, p)  # gradients may arrive in the compute dtype
-        g = clip_by_norm(g, g_norm, max_norm)
-        updates, s = optimizer.update(g, s, p)
-        return optax.apply_updates(p, updates), s
+    def one(p, s, g, k):
+        p32 = as_f32(p)
+        g = clip_by_norm(as_f32(g), g_norm, max_norm)  # gradients may arrive in the compute dtype
+        updates, s = optimizer.update(g, s, p32)
+        return round_like(optax.apply_updates(p32, updates), p, k), s
 
-    return jax.vmap(one)(params, state, grads) if stacked else one(params, state, grads)
+    if stacked:
+        n = jax.tree.leaves(params)[0].shape[0]
+        keys = None if key is None else layer_keys(key, n)
+        return jax.vmap(one, in_axes=(0, 0, 0, None if key is None else 0))(params, state, grads, keys)
+    return one(params, state, grads, key)
 
 
 def clip_by_norm(tree, g_norm: jax.Array, max_norm: float):

@@ -277,13 +277,22 @@ class PhasePrograms:
 
     # ------------------------------------------------------------------ optimizer
 
-    def optimizer(self, group: str, stacked: bool = False):
-        """(params, optimizer state, gradients, global norm) of one weight group -> (params, state).
-        Weights and state are donated: their updated values take their place on the device."""
-        key = ("optimizer", group, stacked)
+    def optimizer(self, group: str, layer: bool = False):
+        """(params, optimizer state, gradients, global norm, rng data[, layer index j]) of one weight group (of one
+        layer of a stack's group with ``layer``) -> (params, state). With stochastic rounding the key is the fused
+        step's: ``optim.group_key`` of the group, folded with j for a layer. Weights and state are donated: their
+        updated values take their place on the device."""
+        key = ("optimizer", group, layer)
         if key not in self._cache:
-            update = partial(optim.update_group, self.g.optimizer, self.g.cfg.training.optimizer.gradient_clipping,
-                             stacked=stacked)
+            sr = self.g.cfg.training.stochastic_rounding
+            clip = self.g.cfg.training.optimizer.gradient_clipping
+
+            def update(p, s, g, g_norm, rng_data, j=None):
+                k = optim.group_key(rng_data, group) if sr else None
+                if k is not None and layer:
+                    k = jax.random.fold_in(k, j)
+                return optim.update_group(self.g.optimizer, clip, p, s, g, g_norm, key=k)
+
             self._cache[key] = jax.jit(update, donate_argnums=(0, 1))
         return self._cache[key]
 

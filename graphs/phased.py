@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from graphs import optim
 from graphs import sharding as S
 from graphs.graphs import TrainState
 from graphs.host_state import HOST, ActivationBuffer, PhasedState, from_rows, row_sharding, to_host, to_rows
@@ -79,7 +80,7 @@ class PhasedExecutor:
         g = self.g = graphs
         cfg = g.cfg
         self.programs = PhasePrograms(g)
-        self.mesh, self.layers = g.mesh, cfg.model.layers
+        self.mesh, self.depth = g.mesh, g.depths()  # {stack: layers}
         self.tree, self.stacks = g.tree, g.family.stacks
         # device shardings of what the schedule loads: the non-layer weights, one layer, and their optimizer states
         self.rest_dev = self.tree.split_rest(g.param_shardings)
@@ -144,7 +145,8 @@ class PhasedExecutor:
         opt = self.g.optimizer
 
         def init(tree, dev, host):
-            return jax.jit(opt.init, out_shardings=S.with_memory_kind(host, HOST))(self.ops.load(tree, dev))
+            return jax.jit(lambda t: optim.init_group(opt, t),
+                           out_shardings=S.with_memory_kind(host, HOST))(self.ops.load(tree, dev))
 
         groups, dev = self.tree.rest_groups(rest), self.tree.rest_groups(self.rest_dev)
         opt_rest = {k: init(groups[k], dev[k], self.opt_dev[k]) for k in groups}
@@ -192,11 +194,11 @@ class PhasedExecutor:
     def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data):
         """Forward, head and backward phases -> (loss, non-layer gradients on the device,
         {stack: [layer gradients in host memory]}, global gradient norm)."""
-        ops, prog, L_, stacks = self.ops, self.programs, self.layers, self.stacks
+        ops, prog, depth, stacks = self.ops, self.programs, self.depth, self.stacks
         load_act = lambda x: ops.load(x, self.act_dev, label="activations")  # noqa: E731
         store_act = lambda x: ops.store(x, self.act_dev, label="activation rows")  # noqa: E731
         # a stack's buffer: its layers' input rows 0..L-1, then (a stack with an output norm) the norm's input at L
-        rows = {s.name: ActivationBuffer(s.buffer, L_ + (1 if s.output else 0)) for s in stacks}
+        rows = {s.name: ActivationBuffer(s.buffer, depth[s.name] + (1 if s.output else 0)) for s in stacks}
         meta = {s.name: stack_meta(s, batch) for s in stacks}
         rest, rest_dev = ps.rest, self.rest_dev
         shared = ops.load(rest["shared"], rest_dev["shared"])
@@ -210,14 +212,14 @@ class PhasedExecutor:
             x = ops.run("embeddings_fwd", prog.embeddings_fwd(stack), shared, batch[stack.ids], rng_data)
             fwd = prog.layer_fwd(stack, keys)
             layer = lambda j, s=stack.name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
-            for j, lp in prefetch(L_, layer):
+            for j, lp in prefetch(depth[stack.name], layer):
                 buf[j] = store_act(x)  # this layer's input, read again by its backward
                 extra = (enc_out,) if stack.cross else ()
                 x = ops.run(f"{stack.name}_layer_fwd", fwd, lp, ctx[stack.name], x, *extra, meta[stack.name],
                             rng_data, j)
                 del lp
             if stack.output:
-                buf[L_] = store_act(x)  # the output norm's input
+                buf[depth[stack.name]] = store_act(x)  # the output norm's input
                 enc_out = ops.run(f"{stack.name}_output_fwd", prog.stack_output_fwd(stack), out_norm[stack.name], x,
                                   rng_data)
 
@@ -232,7 +234,7 @@ class PhasedExecutor:
             g_flat[path] = g if path not in g_flat else ops.run("add", prog.add, g_flat[path], g)
 
         sumsq = []  # each phase's sum of squares of its weight gradients
-        layer_grads = {s.name: [None] * L_ for s in stacks}
+        layer_grads = {s.name: [None] * depth[s.name] for s in stacks}
         d_enc = None  # the gradient of enc_out, summed over the layers that attend to it
 
         # ---- backward
@@ -240,7 +242,7 @@ class PhasedExecutor:
             name, keys, buf = stack.name, tuple(sorted(meta[stack.name])), rows[stack.name]
             if stack.output:  # the output norm, from the summed gradient of its output
                 g_norm_w, dy = ops.run(f"{name}_output_bwd", prog.stack_output_bwd(stack), out_norm[name],
-                                       load_act(buf.pop(L_)), d_enc, rng_data)
+                                       load_act(buf.pop(depth[name])), d_enc, rng_data)
                 add_grad((name, stack.output), g_norm_w)
                 d_enc = None
             if stack.cross:
@@ -248,7 +250,7 @@ class PhasedExecutor:
             bwd = prog.layer_bwd(stack, keys)
             g_ctx = None
             layer = lambda j, s=name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
-            for j, lp in prefetch(L_, layer, reverse=True):
+            for j, lp in prefetch(depth[name], layer, reverse=True):
                 x = load_act(buf.pop(j))
                 if stack.cross:
                     g_lp, ss, g_c, dy, d_enc = ops.run(f"{name}_layer_bwd", bwd, lp, ctx[name], x, enc_out,
@@ -293,7 +295,8 @@ class PhasedExecutor:
         new_params, new_opt = {}, {}
         for name in list(params_g):
             p, s = ops.run("optimizer", prog.optimizer(name), ops.load(params_g.pop(name), dev[name], copy=True),
-                           ops.load(ps.opt[name], self.opt_dev[name], copy=True), grads_g.pop(name), g_norm)
+                           ops.load(ps.opt[name], self.opt_dev[name], copy=True), grads_g.pop(name), g_norm,
+                           rng_data)
             ps.opt[name] = None
             new_params[name] = ops.store(p, dev[name], label="weights")
             new_opt[name] = ops.store(s, self.opt_dev[name], label="optimizer state")
@@ -301,8 +304,8 @@ class PhasedExecutor:
         layers, opt_layers = {}, {}
         for stack in self.stacks:
             s = stack.name
-            update = prog.optimizer(s)
-            layers[s], opt_layers[s] = [None] * self.layers, [None] * self.layers
+            update = prog.optimizer(s, layer=True)
+            layers[s], opt_layers[s] = [None] * self.depth[s], [None] * self.depth[s]
 
             def load(j, s=s):
                 out = (ops.load(ps.layers[s][j], self.row_dev[s], copy=True),
@@ -311,8 +314,8 @@ class PhasedExecutor:
                 ps.layers[s][j] = ps.opt_layers[s][j] = layer_grads[s][j] = None
                 return out
 
-            for j, (p, st, gr) in prefetch(self.layers, load):
-                p, st = ops.run("optimizer", update, p, st, gr, g_norm)
+            for j, (p, st, gr) in prefetch(self.depth[s], load):
+                p, st = ops.run("optimizer", update, p, st, gr, g_norm, rng_data, j)
                 layers[s][j] = ops.store(p, self.row_dev[s], label="weights")
                 opt_layers[s][j] = ops.store(st, self.opt_row_dev[s], label="optimizer state")
                 del p, st, gr

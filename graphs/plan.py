@@ -296,15 +296,16 @@ def plan_phased(executor, exact: bool = False) -> MemoryPlan:
     params = g.abstract_params()
     host = lambda sh: S.with_memory_kind(sh, "pinned_host")  # noqa: E731
     rest = ops.abstract(split_rest(params), host(split_rest(g.param_shardings)), "weights")
-    layers, opt_layers = {}, {}
+    layers, opt_layers, depths = {}, {}, g.depths()
     row_struct = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
     for s in g.tree.stacks:
         row = jax.tree.map(row_struct, params[s]["layers"])
-        layers[s] = [ops.abstract(row, host(executor.row_dev[s]), "weights") for _ in range(g.cfg.model.layers)]
-        opt_row = jax.eval_shape(g.optimizer.init, row)
+        layers[s] = [ops.abstract(row, host(executor.row_dev[s]), "weights") for _ in range(depths[s])]
+        opt_row = jax.eval_shape(lambda r: optim.init_group(g.optimizer, r), row)
         opt_layers[s] = [ops.abstract(opt_row, host(executor.opt_row_dev[s]), "optimizer state")
-                         for _ in range(g.cfg.model.layers)]
-    opt = {k: ops.abstract(jax.eval_shape(g.optimizer.init, grp), host(executor.opt_dev[k]), "optimizer state")
+                         for _ in range(depths[s])]
+    opt = {k: ops.abstract(jax.eval_shape(lambda t: optim.init_group(g.optimizer, t), grp), host(executor.opt_dev[k]),
+                           "optimizer state")
            for k, grp in g.tree.rest_groups(split_rest(params)).items()}
     state = PhasedState(0, rest, layers, opt, opt_layers)
     batch = {k: ops.new(b.shape, b.dtype, b.sharding, "batch") for k, b in abstract_batch(g.cfg, g).items()}

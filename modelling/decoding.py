@@ -85,11 +85,16 @@ def _decoder_step(params, rows, token, pos, caches, cross, cross_bias, opts, tp_
     dt = opts.compute_dtype
     max_len = caches[0][0].shape[2]
     x = t5.embeddings(params["shared"], token[:, None], opts, tp_axis)  # [b, 1, d]
-    bias = L.position_bias(dec["relpos"], pos[None], max_len, False, opts.num_buckets, opts.max_distance)
-    bias = bias + jnp.where(jnp.arange(max_len) <= pos, 0.0, L.MASK_VALUE)[None, None, None]
+    rel = jnp.arange(max_len, dtype=jnp.int32) - pos
+    buckets = L.relative_position_bucket(rel, False, opts.num_buckets, opts.max_distance)[None, None]  # [1, 1, K]
+    causal = jnp.where(jnp.arange(max_len) <= pos, 0.0, L.MASK_VALUE)[None, None, None]
+    per_layer = t5.per_layer_bias(opts)  # UMT5: each layer's own table
+    bias = None if per_layer else t5.bucket_bias(dec["relpos"], buckets) + causal
     new_caches = []
     # layers unrolled: each uses its own weight arrays (no per-token slicing of the stack)
     for p, (k_c, v_c), (ck_l, cv_l) in zip(rows, caches, cross):
+        if per_layer:
+            bias = t5.bucket_bias(p["relpos"], buckets) + causal
         h = L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt)
         h = L.identical_inputs(h, tp_axis)
         q = L.project_q(p, h)
@@ -101,7 +106,7 @@ def _decoder_step(params, rows, token, pos, caches, cross, cross_bias, opts, tp_
         q = L.project_q(p, h, "c")
         x = x + L.attention_output(p, attend_cached(q, ck_l, cv_l, cross_bias), tp_axis, "c")
         h = L.rms_norm(x, p["ff_norm"], opts.eps).astype(dt)
-        x = x + L.feed_forward(p, h, tp_axis, opts.scale_ff)
+        x = x + L.feed_forward(p, h, tp_axis, opts.scale_ff, proj=opts.feed_forward_proj)
         new_caches.append((k_c, v_c))
     logits = t5.head_logits(params, x, opts, tp_axis)[:, 0]
     return logits, new_caches

@@ -1,6 +1,7 @@
 """Model families: what the engine (graphs/) needs to know about a model, and the registry.
 
-A family is one module of ``modelling/`` (``t5``, ``gptj``) exposing ``FAMILY``, an object with:
+A family is one module of ``modelling/`` (``t5``, ``gptj``) exposing ``FAMILY``, an object with (a module
+serving variants, as t5 serves umt5, also maps their names to objects in ``FAMILIES``):
 
 - ``stacks``: its layer stacks as data (``Stack``): T5 an encoder and a causal decoder with
   cross-attention, GPT-J one causal stack;
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from config.config import ConfigError
 
 # family name -> module (imported on first use)
-MODULES = {"t5": "modelling.t5", "gptj": "modelling.gptj"}
+MODULES = {"t5": "modelling.t5", "umt5": "modelling.t5", "gptj": "modelling.gptj"}
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -68,6 +69,7 @@ class ModelOptions:
     hidden_size: int = 512
     d_kv: int = 64
     tie_word_embeddings: bool = False
+    feed_forward_proj: str = "gated-gelu"  # T5 family: "gated-ACT" or "ACT" (config.FEED_FORWARD_PROJ)
     rotary_dim: int = 0  # GPT-J: rotary dimensions of each head (0: the whole head)
     rotary_base: float = 10000.0
     attention_serialisation: int = 1
@@ -86,7 +88,7 @@ class ModelOptions:
             num_buckets=m.attention.relative_attention_num_buckets,
             max_distance=m.attention.relative_attention_max_distance, scale_ff=m.scale_ff,
             vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size, d_kv=m.attention.d_kv,
-            tie_word_embeddings=m.tie_word_embeddings, rotary_dim=m.attention.rotary_dim,
+            tie_word_embeddings=m.tie_word_embeddings, feed_forward_proj=m.feed_forward_proj, rotary_dim=m.attention.rotary_dim,
             rotary_base=m.attention.rotary_positional_embeddings_base,
             attention_serialisation=ex.attention_serialisation,
             recompute=ex.recompute, remat_policy=ex.remat_policy, unroll_layers=ex.unroll_layers, dtype=m.precision,
@@ -138,7 +140,8 @@ def get(name: str):
     """The ``FAMILY`` object of a family name (``model.family``)."""
     if name not in MODULES:
         raise ConfigError(f"unknown model family {name!r}: choose one of {', '.join(MODULES)} (--family)")
-    return importlib.import_module(MODULES[name]).FAMILY
+    module = importlib.import_module(MODULES[name])
+    return getattr(module, "FAMILIES", {}).get(name) or module.FAMILY
 
 
 def of_config(cfg):

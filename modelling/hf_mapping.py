@@ -33,7 +33,7 @@ class CheckpointError(FlanT5Error, RuntimeError):
 
 
 # config.json model_type -> our family
-MODEL_TYPES = {"t5": "t5", "gptj": "gptj"}
+MODEL_TYPES = {"t5": "t5", "mt5": "t5", "umt5": "umt5", "gptj": "gptj"}
 
 
 def family_of_hf(hf: Mapping) -> str:
@@ -63,11 +63,14 @@ def hf_config_dict(m: ModelConfig) -> dict:
 
 
 def t5_config_from_hf(hf: Mapping) -> ModelConfig:
-    """Our ModelConfig from an HF T5 config (dict form)."""
-    if hf.get("num_decoder_layers") not in (None, hf["num_layers"]):
-        raise CheckpointError("encoder and decoder of different depths are not supported")
+    """Our ModelConfig from an HF T5, mT5 or UMT5 config (dict form): T5 v1.0 / v1.1, Flan-T5, mT5, UMT5, UL2."""
+    from config.config import FEED_FORWARD_PROJ
+
     m = ModelConfig()
+    m.family = "umt5" if hf.get("model_type") == "umt5" else "t5"
     m.layers = hf["num_layers"]
+    decoder = hf.get("num_decoder_layers")
+    m.decoder_layers = decoder if decoder not in (None, m.layers) else 0
     m.hidden_size = hf["d_model"]
     m.d_ff = hf["d_ff"]
     m.attention.heads = hf["num_heads"]
@@ -77,34 +80,37 @@ def t5_config_from_hf(hf: Mapping) -> ModelConfig:
     m.attention.relative_attention_max_distance = hf.get("relative_attention_max_distance", 128)
     m.eps = hf.get("layer_norm_epsilon", 1e-6)
     proj = hf.get("feed_forward_proj", "relu")
-    if proj not in ("gated-gelu", "relu"):
-        raise CheckpointError(f"feed_forward_proj {proj!r} is not supported (gated-gelu or relu)")
+    if proj not in FEED_FORWARD_PROJ:
+        raise CheckpointError(f"feed_forward_proj {proj!r} is not supported: this project runs "
+                              f"{', '.join(FEED_FORWARD_PROJ)}")
     m.feed_forward_proj = proj
-    # T5 v1.0 ties the head to the embedding and rescales the decoder output; v1.1 /
-    # Flan-T5 does neither. transformers >= 5 always writes tie_word_embeddings=True and
-    # keeps the v1.0/v1.1 difference in scale_decoder_outputs.
+    # T5 v1.0 ties the head to the embedding and rescales the decoder output; v1.1, Flan-T5, mT5, UMT5 and UL2
+    # do neither. transformers >= 5 writes tie_word_embeddings=True for every T5 and keeps the v1.0/v1.1
+    # difference in scale_decoder_outputs (T5 only: its mT5 and UMT5 configs drop it).
     m.tie_word_embeddings = bool(hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True)))
     return m
 
 
 def t5_hf_config_dict(m: ModelConfig) -> dict:
-    """An HF T5 config dict for our ModelConfig (what config.json holds)."""
+    """An HF T5 (or UMT5) config dict for our ModelConfig (what config.json holds)."""
+    act = m.feed_forward_proj.split("-")[-1]
+    umt5 = m.family == "umt5"
     return {
-        "architectures": ["T5ForConditionalGeneration"],
-        "model_type": "t5",
+        "architectures": ["UMT5ForConditionalGeneration" if umt5 else "T5ForConditionalGeneration"],
+        "model_type": "umt5" if umt5 else "t5",
         "d_model": m.hidden_size,
         "d_ff": m.d_ff,
         "d_kv": m.attention.d_kv,
         "num_heads": m.attention.heads,
         "num_layers": m.layers,
-        "num_decoder_layers": m.layers,
+        "num_decoder_layers": m.decoder_depth,
         "vocab_size": m.embedding.vocab_size,
         "relative_attention_num_buckets": m.attention.relative_attention_num_buckets,
         "relative_attention_max_distance": m.attention.relative_attention_max_distance,
         "layer_norm_epsilon": m.eps,
         "feed_forward_proj": m.feed_forward_proj,
-        "dense_act_fn": "gelu_new" if m.feed_forward_proj == "gated-gelu" else "relu",
-        "is_gated_act": m.feed_forward_proj == "gated-gelu",
+        "dense_act_fn": "gelu_new" if m.feed_forward_proj == "gated-gelu" else act,
+        "is_gated_act": m.feed_forward_proj.startswith("gated-"),
         "tie_word_embeddings": m.tie_word_embeddings,
         "scale_decoder_outputs": m.tie_word_embeddings,
         "dropout_rate": m.dropout_prob,
@@ -119,18 +125,25 @@ def t5_hf_config_dict(m: ModelConfig) -> dict:
 # --------------------------------------------------------------------------- names
 
 
-def _layer_keys(i: int, decoder: bool, gated: bool) -> dict:
+def _relpos_key(stack: str, i: int = 0) -> str:
+    return f"{stack}.block.{i}.layer.0.SelfAttention.relative_attention_bias.weight"
+
+
+def _layer_keys(i: int, decoder: bool, m: ModelConfig) -> dict:
     """Our per-layer name -> HF name, for layer i of a stack."""
-    s = f"{'decoder' if decoder else 'encoder'}.block.{i}.layer"
+    stack = "decoder" if decoder else "encoder"
+    s = f"{stack}.block.{i}.layer"
     keys = {"attn_norm": f"{s}.0.layer_norm.weight"}
     keys.update({k: f"{s}.0.SelfAttention.{v}.weight" for k, v in _ATTN.items()})
+    if m.family == "umt5":  # every layer has its own table
+        keys["relpos"] = _relpos_key(stack, i)
     ff = 1
     if decoder:
         keys["cross_norm"] = f"{s}.1.layer_norm.weight"
         keys.update({"c" + k: f"{s}.1.EncDecAttention.{v}.weight" for k, v in _ATTN.items()})
         ff = 2
     keys["ff_norm"] = f"{s}.{ff}.layer_norm.weight"
-    for w in (("wi_0", "wi_1") if gated else ("wi",)) + ("wo",):
+    for w in (("wi_0", "wi_1") if m.feed_forward_proj.startswith("gated-") else ("wi",)) + ("wo",):
         keys[w] = f"{s}.{ff}.DenseReluDense.{w}.weight"
     return keys
 
@@ -192,24 +205,20 @@ def vocab_padder(m: ModelConfig, tensor_parallel: int):
 
 def params_from_hf_state_dict(sd: Mapping[str, np.ndarray], m: ModelConfig, tensor_parallel: int = 1) -> dict:
     """Our float32 parameter tree from an HF state dict (values: numpy arrays or torch tensors)."""
-    get, pad_rows = state_dict_reader(sd, "T5"), vocab_padder(m, tensor_parallel)
+    get, pad_rows = state_dict_reader(sd, "UMT5" if m.family == "umt5" else "T5"), vocab_padder(m, tensor_parallel)
     h, kv = m.attention.heads, m.attention.d_kv
-    gated = m.feed_forward_proj == "gated-gelu"
 
     shared_key = "shared.weight" if "shared.weight" in sd else "encoder.embed_tokens.weight"
     params = {"shared": pad_rows(get(shared_key), 0)}
     for stack in ("encoder", "decoder"):
         dec = stack == "decoder"
-        per_layer = [_layer_keys(i, dec, gated) for i in range(m.layers)]
+        per_layer = [_layer_keys(i, dec, m) for i in range(m.decoder_depth if dec else m.layers)]
         layers = {
             name: np.stack([_to_ours(name, get(keys[name]), h, kv) for keys in per_layer])
             for name in per_layer[0]
         }
-        params[stack] = {
-            "relpos": get(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
-            "layers": layers,
-            "final_norm": get(f"{stack}.final_layer_norm.weight"),
-        }
+        own = {} if m.family == "umt5" else {"relpos": get(_relpos_key(stack))}
+        params[stack] = {**own, "layers": layers, "final_norm": get(f"{stack}.final_layer_norm.weight")}
     if not m.tie_word_embeddings:
         # transformers >= 5 saves an untied head only as shared.weight (it ties them)
         head_key = "lm_head.weight" if "lm_head.weight" in sd else shared_key
@@ -223,13 +232,13 @@ def hf_state_dict_from_params(params: dict, m: ModelConfig) -> dict:
     g = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
     shared = g(params["shared"])[:V]
     sd = {"shared.weight": shared, "encoder.embed_tokens.weight": shared, "decoder.embed_tokens.weight": shared}
-    gated = m.feed_forward_proj == "gated-gelu"
     for stack in ("encoder", "decoder"):
-        p = params[stack]
-        for i in range(m.layers):
-            for name, key in _layer_keys(i, stack == "decoder", gated).items():
+        p, dec = params[stack], stack == "decoder"
+        for i in range(m.decoder_depth if dec else m.layers):
+            for name, key in _layer_keys(i, dec, m).items():
                 sd[key] = np.ascontiguousarray(_to_hf(name, g(p["layers"][name][i])))
-        sd[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = g(p["relpos"])
+        if "relpos" in p:
+            sd[_relpos_key(stack)] = g(p["relpos"])
         sd[f"{stack}.final_layer_norm.weight"] = g(p["final_norm"])
     sd["lm_head.weight"] = np.ascontiguousarray(g(params["lm_head"])[:, :V].T) if "lm_head" in params else shared
     return sd
@@ -296,12 +305,12 @@ def load_hf_model(name_or_dir: str, tensor_parallel: int = 1, expect: Optional[M
         raise CheckpointError(f"{name_or_dir} is a {m.family} model but the preset is a {expect.family} one: choose "
                               f"a {m.family} preset")
     if expect is not None:
-        mine = (expect.layers, expect.hidden_size, expect.d_ff, expect.attention.heads, expect.attention.d_kv)
-        theirs = (m.layers, m.hidden_size, m.d_ff, m.attention.heads, m.attention.d_kv)
-        if mine != theirs:
+        shape = lambda c: (c.layers, c.decoder_depth, c.hidden_size, c.d_ff, c.attention.heads,  # noqa: E731
+                           c.attention.d_kv)
+        if shape(expect) != shape(m):
             raise CheckpointError(
-                f"{name_or_dir} has (layers, hidden_size, d_ff, heads, d_kv) = {theirs} but the preset has {mine}: "
-                "choose the preset of that model size")
+                f"{name_or_dir} has (layers, decoder layers, hidden_size, d_ff, heads, d_kv) = {shape(m)} but the "
+                f"preset has {shape(expect)}: choose the preset of that model size")
     return m, _family(m.family).params_from_hf(read_safetensors_dir(path), m, tensor_parallel)
 
 

@@ -140,8 +140,12 @@ def _dense_acc_bwd(f32_out, res, g):
     # the weight gradient in the weight's own shape (x and dy viewed as [n, in dims...], [n, out dims...]), so
     # that it is added to the accumulator as the GEMM's own output
     k = int(np.searchsorted(np.cumprod(w.shape), x.shape[-1])) + 1  # w.shape[:k] multiply to the input size
-    dw = lax.dot_general(x.reshape(-1, *w.shape[:k]), g.reshape(-1, *w.shape[k:]), (((0,), (0,)), ((), ())),
-                         preferred_element_type=F32)
+    xs, gs = x.reshape(-1, *w.shape[:k]), g.reshape(-1, *w.shape[k:])
+    if xs.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        # XLA:CPU runs a GEMM it does not fuse as a DotThunk, which has no bfloat16 x bfloat16 -> float32 kernel:
+        # the operands go up to float32 there (exact: a bfloat16 product fits float32), GPUs keep them bfloat16
+        xs, gs = xs.astype(F32), gs.astype(F32)
+    dw = lax.dot_general(xs, gs, (((0,), (0,)), ((), ())), preferred_element_type=F32)
     return dx, None, acc + dw
 
 
@@ -318,22 +322,32 @@ def attention(p: dict, x: jax.Array, kv_x: Optional[jax.Array], bias: jax.Array,
 # --------------------------------------------------------------------------- feed-forward
 
 
+# the activation of a feed_forward_proj (config.FEED_FORWARD_PROJ), as HF's T5 applies it: its "gated-gelu" is the
+# tanh approximation (gelu_new), a plain "gelu" the exact one
+ACTIVATIONS = {
+    "gated-gelu": partial(jax.nn.gelu, approximate=True), "gelu": partial(jax.nn.gelu, approximate=False),
+    "gated-silu": jax.nn.silu, "silu": jax.nn.silu, "gated-relu": jax.nn.relu, "relu": jax.nn.relu,
+}
+
+
 def feed_forward(p: dict, x: jax.Array, tp_axis: Optional[str], scale_ff: int = 1,
-                 dropout_rate: float = 0.0, rng: Optional[jax.Array] = None) -> jax.Array:
-    """Gated-GELU (v1.1) or ReLU (v1.0) feed-forward, sharded by the inner dim over tp.
+                 dropout_rate: float = 0.0, rng: Optional[jax.Array] = None, *, proj: str) -> jax.Array:
+    """The T5 family's feed-forward, sharded by the inner dim over tp: gated (act(x wi_0) * x wi_1, v1.1 / Flan-T5 /
+    UL2) when p holds wi_0 and wi_1, else act(x wi) (v1.0); proj is the config's feed_forward_proj.
 
     x [b, l, d] (identical over tp) -> float32 [b, l, d] identical over tp.
     """
     # wi is column-parallel (the activation is elementwise, so each device applies it to
     # its own columns), wo row-parallel: one all-reduce per feed-forward.
+    act = ACTIVATIONS[proj]
     x = identical_inputs(x, tp_axis)
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])  # tokens flattened: plain GEMMs forward and backward (see _in_proj)
     if "wi_0" in p:
         xc = x.astype(p["wi_0"].dtype)
-        h = jax.nn.gelu(dense(xc, p["wi_0"]), approximate=True) * dense(xc, p["wi_1"])
+        h = act(dense(xc, p["wi_0"])) * dense(xc, p["wi_1"])
     else:
-        h = jax.nn.relu(dense(x, p["wi"]))
+        h = act(dense(x, p["wi"]))
     h = dropout(h, dropout_rate, rng)
     if scale_ff != 1:
         h = h / scale_ff

@@ -9,6 +9,7 @@ parallelism; the graphs/ package composes them into programs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -62,35 +63,67 @@ def embeddings(shared: jax.Array, ids: jax.Array, opts: ModelOptions, tp_axis: O
     return L.dropout(L.embed(shared, ids, tp_axis), opts.dropout_prob, rng)
 
 
+def per_layer_bias(opts: ModelOptions) -> bool:
+    """Whether every layer has its own relative-position table (UMT5) rather than one per stack (T5)."""
+    return opts.family == "umt5"
+
+
+def self_masks(decoder: bool, length: int, opts: ModelOptions, mask: Optional[jax.Array] = None,
+               positions: Optional[jax.Array] = None) -> tuple:
+    """The weight-free part of a stack's self-attention bias: (relative-position buckets int32 [1 or b, l, l],
+    mask bias float32 broadcastable to [b, 1, l, l]).
+
+    mask int [b, l]: 1 (or a segment id) for tokens, 0 for padding (the decoder's may be None); positions int
+    [b, l] for packed rows (positions restarting at 0 in each segment; mask then holds the segment ids).
+    The encoder's buckets are bidirectional and it masks padding; the decoder's are causal and it masks the future.
+    """
+    if positions is None:
+        pos = jnp.arange(length, dtype=jnp.int32)
+        rel = (pos[None, :] - pos[:, None])[None]
+    else:
+        pos = positions.astype(jnp.int32)
+        rel = pos[:, None, :] - pos[:, :, None]
+    buckets = L.relative_position_bucket(rel, not decoder, opts.num_buckets, opts.max_distance)
+    if positions is not None:
+        masks = L.segment_mask_bias(mask, mask)
+    elif mask is not None:
+        masks = L.padding_mask_bias(mask)
+    else:
+        masks = None
+    if decoder:
+        causal = L.causal_mask_bias(length, length)
+        masks = causal if masks is None else masks + causal
+    return buckets, masks
+
+
+def bucket_bias(table: jax.Array, buckets: jax.Array) -> jax.Array:
+    """Relative-position bias of a table [buckets, h] at bucket ids int [B, q, k] -> float32 [B, h, q, k]."""
+    return jnp.transpose(jnp.take(table.astype(F32), buckets, axis=0), (0, 3, 1, 2))
+
+
+def self_context(relpos: Optional[jax.Array], decoder: bool, length: int, opts: ModelOptions,
+                 mask: Optional[jax.Array] = None, positions: Optional[jax.Array] = None):
+    """What a stack's blocks need for self-attention: the whole bias float32 [1 or b, h, l, l] from the stack's
+    table (T5), or ``self_masks`` for blocks that read their own tables (UMT5: relpos None)."""
+    buckets, masks = self_masks(decoder, length, opts, mask, positions)
+    return (buckets, masks) if relpos is None else bucket_bias(relpos, buckets) + masks
+
+
 def encoder_self_bias(relpos: jax.Array, mask: jax.Array, opts: ModelOptions,
                       positions: Optional[jax.Array] = None) -> jax.Array:
-    """Encoder self-attention bias.
-
-    relpos [buckets, h]; mask int [b, l]: 1 (or a segment id) for tokens, 0 for padding;
-    positions int [b, l] for packed rows (positions restarting at 0 in each segment), else None.
-    -> float32 [b, h, l, l] (relative positions + padding, or + segments when packed).
-    """
-    n = mask.shape[1]
-    if positions is None:
-        bias = L.position_bias(relpos, jnp.arange(n), n, True, opts.num_buckets, opts.max_distance)
-        return bias + L.padding_mask_bias(mask)
-    bias = L.relative_position_bias(relpos, positions, positions, True, opts.num_buckets, opts.max_distance)
-    return bias + L.segment_mask_bias(mask, mask)
+    """Encoder self-attention bias of one table [buckets, h] -> float32 [b, h, l, l] (relative positions +
+    padding, or + segments when packed)."""
+    return self_context(relpos, False, mask.shape[1], opts, mask, positions)
 
 
 def decoder_self_bias(relpos: jax.Array, length: int, opts: ModelOptions, mask: Optional[jax.Array] = None,
                       positions: Optional[jax.Array] = None) -> jax.Array:
-    """Decoder (causal) self-attention bias -> float32 [1 or b, h, l, l].
+    """Decoder (causal) self-attention bias of one table -> float32 [1 or b, h, l, l].
 
     mask int [b, l] (1 or segment id, 0 padding) or None; positions int [b, l] for packed rows (then
     mask holds the segment ids and is required).
     """
-    if positions is None:
-        bias = L.position_bias(relpos, jnp.arange(length), length, False, opts.num_buckets, opts.max_distance)
-        bias = bias + L.causal_mask_bias(length, length)
-        return bias if mask is None else bias + L.padding_mask_bias(mask)
-    bias = L.relative_position_bias(relpos, positions, positions, False, opts.num_buckets, opts.max_distance)
-    return bias + L.causal_mask_bias(length, length) + L.segment_mask_bias(mask, mask)
+    return self_context(relpos, True, length, opts, mask, positions)
 
 
 def cross_bias(mask: jax.Array, decoder_mask: Optional[jax.Array] = None, packed: bool = False) -> jax.Array:
@@ -126,21 +159,39 @@ def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions, tp
                         _sharded_rng(rng, tp_axis, CROSS_PROBS))
         x = x + L.dropout(a, rate, _rng(rng, CROSS_OUT))
     h = L.rms_norm(x, p["ff_norm"], opts.eps).astype(dt)
-    f = L.feed_forward(p, h, tp_axis, opts.scale_ff, rate, _sharded_rng(rng, tp_axis, FF_HIDDEN))
+    f = L.feed_forward(p, h, tp_axis, opts.scale_ff, rate, _sharded_rng(rng, tp_axis, FF_HIDDEN),
+                       proj=opts.feed_forward_proj)
     return x + L.dropout(f, rate, _rng(rng, FF_OUT))
 
 
-def run_stack(layers_p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions,
+def umt5_block(p: dict, x: jax.Array, self_ctx: tuple, opts: ModelOptions, tp_axis: Optional[str],
+               enc_out: Optional[jax.Array] = None, cross_bias: Optional[jax.Array] = None,
+               rng=None) -> jax.Array:
+    """A UMT5 block: t5_block with the self-attention bias from the layer's own table p["relpos"] [buckets, h]
+    and the stack's ``self_masks`` (cross-attention has no position bias, as in T5)."""
+    buckets, masks = self_ctx
+    return t5_block(p, x, bucket_bias(p["relpos"], buckets) + masks, opts, tp_axis, enc_out, cross_bias, rng)
+
+
+def block_fn(opts: ModelOptions):
+    """The block of the model's variant: umt5_block (a table per layer) or t5_block."""
+    return umt5_block if per_layer_bias(opts) else t5_block
+
+
+def run_stack(layers_p: dict, x: jax.Array, self_ctx, opts: ModelOptions,
               tp_axis: Optional[str], enc_out=None, cross_bias=None, rng=None) -> jax.Array:
-    """t5_block over the stacked layers (leading axis), scanned; layer i's dropout key is fold_in(rng, i).
+    """The variant's block over the stacked layers (leading axis), scanned; layer i's dropout key is
+    fold_in(rng, i). self_ctx: ``self_context``.
 
     The reference composition (validation, decoding, tests); training runs the layers through the
     phase library (graphs/phases.py), which adds recomputation and unrolling."""
 
+    block = block_fn(opts)
+
     def body(x, inputs):
         p, i = inputs
         r = None if rng is None else jax.random.fold_in(rng, i)
-        return t5_block(p, x, self_bias, opts, tp_axis, enc_out, cross_bias, r), None
+        return block(p, x, self_ctx, opts, tp_axis, enc_out, cross_bias, r), None
 
     n = jax.tree_util.tree_leaves(layers_p)[0].shape[0]
     x, _ = lax.scan(body, x, (layers_p, jnp.arange(n)))
@@ -178,8 +229,8 @@ def encode(params: dict, input_ids, attention_mask, opts: ModelOptions, tp_axis=
     """Encoder. ids/mask [b, k] (mask: segment ids when packed, with positions [b, k]) -> float32 [b, k, d]."""
     enc = params["encoder"]
     x = embeddings(params["shared"], input_ids, opts, tp_axis, _rng(rng, ENC_EMBED))
-    bias = encoder_self_bias(enc["relpos"], attention_mask, opts, positions)
-    x = run_stack(enc["layers"], x, bias, opts, tp_axis, rng=_rng(rng, ENC_LAYERS))
+    ctx = self_context(enc.get("relpos"), False, input_ids.shape[1], opts, attention_mask, positions)
+    x = run_stack(enc["layers"], x, ctx, opts, tp_axis, rng=_rng(rng, ENC_LAYERS))
     return encoder_head(enc["final_norm"], x, opts, _rng(rng, ENC_HEAD))
 
 
@@ -188,10 +239,10 @@ def decode(params: dict, enc_out, attention_mask, decoder_input_ids, opts: Model
     """Decoder stack (no head). -> float32 [b, l, d]. Packed rows pass both positions arrays."""
     dec = params["decoder"]
     y = embeddings(params["shared"], decoder_input_ids, opts, tp_axis, _rng(rng, DEC_EMBED))
-    self_bias = decoder_self_bias(dec["relpos"], decoder_input_ids.shape[1], opts, decoder_attention_mask,
-                                  decoder_positions)
+    ctx = self_context(dec.get("relpos"), True, decoder_input_ids.shape[1], opts, decoder_attention_mask,
+                       decoder_positions)
     xbias = cross_bias(attention_mask, decoder_attention_mask, packed=positions is not None)
-    return run_stack(dec["layers"], y, self_bias, opts, tp_axis, enc_out, xbias, _rng(rng, DEC_LAYERS))
+    return run_stack(dec["layers"], y, ctx, opts, tp_axis, enc_out, xbias, _rng(rng, DEC_LAYERS))
 
 
 def _encode_decode(p: dict, batch: dict, opts: ModelOptions, tp_axis, rng) -> jax.Array:
@@ -231,25 +282,25 @@ def _attention_specs(L_, d, h, kv, prefix=""):
 
 
 def _stack_specs(m, decoder: bool) -> dict:
-    L_, d, f = m.layers, m.hidden_size, m.d_ff
-    h, kv = m.attention.heads, m.attention.d_kv
+    L_, d, f = m.decoder_depth if decoder else m.layers, m.hidden_size, m.d_ff
+    h, kv, buckets = m.attention.heads, m.attention.d_kv, m.attention.relative_attention_num_buckets
+    relpos = ParamSpec((buckets, h), ("relpos_buckets", "heads"), d ** -0.5)
     layers = {"attn_norm": ParamSpec((L_, d), ("layers", "embed"))}
+    if m.family == "umt5":  # a table in every layer
+        layers["relpos"] = ParamSpec((L_,) + relpos.shape, ("layers",) + relpos.axes, relpos.std)
     layers.update(_attention_specs(L_, d, h, kv))
     if decoder:
         layers["cross_norm"] = ParamSpec((L_, d), ("layers", "embed"))
         layers.update(_attention_specs(L_, d, h, kv, prefix="c"))
     layers["ff_norm"] = ParamSpec((L_, d), ("layers", "embed"))
-    if m.feed_forward_proj == "gated-gelu":
+    if m.feed_forward_proj.startswith("gated-"):
         layers["wi_0"] = ParamSpec((L_, d, f), ("layers", "embed", "mlp"), d ** -0.5)
         layers["wi_1"] = ParamSpec((L_, d, f), ("layers", "embed", "mlp"), d ** -0.5)
     else:
         layers["wi"] = ParamSpec((L_, d, f), ("layers", "embed", "mlp"), d ** -0.5)
     layers["wo"] = ParamSpec((L_, f, d), ("layers", "mlp", "embed"), f ** -0.5)
-    return {
-        "relpos": ParamSpec((m.attention.relative_attention_num_buckets, h), ("relpos_buckets", "heads"), d ** -0.5),
-        "layers": layers,
-        "final_norm": ParamSpec((d,), ("embed",)),
-    }
+    stack = {"relpos": relpos} if m.family != "umt5" else {}
+    return {**stack, "layers": layers, "final_norm": ParamSpec((d,), ("embed",))}
 
 
 def param_specs(m, tensor_parallel: int = 1) -> dict:
@@ -276,7 +327,8 @@ DECODER = Stack("decoder", "decoder_input_ids",
 
 
 class T5Family:
-    """T5 v1.0 / v1.1 / Flan-T5: an encoder and a causal decoder with cross-attention (modelling/family.py)."""
+    """T5 v1.0 / v1.1 / Flan-T5 / mT5 / UL2: an encoder and a causal decoder with cross-attention
+    (modelling/family.py)."""
 
     name = "t5"
     stacks = (ENCODER, DECODER)
@@ -303,7 +355,8 @@ class T5Family:
 
     @staticmethod
     def is_dense(name: str) -> bool:
-        return not name.endswith("norm")
+        """Matmul weights (their gradient can accumulate inside the weight-gradient GEMM): not norms, not tables."""
+        return not keeps_f32(name)
 
     @staticmethod
     def head_paths(opts: ModelOptions) -> tuple:
@@ -317,17 +370,18 @@ class T5Family:
 
     @staticmethod
     def context(stack: Stack, ctx_w: dict, meta: dict, length: int, opts) -> tuple:
-        """(self-attention bias [1 or b, h, l, l], cross-attention bias or None) of a micro-batch."""
-        relpos = ctx_w["relpos"]
+        """(self-attention context, cross-attention bias or None) of a micro-batch: the self context is the
+        whole bias [1 or b, h, l, l] from the stack's table, or for UMT5 (no stack table) ``self_masks``."""
+        ids = "decoder_" if stack.cross else ""
+        self_ctx = self_context(ctx_w.get("relpos"), stack.cross, length, opts, meta.get(f"{ids}attention_mask"),
+                                meta.get(f"{ids}positions"))
         if not stack.cross:
-            return encoder_self_bias(relpos, meta["attention_mask"], opts, meta.get("positions")), None
-        self_bias = decoder_self_bias(relpos, length, opts, meta.get("decoder_attention_mask"),
-                                      meta.get("decoder_positions"))
-        return self_bias, cross_bias(meta["attention_mask"], meta.get("decoder_attention_mask"), is_packed(meta))
+            return self_ctx, None
+        return self_ctx, cross_bias(meta["attention_mask"], meta.get("decoder_attention_mask"), is_packed(meta))
 
     @staticmethod
     def block(stack: Stack, p, x, self_ctx, cross_ctx, enc, opts, tp_axis, rng=None):
-        return t5_block(p, x, self_ctx, opts, tp_axis, enc if stack.cross else None, cross_ctx, rng)
+        return block_fn(opts)(p, x, self_ctx, opts, tp_axis, enc if stack.cross else None, cross_ctx, rng)
 
     @staticmethod
     def stack_output(stack: Stack, w, x, opts, rng=None):
@@ -372,4 +426,13 @@ class T5Family:
         return hf_mapping.t5_hf_config_dict(m)
 
 
+class UMT5Family(T5Family):
+    """UMT5: T5 v1.1 with a relative-position table in every layer's self-attention (``relpos`` among the layer
+    weights) instead of one per stack; the stacks' attention context then has no weights of its own."""
+
+    name = "umt5"
+    stacks = (dataclasses.replace(ENCODER, context=()), dataclasses.replace(DECODER, context=()))
+
+
 FAMILY = T5Family()
+FAMILIES = {"t5": FAMILY, "umt5": UMT5Family()}

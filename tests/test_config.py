@@ -10,7 +10,8 @@ from config.config import FIELDS, config_from_mapping, dumps_yaml
 from utils.cli import parse_config
 
 FINETUNING = ["tiny", "xl_pod8", "xl_pod16", "xxl_1gpu", "xxl_pod16", "xxl_pod64", "small", "base", "large",
-              "gptj_6B_1024_pod64", "gptj_6B_1024_pod16", "gptj_1gpu", "gptj_small", "gptj_tiny"]
+              "gptj_6B_1024_pod64", "gptj_6B_1024_pod16", "gptj_1gpu", "gptj_small", "gptj_tiny",
+              "mt5_xl_pod8", "mt5_xxl_pod16", "mt5_xl_1gpu", "umt5_xl_pod8", "umt5_xl_1gpu", "ul2_pod16"]
 INFERENCE = ["tiny", "xl", "xl-mnli", "xxl", "xxl-mnli", "small", "base", "large", "gpt-j", "gpt-j-mnli", "gptj_small",
              "gptj_tiny"]
 
@@ -18,7 +19,8 @@ INFERENCE = ["tiny", "xl", "xl-mnli", "xxl", "xxl-mnli", "small", "base", "large
 def test_preset_files_hold_exactly_the_documented_presets():
     assert list(read_presets(preset_path("finetuning"))) == [
         "xxl_pod64", "xxl_1gpu", "xxl_pod16", "xl_pod16", "xl_pod8", "large", "base", "small", "tiny",
-        "gptj_6B_1024_pod64", "gptj_6B_1024_pod16", "gptj_1gpu", "gptj_small", "gptj_tiny"]
+        "gptj_6B_1024_pod64", "gptj_6B_1024_pod16", "gptj_1gpu", "gptj_small", "gptj_tiny", "mt5_xl_pod8",
+        "mt5_xxl_pod16", "mt5_xl_1gpu", "umt5_xl_pod8", "umt5_xl_1gpu", "ul2_pod16"]
     assert set(read_presets(preset_path("inference"))) == set(INFERENCE)
 
 
@@ -32,6 +34,22 @@ def test_finetuning_presets_load_and_validate(name):
 @pytest.mark.parametrize("name", INFERENCE)
 def test_inference_presets_load_and_validate(name):
     assert load_config("inference", name).model.eval
+
+
+def test_t5_family_presets_have_the_checkpoints_shapes():
+    """The shapes of google/mt5-xl, mt5-xxl, umt5-xl and flan-ul2 (their config.json)."""
+    shape = lambda c: (c.model.family, c.model.layers, c.model.decoder_depth, c.model.hidden_size,  # noqa: E731
+                       c.model.d_ff, c.model.attention.heads, c.model.attention.d_kv, c.model.embedding.vocab_size,
+                       c.model.feed_forward_proj, c.model.tie_word_embeddings)
+    assert shape(load_config("finetuning", "mt5_xl_pod8")) == ("t5", 24, 24, 2048, 5120, 32, 64, 250112, "gated-gelu",
+                                                               False)
+    assert shape(load_config("finetuning", "mt5_xxl_pod16")) == ("t5", 24, 24, 4096, 10240, 64, 64, 250112,
+                                                                 "gated-gelu", False)
+    assert shape(load_config("finetuning", "umt5_xl_1gpu")) == ("umt5", 24, 24, 2048, 5120, 32, 64, 256384,
+                                                                "gated-gelu", False)
+    assert shape(load_config("finetuning", "ul2_pod16")) == ("t5", 32, 32, 4096, 16384, 16, 256, 32128, "gated-silu",
+                                                             False)
+    assert load_config("finetuning", "mt5_xl_1gpu").training.optimizer.name == "adafactor"
 
 
 def test_original_model_bases_and_parallelism():

@@ -33,11 +33,16 @@ def params_at(directory, step):
     restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
     return meta, jax.tree.map(np.asarray, restored["params"])
 
-def test_two_steps_then_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("extra", [
+    ["--dropout_prob", "0.1", "--warmup_steps", "3"],  # the dropout RNG and the schedule resume exactly
+    # 16-bit master weights: the stochastic rounding's draws resume exactly
+    ["--dropout_prob", "0.1", "--warmup_steps", "3", "--precision", "bfloat16", "--stochastic_rounding", "true"],
+], ids=["dropout-warmup", "bf16-stochastic-rounding"])
+def test_two_steps_then_resume_equals_uninterrupted(tmp_path, extra):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    run_finetuning.main(SMALL + ["--steps", "2", "--save", a])
-    run_finetuning.main(SMALL + ["--steps", "1", "--save", b])
-    run_finetuning.main(SMALL + ["--steps", "2", "--save", b, "--load", b])
+    run_finetuning.main(SMALL + extra + ["--steps", "2", "--save", a])
+    run_finetuning.main(SMALL + extra + ["--steps", "1", "--save", b])
+    run_finetuning.main(SMALL + extra + ["--steps", "2", "--save", b, "--load", b])
     # with --save, a checkpoint every tenth of the run by default (here every step)
     assert ckpt.saved_steps(a) == [1, 2] and ckpt.saved_steps(b) == [1, 2]
     meta_a, pa = params_at(a, 2)
@@ -50,6 +55,9 @@ def test_two_steps_then_resume_equals_uninterrupted(tmp_path):
         np.testing.assert_array_equal(x, y)
     _, p1 = params_at(b, 1)
     assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(pb)))
+    if "--stochastic_rounding" in extra:  # saved as they train: 16-bit matmul weights, float32 norms
+        assert pa["encoder"]["layers"]["q"].dtype == jax.numpy.bfloat16
+        assert pa["encoder"]["layers"]["attn_norm"].dtype == np.float32
     # metrics file and loss curve of the run, one metrics line per step
     lines = [json.loads(x) for x in open(os.path.join(a, "metrics.jsonl"))]
     assert [r["step"] for r in lines] == [1, 2] and all(np.isfinite(r["loss"]) for r in lines)

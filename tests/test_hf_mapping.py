@@ -8,7 +8,7 @@ import torch
 from transformers import T5ForConditionalGeneration
 
 from modelling.hf_mapping import CheckpointError, load_hf_model, resolve_hf_dir, save_hf_model
-from tests.hf_utils import make_hf, random_batch
+from tests.hf_utils import from_pretrained, make_hf, random_batch
 
 
 @pytest.mark.parametrize("version", ["1.1", "1.0"])
@@ -21,7 +21,7 @@ def test_round_trip_gives_identical_tensors_and_logits(tmp_path, version):
 
     out = tmp_path / "out"
     save_hf_model(imported, m2, str(out))
-    back = T5ForConditionalGeneration.from_pretrained(out).eval()
+    back = from_pretrained(T5ForConditionalGeneration, out)
     ref_sd, new_sd = hf.state_dict(), back.state_dict()
     assert set(ref_sd) == set(new_sd)
     for k in ref_sd:

@@ -84,7 +84,7 @@ def test_feed_forward_matches_hf(version):
     ref = hf.encoder.block[1].layer[1](x).detach().numpy()  # T5LayerFF: x + ff(norm(x))
     p = _layer(params, "encoder", 1)
     xj = jnp.asarray(x.numpy())
-    ours = xj + L.feed_forward(p, L.rms_norm(xj, p["ff_norm"], m.eps), None)
+    ours = xj + L.feed_forward(p, L.rms_norm(xj, p["ff_norm"], m.eps), None, proj=m.feed_forward_proj)
     assert rel_err(ours, ref) < FWD_TOL
 
 
@@ -92,8 +92,8 @@ def test_feed_forward_scale_ff_is_exact_in_float32(v11):
     _, m, params = v11
     p = _layer(params, "encoder", 0)
     x = jax.random.normal(jax.random.key(0), (2, 4, m.hidden_size))
-    a = L.feed_forward(p, x, None, scale_ff=1)
-    b = L.feed_forward(p, x, None, scale_ff=8)
+    a = L.feed_forward(p, x, None, scale_ff=1, proj=m.feed_forward_proj)
+    b = L.feed_forward(p, x, None, scale_ff=8, proj=m.feed_forward_proj)
     assert rel_err(b, a) < 1e-6
 
 

@@ -144,10 +144,52 @@ def make_config(kind: str, preset: str, overrides: dict, fixed: Optional[dict] =
     return load_config(kind, preset, merged)
 
 
+def carried_fields(load, hf_model) -> tuple:
+    """({flag: value} the model carries: its shape, and the tokenizer it was trained with; source name)
+    from the latest checkpoint --load names, or the --hf_model's config.json (any family: its model_type)."""
+    from config.config import T5Config, model_shape
+    from utils import checkpoint as ckpt
+
+    if load:
+        directory, step = ckpt.resolve(load)[-1]
+        saved = ckpt.read_meta(directory, step).get("config")
+        if not saved:
+            return {}, directory
+        fields = model_shape(saved)
+        fields["tokenizer"] = saved.get("data", {}).get("tokenizer")
+        return {k: v for k, v in fields.items() if v is not None}, f"checkpoint {directory}"
+    if hf_model:
+        from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
+
+        m = model_config_from_hf(read_hf_config(resolve_hf_dir(hf_model)))
+        return model_shape(T5Config(model=m)), f"model {hf_model}"
+    return {}, None
+
+
+def carried_model(overrides: dict, load=None, hf_model=None) -> dict:
+    """The model fields a checkpoint (--load) or an HF model (--hf_model) carries, as config defaults: the
+    shape and variant never need repeating on the command line, and an explicit flag that contradicts them is
+    an error naming both values."""
+    from config.config import coerce
+
+    carried, source = carried_fields(load, hf_model)
+    for flag, value in carried.items():
+        if flag in overrides and flag != "tokenizer" and coerce(FIELDS[flag], overrides[flag]) != value:
+            raise FlanT5Error(f"--{flag} {overrides[flag]} contradicts the {source}, whose {flag} is {value}: drop "
+                              f"--{flag} (the model's shape comes from the {'checkpoint' if load else 'model'})")
+    if carried:
+        logging.getLogger("flan_t5").info("model shape from the %s: %s", source,
+                                         ", ".join(f"{k}={v}" for k, v in carried.items()))
+    return carried
+
+
 def parse_config(kind: str, description: str, default_preset: str, argv=None, extra=None,
                  fixed: Optional[dict] = None, defaults: Optional[dict] = None):
-    """Parses argv into (config, namespace of the non-config flags); a bad config raises ConfigError."""
+    """Parses argv into (config, namespace of the non-config flags); a bad config raises ConfigError. With
+    --hf_model, the model's shape and variant come from its config.json (``carried_model``)."""
     args, overrides = parse_args(kind, description, default_preset, argv, extra)
+    if overrides.get("hf_model"):
+        defaults = {**carried_model(overrides, hf_model=overrides["hf_model"]), **(defaults or {})}
     return make_config(kind, args.config, overrides, fixed, defaults), args
 
 

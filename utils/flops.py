@@ -31,14 +31,14 @@ def forward_flops_per_sample(m, encoder_length: int, decoder_length: int) -> int
     if m.family == "gptj":  # one causal stack over the encoder length: q/k/v/o, scores and context, MLP, head
         Lc = encoder_length
         return n * 2 * (4 * Lc * d * hk + 2 * Lc * Lc * hk + 2 * Lc * d * f) + 2 * Lc * d * V
-    ff_mats = 3 if m.feed_forward_proj == "gated-gelu" else 2
+    ff_mats = 3 if m.feed_forward_proj.startswith("gated-") else 2
     Le, Ld = encoder_length, decoder_length
     enc = 2 * (4 * Le * d * hk + 2 * Le * Le * hk + ff_mats * Le * d * f)
     dec = 2 * (4 * Ld * d * hk + 2 * Ld * Ld * hk  # self-attention
                + 2 * Ld * d * hk + 2 * Le * d * hk + 2 * Ld * Le * hk  # cross-attention
                + ff_mats * Ld * d * f)
     head = 2 * Ld * d * V
-    return n * (enc + dec) + head
+    return n * enc + m.decoder_depth * dec + head
 
 
 def train_flops_per_sample(m, encoder_length: int, decoder_length: int) -> int:

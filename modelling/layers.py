@@ -124,6 +124,13 @@ def dense(x: jax.Array, w, f32_out: bool = False) -> jax.Array:
     return checkpoint_name(out, DENSE)  # what ``--remat_policy save_dots`` keeps
 
 
+def mixed_bf16_gemms() -> bool:
+    """Whether the backend runs a bfloat16 x bfloat16 -> float32 GEMM. XLA:CPU runs a GEMM it does not fuse as a
+    DotThunk, which has no such kernel (a bfloat16 step failed at run time): there the weight-gradient GEMM's
+    operands go up to float32; GPUs and TPUs keep them bfloat16."""
+    return jax.default_backend() != "cpu"
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dense_acc(x, w, acc, f32_out):
     return jnp.matmul(x, w.reshape(x.shape[-1], -1), preferred_element_type=F32 if f32_out else None)
@@ -141,10 +148,8 @@ def _dense_acc_bwd(f32_out, res, g):
     # that it is added to the accumulator as the GEMM's own output
     k = int(np.searchsorted(np.cumprod(w.shape), x.shape[-1])) + 1  # w.shape[:k] multiply to the input size
     xs, gs = x.reshape(-1, *w.shape[:k]), g.reshape(-1, *w.shape[k:])
-    if xs.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        # XLA:CPU runs a GEMM it does not fuse as a DotThunk, which has no bfloat16 x bfloat16 -> float32 kernel:
-        # the operands go up to float32 there (exact: a bfloat16 product fits float32), GPUs keep them bfloat16
-        xs, gs = xs.astype(F32), gs.astype(F32)
+    if xs.dtype == jnp.bfloat16 and not mixed_bf16_gemms():
+        xs, gs = xs.astype(F32), gs.astype(F32)  # exact: a bfloat16 product fits float32
     dw = lax.dot_general(xs, gs, (((0,), (0,)), ((), ())), preferred_element_type=F32)
     return dx, None, acc + dw
 

@@ -44,9 +44,11 @@ def test_accumulating_dense_adds_the_weight_gradient_to_its_accumulator(shape, f
     np.testing.assert_allclose(new_acc, acc + dw, rtol=1e-6, atol=1e-5)
 
 
-def test_bfloat16_accumulation_is_one_bf16_gemm_with_a_float32_output():
+def test_bfloat16_accumulation_is_one_bf16_gemm_with_a_float32_output(monkeypatch):
     """With bf16 weights the weight-gradient GEMM takes bf16 operands and writes float32 (no bf16
-    rounding of each micro-batch's gradient before it is accumulated), added to the accumulator."""
+    rounding of each micro-batch's gradient before it is accumulated), added to the accumulator. The program
+    lowered as for a GPU (XLA:CPU gets float32 operands: L.mixed_bf16_gemms)."""
+    monkeypatch.setattr(L, "mixed_bf16_gemms", lambda: True)
     x = jax.random.normal(jax.random.key(0), (64, 16)).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (16, 32)).astype(jnp.bfloat16)
     acc = jnp.zeros((16, 32), jnp.float32)

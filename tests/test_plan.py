@@ -102,3 +102,25 @@ def test_xxl_plan_on_one_device_from_shapes_alone():
     # the xxl_1gpu preset (16 packed rows a step, micro-batch 8) fits the same box
     one_box = load_config("finetuning", "xxl_1gpu")
     plan(make_executor(Graphs(one_box)), exact=False).check(device_limit=80 * GIB, host_limit=125 * GIB, cfg=one_box)
+
+
+def test_ul2_and_xxl_fit_one_box_and_stochastic_rounding_halves_the_host_weights():
+    """ul2_1gpu (Flan-UL2, 20B: phased, Adafactor, bfloat16 master weights with stochastic rounding) and xxl_1gpu
+    plan within 75 GiB of device and 110 GiB of host memory, from shapes alone. Stochastic rounding halves the
+    weights' host bytes (norms and tables stay float32). UL2 with float32 weights peaks at the very limit of what one
+    H100 box can pin (~110 GiB), over it with any headroom (105 GiB)."""
+    def planned(name, **kw):
+        cfg = load_config("finetuning", name, kw)
+        return cfg, plan(make_executor(Graphs(cfg)), exact=False)
+
+    for name in ("ul2_1gpu", "xxl_1gpu"):
+        cfg, p = planned(name)
+        p.check(device_limit=75 * GIB, host_limit=110 * GIB, cfg=cfg)
+        sr, f32 = planned(name, stochastic_rounding=True)[1], planned(name, stochastic_rounding=False)[1]
+        assert sr.host_items["weights"] == pytest.approx(f32.host_items["weights"] / 2, rel=1e-3)
+        assert sr.device_peak < f32.device_peak
+    ul2 = Graphs(load_config("finetuning", "ul2_1gpu"))
+    assert 19.0e9 < count_params(ul2.specs) < 20.5e9
+    cfg, p = planned("ul2_1gpu", stochastic_rounding=False)
+    with pytest.raises(PlanError, match="host memory"):
+        p.check(device_limit=75 * GIB, host_limit=105 * GIB, cfg=cfg)

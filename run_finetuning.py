@@ -7,7 +7,9 @@
     python3 run_finetuning.py --config xxl_pod16 --data_parallel 1 --tensor_parallel 1 --phased true --plan
 
 Ctrl-C or SIGTERM finish the current step, save it (with --save) and exit 130 / 143; a
-non-finite loss or gradient norm stops the run (exit 3) and keeps the last good checkpoint.
+non-finite loss or gradient norm stops the run (exit 3) and keeps the last good checkpoint. Under dynamic
+loss scaling (float16's default) a step whose gradients overflow is skipped and the scale halved; only
+--max_skipped_steps such steps in a row stop the run.
 """
 
 from __future__ import annotations
@@ -165,9 +167,10 @@ def init_point(cfg, args):
     return ckpt.resolve(args.init_from)[-1]
 
 
-def initial_state(cfg, executor, loader, point, warm=None):
+def initial_state(cfg, executor, loader, point, warm=None, scaler=None):
     """Train state from --load (resume: ``point``, the checkpoint ``resume_point`` found), --init_from (``warm``:
-    a checkpoint's weights, step 0), --hf_model (pretrained) or random init; returns (state, start step).
+    a checkpoint's weights, step 0), --hf_model (pretrained) or random init; returns (state, start step). A resumed
+    run's data position and loss scale (``scaler``, graphs/loss_scale.py) continue where they stopped.
 
     Under phased execution the state lives in host memory, built without ever placing the
     whole model on a device.
@@ -177,6 +180,8 @@ def initial_state(cfg, executor, loader, point, warm=None):
     if point:
         state, meta = executor.restore(*point, cfg.checkpoint.optim_state)
         loader.restore(meta)
+        if scaler is not None:
+            scaler.restore(meta.get("loss_scale"))
         logger.info("resumed %s at step %d (data position %d)", point[0], meta["step"], loader.position)
         return state, meta["step"]
     if warm:
@@ -278,13 +283,17 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def diverged(step: int, loss: float, grad_norm: float, lr: float, cfg, last_saved) -> TrainingDiverged:
+def diverged(step: int, loss: float, grad_norm: float, lr: float, cfg, last_saved, scaler=None) -> TrainingDiverged:
     causes = [f"a learning rate too high for this model (--learning_rate {lr:g})"]
     if cfg.model.precision == "float16":
-        causes.append("float16 overflow (--precision bfloat16, or --loss_scaling / --scale_ff)")
+        causes.append("float16 overflow in the forward pass (--precision bfloat16, or --scale_ff 8)")
     causes.append("a corrupt batch of data")
     kept = f"the last good checkpoint, {last_saved}, is kept" if last_saved else "no checkpoint was written"
-    return TrainingDiverged(f"step {step}: loss {loss} and gradient norm {grad_norm}: training diverged; likely causes: "
+    what = f"loss {loss} and gradient norm {grad_norm}"
+    if scaler is not None and scaler.dynamic and scaler.skipped_in_a_row:
+        what = (f"{scaler.skipped_in_a_row} steps in a row overflowed (--max_skipped_steps {scaler.max_skipped}), the "
+                f"loss scale lowered to {scaler.scale:g}; the last: {what}")
+    return TrainingDiverged(f"step {step}: {what}: training diverged; likely causes: "
                             f"{'; '.join(causes)}. Nothing of this step was saved ({kept})")
 
 
@@ -292,10 +301,10 @@ class Saver:
     """Checkpoints of a run: the stacked layout whichever executor ran (either one resumes from them), the data
     position and the config; remembers the last one written (named when a run stops)."""
 
-    def __init__(self, cfg, executor, loader, start_step: int):
+    def __init__(self, cfg, executor, loader, start_step: int, scaler=None):
         from utils import checkpoint as ckpt
 
-        self.cfg, self.executor, self.loader = cfg, executor, loader
+        self.cfg, self.executor, self.loader, self.scaler = cfg, executor, loader, scaler
         self.mgr = ckpt.manager(cfg.checkpoint.save) if cfg.checkpoint.save else None
         self.last = f"{cfg.checkpoint.load} step {start_step}" if start_step else None
         self.pending = None  # the step being written (asynchronously)
@@ -307,6 +316,8 @@ class Saver:
         self.wait()  # the previous checkpoint complete (and older ones pruned) before the next starts
         cfg = self.cfg
         meta = {"step": step, **self.loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg)}
+        if self.scaler is not None:
+            meta["loss_scale"] = self.scaler.state()
         stacked = self.executor.to_checkpoint(state)
         ckpt.save(self.mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
         self.last, self.pending = f"{cfg.checkpoint.save}/{step}", step
@@ -353,8 +364,8 @@ class Progress:
             self.t_logged = now
 
 
-def train_step(cfg, executor, loader, state, step: int, start_step: int) -> tuple:
-    """One step of the run -> (state, metrics, batch statistics); DivergedError past a non-finite loss."""
+def train_step(cfg, executor, loader, state, step: int, start_step: int, loss_scale: float = 1.0) -> tuple:
+    """One step of the run at ``loss_scale`` -> (state, metrics, batch statistics)."""
     import jax
 
     from data.packing import batch_stats
@@ -366,7 +377,7 @@ def train_step(cfg, executor, loader, state, step: int, start_step: int) -> tupl
         logger.info("%d examples in the first batch of %d rows: %.1f per row, %.1f%% of the token slots used",
                     stats["examples"], rows, stats["examples"] / rows, 100 * stats["packing_efficiency"])
     rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
-    state, metrics = executor.train_step(state, executor.g.shard_batch(host_batch), rng)
+    state, metrics = executor.train_step(state, executor.g.shard_batch(host_batch), rng, loss_scale)
     return state, {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}, stats
 
 
@@ -382,8 +393,11 @@ def stop_after_signal(signum: int, done: int, cfg, saver: Saver, state, tracker)
     raise SystemExit(128 + signum)
 
 
-def train(cfg, args, executor, loader, state, start_step: int) -> None:
-    """The training loop: steps, logging, periodic checkpoints, signals, and the non-finite stop."""
+def train(cfg, args, executor, loader, state, start_step: int, scaler=None) -> None:
+    """The training loop: steps, logging, periodic checkpoints, signals, loss scaling (``scaler``; the config's when
+    None) and the non-finite stop."""
+    from graphs.loss_scale import LossScale
+
     from config.config import to_dict
     from utils import checkpoint as ckpt
     from utils.cli import is_main_process
@@ -393,25 +407,35 @@ def train(cfg, args, executor, loader, state, start_step: int) -> None:
     run_dir = args.run_dir
     tracker = Tracker(run_dir, to_dict(cfg), args.wandb, args.wandb_name, resume_step=start_step, enabled=primary,
                       name=f"{args.config} ({os.path.basename(os.path.abspath(run_dir))})")
-    saver = Saver(cfg, executor, loader, start_step)
+    scaler = scaler or LossScale.of_config(cfg)
+    saver = Saver(cfg, executor, loader, start_step, scaler)
     total, every, rows = cfg.training.steps, checkpoint_every(cfg), cfg.training.global_batch_size
     progress = Progress(start_step, total, primary, args.log_every)
     t_last = time.perf_counter()
     try:
         with StopSignals() as stop:
             for step in progress:
-                state, m, stats = train_step(cfg, executor, loader, state, step, start_step)
-                lr = executor.g.learning_rate(step)
-                if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-                    raise diverged(step + 1, m["loss"], m["grad_norm"], lr, cfg, saver.last)
+                used = scaler.scale
+                state, m, stats = train_step(cfg, executor, loader, state, step, start_step, used)
+                applied = scaler.update(m["grad_norm"])  # a step that overflowed left the weights as they were
+                # the schedule counts applied updates (the optimizer's count does not move on a skipped step)
+                lr = executor.g.learning_rate(step - scaler.skipped_total)
+                if scaler.gave_up or (applied and not math.isfinite(m["loss"])):
+                    raise diverged(step + 1, m["loss"], m["grad_norm"], lr, cfg, saver.last, scaler)
+                if not applied:
+                    logger.warning("step %d: the gradients overflowed at loss scale %g: the step is skipped (weights "
+                                   "and optimizer state unchanged) and the scale lowered to %g", step + 1, used,
+                                   scaler.scale)
                 now = time.perf_counter()
                 dt, t_last = now - t_last, now
                 done = step + 1
                 first = getattr(loader, "report", {}) if step == start_step else {}
-                tracker.log(done, {"loss": m["loss"], "learning_rate": lr, "grad_norm": m["grad_norm"],
+                scaling = {"loss_scale": used, "skipped_steps": scaler.skipped_total} if scaler.dynamic else {}
+                loss = {"loss": m["loss"]} if math.isfinite(m["loss"]) else {}  # metrics.jsonl stays plain JSON
+                tracker.log(done, {**loss, "learning_rate": lr, "grad_norm": m["grad_norm"] if applied else None,
                                    "samples_per_s": rows / dt, "examples": stats["examples"],
                                    "examples_per_s": stats["examples"] / dt,
-                                   "packing_efficiency": stats["packing_efficiency"], **first})
+                                   "packing_efficiency": stats["packing_efficiency"], **scaling, **first})
                 progress.update(done, m["loss"], lr, rows / dt, stats["examples"] / dt)
                 if stop.signum is not None:
                     stop_after_signal(stop.signum, done, cfg, saver, state, tracker)
@@ -482,8 +506,11 @@ def main(argv=None) -> None:
 
                 ckpt.check_shapes(*source, executor.g.abstract_params(), ckpt.read_meta(*source).get("config"), cfg)
         executor, loader = build(cfg, executor, args.run_dir)
-        state, start = initial_state(cfg, executor, loader, point, warm)
-        train(cfg, args, executor, loader, state, start)
+        from graphs.loss_scale import LossScale
+
+        scaler = LossScale.of_config(cfg)
+        state, start = initial_state(cfg, executor, loader, point, warm, scaler)
+        train(cfg, args, executor, loader, state, start, scaler)
     finally:
         for lock in locks:
             lock.release()

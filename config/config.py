@@ -207,8 +207,22 @@ class Execution:
     available_memory_proportion: tuple = (0.28,)
     """IPU-only; kept so the original's configs load. No effect here."""
 
-    loss_scaling: float = 1.0
-    """Static loss scale (multiply the loss, divide the gradients); useful with float16."""
+    loss_scaling: Optional[float] = None
+    """Loss scale: the loss is multiplied by it and the gradients divided by it, so that small gradients survive
+    float16. Static, or with dynamic_loss_scaling the starting scale. Unset: 1 (no scaling), or 2**15 where dynamic
+    scaling starts."""
+
+    dynamic_loss_scaling: Optional[bool] = None
+    """Adjust the loss scale during the run: a step whose gradients overflow (inf or nan) is skipped (weights and
+    optimizer state untouched) and the scale halved; after loss_scale_window good steps in a row it is doubled.
+    Unset: on for float16, off for float32 and bfloat16 (whose range is float32's)."""
+
+    loss_scale_window: int = 1000
+    """Dynamic loss scaling: good steps in a row after which the scale is doubled."""
+
+    max_skipped_steps: int = 16
+    """Dynamic loss scaling: steps skipped for overflow in a row after which the run stops as diverged (a run whose
+    every step overflows is broken, not unlucky); without dynamic scaling the first non-finite step stops it."""
 
     attention_serialisation: int = 1
     """Split the attention queries into this many chunks, each rematerialised on its own."""
@@ -330,6 +344,19 @@ class T5Config:
         return self.data.packed_decoder_length or max(m.decoder_sequence_length, m.sequence_length // 8)
 
     @property
+    def dynamic_loss_scaling(self) -> bool:
+        """Whether the loss scale is dynamic: execution.dynamic_loss_scaling, unset meaning float16 only."""
+        d = self.execution.dynamic_loss_scaling
+        return self.model.precision == "float16" if d is None else d
+
+    @property
+    def initial_loss_scale(self) -> float:
+        """The loss scale of the first step: execution.loss_scaling, unset meaning 2**15 under dynamic scaling
+        (where float16 gradients of a few hundred tokens have room both ways) and 1 otherwise."""
+        s = self.execution.loss_scaling
+        return s if s is not None else (2.0 ** 15 if self.dynamic_loss_scaling else 1.0)
+
+    @property
     def devices(self) -> int:
         """Number of devices the run needs (the original's ``ipus``)."""
         return self.execution.data_parallel * self.execution.tensor_parallel
@@ -347,6 +374,7 @@ class T5Config:
             "device_iterations": ex.device_iterations, "global_batch_size": tr.global_batch_size,
             "relative_attention_num_buckets": a.relative_attention_num_buckets,
             "output_length": self.inference.output_length, "scale_ff": m.scale_ff,
+            "loss_scale_window": ex.loss_scale_window, "max_skipped_steps": ex.max_skipped_steps,
         }
         for name, value in positive.items():
             if value < 1:
@@ -430,7 +458,7 @@ def _check_numbers(cfg: "T5Config") -> None:
         ("beta2", o.beta2, 0.0, 1.0, True, False, "0.999"),
         ("weight_decay", o.weight_decay, 0.0, 1.0, True, True, "0.01"),
         ("gradient_clipping", o.gradient_clipping, 0.0, float("inf"), True, False, "1.0"),
-        ("loss_scaling", ex.loss_scaling, 0.0, float("inf"), False, False, "1024"),
+        ("loss_scaling", ex.loss_scaling, 0.0, float("inf"), False, False, "32768"),
         ("eps", m.eps, 0.0, 1.0, False, False, "1e-6"),
         ("dropout_prob", m.dropout_prob, 0.0, 1.0, True, False, "0.1"),
     ]

@@ -32,7 +32,7 @@ class FusedExecutor:
         self.g = graphs
         cfg = graphs.cfg
         self.bodies = PhaseBodies(graphs.opts, S.TP, graphs.family, graphs.tree)
-        self.scale = cfg.execution.loss_scaling
+        self.scale = cfg.initial_loss_scale  # the loss scale when a caller gives none (static scaling)
         self.max_norm = cfg.training.optimizer.gradient_clipping
         self._step = None
         self._loss_and_grads = None
@@ -77,12 +77,12 @@ class FusedExecutor:
 
     # ------------------------------------------------------------------ the step
 
-    def _local_loss_and_grads(self, params, batch, rng_data):
-        """Per-device body: gather weights, scan micro-batches, reduce-scatter gradients."""
+    def _local_loss_and_grads(self, params, batch, rng_data, scale):
+        """Per-device body: gather weights, scan micro-batches, reduce-scatter gradients. ``scale``: the loss scale
+        (a float32 scalar: changing it compiles nothing)."""
         lay, opts = self.g.layouts, self.g.opts
         full = S.gather_all(params, lay)
         count = jax.lax.psum(jnp.sum(batch["labels"] != -100), S.DP).astype(jnp.float32)
-        scale = self.scale
         base = None
         if opts.dropout_prob > 0:
             # same key on every tp device (identical activations), distinct per dp replica
@@ -121,14 +121,17 @@ class FusedExecutor:
         specs = S.storage_specs(self.g.layouts)
         batch_spec = {k: P(None, S.DP, None) for k in batch_keys}
         return jax.shard_map(self._local_loss_and_grads, mesh=self.g.mesh,
-                             in_specs=(specs, batch_spec, P()), out_specs=(P(), specs), check_vma=False)
+                             in_specs=(specs, batch_spec, P(), P()), out_specs=(P(), specs), check_vma=False)
 
-    def loss_and_grads(self, params, batch, rng_data=None):
+    def _scale(self, loss_scale):
+        return jnp.asarray(self.scale if loss_scale is None else loss_scale, jnp.float32)
+
+    def loss_and_grads(self, params, batch, rng_data=None, loss_scale=None):
         """(mean token loss, gradients in the RTS layout) of one global batch."""
         rng_data = jax.random.key_data(jax.random.key(0)) if rng_data is None else rng_data
         if self._loss_and_grads is None:
-            self._loss_and_grads = jax.jit(lambda p, b, r: self._sharded_loss_and_grads(tuple(b))(p, b, r))
-        return self._loss_and_grads(params, batch, rng_data)
+            self._loss_and_grads = jax.jit(lambda p, b, r, s: self._sharded_loss_and_grads(tuple(b))(p, b, r, s))
+        return self._loss_and_grads(params, batch, rng_data, self._scale(loss_scale))
 
     def update(self, params, opt_state, grads, rng_data=None):
         """The optimizer phase: every weight group clipped with the global norm and updated -> (params, state, norm).
@@ -144,14 +147,15 @@ class FusedExecutor:
                                                           gg[name], g_norm, stacked=tree.is_layer_group(name), key=key)
         return tree.merge_groups(new_p), new_s, g_norm
 
-    def _step_fn(self, state: TrainState, batch, rng_data):
-        loss, grads = self._sharded_loss_and_grads(tuple(batch))(state.params, batch, rng_data)
+    def _step_fn(self, state: TrainState, batch, rng_data, loss_scale):
+        loss, grads = self._sharded_loss_and_grads(tuple(batch))(state.params, batch, rng_data, loss_scale)
         params, opt_state, g_norm = self.update(state.params, state.opt_state, grads, rng_data)
         return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": g_norm}
 
     def train_step_program(self, state: TrainState):
-        """The fused step as a jitted function (state, batch, rng_data) -> (state, metrics); the state is
-        donated. ``.lower(...)`` on it gives XLA's cost and memory analyses."""
+        """The fused step as a jitted function (state, batch, rng_data, loss scale) -> (state, metrics); the state is
+        donated. ``.lower(...)`` on it gives XLA's cost and memory analyses. A step whose gradients overflow (a
+        non-finite norm) leaves the weights and optimizer state as they were (``optim.update_group``)."""
         if self._step is None:
             self._step = jax.jit(self._step_fn, donate_argnums=(0,),
                                  out_shardings=(self.state_shardings(state), self.g.replicated))
@@ -170,16 +174,17 @@ class FusedExecutor:
         from utils.bench import live_device_bytes, program_bytes
 
         rng = jax.random.key_data(jax.random.key(0))
-        analysis = self.train_step_program(state).lower(state, batch, rng).compile().memory_analysis()
+        analysis = self.train_step_program(state).lower(state, batch, rng, self._scale(None)).compile().memory_analysis()
         return state, program_bytes(analysis, max(live_device_bytes().values() or [0])), None
 
     def timing_report(self, state: TrainState, batch: dict) -> tuple:
         """(state, None): one program, nothing to time apart (the profiler splits it: finetuning.py --profile)."""
         return state, None
 
-    def train_step(self, state: TrainState, batch: dict, rng_data=None):
-        """One optimizer step on one global batch -> (state, metrics)."""
+    def train_step(self, state: TrainState, batch: dict, rng_data=None, loss_scale=None):
+        """One optimizer step on one global batch -> (state, metrics). ``loss_scale``: this step's (the config's
+        static scale when None)."""
         if rng_data is None:
             rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), state.step))
-        return self.train_step_program(state)(state, batch, rng_data)
+        return self.train_step_program(state)(state, batch, rng_data, self._scale(loss_scale))
 

@@ -144,26 +144,38 @@ def init_state(optimizer, params: dict, tree) -> dict:
     return {name: init_group(optimizer, p, tree.is_layer_group(name)) for name, p in tree.split_groups(params).items()}
 
 
-def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stacked: bool = False, key=None):
+def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stacked: bool = False, key=None,
+                 loss_scale=None):
     """The optimizer phase body for one weight group -> (params, state).
 
     Gradients are clipped with ``g_norm``, the global norm of every gradient of the step, first.
     ``stacked``: the group's leaves carry a leading layers axis and each layer is updated on its own.
     The update is computed in float32; 16-bit master weights (``training.stochastic_rounding``) are rounded back
     stochastically with ``key`` (``group_key``; a stacked group's layer i with fold_in(key, i)).
+    ``loss_scale``: the gradients arrive multiplied by it (the phased executor's, kept scaled in float16) and are
+    divided first; ``g_norm`` is always the unscaled norm.
+
+    When ``g_norm`` is not finite (an overflow: dynamic loss scaling then lowers the scale) nothing is updated: the
+    group's weights and state come back as they were (graphs/loss_scale.py).
     """
 
     def one(p, s, g, k):
         p32 = as_f32(p)
-        g = clip_by_norm(as_f32(g), g_norm, max_norm)  # gradients may arrive in the compute dtype
+        g = as_f32(g)  # gradients may arrive in the compute dtype
+        if loss_scale is not None:
+            g = jax.tree.map(lambda x: x / loss_scale, g)
+        g = clip_by_norm(g, g_norm, max_norm)
         updates, s = optimizer.update(g, s, p32)
         return round_like(optax.apply_updates(p32, updates), p, k), s
 
-    if stacked:
-        n = jax.tree.leaves(params)[0].shape[0]
-        keys = None if key is None else layer_keys(key, n)
-        return jax.vmap(one, in_axes=(0, 0, 0, None if key is None else 0))(params, state, grads, keys)
-    return one(params, state, grads, key)
+    def apply(params, state):
+        if stacked:
+            n = jax.tree.leaves(params)[0].shape[0]
+            keys = None if key is None else layer_keys(key, n)
+            return jax.vmap(one, in_axes=(0, 0, 0, None if key is None else 0))(params, state, grads, keys)
+        return one(params, state, grads, key)
+
+    return jax.lax.cond(jnp.isfinite(g_norm), apply, lambda p, s: (p, s), params, state)
 
 
 def clip_by_norm(tree, g_norm: jax.Array, max_norm: float):

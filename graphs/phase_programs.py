@@ -7,6 +7,10 @@ all-gathers the weights once, casts them to the compute dtype once, gathers the 
 and returns its outputs sliced again over tp, and its weight gradients reduce-scattered into
 their storage layout with the sum of their squares (for global-norm clipping).
 
+Gradients stay multiplied by the loss scale until the optimizer phase divides them (float16 gradients
+kept in host memory would otherwise underflow); the head phase, where the scale enters, takes it as an
+input, so a dynamic scale compiles nothing new.
+
 Each program is compiled once and reused by every layer of its kind.
 """
 
@@ -36,7 +40,6 @@ class PhasePrograms:
         cfg = g.cfg
         self.opts = g.opts
         self.bodies = PhaseBodies(g.opts, S.TP, g.family, g.tree)
-        self.scale = cfg.execution.loss_scaling
         self.rest_layouts = g.tree.split_rest(g.layouts)
         self.row_layouts = {s: jax.tree.map(lambda l: l.row(), g.layouts[s]["layers"], is_leaf=S.is_layout)
                             for s in g.tree.stacks}
@@ -68,8 +71,8 @@ class PhasePrograms:
         return jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(S.DP))
 
     def _reduce(self, grads, layouts):
-        """Micro-batch sums of gradients -> storage layout (reduce-scatter over dp), unscaled."""
-        return jax.tree.map(lambda g, l: S.reduce_gradient(g, l) / self.scale, grads, layouts)
+        """Micro-batch sums of gradients -> storage layout (reduce-scatter over dp), still loss-scaled."""
+        return jax.tree.map(lambda g, l: S.reduce_gradient(g, l), grads, layouts)
 
     def _cast(self, tree):
         return self.bodies.cast(tree)
@@ -199,6 +202,9 @@ class PhasePrograms:
             g_p, g_ctx = self._reduce(g_p, row_lay), self._reduce(g_ctx, ctx_lay)
             sumsq = S.sum_of_squares(g_p, row_lay)
             g_p = jax.tree.map(lambda g: g.astype(self.grad_dtype), g_p)
+            if self.grad_dtype == jnp.float16:  # a scaled gradient past 65504 is inf once stored: an overflow
+                sumsq = sumsq + jnp.where(lax.psum(sum(jnp.sum(~jnp.isfinite(g)) for g in jax.tree.leaves(g_p)),
+                                                   (S.DP, S.TP)) > 0, jnp.inf, 0.0)
             if cross:
                 return g_p, sumsq, g_ctx, dx, d_enc + de.astype(d_enc.dtype)
             return g_p, sumsq, g_ctx, dx
@@ -252,12 +258,13 @@ class PhasePrograms:
 
     def head(self):
         """Final norm + LM head + loss and its backward, in one phase as in the original:
-        (head weights, x row, labels, rng) -> (mean loss, head gradients, dx row)."""
+        (head weights, x row, labels, rng, loss scale) -> (mean loss, head gradients, dx row), the gradients
+        multiplied by the loss scale."""
         lay = self.g.tree.head_subtree(self.rest_layouts)
         specs = self.g.tree.head_subtree(self.rest_specs)
-        scale, stream = self.scale, self.g.family.head_stream
+        stream = self.g.family.head_stream
 
-        def fn(hp, x, labels, rng_data):
+        def fn(hp, x, labels, rng_data, scale):
             hp, x, base = self._cast(S.gather_all(hp, lay)), self._gather_act(x), self._base_key(rng_data)
             count = lax.psum(jnp.sum(labels != -100), S.DP).astype(F32)
 
@@ -273,25 +280,25 @@ class PhasePrograms:
             (g, loss), dx = lax.scan(body, zeros, (x, labels, jnp.arange(x.shape[0])))
             return lax.psum(loss, S.DP) / scale, self._reduce(g, lay), dx
 
-        return self._program(("head",), fn, (specs, self.act_spec, MICRO, P()), (P(), specs, self.act_spec))
+        return self._program(("head",), fn, (specs, self.act_spec, MICRO, P(), P()), (P(), specs, self.act_spec))
 
     # ------------------------------------------------------------------ optimizer
 
     def optimizer(self, group: str, layer: bool = False):
-        """(params, optimizer state, gradients, global norm, rng data[, layer index j]) of one weight group (of one
-        layer of a stack's group with ``layer``) -> (params, state). With stochastic rounding the key is the fused
-        step's: ``optim.group_key`` of the group, folded with j for a layer. Weights and state are donated: their
-        updated values take their place on the device."""
+        """(params, optimizer state, gradients, global norm, rng data, loss scale[, layer index j]) of one weight
+        group (of one layer of a stack's group with ``layer``) -> (params, state). The gradients arrive loss-scaled,
+        the norm not. With stochastic rounding the key is the fused step's: ``optim.group_key`` of the group, folded
+        with j for a layer. Weights and state are donated: their updated values take their place on the device."""
         key = ("optimizer", group, layer)
         if key not in self._cache:
             sr = self.g.cfg.training.stochastic_rounding
             clip = self.g.cfg.training.optimizer.gradient_clipping
 
-            def update(p, s, g, g_norm, rng_data, j=None):
+            def update(p, s, g, g_norm, rng_data, scale, j=None):
                 k = optim.group_key(rng_data, group) if sr else None
                 if k is not None and layer:
                     k = jax.random.fold_in(k, j)
-                return optim.update_group(self.g.optimizer, clip, p, s, g, g_norm, key=k)
+                return optim.update_group(self.g.optimizer, clip, p, s, g, g_norm, key=k, loss_scale=scale)
 
             self._cache[key] = jax.jit(update, donate_argnums=(0, 1))
         return self._cache[key]
@@ -303,9 +310,9 @@ class PhasePrograms:
 
     @staticmethod
     @jax.jit
-    def global_norm(sums_of_squares):
-        """The global gradient norm from every phase's sum of squares."""
-        return jnp.sqrt(sum(sums_of_squares))
+    def global_norm(sums_of_squares, scale):
+        """The global gradient norm (unscaled) from every phase's sum of squares of loss-scaled gradients."""
+        return jnp.sqrt(sum(sums_of_squares)) / scale
 
     def rest_sum_of_squares(self):
         """(non-layer gradients in their storage layout) -> their sum of squares over the whole mesh."""

@@ -191,10 +191,17 @@ class PhasedExecutor:
 
     # ------------------------------------------------------------------ the step
 
-    def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data):
+    def _scale(self, loss_scale):
+        """The step's loss scale as a float32 scalar on the mesh (the config's static scale when None)."""
+        value = self.g.cfg.initial_loss_scale if loss_scale is None else loss_scale
+        return jax.device_put(jnp.asarray(value, F32), self.g.replicated)
+
+    def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data, loss_scale=None):
         """Forward, head and backward phases -> (loss, non-layer gradients on the device,
-        {stack: [layer gradients in host memory]}, global gradient norm)."""
+        {stack: [layer gradients in host memory]}, global gradient norm). The gradients are multiplied by the loss
+        scale (``stacked_grads`` divides them); the norm is not."""
         ops, prog, depth, stacks = self.ops, self.programs, self.depth, self.stacks
+        scale = loss_scale if isinstance(loss_scale, jax.Array) else self._scale(loss_scale)
         load_act = lambda x: ops.load(x, self.act_dev, label="activations")  # noqa: E731
         store_act = lambda x: ops.store(x, self.act_dev, label="activation rows")  # noqa: E731
         # a stack's buffer: its layers' input rows 0..L-1, then (a stack with an output norm) the norm's input at L
@@ -225,7 +232,7 @@ class PhasedExecutor:
 
         # ---- head: loss and its backward
         hp = ops.load(self.tree.head_subtree(rest), self.tree.head_subtree(rest_dev))
-        loss, g_head, dy = ops.run("head", prog.head(), hp, x, batch["labels"], rng_data)
+        loss, g_head, dy = ops.run("head", prog.head(), hp, x, batch["labels"], rng_data, scale)
         del hp, x
         g_flat = dict(zip(flat_paths(g_head), jax.tree.leaves(g_head)))  # {weight path: gradient} of the rest
         del g_head
@@ -273,11 +280,13 @@ class PhasedExecutor:
         del shared, ctx, out_norm
         g_rest = from_flat(rest, g_flat)  # the rest tree's structure
         sumsq.append(ops.run("sum_of_squares", prog.rest_sum_of_squares(), g_rest))
-        g_norm = ops.run("global_norm", prog.global_norm, sumsq)
+        g_norm = ops.run("global_norm", prog.global_norm, sumsq, scale)
         return loss, g_rest, layer_grads, g_norm
 
-    def train_step(self, ps: PhasedState, batch: dict, rng_data=None):
-        """One optimizer step on one global batch, phase by phase -> (state, metrics).
+    def train_step(self, ps: PhasedState, batch: dict, rng_data=None, loss_scale=None):
+        """One optimizer step on one global batch, phase by phase -> (state, metrics). ``loss_scale``: this step's
+        (the config's static scale when None). A step whose gradients overflow (a non-finite norm) leaves every
+        weight and optimizer state as it was (``optim.update_group``).
 
         The input state is consumed (as the fused step donates its state): each layer's old
         weights and optimizer state are let go of as soon as their update is stored, so host
@@ -285,7 +294,8 @@ class PhasedExecutor:
         """
         if rng_data is None:
             rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), ps.step))
-        loss, g_rest, layer_grads, g_norm = self.loss_and_grads(ps, batch, rng_data)
+        scale = self._scale(loss_scale)
+        loss, g_rest, layer_grads, g_norm = self.loss_and_grads(ps, batch, rng_data, scale)
         ops, prog = self.ops, self.programs
         # ---- optimizer phases: the embedding, the LM head, the small rest, then one layer at a time
         tree = self.tree
@@ -296,7 +306,7 @@ class PhasedExecutor:
         for name in list(params_g):
             p, s = ops.run("optimizer", prog.optimizer(name), ops.load(params_g.pop(name), dev[name], copy=True),
                            ops.load(ps.opt[name], self.opt_dev[name], copy=True), grads_g.pop(name), g_norm,
-                           rng_data)
+                           rng_data, scale)
             ps.opt[name] = None
             new_params[name] = ops.store(p, dev[name], label="weights")
             new_opt[name] = ops.store(s, self.opt_dev[name], label="optimizer state")
@@ -315,7 +325,7 @@ class PhasedExecutor:
                 return out
 
             for j, (p, st, gr) in prefetch(self.depth[s], load):
-                p, st = ops.run("optimizer", update, p, st, gr, g_norm, rng_data, j)
+                p, st = ops.run("optimizer", update, p, st, gr, g_norm, rng_data, scale, j)
                 layers[s][j] = ops.store(p, self.row_dev[s], label="weights")
                 opt_layers[s][j] = ops.store(st, self.opt_row_dev[s], label="optimizer state")
                 del p, st, gr
@@ -355,13 +365,15 @@ class PhasedExecutor:
             self.ops = saved
         return state, times
 
-    def stacked_grads(self, g_rest, layer_grads) -> dict:
-        """Gradients in the fused executor's (stacked) tree, as numpy, for comparisons."""
+    def stacked_grads(self, g_rest, layer_grads, loss_scale: float | None = None) -> dict:
+        """Gradients (``loss_and_grads``'s, divided by its loss scale) in the fused executor's (stacked) tree, as
+        float32 numpy, for comparisons."""
         import numpy as np
 
-        stacked = {s: jax.tree.map(lambda *r: np.stack([np.asarray(jax.device_get(x), np.float32) for x in r]),
-                                   *layer_grads[s]) for s in layer_grads}
-        return self.tree.with_layers(jax.tree.map(np.asarray, g_rest), stacked)
+        scale = np.float32(self.g.cfg.initial_loss_scale if loss_scale is None else loss_scale)
+        as_np = lambda x: np.asarray(jax.device_get(x), np.float32) / scale  # noqa: E731
+        stacked = {s: jax.tree.map(lambda *r: np.stack([as_np(x) for x in r]), *layer_grads[s]) for s in layer_grads}
+        return self.tree.with_layers(jax.tree.map(as_np, g_rest), stacked)
 
 
 class DeviceOps:

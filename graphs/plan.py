@@ -271,7 +271,8 @@ def plan_fused(executor, exact: bool = False) -> MemoryPlan:
                                         g.param_shardings),
                            jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt, opt_sh))
         rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=g.replicated)
-        analysis = executor.train_step_program(state).lower(state, batch, rng).compile().memory_analysis()
+        scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=g.replicated)
+        analysis = executor.train_step_program(state).lower(state, batch, rng, scale).compile().memory_analysis()
         items["step temporaries (gradients, activations)"] = analysis.temp_size_in_bytes
         items["step outputs"] = max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
     else:

@@ -348,11 +348,14 @@ def feed_forward(p: dict, x: jax.Array, tp_axis: Optional[str], scale_ff: int = 
     x = identical_inputs(x, tp_axis)
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])  # tokens flattened: plain GEMMs forward and backward (see _in_proj)
+    # float16 (largest value 65504): the hidden activations are formed in float32 and divided by scale_ff before
+    # they are rounded to float16 for the down-projection, whose output is float32 (as the residual stream)
+    wide = (p["wi_0"] if "wi_0" in p else p["wi"]).dtype == jnp.float16
     if "wi_0" in p:
         xc = x.astype(p["wi_0"].dtype)
-        h = act(dense(xc, p["wi_0"])) * dense(xc, p["wi_1"])
+        h = act(dense(xc, p["wi_0"], f32_out=wide)) * dense(xc, p["wi_1"], f32_out=wide)
     else:
-        h = act(dense(x, p["wi"]))
+        h = act(dense(x, p["wi"], f32_out=wide))
     h = dropout(h, dropout_rate, rng)
     if scale_ff != 1:
         h = h / scale_ff

@@ -260,9 +260,11 @@ def test_remat_policies_give_the_same_loss_and_gradients_at_their_memory():
         params = f.g.init_params()
         batch = f.g.shard_batch(generated_batch(f.g.cfg, seed=0))
         rng = jax.random.key_data(jax.random.key(0))
-        step = jax.jit(lambda p, b, r: f._sharded_loss_and_grads(tuple(b))(p, b, r)).lower(params, batch, rng).compile()
+        one = jax.numpy.float32(1)  # the loss scale
+        step = jax.jit(lambda p, b, r, s: f._sharded_loss_and_grads(tuple(b))(p, b, r, s)).lower(params, batch, rng,
+                                                                                             one).compile()
         temp = step.memory_analysis().temp_size_in_bytes
-        loss, grads = step(params, batch, rng)
+        loss, grads = step(params, batch, rng, one)
         out[name] = (temp, float(loss), leaves(grads))
     for name in ("save_dots", "full"):
         assert abs(out[name][1] - out["none"][1]) <= 1e-6 * out["none"][1]

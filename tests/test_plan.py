@@ -72,7 +72,7 @@ def test_fused_plan_equals_the_compiled_step():
     state = ex.init_state()
     batch = ex.g.shard_batch(generated_batch(cfg, seed=0))
     rng = jax.random.key_data(jax.random.key(0))
-    analysis = ex.train_step_program(state).lower(state, batch, rng).compile().memory_analysis()
+    analysis = ex.train_step_program(state).lower(state, batch, rng, jax.numpy.float32(1)).compile().memory_analysis()
     measured = program_bytes(analysis, max(live_device_bytes().values()))
     assert abs(p.device_peak - measured) <= 0.1 * measured, (p.format(), measured)
 

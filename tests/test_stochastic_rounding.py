@@ -127,11 +127,12 @@ def test_the_update_is_the_same_under_tp_x_dp_and_in_the_phased_executor(one_dev
             for j in range(jax.tree.leaves(pg[name])[0].shape[0]):
                 take = lambda t, j=j: jax.tree.map(lambda x: x[j], t)  # noqa: E731
                 p, _ = prog.optimizer(name, layer=True)(take(pg[name]), take(opt[name]), take(gg[name]), g_norm,
-                                                        rng, j)
+                                                        rng, 1.0, j)
                 rows.append(jax.tree.map(np.asarray, p))
             out[name] = jax.tree.map(lambda *r: np.stack(r), *rows)
         else:
-            out[name] = jax.tree.map(np.asarray, prog.optimizer(name)(pg[name], opt[name], gg[name], g_norm, rng)[0])
+            out[name] = jax.tree.map(np.asarray, prog.optimizer(name)(pg[name], opt[name], gg[name], g_norm, rng,
+                                                                          1.0)[0])
     got = tree.merge_groups(out)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(ref)):
         assert_same_draws(a, b, jax.tree_util.keystr(path))

@@ -316,7 +316,7 @@ class Saver:
         self.wait()  # the previous checkpoint complete (and older ones pruned) before the next starts
         cfg = self.cfg
         meta = {"step": step, **self.loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg)}
-        if self.scaler is not None:
+        if self.scaler is not None:  # the loss scale and the last gradient norm, for an exact resume
             meta["loss_scale"] = self.scaler.state()
         stacked = self.executor.to_checkpoint(state)
         ckpt.save(self.mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
@@ -364,8 +364,10 @@ class Progress:
             self.t_logged = now
 
 
-def train_step(cfg, executor, loader, state, step: int, start_step: int, loss_scale: float = 1.0) -> tuple:
-    """One step of the run at ``loss_scale`` -> (state, metrics, batch statistics)."""
+def train_step(cfg, executor, loader, state, step: int, start_step: int, loss_scale: float = 1.0,
+               clip_norm: float | None = None) -> tuple:
+    """One step of the run at ``loss_scale`` (clipped with ``clip_norm`` under update_in_backward) -> (state,
+    metrics, batch statistics)."""
     import jax
 
     from data.packing import batch_stats
@@ -377,7 +379,7 @@ def train_step(cfg, executor, loader, state, step: int, start_step: int, loss_sc
         logger.info("%d examples in the first batch of %d rows: %.1f per row, %.1f%% of the token slots used",
                     stats["examples"], rows, stats["examples"] / rows, 100 * stats["packing_efficiency"])
     rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
-    state, metrics = executor.train_step(state, executor.g.shard_batch(host_batch), rng, loss_scale)
+    state, metrics = executor.train_step(state, executor.g.shard_batch(host_batch), rng, loss_scale, clip_norm)
     return state, {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}, stats
 
 
@@ -416,7 +418,8 @@ def train(cfg, args, executor, loader, state, start_step: int, scaler=None) -> N
         with StopSignals() as stop:
             for step in progress:
                 used = scaler.scale
-                state, m, stats = train_step(cfg, executor, loader, state, step, start_step, used)
+                clip = scaler.last_norm if cfg.execution.update_in_backward else None  # the previous step's norm
+                state, m, stats = train_step(cfg, executor, loader, state, step, start_step, used, clip)
                 applied = scaler.update(m["grad_norm"])  # a step that overflowed left the weights as they were
                 # the schedule counts applied updates (the optimizer's count does not move on a skipped step)
                 lr = executor.g.learning_rate(step - scaler.skipped_total)

@@ -4,13 +4,17 @@
     python3 benchmarks/figures.py loss-curve ckpt/tiny/metrics.jsonl    # -> ckpt/tiny/quickstart_loss_curve.png
     python3 benchmarks/figures.py memory benchmarks/results/cpu/phased_memory.json
     python3 benchmarks/figures.py throughput benchmarks/results/cpu/compare_mnli.json
+    python3 benchmarks/figures.py precision benchmarks/results/cpu/precision.json
 
 - loss-curve: the quickstart's loss (raw and smoothed) and learning rate, from the metrics.jsonl of
   ``python3 run_finetuning.py --config tiny --save ckpt/tiny``;
 - memory: device bytes of the fused and the phased executor as the model deepens, from
   ``python3 benchmarks/phased_memory.py --json benchmarks/results/cpu/phased_memory.json``;
 - throughput: training examples/s of ours packed and unpacked against HF PyTorch eager and compiled,
-  from ``python3 benchmarks/compare.py --only train --lengths mnli ... --json benchmarks/results/cpu/compare_mnli.json``.
+  from ``python3 benchmarks/compare.py --only train --lengths mnli ... --json benchmarks/results/cpu/compare_mnli.json``;
+- precision: the tiny run's loss curves and validation accuracy in float32, bfloat16, bfloat16 weights with
+  stochastic rounding and float16 with dynamic loss scaling, from
+  ``python3 benchmarks/precision.py --json benchmarks/results/cpu/precision.json``.
 """
 
 from __future__ import annotations
@@ -93,9 +97,43 @@ def throughput(report: str, out: str) -> str:
     return out
 
 
+def precision(report: str, out: str) -> str:
+    """Loss curves (smoothed) of every run of a benchmarks/precision.py JSON, with validation accuracy, skipped
+    steps and time against float32 in the legend."""
+    import numpy as np
+
+    from utils.tracking import smooth
+
+    with open(report) as f:
+        data = json.load(f)
+    fig, ax = _figure((6.5, 4.0))
+    colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
+    for (name, r), colour in zip(data["runs"].items(), colours):
+        steps = [i + 1 for i, v in enumerate(r["loss"]) if v is not None]
+        loss = [v for v in r["loss"] if v is not None]
+        weight = min(0.98, max(0.0, 1 - 25 / max(len(loss), 1)))
+        label = f"{name}: accuracy {r['accuracy']:.1%}"
+        if r.get("skipped_steps"):
+            label += f", {r['skipped_steps']} steps skipped"
+        if r.get("time_vs_float32"):
+            label += f", time {r['time_vs_float32']:.2f}x float32's"
+        ax.plot(steps, np.exp(smooth(list(np.log(loss)), weight)), color=colour, linewidth=1.6, label=label)
+    a = data["args"]
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (token mean, smoothed)")
+    ax.set_title(f"Precisions on the {a['config']} preset ({a['steps']} steps, {data['device_kind']}): "
+                 "same seed and data;\naccuracy on its validation split (run_validation.py)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7.5, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("figure", nargs="?", choices=("all", "loss-curve", "memory", "throughput"), default="all")
+    p.add_argument("figure", nargs="?", choices=("all", "loss-curve", "memory", "throughput", "precision"), default="all")
     p.add_argument("source", nargs="?", default=None, help="the result file (default: the committed one)")
     p.add_argument("--out_dir", default=None,
                    help="where the figures go (default: beside SOURCE when one is given; the tracked imgs/ only "
@@ -108,6 +146,7 @@ def main(argv=None) -> list:
         "loss-curve": (loss_curve, os.path.join(RESULTS, "cpu", "quickstart_metrics.jsonl"), "quickstart_loss_curve.png"),
         "memory": (memory, os.path.join(RESULTS, "cpu", "phased_memory.json"), "phased_memory.png"),
         "throughput": (throughput, os.path.join(RESULTS, "cpu", "compare_mnli.json"), "throughput.png"),
+        "precision": (precision, os.path.join(RESULTS, "cpu", "precision.json"), "precision.png"),
     }
     chosen = list(jobs) if a.figure == "all" else [a.figure]
     made = []

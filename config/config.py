@@ -250,6 +250,13 @@ class Execution:
     phased: bool = False
     """Phased execution: weights and optimizer state live on the host, streamed in one layer at a time."""
 
+    update_in_backward: bool = False
+    """Phased execution: update each layer right after its backward (its gradient is complete then, and its
+    weights are already on the device), so the layers' gradients never go to host memory (a model's worth of them
+    in the compute dtype). Gradient clipping then uses the previous step's global norm (the first step is not
+    clipped), in the fused executor too, so that both still agree. Not with dynamic loss scaling: a step that
+    overflows could no longer be skipped whole."""
+
 
 @dataclass
 class Checkpoint:
@@ -442,6 +449,12 @@ class T5Config:
         if (self.checkpoint.steps is not None and self.checkpoint.steps < 0) or self.checkpoint.to_keep < 0:
             raise ConfigError("checkpoint_steps and to_keep must be >= 0: fix --checkpoint_steps / --to_keep "
                               "(--to_keep 0 keeps every checkpoint)")
+        if ex.update_in_backward and not m.eval:
+            if self.dynamic_loss_scaling:
+                raise ConfigError("update_in_backward=true updates each layer before the step's overflow is known, "
+                                  "so dynamic loss scaling could not skip a step whole: pass --precision bfloat16, or "
+                                  "--dynamic_loss_scaling false with a static --loss_scaling, or --update_in_backward "
+                                  "false")
         if ex.device_iterations != 1:
             raise ConfigError(f"device_iterations={ex.device_iterations}: this backend runs one optimizer step per "
                               "call from the host (the IPU's device loop has no counterpart here): pass "

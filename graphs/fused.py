@@ -133,9 +133,10 @@ class FusedExecutor:
             self._loss_and_grads = jax.jit(lambda p, b, r, s: self._sharded_loss_and_grads(tuple(b))(p, b, r, s))
         return self._loss_and_grads(params, batch, rng_data, self._scale(loss_scale))
 
-    def update(self, params, opt_state, grads, rng_data=None):
-        """The optimizer phase: every weight group clipped with the global norm and updated -> (params, state, norm).
-        With stochastic rounding, rng_data (the step's key data) seeds each group's rounding."""
+    def update(self, params, opt_state, grads, rng_data=None, clip_norm=None):
+        """The optimizer phase: every weight group clipped with the global norm (or ``clip_norm``: the previous
+        step's under ``execution.update_in_backward``) and updated -> (params, state, norm). With stochastic
+        rounding, rng_data (the step's key data) seeds each group's rounding."""
         g_norm = optax.global_norm(grads)
         tree = self.g.tree
         pg, gg = tree.split_groups(params), tree.split_groups(grads)
@@ -144,12 +145,13 @@ class FusedExecutor:
         for name in pg:
             key = optim.group_key(rng_data, name) if sr else None
             new_p[name], new_s[name] = optim.update_group(self.g.optimizer, self.max_norm, pg[name], opt_state[name],
-                                                          gg[name], g_norm, stacked=tree.is_layer_group(name), key=key)
+                                                          gg[name], g_norm, stacked=tree.is_layer_group(name), key=key,
+                                                          clip_norm=clip_norm)
         return tree.merge_groups(new_p), new_s, g_norm
 
-    def _step_fn(self, state: TrainState, batch, rng_data, loss_scale):
+    def _step_fn(self, state: TrainState, batch, rng_data, loss_scale, clip_norm=None):
         loss, grads = self._sharded_loss_and_grads(tuple(batch))(state.params, batch, rng_data, loss_scale)
-        params, opt_state, g_norm = self.update(state.params, state.opt_state, grads, rng_data)
+        params, opt_state, g_norm = self.update(state.params, state.opt_state, grads, rng_data, clip_norm)
         return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": g_norm}
 
     def train_step_program(self, state: TrainState):
@@ -181,10 +183,14 @@ class FusedExecutor:
         """(state, None): one program, nothing to time apart (the profiler splits it: finetuning.py --profile)."""
         return state, None
 
-    def train_step(self, state: TrainState, batch: dict, rng_data=None, loss_scale=None):
+    def train_step(self, state: TrainState, batch: dict, rng_data=None, loss_scale=None, clip_norm=None):
         """One optimizer step on one global batch -> (state, metrics). ``loss_scale``: this step's (the config's
-        static scale when None)."""
+        static scale when None). ``clip_norm``: under ``execution.update_in_backward``, the norm to clip with (the
+        previous step's; None or 0: no clipping), as the phased executor does; otherwise ignored."""
         if rng_data is None:
             rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), state.step))
-        return self.train_step_program(state)(state, batch, rng_data, self._scale(loss_scale))
+        stale = None
+        if self.g.cfg.execution.update_in_backward:
+            stale = jnp.asarray(0.0 if clip_norm is None else clip_norm, jnp.float32)
+        return self.train_step_program(state)(state, batch, rng_data, self._scale(loss_scale), stale)
 

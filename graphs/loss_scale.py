@@ -10,8 +10,9 @@ what happened, step by step, as PyTorch's GradScaler and DeepSpeed's dynamic sca
 - ``max_skipped`` skipped steps in a row mean the run is broken (every step overflows whatever the scale, e.g. a
   forward pass that overflows): the driver then stops as for any non-finite run.
 
-Its state (three numbers) goes into every checkpoint's metadata, so a resumed run continues with the same scale.
-With a static scale nothing changes, and the first non-finite step stops the run.
+Its state (a few numbers) goes into every checkpoint's metadata, so a resumed run continues with the same scale.
+With a static scale nothing changes, and the first non-finite step stops the run. It also keeps the last applied
+step's gradient norm, which ``execution.update_in_backward`` clips the next step with.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class LossScale:
     good_steps: int = 0  # good steps in a row since the last change of the scale
     skipped_in_a_row: int = 0
     skipped_total: int = 0
+    last_norm: float = 0.0  # the global gradient norm of the last applied step (0: none yet)
 
     @classmethod
     def of_config(cls, cfg) -> "LossScale":
@@ -40,7 +42,7 @@ class LossScale:
         """Follows one step whose global gradient norm was ``grad_norm``; -> whether the step was applied (False: it
         overflowed and the step program skipped its update)."""
         if math.isfinite(grad_norm):
-            self.skipped_in_a_row = 0
+            self.skipped_in_a_row, self.last_norm = 0, float(grad_norm)
             if self.dynamic:
                 self.good_steps += 1
                 if self.good_steps >= self.window:
@@ -60,12 +62,15 @@ class LossScale:
     def state(self) -> dict:
         """What a checkpoint records (its metadata)."""
         return {"scale": self.scale, "good_steps": self.good_steps, "skipped_in_a_row": self.skipped_in_a_row,
-                "skipped_total": self.skipped_total}
+                "skipped_total": self.skipped_total, "last_norm": self.last_norm}
 
     def restore(self, state: dict | None) -> None:
         """Continues from a checkpoint's ``state()``; a checkpoint without one (static scaling, or written before
         dynamic scaling existed) keeps the configured start. A dynamic run keeps its scale; a static one its own."""
-        if not state or not self.dynamic:
+        if not state:
+            return
+        self.last_norm = float(state.get("last_norm", 0.0))
+        if not self.dynamic:
             return
         self.scale = float(state["scale"])
         self.good_steps = int(state.get("good_steps", 0))

@@ -145,7 +145,7 @@ def init_state(optimizer, params: dict, tree) -> dict:
 
 
 def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stacked: bool = False, key=None,
-                 loss_scale=None):
+                 loss_scale=None, clip_norm=None):
     """The optimizer phase body for one weight group -> (params, state).
 
     Gradients are clipped with ``g_norm``, the global norm of every gradient of the step, first.
@@ -153,7 +153,8 @@ def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stack
     The update is computed in float32; 16-bit master weights (``training.stochastic_rounding``) are rounded back
     stochastically with ``key`` (``group_key``; a stacked group's layer i with fold_in(key, i)).
     ``loss_scale``: the gradients arrive multiplied by it (the phased executor's, kept scaled in float16) and are
-    divided first; ``g_norm`` is always the unscaled norm.
+    divided first; ``g_norm`` is always the unscaled norm. ``clip_norm``: the norm to clip with, when it is not
+    ``g_norm`` (``execution.update_in_backward`` clips with the previous step's; 0 clips nothing).
 
     When ``g_norm`` is not finite (an overflow: dynamic loss scaling then lowers the scale) nothing is updated: the
     group's weights and state come back as they were (graphs/loss_scale.py).
@@ -164,7 +165,7 @@ def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stack
         g = as_f32(g)  # gradients may arrive in the compute dtype
         if loss_scale is not None:
             g = jax.tree.map(lambda x: x / loss_scale, g)
-        g = clip_by_norm(g, g_norm, max_norm)
+        g = clip_by_norm(g, g_norm if clip_norm is None else clip_norm, max_norm)
         updates, s = optimizer.update(g, s, p32)
         return round_like(optax.apply_updates(p32, updates), p, k), s
 

@@ -286,19 +286,21 @@ class PhasePrograms:
 
     def optimizer(self, group: str, layer: bool = False):
         """(params, optimizer state, gradients, global norm, rng data, loss scale[, layer index j]) of one weight
-        group (of one layer of a stack's group with ``layer``) -> (params, state). The gradients arrive loss-scaled,
-        the norm not. With stochastic rounding the key is the fused step's: ``optim.group_key`` of the group, folded
+        group (of one layer of a stack's group with ``layer``[, clip norm]) -> (params, state). The gradients arrive
+        loss-scaled, the norm not; the clip norm, when given, replaces the norm for clipping
+        (``execution.update_in_backward``). With stochastic rounding the key is the fused step's: ``optim.group_key`` of the group, folded
         with j for a layer. Weights and state are donated: their updated values take their place on the device."""
         key = ("optimizer", group, layer)
         if key not in self._cache:
             sr = self.g.cfg.training.stochastic_rounding
             clip = self.g.cfg.training.optimizer.gradient_clipping
 
-            def update(p, s, g, g_norm, rng_data, scale, j=None):
+            def update(p, s, g, g_norm, rng_data, scale, j=None, clip_norm=None):
                 k = optim.group_key(rng_data, group) if sr else None
                 if k is not None and layer:
                     k = jax.random.fold_in(k, j)
-                return optim.update_group(self.g.optimizer, clip, p, s, g, g_norm, key=k, loss_scale=scale)
+                return optim.update_group(self.g.optimizer, clip, p, s, g, g_norm, key=k, loss_scale=scale,
+                                          clip_norm=clip_norm)
 
             self._cache[key] = jax.jit(update, donate_argnums=(0, 1))
         return self._cache[key]

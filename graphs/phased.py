@@ -196,10 +196,14 @@ class PhasedExecutor:
         value = self.g.cfg.initial_loss_scale if loss_scale is None else loss_scale
         return jax.device_put(jnp.asarray(value, F32), self.g.replicated)
 
-    def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data, loss_scale=None):
+    def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data, loss_scale=None, update_layer=None):
         """Forward, head and backward phases -> (loss, non-layer gradients on the device,
         {stack: [layer gradients in host memory]}, global gradient norm). The gradients are multiplied by the loss
-        scale (``stacked_grads`` divides them); the norm is not."""
+        scale (``stacked_grads`` divides them); the norm is not.
+
+        ``update_layer(stack, j, weights, gradients, sum of squares)``: called with each layer's weights (on the
+        device, a copy it may donate) and gradients right after its backward, in place of storing the gradients
+        (``execution.update_in_backward``); the layer gradients returned are then None."""
         ops, prog, depth, stacks = self.ops, self.programs, self.depth, self.stacks
         scale = loss_scale if isinstance(loss_scale, jax.Array) else self._scale(loss_scale)
         load_act = lambda x: ops.load(x, self.act_dev, label="activations")  # noqa: E731
@@ -256,7 +260,8 @@ class PhasedExecutor:
                 d_enc = ops.zeros(enc_out.shape, F32, self.act_dev)
             bwd = prog.layer_bwd(stack, keys)
             g_ctx = None
-            layer = lambda j, s=name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
+            copy = update_layer is not None  # the loaded weights are then donated to the layer's update
+            layer = lambda j, s=name: ops.load(ps.layers[s][j], self.row_dev[s], copy=copy)  # noqa: E731
             for j, lp in prefetch(depth[name], layer, reverse=True):
                 x = load_act(buf.pop(j))
                 if stack.cross:
@@ -265,7 +270,10 @@ class PhasedExecutor:
                 else:
                     g_lp, ss, g_c, dy = ops.run(f"{name}_layer_bwd", bwd, lp, ctx[name], x, meta[name], dy,
                                                 rng_data, j)
-                layer_grads[name][j] = ops.store(g_lp, self.row_dev[name], label="weight gradients")
+                if update_layer is None:
+                    layer_grads[name][j] = ops.store(g_lp, self.row_dev[name], label="weight gradients")
+                else:
+                    update_layer(name, j, lp, g_lp, ss)
                 sumsq.append(ss)
                 if stack.context:
                     g_ctx = g_c if g_ctx is None else ops.run("add", prog.add, g_ctx, g_c)
@@ -283,10 +291,12 @@ class PhasedExecutor:
         g_norm = ops.run("global_norm", prog.global_norm, sumsq, scale)
         return loss, g_rest, layer_grads, g_norm
 
-    def train_step(self, ps: PhasedState, batch: dict, rng_data=None, loss_scale=None):
+    def train_step(self, ps: PhasedState, batch: dict, rng_data=None, loss_scale=None, clip_norm=None):
         """One optimizer step on one global batch, phase by phase -> (state, metrics). ``loss_scale``: this step's
         (the config's static scale when None). A step whose gradients overflow (a non-finite norm) leaves every
-        weight and optimizer state as it was (``optim.update_group``).
+        weight and optimizer state as it was (``optim.update_group``). Under ``execution.update_in_backward`` each
+        layer is updated right after its backward and clipped with ``clip_norm`` (the previous step's norm; None or
+        0: no clipping), the rest of the weights at the end with the same norm.
 
         The input state is consumed (as the fused step donates its state): each layer's old
         weights and optimizer state are let go of as soon as their update is stored, so host
@@ -295,8 +305,25 @@ class PhasedExecutor:
         if rng_data is None:
             rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), ps.step))
         scale = self._scale(loss_scale)
-        loss, g_rest, layer_grads, g_norm = self.loss_and_grads(ps, batch, rng_data, scale)
         ops, prog = self.ops, self.programs
+        in_backward = self.g.cfg.execution.update_in_backward
+        layers, opt_layers = {s.name: [None] * self.depth[s.name] for s in self.stacks}, \
+            {s.name: [None] * self.depth[s.name] for s in self.stacks}
+        stale = None
+        if in_backward:  # clipping with the previous step's norm (0: none), as the fused executor then does
+            stale = jax.device_put(jnp.asarray(0.0 if clip_norm is None else clip_norm, F32), self.g.replicated)
+
+        def update_layer(s, j, p, gr, ss):
+            """Layer j of stack s, right after its backward: its weights are on the device already."""
+            st = ops.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True)
+            ps.layers[s][j] = ps.opt_layers[s][j] = None
+            own = ops.run("global_norm", prog.global_norm, [ss], scale)  # skips only a layer that overflowed
+            p, st = ops.run("optimizer", prog.optimizer(s, layer=True), p, st, gr, own, rng_data, scale, j, stale)
+            layers[s][j] = ops.store(p, self.row_dev[s], label="weights")
+            opt_layers[s][j] = ops.store(st, self.opt_row_dev[s], label="optimizer state")
+
+        loss, g_rest, layer_grads, g_norm = self.loss_and_grads(ps, batch, rng_data, scale,
+                                                                update_layer if in_backward else None)
         # ---- optimizer phases: the embedding, the LM head, the small rest, then one layer at a time
         tree = self.tree
         params_g, grads_g, dev = tree.rest_groups(ps.rest), tree.rest_groups(g_rest), tree.rest_groups(self.rest_dev)
@@ -306,16 +333,14 @@ class PhasedExecutor:
         for name in list(params_g):
             p, s = ops.run("optimizer", prog.optimizer(name), ops.load(params_g.pop(name), dev[name], copy=True),
                            ops.load(ps.opt[name], self.opt_dev[name], copy=True), grads_g.pop(name), g_norm,
-                           rng_data, scale)
+                           rng_data, scale, None, stale)
             ps.opt[name] = None
             new_params[name] = ops.store(p, dev[name], label="weights")
             new_opt[name] = ops.store(s, self.opt_dev[name], label="optimizer state")
             del p, s
-        layers, opt_layers = {}, {}
-        for stack in self.stacks:
+        for stack in self.stacks if not in_backward else ():
             s = stack.name
             update = prog.optimizer(s, layer=True)
-            layers[s], opt_layers[s] = [None] * self.depth[s], [None] * self.depth[s]
 
             def load(j, s=s):
                 out = (ops.load(ps.layers[s][j], self.row_dev[s], copy=True),

@@ -57,8 +57,8 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 
     real = FusedExecutor.train_step
 
-    def poisoned(self, state, batch, rng=None, loss_scale=None):
-        state, metrics = real(self, state, batch, rng, loss_scale)
+    def poisoned(self, state, batch, rng=None, loss_scale=None, clip_norm=None):
+        state, metrics = real(self, state, batch, rng, loss_scale, clip_norm)
         if int(state.step) >= 3:
             state.params = jax.tree.map(lambda x: x * np.nan, state.params)
             metrics = {**metrics, "loss": metrics["loss"] * np.nan}

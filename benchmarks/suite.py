@@ -9,6 +9,8 @@ Parts, in priority order (each against its baseline, measured in the same run):
   xxl_1gpu        Flan-T5-XXL phased on one device, packed, encoder 512 / decoder 8: the preset's 16 rows and
                   the issue's 128 rows; step time, losses, device and host peaks against the plan's, and a
                   serialised step's transfer and compute seconds (what the step waits on transfers)
+  ul2_1gpu        Flan-UL2 (20B) phased on one device, packed, encoder 512 / decoder 8, 128 rows: layers updated in
+                  the backward (the preset) against gradients stored in host memory; step times, losses, peaks
   xl_mfu          Flan-T5-XL fused on one device at micro-batch 8 and 16: MFU of the best, with the profile of
                   its step (top ops, GEMM / elementwise / copy shares)
   vs_hf           ours against HF eager and HF torch.compile + fused AdamW at equal work (base, xl), and ours
@@ -91,6 +93,7 @@ def parts(smoke: bool) -> list:
                         "--recompute", "false") for mb in (4, 8)]
         cmp_small = ["--config", "tiny", "--inference_config", "tiny", "--sequence_length", "32", "--batch", "4",
                      "--steps", "3", "--hf", "eager", "--decoder_sequence_length", "4"]
+        ul2 = xxl + ["--update_in_backward", "true"]
         gptj = _finetune("gptj_tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1",
                          "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4",
                          "--data_parallel", "1", "--tensor_parallel", "1")
@@ -105,6 +108,8 @@ def parts(smoke: bool) -> list:
         one = ["--data_parallel", "1", "--tensor_parallel", "1"]
         xxl = _finetune("xxl_1gpu", "--steps", "4", "--warmup_iterations", "1", "--lengths", "mnli")
         xxl128 = xxl + ["--global_batch_size", "128", "--micro_batch_size", "8"]
+        ul2 = _finetune("ul2_1gpu", "--steps", "4", "--warmup_iterations", "1", "--lengths", "mnli",
+                        "--global_batch_size", "128", "--micro_batch_size", "8")
         xl = [_finetune("xl_pod8", *one, *enc, "--recompute", "false", "--unroll_layers", "true",
                         "--global_batch_size", "64", "--micro_batch_size", str(mb), "--lengths", "uniform",
                         "--packing", "false", "--steps", "6") for mb in (8, 16)]
@@ -125,6 +130,9 @@ def parts(smoke: bool) -> list:
     out = [
         Part("xxl_1gpu", "Flan-T5-XXL phased on one device (packed, 16 and 128 rows)", 420,
              [Run("rows16", xxl), Run("rows128", xxl128, required=False)], _xxl_figures),
+        Part("ul2_1gpu", "Flan-UL2 phased on one device (packed, 128 rows): updated in the backward or not", 900,
+             [Run("in_backward", ul2), Run("gradients_stored", ul2 + ["--update_in_backward", "false"],
+                                           required=False)], _ul2_figures),
         Part("xl_mfu", "Flan-T5-XL fused, one device: MFU at the best micro-batch, with its profile", 300,
              [Run(f"mb{c[c.index('--micro_batch_size') + 1]}", c, required=False) for c in xl], _xl_figures),
         Part("vs_hf", "ours against HF eager and torch.compile (equal work), packed vs unpacked vs HF padded", 420,
@@ -138,7 +146,8 @@ def parts(smoke: bool) -> list:
         Part("gptj", "GPT-J 6B phased on one device; a small GPT-J against HF", 420,
              [Run("gptj_1gpu", gptj), Run("vs_hf", _compare(*gptj_cmp), required=False)], _gptj_figures),
     ]
-    out[1].runs[-1].cmd = out[1].runs[-1].cmd + ["--profile", "{dir}/xl_profile"]  # the larger micro-batch's profile
+    xl_mfu = next(q for q in out if q.name == "xl_mfu")
+    xl_mfu.runs[-1].cmd = xl_mfu.runs[-1].cmd + ["--profile", "{dir}/xl_profile"]  # the larger micro-batch's profile
     if smoke:  # CPU seconds at tiny shapes: a tenth of the GPU estimates
         for q in out:
             q.estimate_s /= 10
@@ -164,6 +173,14 @@ def _xxl_figures(reports: dict) -> dict:
         losses = r.get("losses") or []
         f["losses_decrease"] = len(losses) > 1 and losses[-1] < losses[0]
         out[name] = f
+    return out
+
+
+def _ul2_figures(reports: dict) -> dict:
+    out = _xxl_figures(reports)
+    a, b = out.get("in_backward", {}), out.get("gradients_stored", {})
+    if a.get("median_step_s") and b.get("median_step_s"):  # > 1: updating in the backward is faster
+        out["stored_over_in_backward_step_s"] = b["median_step_s"] / a["median_step_s"]
     return out
 
 
@@ -353,6 +370,13 @@ def summary_rows(results: list) -> list:
                     f"{_fmt((x.get('host_peak_rss_bytes') or 0) / 2**30, ' GiB')} (plan "
                     f"{_fmt((x.get('plan_host_bytes') or 0) / 2**30, ' GiB')}); transfer wait "
                     f"{_fmt(x.get('transfer_wait_s'), ' s')}")
+        elif r["part"] == "ul2_1gpu" and f.get("in_backward"):
+            x = f["in_backward"]
+            head = (f"step {_fmt(x['median_step_s'], ' s')} updated in the backward, "
+                    f"{_fmt((f.get('gradients_stored') or {}).get('median_step_s'), ' s')} with the gradients "
+                    f"stored; host {_fmt((x.get('host_peak_rss_bytes') or 0) / 2**30, ' GiB')} (plan "
+                    f"{_fmt((x.get('plan_host_bytes') or 0) / 2**30, ' GiB')}); losses decrease: "
+                    f"{x.get('losses_decrease')}")
         elif r["part"] == "xl_mfu" and f.get("best"):
             b = f[f["best"]]
             head = f"{f['best']}: MFU {_fmt(b.get('mfu'))}, {_fmt(b.get('samples_per_s'))} samples/s"

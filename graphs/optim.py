@@ -145,7 +145,7 @@ def init_state(optimizer, params: dict, tree) -> dict:
 
 
 def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stacked: bool = False, key=None,
-                 loss_scale=None, clip_norm=None):
+                 loss_scale=None, clip_norm=None, skip_non_finite: bool = True):
     """The optimizer phase body for one weight group -> (params, state).
 
     Gradients are clipped with ``g_norm``, the global norm of every gradient of the step, first.
@@ -157,7 +157,8 @@ def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stack
     ``g_norm`` (``execution.update_in_backward`` clips with the previous step's; 0 clips nothing).
 
     When ``g_norm`` is not finite (an overflow: dynamic loss scaling then lowers the scale) nothing is updated: the
-    group's weights and state come back as they were (graphs/loss_scale.py).
+    group's weights and state come back as they were (graphs/loss_scale.py). ``skip_non_finite=False`` leaves that
+    to the caller (the phased executor reads the norm on the host and runs no optimizer program).
     """
 
     def one(p, s, g, k):
@@ -176,6 +177,10 @@ def update_group(optimizer, max_norm: float, params, state, grads, g_norm, stack
             return jax.vmap(one, in_axes=(0, 0, 0, None if key is None else 0))(params, state, grads, keys)
         return one(params, state, grads, key)
 
+    if not skip_non_finite:
+        return apply(params, state)
+    # a conditional, not a select of new and old values: the select kept the old weights and state alive beside the
+    # new ones (XLA's temporaries of an update tripled); the conditional adds one weight-sized temporary
     return jax.lax.cond(jnp.isfinite(g_norm), apply, lambda p, s: (p, s), params, state)
 
 

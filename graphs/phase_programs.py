@@ -299,8 +299,9 @@ class PhasePrograms:
                 k = optim.group_key(rng_data, group) if sr else None
                 if k is not None and layer:
                     k = jax.random.fold_in(k, j)
+                # the schedule runs no optimizer program in a step whose norm is not finite (PhasedExecutor.train_step)
                 return optim.update_group(self.g.optimizer, clip, p, s, g, g_norm, key=k, loss_scale=scale,
-                                          clip_norm=clip_norm)
+                                          clip_norm=clip_norm, skip_non_finite=False)
 
             self._cache[key] = jax.jit(update, donate_argnums=(0, 1))
         return self._cache[key]

@@ -41,6 +41,8 @@ reused by every layer. Numerically the result equals the fused executor (tests/t
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -317,13 +319,18 @@ class PhasedExecutor:
             """Layer j of stack s, right after its backward: its weights are on the device already."""
             st = ops.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True)
             ps.layers[s][j] = ps.opt_layers[s][j] = None
-            own = ops.run("global_norm", prog.global_norm, [ss], scale)  # skips only a layer that overflowed
-            p, st = ops.run("optimizer", prog.optimizer(s, layer=True), p, st, gr, own, rng_data, scale, j, stale)
+            # (the step's norm is not known yet: the update clips with the previous one, and the driver stops a run
+            # whose norm turns out not finite before anything of the step is saved)
+            p, st = ops.run("optimizer", prog.optimizer(s, layer=True), p, st, gr, stale, rng_data, scale, j, stale)
             layers[s][j] = ops.store(p, self.row_dev[s], label="weights")
             opt_layers[s][j] = ops.store(st, self.opt_row_dev[s], label="optimizer state")
 
         loss, g_rest, layer_grads, g_norm = self.loss_and_grads(ps, batch, rng_data, scale,
                                                                 update_layer if in_backward else None)
+        if not in_backward and not ops.is_finite(g_norm):
+            # an overflow (or a diverged step): no optimizer program runs, every weight and state stays as it was.
+            # Reading the norm here waits for the backward; the optimizer phase needed the norm first anyway.
+            return PhasedState(ps.step + 1, ps.rest, ps.layers, ps.opt, ps.opt_layers), {"loss": loss, "grad_norm": g_norm}
         # ---- optimizer phases: the embedding, the LM head, the small rest, then one layer at a time
         tree = self.tree
         params_g, grads_g, dev = tree.rest_groups(ps.rest), tree.rest_groups(g_rest), tree.rest_groups(self.rest_dev)
@@ -421,6 +428,10 @@ class DeviceOps:
 
     def zeros(self, shape, dtype, sharding, label: str = ""):
         return jnp.zeros(shape, dtype, device=sharding)
+
+    def is_finite(self, x) -> bool:
+        """Whether a (replicated) scalar on the devices is finite: waits for it."""
+        return math.isfinite(float(jax.device_get(x)))
 
     def run(self, name, program, *args, label: str = ""):
         if self.x.memory is not None:

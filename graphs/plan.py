@@ -134,6 +134,9 @@ class PlanOps:
     def zeros(self, shape, dtype, sharding, label: str = "gradient sums"):
         return self.new(shape, dtype, sharding, label)
 
+    def is_finite(self, x) -> bool:
+        return True  # the plan follows a step that updates
+
     def run(self, name: str, program, *args, label: str = "phase outputs"):
         structs = jax.tree.map(lambda x: x.struct() if _is_placeholder(x) else x, args, is_leaf=_is_placeholder)
         sig = (id(program), str(jax.tree.map(lambda x: (x.shape, x.dtype, getattr(x, "sharding", None))
@@ -201,6 +204,12 @@ class MemoryPlan:
             state = sum(v for k, v in self.host_items.items() if any(w in k for w in ("weights", "optimizer state")))
             if cfg.training.optimizer.name == "adamw":
                 knobs.append("--optimizer adafactor (factored optimizer state)")
+            grads = self.host_items.get("weight gradients", 0)
+            if phased and grads and not cfg.dynamic_loss_scaling:
+                knobs.append(f"--update_in_backward true (no layer gradients in host memory: {human_bytes(grads)} "
+                             "less)")
+            if phased and not cfg.training.stochastic_rounding and cfg.model.precision != "float32":
+                knobs.append("--stochastic_rounding true (16-bit master weights: half their bytes)")
             if state > host_limit:  # a smaller batch cannot help: the model's own state does not fit
                 knobs.append(f"a machine with more than {human_bytes(state)} of memory (the weights and optimizer "
                              "state alone need that; a smaller batch cannot reduce it)")

@@ -37,7 +37,9 @@ def params_at(directory, step):
     ["--dropout_prob", "0.1", "--warmup_steps", "3"],  # the dropout RNG and the schedule resume exactly
     # 16-bit master weights: the stochastic rounding's draws resume exactly
     ["--dropout_prob", "0.1", "--warmup_steps", "3", "--precision", "bfloat16", "--stochastic_rounding", "true"],
-], ids=["dropout-warmup", "bf16-stochastic-rounding"])
+    # layers updated in the backward, clipped with the previous step's norm (in the checkpoint's metadata)
+    ["--phased", "true", "--update_in_backward", "true", "--gradient_clipping", "0.05"],
+], ids=["dropout-warmup", "bf16-stochastic-rounding", "phased-update-in-backward"])
 def test_two_steps_then_resume_equals_uninterrupted(tmp_path, extra):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     run_finetuning.main(SMALL + extra + ["--steps", "2", "--save", a])

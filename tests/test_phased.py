@@ -40,15 +40,19 @@ def _both(cfg, steps=2):
     # compiling the fused step a second time: this file compares executors, test_parallel.py the fused step
     state = f.init_state(params)
     update = jax.jit(f.update)
+    stale = cfg.execution.update_in_backward  # both clip with the previous step's norm (none at the first)
+    clip = pclip = jax.numpy.float32(0) if stale else None
     for step in range(steps):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
         loss_s, grads_s = f.loss_and_grads(state.params, batch, rng)
-        new_params, opt_state, g_norm = update(state.params, state.opt_state, grads_s)
+        new_params, opt_state, g_norm = update(state.params, state.opt_state, grads_s, None, clip)
         state = TrainState(state.step + 1, new_params, opt_state)
         metrics = {"loss": loss_s, "grad_norm": g_norm}
-        ps, pmetrics = ph.train_step(ps, batch)
+        ps, pmetrics = ph.train_step(ps, batch, clip_norm=pclip)
+        if stale:
+            clip, pclip = g_norm, float(pmetrics["grad_norm"])
     return dict(g=g, ph=ph, params=params, pparams=pparams, loss=loss, ploss=ploss, grads=grads, pgrads=pgrads,
-                state=state, ps=ps, metrics=metrics, pmetrics=pmetrics)
+                state=state, ps=ps, metrics=metrics, pmetrics=pmetrics, steps=steps)
 
 
 def _check(r, state_tol=1e-5):
@@ -59,7 +63,7 @@ def _check(r, state_tol=1e-5):
     assert abs(float(r["pmetrics"]["grad_norm"]) - float(r["metrics"]["grad_norm"])) < 1e-5 * float(r["metrics"]["grad_norm"])
     assert abs(float(r["pmetrics"]["loss"]) - float(r["metrics"]["loss"])) < 1e-6 * float(r["metrics"]["loss"])
     stacked = r["ph"].to_checkpoint(r["ps"])
-    assert int(stacked.step) == int(r["state"].step) == 2
+    assert int(stacked.step) == int(r["state"].step) == r["steps"]
     moved = 0
     for a, b, b0 in zip(leaves(stacked.params), leaves(r["state"].params), leaves(r["params"])):
         assert fro_rel(a, b) < 1e-5
@@ -85,6 +89,21 @@ def test_phased_equals_fused(dp, tp, extra):
     for a, b in zip(leaves(r["pparams"]), leaves(r["params"])):
         np.testing.assert_array_equal(a, b)
     _check(r)
+
+
+def test_update_in_backward_equals_fused_with_the_previous_norm_and_keeps_no_layer_gradients():
+    """execution.update_in_backward: each layer updated right after its backward, every group clipped with the
+    previous step's norm (none at the first step); three steps with clipping that triggers equal the fused
+    executor's clipping the same way, and differ from clipping with each step's own norm. The plan then holds no
+    layer gradients in host memory."""
+    cfg = tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4, gradient_clipping=0.05, update_in_backward=True)
+    r = _both(cfg, steps=3)
+    assert float(r["metrics"]["grad_norm"]) > 0.05
+    _check(r)
+    own = _both(tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4, gradient_clipping=0.05), steps=3)
+    assert max(fro_rel(a, b) for a, b in zip(leaves(own["state"].params), leaves(r["state"].params))) > 1e-3
+    plans = {"in backward": r["ph"].plan().host_items, "after": own["ph"].plan().host_items}
+    assert "weight gradients" not in plans["in backward"] and plans["after"]["weight gradients"] > 0, plans
 
 
 def test_phased_adafactor_equals_fused_adafactor():

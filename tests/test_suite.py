@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["xxl_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "gptj"]
+PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "gptj"]
 
 
 def suite(*args, timeout=900):
@@ -32,6 +32,8 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     x = figs["xxl_1gpu"]["rows16"]
     assert x["median_step_s"] > 0 and x["plan_host_bytes"] > 0 and x["host_peak_rss_bytes"] > 0
     assert x["phase_timing"]["compute_s"] > 0 and x["transfer_wait_s"] >= 0
+    assert figs["ul2_1gpu"]["in_backward"]["losses_decrease"] is not None
+    assert figs["ul2_1gpu"]["stored_over_in_backward_step_s"] > 0
     assert figs["xl_mfu"]["best"] in ("mb4", "mb8") and figs["xl_mfu"]["profile"]["families"]
     assert any(n["ratios"] for n in figs["vs_hf"].values())
     assert figs["xl_phased"]["phased_over_fused_samples_per_s"] > 0

@@ -301,7 +301,7 @@ class Saver:
     """Checkpoints of a run: the stacked layout whichever executor ran (either one resumes from them), the data
     position and the config; remembers the last one written (named when a run stops)."""
 
-    def __init__(self, cfg, executor, loader, start_step: int, scaler=None):
+    def __init__(self, cfg, executor, loader, start_step: int, scaler):
         from utils import checkpoint as ckpt
 
         self.cfg, self.executor, self.loader, self.scaler = cfg, executor, loader, scaler
@@ -315,9 +315,8 @@ class Saver:
 
         self.wait()  # the previous checkpoint complete (and older ones pruned) before the next starts
         cfg = self.cfg
-        meta = {"step": step, **self.loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg)}
-        if self.scaler is not None:  # the loss scale and the last gradient norm, for an exact resume
-            meta["loss_scale"] = self.scaler.state()
+        meta = {"step": step, **self.loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg),
+                "loss_scale": self.scaler.state()}  # the loss scale and the last gradient norm, for an exact resume
         stacked = self.executor.to_checkpoint(state)
         ckpt.save(self.mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
         self.last, self.pending = f"{cfg.checkpoint.save}/{step}", step
@@ -395,11 +394,9 @@ def stop_after_signal(signum: int, done: int, cfg, saver: Saver, state, tracker)
     raise SystemExit(128 + signum)
 
 
-def train(cfg, args, executor, loader, state, start_step: int, scaler=None) -> None:
-    """The training loop: steps, logging, periodic checkpoints, signals, loss scaling (``scaler``; the config's when
-    None) and the non-finite stop."""
-    from graphs.loss_scale import LossScale
-
+def train(cfg, args, executor, loader, state, start_step: int, scaler) -> None:
+    """The training loop: steps, logging, periodic checkpoints, signals, loss scaling (``scaler``,
+    graphs/loss_scale.py, restored with the state) and the non-finite stop."""
     from config.config import to_dict
     from utils import checkpoint as ckpt
     from utils.cli import is_main_process
@@ -409,7 +406,6 @@ def train(cfg, args, executor, loader, state, start_step: int, scaler=None) -> N
     run_dir = args.run_dir
     tracker = Tracker(run_dir, to_dict(cfg), args.wandb, args.wandb_name, resume_step=start_step, enabled=primary,
                       name=f"{args.config} ({os.path.basename(os.path.abspath(run_dir))})")
-    scaler = scaler or LossScale.of_config(cfg)
     saver = Saver(cfg, executor, loader, start_step, scaler)
     total, every, rows = cfg.training.steps, checkpoint_every(cfg), cfg.training.global_batch_size
     progress = Progress(start_step, total, primary, args.log_every)

@@ -16,31 +16,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from utils.bench import run_script, split_passthrough, write_json  # noqa: E402
 
 
 def run(config: str, layers: int, phased: bool, steps: int, extra: list) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, os.path.join(ROOT, "finetuning.py"), "--config", config, "--layers", str(layers),
-               "--phased", str(phased).lower(), "--steps", str(steps), "--json", out] + extra
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"finetuning.py failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
+        run_script(["finetuning.py", "--config", config, "--layers", str(layers), "--phased", str(phased).lower(),
+                    "--steps", str(steps), "--json", out] + extra)
         with open(out) as f:
             return json.load(f)
 
 
 def main(argv=None) -> list:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="small")
     p.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32])
@@ -68,10 +62,7 @@ def main(argv=None) -> list:
               f"(phased/fused {row['phased_device_bytes'] / row['fused_device_bytes']:.2f}) | step fused "
               f"{row['fused_step_s']:.2f} s, phased {row['phased_step_s']:.2f} s "
               f"(phased/fused {row['phased_step_s'] / row['fused_step_s']:.2f}){peak}", flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"config": args.config, "finetuning_args": extra, "rows": rows}, f, indent=2)
+    write_json(args.json, {"config": args.config, "finetuning_args": extra, "rows": rows})
     return rows
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from utils.bench import run_script, split_passthrough, write_json  # noqa: E402
 
 VARIANTS = {  # name -> run_finetuning.py flags
     "float32": ["--precision", "float32"],
@@ -30,19 +30,11 @@ VARIANTS = {  # name -> run_finetuning.py flags
 }
 
 
-def _run(argv: list) -> float:
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable] + argv, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(argv)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - t0
-
-
 def run_variant(name: str, flags: list, args, extra: list, tmp: str) -> dict:
     save = os.path.join(tmp, name.replace(" ", "_").replace("+", "and"))
-    train_s = _run(["run_finetuning.py", "--config", args.config, "--steps", str(args.steps), "--save", save,
+    train_s = run_script(["run_finetuning.py", "--config", args.config, "--steps", str(args.steps), "--save", save,
                     "--checkpoint_steps", "0"] + flags + extra)
-    _run(["run_validation.py", "--load", save])
+    run_script(["run_validation.py", "--load", save])
     rows = [json.loads(line) for line in open(os.path.join(save, "metrics.jsonl"))]
     (report,) = [f for f in os.listdir(save) if f.startswith("validation") and f.endswith(".json")]
     with open(os.path.join(save, report)) as f:
@@ -53,11 +45,7 @@ def run_variant(name: str, flags: list, args, extra: list, tmp: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    argv = sys.argv[1:] if argv is None else argv
-    extra = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="tiny")
     p.add_argument("--steps", type=int, default=300)
@@ -78,10 +66,7 @@ def main(argv=None) -> dict:
 
     out = {"args": {"config": args.config, "steps": args.steps, "extra": extra},
            "device_kind": jax.devices()[0].device_kind, "runs": runs}
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(args.json, out)
     return out
 
 

@@ -356,6 +356,16 @@ def _fmt(x, unit=""):
     return f"{x}{unit}"
 
 
+def _gib(x: dict, *keys) -> str:
+    """The first of ``keys`` that ``x`` has a value for, in GiB (0 when none has)."""
+    return _fmt(next((x[k] for k in keys if x.get(k)), 0) / 2**30, " GiB")
+
+
+def _host(x: dict) -> str:
+    """A run's measured host peak beside its plan's."""
+    return f"host {_gib(x, 'host_peak_rss_bytes')} (plan {_gib(x, 'plan_host_bytes')})"
+
+
 def summary_rows(results: list) -> list:
     """(part, status, headline figures, baseline) rows of the summary table."""
     rows = []
@@ -365,17 +375,14 @@ def summary_rows(results: list) -> list:
             x = f["rows16"]
             head = (f"step {_fmt(x['median_step_s'], ' s')} (16 rows), "
                     f"{_fmt((f.get('rows128') or {}).get('median_step_s'), ' s')} (128 rows); device "
-                    f"{_fmt((x.get('peak_device_bytes') or x.get('device_bytes_estimate') or 0) / 2**30, ' GiB')} "
-                    f"(plan {_fmt((x.get('plan_device_bytes') or 0) / 2**30, ' GiB')}), host "
-                    f"{_fmt((x.get('host_peak_rss_bytes') or 0) / 2**30, ' GiB')} (plan "
-                    f"{_fmt((x.get('plan_host_bytes') or 0) / 2**30, ' GiB')}); transfer wait "
+                    f"{_gib(x, 'peak_device_bytes', 'device_bytes_estimate')} (plan {_gib(x, 'plan_device_bytes')}), "
+                    f"{_host(x)}; transfer wait "
                     f"{_fmt(x.get('transfer_wait_s'), ' s')}")
         elif r["part"] == "ul2_1gpu" and f.get("in_backward"):
             x = f["in_backward"]
             head = (f"step {_fmt(x['median_step_s'], ' s')} updated in the backward, "
                     f"{_fmt((f.get('gradients_stored') or {}).get('median_step_s'), ' s')} with the gradients "
-                    f"stored; host {_fmt((x.get('host_peak_rss_bytes') or 0) / 2**30, ' GiB')} (plan "
-                    f"{_fmt((x.get('plan_host_bytes') or 0) / 2**30, ' GiB')}); losses decrease: "
+                    f"stored; {_host(x)}; losses decrease: "
                     f"{x.get('losses_decrease')}")
         elif r["part"] == "xl_mfu" and f.get("best"):
             b = f[f["best"]]

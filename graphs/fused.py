@@ -32,7 +32,6 @@ class FusedExecutor:
         self.g = graphs
         cfg = graphs.cfg
         self.bodies = PhaseBodies(graphs.opts, S.TP, graphs.family, graphs.tree)
-        self.scale = cfg.initial_loss_scale  # the loss scale when a caller gives none (static scaling)
         self.max_norm = cfg.training.optimizer.gradient_clipping
         self._step = None
         self._loss_and_grads = None
@@ -123,15 +122,12 @@ class FusedExecutor:
         return jax.shard_map(self._local_loss_and_grads, mesh=self.g.mesh,
                              in_specs=(specs, batch_spec, P(), P()), out_specs=(P(), specs), check_vma=False)
 
-    def _scale(self, loss_scale):
-        return jnp.asarray(self.scale if loss_scale is None else loss_scale, jnp.float32)
-
     def loss_and_grads(self, params, batch, rng_data=None, loss_scale=None):
         """(mean token loss, gradients in the RTS layout) of one global batch."""
         rng_data = jax.random.key_data(jax.random.key(0)) if rng_data is None else rng_data
         if self._loss_and_grads is None:
             self._loss_and_grads = jax.jit(lambda p, b, r, s: self._sharded_loss_and_grads(tuple(b))(p, b, r, s))
-        return self._loss_and_grads(params, batch, rng_data, self._scale(loss_scale))
+        return self._loss_and_grads(params, batch, rng_data, self.g.loss_scale_input(loss_scale))
 
     def update(self, params, opt_state, grads, rng_data=None, clip_norm=None):
         """The optimizer phase: every weight group clipped with the global norm (or ``clip_norm``: the previous
@@ -176,7 +172,7 @@ class FusedExecutor:
         from utils.bench import live_device_bytes, program_bytes
 
         rng = jax.random.key_data(jax.random.key(0))
-        analysis = self.train_step_program(state).lower(state, batch, rng, self._scale(None)).compile().memory_analysis()
+        analysis = self.train_step_program(state).lower(state, batch, rng, self.g.loss_scale_input()).compile().memory_analysis()
         return state, program_bytes(analysis, max(live_device_bytes().values() or [0])), None
 
     def timing_report(self, state: TrainState, batch: dict) -> tuple:
@@ -189,8 +185,6 @@ class FusedExecutor:
         previous step's; None or 0: no clipping), as the phased executor does; otherwise ignored."""
         if rng_data is None:
             rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), state.step))
-        stale = None
-        if self.g.cfg.execution.update_in_backward:
-            stale = jnp.asarray(0.0 if clip_norm is None else clip_norm, jnp.float32)
-        return self.train_step_program(state)(state, batch, rng_data, self._scale(loss_scale), stale)
+        return self.train_step_program(state)(state, batch, rng_data, self.g.loss_scale_input(loss_scale),
+                                              self.g.clip_norm_input(clip_norm))
 

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -117,6 +118,19 @@ class Graphs:
         position) and places only the rows of its own devices.
         """
         return {k: S.put_global(v, self.batch_sharding) for k, v in batch.items() if k in self.family.batch_keys}
+
+    def loss_scale_input(self, loss_scale: float | None = None) -> jax.Array:
+        """A step's loss scale as the step programs take it: a float32 scalar replicated over the mesh (an input, so
+        that a new scale compiles nothing); the config's static scale when None."""
+        value = self.cfg.initial_loss_scale if loss_scale is None else loss_scale
+        return jax.device_put(jnp.asarray(value, jnp.float32), self.replicated)
+
+    def clip_norm_input(self, clip_norm: float | None) -> jax.Array | None:
+        """The norm a step clips with in place of its own: under ``execution.update_in_backward`` the previous
+        step's (None or 0: no clipping), as a replicated float32 scalar; otherwise None (the step's own norm)."""
+        if not self.cfg.execution.update_in_backward:
+            return None
+        return jax.device_put(jnp.asarray(clip_norm or 0.0, jnp.float32), self.replicated)
 
     def learning_rate(self, step: int) -> float:
         o = self.cfg.training.optimizer

@@ -16,8 +16,6 @@ Each program is compiled once and reused by every layer of its kind.
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 from jax import lax

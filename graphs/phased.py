@@ -80,7 +80,6 @@ class PhasedExecutor:
 
     def __init__(self, graphs):
         g = self.g = graphs
-        cfg = g.cfg
         self.programs = PhasePrograms(g)
         self.mesh, self.depth = g.mesh, g.depths()  # {stack: layers}
         self.tree, self.stacks = g.tree, g.family.stacks
@@ -193,11 +192,6 @@ class PhasedExecutor:
 
     # ------------------------------------------------------------------ the step
 
-    def _scale(self, loss_scale):
-        """The step's loss scale as a float32 scalar on the mesh (the config's static scale when None)."""
-        value = self.g.cfg.initial_loss_scale if loss_scale is None else loss_scale
-        return jax.device_put(jnp.asarray(value, F32), self.g.replicated)
-
     def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data, loss_scale=None, update_layer=None):
         """Forward, head and backward phases -> (loss, non-layer gradients on the device,
         {stack: [layer gradients in host memory]}, global gradient norm). The gradients are multiplied by the loss
@@ -207,7 +201,7 @@ class PhasedExecutor:
         device, a copy it may donate) and gradients right after its backward, in place of storing the gradients
         (``execution.update_in_backward``); the layer gradients returned are then None."""
         ops, prog, depth, stacks = self.ops, self.programs, self.depth, self.stacks
-        scale = loss_scale if isinstance(loss_scale, jax.Array) else self._scale(loss_scale)
+        scale = loss_scale if isinstance(loss_scale, jax.Array) else self.g.loss_scale_input(loss_scale)
         load_act = lambda x: ops.load(x, self.act_dev, label="activations")  # noqa: E731
         store_act = lambda x: ops.store(x, self.act_dev, label="activation rows")  # noqa: E731
         # a stack's buffer: its layers' input rows 0..L-1, then (a stack with an output norm) the norm's input at L
@@ -306,14 +300,11 @@ class PhasedExecutor:
         """
         if rng_data is None:
             rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), ps.step))
-        scale = self._scale(loss_scale)
+        scale = self.g.loss_scale_input(loss_scale)
         ops, prog = self.ops, self.programs
         in_backward = self.g.cfg.execution.update_in_backward
-        layers, opt_layers = {s.name: [None] * self.depth[s.name] for s in self.stacks}, \
-            {s.name: [None] * self.depth[s.name] for s in self.stacks}
-        stale = None
-        if in_backward:  # clipping with the previous step's norm (0: none), as the fused executor then does
-            stale = jax.device_put(jnp.asarray(0.0 if clip_norm is None else clip_norm, F32), self.g.replicated)
+        layers, opt_layers = ({s.name: [None] * self.depth[s.name] for s in self.stacks} for _ in range(2))
+        stale = self.g.clip_norm_input(clip_norm)  # the previous step's norm under update_in_backward, else None
 
         def update_layer(s, j, p, gr, ss):
             """Layer j of stack s, right after its backward: its weights are on the device already."""

@@ -114,7 +114,7 @@ def test_micro_batch_loop_neither_concatenates_nor_re_adds_stacked_gradients():
     state = f.init_state()
     batch = f.g.shard_batch(generated_batch(cfg, seed=0))
     rng = jax.random.key_data(jax.random.key(0))
-    jaxpr = jax.make_jaxpr(f._step_fn)(state, batch, rng, f._scale(None)).jaxpr
+    jaxpr = jax.make_jaxpr(f._step_fn)(state, batch, rng, f.g.loss_scale_input()).jaxpr
     loops = [e for e in _eqns(jaxpr) if e.primitive.name == "scan" and e.params["length"] == cfg.gradient_accumulation]
     assert len(loops) == 1
     body = list(_eqns(loops[0].params["jaxpr"].jaxpr))

@@ -1,10 +1,15 @@
-"""Helpers shared by the benchmarks: device memory, medians, JSON output."""
+"""Helpers shared by the benchmarks: device memory, medians, JSON output, the scripts they run."""
 
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def peak_device_bytes() -> int | None:
@@ -68,3 +73,21 @@ def write_json(path: str | None, report: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
+
+
+def split_passthrough(argv: list) -> tuple:
+    """A benchmark's arguments -> (its own, those after ``--``: passed unchanged to the script it runs)."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def run_script(argv: list) -> float:
+    """Runs ``python3 SCRIPT ARGS...`` (a script of this repository, from its root) -> its wall seconds; a failure
+    exits with the command and the end of its stderr."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable] + argv, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(argv)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0

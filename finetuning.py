@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import time
 
-from utils.cli import die, ensure_host_devices, ensure_pinned_host_memory, entry, is_main_process, parse_config, setup_jax
+from app.args import parse_config
+from app.entry import die, entry
+from app.runtime import ensure_host_devices, ensure_pinned_host_memory, is_main_process, setup_jax
 
 
 def extra_flags(p):
@@ -71,7 +73,7 @@ def measure(executor, state, batch, profile_dir, primary: bool) -> tuple:
     state, estimate, by_phase = executor.memory_report(state, batch)
     state, timing = executor.timing_report(state, batch)
     if profile_dir:
-        from utils.profile import trace
+        from app.profile import trace
 
         def one_step():
             nonlocal state
@@ -86,12 +88,13 @@ def make_report(cfg, args, executor, stats: list, times: list, losses: list, com
                 by_phase, timing=None) -> dict:
     """The benchmark's figures: throughput in rows, examples and tokens, model FLOP/s and MFU, memory."""
     from modelling.params import count_params
-    from utils.bench import device_header, median, peak_device_bytes, peak_rss_bytes
-    from utils.flops import peak_tflops, train_flops_per_sample
+    from app.bench import device_header, median, peak_rss_bytes
+    from graphs.memory import peak_device_bytes
+    from app.flops import peak_tflops, train_flops_per_sample
 
     plan = executor.plan(exact=False)  # the plan's figures from shapes, beside the measured ones
     samples = cfg.training.global_batch_size  # rows of sequence_length tokens
-    dec_len = 0 if cfg.model.family == "gptj" else cfg.decoder_row_length  # a causal LM has one sequence
+    dec_len = 0 if executor.g.family.causal else cfg.decoder_row_length  # a causal LM has one sequence
     tokens = samples * (cfg.model.sequence_length + dec_len)
     examples = sum(s["examples"] for s in stats) / len(stats)
     real_tokens = sum(s["tokens"] for s in stats) / len(stats)
@@ -143,7 +146,7 @@ def main(argv=None) -> dict:
 
     from data.generated import generated_batch
     from data.packing import batch_stats
-    from utils.bench import write_json
+    from app.bench import write_json
 
     if args.plan:
         from graphs.executor import make_executor

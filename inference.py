@@ -3,22 +3,75 @@
     python3 inference.py --config tiny
     python3 inference.py --config xl --micro_batch_size 16 --json runs/xl_inference.json
 
-Reports encoder time, time to the first token (encoder, cross-attention keys/values
-and one decoder step), per-token decode latency (the marginal cost of each further
-token: (T(n) - T(1)) / (n - 1), or (T(n) - encoder) / n where timing noise hides it),
-generated tokens/s and samples/s.
+Reports the time to read the prompts (``encoder_s``: an encoder-decoder's encoder, cross-attention keys/values
+and first decoder position, or a causal LM's prefill: the family's ``decode_start``), time to the first token,
+per-token decode latency (the marginal cost of each further token: (T(n) - T(1)) / (n - 1), or
+(T(n) - encoder_s) / n where timing noise hides it), generated tokens/s and samples/s.
 """
 
 from __future__ import annotations
 
 import time
 
-from utils.cli import die, ensure_host_devices, entry, is_main_process, parse_config, setup_jax
+from app.args import parse_config
+from app.entry import die, entry
+from app.runtime import ensure_host_devices, is_main_process, setup_jax
 
 
 def extra_flags(p):
     p.add_argument("--json", default=None, help="write the report to this JSON file")
     p.add_argument("--iterations", type=int, default=5, help="timed batches (after one warm-up batch)")
+
+
+def programs(g, n: int) -> tuple:
+    """(the decoding of n tokens, of one token, the prompts' reading alone: decode_start, the encoder and the first
+    decoder position of an encoder-decoder, a causal LM's prefill), each compiled for this mesh. The decodings never
+    stop early (eos -1): every step of output_length is timed."""
+    from jax.sharding import PartitionSpec as P
+
+    from graphs import sharding as S
+
+    family, opts = g.family, g.opts
+    start = g.phase(lambda p, i, m: family.decode_start(family.decoding_params(p, opts), i, m, opts, n, S.TP)[0],
+                    (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, S.TP))  # logits: vocab over tp
+    return g.generate_phase(n, eos_id=-1), g.generate_phase(1, eos_id=-1), start
+
+
+def prompts(cfg, g) -> tuple:
+    """Generated prompts, one per row as validation decodes them (left-aligned for a family that says so), placed
+    on the devices."""
+    from data.generated import generated_batch
+    from data.packing import left_align
+    from graphs import sharding as S
+
+    b = g.dp * cfg.execution.micro_batch_size
+    data = generated_batch(cfg, seed=0, packing=False)
+    L = cfg.model.sequence_length
+    ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
+    if g.family.left_pad_prompts:  # a causal LM continues each prompt from its last token
+        ids, mask = left_align(ids, mask)
+    return S.put_global(ids, g.row_sharding), S.put_global(mask, g.row_sharding)
+
+
+def time_decoding(params, ids, mask, gen, gen1, start, iterations: int) -> tuple:
+    """(compile seconds, [prompt-reading seconds], [first-token seconds], [whole decoding seconds], tokens)."""
+    import jax
+
+    from graphs import sharding as S
+
+    t0 = time.perf_counter()
+    jax.block_until_ready((gen(params, ids, mask), start(params, ids, mask), gen1(params, ids, mask)))
+    compile_s = time.perf_counter() - t0
+    start_t, first_t, gen_t = [], [], []
+    for _ in range(iterations):
+        for times, fn in ((start_t, start), (first_t, gen1)):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(params, ids, mask))
+            times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        out = S.fetch(gen(params, ids, mask))
+        gen_t.append(time.perf_counter() - t)
+    return compile_s, start_t, first_t, gen_t, out
 
 
 @entry
@@ -29,74 +82,31 @@ def main(argv=None) -> dict:
         die(f"--iterations={args.iterations} must be at least 1")
     ensure_host_devices(cfg.devices)
     setup_jax()
-
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    from data.generated import generated_batch
-    from graphs import sharding as S
+    from app.bench import device_header, median, write_json
     from graphs.graphs import Graphs
-    from utils.bench import device_header, median, peak_device_bytes, write_json
+    from graphs.memory import peak_device_bytes
 
     g = Graphs(cfg)
     n = cfg.inference.output_length
-    opts = g.opts
-    params = g.init_params()
-    rows = g.row_sharding
-    gen = g.generate_phase(n, eos_id=-1)  # never stops early: every step of output_length is timed
-    gen1 = g.generate_phase(1, eos_id=-1)
-    if cfg.model.family == "t5":
-        from modelling import t5
-
-        enc = g.phase(lambda p, i, m: t5.encode(t5.cast_params(p, opts.compute_dtype), i, m, opts, S.TP),
-                      (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None, None))
-    else:  # a causal LM has no encoder: its prompt's prefill is part of the first token's time
-        enc = None
-    b = g.dp * cfg.execution.micro_batch_size
-    data = generated_batch(cfg, seed=0, packing=False)  # one prompt per row, as validation decodes
-    L = cfg.model.sequence_length
-    ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
-    if getattr(g.family, "left_pad_prompts", False):  # a causal LM continues each prompt from its last token
-        from data.packing import left_align
-
-        ids, mask = left_align(ids, mask)
-    ids, mask = S.put_global(ids, rows), S.put_global(mask, rows)
-
-    t0 = time.perf_counter()
-    jax.block_until_ready(gen(params, ids, mask))
-    if enc is not None:
-        jax.block_until_ready(enc(params, ids, mask))
-    compile_s = time.perf_counter() - t0
-    jax.block_until_ready(gen1(params, ids, mask))
-    enc_t, gen_t, first_t = [], [], []
-    for _ in range(args.iterations):
-        t = time.perf_counter()
-        if enc is not None:
-            jax.block_until_ready(enc(params, ids, mask))
-        enc_t.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        jax.block_until_ready(gen1(params, ids, mask))
-        first_t.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        out = S.fetch(gen(params, ids, mask))
-        gen_t.append(time.perf_counter() - t)
-    total, encoder, first = median(gen_t), median(enc_t), median(first_t)
+    ids, mask = prompts(cfg, g)
+    compile_s, start_t, first_t, gen_t, out = time_decoding(g.init_params(), ids, mask, *programs(g, n),
+                                                            args.iterations)
+    total, encoder, first = median(gen_t), median(start_t), median(first_t)
     per_token = (total - first) / (n - 1) if n > 1 else 0.0
     if per_token <= 0:  # below the timing noise (tiny models): the average over all tokens instead
         per_token = max(total - encoder, 1e-9) / n
+    b = ids.shape[0]
     report = {
         **device_header(cfg, args.config), "family": cfg.model.family, "batch_size": b,
         "encoder_length": cfg.model.sequence_length, "output_length": n, "compile_s": compile_s,
-        "encoder_s": encoder, "first_token_s": first, "generate_s": total,
-        "decode_token_latency_s": per_token,
-        "generated_tokens_per_s": out.size / total, "samples_per_s": b / total,
-        "peak_device_bytes": peak_device_bytes(),
+        "encoder_s": encoder, "first_token_s": first, "generate_s": total, "decode_token_latency_s": per_token,
+        "generated_tokens_per_s": out.size / total, "samples_per_s": b / total, "peak_device_bytes": peak_device_bytes(),
     }
     if not is_main_process():  # process 0 of a multi-process run prints and writes the report
         return report
-    print(f"batch {b} | encoder {encoder * 1e3:.1f} ms | first token {first * 1e3:.1f} ms | per-token decode {report['decode_token_latency_s'] * 1e3:.2f} ms"
-          f" | {report['generated_tokens_per_s']:.0f} generated tokens/s | {report['samples_per_s']:.1f} samples/s"
-          f" | compile {compile_s:.1f} s")
+    print(f"batch {b} | prompts read {encoder * 1e3:.1f} ms | first token {first * 1e3:.1f} ms | per-token decode "
+          f"{per_token * 1e3:.2f} ms | {report['generated_tokens_per_s']:.0f} generated tokens/s | "
+          f"{report['samples_per_s']:.1f} samples/s | compile {compile_s:.1f} s")
     write_json(args.json, report)
     return report
 

@@ -21,8 +21,10 @@ import signal
 import sys
 import time
 
-from utils.cli import (ensure_host_devices, ensure_pinned_host_memory, ensure_writable, entry, parse_config,
-                       setup_jax, setup_logging)
+from app.args import ensure_writable, parse_config
+from app.entry import entry
+from app.logs import setup_logging
+from app.runtime import ensure_host_devices, ensure_pinned_host_memory, setup_jax
 from utils.errors import FlanT5Error, TrainingDiverged
 
 logger = logging.getLogger("flan_t5")
@@ -72,11 +74,12 @@ def build(cfg, executor=None, run_dir: str | None = None):
     logger.info("memory plan: %s per device, %s of host memory (before program temporaries; --plan counts them)",
                 human_bytes(plan.device_peak), human_bytes(plan.host_peak))
     rows = load_rows(cfg.data.dataset, "train", seed=cfg.model.seed)
-    causal = cfg.model.family == "gptj"
+    family = executor.g.family
+    causal = family.causal
     if cfg.data.tokenizer == TRAINED:
         out = os.path.abspath(os.path.join(run_dir or cfg.checkpoint.save or "runs", "tokenizer"))
         t0 = time.perf_counter()
-        tokenizer = train_tokenizer(rows, cfg.model.embedding.vocab_size, out, causal)
+        tokenizer = train_tokenizer(rows, cfg.model.embedding.vocab_size, out, family)
         cfg.data.tokenizer = out  # what checkpoints record: validation loads it from there
         logger.info("trained a %d-token tokenizer on %d rows of %s in %.1f s -> %s", len(tokenizer), len(rows),
                     cfg.data.dataset, time.perf_counter() - t0, out)
@@ -85,9 +88,9 @@ def build(cfg, executor=None, run_dir: str | None = None):
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         raise FlanT5Error(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
                           "raise --vocab_size or use the tokenizer of this model")
-    examples = tokenize_examples(rows, tokenizer, causal=causal)
+    examples = tokenize_examples(rows, tokenizer, family)
     unknown = check_unknown_tokens(examples, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
-    data_report = report_lengths(cfg, examples, tokenizer, causal, unknown)
+    data_report = report_lengths(cfg, examples, tokenizer, family, unknown)
     if causal:
         how = f"{cfg.data.causal_packing}-packed" if cfg.data.packing else "padded"
         logger.info("training on %d samples of %s (causal LM, %s rows of %d tokens, loss on %s tokens)", len(rows),
@@ -110,14 +113,13 @@ DATA_ORDER = (("dataset", ("data", "dataset")), ("global_batch_size", ("training
               ("sequence_length", ("model", "sequence_length")), ("seed", ("model", "seed")))
 
 
-def report_lengths(cfg, examples, tokenizer, causal: bool, unknown: float) -> dict:
+def report_lengths(cfg, examples, tokenizer, family, unknown: float) -> dict:
     """A sequence_length that cannot hold the prompt template is an error; examples that do not fit are counted
     and said (a warning when more than 1% are cut), never cut silently."""
-    from data.mnli import DataError, causal_prompt, prompt
+    from data.mnli import DataError, prompt
 
-    L = cfg.model.sequence_length
-    template = len(tokenizer((causal_prompt if causal else prompt)("x", "x"),
-                             add_special_tokens=not causal)["input_ids"]) + (4 if causal else 0)
+    L, causal = cfg.model.sequence_length, family.causal
+    template = len(family.encode_inputs(tokenizer, [family.prompt(prompt("x", "x"))])[0]) + (4 if causal else 0)
     if L < template:
         raise DataError(f"sequence_length={L} cannot hold the prompt template ({template} tokens before any "
                         f"premise or hypothesis{' and target' if causal else ''}): pass --sequence_length "
@@ -265,7 +267,7 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         if self.signum is not None:
-            from utils.cli import exit_on_signal
+            from app.entry import exit_on_signal
 
             exit_on_signal(signum)  # a checkpoint being written stays incomplete: it is never loaded
         self.signum = signum
@@ -399,8 +401,8 @@ def train(cfg, args, executor, loader, state, start_step: int, scaler) -> None:
     graphs/loss_scale.py, restored with the state) and the non-finite stop."""
     from config.config import to_dict
     from utils import checkpoint as ckpt
-    from utils.cli import is_main_process
-    from utils.tracking import Tracker
+    from app.runtime import is_main_process
+    from app.tracking import Tracker
 
     primary = is_main_process()  # process 0 of a multi-process run writes the metrics and shows progress
     run_dir = args.run_dir
@@ -471,7 +473,7 @@ def main(argv=None) -> None:
     if args.run_dir:
         ensure_writable(args.run_dir, "--run_dir")
     if args.wandb:
-        from utils.tracking import check_wandb
+        from app.tracking import check_wandb
 
         check_wandb()
     ensure_host_devices(cfg.devices)
@@ -484,8 +486,8 @@ def main(argv=None) -> None:
         return
     if cfg.training.steps == 0:
         raise FlanT5Error("--steps 0: nothing to train (and nothing is written): pass --steps 1 or more")
-    from utils.cli import is_main_process
-    from utils.rundir import check_free, check_metrics_owner, fresh_run_dir
+    from app.runtime import is_main_process
+    from app.rundir import check_free, check_metrics_owner, fresh_run_dir
 
     point, warm = resume_point(cfg), init_point(cfg, args)
     args.run_dir = args.run_dir or cfg.checkpoint.save or fresh_run_dir("runs", args.config)
@@ -503,7 +505,7 @@ def main(argv=None) -> None:
             if source:
                 from utils import checkpoint as ckpt
 
-                ckpt.check_shapes(*source, executor.g.abstract_params(), ckpt.read_meta(*source).get("config"), cfg)
+                ckpt.check_shapes(*source, executor.g.abstract_params(), executor.g.shape_hint)
         executor, loader = build(cfg, executor, args.run_dir)
         from graphs.loss_scale import LossScale
 
@@ -517,8 +519,8 @@ def main(argv=None) -> None:
 
 def own_directories(cfg, args) -> list:
     """Locks the directories this run writes (process 0 of a multi-process run)."""
-    from utils.cli import is_main_process
-    from utils.rundir import RunLock
+    from app.runtime import is_main_process
+    from app.rundir import RunLock
 
     save = cfg.checkpoint.save
     if not is_main_process():

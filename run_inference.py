@@ -14,7 +14,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from utils.cli import ensure_host_devices, entry, is_main_process, parse_args, setup_jax, setup_logging
+from app.args import parse_args
+from app.entry import entry
+from app.logs import setup_logging
+from app.runtime import ensure_host_devices, is_main_process, setup_jax
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
@@ -28,20 +31,16 @@ def extra_flags(p):
                    help="also decode with Hugging Face generate on the same weights and show whether they agree")
 
 
-def hf_generate(cfg, host_params, ids, mask, eos: int, pad: int):
+def hf_generate(cfg, family, host_params, ids, mask, eos: int, pad: int):
     """HF ``generate`` (greedy) of the same weights: tokens [b, output_length] padded with ``pad``."""
     import numpy as np
     import torch
     import transformers
 
-    from modelling.family import get
-    from modelling.hf_mapping import hf_config_dict
-
-    fam = get(cfg.model.family)
-    kw = hf_config_dict(cfg.model)
+    kw = family.hf_config_dict(cfg.model)
     arch = kw.pop("architectures")[0]
     model = getattr(transformers, arch)(transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)).eval()
-    sd = {k: torch.tensor(np.asarray(v)) for k, v in fam.hf_state_dict(host_params, cfg.model).items()}
+    sd = {k: torch.tensor(np.asarray(v)) for k, v in family.hf_state_dict(host_params, cfg.model).items()}
     if "lm_head.weight" in sd and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         # transformers 5 ties T5's head to the embedding whatever the config says; Flan-T5's are separate, so
         # the head gets its own tensor before loading (loading into tied tensors would overwrite the embedding)
@@ -50,11 +49,12 @@ def hf_generate(cfg, host_params, ids, mask, eos: int, pad: int):
         model.config.tie_word_embeddings = False  # UMT5 rescales its output when it reads True (forced on construction)
     model.load_state_dict(sd, strict=False)
     n = cfg.inference.output_length
-    extra = {} if cfg.model.family == "gptj" else {"decoder_start_token_id": 0}
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
-                             num_beams=1, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad, **extra)
-    out = out[:, ids.shape[1]:] if cfg.model.family == "gptj" else out[:, 1:]
+                             num_beams=1, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad,
+                             **family.hf_generate_kwargs())
+    # a causal LM's output continues its prompt; an encoder-decoder's starts with the decoder's start token
+    out = out[:, ids.shape[1]:] if family.causal else out[:, 1:]
     out = out.numpy()
     return np.pad(out, ((0, 0), (0, n - out.shape[1])), constant_values=pad)
 
@@ -71,22 +71,22 @@ def main(argv=None) -> list:
     import jax
     import numpy as np
 
-    from data.mnli import causal_prompt, load_rows, load_tokenizer, prompt
+    from data.mnli import load_rows, load_tokenizer, prompt
     from data.packing import left_align
     from graphs.sharding import fetch, put_global
     from utils import checkpoint as ckpt
 
-    causal = cfg.model.family == "gptj"
+    validator = Validator(cfg)
+    family = validator.graphs.family
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if args.prompt:
         texts = args.prompt
     else:
         if args.limit < 1:
             raise FlanT5Error(f"--limit {args.limit} must be at least 1")
-        make = causal_prompt if causal else prompt
-        texts = [make(r["hypothesis"], r["premise"]) for r in load_rows(cfg.data.dataset, cfg.data.split,
-                                                                         seed=cfg.model.seed)[: args.limit]]
-    enc = tokenizer(texts, add_special_tokens=not causal)["input_ids"]
+        texts = [family.prompt(prompt(r["hypothesis"], r["premise"]))
+                 for r in load_rows(cfg.data.dataset, cfg.data.split, seed=cfg.model.seed)[: args.limit]]
+    enc = family.encode_inputs(tokenizer, texts)
     n = max(len(x) for x in enc)
     if n > cfg.model.sequence_length:
         raise FlanT5Error(f"a prompt has {n} tokens but sequence_length is {cfg.model.sequence_length}: pass "
@@ -95,9 +95,8 @@ def main(argv=None) -> list:
     ids, mask = np.zeros((b, n), np.int32), np.zeros((b, n), np.int32)
     for i, x in enumerate(enc + [enc[-1]] * (b - len(enc))):  # rows fill the last dp shard
         ids[i, : len(x)], mask[i, : len(x)] = x, 1
-    if causal:
+    if family.left_pad_prompts:
         ids, mask = left_align(ids, mask)
-    validator = Validator(cfg)
     directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
     params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)
     rows = validator.graphs.row_sharding
@@ -108,7 +107,7 @@ def main(argv=None) -> list:
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         host = jax.tree.map(np.asarray, params)
-        hf_tokens = hf_generate(cfg, host, ids[: len(enc)], mask[: len(enc)], eos, pad)
+        hf_tokens = hf_generate(cfg, family, host, ids[: len(enc)], mask[: len(enc)], eos, pad)
         theirs = tokenizer.batch_decode(hf_tokens, skip_special_tokens=True)
         agree = [bool(np.array_equal(a, h)) for a, h in zip(tokens, hf_tokens)]
     out = [{"prompt": t, "ours": o, **({} if theirs is None else {"hf": h, "same_tokens": a})}

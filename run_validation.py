@@ -16,8 +16,10 @@ import os
 import sys
 import time
 
-from utils.cli import (carried_model, ensure_host_devices, ensure_writable, entry, is_main_process, make_config, parse_args, setup_jax,
-                       setup_logging)
+from app.args import carried_model, ensure_writable, make_config, parse_args
+from app.entry import entry
+from app.logs import setup_logging
+from app.runtime import ensure_host_devices, is_main_process, setup_jax
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
@@ -88,7 +90,7 @@ class Validator:
                              "to gather per call); build it as validation_config does")
         self.cfg, self.graphs = cfg, Graphs(cfg)
         self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
-        self.left_pad = getattr(self.graphs.family, "left_pad_prompts", False)  # a causal LM continues its prompt
+        self.left_pad = self.graphs.family.left_pad_prompts  # a causal LM continues its prompt
         self._generate = None
         self._jax = jax
 
@@ -110,7 +112,7 @@ class Validator:
             _, host = load_hf_model(hf_model, self.cfg.execution.tensor_parallel, expect=self.cfg.model)
             return g.shard_params(host)
         params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(g.abstract_params(), g.param_shardings),
-                                 cfg=self.cfg)
+                                 hint=g.shape_hint)
         return params
 
     def predict(self, params, feats: dict, tokenizer) -> list:
@@ -179,7 +181,8 @@ def main(argv=None) -> None:
         logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a directory "
                        "holding %s.jsonl to score a split)", cfg.data.dataset, cfg.data.split, cfg.data.split)
     rows = load_rows(cfg.data.dataset, cfg.data.split, seed=cfg.model.seed)[: args.limit]
-    feats = tokenize_inputs(rows, tokenizer, None, causal=cfg.model.family == "gptj")  # never truncated
+    validator = Validator(cfg)
+    feats = tokenize_inputs(rows, tokenizer, None, validator.graphs.family)  # never truncated
     longest = feats["input_ids"].shape[1]
     if longest > cfg.model.sequence_length:
         logger.info("%d prompt(s) are longer than sequence_length %d (the longest: %d tokens): each batch is padded "
@@ -192,7 +195,6 @@ def main(argv=None) -> None:
     if unknown_share > 0.01:
         logger.warning("%.1f%% of the prompt tokens are unknown to tokenizer %s: the model sees <unk> there",
                        100 * unknown_share, cfg.data.tokenizer)
-    validator = Validator(cfg)
     for directory, step in targets:
         t0 = time.perf_counter()
         params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)

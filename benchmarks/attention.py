@@ -17,28 +17,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--length", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--d_kv", type=int, default=64)
-    p.add_argument("--iterations", type=int, default=20)
-    a = p.parse_args(argv)
-
+def kernels(q, k, v, lengths, keep, pad_bias) -> dict:
+    """{name: fn(q, k, v, bias)}: our XLA attention and three ways of asking cuDNN for the same result."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    from modelling.layers import MASK_VALUE, attend
+    from modelling.layers import attend
 
-    b, n, h, d = a.batch, a.length, a.heads, a.d_kv
-    ks = jax.random.split(jax.random.key(0), 5)
-    q, k, v, dout = (jax.random.normal(ks[i], (b, n, h, d), jnp.float32) * 0.5 for i in range(4))
-    pos_bias = jax.random.normal(ks[4], (1, h, n, n), jnp.float32)
-    lengths = jnp.asarray(np.linspace(n // 2, n, b).astype(np.int32))
-    keep = jnp.arange(n)[None, :] < lengths[:, None]  # [b, k]
-    pad_bias = jnp.where(keep, 0.0, MASK_VALUE)[:, None, None, :]
+    b, n = q.shape[:2]
 
     def ours(q, k, v, bias):
         return attend(q, k, v, bias + pad_bias)
@@ -53,8 +39,50 @@ def main(argv=None) -> dict:
 
     def cudnn_lengths(q, k, v, bias):
         return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=1.0, key_value_seq_lengths=lengths,
-                                            query_seq_lengths=jnp.full((b,), n, jnp.int32),
-                                            implementation="cudnn")
+                                            query_seq_lengths=jnp.full((b,), n, jnp.int32), implementation="cudnn")
+
+    return {"xla attend": ours, "cudnn, bias + bool mask": cudnn_mask, "cudnn, bias with padding": cudnn_bias,
+            "cudnn, bias + key lengths": cudnn_lengths}
+
+
+def measure(f, args, ref, iterations: int) -> dict:
+    """{ms: median forward + backward time, rel_err: {output or gradient: relative error against ref}}."""
+    import jax
+    import numpy as np
+
+    got = jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    errs = {nm: float(np.linalg.norm(np.asarray(g, np.float32) - r) / max(np.linalg.norm(r), 1e-30))
+            for nm, g, r in zip(("out", "dq", "dk", "dv", "dbias"), got, ref)}
+    return {"ms": float(np.median(times)) * 1e3, "rel_err": errs}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--length", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d_kv", type=int, default=64)
+    p.add_argument("--iterations", type=int, default=20)
+    a = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from modelling.layers import MASK_VALUE
+
+    b, n, h, d = a.batch, a.length, a.heads, a.d_kv
+    ks = jax.random.split(jax.random.key(0), 5)
+    q, k, v, dout = (jax.random.normal(ks[i], (b, n, h, d), jnp.float32) * 0.5 for i in range(4))
+    pos_bias = jax.random.normal(ks[4], (1, h, n, n), jnp.float32)
+    lengths = jnp.asarray(np.linspace(n // 2, n, b).astype(np.int32))
+    keep = jnp.arange(n)[None, :] < lengths[:, None]  # [b, k]
+    fns = kernels(q, k, v, lengths, keep, jnp.where(keep, 0.0, MASK_VALUE)[:, None, None, :])
 
     def fwd_bwd(fn, dtype):
         def f(q, k, v, bias):
@@ -63,24 +91,13 @@ def main(argv=None) -> dict:
             return (out,) + vjp(dout.astype(out.dtype))
         return jax.jit(f)
 
-    ref = [np.asarray(x, np.float32) for x in fwd_bwd(ours, jnp.float32)(q, k, v, pos_bias)]
-    names = ("out", "dq", "dk", "dv", "dbias")
+    ref = [np.asarray(x, np.float32) for x in fwd_bwd(fns["xla attend"], jnp.float32)(q, k, v, pos_bias)]
     result = {}
-    for name, fn in (("xla attend", ours), ("cudnn, bias + bool mask", cudnn_mask),
-                     ("cudnn, bias with padding", cudnn_bias), ("cudnn, bias + key lengths", cudnn_lengths)):
+    for name, fn in fns.items():
         try:
-            f = fwd_bwd(fn, jnp.bfloat16)
-            got = jax.block_until_ready(f(q, k, v, pos_bias))
-            times = []
-            for _ in range(a.iterations):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(q, k, v, pos_bias))
-                times.append(time.perf_counter() - t0)
-            errs = {nm: float(np.linalg.norm(np.asarray(g, np.float32) - r) / max(np.linalg.norm(r), 1e-30))
-                    for nm, g, r in zip(names, got, ref)}
-            result[name] = {"ms": float(np.median(times)) * 1e3, "rel_err": errs}
+            result[name] = measure(fwd_bwd(fn, jnp.bfloat16), (q, k, v, pos_bias), ref, a.iterations)
             print(f"{name:28s} {result[name]['ms']:8.3f} ms  "
-                  + "  ".join(f"{nm} {e:.1e}" for nm, e in errs.items()), flush=True)
+                  + "  ".join(f"{nm} {e:.1e}" for nm, e in result[name]["rel_err"].items()), flush=True)
         except Exception as e:  # an implementation this backend or shape does not support
             result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
             print(f"{name:28s} unsupported: {result[name]['error']}", flush=True)

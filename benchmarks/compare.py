@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from statistics import median
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -49,7 +50,7 @@ def run(cmd: list, out: str, timeout: float | None) -> dict | None:
         return json.load(f)
 
 
-def main(argv=None) -> dict:
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="small", help="preset of config/finetuning.yml (training)")
     p.add_argument("--inference_config", default=None,
@@ -72,9 +73,14 @@ def main(argv=None) -> dict:
     p.add_argument("--only", choices=("train", "decode"), default=None, help="run one workload only")
     p.add_argument("--output_length", default=None, help="decoding: tokens generated (default: "
                    "--decoder_sequence_length)")
+    p.add_argument("--decode_flags", default="", help="extra flags for both decoding runs, e.g. '--num_beams 4'")
     p.add_argument("--timeout", type=float, default=None, help="seconds per benchmark process")
     p.add_argument("--json", default=None, help="write the figures and every run's report here")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def commands(a) -> tuple:
+    """({training run name: command}, decoding arguments shared by ours and HF's)."""
     shape = ["--config", a.config, "--sequence_length", a.sequence_length, "--precision", a.precision]
     train = shape + ["--decoder_sequence_length", a.decoder_sequence_length, "--global_batch_size", a.batch,
                      "--micro_batch_size", a.micro_batch or a.batch, "--data_parallel", "1", "--tensor_parallel", "1",
@@ -95,9 +101,12 @@ def main(argv=None) -> dict:
         trainers["HF torch.compile"] = hf + ["--compile"]
     gen = (["--config", a.inference_config or a.config] + shape[2:]
            + ["--micro_batch_size", a.batch, "--output_length", a.output_length or a.decoder_sequence_length,
-              "--tensor_parallel", "1"])
-    from statistics import median
+              "--tensor_parallel", "1"] + a.decode_flags.split())
+    return trainers, gen
 
+
+def run_all(a, trainers: dict, gen: list) -> dict:
+    """{run name: [report or None per repeat]}, the runs alternated ``--repeats`` times."""
     runs = {k: [] for k in list(trainers) + ["ours_g", "theirs_g"]}
     with tempfile.TemporaryDirectory() as d:
         for _ in range(a.repeats):
@@ -107,72 +116,80 @@ def main(argv=None) -> dict:
                     runs[name].append(run(cmd + extra, f"{d}/t{i}.json", a.timeout))
             if a.only != "train":
                 runs["ours_g"].append(run(["inference.py"] + gen, f"{d}/og.json", a.timeout))
-                runs["theirs_g"].append(run(["benchmarks/hf_baseline.py", "generate"] + gen, f"{d}/tg.json", a.timeout))
+                runs["theirs_g"].append(run(["benchmarks/hf_baseline.py", "generate"] + gen, f"{d}/tg.json",
+                                            a.timeout))
+    return runs
 
+
+def _median(runs: dict, name: str, key: str):
+    values = [r[key] for r in runs[name] if r and r.get(key) is not None]
+    return median(values) if values else None
+
+
+def training_figures(a, trainers: dict, runs: dict) -> dict:
+    """{"training": {run: figures}, "ratios": {ours / peer: examples/s ratio}}, printed."""
+    from app.flops import peak_tflops, train_flops_per_sample
     from config import load_config
-    from utils.bench import write_json
-    from utils.flops import peak_tflops, train_flops_per_sample
 
-    result = {"args": vars(a)}
+    cfg = load_config("finetuning", a.config, {"sequence_length": a.sequence_length,
+                                               "decoder_sequence_length": a.decoder_sequence_length, "packing": False})
+    flops = train_flops_per_sample(cfg.model, cfg.model.sequence_length, cfg.model.decoder_sequence_length) * int(a.batch)
+    kind = next((r.get("device_kind") or r.get("device") for rs in runs.values() for r in rs if r), "")
+    peak = peak_tflops(kind)
+    training = {}
+    for name in trainers:
+        t = training[name] = {k: _median(runs, name, k) for k in ("samples_per_s", "examples_per_s",
+                                                                   "nonpad_tokens_per_s", "median_step_s")}
+        if a.lengths == "uniform" and t["median_step_s"]:  # equal, full rows: model FLOPs and MFU of both sides
+            t["model_tflops_per_s"] = flops / t["median_step_s"] / 1e12
+            t["mfu"] = t["model_tflops_per_s"] / peak if peak else None
+    print(f"training ({a.lengths} lengths; medians of {a.repeats}; {kind or 'device unknown'}):")
+    for name, t in training.items():
+        ex, extra = t["examples_per_s"], ""
+        if t.get("model_tflops_per_s"):
+            extra = f" | {t['model_tflops_per_s']:.3f} model TFLOP/s" + (f" (MFU {t['mfu']:.1%})" if t["mfu"] else "")
+        print(f"  {name:18s} " + ("failed" if ex is None else
+                                  f"{ex:9.2f} examples/s | {t['samples_per_s']:8.2f} samples (rows)/s | "
+                                  f"{t['nonpad_tokens_per_s']:9.0f} non-pad tokens/s") + extra)
+    pairs = [(o, h) for o in trainers if o.startswith("ours") for h in trainers if h.startswith("HF")]
+    if a.lengths == "mnli" and "ours unpacked" in trainers:
+        pairs.append(("ours packed", "ours unpacked"))
+    ratios = {}
+    for o, h in pairs:
+        x, y = training[o]["examples_per_s"], training[h]["examples_per_s"]
+        ratios[f"{o} / {h}"] = None if x is None or y is None else x / y
+        print(f"  {o} / {h}: " + ("-" if ratios[f'{o} / {h}'] is None else f"{x / y:.2f}x examples/s"))
+    return {"training": training, "ratios": ratios}
 
-    def med(name, key):
-        values = [r[key] for r in runs[name] if r and r.get(key) is not None]
-        return median(values) if values else None
 
-    def fig(name, key, ours, theirs, higher_is_better=True):
-        o, t = med(ours, key), med(theirs, key)
+def decode_figures(runs: dict) -> dict:
+    """Ours against HF ``generate``: tokens/s, time to the first token, per-token latency; printed."""
+    out = {}
+    for name, key, higher_is_better in (("decode_tokens_per_s", "generated_tokens_per_s", True),
+                                        ("first_token_s", "first_token_s", False),
+                                        ("decode_token_latency_s", "decode_token_latency_s", False)):
+        o, t = _median(runs, "ours_g", key), _median(runs, "theirs_g", key)
         ratio = None if o is None or t is None else (o / t if higher_is_better else t / o)
-        result[name] = {"ours": o, "hf": t, "ratio": ratio, "runs": [len(runs[ours]), len(runs[theirs])]}
+        out[name] = {"ours": o, "hf": t, "ratio": ratio, "runs": [len(runs["ours_g"]), len(runs["theirs_g"])]}
         show = lambda v: "failed" if v is None else f"{v:.4g}"  # noqa: E731
         print(f"{name}: ours {show(o)} | HF PyTorch {show(t)} | {'ours/HF' if higher_is_better else 'HF/ours'} "
-              f"{'-' if ratio is None else f'{ratio:.2f}x'} (median of {len(runs[ours])} / {len(runs[theirs])})")
-        return o, t
+              f"{'-' if ratio is None else f'{ratio:.2f}x'} (median of {len(runs['ours_g'])} / "
+              f"{len(runs['theirs_g'])})")
+    return out
 
+
+def main(argv=None) -> dict:
+    from app.bench import write_json
+
+    a = parse(argv)
+    trainers, gen = commands(a)
+    runs = run_all(a, trainers, gen)
+    result = {"args": vars(a)}
     if a.only != "decode":
-        cfg = load_config("finetuning", a.config, {"sequence_length": a.sequence_length,
-                                                   "decoder_sequence_length": a.decoder_sequence_length,
-                                                   "packing": False})
-        flops = train_flops_per_sample(cfg.model, cfg.model.sequence_length,
-                                       cfg.model.decoder_sequence_length) * int(a.batch)
-        kind = next((r.get("device_kind") or r.get("device") for rs in runs.values() for r in rs if r), "")
-        peak = peak_tflops(kind)
-        training = {}
-        for name in trainers:
-            training[name] = {k: med(name, k) for k in ("samples_per_s", "examples_per_s", "nonpad_tokens_per_s",
-                                                         "median_step_s")}
-            step = training[name]["median_step_s"]
-            if a.lengths == "uniform" and step:  # equal, full rows: model FLOPs and MFU of both sides
-                training[name]["model_tflops_per_s"] = flops / step / 1e12
-                training[name]["mfu"] = flops / step / 1e12 / peak if peak else None
-        result["training"] = training
-        print(f"training ({a.lengths} lengths; medians of {a.repeats}; {kind or 'device unknown'}):")
-        for name, t in training.items():
-            ex = t["examples_per_s"]
-            extra = ""
-            if t.get("model_tflops_per_s"):
-                extra = f" | {t['model_tflops_per_s']:.3f} model TFLOP/s" + (f" (MFU {t['mfu']:.1%})" if t["mfu"] else "")
-            print(f"  {name:18s} " + ("failed" if ex is None else
-                                      f"{ex:9.2f} examples/s | {t['samples_per_s']:8.2f} samples (rows)/s | "
-                                      f"{t['nonpad_tokens_per_s']:9.0f} non-pad tokens/s") + extra)
-        ours_names = [n for n in trainers if n.startswith("ours")]
-        result["ratios"] = {}
-        for o in ours_names:
-            for h in [n for n in trainers if n.startswith("HF")]:
-                x, y = training[o]["examples_per_s"], training[h]["examples_per_s"]
-                r = None if x is None or y is None else x / y
-                result["ratios"][f"{o} / {h}"] = r
-                print(f"  {o} / {h}: " + ("-" if r is None else f"{r:.2f}x examples/s"))
-        if a.lengths == "mnli" and len(ours_names) == 2:
-            x, y = training["ours packed"]["examples_per_s"], training["ours unpacked"]["examples_per_s"]
-            result["ratios"]["ours packed / ours unpacked"] = None if x is None or y is None else x / y
-            if x and y:
-                print(f"  ours packed / ours unpacked: {x / y:.2f}x examples/s")
+        result.update(training_figures(a, trainers, runs))
     if a.only != "train":
-        fig("decode_tokens_per_s", "generated_tokens_per_s", "ours_g", "theirs_g")
-        fig("first_token_s", "first_token_s", "ours_g", "theirs_g", higher_is_better=False)
-        fig("decode_token_latency_s", "decode_token_latency_s", "ours_g", "theirs_g", higher_is_better=False)
-    if a.json:
-        write_json(a.json, {**result, "runs": runs})
+        result.update(decode_figures(runs))
+    write_json(a.json, {**result, "runs": runs})
     return result
 
 

@@ -40,7 +40,7 @@ def _figure(size):
 
 def loss_curve(metrics: str, out: str) -> str:
     """imgs/quickstart_loss_curve.png from a run's metrics.jsonl (the run's own loss_curve.png drawing)."""
-    from utils.tracking import plot_loss_curve
+    from app.tracking import plot_loss_curve
 
     plot_loss_curve(metrics, out, "tiny preset, offline quickstart")
     return out
@@ -102,7 +102,7 @@ def precision(report: str, out: str) -> str:
     steps and time against float32 in the legend."""
     import numpy as np
 
-    from utils.tracking import smooth
+    from app.tracking import smooth
 
     with open(report) as f:
         data = json.load(f)

@@ -27,7 +27,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from utils.cli import die, entry, parse_config  # noqa: E402
+from app.args import parse_config  # noqa: E402
+from app.entry import die, entry  # noqa: E402
+from modelling import registry  # noqa: E402
 
 
 def extra_flags(p):
@@ -70,7 +72,7 @@ def micro_batches(cfg, args, dev, seed: int) -> list:
 
     host = generated_batch(cfg, seed=seed, lengths=args.lengths, packing=False)
     out = []
-    causal = cfg.model.family == "gptj"
+    causal = registry.of_config(cfg).causal
     for i in range(host["labels"].shape[0]):
         if causal:  # HF shifts the labels itself: the row's own tokens, -100 on padding
             ids, mask = host["input_ids"][i], host["attention_mask"][i]
@@ -92,7 +94,7 @@ def micro_batches(cfg, args, dev, seed: int) -> list:
 def train(cfg, args) -> dict:
     import torch
 
-    from utils.bench import median
+    from app.bench import median
 
     model, dev, dtype = hf_model(cfg)
     model.train()
@@ -130,7 +132,7 @@ def train(cfg, args) -> dict:
             times.append(time.perf_counter() - t0)
     step_s = median(times)
     samples = cfg.training.global_batch_size
-    dec = 0 if cfg.model.family == "gptj" else 1  # a causal LM's labels are its own tokens
+    dec = 0 if registry.of_config(cfg).causal else 1  # a causal LM's labels are its own tokens
     tokens = sum(int(mb["attention_mask"].sum()) + dec * int((mb["labels"] != -100).sum())
                  for b in batches for mb in b) / 2
     return {"framework": "transformers+torch" + (" (torch.compile)" if args.compile else " (eager)"), "device": dev,
@@ -144,7 +146,7 @@ def generate(cfg, args) -> dict:
     import torch
 
     from data.generated import generated_batch
-    from utils.bench import median
+    from app.bench import median
 
     model, dev, _ = hf_model(cfg)
     model.eval()
@@ -153,12 +155,12 @@ def generate(cfg, args) -> dict:
     data = generated_batch(cfg, packing=False)  # one prompt per row
     L = cfg.model.sequence_length
     ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
-    extra = {"decoder_start_token_id": 0}
-    if cfg.model.family == "gptj":  # a decoder-only model continues left-padded prompts
+    family = registry.of_config(cfg)
+    extra = family.hf_generate_kwargs()
+    if family.left_pad_prompts:  # a decoder-only model continues left-padded prompts
         from data.packing import left_align
 
         ids, mask = left_align(ids, mask)
-        extra = {}
     ids = torch.tensor(ids, dtype=torch.long, device=dev)
     mask = torch.tensor(mask, dtype=torch.long, device=dev)
 
@@ -199,7 +201,7 @@ def main(argv=None) -> dict:
     cuda = torch.cuda.is_available()
     report["device_kind"] = torch.cuda.get_device_name() if cuda else "cpu"
     report["peak_device_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
-    from utils.bench import write_json
+    from app.bench import write_json
 
     write_json(args.json, report)
     print({k: v for k, v in report.items() if k != "losses"})

@@ -21,7 +21,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from utils.bench import run_script, split_passthrough, write_json  # noqa: E402
+from app.bench import run_script, split_passthrough, write_json  # noqa: E402
 
 
 def run(config: str, layers: int, phased: bool, steps: int, extra: list) -> dict:

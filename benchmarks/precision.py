@@ -20,7 +20,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from utils.bench import run_script, split_passthrough, write_json  # noqa: E402
+from app.bench import run_script, split_passthrough, write_json  # noqa: E402
 
 VARIANTS = {  # name -> run_finetuning.py flags
     "float32": ["--precision", "float32"],

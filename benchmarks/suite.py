@@ -17,7 +17,7 @@ Parts, in priority order (each against its baseline, measured in the same run):
                   packed / unpacked against HF padded at MNLI-like lengths (base), in examples/s
   xl_phased       xl phased against fused at global batch 64
   decode          greedy decoding against HF generate (base, xl)
-  gptj            GPT-J 6B phased on one device (gptj_1gpu), and a small GPT-J shape against HF compiled
+  gptj_6B         GPT-J 6B phased on one device (gptj_1gpu), and a small GPT-J shape against HF compiled
 
 Each part runs its benchmarks as subprocesses (finetuning.py, compare.py, inference.py) and writes
 ``OUT/<part>.json`` the moment it ends: status (ok, failed, out of memory, timed out, skipped), figures, the
@@ -79,75 +79,84 @@ def _compare(*flags):
     return ["benchmarks/compare.py", *flags]
 
 
+def _smoke_commands() -> dict:
+    """The GPU parts' runs at tiny shapes on CPU (``--smoke``): the same commands, small enough for a test."""
+    t5 = ["--sequence_length", "32", "--decoder_sequence_length", "4"]
+    one = ["--data_parallel", "1", "--tensor_parallel", "1"]
+    xxl = _finetune("tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1", *t5, "--global_batch_size",
+                    "8", "--micro_batch_size", "4", *one)
+    cmp_small = ["--config", "tiny", "--inference_config", "tiny", "--sequence_length", "32", "--batch", "4",
+                 "--steps", "3", "--hf", "eager", "--decoder_sequence_length", "4"]
+    xl = [_finetune("tiny", "--steps", "3", "--warmup_iterations", "1", *t5, "--global_batch_size", "8",
+                    "--micro_batch_size", str(mb), *one, "--recompute", "false") for mb in (4, 8)]
+    return {
+        "xxl": xxl, "xxl128": xxl[:-8] + ["--global_batch_size", "16", "--micro_batch_size", "4", *one],
+        "ul2": xxl + ["--update_in_backward", "true"], "xl": xl,
+        "vs_hf": [_compare(*cmp_small, "--only", "train")],
+        "vs_hf_mnli": _compare(*cmp_small, "--only", "train", "--lengths", "mnli"),
+        "phased_pair": [xl[0], xl[0] + ["--phased", "true"]],
+        "decode": [("base", _compare(*cmp_small, "--only", "decode"))],
+        "gptj_6B": _finetune("gptj_tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1",
+                          "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4", *one),
+        "gptj_cmp": ["--config", "gptj_tiny", "--inference_config", "gptj_tiny", "--sequence_length", "32",
+                     "--batch", "4", "--steps", "3", "--hf", "eager", "--only", "train"],
+    }
+
+
+def _gpu_commands() -> dict:
+    """The runs of each part on one GPU at the real shapes."""
+    enc = ["--sequence_length", "512", "--decoder_sequence_length", "8", "--precision", "bfloat16"]
+    one = ["--data_parallel", "1", "--tensor_parallel", "1"]
+    xxl = _finetune("xxl_1gpu", "--steps", "4", "--warmup_iterations", "1", "--lengths", "mnli")
+    xl = [_finetune("xl_pod8", *one, *enc, "--recompute", "false", "--unroll_layers", "true", "--global_batch_size",
+                    "64", "--micro_batch_size", str(mb), "--lengths", "uniform", "--packing", "false", "--steps", "6")
+          for mb in (8, 16)]
+    hf = ["--precision", "bfloat16", "--sequence_length", "512", "--steps", "7", "--hf", "both"]
+    dec = ["--precision", "bfloat16", "--sequence_length", "512", "--batch", "64", "--only", "decode"]
+    return {
+        "xxl": xxl, "xxl128": xxl + ["--global_batch_size", "128", "--micro_batch_size", "8"],
+        "ul2": _finetune("ul2_1gpu", "--steps", "4", "--warmup_iterations", "1", "--lengths", "mnli",
+                         "--global_batch_size", "128", "--micro_batch_size", "8"),
+        "xl": xl,
+        "vs_hf": [_compare("--config", "base", "--inference_config", "base", *hf, "--batch", "64", "--micro_batch",
+                           "16", "--only", "train"),
+                  _compare("--config", "xl_pod8", "--inference_config", "xl", *hf, "--batch", "64", "--micro_batch",
+                           "8", "--only", "train")],
+        "vs_hf_mnli": _compare("--config", "base", *hf, "--batch", "64", "--micro_batch", "16", "--only", "train",
+                               "--lengths", "mnli"),
+        "phased_pair": [xl[0][:-2] + ["--steps", "4"], xl[0][:-2] + ["--steps", "4", "--phased", "true"]],
+        "decode": [("base", _compare("--config", "base", "--inference_config", "base", *dec)),
+                   ("xl", _compare("--config", "xl_pod8", "--inference_config", "xl", *dec))],
+        "gptj_6B": _finetune("gptj_1gpu", "--steps", "3", "--warmup_iterations", "1", "--lengths", "mnli"),
+        "gptj_cmp": ["--config", "gptj_small", "--inference_config", "gptj_small", "--precision", "bfloat16",
+                     "--sequence_length", "256", "--batch", "64", "--micro_batch", "16", "--steps", "7", "--hf",
+                     "compiled", "--only", "train"],
+    }
+
+
 def parts(smoke: bool) -> list:
     """The parts in priority order; ``smoke``: the same runs at tiny shapes on CPU."""
-    if smoke:
-        t5 = ["--sequence_length", "32", "--decoder_sequence_length", "4"]
-        xxl = _finetune("tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1", *t5,
-                        "--global_batch_size", "8", "--micro_batch_size", "4", "--data_parallel", "1",
-                        "--tensor_parallel", "1")
-        xxl128 = xxl[:-8] + ["--global_batch_size", "16", "--micro_batch_size", "4", "--data_parallel", "1",
-                             "--tensor_parallel", "1"]
-        xl = [_finetune("tiny", "--steps", "3", "--warmup_iterations", "1", *t5, "--global_batch_size", "8",
-                        "--micro_batch_size", str(mb), "--data_parallel", "1", "--tensor_parallel", "1",
-                        "--recompute", "false") for mb in (4, 8)]
-        cmp_small = ["--config", "tiny", "--inference_config", "tiny", "--sequence_length", "32", "--batch", "4",
-                     "--steps", "3", "--hf", "eager", "--decoder_sequence_length", "4"]
-        ul2 = xxl + ["--update_in_backward", "true"]
-        gptj = _finetune("gptj_tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1",
-                         "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4",
-                         "--data_parallel", "1", "--tensor_parallel", "1")
-        gptj_cmp = ["--config", "gptj_tiny", "--inference_config", "gptj_tiny", "--sequence_length", "32",
-                    "--batch", "4", "--steps", "3", "--hf", "eager", "--only", "train"]
-        phased_pair = [xl[0], xl[0] + ["--phased", "true"]]
-        decode = _compare(*cmp_small, "--only", "decode")
-        vs_hf = [_compare(*cmp_small, "--only", "train")]
-        vs_hf_mnli = _compare(*cmp_small, "--only", "train", "--lengths", "mnli")
-    else:
-        enc = ["--sequence_length", "512", "--decoder_sequence_length", "8", "--precision", "bfloat16"]
-        one = ["--data_parallel", "1", "--tensor_parallel", "1"]
-        xxl = _finetune("xxl_1gpu", "--steps", "4", "--warmup_iterations", "1", "--lengths", "mnli")
-        xxl128 = xxl + ["--global_batch_size", "128", "--micro_batch_size", "8"]
-        ul2 = _finetune("ul2_1gpu", "--steps", "4", "--warmup_iterations", "1", "--lengths", "mnli",
-                        "--global_batch_size", "128", "--micro_batch_size", "8")
-        xl = [_finetune("xl_pod8", *one, *enc, "--recompute", "false", "--unroll_layers", "true",
-                        "--global_batch_size", "64", "--micro_batch_size", str(mb), "--lengths", "uniform",
-                        "--packing", "false", "--steps", "6") for mb in (8, 16)]
-        hf = ["--precision", "bfloat16", "--sequence_length", "512", "--steps", "7", "--hf", "both"]
-        vs_hf = [_compare("--config", "base", "--inference_config", "base", *hf, "--batch", "64",
-                          "--micro_batch", "16", "--only", "train"),
-                 _compare("--config", "xl_pod8", "--inference_config", "xl", *hf, "--batch", "64",
-                          "--micro_batch", "8", "--only", "train")]
-        vs_hf_mnli = _compare("--config", "base", *hf, "--batch", "64", "--micro_batch", "16", "--only", "train",
-                              "--lengths", "mnli")
-        phased_pair = [xl[0][:-2] + ["--steps", "4"], xl[0][:-2] + ["--steps", "4", "--phased", "true"]]
-        decode = _compare("--config", "base", "--inference_config", "base", "--precision", "bfloat16",
-                          "--sequence_length", "512", "--batch", "64", "--only", "decode")
-        gptj = _finetune("gptj_1gpu", "--steps", "3", "--warmup_iterations", "1", "--lengths", "mnli")
-        gptj_cmp = ["--config", "gptj_small", "--inference_config", "gptj_small", "--precision", "bfloat16",
-                    "--sequence_length", "256", "--batch", "64", "--micro_batch", "16", "--steps", "7",
-                    "--hf", "compiled", "--only", "train"]
+    c = _smoke_commands() if smoke else _gpu_commands()
+    xl = [Run(f"mb{cmd[cmd.index('--micro_batch_size') + 1]}", cmd, required=False) for cmd in c["xl"]]
+    xl[-1].cmd = xl[-1].cmd + ["--profile", "{dir}/xl_profile"]  # the larger micro-batch's profile
     out = [
         Part("xxl_1gpu", "Flan-T5-XXL phased on one device (packed, 16 and 128 rows)", 420,
-             [Run("rows16", xxl), Run("rows128", xxl128, required=False)], _xxl_figures),
+             [Run("rows16", c["xxl"]), Run("rows128", c["xxl128"], required=False)], _xxl_figures),
         Part("ul2_1gpu", "Flan-UL2 phased on one device (packed, 128 rows): updated in the backward or not", 900,
-             [Run("in_backward", ul2), Run("gradients_stored", ul2 + ["--update_in_backward", "false"],
-                                           required=False)], _ul2_figures),
-        Part("xl_mfu", "Flan-T5-XL fused, one device: MFU at the best micro-batch, with its profile", 300,
-             [Run(f"mb{c[c.index('--micro_batch_size') + 1]}", c, required=False) for c in xl], _xl_figures),
+             [Run("in_backward", c["ul2"]), Run("gradients_stored", c["ul2"] + ["--update_in_backward", "false"],
+                                                required=False)], _ul2_figures),
+        Part("xl_mfu", "Flan-T5-XL fused, one device: MFU at the best micro-batch, with its profile", 300, xl,
+             _xl_figures),
         Part("vs_hf", "ours against HF eager and torch.compile (equal work), packed vs unpacked vs HF padded", 420,
-             [Run(f"equal_work_{i}", c) for i, c in enumerate(vs_hf)] + [Run("mnli", vs_hf_mnli)], _vs_hf_figures),
+             [Run(f"equal_work_{i}", cmd) for i, cmd in enumerate(c["vs_hf"])] + [Run("mnli", c["vs_hf_mnli"])],
+             _vs_hf_figures),
         Part("xl_phased", "xl phased against fused at global batch 64", 240,
-             [Run("fused", phased_pair[0]), Run("phased", phased_pair[1])], _phased_figures),
-        Part("decode", "greedy decoding against HF generate", 120, [Run("base", decode)] + (
-            [] if smoke else [Run("xl", _compare("--config", "xl_pod8", "--inference_config", "xl", "--precision",
-                                                  "bfloat16", "--sequence_length", "512", "--batch", "64",
-                                                  "--only", "decode"), required=False)]), _decode_figures),
-        Part("gptj", "GPT-J 6B phased on one device; a small GPT-J against HF", 420,
-             [Run("gptj_1gpu", gptj), Run("vs_hf", _compare(*gptj_cmp), required=False)], _gptj_figures),
+             [Run("fused", c["phased_pair"][0]), Run("phased", c["phased_pair"][1])], _phased_figures),
+        Part("decode", "greedy decoding against HF generate", 120,
+             [Run(name, cmd, required=i == 0) for i, (name, cmd) in enumerate(c["decode"])], _decode_figures),
+        Part("gptj_6B", "GPT-J 6B phased on one device; a small GPT-J against HF", 420,
+             [Run("gptj_1gpu", c["gptj_6B"]), Run("vs_hf", _compare(*c["gptj_cmp"]), required=False)], _gptj_figures),
     ]
-    xl_mfu = next(q for q in out if q.name == "xl_mfu")
-    xl_mfu.runs[-1].cmd = xl_mfu.runs[-1].cmd + ["--profile", "{dir}/xl_profile"]  # the larger micro-batch's profile
     if smoke:  # CPU seconds at tiny shapes: a tenth of the GPU estimates
         for q in out:
             q.estimate_s /= 10
@@ -394,7 +403,7 @@ def summary_rows(results: list) -> list:
         elif r["part"] == "decode" and f:
             head = "; ".join(f"{n}: {_fmt((v.get('decode_tokens_per_s') or {}).get('ratio'), 'x')} tokens/s"
                              for n, v in f.items())
-        elif r["part"] == "gptj" and f:
+        elif r["part"] == "gptj_6B" and f:
             g = f.get("gptj_1gpu") or {}
             ratios = ((f.get("vs_hf") or {}).get("ratios") or {})
             head = f"6B step {_fmt(g.get('median_step_s'), ' s')}, MFU {_fmt(g.get('mfu'))}; " + "; ".join(

@@ -1,6 +1,7 @@
 from config.config import (  # noqa: F401
     FIELDS,
     ConfigError,
+    Config,
     T5Config,
     ModelConfig,
     apply_overrides,

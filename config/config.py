@@ -22,25 +22,31 @@ from typing import Any, Optional
 
 import yaml
 
-from utils.errors import FlanT5Error
+from utils.errors import ConfigError
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-class ConfigError(FlanT5Error, ValueError):
-    """A configuration problem; its message names the field and the fix."""
+def spec(default=dataclasses.MISSING, *, flag: Optional[str] = None, minimum: Optional[int] = None,
+         choices: tuple = (), bounds: Optional[tuple] = None, shape: bool = False, training: bool = False,
+         ipu: bool = False):
+    """A config field with what ``Config.validate`` and the drivers need to know of it, declared with the field:
 
-
-def _flag(name: str):
-    """Field metadata giving a flat CLI flag name other than the field's own."""
-    return {"flag": name}
+    flag: its flat CLI flag when not its own name; minimum: the least value of an int; choices: the values a
+    str may take; bounds: (low, high, low inclusive, high inclusive, an example) of a float, which must also be
+    finite; shape: part of the model's shape (a checkpoint or an HF config.json carries it); training: read only
+    by training (the decoding drivers accept it but do not list it); ipu: meaningful only on IPUs (kept so the
+    original's configs load; a value other than the default is said once, and has no effect)."""
+    meta = {k: v for k, v in dict(flag=flag, minimum=minimum, choices=choices, bounds=bounds, shape=shape,
+                                    training=training, ipu=ipu).items() if v}
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class Embedding:
     """Configuration of the token embedding."""
 
-    vocab_size: int = 32128
+    vocab_size: int = spec(32128, minimum=1, shape=True)
     """Number of entries in the word vocabulary (padded up to a multiple of tensor_parallel inside the model)."""
 
 
@@ -48,79 +54,76 @@ class Embedding:
 class Attention:
     """Configuration of the attention layers."""
 
-    heads: int = 64
+    heads: int = spec(64, minimum=1, shape=True)
     """Number of attention heads (must be divisible by tensor_parallel)."""
 
-    d_kv: int = 64
+    d_kv: int = spec(64, minimum=1, shape=True)
     """Size of the q, k, v projection of each head."""
 
-    relative_attention_num_buckets: int = 32
+    relative_attention_num_buckets: int = spec(32, minimum=1, shape=True)
     """Number of buckets of the relative position encoding."""
 
-    relative_attention_max_distance: int = 128
+    relative_attention_max_distance: int = spec(128, shape=True)
     """Largest distance told apart by the relative position encoding."""
 
-    rotary_dim: int = 0
+    rotary_dim: int = spec(0, shape=True)
     """GPT-J: dimensions of each head that get the rotary position embedding, in interleaved pairs (0: all)."""
 
-    rotary_positional_embeddings_base: float = 10000.0
+    rotary_positional_embeddings_base: float = spec(10000.0, shape=True)
     """GPT-J: base of the rotary embedding's frequencies."""
-
-
-# feed_forward_proj values: "gated-ACT" (two input projections, one through ACT) or "ACT", as HF's T5Config
-FEED_FORWARD_PROJ = ("gated-gelu", "gated-silu", "gated-relu", "relu", "gelu", "silu")
 
 
 @dataclass
 class ModelConfig:
     """Size and numerics of the model."""
 
-    family: str = "t5"
-    """Model family: t5 (T5 v1.0/v1.1, Flan-T5, mT5, UL2; an encoder-decoder), umt5 (UMT5: T5 with a relative
-    position table in every layer) or gptj (GPT-J; a causal LM)."""
+    family: str = spec("t5", shape=True)
+    """Model family, one of modelling/registry.py's: t5 (T5 v1.0/v1.1, Flan-T5, mT5, UL2; an encoder-decoder), umt5
+    (UMT5: T5 with a relative position table in every layer) or gptj (GPT-J; a causal LM). The family checks the
+    fields only it knows (its variants, its shapes)."""
 
-    layers: int = 24
+    layers: int = spec(24, minimum=1, shape=True)
     """Number of encoder blocks, and of decoder blocks unless decoder_layers says otherwise (hf: num_layers)."""
 
-    decoder_layers: int = 0
+    decoder_layers: int = spec(0, minimum=0, shape=True)
     """Number of decoder blocks of an encoder-decoder when it differs from layers (hf: num_decoder_layers); 0: as
     many as layers."""
 
-    hidden_size: int = 4096
+    hidden_size: int = spec(4096, minimum=1, shape=True)
     """Width of the residual stream (hf: d_model)."""
 
-    d_ff: int = 10240
+    d_ff: int = spec(10240, minimum=1, shape=True)
     """Inner width of the feed-forward blocks (must be divisible by tensor_parallel)."""
 
-    sequence_length: int = 512
+    sequence_length: int = spec(512, minimum=1)
     """Encoder length in tokens: prompts are padded or truncated to it."""
 
-    decoder_sequence_length: int = 8
+    decoder_sequence_length: int = spec(8, minimum=1, training=True)
     """Decoder length in tokens for training (the original padded targets to sequence_length; MNLI labels need 4)."""
 
     eval: bool = False
     """Build for inference or validation: no dropout, no optimizer."""
 
-    dropout_prob: float = 0.0
+    dropout_prob: float = spec(0.0, bounds=(0.0, 1.0, True, False, "0.1"), training=True)
     """Dropout probability in training."""
 
-    precision: str = "float32"
+    precision: str = spec("float32", choices=("float32", "bfloat16", "float16"))
     """Compute dtype: float32, bfloat16 or float16 (master weights, norms and softmax stay float32)."""
 
     seed: int = 42
     """Seed of parameter initialisation, dropout and data shuffling."""
 
-    eps: float = 1e-6
+    eps: float = spec(1e-6, bounds=(0.0, 1.0, False, False, "1e-6"), shape=True)
     """Epsilon of the RMS norms (Flan-T5 checkpoints use 1e-6)."""
 
-    scale_ff: int = 1
+    scale_ff: int = spec(1, minimum=1)
     """Divide before the feed-forward down-projection and multiply back in float32 (float16 overflow guard)."""
 
-    feed_forward_proj: str = "gated-gelu"
+    feed_forward_proj: str = spec("gated-gelu", shape=True)
     """Feed-forward kind, as HF's T5 config names it: gated-gelu (T5 v1.1, Flan-T5, mT5, UMT5), gated-silu
     (UL2, Flan-UL2), relu (T5 v1.0), or gated-relu, gelu, silu."""
 
-    tie_word_embeddings: bool = False
+    tie_word_embeddings: bool = spec(False, shape=True)
     """Share the embedding with the LM head and rescale by hidden_size**-0.5 (T5 v1.0); Flan-T5 unties them."""
 
     embedding: Embedding = field(default_factory=Embedding)
@@ -136,10 +139,10 @@ class ModelConfig:
 class LearningRate:
     """The learning-rate schedule: linear warm-up, then constant."""
 
-    maximum: float = field(default=5e-6, metadata=_flag("learning_rate"))
+    maximum: float = spec(5e-6, flag="learning_rate", bounds=(0.0, 1.0, False, True, "1e-4"))
     """Peak learning rate."""
 
-    warmup_steps: int = 10
+    warmup_steps: int = spec(10, minimum=0)
     """Steps of linear warm-up from 0 to the maximum."""
 
 
@@ -147,22 +150,22 @@ class LearningRate:
 class Optimizer:
     """Optimizer and its hyper-parameters."""
 
-    name: str = field(default="adamw", metadata=_flag("optimizer"))
+    name: str = spec("adamw", flag="optimizer", choices=("adamw", "adafactor"))
     """adamw, or adafactor to save optimizer memory."""
 
     learning_rate: LearningRate = field(default_factory=LearningRate)
 
-    beta1: Optional[float] = None
+    beta1: Optional[float] = spec(None, bounds=(0.0, 1.0, True, False, "0.9"))
     """First-moment decay: Adam's beta1 (unset: 0.9); Adafactor keeps a first moment only when it is set
     (unset: none, T5X's default, which saves a weight-sized state)."""
 
-    beta2: float = 0.999
+    beta2: float = spec(0.999, bounds=(0.0, 1.0, True, False, "0.999"))
     """Adam beta2."""
 
-    weight_decay: float = 0.01
+    weight_decay: float = spec(0.01, bounds=(0.0, 1.0, True, True, "0.01"))
     """Decoupled weight decay (not applied to norms or biases)."""
 
-    gradient_clipping: float = 1.0
+    gradient_clipping: float = spec(1.0, bounds=(0.0, float("inf"), True, False, "1.0"))
     """Global-norm gradient clipping threshold; 0 disables it."""
 
 
@@ -170,10 +173,10 @@ class Optimizer:
 class Training:
     """The training run."""
 
-    steps: int = 500
+    steps: int = spec(500, minimum=0)
     """Number of optimizer steps."""
 
-    global_batch_size: int = 128
+    global_batch_size: int = spec(128, minimum=1)
     """Samples that contribute to one optimizer step."""
 
     stochastic_rounding: bool = False
@@ -188,26 +191,26 @@ class Training:
 class Execution:
     """How the model is executed on the devices."""
 
-    micro_batch_size: int = 1
+    micro_batch_size: int = spec(1, minimum=1)
     """Samples per device in one gradient-accumulation step."""
 
-    data_parallel: int = 1
+    data_parallel: int = spec(1, minimum=1)
     """Number of data-parallel replicas (mesh axis 'dp')."""
 
-    tensor_parallel: int = 1
+    tensor_parallel: int = spec(1, minimum=1)
     """Number of devices a layer is split over (mesh axis 'tp')."""
 
-    device_iterations: int = 1
+    device_iterations: int = spec(1, minimum=1, ipu=True)
     """IPU-only (steps per host call of the original's device loop); kept so the original's configs load. Must be 1:
     any other value is refused, not ignored."""
 
-    io_tiles: int = 1
+    io_tiles: int = spec(1, ipu=True)
     """IPU-only; kept so the original's configs load. No effect here."""
 
-    available_memory_proportion: tuple = (0.28,)
+    available_memory_proportion: tuple = spec((0.28,), ipu=True)
     """IPU-only; kept so the original's configs load. No effect here."""
 
-    loss_scaling: Optional[float] = None
+    loss_scaling: Optional[float] = spec(None, bounds=(0.0, float("inf"), False, False, "32768"), training=True)
     """Loss scale: the loss is multiplied by it and the gradients divided by it, so that small gradients survive
     float16. Static, or with dynamic_loss_scaling the starting scale. Unset: 1 (no scaling), or 2**15 where dynamic
     scaling starts."""
@@ -217,37 +220,37 @@ class Execution:
     optimizer state untouched) and the scale halved; after loss_scale_window good steps in a row it is doubled.
     Unset: on for float16, off for float32 and bfloat16 (whose range is float32's)."""
 
-    loss_scale_window: int = 1000
+    loss_scale_window: int = spec(1000, minimum=1, training=True)
     """Dynamic loss scaling: good steps in a row after which the scale is doubled."""
 
-    max_skipped_steps: int = 16
+    max_skipped_steps: int = spec(16, minimum=1, training=True)
     """Dynamic loss scaling: steps skipped for overflow in a row after which the run stops as diverged (a run whose
     every step overflows is broken, not unlucky); without dynamic scaling the first non-finite step stops it."""
 
-    attention_serialisation: int = 1
+    attention_serialisation: int = spec(1, minimum=1)
     """Split the attention queries into this many chunks, each rematerialised on its own."""
 
-    recompute: bool = True
+    recompute: bool = spec(True, training=True)
     """Rematerialise each block's activations in the backward pass."""
 
-    remat_policy: str = "full"
+    remat_policy: str = spec("full", choices=("full", "save_dots"), training=True)
     """With recompute: full (a layer's backward recomputes its forward from the layer's input: least memory) or
     save_dots (the matmul outputs are kept, the cheap elementwise work and attention recomputed: more memory,
     less recomputation). The phased executor always recomputes fully."""
 
-    attention_impl: str = "auto"
+    attention_impl: str = spec("auto", choices=("auto", "xla", "cudnn"))
     """Self-attention kernel: xla (einsums + softmax), cudnn (fused flash attention via
     jax.nn.dot_product_attention; GPU, bfloat16/float16, no dropout), or auto (cudnn where it
     applies, else xla)."""
 
-    unroll_layers: bool = False
+    unroll_layers: bool = spec(False, training=True)
     """Trace each layer of a stack on its own instead of scanning over the stacked weights: a larger
     program and a longer compile; on CPU about 10% faster training at small shapes without recompute."""
 
-    rts: bool = True
+    rts: bool = spec(True, training=True)
     """Replicated tensor sharding: store weights, gradients and optimizer state sharded over their replica group."""
 
-    phased: bool = False
+    phased: bool = spec(False, training=True)
     """Phased execution: weights and optimizer state live on the host, streamed in one layer at a time."""
 
     update_in_backward: bool = False
@@ -265,18 +268,18 @@ class Checkpoint:
     load: Optional[str] = None
     """Checkpoint directory (or glob, for validation) to load."""
 
-    save: Optional[str] = None
+    save: Optional[str] = spec(None, training=True)
     """Directory to save checkpoints to."""
 
-    steps: Optional[int] = field(default=None, metadata=_flag("checkpoint_steps"))
+    steps: Optional[int] = spec(None, flag="checkpoint_steps", minimum=0, training=True)
     """Save a checkpoint every this many steps (0: only at the end; unset: every tenth of the run when --save is
     given). An interrupted run (Ctrl-C, SIGTERM) also saves the step it finished."""
 
-    to_keep: int = 4
+    to_keep: int = spec(4, minimum=0, training=True)
     """Number of this run's checkpoints to keep: older steps are deleted once a newer one is complete (0: keep
     all). Only this project's step folders are ever deleted; other folders in the directory are left alone."""
 
-    optim_state: bool = True
+    optim_state: bool = spec(True, training=True)
     """Include the optimizer state in checkpoints."""
 
 
@@ -298,21 +301,21 @@ class Data:
     split: str = "validation_mismatched"
     """Split used by validation."""
 
-    packing: bool = True
+    packing: bool = spec(True, training=True)
     """Pack several training examples into each row of sequence_length tokens (segment ids and per-segment
     positions keep them apart); false pads every example to its own row, as the original. global_batch_size
     then counts rows, not examples."""
 
-    causal_packing: str = "segments"
+    causal_packing: str = spec("segments", choices=("segments", "concat"), training=True)
     """GPT-J with packing: segments (each example keeps its own attention and rotary positions, which restart
     at 0: the loss equals the unpacked one) or concat (the original's: examples concatenated and cut into rows
     of sequence_length, attending across example boundaries, as Hugging Face's run_clm)."""
 
-    loss_tokens: str = "all"
+    loss_tokens: str = spec("all", choices=("all", "target"), training=True)
     """GPT-J: the tokens the causal-LM loss counts: all (every next token, as the original) or target (only the
     label and end-of-text after 'target:')."""
 
-    packed_decoder_length: int = 0
+    packed_decoder_length: int = spec(0, minimum=0, training=True)
     """Decoder length of a packed row, shared by the targets of all its examples (0: sequence_length // 8,
     at least decoder_sequence_length). Each target is first cut to decoder_sequence_length, as unpacked."""
 
@@ -321,13 +324,13 @@ class Data:
 class Inference:
     """Greedy decoding."""
 
-    output_length: int = 5
+    output_length: int = spec(5, minimum=1)
     """Maximum number of tokens to generate."""
 
 
 @dataclass
-class T5Config:
-    """Configuration of Flan-T5 fine-tuning and inference."""
+class Config:
+    """The whole configuration of a run: the model, training, execution, checkpoints, data and decoding."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     training: Training = field(default_factory=Training)
@@ -368,124 +371,96 @@ class T5Config:
         """Number of devices the run needs (the original's ``ipus``)."""
         return self.execution.data_parallel * self.execution.tensor_parallel
 
-    def validate(self) -> "T5Config":
-        """Checks cross-field constraints; raises ConfigError naming the field and the fix."""
-        m, a, ex, tr = self.model, self.model.attention, self.execution, self.training
+    def validate(self) -> "Config":
+        """Checks every field against what its declaration says (``spec``) and the fields against each other;
+        raises ConfigError naming the field and the fix. What only a model family knows (its shapes and variants)
+        is checked by the family (modelling/family.py), when the config is resolved into a run."""
         _check_types(self)
-        positive = {
-            "layers": m.layers, "hidden_size": m.hidden_size, "d_ff": m.d_ff, "heads": a.heads,
-            "d_kv": a.d_kv, "sequence_length": m.sequence_length,
-            "decoder_sequence_length": m.decoder_sequence_length, "vocab_size": m.embedding.vocab_size,
-            "micro_batch_size": ex.micro_batch_size, "data_parallel": ex.data_parallel,
-            "tensor_parallel": ex.tensor_parallel, "attention_serialisation": ex.attention_serialisation,
-            "device_iterations": ex.device_iterations, "global_batch_size": tr.global_batch_size,
-            "relative_attention_num_buckets": a.relative_attention_num_buckets,
-            "output_length": self.inference.output_length, "scale_ff": m.scale_ff,
-            "loss_scale_window": ex.loss_scale_window, "max_skipped_steps": ex.max_skipped_steps,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"{name}={value} must be at least 1: pass --{name} with a positive value")
-        if tr.steps < 0:
-            raise ConfigError(f"steps={tr.steps} must not be negative: pass --steps 0 or more")
-        _check_numbers(self)
-        choices = {
-            "precision": (m.precision, ("float32", "bfloat16", "float16")),
-            "feed_forward_proj": (m.feed_forward_proj, FEED_FORWARD_PROJ),
-            "family": (m.family, ("t5", "umt5", "gptj")),
-            "causal_packing": (self.data.causal_packing, ("segments", "concat")),
-            "loss_tokens": (self.data.loss_tokens, ("all", "target")),
-            "optimizer": (tr.optimizer.name, ("adamw", "adafactor")),
-            "attention_impl": (ex.attention_impl, ("auto", "xla", "cudnn")),
-            "remat_policy": (ex.remat_policy, ("full", "save_dots")),
-        }
-        for name, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"{name}={value!r} is not one of {', '.join(allowed)}: pass --{name} with one of them")
-        if tr.stochastic_rounding and m.precision == "float32" and not m.eval:
-            raise ConfigError("stochastic_rounding=true rounds float32 updates to 16-bit master weights, but precision "
-                              "is float32: pass --precision bfloat16 (or float16), or --stochastic_rounding false")
-        if m.decoder_layers < 0 or (m.decoder_layers and m.family == "gptj"):
-            raise ConfigError(f"decoder_layers={m.decoder_layers} needs an encoder-decoder family and a value >= 0 "
-                              "(0: as many as layers): pass --decoder_layers 0")
-        if m.family == "gptj":
-            if a.heads * a.d_kv != m.hidden_size:
-                raise ConfigError(f"GPT-J needs heads * d_kv = hidden_size, got {a.heads} * {a.d_kv} != "
-                                  f"{m.hidden_size}: pass --d_kv {m.hidden_size // a.heads}")
-            if a.rotary_dim < 0 or a.rotary_dim > a.d_kv or a.rotary_dim % 2:
-                raise ConfigError(f"rotary_dim={a.rotary_dim} must be even and at most d_kv={a.d_kv} (0: all of "
-                                  f"d_kv): pass --rotary_dim {min(a.d_kv, 64)}")
-        tp = ex.tensor_parallel
-        if a.heads % tp:
-            raise ConfigError(
-                f"heads={a.heads} is not divisible by tensor_parallel={tp}: "
-                f"choose --tensor_parallel among the divisors of {a.heads}"
-            )
-        if m.d_ff % tp:
-            raise ConfigError(
-                f"d_ff={m.d_ff} is not divisible by tensor_parallel={tp}: "
-                f"choose --tensor_parallel among the divisors of {m.d_ff}"
-            )
-        if not m.eval:
-            denom = ex.data_parallel * ex.micro_batch_size
-            if tr.global_batch_size % denom:
-                raise ConfigError(
-                    f"global_batch_size={tr.global_batch_size} is not divisible by "
-                    f"data_parallel * micro_batch_size = {ex.data_parallel} * {ex.micro_batch_size}: "
-                    f"set --global_batch_size to a multiple of {denom}"
-                )
-        if m.sequence_length % ex.attention_serialisation:
-            raise ConfigError(
-                f"sequence_length={m.sequence_length} is not divisible by attention_serialisation="
-                f"{ex.attention_serialisation}: choose --attention_serialisation among its divisors"
-            )
-        p = self.data.packed_decoder_length
-        if p < 0:
-            raise ConfigError(f"packed_decoder_length={p} must not be negative: pass 0 (automatic) or a length")
-        if p and p < m.decoder_sequence_length:
-            raise ConfigError(f"packed_decoder_length={p} is shorter than decoder_sequence_length="
-                              f"{m.decoder_sequence_length}: one target would not fit a row; pass --packed_decoder_length "
-                              f"{m.decoder_sequence_length} or more (or 0 for sequence_length // 8)")
-        if (self.checkpoint.steps is not None and self.checkpoint.steps < 0) or self.checkpoint.to_keep < 0:
-            raise ConfigError("checkpoint_steps and to_keep must be >= 0: fix --checkpoint_steps / --to_keep "
-                              "(--to_keep 0 keeps every checkpoint)")
-        if ex.update_in_backward and not m.eval:
-            if self.dynamic_loss_scaling:
-                raise ConfigError("update_in_backward=true updates each layer before the step's overflow is known, "
-                                  "so dynamic loss scaling could not skip a step whole: pass --precision bfloat16, or "
-                                  "--dynamic_loss_scaling false with a static --loss_scaling, or --update_in_backward "
-                                  "false")
-        if ex.device_iterations != 1:
-            raise ConfigError(f"device_iterations={ex.device_iterations}: this backend runs one optimizer step per "
-                              "call from the host (the IPU's device loop has no counterpart here): pass "
-                              "--device_iterations 1")
+        _check_fields(self)
+        _check_parallelism(self)
+        _check_lengths(self)
+        _check_training(self)
         return self
 
 
-def _check_numbers(cfg: "T5Config") -> None:
-    """Every float field finite and in its range; ConfigError naming the field, the range and an example."""
-    o, m, ex = cfg.training.optimizer, cfg.model, cfg.execution
-    ranges = [  # (flag, value, low, high, low inclusive, high inclusive, example)
-        ("learning_rate", o.learning_rate.maximum, 0.0, 1.0, False, True, "1e-4"),
-        ("beta1", o.beta1, 0.0, 1.0, True, False, "0.9"),
-        ("beta2", o.beta2, 0.0, 1.0, True, False, "0.999"),
-        ("weight_decay", o.weight_decay, 0.0, 1.0, True, True, "0.01"),
-        ("gradient_clipping", o.gradient_clipping, 0.0, float("inf"), True, False, "1.0"),
-        ("loss_scaling", ex.loss_scaling, 0.0, float("inf"), False, False, "32768"),
-        ("eps", m.eps, 0.0, 1.0, False, False, "1e-6"),
-        ("dropout_prob", m.dropout_prob, 0.0, 1.0, True, False, "0.1"),
-    ]
-    for flag, value, lo, hi, lo_in, hi_in, example in ranges:
+T5Config = Config  # the name of the root config before the model families (kept for code that imports it)
+
+
+def _check_fields(cfg: Config) -> None:
+    """Each field against its own declaration: the least value of an int, the choices of a str, a float finite
+    and within its bounds."""
+    for ref in FIELDS.values():
+        value, meta = get_path(cfg, ref.path), ref.meta
         if value is None:
             continue
-        if not math.isfinite(value):
-            raise ConfigError(f"{flag}={value} is not a finite number: pass e.g. --{flag} {example}")
-        if not ((value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)):
-            interval = f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
-            raise ConfigError(f"{flag}={value:g} is outside {interval}: pass e.g. --{flag} {example}")
-    if o.learning_rate.warmup_steps < 0:
-        raise ConfigError(f"warmup_steps={o.learning_rate.warmup_steps} must not be negative: pass --warmup_steps 0 "
-                          "or more")
+        if "minimum" in meta and value < meta["minimum"]:
+            if meta["minimum"] == 0:
+                raise ConfigError(f"{ref.flag}={value} must not be negative: pass --{ref.flag} 0 or more")
+            raise ConfigError(f"{ref.flag}={value} must be at least {meta['minimum']}: pass --{ref.flag} with a "
+                              f"value of {meta['minimum']} or more")
+        if meta.get("choices") and value not in meta["choices"]:
+            raise ConfigError(f"{ref.flag}={value!r} is not one of {', '.join(meta['choices'])}: pass --{ref.flag} "
+                              "with one of them")
+        if "bounds" in meta:
+            _check_bounds(ref.flag, value, *meta["bounds"])
+
+
+def _check_bounds(flag: str, value: float, lo: float, hi: float, lo_in: bool, hi_in: bool, example: str) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"{flag}={value} is not a finite number: pass e.g. --{flag} {example}")
+    if not ((value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)):
+        interval = f"{'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+        raise ConfigError(f"{flag}={value:g} is outside {interval}: pass e.g. --{flag} {example}")
+
+
+def _check_parallelism(cfg: Config) -> None:
+    """Shapes that must divide over the devices and the batch over its micro-batches."""
+    m, a, ex = cfg.model, cfg.model.attention, cfg.execution
+    tp = ex.tensor_parallel
+    for name, value in (("heads", a.heads), ("d_ff", m.d_ff)):
+        if value % tp:
+            raise ConfigError(f"{name}={value} is not divisible by tensor_parallel={tp}: choose --tensor_parallel "
+                              f"among the divisors of {value}")
+    denom = ex.data_parallel * ex.micro_batch_size
+    if not m.eval and cfg.training.global_batch_size % denom:
+        raise ConfigError(f"global_batch_size={cfg.training.global_batch_size} is not divisible by data_parallel * "
+                          f"micro_batch_size = {ex.data_parallel} * {ex.micro_batch_size}: set --global_batch_size to "
+                          f"a multiple of {denom}")
+    if m.sequence_length % ex.attention_serialisation:
+        raise ConfigError(f"sequence_length={m.sequence_length} is not divisible by attention_serialisation="
+                          f"{ex.attention_serialisation}: choose --attention_serialisation among its divisors")
+    if ex.device_iterations != 1:
+        raise ConfigError(f"device_iterations={ex.device_iterations}: this backend runs one optimizer step per call "
+                          "from the host (the IPU's device loop has no counterpart here): pass --device_iterations 1")
+
+
+def _check_lengths(cfg: Config) -> None:
+    m, p = cfg.model, cfg.data.packed_decoder_length
+    if p and p < m.decoder_sequence_length:
+        raise ConfigError(f"packed_decoder_length={p} is shorter than decoder_sequence_length="
+                          f"{m.decoder_sequence_length}: one target would not fit a row; pass --packed_decoder_length "
+                          f"{m.decoder_sequence_length} or more (or 0 for sequence_length // 8)")
+
+
+def _check_training(cfg: Config) -> None:
+    """The training options that exclude each other."""
+    m, tr, ex = cfg.model, cfg.training, cfg.execution
+    if m.eval:
+        return
+    if tr.stochastic_rounding and m.precision == "float32":
+        raise ConfigError("stochastic_rounding=true rounds float32 updates to 16-bit master weights, but precision "
+                          "is float32: pass --precision bfloat16 (or float16), or --stochastic_rounding false")
+    if ex.update_in_backward and cfg.dynamic_loss_scaling:
+        raise ConfigError("update_in_backward=true updates each layer before the step's overflow is known, so "
+                          "dynamic loss scaling could not skip a step whole: pass --precision bfloat16, or "
+                          "--dynamic_loss_scaling false with a static --loss_scaling, or --update_in_backward false")
+
+
+def ipu_only_notices(cfg: Config) -> list:
+    """One line for each IPU-only field set to other than its default (it has no effect here)."""
+    return [f"{r.flag}={get_path(cfg, r.path)} had meaning only on IPUs: it has no effect here (kept so the "
+            "original's configs load)" for r in FIELDS.values()
+            if r.meta.get("ipu") and r.flag != "device_iterations" and get_path(cfg, r.path) != r.default]
 
 
 # --------------------------------------------------------------------------- fields
@@ -500,6 +475,7 @@ class FieldRef:
     type: Any
     default: Any
     doc: str
+    meta: dict = field(default_factory=dict)  # what ``spec`` declared of it
 
 
 def _field_docs(cls) -> dict:
@@ -516,7 +492,7 @@ def _field_docs(cls) -> dict:
     return docs
 
 
-def leaf_fields(cls=T5Config, prefix: tuple = ()) -> list:
+def leaf_fields(cls=Config, prefix: tuple = ()) -> list:
     """All leaf fields of a config class, depth first, with their flat flag names."""
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
@@ -527,7 +503,8 @@ def leaf_fields(cls=T5Config, prefix: tuple = ()) -> list:
             out += leaf_fields(typ, prefix + (f.name,))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out.append(FieldRef(f.metadata.get("flag", f.name), prefix + (f.name,), typ, default, docs.get(f.name, "")))
+        out.append(FieldRef(f.metadata.get("flag", f.name), prefix + (f.name,), typ, default, docs.get(f.name, ""),
+                            dict(f.metadata)))
     flags = [r.flag for r in out]
     dup = {x for x in flags if flags.count(x) > 1}
     assert not dup, f"config flags must be unique, duplicated: {dup}"
@@ -650,14 +627,14 @@ def _apply_mapping(cfg, mapping: dict, cls, where: str) -> None:
             setattr(cfg, key, coerce(FIELDS[flag], value))
 
 
-def config_from_mapping(mapping: dict) -> T5Config:
-    """A T5Config from a nested mapping (a resolved preset, or a saved config)."""
-    cfg = T5Config()
-    _apply_mapping(cfg, mapping, T5Config, "")
+def config_from_mapping(mapping: dict) -> Config:
+    """A Config from a nested mapping (a resolved preset, or a saved config)."""
+    cfg = Config()
+    _apply_mapping(cfg, mapping, Config, "")
     return cfg
 
 
-def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) -> T5Config:
+def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) -> Config:
     """Resolves preset ``name`` of a preset file, applies flat overrides and validates.
 
     Args:
@@ -676,7 +653,7 @@ def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) 
     return cfg.validate()
 
 
-def apply_overrides(cfg: T5Config, overrides: dict) -> T5Config:
+def apply_overrides(cfg: Config, overrides: dict) -> Config:
     """Applies {flat_flag: value} overrides; unknown flags are errors."""
     for flag, value in overrides.items():
         if flag not in FIELDS:
@@ -687,9 +664,7 @@ def apply_overrides(cfg: T5Config, overrides: dict) -> T5Config:
 
 
 # The fields that make a model's shape (and numerics): a checkpoint or a Hugging Face config.json carries them.
-MODEL_SHAPE = ("family", "layers", "decoder_layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv", "relative_attention_num_buckets",
-               "relative_attention_max_distance", "feed_forward_proj", "tie_word_embeddings", "eps", "rotary_dim",
-               "rotary_positional_embeddings_base")
+MODEL_SHAPE = tuple(flag for flag, ref in FIELDS.items() if ref.meta.get("shape"))
 
 
 def model_shape(source) -> dict:
@@ -704,12 +679,23 @@ def model_shape(source) -> dict:
     return out
 
 
-def to_dict(cfg: T5Config) -> dict:
+def shape_hint(current: Optional[Config], saved: Optional[dict]) -> str:
+    """How to run a checkpoint saved with config ``saved`` (a nested mapping) whose weights do not fit ``current``:
+    the shape flags it was trained with, where they differ."""
+    if not saved:
+        return "use the preset and flags of the run that wrote it"
+    theirs = model_shape(saved)
+    ours = model_shape(current) if current is not None else {k: FIELDS[k].default for k in theirs}
+    return ("it was trained with " + " ".join(f"--{k} {v}" for k, v in theirs.items() if v != ours[k])
+            + ": pass the same (or that run's preset)")
+
+
+def to_dict(cfg: Config) -> dict:
     """Nested plain-dict form of a config (for YAML/JSON dumps and checkpoints)."""
     d = dataclasses.asdict(cfg)
     d["execution"]["available_memory_proportion"] = list(d["execution"]["available_memory_proportion"])
     return d
 
 
-def dumps_yaml(cfg: T5Config) -> str:
+def dumps_yaml(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from data.packing import Examples, Packer, pack_rows, pad_rows
+from data.packing import Examples, Packer, causal_packer, causal_rows, pack_rows, pad_rows
+from modelling import registry
 
 MNLI_PREMISE_WORDS, MNLI_HYPOTHESIS_WORDS = 22.3, 11.4  # means reported by the MultiNLI paper
 PREMISE_SIGMA, HYPOTHESIS_SIGMA = 0.6, 0.45  # spread of log word counts: a long tail to a few hundred tokens
@@ -71,9 +72,7 @@ def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None, decod
     T = decoder_length or cfg.model.decoder_sequence_length
     V = cfg.model.embedding.vocab_size
     packing = cfg.data.packing if packing is None else packing
-    if cfg.model.family == "gptj":  # causal rows of prompt + target (data/packing.py)
-        from data.packing import causal_packer, causal_rows
-
+    if registry.of_config(cfg).causal:  # causal rows of prompt + target (data/packing.py)
         n = rows * max(L // 8, 1) + 64 if packing else rows
         ex = generated_examples(rng, n, V, lengths, max(L - T, 2), T)
         filled = causal_packer(ex, L).fill(rows, [], iter(range(n)))[0] if packing else [[i] for i in range(rows)]

@@ -18,6 +18,7 @@ import numpy as np
 from data import synthetic
 from data.packing import Examples, Packer, causal_packer, causal_rows, concat_rows, pack_rows, pad_rows
 from utils.errors import FlanT5Error
+from utils.hub import fetch
 
 logger = logging.getLogger("flan_t5")
 
@@ -32,11 +33,6 @@ class DataError(FlanT5Error, ValueError):
 
 def prompt(hypothesis: str, premise: str) -> str:
     return f"mnli hypothesis: {hypothesis} premise: {premise}"
-
-
-def causal_prompt(hypothesis: str, premise: str) -> str:
-    """GPT-J's prompt: the T5 prompt followed by ``target:``, which the model continues with the label."""
-    return f"{prompt(hypothesis, premise)} target:"
 
 
 # --------------------------------------------------------------------------- loading
@@ -216,7 +212,7 @@ def load_rows(dataset: str, split: str, seed: int = 0) -> list:
 TRAINED = "train"  # --tokenizer train: learn one from the training data (train_tokenizer)
 
 
-def train_tokenizer(rows: list, vocab_size: int, out_dir: str, causal: bool = False):
+def train_tokenizer(rows: list, vocab_size: int, out_dir: str, family):
     """A BPE tokenizer learnt from the training rows' prompts and labels in seconds, no download: at most
     ``vocab_size`` tokens (the model's), <pad> 0, </s> 1, <unk> 2 as T5's, every character of the data in its
     alphabet (so no word of the data is unknown), saved to ``out_dir`` (a directory AutoTokenizer loads, which
@@ -225,7 +221,7 @@ def train_tokenizer(rows: list, vocab_size: int, out_dir: str, causal: bool = Fa
     from transformers import PreTrainedTokenizerFast
 
     # every row's label too: frequent, they become whole tokens (the targets are a few tokens long)
-    texts = [(causal_prompt if causal else prompt)(r["hypothesis"], r["premise"]) for r in rows]
+    texts = [family.prompt(prompt(r["hypothesis"], r["premise"])) for r in rows]
     texts += [CLASS_LABELS[r["label"]] for r in rows] + CLASS_LABELS
     alphabet = sorted({c for t in texts for c in t if not c.isspace()} | {"\u2581"})  # + Metaspace's word marker
     specials = ["<pad>", "</s>", "<unk>"]
@@ -252,8 +248,6 @@ def load_tokenizer(name: str):
         raise DataError("--tokenizer train learns a tokenizer from the training data: run_finetuning.py does that; "
                         "validation then uses the one saved with the checkpoint")
     from transformers import AutoTokenizer
-
-    from utils.hub import fetch
 
     fix = ("pass --tokenizer train to learn one from the training data offline, or download it elsewhere "
            f"(huggingface-cli download {name} --local-dir DIR), copy DIR here and pass --tokenizer DIR")
@@ -295,43 +289,31 @@ def _pad(seqs: list, length: int, value: int) -> np.ndarray:
     return out
 
 
-def _ids(tokenizer, texts: list, special: bool) -> list:
-    return tokenizer(texts, add_special_tokens=special)["input_ids"] if texts else []
-
-
-def tokenize_inputs(rows: list, tokenizer, sequence_length: int | None, causal: bool = False) -> dict:
+def tokenize_inputs(rows: list, tokenizer, sequence_length: int | None, family) -> dict:
     """Prompt ids and attention mask [n, sequence_length] (truncated/padded on the right; None: padded to the
-    longest prompt, none truncated). T5: the encoder prompt, EOS kept by the tokenizer; ``causal`` (GPT-J): the
-    prompt up to ``target:``, no special tokens."""
-    if causal:
-        enc = _ids(tokenizer, [causal_prompt(r["hypothesis"], r["premise"]) for r in rows], False)
-    else:
-        enc = _ids(tokenizer, [prompt(r["hypothesis"], r["premise"]) for r in rows], True)
+    longest prompt, none truncated), as the model's family reads its input (T5: the encoder prompt and EOS; GPT-J:
+    the prompt up to ``target:``, no special tokens)."""
+    enc = family.encode_inputs(tokenizer, [family.prompt(prompt(r["hypothesis"], r["premise"])) for r in rows])
     length = sequence_length or max(len(x) for x in enc)
     ids = _pad(enc, length, tokenizer.pad_token_id)
     mask = _pad([[1] * len(s) for s in enc], length, 0)
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def tokenize_examples(rows: list, tokenizer, causal: bool = False) -> Examples:
+def tokenize_examples(rows: list, tokenizer, family) -> Examples:
     """Prompt and target ids of every row (nothing truncated yet): the input of padding or packing
-    (data/packing.py). T5: each ends in EOS (the tokenizer's special tokens). ``causal`` (GPT-J): the prompt up
-    to ``target:`` and the target `` LABEL`` followed by the end-of-text token, as the original's
+    (data/packing.py), in the family's format. T5: each ends in EOS (the tokenizer's special tokens). GPT-J: the
+    prompt up to ``target:`` and the target `` LABEL`` followed by the end-of-text token, as the original's
     ``... target: {label} <|endoftext|>``."""
-    if causal:
-        inputs = _ids(tokenizer, [causal_prompt(r["hypothesis"], r["premise"]) for r in rows], False)
-        eos = [tokenizer.eos_token_id]
-        targets = [t + eos for t in _ids(tokenizer, [" " + CLASS_LABELS[r["label"]] for r in rows], False)]
-    else:
-        inputs = _ids(tokenizer, [prompt(r["hypothesis"], r["premise"]) for r in rows], True)
-        targets = _ids(tokenizer, [CLASS_LABELS[r["label"]] for r in rows], True)
+    inputs = family.encode_inputs(tokenizer, [family.prompt(prompt(r["hypothesis"], r["premise"])) for r in rows])
+    targets = family.encode_targets(tokenizer, [CLASS_LABELS[r["label"]] for r in rows])
     return Examples([np.asarray(x, np.int32) for x in inputs], [np.asarray(t, np.int32) for t in targets])
 
 
-def tokenize_training(rows: list, tokenizer, sequence_length: int, decoder_length: int) -> dict:
-    """Training features, one example per row [n, len]: input_ids, attention_mask, decoder_input_ids,
-    decoder_attention_mask, labels (-100 on padding)."""
-    ex = tokenize_examples(rows, tokenizer)
+def tokenize_training(rows: list, tokenizer, sequence_length: int, decoder_length: int, family) -> dict:
+    """Training features of an encoder-decoder, one example per row [n, len]: input_ids, attention_mask,
+    decoder_input_ids, decoder_attention_mask, labels (-100 on padding)."""
+    ex = tokenize_examples(rows, tokenizer, family)
     return pad_rows(ex, range(len(ex)), sequence_length, decoder_length)
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from data.generated import HYPOTHESIS_SIGMA, MNLI_HYPOTHESIS_WORDS, MNLI_PREMISE_WORDS, PREMISE_SIGMA, _lognormal
+
 NOUNS = ["cat", "dog", "bird", "horse", "child", "woman", "man", "teacher", "farmer", "doctor"]
 ADJS = ["red", "blue", "green", "small", "big", "old", "young", "happy"]
 VERBS = ["runs", "sleeps", "eats", "sings", "reads", "swims", "walks", "jumps"]
@@ -45,8 +47,6 @@ def _other(rng, options, value):
 
 def _mnli_words(rng: np.random.Generator) -> tuple:
     """Word counts (premise, hypothesis) drawn as MultiNLI's (data/generated.py)."""
-    from data.generated import HYPOTHESIS_SIGMA, MNLI_HYPOTHESIS_WORDS, MNLI_PREMISE_WORDS, PREMISE_SIGMA, _lognormal
-
     return (int(_lognormal(rng, MNLI_PREMISE_WORDS, PREMISE_SIGMA, 1)[0]),
             int(_lognormal(rng, MNLI_HYPOTHESIS_WORDS, HYPOTHESIS_SIGMA, 1)[0]))
 

@@ -3,7 +3,9 @@
     init_state(params=None)           -> state     fresh optimizer state; random weights when None
     restore(directory, step, optim)   -> (state, checkpoint meta)
     warm_start(directory, step)       -> state at step 0 from a checkpoint's weights, fresh optimizer state
-    train_step(state, batch, rng)     -> (state, {"loss", "grad_norm"})
+    train_step(state, batch, rng, loss_scale, clip_norm) -> (state, {"loss", "grad_norm"})
+    loss_and_grads(state, batch, rng, loss_scale)        -> (mean token loss, float32 gradients in the stacked
+                                                            layout, unscaled); the state is not changed
     to_checkpoint(state)              -> TrainState in the stacked layout that checkpoints hold
     plan(exact=False)                 -> MemoryPlan from shapes alone (graphs/plan.py), nothing allocated
     memory_report(state, batch)       -> (state, device bytes at the step's peak, {phase: bytes} or None)
@@ -17,11 +19,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import jax
-
-from graphs import optim
-from graphs import sharding as S
-from graphs.graphs import Graphs, TrainState
+from graphs.fused import FusedExecutor
+from graphs.graphs import Graphs
+from graphs.phased import PhasedExecutor
+from graphs.state import TrainState
 
 
 class Executor(Protocol):
@@ -36,6 +37,8 @@ class Executor(Protocol):
 
     def train_step(self, state, batch: dict, rng_data=None, loss_scale=None, clip_norm=None) -> tuple: ...
 
+    def loss_and_grads(self, state, batch: dict, rng_data=None, loss_scale=None) -> tuple: ...
+
     def to_checkpoint(self, state) -> TrainState: ...
 
     def plan(self, exact: bool = False): ...
@@ -47,30 +50,4 @@ class Executor(Protocol):
 
 def make_executor(graphs: Graphs) -> Executor:
     """The fused executor, or the phased one when ``execution.phased``."""
-    if graphs.cfg.execution.phased:
-        from graphs.phased import PhasedExecutor
-
-        return PhasedExecutor(graphs)
-    from graphs.fused import FusedExecutor
-
-    return FusedExecutor(graphs)
-
-
-def restore_train_state(graphs: Graphs, directory: str, step: int, optim_state: bool = True,
-                        memory_kind: str | None = None) -> tuple:
-    """(stacked TrainState, meta) of a checkpoint, restored into the weights' layout (in
-    ``memory_kind``, e.g. host memory); opt_state is None when not asked for or not saved.
-    Targets come from shapes alone: no random weights are materialised first."""
-    from utils import checkpoint as ckpt
-
-    abstract = graphs.abstract_params()
-    shardings = graphs.param_shardings if memory_kind is None else S.with_memory_kind(graphs.param_shardings,
-                                                                                      memory_kind)
-    opt_target = None
-    if optim_state and ckpt.has_item(directory, step, "opt_state"):
-        opt_abstract = jax.eval_shape(lambda p: optim.init_state(graphs.optimizer, p, graphs.tree), abstract)
-        opt_target = ckpt.abstract_like(opt_abstract, graphs.opt_state_shardings(abstract, shardings))
-    params, opt_state, meta = ckpt.load(directory, step, ckpt.abstract_like(abstract, shardings), opt_target,
-                                        graphs.cfg)
-    step_arr = jax.device_put(jax.numpy.asarray(meta["step"], jax.numpy.int32), graphs.replicated)
-    return TrainState(step_arr, params, opt_state), meta
+    return PhasedExecutor(graphs) if graphs.phased else FusedExecutor(graphs)

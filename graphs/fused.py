@@ -15,12 +15,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from graphs import optim
 from graphs import sharding as S
-from graphs.graphs import TrainState
+from graphs.memory import live_device_bytes, program_bytes
+from graphs.plan import MemoryPlan, shard_bytes
 from graphs.phases import PhaseBodies, accumulate, micro_key
+from graphs.state import TrainState, restore_train_state, step_key
 
 
 class FusedExecutor:
@@ -30,9 +31,7 @@ class FusedExecutor:
 
     def __init__(self, graphs):
         self.g = graphs
-        cfg = graphs.cfg
         self.bodies = PhaseBodies(graphs.opts, S.TP, graphs.family, graphs.tree)
-        self.max_norm = cfg.training.optimizer.gradient_clipping
         self._step = None
         self._loss_and_grads = None
 
@@ -46,14 +45,12 @@ class FusedExecutor:
             params = g.init_params()
         elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
             params = g.shard_params(params)
-        opt_state = jax.jit(lambda p: optim.init_state(g.optimizer, p, g.tree),
+        opt_state = jax.jit(lambda p: g.updater.init_state(p, g.tree),
                             out_shardings=g.opt_state_shardings(params))(params)
         return TrainState(jax.device_put(jnp.zeros((), jnp.int32), g.replicated), params, opt_state)
 
     def restore(self, directory: str, step: int, optim_state: bool = True):
         """(state, meta) of a checkpoint, restored into this executor's layout."""
-        from graphs.executor import restore_train_state
-
         state, meta = restore_train_state(self.g, directory, step, optim_state)
         if state.opt_state is None:  # saved without optimizer state: start it afresh
             fresh = self.init_state(state.params)
@@ -63,8 +60,6 @@ class FusedExecutor:
 
     def warm_start(self, directory: str, step: int) -> TrainState:
         """A new run's state from a checkpoint's weights: step 0 and a fresh optimizer state."""
-        from graphs.executor import restore_train_state
-
         return self.init_state(restore_train_state(self.g, directory, step, optim_state=False)[0].params)
 
     def to_checkpoint(self, state: TrainState) -> TrainState:
@@ -122,27 +117,25 @@ class FusedExecutor:
         return jax.shard_map(self._local_loss_and_grads, mesh=self.g.mesh,
                              in_specs=(specs, batch_spec, P(), P()), out_specs=(P(), specs), check_vma=False)
 
-    def loss_and_grads(self, params, batch, rng_data=None, loss_scale=None):
-        """(mean token loss, gradients in the RTS layout) of one global batch."""
-        rng_data = jax.random.key_data(jax.random.key(0)) if rng_data is None else rng_data
+    def loss_and_grads(self, state: TrainState, batch, rng_data=None, loss_scale=None):
+        """(mean token loss, float32 gradients in the stacked RTS layout, unscaled) of one global batch; the state is
+        not changed. ``rng_data``: the step's key data (``step_key`` of the state's step when None)."""
+        rng_data = step_key(self.g.steps.seed, state.step) if rng_data is None else rng_data
         if self._loss_and_grads is None:
             self._loss_and_grads = jax.jit(lambda p, b, r, s: self._sharded_loss_and_grads(tuple(b))(p, b, r, s))
-        return self._loss_and_grads(params, batch, rng_data, self.g.loss_scale_input(loss_scale))
+        return self._loss_and_grads(state.params, batch, rng_data, self.g.loss_scale_input(loss_scale))
 
     def update(self, params, opt_state, grads, rng_data=None, clip_norm=None):
         """The optimizer phase: every weight group clipped with the global norm (or ``clip_norm``: the previous
         step's under ``execution.update_in_backward``) and updated -> (params, state, norm). With stochastic
         rounding, rng_data (the step's key data) seeds each group's rounding."""
         g_norm = optax.global_norm(grads)
-        tree = self.g.tree
+        tree, updater = self.g.tree, self.g.updater
         pg, gg = tree.split_groups(params), tree.split_groups(grads)
-        sr = self.g.cfg.training.stochastic_rounding
         new_p, new_s = {}, {}
         for name in pg:
-            key = optim.group_key(rng_data, name) if sr else None
-            new_p[name], new_s[name] = optim.update_group(self.g.optimizer, self.max_norm, pg[name], opt_state[name],
-                                                          gg[name], g_norm, stacked=tree.is_layer_group(name), key=key,
-                                                          clip_norm=clip_norm)
+            new_p[name], new_s[name] = updater.update(name, pg[name], opt_state[name], gg[name], g_norm, rng_data,
+                                                      stacked=tree.is_layer_group(name), clip_norm=clip_norm)
         return tree.merge_groups(new_p), new_s, g_norm
 
     def _step_fn(self, state: TrainState, batch, rng_data, loss_scale, clip_norm=None):
@@ -159,18 +152,42 @@ class FusedExecutor:
                                  out_shardings=(self.state_shardings(state), self.g.replicated))
         return self._step
 
-    def plan(self, exact: bool = False):
+    def plan(self, exact: bool = False) -> MemoryPlan:
         """The memory plan of this executor's runs (graphs/plan.py): the step's state and batch, and with ``exact``
-        XLA's count of its temporaries."""
-        from graphs.plan import plan_fused
-
-        return plan_fused(self, exact)
+        XLA's count of its temporaries (the step compiled from shapes); else a lower bound (state, gradient
+        accumulator, weights cast to the compute dtype)."""
+        g = self.g
+        params = g.abstract_params()
+        opt = jax.eval_shape(lambda p: g.updater.init_state(p, g.tree), params)
+        opt_sh = g.opt_state_shardings(params)
+        batch = g.abstract_batch()
+        items = {"weights": _per_device(params, g.param_shardings), "optimizer state": _per_device(opt, opt_sh),
+                 "batch": sum(shard_bytes(b.shape, b.dtype, b.sharding) for b in batch.values())}
+        notes = []
+        if exact:
+            struct = lambda t, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),  # noqa: E731
+                                                t, sh)
+            state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=g.replicated),
+                               struct(params, g.param_shardings), struct(opt, opt_sh))
+            rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=g.replicated)
+            scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=g.replicated)
+            analysis = self.train_step_program(state).lower(state, batch, rng, scale).compile().memory_analysis()
+            items["step temporaries (gradients, activations)"] = analysis.temp_size_in_bytes
+            items["step outputs"] = max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
+        else:
+            # the float32 gradient accumulator and the compute-dtype copy of the weights, both tp-sharded
+            tp_bytes = sum(shard_bytes(x.shape, x.dtype, NamedSharding(g.mesh, lay.compute_spec))
+                           for x, lay in zip(jax.tree.leaves(params), jax.tree.leaves(g.layouts, is_leaf=S.is_layout)))
+            items["gradient accumulator"] = tp_bytes
+            if g.opts.compute_dtype != jnp.float32:
+                items["weights in the compute dtype"] = tp_bytes // 2
+            notes.append("activations not counted: --plan compiles the step and counts them")
+        return MemoryPlan("fused", sum(items.values()), "training step", items, 0, "no host-resident state", {}, exact,
+                          notes)
 
     def memory_report(self, state: TrainState, batch: dict) -> tuple:
         """(state, device bytes of the step: live device arrays plus the compiled step's temporaries and outputs
         (XLA's memory analysis), None); nothing is run."""
-        from utils.bench import live_device_bytes, program_bytes
-
         rng = jax.random.key_data(jax.random.key(0))
         analysis = self.train_step_program(state).lower(state, batch, rng, self.g.loss_scale_input()).compile().memory_analysis()
         return state, program_bytes(analysis, max(live_device_bytes().values() or [0])), None
@@ -184,7 +201,11 @@ class FusedExecutor:
         static scale when None). ``clip_norm``: under ``execution.update_in_backward``, the norm to clip with (the
         previous step's; None or 0: no clipping), as the phased executor does; otherwise ignored."""
         if rng_data is None:
-            rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), state.step))
+            rng_data = step_key(self.g.steps.seed, state.step)
         return self.train_step_program(state)(state, batch, rng_data, self.g.loss_scale_input(loss_scale),
                                               self.g.clip_norm_input(clip_norm))
 
+
+
+def _per_device(tree, shardings) -> int:
+    return sum(shard_bytes(x.shape, x.dtype, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))

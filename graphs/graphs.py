@@ -1,51 +1,55 @@
-"""The Graphs builder: mesh, weight layouts, shardings and the decoding program of one config.
+"""The Graphs builder: a config resolved, once, into what the engine runs on: the model family and its options, the
+mesh, weight layouts and shardings, the updater (optimizer, clipping, stochastic rounding), the step options, and
+the decoding programs.
 
-The training step lives in the executors, which run the phase library (graphs/phases.py):
-``graphs.executor.make_executor(graphs)`` picks the fused executor (graphs/fused.py: every
-phase in one compiled step) or the phased one (graphs/phased.py: weights, optimizer state and
-activations in host memory, one phase program at a time), from ``execution.phased``.
+The executors (graphs/fused.py, graphs/phased.py) read these objects, never the config itself:
+``graphs.executor.make_executor(graphs)`` picks the fused executor (every phase in one compiled step) or the
+phased one (weights, optimizer state and activations in host memory, one phase program at a time).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from config.config import shape_hint
 from graphs import optim
 from graphs import sharding as S
+from graphs.state import TrainState  # noqa: F401  (the state's home is graphs/state.py; callers import it here too)
 from graphs.tree import TreeStructure
-from modelling import family as families
-from modelling.family import ModelOptions
+from modelling import decoding, registry
+from modelling.family import ModelOptions, leaf_name
 from modelling.params import init_params, zero_padded_vocab
 
 
-@jax.tree_util.register_dataclass
-@dataclass
-class TrainState:
-    """Everything a step changes: step counter, weights and optimizer state (RTS-sharded)."""
+@dataclass(frozen=True)
+class StepOptions:
+    """What a training step needs of the config beside the model and the updater."""
 
-    step: jax.Array
-    params: Any
-    opt_state: Any
+    seed: int  # of the initial weights and of every step's key (graphs/state.step_key)
+    loss_scale: float  # the static loss scale, or the first one under dynamic scaling
+    update_in_backward: bool  # phased: each layer updated right after its backward, clipped with the previous norm
+    batch: tuple  # (gradient accumulation, rows per micro-batch) of a global batch
+    batch_lengths: tuple  # ((batch key, row length), ...) as the loader builds a batch
 
 
 class Graphs:
-    """Builds the mesh, the weight layouts and shardings of a config (no training step: see executors)."""
+    """A config resolved into the engine's objects (see the module docstring). ``cfg`` stays for the drivers."""
 
     def __init__(self, cfg, mesh=None):
         self.cfg = cfg
         ex = cfg.execution
         self.dp, self.tp = ex.data_parallel, ex.tensor_parallel
         self.mesh = mesh if mesh is not None else S.make_mesh(self.dp, self.tp)
-        self.family = families.of_config(cfg)
+        self.family = registry.checked(cfg)
         self.opts = ModelOptions.from_config(cfg)
         self.specs = self.family.param_specs(cfg.model, self.tp)
+        self.vocab_size = cfg.model.embedding.vocab_size
         # the tree's structure: its stacks and the weights the head phase reads
         self.tree = TreeStructure(tuple(s.name for s in self.family.stacks), self.family.head_paths(self.opts))
         self.layouts = S.layouts(self.specs, self.mesh, ex.rts)
@@ -55,39 +59,40 @@ class Graphs:
         self.batch_sharding = NamedSharding(self.mesh, P(None, S.DP, None))
         # inference rows [dp * micro_batch_size, length]
         self.row_sharding = NamedSharding(self.mesh, P(S.DP, None))
-        self.optimizer = None if cfg.model.eval else optim.make_optimizer(cfg.training, self.family.decays)
+        training = not cfg.model.eval
+        self.updater = optim.Updater.of_config(cfg.training, self.family.decays) if training else None
+        # 16-bit master weights under stochastic rounding (every update rounded stochastically), else float32
+        self.master_dtype = self.opts.compute_dtype if training and cfg.training.stochastic_rounding else np.float32
+        ga = max(cfg.gradient_accumulation, 1)
+        self.steps = StepOptions(cfg.model.seed, cfg.initial_loss_scale, ex.update_in_backward and training,
+                                 (ga, cfg.training.global_batch_size // ga),
+                                 tuple(self.family.batch_lengths(cfg).items()))
+        self.phased = ex.phased
+        self.shape_hint = partial(shape_hint, cfg)  # how to run a checkpoint of another shape (utils/checkpoint.py)
 
     # ------------------------------------------------------------------ weights
 
-    @property
-    def master_dtype(self):
-        """The dtype of the master weights: the compute dtype under ``training.stochastic_rounding`` (16-bit weights
-        that still learn: every update is rounded stochastically), else float32. The family's float32 weights
-        (norms, relative-position tables, biases) stay float32 either way."""
-        sr = self.cfg.training.stochastic_rounding and not self.cfg.model.eval
-        return self.opts.compute_dtype if sr else np.float32
-
     def to_master(self, params: dict) -> dict:
-        """Weights (float32) in their master dtypes."""
+        """Weights (float32) in their master dtypes (the family's float32 weights, norms, tables and biases, stay
+        float32)."""
         dt = self.master_dtype
         if dt == np.float32:
             return params
         keep = self.family.keeps_f32
-        return jax.tree_util.tree_map_with_path(lambda path, x: x if keep(families.leaf_name(path)) else x.astype(dt),
-                                                params)
+        return jax.tree_util.tree_map_with_path(lambda path, x: x if keep(leaf_name(path)) else x.astype(dt), params)
 
     def init_params(self, seed: int | None = None) -> dict:
         """Random weights, created directly in their RTS layout (and master dtypes)."""
-        key = jax.random.key(self.cfg.model.seed if seed is None else seed)
-        vocab = self.cfg.model.embedding.vocab_size
-        fn = jax.jit(lambda k: self.to_master(zero_padded_vocab(init_params(self.specs, k), vocab)),
+        key = jax.random.key(self.steps.seed if seed is None else seed)
+        fn = jax.jit(lambda k: self.to_master(zero_padded_vocab(init_params(self.specs, k), self.vocab_size)),
                      out_shardings=self.param_shardings)
         return fn(key)
 
     def shard_params(self, host_params: dict, memory_kind: str | None = None) -> dict:
         """Places host (numpy) weights in their RTS layout (in host memory with ``memory_kind="pinned_host"``), in
         their master dtypes (rounded to nearest, once, from float32)."""
-        shardings = self.param_shardings if memory_kind is None else S.with_memory_kind(self.param_shardings, memory_kind)
+        shardings = self.param_shardings if memory_kind is None else S.with_memory_kind(self.param_shardings,
+                                                                                        memory_kind)
         host = self.to_master(jax.tree.map(lambda x: np.asarray(x, np.float32), host_params))
         return jax.tree.map(lambda x, s: S.put_global(np.asarray(x), s), host, shardings)
 
@@ -104,12 +109,12 @@ class Graphs:
         """Shardings of the optimizer state ({group: state}): a leaf shaped like a weight follows that
         weight; any other leaf (step counts, Adafactor's factored moments) is replicated."""
         param_shardings = self.param_shardings if param_shardings is None else param_shardings
-        abstract = jax.eval_shape(partial(optim.init_state, self.optimizer, tree=self.tree), params)
+        abstract = jax.eval_shape(partial(self.updater.init_state, tree=self.tree), params)
         pg, sg = self.tree.split_groups(params), self.tree.split_groups(param_shardings)
         default = NamedSharding(self.mesh, P(), memory_kind=jax.tree.leaves(param_shardings)[0].memory_kind)
         return {name: S.follow_params(state, pg[name], sg[name], default) for name, state in abstract.items()}
 
-    # ------------------------------------------------------------------ batches
+    # ------------------------------------------------------------------ batches and step inputs
 
     def shard_batch(self, batch: dict) -> dict:
         """Host batch {key: [GA, dp*mb, len]} -> device arrays split over dp.
@@ -119,22 +124,27 @@ class Graphs:
         """
         return {k: S.put_global(v, self.batch_sharding) for k, v in batch.items() if k in self.family.batch_keys}
 
+    def abstract_batch(self) -> dict:
+        """ShapeDtypeStructs of one global batch as the loader builds it (packed rows carry positions)."""
+        shape = self.steps.batch
+        return {k: jax.ShapeDtypeStruct(shape + (n,), jnp.int32, sharding=self.batch_sharding)
+                for k, n in self.steps.batch_lengths}
+
     def loss_scale_input(self, loss_scale: float | None = None) -> jax.Array:
         """A step's loss scale as the step programs take it: a float32 scalar replicated over the mesh (an input, so
         that a new scale compiles nothing); the config's static scale when None."""
-        value = self.cfg.initial_loss_scale if loss_scale is None else loss_scale
+        value = self.steps.loss_scale if loss_scale is None else loss_scale
         return jax.device_put(jnp.asarray(value, jnp.float32), self.replicated)
 
     def clip_norm_input(self, clip_norm: float | None) -> jax.Array | None:
         """The norm a step clips with in place of its own: under ``execution.update_in_backward`` the previous
         step's (None or 0: no clipping), as a replicated float32 scalar; otherwise None (the step's own norm)."""
-        if not self.cfg.execution.update_in_backward:
+        if not self.steps.update_in_backward:
             return None
         return jax.device_put(jnp.asarray(clip_norm or 0.0, jnp.float32), self.replicated)
 
     def learning_rate(self, step: int) -> float:
-        o = self.cfg.training.optimizer
-        return float(optim.learning_rate_schedule(o.learning_rate.maximum, o.learning_rate.warmup_steps)(step))
+        return self.updater.learning_rate(step)
 
     # ------------------------------------------------------------------ programs
 
@@ -151,7 +161,8 @@ class Graphs:
 
         Rows split over dp, weights over tp; ``cached=False`` runs the uncached reference.
         """
-        opts, gen = self.opts, self.family.generate
-        return self.phase(lambda p, ids, mask: gen(p, ids, mask, opts, max_new_tokens, S.TP, eos_id=eos_id,
-                                                     pad_id=pad_id, cached=cached),
+        opts, family = self.opts, self.family
+        search = decoding.greedy if cached else decoding.greedy_uncached
+        return self.phase(lambda p, ids, mask: search(family, p, ids, mask, opts, max_new_tokens, S.TP, eos_id=eos_id,
+                                                      pad_id=pad_id),
                           (self.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))

@@ -15,6 +15,7 @@ group sees the same clipping factor.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -190,3 +191,44 @@ def clip_by_norm(tree, g_norm: jax.Array, max_norm: float):
         return tree
     trigger = g_norm < max_norm
     return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm), tree)
+
+
+# --------------------------------------------------------------------------- the updater
+
+
+@dataclass(frozen=True)
+class Updater:
+    """The optimizer phase of a run, resolved once from its config (the executors read this, not the config):
+    the optimizer, its global-norm clipping threshold, the learning-rate schedule and stochastic rounding."""
+
+    optimizer: optax.GradientTransformation
+    max_norm: float  # gradient_clipping (0: none)
+    stochastic_rounding: bool
+    maximum: float  # the schedule's peak learning rate
+    warmup_steps: int
+
+    @classmethod
+    def of_config(cls, training, decays) -> "Updater":
+        """The updater of a ``Training`` config section; ``decays(name)``: the family's weight-decay rule."""
+        o = training.optimizer
+        return cls(make_optimizer(training, decays), o.gradient_clipping, training.stochastic_rounding,
+                   o.learning_rate.maximum, o.learning_rate.warmup_steps)
+
+    def learning_rate(self, step: int) -> float:
+        return float(learning_rate_schedule(self.maximum, self.warmup_steps)(step))
+
+    def init_state(self, params: dict, tree) -> dict:
+        return init_state(self.optimizer, params, tree)
+
+    def init_group(self, params, stacked: bool = False):
+        return init_group(self.optimizer, params, stacked)
+
+    def update(self, group: str, params, state, grads, g_norm, rng_data, layer=None, stacked: bool = False,
+               loss_scale=None, clip_norm=None, skip_non_finite: bool = True):
+        """``update_group`` of weight group ``group`` (of its layer ``layer``, an index, in the phased executor);
+        with stochastic rounding its key is ``group_key`` of the step's key data, folded with the layer."""
+        key = group_key(rng_data, group) if self.stochastic_rounding else None
+        if key is not None and layer is not None:
+            key = jax.random.fold_in(key, layer)
+        return update_group(self.optimizer, self.max_norm, params, state, grads, g_norm, stacked, key, loss_scale,
+                            clip_norm, skip_non_finite)

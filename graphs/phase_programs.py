@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from graphs import optim
 from graphs import sharding as S
 from graphs.phases import PhaseBodies, accumulate, micro_key, stream_key
 from modelling.family import Stack
@@ -35,7 +34,6 @@ class PhasePrograms:
 
     def __init__(self, graphs):
         g = self.g = graphs
-        cfg = g.cfg
         self.opts = g.opts
         self.bodies = PhaseBodies(g.opts, S.TP, g.family, g.tree)
         self.rest_layouts = g.tree.split_rest(g.layouts)
@@ -44,7 +42,7 @@ class PhasePrograms:
         self.rest_specs = S.storage_specs(self.rest_layouts)
         self.row_specs = {s: S.storage_specs(lay) for s, lay in self.row_layouts.items()}
         # RTS on activations: rows stored split over tp along d, gathered after loading
-        self.act_tp = g.tp > 1 and cfg.model.hidden_size % g.tp == 0
+        self.act_tp = g.tp > 1 and g.opts.hidden_size % g.tp == 0
         self.act_spec = P(None, S.DP, None, S.TP if self.act_tp else None)
         # weight gradients leave the device in the compute dtype (they were summed over the
         # micro-batches in float32, and their norm taken, before that)
@@ -286,20 +284,16 @@ class PhasePrograms:
         """(params, optimizer state, gradients, global norm, rng data, loss scale[, layer index j]) of one weight
         group (of one layer of a stack's group with ``layer``[, clip norm]) -> (params, state). The gradients arrive
         loss-scaled, the norm not; the clip norm, when given, replaces the norm for clipping
-        (``execution.update_in_backward``). With stochastic rounding the key is the fused step's: ``optim.group_key`` of the group, folded
-        with j for a layer. Weights and state are donated: their updated values take their place on the device."""
+        (``execution.update_in_backward``). With stochastic rounding the key is the fused step's: ``optim.group_key``
+        of the group, folded with j for a layer (``optim.Updater.update``). Weights and state are donated: their updated values take their place on the device."""
         key = ("optimizer", group, layer)
         if key not in self._cache:
-            sr = self.g.cfg.training.stochastic_rounding
-            clip = self.g.cfg.training.optimizer.gradient_clipping
+            updater = self.g.updater
 
             def update(p, s, g, g_norm, rng_data, scale, j=None, clip_norm=None):
-                k = optim.group_key(rng_data, group) if sr else None
-                if k is not None and layer:
-                    k = jax.random.fold_in(k, j)
                 # the schedule runs no optimizer program in a step whose norm is not finite (PhasedExecutor.train_step)
-                return optim.update_group(self.g.optimizer, clip, p, s, g, g_norm, key=k, loss_scale=scale,
-                                          clip_norm=clip_norm, skip_non_finite=False)
+                return updater.update(group, p, s, g, g_norm, rng_data, layer=j if layer else None, loss_scale=scale,
+                                      clip_norm=clip_norm, skip_non_finite=False)
 
             self._cache[key] = jax.jit(update, donate_argnums=(0, 1))
         return self._cache[key]

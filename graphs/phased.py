@@ -41,21 +41,24 @@ reused by every layer. Numerically the result equals the fused executor (tests/t
 
 from __future__ import annotations
 
+import copy
 import math
+import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
-from graphs import optim
 from graphs import sharding as S
-from graphs.graphs import TrainState
 from graphs.host_state import HOST, ActivationBuffer, PhasedState, from_rows, row_sharding, to_host, to_rows
+from graphs.memory import live_device_bytes, program_bytes
 from graphs.phase_programs import PhasePrograms
 from graphs.phases import context_weights, stack_meta
+from graphs.plan import MemoryPlan, PlanOps
+from graphs.state import TrainState, restore_train_state, step_key
 from graphs.tree import flat_paths, from_flat
 from modelling.params import ParamSpec, init_leaf, is_spec, zero_padded_vocab
-from utils.bench import live_device_bytes, program_bytes
 
 F32 = jnp.float32
 
@@ -73,12 +76,23 @@ def prefetch(n: int, load, reverse: bool = False):
         yield j, cur
 
 
+def serial_collectives(mesh) -> bool:
+    """Several processes on CPUs (gloo collectives): XLA:CPU may run two dispatched programs at once, and two
+    programs' collectives can then pair up across processes in different orders and hang. There, each program with
+    collectives finishes before the next is dispatched. GPUs and TPUs run the programs in dispatch order on one
+    stream, so nothing waits there."""
+    return jax.process_count() > 1 and mesh.devices.flat[0].platform == "cpu"
+
+
 class PhasedExecutor:
-    """Runs a training step phase by phase with host-resident weights, optimizer state and activations."""
+    """Runs a training step phase by phase with host-resident weights, optimizer state and activations.
+
+    ``ops``: what the schedule runs on: ``DeviceOps`` (arrays; the default), ``TimingOps`` (each transfer and
+    program waited for and timed), or graphs/plan.py's ``PlanOps`` (placeholders: the memory plan)."""
 
     name = "phased"
 
-    def __init__(self, graphs):
+    def __init__(self, graphs, ops=None):
         g = self.g = graphs
         self.programs = PhasePrograms(g)
         self.mesh, self.depth = g.mesh, g.depths()  # {stack: layers}
@@ -93,25 +107,23 @@ class PhasedExecutor:
         self.opt_row_dev = {s.name: jax.tree.map(lambda sh: row_sharding(sh, "device"), opt_dev[s.name])
                             for s in self.stacks}
         self.act_dev = NamedSharding(self.mesh, self.programs.act_spec)
-        self.act_host = self.act_dev.with_memory_kind(HOST)
-        self.memory = None  # set to a PhaseMemory to record device bytes per phase
-        # Several processes on CPUs (gloo collectives): XLA:CPU may run two dispatched programs at
-        # once, and two programs' collectives can then pair up across processes in different orders
-        # and hang. There, each program with collectives finishes before the next is dispatched. GPUs
-        # and TPUs run the programs in dispatch order on one stream, so nothing waits there.
-        self._serial = jax.process_count() > 1 and self.mesh.devices.flat[0].platform == "cpu"
-        self.ops = DeviceOps(self)  # what the schedule runs on: arrays, or placeholders when planning
+        self.ops = ops if ops is not None else DeviceOps(serial_collectives(self.mesh))
+
+    def with_ops(self, ops) -> "PhasedExecutor":
+        """This executor (its compiled programs and shardings shared) running its schedule on other ops."""
+        other = copy.copy(self)
+        other.ops = ops
+        return other
 
     # ------------------------------------------------------------------ state
 
     def init_params(self, seed: int | None = None) -> dict:
         """The fused executor's random weights (same values), created one weight at a time into host memory."""
         g = self.g
-        key = jax.random.key(g.cfg.model.seed if seed is None else seed)
+        key = jax.random.key(g.steps.seed if seed is None else seed)
         flat = jax.tree_util.tree_flatten_with_path(g.specs, is_leaf=is_spec)[0]
         keys = jax.random.split(key, len(flat))
         host = jax.tree_util.tree_leaves(S.with_memory_kind(g.param_shardings, HOST))
-        vocab = g.cfg.model.embedding.vocab_size
         programs, out = {}, []
         for (path, spec), k, sh in zip(flat, keys, host):
             top = path[0].key  # shared / lm_head(_bias) get their padded vocabulary zeroed, as in Graphs.init_params
@@ -122,11 +134,11 @@ class PhasedExecutor:
                 def make(k, std, spec=spec, top=top, padded=padded):
                     x = init_leaf(ParamSpec(spec.shape, spec.axes, None if spec.is_norm else 1.0, spec.dtype), k)
                     x = x if spec.is_norm else std * x
-                    return zero_padded_vocab({top: x}, vocab)[top] if padded else x
+                    return zero_padded_vocab({top: x}, g.vocab_size)[top] if padded else x
 
                 programs[sig] = jax.jit(make, out_shardings=sh)
             out.append(programs[sig](k, jnp.float32(spec.std or 1.0)))
-        return jax.tree_util.tree_unflatten(jax.tree.structure(g.specs, is_leaf=is_spec), out)
+        return g.to_master(jax.tree_util.tree_unflatten(jax.tree.structure(g.specs, is_leaf=is_spec), out))
 
     def _weights(self, params) -> tuple:
         """Stacked weights (any memory) -> (rest in host memory, {stack: [rows in host memory]})."""
@@ -143,10 +155,10 @@ class PhasedExecutor:
         elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
             params = self.g.shard_params(params, HOST)
         rest, layers = self._weights(params)
-        opt = self.g.optimizer
+        updater = self.g.updater
 
         def init(tree, dev, host):
-            return jax.jit(lambda t: optim.init_group(opt, t),
+            return jax.jit(lambda t: updater.init_group(t),
                            out_shardings=S.with_memory_kind(host, HOST))(self.ops.load(tree, dev))
 
         groups, dev = self.tree.rest_groups(rest), self.tree.rest_groups(self.rest_dev)
@@ -163,8 +175,6 @@ class PhasedExecutor:
 
     def restore(self, directory: str, step: int, optim_state: bool = True):
         """(state, meta) of a checkpoint, restored straight into host memory."""
-        from graphs.executor import restore_train_state
-
         state, meta = restore_train_state(self.g, directory, step, optim_state, HOST)
         if state.opt_state is None:  # saved without optimizer state: start it afresh
             ps = self.init_state(state.params)
@@ -174,8 +184,6 @@ class PhasedExecutor:
 
     def warm_start(self, directory: str, step: int) -> PhasedState:
         """A new run's host-resident state from a checkpoint's weights: step 0 and a fresh optimizer state."""
-        from graphs.executor import restore_train_state
-
         return self.init_state(restore_train_state(self.g, directory, step, False, HOST)[0].params)
 
     def to_checkpoint(self, ps: PhasedState) -> TrainState:
@@ -190,102 +198,126 @@ class PhasedExecutor:
         step = jax.device_put(jnp.asarray(ps.step, jnp.int32), g.replicated)
         return TrainState(step, params, opt)
 
+
     # ------------------------------------------------------------------ the step
 
-    def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data, loss_scale=None, update_layer=None):
-        """Forward, head and backward phases -> (loss, non-layer gradients on the device,
-        {stack: [layer gradients in host memory]}, global gradient norm). The gradients are multiplied by the loss
-        scale (``stacked_grads`` divides them); the norm is not.
+    def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data=None, loss_scale=None):
+        """(mean token loss, float32 gradients in the stacked layout as numpy, unscaled) of one global batch; the
+        state is not changed (the executor interface's, graphs/executor.py)."""
+        rng_data = step_key(self.g.steps.seed, ps.step) if rng_data is None else rng_data
+        scale = self.g.loss_scale_input(loss_scale)
+        loss, g_rest, layer_grads, _ = self._forward_backward(ps, batch, rng_data, scale)
+        as_np = lambda x: np.asarray(jax.device_get(x), np.float32) / np.float32(jax.device_get(scale))  # noqa: E731
+        stacked = {s: jax.tree.map(lambda *r: np.stack([as_np(x) for x in r]), *layer_grads[s]) for s in layer_grads}
+        return loss, self.tree.with_layers(jax.tree.map(as_np, g_rest), stacked)
 
-        ``update_layer(stack, j, weights, gradients, sum of squares)``: called with each layer's weights (on the
-        device, a copy it may donate) and gradients right after its backward, in place of storing the gradients
+    def _forward_backward(self, ps: PhasedState, batch: dict, rng_data, scale, update_layer=None):
+        """Forward, head and backward phases -> (loss, non-layer gradients on the device, {stack: [layer gradients
+        in host memory]}, global gradient norm). The gradients are multiplied by the loss scale ``scale`` (a float32
+        scalar on the mesh), the norm is not.
+
+        ``update_layer(stack, j, weights, gradients, sum of squares)``: when given, each layer is updated (weights on
+        the device, a copy it may donate) right after its backward, in place of storing its gradients
         (``execution.update_in_backward``); the layer gradients returned are then None."""
-        ops, prog, depth, stacks = self.ops, self.programs, self.depth, self.stacks
-        scale = loss_scale if isinstance(loss_scale, jax.Array) else self.g.loss_scale_input(loss_scale)
-        load_act = lambda x: ops.load(x, self.act_dev, label="activations")  # noqa: E731
-        store_act = lambda x: ops.store(x, self.act_dev, label="activation rows")  # noqa: E731
-        # a stack's buffer: its layers' input rows 0..L-1, then (a stack with an output norm) the norm's input at L
-        rows = {s.name: ActivationBuffer(s.buffer, depth[s.name] + (1 if s.output else 0)) for s in stacks}
-        meta = {s.name: stack_meta(s, batch) for s in stacks}
+        ops = self.ops
+        meta = {s.name: stack_meta(s, batch) for s in self.stacks}
         rest, rest_dev = ps.rest, self.rest_dev
-        shared = ops.load(rest["shared"], rest_dev["shared"])
-        ctx = {s.name: ops.load(context_weights(s, rest[s.name]), context_weights(s, rest_dev[s.name])) for s in stacks}
-        out_norm = {s.name: ops.load(rest[s.name][s.output], rest_dev[s.name][s.output]) for s in stacks if s.output}
-
-        # ---- forward
-        enc_out = None  # the output of a stack that the next one attends to
-        for stack in stacks:
-            buf, keys = rows[stack.name], tuple(sorted(meta[stack.name]))
-            x = ops.run("embeddings_fwd", prog.embeddings_fwd(stack), shared, batch[stack.ids], rng_data)
-            fwd = prog.layer_fwd(stack, keys)
-            layer = lambda j, s=stack.name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
-            for j, lp in prefetch(depth[stack.name], layer):
-                buf[j] = store_act(x)  # this layer's input, read again by its backward
-                extra = (enc_out,) if stack.cross else ()
-                x = ops.run(f"{stack.name}_layer_fwd", fwd, lp, ctx[stack.name], x, *extra, meta[stack.name],
-                            rng_data, j)
-                del lp
-            if stack.output:
-                buf[depth[stack.name]] = store_act(x)  # the output norm's input
-                enc_out = ops.run(f"{stack.name}_output_fwd", prog.stack_output_fwd(stack), out_norm[stack.name], x,
-                                  rng_data)
-
-        # ---- head: loss and its backward
+        w = {"shared": ops.load(rest["shared"], rest_dev["shared"]),
+             "ctx": {s.name: ops.load(context_weights(s, rest[s.name]), context_weights(s, rest_dev[s.name]))
+                     for s in self.stacks},
+             "out": {s.name: ops.load(rest[s.name][s.output], rest_dev[s.name][s.output])
+                     for s in self.stacks if s.output}}
+        rows, x, enc_out = self._forward(ps, batch, meta, w, rng_data)
         hp = ops.load(self.tree.head_subtree(rest), self.tree.head_subtree(rest_dev))
-        loss, g_head, dy = ops.run("head", prog.head(), hp, x, batch["labels"], rng_data, scale)
+        loss, g_head, dy = ops.run("head", self.programs.head(), hp, x, batch["labels"], rng_data, scale)
         del hp, x
         g_flat = dict(zip(flat_paths(g_head), jax.tree.leaves(g_head)))  # {weight path: gradient} of the rest
         del g_head
+        sumsq, layer_grads = [], {s.name: [None] * self.depth[s.name] for s in self.stacks}
+        carry = {"dy": dy}  # the gradient flowing back, handed from phase to phase (no frame keeps an old one alive)
+        del dy
+        for stack in reversed(self.stacks):
+            self._backward(ps, stack, batch, meta, w, rows[stack.name], carry, enc_out, rng_data, g_flat, sumsq,
+                           layer_grads, update_layer)
+            if stack.cross:
+                enc_out = None
+        del w
+        g_rest = from_flat(rest, g_flat)  # the rest tree's structure
+        sumsq.append(ops.run("sum_of_squares", self.programs.rest_sum_of_squares(), g_rest))
+        g_norm = ops.run("global_norm", self.programs.global_norm, sumsq, scale)
+        return loss, g_rest, layer_grads, g_norm
+
+    def _forward(self, ps, batch, meta, w, rng_data) -> tuple:
+        """Every stack forward, storing each layer's input row -> (activation buffers, the last stack's output,
+        the output the cross-attending stack reads)."""
+        ops, prog, depth = self.ops, self.programs, self.depth
+        rows = {s.name: ActivationBuffer(s.buffer, depth[s.name] + (1 if s.output else 0)) for s in self.stacks}
+        enc_out = x = None  # the output of a stack that the next one attends to
+        for stack in self.stacks:
+            buf, keys = rows[stack.name], tuple(sorted(meta[stack.name]))
+            x = ops.run("embeddings_fwd", prog.embeddings_fwd(stack), w["shared"], batch[stack.ids], rng_data)
+            fwd = prog.layer_fwd(stack, keys)
+            layer = lambda j, s=stack.name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
+            for j, lp in prefetch(depth[stack.name], layer):
+                buf[j] = self._store_act(x)  # this layer's input, read again by its backward
+                extra = (enc_out,) if stack.cross else ()
+                x = ops.run(f"{stack.name}_layer_fwd", fwd, lp, w["ctx"][stack.name], x, *extra, meta[stack.name],
+                            rng_data, j)
+                del lp
+            if stack.output:
+                buf[depth[stack.name]] = self._store_act(x)  # the output norm's input
+                enc_out = ops.run(f"{stack.name}_output_fwd", prog.stack_output_fwd(stack), w["out"][stack.name], x,
+                                  rng_data)
+        return rows, x, enc_out
+
+    def _backward(self, ps, stack, batch, meta, w, buf, carry, enc_out, rng_data, g_flat, sumsq, layer_grads,
+                  update_layer) -> None:
+        """One stack backward, its layers in reverse. ``carry``: {"dy": the gradient of the stack's output (its
+        last layer's, or for a stack with an output norm that norm's), "d_enc": the gradient of the output a
+        cross-attending stack read, summed over its layers on the device}; the non-layer gradients are added into
+        ``g_flat``, the layers' stored (or each layer updated: ``update_layer``)."""
+        ops, prog, name = self.ops, self.programs, stack.name
+        depth, keys = self.depth[name], tuple(sorted(meta[name]))
 
         def add_grad(path, g):
             g_flat[path] = g if path not in g_flat else ops.run("add", prog.add, g_flat[path], g)
 
-        sumsq = []  # each phase's sum of squares of its weight gradients
-        layer_grads = {s.name: [None] * depth[s.name] for s in stacks}
-        d_enc = None  # the gradient of enc_out, summed over the layers that attend to it
+        if stack.output:  # the output norm, from the gradient of its output summed over the layers reading it
+            g_norm_w, carry["dy"] = ops.run(f"{name}_output_bwd", prog.stack_output_bwd(stack), w["out"][name],
+                                            self._load_act(buf.pop(depth)), carry.pop("d_enc"), rng_data)
+            add_grad((name, stack.output), g_norm_w)
+        if stack.cross:
+            carry["d_enc"] = ops.zeros(enc_out.shape, F32, self.act_dev)
+        bwd, g_ctx = prog.layer_bwd(stack, keys), None
+        copy_ = update_layer is not None  # the loaded weights are then donated to the layer's update
+        layer = lambda j: ops.load(ps.layers[name][j], self.row_dev[name], copy=copy_)  # noqa: E731
+        for j, lp in prefetch(depth, layer, reverse=True):
+            x = self._load_act(buf.pop(j))
+            if stack.cross:
+                g_lp, ss, g_c, carry["dy"], carry["d_enc"] = ops.run(
+                    f"{name}_layer_bwd", bwd, lp, w["ctx"][name], x, enc_out, meta[name], carry.pop("dy"),
+                    carry.pop("d_enc"), rng_data, j)
+            else:
+                g_lp, ss, g_c, carry["dy"] = ops.run(f"{name}_layer_bwd", bwd, lp, w["ctx"][name], x, meta[name],
+                                                     carry.pop("dy"), rng_data, j)
+            if update_layer is None:
+                layer_grads[name][j] = ops.store(g_lp, self.row_dev[name], label="weight gradients")
+            else:
+                update_layer(name, j, lp, g_lp, ss)
+            sumsq.append(ss)
+            if stack.context:
+                g_ctx = g_c if g_ctx is None else ops.run("add", prog.add, g_ctx, g_c)
+            del lp, x, g_lp, g_c
+        for k in stack.context:
+            add_grad((name, k), g_ctx[k])
+        add_grad(("shared",), ops.run("embeddings_bwd", prog.embeddings_bwd(stack), w["shared"], batch[stack.ids],
+                                      carry.pop("dy"), rng_data))
 
-        # ---- backward
-        for stack in reversed(stacks):
-            name, keys, buf = stack.name, tuple(sorted(meta[stack.name])), rows[stack.name]
-            if stack.output:  # the output norm, from the summed gradient of its output
-                g_norm_w, dy = ops.run(f"{name}_output_bwd", prog.stack_output_bwd(stack), out_norm[name],
-                                       load_act(buf.pop(depth[name])), d_enc, rng_data)
-                add_grad((name, stack.output), g_norm_w)
-                d_enc = None
-            if stack.cross:
-                d_enc = ops.zeros(enc_out.shape, F32, self.act_dev)
-            bwd = prog.layer_bwd(stack, keys)
-            g_ctx = None
-            copy = update_layer is not None  # the loaded weights are then donated to the layer's update
-            layer = lambda j, s=name: ops.load(ps.layers[s][j], self.row_dev[s], copy=copy)  # noqa: E731
-            for j, lp in prefetch(depth[name], layer, reverse=True):
-                x = load_act(buf.pop(j))
-                if stack.cross:
-                    g_lp, ss, g_c, dy, d_enc = ops.run(f"{name}_layer_bwd", bwd, lp, ctx[name], x, enc_out,
-                                                       meta[name], dy, d_enc, rng_data, j)
-                else:
-                    g_lp, ss, g_c, dy = ops.run(f"{name}_layer_bwd", bwd, lp, ctx[name], x, meta[name], dy,
-                                                rng_data, j)
-                if update_layer is None:
-                    layer_grads[name][j] = ops.store(g_lp, self.row_dev[name], label="weight gradients")
-                else:
-                    update_layer(name, j, lp, g_lp, ss)
-                sumsq.append(ss)
-                if stack.context:
-                    g_ctx = g_c if g_ctx is None else ops.run("add", prog.add, g_ctx, g_c)
-                del lp, x, g_lp, g_c
-            for k in stack.context:
-                add_grad((name, k), g_ctx[k])
-            add_grad(("shared",), ops.run("embeddings_bwd", prog.embeddings_bwd(stack), shared, batch[stack.ids], dy,
-                                          rng_data))
-            del g_ctx, dy
-            if stack.cross:
-                enc_out = None
-        del shared, ctx, out_norm
-        g_rest = from_flat(rest, g_flat)  # the rest tree's structure
-        sumsq.append(ops.run("sum_of_squares", prog.rest_sum_of_squares(), g_rest))
-        g_norm = ops.run("global_norm", prog.global_norm, sumsq, scale)
-        return loss, g_rest, layer_grads, g_norm
+    def _store_act(self, x):
+        return self.ops.store(x, self.act_dev, label="activation rows")
+
+    def _load_act(self, x):
+        return self.ops.load(x, self.act_dev, label="activations")
 
     def train_step(self, ps: PhasedState, batch: dict, rng_data=None, loss_scale=None, clip_norm=None):
         """One optimizer step on one global batch, phase by phase -> (state, metrics). ``loss_scale``: this step's
@@ -298,47 +330,54 @@ class PhasedExecutor:
         weights and optimizer state are let go of as soon as their update is stored, so host
         memory never holds two copies of the model.
         """
-        if rng_data is None:
-            rng_data = jax.random.key_data(jax.random.fold_in(jax.random.key(self.g.cfg.model.seed), ps.step))
-        scale = self.g.loss_scale_input(loss_scale)
-        ops, prog = self.ops, self.programs
-        in_backward = self.g.cfg.execution.update_in_backward
+        rng_data = step_key(self.g.steps.seed, ps.step) if rng_data is None else rng_data
+        scale, stale = self.g.loss_scale_input(loss_scale), self.g.clip_norm_input(clip_norm)
+        in_backward = self.g.steps.update_in_backward
         layers, opt_layers = ({s.name: [None] * self.depth[s.name] for s in self.stacks} for _ in range(2))
-        stale = self.g.clip_norm_input(clip_norm)  # the previous step's norm under update_in_backward, else None
 
         def update_layer(s, j, p, gr, ss):
-            """Layer j of stack s, right after its backward: its weights are on the device already."""
-            st = ops.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True)
+            """Layer j of stack s, right after its backward: its weights are on the device already. (The step's norm
+            is not known yet: the update clips with the previous one, and the driver stops a run whose norm turns
+            out not finite before anything of the step is saved.)"""
+            st = self.ops.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True)
             ps.layers[s][j] = ps.opt_layers[s][j] = None
-            # (the step's norm is not known yet: the update clips with the previous one, and the driver stops a run
-            # whose norm turns out not finite before anything of the step is saved)
-            p, st = ops.run("optimizer", prog.optimizer(s, layer=True), p, st, gr, stale, rng_data, scale, j, stale)
-            layers[s][j] = ops.store(p, self.row_dev[s], label="weights")
-            opt_layers[s][j] = ops.store(st, self.opt_row_dev[s], label="optimizer state")
+            self._update_layer(s, j, p, st, gr, stale, rng_data, scale, stale, layers, opt_layers)
 
-        loss, g_rest, layer_grads, g_norm = self.loss_and_grads(ps, batch, rng_data, scale,
-                                                                update_layer if in_backward else None)
-        if not in_backward and not ops.is_finite(g_norm):
+        loss, g_rest, layer_grads, g_norm = self._forward_backward(ps, batch, rng_data, scale,
+                                                                   update_layer if in_backward else None)
+        metrics = {"loss": loss, "grad_norm": g_norm}
+        if not in_backward and not self.ops.is_finite(g_norm):
             # an overflow (or a diverged step): no optimizer program runs, every weight and state stays as it was.
             # Reading the norm here waits for the backward; the optimizer phase needed the norm first anyway.
-            return PhasedState(ps.step + 1, ps.rest, ps.layers, ps.opt, ps.opt_layers), {"loss": loss, "grad_norm": g_norm}
-        # ---- optimizer phases: the embedding, the LM head, the small rest, then one layer at a time
-        tree = self.tree
+            return PhasedState(ps.step + 1, ps.rest, ps.layers, ps.opt, ps.opt_layers), metrics
+        new_rest, new_opt = self._update_rest(ps, g_rest, g_norm, rng_data, scale, stale)
+        del g_rest
+        if not in_backward:
+            self._update_layers(ps, layer_grads, g_norm, rng_data, scale, layers, opt_layers)
+        return PhasedState(ps.step + 1, new_rest, layers, new_opt, opt_layers), metrics
+
+    def _update_rest(self, ps, g_rest, g_norm, rng_data, scale, stale) -> tuple:
+        """The optimizer phases of the embedding, the LM head and the small rest -> (rest weights, their states)."""
+        ops, tree = self.ops, self.tree
         params_g, grads_g, dev = tree.rest_groups(ps.rest), tree.rest_groups(g_rest), tree.rest_groups(self.rest_dev)
         ps.rest = None
-        del g_rest
         new_params, new_opt = {}, {}
         for name in list(params_g):
-            p, s = ops.run("optimizer", prog.optimizer(name), ops.load(params_g.pop(name), dev[name], copy=True),
+            p, s = ops.run("optimizer", self.programs.optimizer(name), ops.load(params_g.pop(name), dev[name], copy=True),
                            ops.load(ps.opt[name], self.opt_dev[name], copy=True), grads_g.pop(name), g_norm,
                            rng_data, scale, None, stale)
             ps.opt[name] = None
             new_params[name] = ops.store(p, dev[name], label="weights")
             new_opt[name] = ops.store(s, self.opt_dev[name], label="optimizer state")
             del p, s
-        for stack in self.stacks if not in_backward else ():
+        return tree.rest_from_groups(new_params), new_opt
+
+    def _update_layers(self, ps, layer_grads, g_norm, rng_data, scale, layers, opt_layers) -> None:
+        """The optimizer phases of the layers, one at a time: weights, state and gradients loaded, the next layer's
+        prefetched."""
+        ops = self.ops
+        for stack in self.stacks:
             s = stack.name
-            update = prog.optimizer(s, layer=True)
 
             def load(j, s=s):
                 out = (ops.load(ps.layers[s][j], self.row_dev[s], copy=True),
@@ -348,63 +387,66 @@ class PhasedExecutor:
                 return out
 
             for j, (p, st, gr) in prefetch(self.depth[s], load):
-                p, st = ops.run("optimizer", update, p, st, gr, g_norm, rng_data, scale, j)
-                layers[s][j] = ops.store(p, self.row_dev[s], label="weights")
-                opt_layers[s][j] = ops.store(st, self.opt_row_dev[s], label="optimizer state")
+                self._update_layer(s, j, p, st, gr, g_norm, rng_data, scale, None, layers, opt_layers)
                 del p, st, gr
-        metrics = {"loss": loss, "grad_norm": g_norm}
-        return PhasedState(ps.step + 1, tree.rest_from_groups(new_params), layers, new_opt, opt_layers), metrics
 
-    def plan(self, exact: bool = False):
-        """The memory plan (graphs/plan.py): this step's own schedule run once on placeholders."""
-        from graphs.plan import plan_phased
+    def _update_layer(self, s, j, p, st, gr, g_norm, rng_data, scale, clip_norm, layers, opt_layers) -> None:
+        update = self.programs.optimizer(s, layer=True)
+        args = (p, st, gr, g_norm, rng_data, scale, j) + ((clip_norm,) if clip_norm is not None else ())
+        p, st = self.ops.run("optimizer", update, *args)
+        layers[s][j] = self.ops.store(p, self.row_dev[s], label="weights")
+        opt_layers[s][j] = self.ops.store(st, self.opt_row_dev[s], label="optimizer state")
 
-        return plan_phased(self, exact)
+    # ------------------------------------------------------------------ plans and reports
+
+    def plan(self, exact: bool = False) -> MemoryPlan:
+        """The memory plan (graphs/plan.py): this step's own schedule run once on placeholders (``PlanOps``)."""
+        g, ops = self.g, PlanOps(exact)
+        host = lambda sh: S.with_memory_kind(sh, HOST)  # noqa: E731
+        params = g.abstract_params()
+        rest = ops.abstract(self.tree.split_rest(params), host(self.rest_dev), "weights")
+        layers, opt_layers = {}, {}
+        for s in g.tree.stacks:
+            row = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params[s]["layers"])
+            layers[s] = [ops.abstract(row, host(self.row_dev[s]), "weights") for _ in range(self.depth[s])]
+            opt_row = jax.eval_shape(g.updater.init_group, row)
+            opt_layers[s] = [ops.abstract(opt_row, host(self.opt_row_dev[s]), "optimizer state")
+                             for _ in range(self.depth[s])]
+        opt = {k: ops.abstract(jax.eval_shape(g.updater.init_group, grp), host(self.opt_dev[k]), "optimizer state")
+               for k, grp in g.tree.rest_groups(self.tree.split_rest(params)).items()}
+        state = PhasedState(0, rest, layers, opt, opt_layers)
+        batch = {k: ops.new(b.shape, b.dtype, b.sharding, "batch") for k, b in g.abstract_batch().items()}
+        rng = ops.new((2,), jnp.uint32, g.replicated, "batch")
+        new_state, _ = self.with_ops(ops).train_step(state, batch, rng)
+        del state, new_state
+        return ops.plan("phased")
 
     def memory_report(self, state: PhasedState, batch: dict) -> tuple:
         """(state after one more step, device bytes at the step's peak, {phase: bytes}): one step with every phase
         program's live arrays, temporaries and outputs recorded (``PhaseMemory``)."""
-        self.memory = PhaseMemory()
-        try:
-            state, _ = self.train_step(state, batch)
-            return state, self.memory.peak, self.memory.by_phase
-        finally:
-            self.memory = None
+        memory = PhaseMemory()
+        state, _ = self.with_ops(DeviceOps(serial_collectives(self.mesh), memory)).train_step(state, batch)
+        return state, memory.peak, memory.by_phase
 
     def timing_report(self, state: PhasedState, batch: dict) -> tuple:
         """(state after one more step, {load_s, store_s, compute_s, serial_step_s}): one step in which every
         transfer and every phase program is waited for on its own and timed, so their sums say what the step
         spends on transfers and on compute (the real step overlaps them; its time minus compute_s is about what
         it waits on transfers)."""
-        import time
-
-        saved, self.ops = self.ops, TimingOps(self)
+        ops = TimingOps(serial_collectives(self.mesh))
         t0 = time.perf_counter()
-        try:
-            state, metrics = self.train_step(state, batch)
-            jax.block_until_ready(metrics["loss"])
-            times = dict(self.ops.seconds, serial_step_s=time.perf_counter() - t0)
-        finally:
-            self.ops = saved
-        return state, times
-
-    def stacked_grads(self, g_rest, layer_grads, loss_scale: float | None = None) -> dict:
-        """Gradients (``loss_and_grads``'s, divided by its loss scale) in the fused executor's (stacked) tree, as
-        float32 numpy, for comparisons."""
-        import numpy as np
-
-        scale = np.float32(self.g.cfg.initial_loss_scale if loss_scale is None else loss_scale)
-        as_np = lambda x: np.asarray(jax.device_get(x), np.float32) / scale  # noqa: E731
-        stacked = {s: jax.tree.map(lambda *r: np.stack([as_np(x) for x in r]), *layer_grads[s]) for s in layer_grads}
-        return self.tree.with_layers(jax.tree.map(as_np, g_rest), stacked)
+        state, metrics = self.with_ops(ops).train_step(state, batch)
+        jax.block_until_ready(metrics["loss"])
+        return state, dict(ops.seconds, serial_step_s=time.perf_counter() - t0)
 
 
 class DeviceOps:
-    """The schedule's operations on real arrays (graphs/plan.py's PlanOps runs the same schedule on
-    placeholders to plan its memory)."""
+    """The schedule's operations on real arrays (graphs/plan.py's PlanOps runs the same schedule on placeholders to
+    plan its memory). ``serial``: wait for each program (``serial_collectives``); ``memory``: a PhaseMemory that
+    records each program's device bytes."""
 
-    def __init__(self, executor):
-        self.x = executor
+    def __init__(self, serial: bool = False, memory=None):
+        self.serial, self.memory = serial, memory
 
     def load(self, tree, shardings, copy: bool = False, label: str = ""):
         """Remote buffer -> device: one transfer per weight (RTS shards stay shards).
@@ -425,23 +467,20 @@ class DeviceOps:
         return math.isfinite(float(jax.device_get(x)))
 
     def run(self, name, program, *args, label: str = ""):
-        if self.x.memory is not None:
-            self.x.memory.record(name, program, args)
+        if self.memory is not None:
+            self.memory.record(name, program, args)
         out = program(*args)
-        # several processes on CPUs: each program with collectives finishes before the next (see _serial)
-        return jax.block_until_ready(out) if self.x._serial else out
+        return jax.block_until_ready(out) if self.serial else out
 
 
 class TimingOps(DeviceOps):
     """DeviceOps that wait for each transfer and program and add up their seconds (``timing_report``)."""
 
-    def __init__(self, executor):
-        super().__init__(executor)
+    def __init__(self, serial: bool = False):
+        super().__init__(serial)
         self.seconds = {"load_s": 0.0, "store_s": 0.0, "compute_s": 0.0}
 
     def _timed(self, key, fn, *args, **kw):
-        import time
-
         t0 = time.perf_counter()
         out = jax.block_until_ready(fn(*args, **kw))
         self.seconds[key] += time.perf_counter() - t0

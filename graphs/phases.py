@@ -34,7 +34,7 @@ from jax import lax
 from graphs.tree import TreeStructure, layer_list
 from modelling import family as families
 from modelling import layers as L
-from modelling.family import Stack
+from modelling.family import Family, Stack
 
 
 def stack_meta(stack: Stack, batch: dict) -> dict:
@@ -67,9 +67,9 @@ def accumulate(acc, grads):
 class PhaseBodies:
     """The per-device phase bodies for one model configuration (see the module docstring)."""
 
-    def __init__(self, opts: families.ModelOptions, tp_axis: Optional[str], family=None, tree=None):
+    def __init__(self, opts: families.ModelOptions, tp_axis: Optional[str], family: Family, tree=None):
         self.opts, self.tp = opts, tp_axis
-        self.family = family or families.get(opts.family)
+        self.family = family
         self.stacks = self.family.stacks
         self.tree = tree or TreeStructure(tuple(s.name for s in self.stacks), self.family.head_paths(opts))
 

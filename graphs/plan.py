@@ -1,5 +1,7 @@
 """Memory plan: the device and host bytes a training run needs, from shapes alone, before any allocation.
 
+Each executor computes its own plan (``plan(exact)``) with what this module provides.
+
 Phased executor: the training step's own schedule runs once on placeholders (``PlanOps``)
 instead of arrays. A placeholder has a shape, a dtype and a sharding; its bytes count as live
 from its creation until the schedule drops its last reference, exactly as the real arrays'
@@ -22,10 +24,8 @@ import weakref
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from graphs import optim
 from graphs import sharding as S
 from utils.errors import FlanT5Error
 
@@ -136,6 +136,11 @@ class PlanOps:
 
     def is_finite(self, x) -> bool:
         return True  # the plan follows a step that updates
+
+    def plan(self, executor: str) -> "MemoryPlan":
+        """The plan of the schedule just run on these placeholders: its device and host peaks."""
+        dev, host = self.ledger.peak["device"], self.ledger.peak["host"]
+        return MemoryPlan(executor, dev[0], dev[1], dev[2], host[0], host[1], host[2], self.exact)
 
     def run(self, name: str, program, *args, label: str = "phase outputs"):
         structs = jax.tree.map(lambda x: x.struct() if _is_placeholder(x) else x, args, is_leaf=_is_placeholder)
@@ -248,86 +253,6 @@ def host_memory_limit() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
-
-
-def abstract_batch(cfg, graphs) -> dict:
-    """ShapeDtypeStructs of one global batch as the loader builds it (packed rows carry positions)."""
-    ga = cfg.gradient_accumulation
-    rows = cfg.training.global_batch_size // ga
-    keys = graphs.family.batch_lengths(cfg)
-    return {k: jax.ShapeDtypeStruct((ga, rows, n), jnp.int32, sharding=graphs.batch_sharding) for k, n in keys.items()}
-
-
-def plan_fused(executor, exact: bool = False) -> MemoryPlan:
-    """The fused executor's device bytes: state + batch + the step's temporaries (exact), or a lower bound."""
-    from graphs.graphs import TrainState
-
-    g = executor.g
-    params = g.abstract_params()
-    opt = jax.eval_shape(lambda p: optim.init_state(g.optimizer, p, g.tree), params)
-    opt_sh = g.opt_state_shardings(params)
-
-    def per_device(tree, shardings):
-        return sum(shard_bytes(x.shape, x.dtype, s) for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
-
-    batch = abstract_batch(g.cfg, g)
-    items = {"weights": per_device(params, g.param_shardings), "optimizer state": per_device(opt, opt_sh),
-             "batch": sum(shard_bytes(b.shape, b.dtype, b.sharding) for b in batch.values())}
-    notes = []
-    if exact:
-        state = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=g.replicated),
-                           jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
-                                        g.param_shardings),
-                           jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt, opt_sh))
-        rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=g.replicated)
-        scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=g.replicated)
-        analysis = executor.train_step_program(state).lower(state, batch, rng, scale).compile().memory_analysis()
-        items["step temporaries (gradients, activations)"] = analysis.temp_size_in_bytes
-        items["step outputs"] = max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
-    else:
-        # the float32 gradient accumulator and the compute-dtype copy of the weights, both tp-sharded
-        tp_bytes = sum(shard_bytes(x.shape, x.dtype, jax.sharding.NamedSharding(g.mesh, l.compute_spec))
-                       for x, l in zip(jax.tree.leaves(params), jax.tree.leaves(g.layouts, is_leaf=S.is_layout)))
-        items["gradient accumulator"] = tp_bytes
-        if g.opts.compute_dtype != jnp.float32:
-            items["weights in the compute dtype"] = tp_bytes // 2
-        notes.append("activations not counted: --plan compiles the step and counts them")
-    total = sum(items.values())
-    return MemoryPlan("fused", total, "training step", items, 0, "no host-resident state", {}, exact, notes)
-
-
-def plan_phased(executor, exact: bool = False) -> MemoryPlan:
-    """The phased executor's schedule, run once on placeholders (see the module docstring)."""
-    from graphs.host_state import PhasedState
-
-    g = executor.g
-    split_rest = g.tree.split_rest
-    ops = PlanOps(exact)
-    params = g.abstract_params()
-    host = lambda sh: S.with_memory_kind(sh, "pinned_host")  # noqa: E731
-    rest = ops.abstract(split_rest(params), host(split_rest(g.param_shardings)), "weights")
-    layers, opt_layers, depths = {}, {}, g.depths()
-    row_struct = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
-    for s in g.tree.stacks:
-        row = jax.tree.map(row_struct, params[s]["layers"])
-        layers[s] = [ops.abstract(row, host(executor.row_dev[s]), "weights") for _ in range(depths[s])]
-        opt_row = jax.eval_shape(lambda r: optim.init_group(g.optimizer, r), row)
-        opt_layers[s] = [ops.abstract(opt_row, host(executor.opt_row_dev[s]), "optimizer state")
-                         for _ in range(depths[s])]
-    opt = {k: ops.abstract(jax.eval_shape(lambda t: optim.init_group(g.optimizer, t), grp), host(executor.opt_dev[k]),
-                           "optimizer state")
-           for k, grp in g.tree.rest_groups(split_rest(params)).items()}
-    state = PhasedState(0, rest, layers, opt, opt_layers)
-    batch = {k: ops.new(b.shape, b.dtype, b.sharding, "batch") for k, b in abstract_batch(g.cfg, g).items()}
-    rng = ops.new((2,), jnp.uint32, g.replicated, "batch")
-    saved, executor.ops = executor.ops, ops
-    try:
-        new_state, _ = executor.train_step(state, batch, rng)
-    finally:
-        executor.ops = saved
-    del state, new_state
-    dev, host_ = ops.ledger.peak["device"], ops.ledger.peak["host"]
-    return MemoryPlan("phased", dev[0], dev[1], dev[2], host_[0], host_[1], host_[2], exact)
 
 
 def plan(executor, exact: bool = False) -> MemoryPlan:

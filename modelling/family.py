@@ -1,40 +1,39 @@
-"""Model families: what the engine (graphs/) needs to know about a model, and the registry.
+"""Model families: what the engine, the data and the drivers need to know about a model, as one interface.
 
-A family is one module of ``modelling/`` (``t5``, ``gptj``) exposing ``FAMILY``, an object with (a module
-serving variants, as t5 serves umt5, also maps their names to objects in ``FAMILIES``):
+A family is one module of ``modelling/`` (``t5``, ``gptj``) holding a subclass of ``Family`` and listed
+in modelling/registry.py. Nothing outside ``modelling/`` asks which family a run has: it asks the family.
+The family answers for
 
-- ``stacks``: its layer stacks as data (``Stack``): T5 an encoder and a causal decoder with
-  cross-attention, GPT-J one causal stack;
-- ``param_specs(model_cfg, tensor_parallel)``: its weights, with logical axes (graphs/sharding.py
-  maps them to mesh axes, so a family needs no sharding code);
-- the per-device bodies of a training step (``embeddings``, ``context``, ``block``,
-  ``stack_output``, ``head_loss``) that graphs/phases.py composes for both executors;
-- ``head_paths``, ``keeps_f32``, ``decays``, ``is_dense``: which weights the head phase reads,
-  which stay float32 in the compute copy, which get weight decay, which are matmul weights whose
-  gradient accumulates inside the weight-gradient GEMM;
-- ``generate``: greedy decoding with a KV cache;
-- the Hugging Face mapping (``model_config_from_hf``, ``params_from_hf``, ``hf_state_dict``,
-  ``hf_config_dict``).
+- its kind: ``causal`` (one causal stack, prompt and target in one sequence: GPT-J) or an
+  encoder-decoder (T5), and whether decoding left-pads its prompts;
+- its parameters: ``param_specs`` with logical axes (graphs/sharding.py maps them to mesh axes, so a
+  family needs no sharding code), ``keeps_f32``, ``decays``, ``is_dense``, ``head_paths``;
+- its stacks as data (``Stack``) and the per-device bodies of a training step (``embeddings``,
+  ``context``, ``block``, ``stack_output``, ``head_loss``) that graphs/phases.py composes for both
+  executors, and the batch it reads (``batch_keys``, ``batch_lengths``);
+- its text format: how an input and a target become token ids (``encode_inputs``, ``encode_targets``,
+  ``prompt``);
+- decoding: ``decode_start`` and ``decode_step`` over a KV cache, which modelling/decoding.py's searches
+  (greedy, beam search, sampling) drive without knowing the model;
+- its config checks (``validate_config``), FLOPs per sample and its Hugging Face mapping.
 
-The parameter tree of every family has the same top level: ``shared`` (the token embedding),
-the head weights, and one subtree per stack holding ``layers`` (stacked on a leading axis) and
-the stack's own small weights. graphs/tree.py owns that structure; nothing under graphs/ names a
-family: ``get(name)`` resolves one from ``model.family``.
+The parameter tree of every family has the same top level: ``shared`` (the token embedding), the
+head weights, and one subtree per stack holding ``layers`` (stacked on a leading axis) and the
+stack's own small weights. graphs/tree.py owns that structure.
 """
 
 from __future__ import annotations
 
-import importlib
+import abc
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from config.config import ConfigError
-
-# family name -> module (imported on first use)
-MODULES = {"t5": "modelling.t5", "umt5": "modelling.t5", "gptj": "modelling.gptj"}
+from config.config import FIELDS, get_path
+from utils.errors import ConfigError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -55,49 +54,41 @@ class Stack:
     output_stream: int = 0  # dropout stream of that output
 
 
-@dataclass(frozen=True)
-class ModelOptions:
-    """The fields of the config that the model functions need (hashable, static under jit)."""
+# --------------------------------------------------------------------------- the model's options
 
-    family: str = "t5"
-    eps: float = 1e-6
-    dropout_prob: float = 0.0
-    num_buckets: int = 32
-    max_distance: int = 128
-    scale_ff: int = 1
-    vocab_size: int = 32128
-    hidden_size: int = 512
-    d_kv: int = 64
-    tie_word_embeddings: bool = False
-    feed_forward_proj: str = "gated-gelu"  # T5 family: "gated-ACT" or "ACT" (config.FEED_FORWARD_PROJ)
-    rotary_dim: int = 0  # GPT-J: rotary dimensions of each head (0: the whole head)
-    rotary_base: float = 10000.0
-    attention_serialisation: int = 1
-    recompute: bool = False
-    remat_policy: str = "full"  # with recompute: full or save_dots
-    unroll_layers: bool = False
-    dtype: str = "float32"
-    attention_impl: str = "xla"  # resolved: xla or cudnn
+# The execution fields the model functions read; they also read every field of the config's ``model`` section.
+EXECUTION_FIELDS = ("attention_serialisation", "recompute", "remat_policy", "unroll_layers", "attention_impl")
 
-    @classmethod
-    def from_config(cls, cfg) -> "ModelOptions":
-        m, ex = cfg.model, cfg.execution
-        dropout = 0.0 if m.eval else m.dropout_prob
-        return cls(
-            family=m.family, eps=m.eps, dropout_prob=dropout,
-            num_buckets=m.attention.relative_attention_num_buckets,
-            max_distance=m.attention.relative_attention_max_distance, scale_ff=m.scale_ff,
-            vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size, d_kv=m.attention.d_kv,
-            tie_word_embeddings=m.tie_word_embeddings, feed_forward_proj=m.feed_forward_proj, rotary_dim=m.attention.rotary_dim,
-            rotary_base=m.attention.rotary_positional_embeddings_base,
-            attention_serialisation=ex.attention_serialisation,
-            recompute=ex.recompute, remat_policy=ex.remat_policy, unroll_layers=ex.unroll_layers, dtype=m.precision,
-            attention_impl=resolve_attention_impl(ex.attention_impl, m.precision, dropout),
-        )
+
+def _option_fields() -> list:
+    refs = [r for r in FIELDS.values() if r.path[0] == "model"] + [FIELDS[f] for f in EXECUTION_FIELDS]
+    return [(r.flag, r.type, dataclasses.field(default=r.default)) for r in refs]
+
+
+class _Options:
+    """What ModelOptions adds to its fields."""
 
     @property
     def compute_dtype(self):
-        return DTYPES[self.dtype]
+        return DTYPES[self.precision]
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelOptions":
+        """The options of a config: its fields, with no dropout when built for evaluation and the attention
+        kernel resolved for this backend."""
+        values = {f.name: get_path(cfg, FIELDS[f.name].path) for f in dataclasses.fields(cls)}
+        if values["eval"]:
+            values["dropout_prob"] = 0.0
+        values["attention_impl"] = resolve_attention_impl(values["attention_impl"], values["precision"],
+                                                          values["dropout_prob"])
+        return cls(**values)
+
+
+# The fields of the config that the model functions read, under the config's flag names (hashable: static under
+# jit). Derived from the config's own declarations, so a new model field needs no second declaration here.
+ModelOptions = dataclasses.make_dataclass("ModelOptions", _option_fields(), bases=(_Options,), frozen=True)
+ModelOptions.__module__ = __name__
+ModelOptions.__doc__ = "The config fields the model functions read (modelling/family.py)."
 
 
 def resolve_attention_impl(requested: str, precision: str, dropout_prob: float) -> str:
@@ -107,14 +98,17 @@ def resolve_attention_impl(requested: str, precision: str, dropout_prob: float) 
     if requested == "cudnn":
         if not usable:
             raise ConfigError(f"attention_impl=cudnn needs a GPU and precision bfloat16 or float16 (backend "
-                             f"{jax.default_backend()}, precision {precision}): pass --attention_impl auto or xla")
+                              f"{jax.default_backend()}, precision {precision}): pass --attention_impl auto or xla")
         if dropout_prob > 0:
             raise ConfigError(f"attention_impl=cudnn has no attention dropout (dropout_prob={dropout_prob}): "
-                             "pass --attention_impl xla, or --dropout_prob 0")
+                              "pass --attention_impl xla, or --dropout_prob 0")
         return "cudnn"
     if requested == "auto":
         return "cudnn" if usable and dropout_prob == 0 else "xla"
     return "xla"
+
+
+# --------------------------------------------------------------------------- helpers of every family
 
 
 def leaf_name(path) -> str:
@@ -136,14 +130,144 @@ def rng(key, *data):
     return key
 
 
-def get(name: str):
-    """The ``FAMILY`` object of a family name (``model.family``)."""
-    if name not in MODULES:
-        raise ConfigError(f"unknown model family {name!r}: choose one of {', '.join(MODULES)} (--family)")
-    module = importlib.import_module(MODULES[name])
-    return getattr(module, "FAMILIES", {}).get(name) or module.FAMILY
+# --------------------------------------------------------------------------- the interface
 
 
-def of_config(cfg):
-    """The family of a config."""
-    return get(cfg.model.family)
+class Family(abc.ABC):
+    """A model family as everything outside ``modelling/`` sees it (see the module docstring)."""
+
+    name: str  # its ``model.family`` value
+    hf_model_types: tuple  # the ``model_type`` values of HF config.json files it loads
+    causal: bool  # one causal stack: a prompt and its target are one sequence (else an encoder-decoder)
+    left_pad_prompts: bool = False  # decoding continues each prompt from its last token: prompts right-aligned
+    stacks: tuple  # its Stacks, in forward order
+    head_stream: int  # the dropout stream of the head
+    batch_keys: tuple  # the keys of a training batch it reads
+
+    # ------------------------------------------------------------------ parameters and config
+
+    @abc.abstractmethod
+    def param_specs(self, m, tensor_parallel: int = 1) -> dict:
+        """The spec tree of a model config section (modelling/params.py's ParamSpecs), vocab padded for tp."""
+
+    @abc.abstractmethod
+    def keeps_f32(self, name: str) -> bool:
+        """Whether a weight stays float32 in the compute copy (norms, tables)."""
+
+    @abc.abstractmethod
+    def decays(self, name: str) -> bool:
+        """Whether weight decay applies to a weight."""
+
+    @abc.abstractmethod
+    def is_dense(self, name: str) -> bool:
+        """Whether a layer weight is a matmul weight (its gradient accumulates inside the weight-gradient GEMM)."""
+
+    @abc.abstractmethod
+    def head_paths(self, opts) -> tuple:
+        """The tree paths of the weights the head phase reads."""
+
+    @abc.abstractmethod
+    def batch_lengths(self, cfg) -> dict:
+        """{batch key: row length} of a training batch as the loader builds it."""
+
+    @abc.abstractmethod
+    def validate_config(self, cfg) -> None:
+        """ConfigError (naming the field and the fix) for what only this family knows to be wrong."""
+
+    @abc.abstractmethod
+    def forward_flops(self, m, encoder_length: int, decoder_length: int) -> int:
+        """Matmul FLOPs (2 per multiply-add) of one sample's forward pass."""
+
+    # ------------------------------------------------------------------ per-device bodies (graphs/phases.py)
+
+    @abc.abstractmethod
+    def embeddings(self, shared, ids, opts, tp_axis, rng=None):
+        """shared [Vl, d], ids int [b, l] -> float32 [b, l, d], identical over tp."""
+
+    @abc.abstractmethod
+    def context(self, stack: Stack, ctx_w: dict, meta: dict, length: int, opts) -> tuple:
+        """(self-attention context, cross-attention context or None) of a micro-batch."""
+
+    @abc.abstractmethod
+    def block(self, stack: Stack, p, x, self_ctx, cross_ctx, enc, opts, tp_axis, rng=None):
+        """One layer of a stack: x float32 [b, l, d] -> float32 [b, l, d]."""
+
+    def stack_output(self, stack: Stack, w, x, opts, rng=None):
+        """A stack's output norm, for a stack whose output the next one reads."""
+        raise NotImplementedError(f"the {self.name} stack {stack.name} has no output norm")
+
+    @abc.abstractmethod
+    def head_loss(self, head_p, x, labels, opts, tp_axis, rng=None):
+        """Final norm + LM head + vocab-sharded cross entropy, summed over the tokens (labels -100 ignored)."""
+
+    # ------------------------------------------------------------------ the whole model (reference composition)
+
+    @abc.abstractmethod
+    def forward(self, params: dict, batch: dict, opts, tp_axis=None, rng=None):
+        """The whole model on a batch -> float32 logits [b, l, Vl] (this device's vocab slice)."""
+
+    # ------------------------------------------------------------------ text
+
+    @abc.abstractmethod
+    def prompt(self, text: str) -> str:
+        """The text the model reads for an input (GPT-J: followed by ``target:``, which it continues)."""
+
+    @abc.abstractmethod
+    def encode_inputs(self, tokenizer, texts: list) -> list:
+        """Token ids of inputs (already ``prompt``-ed), as the model reads them."""
+
+    @abc.abstractmethod
+    def encode_targets(self, tokenizer, texts: list) -> list:
+        """Token ids of targets, each ending where decoding stops (the end-of-text token)."""
+
+    # ------------------------------------------------------------------ decoding (modelling/decoding.py)
+
+    @abc.abstractmethod
+    def decode_start(self, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None,
+                     pad_id: int = 0) -> tuple:
+        """Reads the prompts (the encoder, or a causal LM's prefill) -> (logits [b, Vl] of the first new token,
+        cache: a tree whose every leaf has the batch as its leading axis). ``params``: the compute copy."""
+
+    @abc.abstractmethod
+    def decode_step(self, params, token, i, cache, opts, tp_axis=None) -> tuple:
+        """New token ``i`` (0-based) int [b] -> (logits [b, Vl] of the next, cache)."""
+
+    @abc.abstractmethod
+    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None,
+                        pad_id: int = 0):
+        """The reference: logits [b, Vl] after the prompts and the tokens generated so far (int [b, n]), by running
+        the whole model again."""
+
+    def compute_params(self, params: dict, opts) -> dict:
+        """The weights in the compute dtype (this family's float32 weights kept)."""
+        return cast_params(params, opts.compute_dtype, self.keeps_f32)
+
+    @abc.abstractmethod
+    def decoding_params(self, params: dict, opts):
+        """What ``decode_start`` and ``decode_step`` read, prepared once outside the decoding loop (the compute
+        copy, layers sliced out of their stack)."""
+
+    # ------------------------------------------------------------------ Hugging Face
+
+    @abc.abstractmethod
+    def model_config_from_hf(self, hf: dict):
+        """Our ModelConfig from an HF config.json (dict form)."""
+
+    @abc.abstractmethod
+    def hf_config_dict(self, m) -> dict:
+        """The HF config.json of our ModelConfig (``architectures`` first)."""
+
+    @abc.abstractmethod
+    def params_from_hf(self, sd, m, tensor_parallel: int = 1) -> dict:
+        """Our float32 tree from an HF state dict (numpy arrays or torch tensors)."""
+
+    @abc.abstractmethod
+    def hf_state_dict(self, params: dict, m) -> dict:
+        """An HF state dict (numpy float32) from our tree; padded vocabulary stripped."""
+
+    def hf_generate_kwargs(self) -> dict:
+        """What HF ``generate`` needs beside the ids to decode as this family's ``decode_start`` does."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"

@@ -32,11 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from config.config import ModelConfig
+from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L
-from modelling.family import ModelOptions, Stack
+from modelling.family import Family, ModelOptions, Stack
+from modelling.hf_weights import state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
 from modelling.tp import identical_grad_inputs, identical_inputs, tp_index
+from utils.errors import CheckpointError, ConfigError
 
 F32 = jnp.float32
 EMBED, LAYERS, HEAD = 10, 11, 30  # dropout streams (modelling/family.py's convention)
@@ -126,7 +130,7 @@ def context(meta: dict, length: int, opts: ModelOptions) -> tuple:
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length), mask.shape)
     bias = L.causal_mask_bias(length, length) + L.segment_mask_bias(mask, mask)
-    return bias, rotary_tables(positions, opts.rotary_dim or opts.d_kv, opts.rotary_base)
+    return bias, rotary_tables(positions, opts.rotary_dim or opts.d_kv, opts.rotary_positional_embeddings_base)
 
 
 def attention_qkv(p: dict, h: jax.Array, rot: tuple, tp_axis: Optional[str]) -> tuple:
@@ -216,117 +220,77 @@ def loss_sum(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=No
     return head(p, hidden(p, batch, opts, tp_axis, rng), batch["labels"], opts, tp_axis, fam.rng(rng, HEAD))
 
 
-# --------------------------------------------------------------------------- greedy decoding with a KV cache
+# --------------------------------------------------------------------------- decoding with a KV cache
+#
+# Prompts are left-padded (as for HF ``generate`` of a decoder-only model). The prompt runs once (prefill), filling
+# a [b, h, k + max_new_tokens, kv] cache per layer; each new token then attends to the cache. Rotary positions
+# count real tokens only (padding is not a position), as HF's ``generate`` derives them from the attention mask.
 
 
-def generate(params: dict, input_ids: jax.Array, attention_mask: jax.Array, opts: ModelOptions, max_new_tokens: int,
-             tp_axis: Optional[str] = None, eos_id: int = 50256, pad_id: int = 50256, cached: bool = True) -> jax.Array:
-    """Greedy continuation of left-padded prompts. ids/mask [b, k] (padding on the left, as for HF ``generate``
-    of a decoder-only model) -> int32 tokens [b, max_new_tokens]; a row stops at ``eos_id`` (kept) and is padded
-    with ``pad_id`` after it.
+def _prompt_positions(mask: jax.Array) -> jax.Array:
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
 
-    The prompt runs once (prefill), filling a [b, h, k + max_new_tokens, kv] cache per layer; each new token
-    then attends to the cache. Rotary positions count real tokens only (padding is not a position), as HF's
-    ``generate`` derives them from the attention mask. ``cached=False`` re-runs the whole sequence per token
-    (the reference)."""
-    if not cached:
-        return generate_uncached(params, input_ids, attention_mask, opts, max_new_tokens, tp_axis, eos_id, pad_id)
-    p = cast_params(params, opts.compute_dtype)
-    dec, dt = p["decoder"], opts.compute_dtype
-    rows = [jax.tree.map(lambda w, i=i: w[i], dec["layers"]) for i in range(dec["layers"]["q"].shape[0])]
+
+def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None, pad_id: int = 0):
+    """The prefill of left-padded prompts ids/mask [b, k] -> (logits [b, Vl] of the first new token, cache)."""
+    p, rows = dp
     b, k = input_ids.shape
     mask = attention_mask.astype(jnp.int32)
-    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    positions = _prompt_positions(mask)
     head_dim = rows[0]["q"].shape[-1]
-    rd = opts.rotary_dim or head_dim
-    # keys: the prompt's real tokens, then the generated ones as they come
-    key_ok = jnp.concatenate([mask > 0, jnp.zeros((b, max_new_tokens), bool)], axis=1)
-
-    # ---- prefill
     x = embeddings(p["shared"], input_ids, opts, tp_axis)
     bias = L.causal_mask_bias(k, k) + jnp.where(mask[:, None, None, :] > 0, 0.0, L.MASK_VALUE)
-    rot = rotary_tables(positions, rd, opts.rotary_base)
-    caches = []
+    rot = rotary_tables(positions, opts.rotary_dim or head_dim, opts.rotary_positional_embeddings_base)
+    caches, pad = [], ((0, 0), (0, 0), (0, max_new_tokens), (0, 0))
     for lp in rows:
-        h = L.layer_norm(x, lp["norm"], lp["norm_bias"], opts.eps).astype(dt)
+        h = L.layer_norm(x, lp["norm"], lp["norm_bias"], opts.eps).astype(opts.compute_dtype)
         q, kk, v = attention_qkv(lp, h, rot, tp_axis)
         a = L.attend(q, kk, v, bias, scale=head_dim ** -0.5)
         x = x + L.attention_output(lp, a, tp_axis) + mlp(lp, h, tp_axis, opts.scale_ff)
-        pad = ((0, 0), (0, 0), (0, max_new_tokens), (0, 0))
-        caches.append((jnp.pad(jnp.transpose(kk, (0, 2, 1, 3)), pad), jnp.pad(jnp.transpose(v, (0, 2, 1, 3)), pad)))
-    logits = head_logits(p, x[:, -1:], opts, tp_axis)[:, 0]
-    first = _greedy(logits, tp_axis)
-    next_pos = positions[:, -1] + 1
-
-    def step(token, i, caches, key_ok):
-        """Token at cache column k + i -> (logits [b, Vl], caches, key_ok)."""
-        col = k + i
-        key_ok = lax.dynamic_update_slice_in_dim(key_ok, jnp.ones((b, 1), bool), col, axis=1)
-        bias = jnp.where(key_ok, 0.0, L.MASK_VALUE)[:, None, None, :]
-        rot = rotary_tables((next_pos + i)[:, None], rd, opts.rotary_base)
-        y = embeddings(p["shared"], token[:, None], opts, tp_axis)
-        new = []
-        for lp, (k_c, v_c) in zip(rows, caches):
-            h = L.layer_norm(y, lp["norm"], lp["norm_bias"], opts.eps).astype(dt)
-            q, kk, v = attention_qkv(lp, h, rot, tp_axis)
-            k_c = lax.dynamic_update_slice_in_dim(k_c, jnp.transpose(kk, (0, 2, 1, 3)).astype(k_c.dtype), col, axis=2)
-            v_c = lax.dynamic_update_slice_in_dim(v_c, jnp.transpose(v, (0, 2, 1, 3)).astype(v_c.dtype), col, axis=2)
-            scores = jnp.einsum("bqhd,bhkd->bhqk", q, k_c, preferred_element_type=F32) * head_dim ** -0.5 + bias
-            probs = jax.nn.softmax(scores, axis=-1)
-            a = jnp.einsum("bhqk,bhkd->bqhd", probs.astype(v_c.dtype), v_c)
-            y = y + L.attention_output(lp, a, tp_axis) + mlp(lp, h, tp_axis, opts.scale_ff)
-            new.append((k_c, v_c))
-        return head_logits(p, y, opts, tp_axis)[:, 0], new, key_ok
-
-    def cond(carry):
-        i, _, _, _, _, done = carry
-        return (i < max_new_tokens) & ~jnp.all(done)
-
-    def body(carry):
-        i, token, out, caches, key_ok, done = carry
-        logits, caches, key_ok = step(token, i - 1, caches, key_ok)
-        nxt = jnp.where(done, pad_id, _greedy(logits, tp_axis))
-        out = lax.dynamic_update_slice_in_dim(out, nxt[:, None], i, axis=1)
-        return i + 1, nxt, out, caches, key_ok, done | (nxt == eos_id)
-
-    out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
-    init = (jnp.int32(1), first, out, caches, key_ok, first == eos_id)
-    return lax.while_loop(cond, body, init)[2]
+        caches.append((jnp.pad(decoding.heads_major(kk), pad), jnp.pad(decoding.heads_major(v), pad)))
+    cache = {"kv": caches,  # keys: the prompt's real tokens, then the generated ones as they come
+             "key_ok": jnp.concatenate([mask > 0, jnp.zeros((b, max_new_tokens), bool)], axis=1),
+             "next_pos": positions[:, -1] + 1, "start": jnp.full((b,), k, jnp.int32)}
+    return head_logits(p, x[:, -1:], opts, tp_axis)[:, 0], cache
 
 
-def generate_uncached(params, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None, eos_id=50256,
-                      pad_id=50256) -> jax.Array:
-    """Reference greedy decoding: the whole (left-padded) sequence re-run for every new token."""
-    p = cast_params(params, opts.compute_dtype)
-    ids, mask = input_ids, attention_mask.astype(jnp.int32)
-    b = ids.shape[0]
-    done = jnp.zeros((b,), bool)
-    out = []
-    for _ in range(max_new_tokens):
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        x = hidden(p, {"input_ids": ids, "attention_mask": mask, "positions": positions}, opts, tp_axis)
-        nxt = jnp.where(done, pad_id, _greedy(head_logits(p, x[:, -1:], opts, tp_axis)[:, 0], tp_axis))
-        out.append(nxt)
-        done = done | (nxt == eos_id)
-        ids = jnp.concatenate([ids, nxt[:, None]], axis=1)
-        mask = jnp.concatenate([mask, jnp.ones((b, 1), jnp.int32)], axis=1)
-    return jnp.stack(out, axis=1)
+def decode_step(dp: tuple, token, i, cache: dict, opts, tp_axis=None):
+    """New token i, at cache column k + i -> (logits [b, Vl] of the next, cache)."""
+    p, rows = dp
+    b = token.shape[0]
+    col = cache["start"][0] + i
+    key_ok = lax.dynamic_update_slice_in_dim(cache["key_ok"], jnp.ones((b, 1), bool), col, axis=1)
+    bias = jnp.where(key_ok, 0.0, L.MASK_VALUE)[:, None, None, :]
+    head_dim = rows[0]["q"].shape[-1]
+    rot = rotary_tables((cache["next_pos"] + i)[:, None], opts.rotary_dim or head_dim,
+                        opts.rotary_positional_embeddings_base)
+    y = embeddings(p["shared"], token[:, None], opts, tp_axis)
+    new = []
+    for lp, (k_c, v_c) in zip(rows, cache["kv"]):
+        h = L.layer_norm(y, lp["norm"], lp["norm_bias"], opts.eps).astype(opts.compute_dtype)
+        q, kk, v = attention_qkv(lp, h, rot, tp_axis)
+        k_c = lax.dynamic_update_slice_in_dim(k_c, decoding.heads_major(kk).astype(k_c.dtype), col, axis=2)
+        v_c = lax.dynamic_update_slice_in_dim(v_c, decoding.heads_major(v).astype(v_c.dtype), col, axis=2)
+        a = decoding.attend_cached(q, k_c, v_c, bias, scale=head_dim ** -0.5)
+        y = y + L.attention_output(lp, a, tp_axis) + mlp(lp, h, tp_axis, opts.scale_ff)
+        new.append((k_c, v_c))
+    return head_logits(p, y, opts, tp_axis)[:, 0], {**cache, "kv": new, "key_ok": key_ok}
 
 
-def _greedy(logits, tp_axis):
-    from modelling.decoding import greedy_token
-
-    return greedy_token(logits, tp_axis)
+def decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis=None, pad_id: int = 0):
+    """Logits [b, Vl] of the next token after the left-padded prompts and ``tokens`` int [b, n], the whole
+    sequence run again."""
+    ids = jnp.concatenate([input_ids, tokens.astype(input_ids.dtype)], axis=1)
+    mask = jnp.concatenate([attention_mask.astype(jnp.int32), jnp.ones(tokens.shape, jnp.int32)], axis=1)
+    x = hidden(p, {"input_ids": ids, "attention_mask": mask, "positions": _prompt_positions(mask)}, opts, tp_axis)
+    return head_logits(p, x[:, -1:], opts, tp_axis)[:, 0]
 
 
 # --------------------------------------------------------------------------- Hugging Face mapping
 
 
-def config_from_hf(hf) -> "object":
+def config_from_hf(hf) -> ModelConfig:
     """Our ModelConfig from an HF GPT-J config (dict form)."""
-    from config.config import ModelConfig
-    from modelling.hf_mapping import CheckpointError
-
     act = hf.get("activation_function", "gelu_new")
     if act != "gelu_new":
         raise CheckpointError(f"GPT-J activation_function {act!r} is not supported (gelu_new)")
@@ -344,14 +308,16 @@ def config_from_hf(hf) -> "object":
 
 
 def hf_config_dict(m) -> dict:
-    """An HF GPT-J config dict (config.json) for our ModelConfig."""
+    """An HF GPT-J config dict (config.json) for our ModelConfig; its end-of-text id is GPT-J's (50256) where the
+    vocabulary holds it, else unset (export_hf_model writes the tokenizer's)."""
+    eos = 50256 if m.embedding.vocab_size > 50256 else None
     return {
         "architectures": ["GPTJForCausalLM"], "model_type": "gptj",
         "vocab_size": m.embedding.vocab_size, "n_positions": max(m.sequence_length, 2048), "n_embd": m.hidden_size,
         "n_layer": m.layers, "n_head": m.attention.heads, "rotary_dim": m.attention.rotary_dim or None,
         "n_inner": m.d_ff, "activation_function": "gelu_new", "layer_norm_epsilon": m.eps,
         "resid_pdrop": m.dropout_prob, "embd_pdrop": m.dropout_prob, "attn_pdrop": m.dropout_prob,
-        "initializer_range": 0.02, "bos_token_id": 50256, "eos_token_id": 50256, "tie_word_embeddings": False,
+        "initializer_range": 0.02, "bos_token_id": eos, "eos_token_id": eos, "tie_word_embeddings": False,
     }
 
 
@@ -366,8 +332,6 @@ def _layer_keys(i: int) -> dict:
 def params_from_hf(sd, m, tensor_parallel: int = 1) -> dict:
     """Our float32 GPT-J tree from an HF state dict (numpy arrays or torch tensors). HF Linear weights are
     [out, in]: q/k/v [d, h, kv] = W.T.reshape; o [h, kv, d] = W.T.reshape; fc_in/fc_out/lm_head = W.T."""
-    from modelling.hf_mapping import state_dict_reader, vocab_padder
-
     get, pad = state_dict_reader(sd, "GPT-J"), vocab_padder(m, tensor_parallel)
     h, kv = m.attention.heads, m.attention.d_kv
 
@@ -412,65 +376,122 @@ def hf_state_dict(params: dict, m) -> dict:
     return sd
 
 
-# --------------------------------------------------------------------------- the family, as the engine sees it
+# --------------------------------------------------------------------------- the family
 
 
-class GPTJFamily:
+def forward_flops(m, encoder_length: int, decoder_length: int = 0) -> int:
+    """Matmul FLOPs of one sample's forward pass: one causal stack over ``encoder_length`` tokens (q/k/v/o, scores
+    and context, the MLP) and the head."""
+    d, f, hk, V, L_ = m.hidden_size, m.d_ff, m.attention.heads * m.attention.d_kv, m.embedding.vocab_size, encoder_length
+    return m.layers * 2 * (4 * L_ * d * hk + 2 * L_ * L_ * hk + 2 * L_ * d * f) + 2 * L_ * d * V
+
+
+class GPTJFamily(Family):
     """GPT-J: one causal stack with parallel attention and MLP (modelling/family.py)."""
 
     name = "gptj"
+    hf_model_types = ("gptj",)
+    causal = True
+    left_pad_prompts = True  # decoding continues the prompt: prompts are right-aligned
     stacks = (STACK,)
     head_stream = HEAD
     batch_keys = ("input_ids", "attention_mask", "positions", "labels")
-    left_pad_prompts = True  # decoding continues the prompt: prompts are right-aligned
 
-    param_specs = staticmethod(param_specs)
-    keeps_f32 = staticmethod(keeps_f32)
+    def param_specs(self, m, tensor_parallel: int = 1) -> dict:
+        return param_specs(m, tensor_parallel)
 
-    @staticmethod
-    def batch_lengths(cfg) -> dict:
-        """{batch key: row length} of a training batch: one sequence of sequence_length tokens."""
-        return {k: cfg.model.sequence_length for k in GPTJFamily.batch_keys}
+    def keeps_f32(self, name: str) -> bool:
+        return keeps_f32(name)
 
-    @staticmethod
-    def decays(name: str) -> bool:
+    def decays(self, name: str) -> bool:
         """Weight decay on matmul weights and the embedding: not on norms or biases."""
         return not (keeps_f32(name) or name.endswith("_bias"))
 
-    @staticmethod
-    def is_dense(name: str) -> bool:
+    def is_dense(self, name: str) -> bool:
         return name in DENSE
 
-    @staticmethod
-    def head_paths(opts) -> tuple:
+    def head_paths(self, opts) -> tuple:
         return (("decoder", "final_norm"), ("decoder", "final_norm_bias"), ("lm_head",), ("lm_head_bias",))
 
-    @staticmethod
-    def embeddings(shared, ids, opts, tp_axis, rng=None):
+    def batch_lengths(self, cfg) -> dict:
+        """{batch key: row length} of a training batch: one sequence of sequence_length tokens."""
+        return {k: cfg.model.sequence_length for k in self.batch_keys}
+
+    def validate_config(self, cfg) -> None:
+        m, a = cfg.model, cfg.model.attention
+        if m.decoder_layers:
+            raise ConfigError(f"decoder_layers={m.decoder_layers}: GPT-J has one stack of layers (--layers): pass "
+                              "--decoder_layers 0")
+        if a.heads * a.d_kv != m.hidden_size:
+            raise ConfigError(f"GPT-J needs heads * d_kv = hidden_size, got {a.heads} * {a.d_kv} != {m.hidden_size}: "
+                              f"pass --d_kv {m.hidden_size // a.heads}")
+        if a.rotary_dim < 0 or a.rotary_dim > a.d_kv or a.rotary_dim % 2:
+            raise ConfigError(f"rotary_dim={a.rotary_dim} must be even and at most d_kv={a.d_kv} (0: all of d_kv): "
+                              f"pass --rotary_dim {min(a.d_kv, 64)}")
+
+    def forward_flops(self, m, encoder_length: int, decoder_length: int = 0) -> int:
+        return forward_flops(m, encoder_length, decoder_length)
+
+    # ------------------------------------------------------------------ per-device bodies
+
+    def embeddings(self, shared, ids, opts, tp_axis, rng=None):
         return embeddings(shared, ids, opts, tp_axis, rng)
 
-    @staticmethod
-    def context(stack, ctx_w, meta, length, opts):
+    def context(self, stack, ctx_w, meta, length, opts):
         """(GPT-J's context: attention bias and rotary tables, no cross context); it reads no weights."""
         return context(meta, length, opts), None
 
-    @staticmethod
-    def block(stack, p, x, self_ctx, cross_ctx, enc, opts, tp_axis, rng=None):
+    def block(self, stack, p, x, self_ctx, cross_ctx, enc, opts, tp_axis, rng=None):
         return block(p, x, self_ctx, opts, tp_axis, rng)
 
-    @staticmethod
-    def stack_output(stack, w, x, opts, rng=None):
-        raise NotImplementedError("GPT-J's stack has no output norm: its final norm is the head's")
-
-    @staticmethod
-    def head_loss(head_p, x, labels, opts, tp_axis, rng=None):
+    def head_loss(self, head_p, x, labels, opts, tp_axis, rng=None):
         return head(head_p, x, labels, opts, tp_axis, rng)
 
-    generate = staticmethod(generate)
-    model_config_from_hf = staticmethod(config_from_hf)
-    params_from_hf = staticmethod(params_from_hf)
-    hf_state_dict = staticmethod(hf_state_dict)
-    hf_config_dict = staticmethod(hf_config_dict)
+    def forward(self, params, batch, opts, tp_axis=None, rng=None):
+        return forward(params, batch, opts, tp_axis, rng)
 
+    # ------------------------------------------------------------------ text: the original's causal-LM format
 
-FAMILY = GPTJFamily()
+    def prompt(self, text: str) -> str:
+        """``... target:``, which the model continues with `` TARGET<|endoftext|>``."""
+        return f"{text} target:"
+
+    def encode_inputs(self, tokenizer, texts: list) -> list:
+        """The prompt's tokens, no special tokens (GPT-2's tokenizer adds none anyway)."""
+        return tokenizer(list(texts), add_special_tokens=False)["input_ids"] if texts else []
+
+    def encode_targets(self, tokenizer, texts: list) -> list:
+        """`` TARGET`` (a space first: it follows ``target:``) and the end-of-text token."""
+        if not texts:
+            return []
+        ids = tokenizer([" " + t for t in texts], add_special_tokens=False)["input_ids"]
+        return [x + [tokenizer.eos_token_id] for x in ids]
+
+    # ------------------------------------------------------------------ decoding
+
+    def decoding_params(self, params, opts):
+        p = cast_params(params, opts.compute_dtype)
+        return p, decoding.layer_rows(p["decoder"]["layers"])
+
+    def decode_start(self, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None, pad_id=0):
+        return decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis, pad_id)
+
+    def decode_step(self, dp, token, i, cache, opts, tp_axis=None):
+        return decode_step(dp, token, i, cache, opts, tp_axis)
+
+    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None, pad_id=0):
+        return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis, pad_id)
+
+    # ------------------------------------------------------------------ Hugging Face
+
+    def model_config_from_hf(self, hf: dict):
+        return config_from_hf(hf)
+
+    def hf_config_dict(self, m) -> dict:
+        return hf_config_dict(m)
+
+    def params_from_hf(self, sd, m, tensor_parallel: int = 1) -> dict:
+        return params_from_hf(sd, m, tensor_parallel)
+
+    def hf_state_dict(self, params: dict, m) -> dict:
+        return hf_state_dict(params, m)

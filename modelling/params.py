@@ -38,13 +38,6 @@ def padded_vocab(vocab_size: int, tensor_parallel: int) -> int:
     return -(-vocab_size // tensor_parallel) * tensor_parallel
 
 
-def param_specs(m, tensor_parallel: int = 1) -> dict:
-    """The spec tree of a model config, from its family (modelling/family.py); vocab padded to tensor_parallel."""
-    from modelling import family
-
-    return family.get(m.family).param_specs(m, tensor_parallel)
-
-
 def is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 

@@ -1,4 +1,5 @@
-"""The T5 encoder-decoder built from the per-phase functions of the original app.
+"""The T5 family (T5 v1.0 / v1.1, Flan-T5, mT5, UMT5, UL2): the encoder-decoder built from the per-phase
+functions of the original app, its decoding with a KV cache and its Hugging Face mapping.
 
 Phases: ``embeddings`` -> ``t5_block`` x layers (encoder) -> ``encoder_head``
 -> ``embeddings`` -> ``t5_block`` x layers (decoder, with cross-attention)
@@ -10,17 +11,25 @@ parallelism; the graphs/ package composes them into programs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from config.config import ModelConfig
+from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L
-from modelling.family import ModelOptions, Stack
+from modelling.family import Family, ModelOptions, Stack
+from modelling.hf_weights import state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
 from modelling.tp import tp_index
+from utils.errors import CheckpointError, ConfigError
+
+# feed_forward_proj values: "gated-ACT" (two input projections, one through ACT) or "ACT", as HF's T5Config
+FEED_FORWARD_PROJ = ("gated-gelu", "gated-silu", "gated-relu", "relu", "gelu", "silu")
 
 F32 = jnp.float32
 DTYPES = fam.DTYPES
@@ -83,7 +92,7 @@ def self_masks(decoder: bool, length: int, opts: ModelOptions, mask: Optional[ja
     else:
         pos = positions.astype(jnp.int32)
         rel = pos[:, None, :] - pos[:, :, None]
-    buckets = L.relative_position_bucket(rel, not decoder, opts.num_buckets, opts.max_distance)
+    buckets = L.relative_position_bucket(rel, not decoder, opts.relative_attention_num_buckets, opts.relative_attention_max_distance)
     if positions is not None:
         masks = L.segment_mask_bias(mask, mask)
     elif mask is not None:
@@ -317,7 +326,237 @@ def param_specs(m, tensor_parallel: int = 1) -> dict:
     return specs
 
 
-# --------------------------------------------------------------------------- the family, as the engine sees it
+
+# --------------------------------------------------------------------------- decoding with a KV cache
+#
+# The encoder runs once per batch; cross-attention keys/values are computed once; the decoder's self-attention
+# cache [b, h, max_new_tokens, kv] per layer is written in place at each position (the layers unrolled, each
+# with its own weight arrays: no per-token slicing of the stack).
+
+
+def cross_kv(rows: list, enc_out: jax.Array) -> list:
+    """Cross-attention keys/values of every decoder layer, computed once: [(k, v)] each [b, h, k, kv]."""
+    return [tuple(decoding.heads_major(t) for t in L.project_kv(p, enc_out, "c")) for p in rows]
+
+
+def decoder_step(params, rows, token, pos, caches, cross, xbias, opts, tp_axis):
+    """One decoder position with the cache. token int [b] at position ``pos`` -> (logits [b, Vl], caches).
+
+    rows: the decoder layers' weights (decoding.layer_rows); caches: [(k, v)] per layer, each
+    [b, h, max_len, kv], written in place at ``pos``; cross: cross_kv's output; xbias: the encoder padding."""
+    dec, dt = params["decoder"], opts.compute_dtype
+    max_len = caches[0][0].shape[2]
+    x = embeddings(params["shared"], token[:, None], opts, tp_axis)  # [b, 1, d]
+    rel = jnp.arange(max_len, dtype=jnp.int32) - pos
+    buckets = L.relative_position_bucket(rel, False, opts.relative_attention_num_buckets,
+                                         opts.relative_attention_max_distance)[None, None]  # [1, 1, K]
+    causal = jnp.where(jnp.arange(max_len) <= pos, 0.0, L.MASK_VALUE)[None, None, None]
+    per_layer = per_layer_bias(opts)  # UMT5: each layer's own table
+    bias = None if per_layer else bucket_bias(dec["relpos"], buckets) + causal
+    new_caches = []
+    for p, (k_c, v_c), (ck_l, cv_l) in zip(rows, caches, cross):
+        if per_layer:
+            bias = bucket_bias(p["relpos"], buckets) + causal
+        h = L.identical_inputs(L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt), tp_axis)
+        q = L.project_q(p, h)
+        k_new, v_new = L.project_kv(p, h)
+        k_c = lax.dynamic_update_slice_in_dim(k_c, decoding.heads_major(k_new).astype(k_c.dtype), pos, axis=2)
+        v_c = lax.dynamic_update_slice_in_dim(v_c, decoding.heads_major(v_new).astype(v_c.dtype), pos, axis=2)
+        x = x + L.attention_output(p, decoding.attend_cached(q, k_c, v_c, bias), tp_axis)
+        h = L.rms_norm(x, p["cross_norm"], opts.eps).astype(dt)
+        q = L.project_q(p, h, "c")
+        x = x + L.attention_output(p, decoding.attend_cached(q, ck_l, cv_l, xbias), tp_axis, "c")
+        h = L.rms_norm(x, p["ff_norm"], opts.eps).astype(dt)
+        x = x + L.feed_forward(p, h, tp_axis, opts.scale_ff, proj=opts.feed_forward_proj)
+        new_caches.append((k_c, v_c))
+    return head_logits(params, x, opts, tp_axis)[:, 0], new_caches
+
+
+def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None, pad_id: int = 0):
+    """The encoder, the cross-attention keys/values and the decoder's first position (the start token, pad_id)
+    -> (logits [b, Vl] of the first new token, cache). dp: ``decoding_params``."""
+    p, rows = dp
+    enc = encode(p, input_ids, attention_mask, opts, tp_axis)
+    cross = cross_kv(rows, enc.astype(opts.compute_dtype))
+    b = input_ids.shape[0]
+    _, h, _, kv = cross[0][0].shape
+    cache = {"self": [(jnp.zeros((b, h, max_new_tokens, kv), opts.compute_dtype),) * 2 for _ in rows],
+             "cross": cross, "cross_bias": L.padding_mask_bias(attention_mask)}
+    return decode_step(dp, jnp.full((b,), pad_id, jnp.int32), -1, cache, opts, tp_axis)
+
+
+def decode_step(dp: tuple, token, i, cache: dict, opts, tp_axis=None):
+    """New token i (decoder position i + 1) -> (logits [b, Vl] of the next, cache)."""
+    p, rows = dp
+    logits, caches = decoder_step(p, rows, token, i + 1, cache["self"], cache["cross"], cache["cross_bias"], opts,
+                                  tp_axis)
+    return logits, {**cache, "self": caches}
+
+
+def decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis=None, pad_id: int = 0):
+    """Logits [b, Vl] of the next token after ``tokens`` int [b, n], the encoder and the decoder run whole."""
+    enc = encode(p, input_ids, attention_mask, opts, tp_axis)
+    dec_in = jnp.concatenate([jnp.full((input_ids.shape[0], 1), pad_id, jnp.int32), tokens.astype(jnp.int32)], 1)
+    return head_logits(p, decode(p, enc, attention_mask, dec_in, opts, tp_axis), opts, tp_axis)[:, -1]
+
+
+# --------------------------------------------------------------------------- Hugging Face mapping
+#
+# HF Linear weights are [out, in]; ours are [in, ...] with heads split out: q/k/v [d, h, kv] = W.T.reshape(d, h,
+# kv); o [h, kv, d] = W.T.reshape(h, kv, d); wi [d, f] = W.T; wo [f, d] = W.T; lm_head [d, V] = W.T. Layers are
+# stacked.
+
+_ATTN = ("q", "k", "v", "o")
+_DENSE_FF = ("wi", "wi_0", "wi_1", "wo")
+
+
+def config_from_hf(hf: Mapping) -> ModelConfig:
+    """Our ModelConfig from an HF T5, mT5 or UMT5 config (dict form): T5 v1.0 / v1.1, Flan-T5, mT5, UMT5, UL2."""
+    m = ModelConfig()
+    m.family = "umt5" if hf.get("model_type") == "umt5" else "t5"
+    m.layers = hf["num_layers"]
+    decoder = hf.get("num_decoder_layers")
+    m.decoder_layers = decoder if decoder not in (None, m.layers) else 0
+    m.hidden_size, m.d_ff = hf["d_model"], hf["d_ff"]
+    m.attention.heads, m.attention.d_kv = hf["num_heads"], hf["d_kv"]
+    m.embedding.vocab_size = hf["vocab_size"]
+    m.attention.relative_attention_num_buckets = hf.get("relative_attention_num_buckets", 32)
+    m.attention.relative_attention_max_distance = hf.get("relative_attention_max_distance", 128)
+    m.eps = hf.get("layer_norm_epsilon", 1e-6)
+    proj = hf.get("feed_forward_proj", "relu")
+    if proj not in FEED_FORWARD_PROJ:
+        raise CheckpointError(f"feed_forward_proj {proj!r} is not supported: this project runs "
+                              f"{', '.join(FEED_FORWARD_PROJ)}")
+    m.feed_forward_proj = proj
+    # T5 v1.0 ties the head to the embedding and rescales the decoder output; v1.1, Flan-T5, mT5, UMT5 and UL2
+    # do neither. transformers >= 5 writes tie_word_embeddings=True for every T5 and keeps the v1.0/v1.1
+    # difference in scale_decoder_outputs (T5 only: its mT5 and UMT5 configs drop it).
+    m.tie_word_embeddings = bool(hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True)))
+    return m
+
+
+def hf_config_dict(m) -> dict:
+    """An HF T5 (or UMT5) config dict for our ModelConfig (what config.json holds)."""
+    act = m.feed_forward_proj.split("-")[-1]
+    umt5 = m.family == "umt5"
+    return {
+        "architectures": ["UMT5ForConditionalGeneration" if umt5 else "T5ForConditionalGeneration"],
+        "model_type": "umt5" if umt5 else "t5",
+        "d_model": m.hidden_size, "d_ff": m.d_ff, "d_kv": m.attention.d_kv, "num_heads": m.attention.heads,
+        "num_layers": m.layers, "num_decoder_layers": m.decoder_depth, "vocab_size": m.embedding.vocab_size,
+        "relative_attention_num_buckets": m.attention.relative_attention_num_buckets,
+        "relative_attention_max_distance": m.attention.relative_attention_max_distance,
+        "layer_norm_epsilon": m.eps, "feed_forward_proj": m.feed_forward_proj,
+        "dense_act_fn": "gelu_new" if m.feed_forward_proj == "gated-gelu" else act,
+        "is_gated_act": m.feed_forward_proj.startswith("gated-"),
+        "tie_word_embeddings": m.tie_word_embeddings, "scale_decoder_outputs": m.tie_word_embeddings,
+        "dropout_rate": m.dropout_prob, "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1,
+        "initializer_factor": 1.0, "is_encoder_decoder": True,
+    }
+
+
+def _relpos_key(stack: str, i: int = 0) -> str:
+    return f"{stack}.block.{i}.layer.0.SelfAttention.relative_attention_bias.weight"
+
+
+def _layer_keys(i: int, decoder: bool, m) -> dict:
+    """Our per-layer name -> HF name, for layer i of a stack."""
+    stack = "decoder" if decoder else "encoder"
+    s = f"{stack}.block.{i}.layer"
+    keys = {"attn_norm": f"{s}.0.layer_norm.weight"}
+    keys.update({k: f"{s}.0.SelfAttention.{k}.weight" for k in _ATTN})
+    if m.family == "umt5":  # every layer has its own table
+        keys["relpos"] = _relpos_key(stack, i)
+    ff = 1
+    if decoder:
+        keys["cross_norm"] = f"{s}.1.layer_norm.weight"
+        keys.update({"c" + k: f"{s}.1.EncDecAttention.{k}.weight" for k in _ATTN})
+        ff = 2
+    keys["ff_norm"] = f"{s}.{ff}.layer_norm.weight"
+    for w in (("wi_0", "wi_1") if m.feed_forward_proj.startswith("gated-") else ("wi",)) + ("wo",):
+        keys[w] = f"{s}.{ff}.DenseReluDense.{w}.weight"
+    return keys
+
+
+def _base(name: str) -> str:
+    return name[1:] if name in ("cq", "ck", "cv", "co") else name
+
+
+def _to_ours(name: str, w: np.ndarray, h: int, kv: int) -> np.ndarray:
+    base = _base(name)
+    if base in ("q", "k", "v"):
+        return w.T.reshape(w.shape[1], h, kv)
+    if base == "o":
+        return w.T.reshape(h, kv, w.shape[0])
+    return w.T if name in _DENSE_FF else w
+
+
+def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
+    base = _base(name)
+    if base in ("q", "k", "v"):
+        return w.reshape(w.shape[0], -1).T
+    if base == "o":
+        return w.reshape(-1, w.shape[-1]).T
+    return w.T if name in _DENSE_FF else w
+
+
+def params_from_hf(sd: Mapping, m, tensor_parallel: int = 1) -> dict:
+    """Our float32 parameter tree from an HF state dict (values: numpy arrays or torch tensors)."""
+    get, pad_rows = state_dict_reader(sd, "UMT5" if m.family == "umt5" else "T5"), vocab_padder(m, tensor_parallel)
+    h, kv = m.attention.heads, m.attention.d_kv
+    shared_key = "shared.weight" if "shared.weight" in sd else "encoder.embed_tokens.weight"
+    params = {"shared": pad_rows(get(shared_key), 0)}
+    for stack in ("encoder", "decoder"):
+        dec = stack == "decoder"
+        per_layer = [_layer_keys(i, dec, m) for i in range(m.decoder_depth if dec else m.layers)]
+        layers = {name: np.stack([_to_ours(name, get(keys[name]), h, kv) for keys in per_layer])
+                  for name in per_layer[0]}
+        own = {} if m.family == "umt5" else {"relpos": get(_relpos_key(stack))}
+        params[stack] = {**own, "layers": layers, "final_norm": get(f"{stack}.final_layer_norm.weight")}
+    if not m.tie_word_embeddings:
+        # transformers >= 5 saves an untied head only as shared.weight (it ties them)
+        head_key = "lm_head.weight" if "lm_head.weight" in sd else shared_key
+        params["lm_head"] = pad_rows(get(head_key).T, 1)
+    return params
+
+
+def hf_state_dict(params: dict, m) -> dict:
+    """HF state dict (numpy float32) from our parameter tree; padded vocab is stripped."""
+    V = m.embedding.vocab_size
+    g = lambda x: np.asarray(x, dtype=np.float32)  # noqa: E731
+    shared = g(params["shared"])[:V]
+    sd = {"shared.weight": shared, "encoder.embed_tokens.weight": shared, "decoder.embed_tokens.weight": shared}
+    for stack in ("encoder", "decoder"):
+        p, dec = params[stack], stack == "decoder"
+        for i in range(m.decoder_depth if dec else m.layers):
+            for name, key in _layer_keys(i, dec, m).items():
+                sd[key] = np.ascontiguousarray(_to_hf(name, g(p["layers"][name][i])))
+        if "relpos" in p:
+            sd[_relpos_key(stack)] = g(p["relpos"])
+        sd[f"{stack}.final_layer_norm.weight"] = g(p["final_norm"])
+    sd["lm_head.weight"] = np.ascontiguousarray(g(params["lm_head"])[:, :V].T) if "lm_head" in params else shared
+    return sd
+
+
+# --------------------------------------------------------------------------- the family
+
+
+def forward_flops(m, encoder_length: int, decoder_length: int) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one sample's forward pass.
+
+    Encoder layer: q/k/v/o projections, scores and context over the encoder length, feed-forward. Decoder layer:
+    self-attention as above over the decoder length, cross-attention q/o over the decoder length, cross k/v over
+    the encoder length, cross scores and context (decoder x encoder), feed-forward. Plus the LM head.
+    """
+    d, f, hk, V = m.hidden_size, m.d_ff, m.attention.heads * m.attention.d_kv, m.embedding.vocab_size
+    ff_mats = 3 if m.feed_forward_proj.startswith("gated-") else 2
+    Le, Ld = encoder_length, decoder_length
+    enc = 2 * (4 * Le * d * hk + 2 * Le * Le * hk + ff_mats * Le * d * f)
+    dec = 2 * (4 * Ld * d * hk + 2 * Ld * Ld * hk  # self-attention
+               + 2 * Ld * d * hk + 2 * Le * d * hk + 2 * Ld * Le * hk  # cross-attention
+               + ff_mats * Ld * d * f)
+    return m.layers * enc + m.decoder_depth * dec + 2 * Ld * d * V
+
 
 ENCODER = Stack("encoder", "input_ids", ("attention_mask", "positions"), ENC_EMBED, ENC_LAYERS, "x_buffer",
                 context=("relpos",), output="final_norm", output_stream=ENC_HEAD)
@@ -326,50 +565,58 @@ DECODER = Stack("decoder", "decoder_input_ids",
                 "x_dec_buffer", context=("relpos",), cross=True)
 
 
-class T5Family:
-    """T5 v1.0 / v1.1 / Flan-T5 / mT5 / UL2: an encoder and a causal decoder with cross-attention
-    (modelling/family.py)."""
+class T5Family(Family):
+    """T5 v1.0 / v1.1 / Flan-T5 / mT5 / UL2: an encoder and a causal decoder with cross-attention."""
 
     name = "t5"
+    hf_model_types = ("t5", "mt5")
+    causal = False
     stacks = (ENCODER, DECODER)
     head_stream = HEAD
     batch_keys = ("input_ids", "attention_mask", "positions", "decoder_input_ids", "decoder_attention_mask",
                   "decoder_positions", "labels")
 
-    param_specs = staticmethod(param_specs)
-    keeps_f32 = staticmethod(keeps_f32)
+    def param_specs(self, m, tensor_parallel: int = 1) -> dict:
+        return param_specs(m, tensor_parallel)
 
-    @staticmethod
-    def batch_lengths(cfg) -> dict:
-        """{batch key: row length} of a training batch as the loader builds it (packed rows carry positions)."""
-        L, D = cfg.model.sequence_length, cfg.decoder_row_length
-        keys = {"input_ids": L, "attention_mask": L, "decoder_input_ids": D, "decoder_attention_mask": D, "labels": D}
-        if cfg.data.packing:
-            keys.update(positions=L, decoder_positions=D)
-        return keys
+    def keeps_f32(self, name: str) -> bool:
+        return keeps_f32(name)
 
-    @staticmethod
-    def decays(name: str) -> bool:
+    def decays(self, name: str) -> bool:
         """Weight decay applies to every matmul weight: not to norms, not to the relative-position tables."""
         return not keeps_f32(name)
 
-    @staticmethod
-    def is_dense(name: str) -> bool:
+    def is_dense(self, name: str) -> bool:
         """Matmul weights (their gradient can accumulate inside the weight-gradient GEMM): not norms, not tables."""
         return not keeps_f32(name)
 
-    @staticmethod
-    def head_paths(opts: ModelOptions) -> tuple:
+    def head_paths(self, opts) -> tuple:
         return (("decoder", "final_norm"), ("shared",) if opts.tie_word_embeddings else ("lm_head",))
+
+    def batch_lengths(self, cfg) -> dict:
+        """{batch key: row length} of a training batch as the loader builds it (packed rows carry positions)."""
+        L_, D = cfg.model.sequence_length, cfg.decoder_row_length
+        keys = {"input_ids": L_, "attention_mask": L_, "decoder_input_ids": D, "decoder_attention_mask": D,
+                "labels": D}
+        if cfg.data.packing:
+            keys.update(positions=L_, decoder_positions=D)
+        return keys
+
+    def validate_config(self, cfg) -> None:
+        proj = cfg.model.feed_forward_proj
+        if proj not in FEED_FORWARD_PROJ:
+            raise ConfigError(f"feed_forward_proj={proj!r} is not one of {', '.join(FEED_FORWARD_PROJ)}: pass "
+                              "--feed_forward_proj with one of them")
+
+    def forward_flops(self, m, encoder_length: int, decoder_length: int) -> int:
+        return forward_flops(m, encoder_length, decoder_length)
 
     # ------------------------------------------------------------------ per-device bodies
 
-    @staticmethod
-    def embeddings(shared, ids, opts, tp_axis, rng=None):
+    def embeddings(self, shared, ids, opts, tp_axis, rng=None):
         return embeddings(shared, ids, opts, tp_axis, rng)
 
-    @staticmethod
-    def context(stack: Stack, ctx_w: dict, meta: dict, length: int, opts) -> tuple:
+    def context(self, stack: Stack, ctx_w: dict, meta: dict, length: int, opts) -> tuple:
         """(self-attention context, cross-attention bias or None) of a micro-batch: the self context is the
         whole bias [1 or b, h, l, l] from the stack's table, or for UMT5 (no stack table) ``self_masks``."""
         ids = "decoder_" if stack.cross else ""
@@ -379,51 +626,62 @@ class T5Family:
             return self_ctx, None
         return self_ctx, cross_bias(meta["attention_mask"], meta.get("decoder_attention_mask"), is_packed(meta))
 
-    @staticmethod
-    def block(stack: Stack, p, x, self_ctx, cross_ctx, enc, opts, tp_axis, rng=None):
+    def block(self, stack: Stack, p, x, self_ctx, cross_ctx, enc, opts, tp_axis, rng=None):
         return block_fn(opts)(p, x, self_ctx, opts, tp_axis, enc if stack.cross else None, cross_ctx, rng)
 
-    @staticmethod
-    def stack_output(stack: Stack, w, x, opts, rng=None):
+    def stack_output(self, stack: Stack, w, x, opts, rng=None):
         return encoder_head(w, x, opts, rng)
 
-    @staticmethod
-    def head_loss(head_p, x, labels, opts, tp_axis, rng=None):
+    def head_loss(self, head_p, x, labels, opts, tp_axis, rng=None):
         return head(head_p, x, labels, opts, tp_axis, rng)
 
-    # ------------------------------------------------------------------ decoding and Hugging Face
+    def forward(self, params, batch, opts, tp_axis=None, rng=None):
+        return forward(params, batch, opts, tp_axis, rng)
 
-    @staticmethod
-    def generate(params, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None, eos_id=1, pad_id=0,
-                 cached=True):
-        from modelling import decoding
+    # ------------------------------------------------------------------ text
 
-        fn = decoding.generate if cached else decoding.generate_uncached
-        return fn(params, input_ids, attention_mask, opts, max_new_tokens, tp_axis, eos_id=eos_id, pad_id=pad_id)
+    def prompt(self, text: str) -> str:
+        return text
 
-    @staticmethod
-    def model_config_from_hf(hf):
-        from modelling import hf_mapping
+    def encode_inputs(self, tokenizer, texts: list) -> list:
+        """The encoder's input: the text and the tokenizer's end-of-text (its special tokens)."""
+        return tokenizer(list(texts), add_special_tokens=True)["input_ids"] if texts else []
 
-        return hf_mapping.t5_config_from_hf(hf)
+    def encode_targets(self, tokenizer, texts: list) -> list:
+        """The decoder's target: the text and the tokenizer's end-of-text, where decoding stops."""
+        return tokenizer(list(texts), add_special_tokens=True)["input_ids"] if texts else []
 
-    @staticmethod
-    def params_from_hf(sd, m, tensor_parallel=1):
-        from modelling import hf_mapping
+    # ------------------------------------------------------------------ decoding
 
-        return hf_mapping.params_from_hf_state_dict(sd, m, tensor_parallel)
+    def decoding_params(self, params, opts):
+        p = cast_params(params, opts.compute_dtype)
+        return p, decoding.layer_rows(p["decoder"]["layers"])
 
-    @staticmethod
-    def hf_state_dict(params, m):
-        from modelling import hf_mapping
+    def decode_start(self, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None, pad_id=0):
+        return decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis, pad_id)
 
-        return hf_mapping.hf_state_dict_from_params(params, m)
+    def decode_step(self, dp, token, i, cache, opts, tp_axis=None):
+        return decode_step(dp, token, i, cache, opts, tp_axis)
 
-    @staticmethod
-    def hf_config_dict(m):
-        from modelling import hf_mapping
+    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None, pad_id=0):
+        return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis, pad_id)
 
-        return hf_mapping.t5_hf_config_dict(m)
+    def hf_generate_kwargs(self) -> dict:
+        return {"decoder_start_token_id": 0}
+
+    # ------------------------------------------------------------------ Hugging Face
+
+    def model_config_from_hf(self, hf: dict):
+        return config_from_hf(hf)
+
+    def hf_config_dict(self, m) -> dict:
+        return hf_config_dict(m)
+
+    def params_from_hf(self, sd, m, tensor_parallel: int = 1) -> dict:
+        return params_from_hf(sd, m, tensor_parallel)
+
+    def hf_state_dict(self, params: dict, m) -> dict:
+        return hf_state_dict(params, m)
 
 
 class UMT5Family(T5Family):
@@ -431,8 +689,5 @@ class UMT5Family(T5Family):
     weights) instead of one per stack; the stacks' attention context then has no weights of its own."""
 
     name = "umt5"
+    hf_model_types = ("umt5",)
     stacks = (dataclasses.replace(ENCODER, context=()), dataclasses.replace(DECODER, context=()))
-
-
-FAMILY = T5Family()
-FAMILIES = {"t5": FAMILY, "umt5": UMT5Family()}

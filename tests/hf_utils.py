@@ -75,8 +75,9 @@ def make_hf(version: str = "1.1", seed: int = 0, **overrides):
 
 
 def options(m, **kw) -> ModelOptions:
-    return ModelOptions(family=m.family, feed_forward_proj=m.feed_forward_proj, eps=m.eps, num_buckets=m.attention.relative_attention_num_buckets,
-                        max_distance=m.attention.relative_attention_max_distance,
+    return ModelOptions(family=m.family, feed_forward_proj=m.feed_forward_proj, eps=m.eps,
+                        relative_attention_num_buckets=m.attention.relative_attention_num_buckets,
+                        relative_attention_max_distance=m.attention.relative_attention_max_distance,
                         vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size,
                         tie_word_embeddings=m.tie_word_embeddings, **kw)
 

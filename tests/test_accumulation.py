@@ -81,7 +81,7 @@ def test_micro_batched_gradients_equal_the_whole_batch_gradient(unroll, recomput
     f = FusedExecutor(Graphs(cfg))
     host = jax.tree.map(np.asarray, f.g.init_params())
     batch = generated_batch(cfg, seed=3)
-    loss, grads = f.loss_and_grads(f.g.shard_params(host), f.g.shard_batch(batch))
+    loss, grads = f.loss_and_grads(f.init_state(host), f.g.shard_batch(batch))
 
     whole = {k: jnp.asarray(v.reshape(-1, *v.shape[2:])) for k, v in batch.items()}
     opts = t5.ModelOptions.from_config(cfg)

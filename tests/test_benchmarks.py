@@ -8,7 +8,7 @@ import numpy as np
 import finetuning
 import inference
 from config.config import ModelConfig
-from utils.flops import forward_flops_per_sample, peak_tflops, train_flops_per_sample
+from app.flops import forward_flops_per_sample, peak_tflops, train_flops_per_sample
 
 
 def test_flop_count_equals_hand_count():
@@ -87,7 +87,7 @@ def test_profile_trace_summarises_the_device_ops(tmp_path, capsys):
     import jax
     import jax.numpy as jnp
 
-    from utils.profile import op_family, trace
+    from app.profile import op_family, trace
 
     f = jax.jit(lambda a, b: jnp.tanh(a @ b).sum())
     a = jnp.ones((256, 256), jnp.float32)

@@ -7,7 +7,7 @@ import yaml
 
 from config import ConfigError, load_config, read_presets, preset_path
 from config.config import FIELDS, config_from_mapping, dumps_yaml
-from utils.cli import parse_config
+from app.args import parse_config
 
 FINETUNING = ["tiny", "xl_pod8", "xl_pod16", "xxl_1gpu", "xxl_pod16", "xxl_pod64", "small", "base", "large",
               "gptj_6B_1024_pod64", "gptj_6B_1024_pod16", "gptj_1gpu", "gptj_small", "gptj_tiny",
@@ -122,7 +122,7 @@ def test_cli_flat_flags(capsys):
     (["--tensor_parallel", "3"], "heads=4 is not divisible by tensor_parallel=3"),
 ])
 def test_cli_errors_exit_nonzero_with_one_line(capsys, argv, message):
-    from utils.cli import entry
+    from app.entry import entry
 
     with pytest.raises(SystemExit) as e:
         entry(lambda a: parse_config("finetuning", "t", "tiny", a))(argv)
@@ -143,7 +143,7 @@ def test_cli_help_lists_every_field(capsys, kind):
         parse_config(kind, "t", "tiny", ["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    from utils.cli import TRAINING_ONLY
+    from app.args import TRAINING_ONLY
 
     # the decoding drivers list every field but the training-only ones (which they still accept)
     hidden = {f for f, ref in FIELDS.items() if ref.path[0] == "training" or f in TRAINING_ONLY}
@@ -155,7 +155,7 @@ def test_cli_help_lists_every_field(capsys, kind):
 
 
 def test_phased_raises_the_pinned_host_memory_cap_unless_set(monkeypatch):
-    from utils.cli import ensure_pinned_host_memory
+    from app.runtime import ensure_pinned_host_memory
 
     monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
     ensure_pinned_host_memory(False)

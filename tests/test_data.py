@@ -8,6 +8,7 @@ import pytest
 
 from data import synthetic
 from data.mnli import DataError, TrainLoader, load_rows, score, tokenize_training
+from modelling import registry
 from data.packing import Examples
 
 VOCAB = {w: i for i, w in enumerate(synthetic.vocabulary())}
@@ -28,7 +29,7 @@ def test_preprocessing_of_a_hand_written_file_gives_exact_ids(tmp_path, caplog):
         rows = load_rows(path, "train")
     assert "dropped 1 rows with label -1" in caplog.text
     assert len(rows) == 2
-    f = tokenize_training(rows, synthetic.make_tokenizer(), sequence_length=16, decoder_length=4)
+    f = tokenize_training(rows, synthetic.make_tokenizer(), 16, 4, registry.get("t5"))
     # the vocabulary's ids, written out: mnli 8, hypothesis: 9, premise: 10, the 3, a 4, . 7,
     # cat 14, dog 15, runs 32, sleeps 33, tonight 49; entailment 11, neutral 12; </s> 1, <pad> 0
     assert [VOCAB[w] for w in ("mnli", "hypothesis:", "premise:", "cat", "runs", "tonight", "neutral")] == \
@@ -44,7 +45,7 @@ def test_preprocessing_of_a_hand_written_file_gives_exact_ids(tmp_path, caplog):
 
 def test_truncation_to_sequence_length(tmp_path):
     rows = [{"premise": "the cat runs in the park .", "hypothesis": "the cat runs .", "label": 2}]
-    f = tokenize_training(rows, synthetic.make_tokenizer(), sequence_length=5, decoder_length=1)
+    f = tokenize_training(rows, synthetic.make_tokenizer(), 5, 1, registry.get("t5"))
     np.testing.assert_array_equal(f["input_ids"], [[8, 9, 3, 14, 32]])
     np.testing.assert_array_equal(f["labels"], [[13]])
 

@@ -8,7 +8,7 @@ import torch
 
 from config.config import T5Config
 from graphs.graphs import Graphs
-from modelling.decoding import generate
+from modelling import decoding, registry
 from modelling.hf_mapping import params_from_hf_state_dict
 from tests.hf_utils import make_hf, options, random_batch
 
@@ -23,6 +23,11 @@ def model():
     params = jax.tree.map(jnp.asarray, params_from_hf_state_dict(hf.state_dict(), m))
     batch = random_batch(m.embedding.vocab_size, 4, 11, 5, seed=2)  # rows padded differently
     return hf, m, params, batch
+
+
+def generate(params, ids, mask, opts, n, eos_id=1):
+    """Greedy decoding of the T5 family on one device."""
+    return decoding.greedy(registry.get(opts.family), params, ids, mask, opts, n, eos_id=eos_id)
 
 
 def hf_generate(hf, batch, n, eos=1):
@@ -98,7 +103,7 @@ def test_batches_that_do_not_divide_the_split_score_every_sample_once(tmp_path):
     params = v.graphs.init_params()
     tok = load_tokenizer("synthetic")
     rows = load_rows("synthetic", "validation")[:7]  # 7 = 4 + 3: the last batch is short
-    feats = tokenize_inputs(rows, tok, cfg.model.sequence_length)
+    feats = tokenize_inputs(rows, tok, cfg.model.sequence_length, v.graphs.family)
     texts = v.predict(params, feats, tok)
     assert len(texts) == 7 and all(t is not None for t in texts)
     for i in range(7):  # each row alone gives the same text

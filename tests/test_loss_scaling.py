@@ -187,7 +187,7 @@ def test_feed_forward_activations_past_float16_range_survive_with_the_guard():
 
     def loss_and_grads(**kw):
         ex = make_executor(Graphs(load_config("finetuning", "tiny", {**base, **kw})))
-        loss, grads = ex.loss_and_grads(ex.g.shard_params(params), ex.g.shard_batch(host_batch),
+        loss, grads = ex.loss_and_grads(ex.init_state(params), ex.g.shard_batch(host_batch),
                                         loss_scale=1.0)
         return float(loss), leaves(grads)
 

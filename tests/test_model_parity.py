@@ -162,7 +162,7 @@ def test_bfloat16_mode_is_close_to_float32(v11):
     _, m, params = v11
     batch = jax.tree.map(jnp.asarray, random_batch(m.embedding.vocab_size))
     l32 = t5.loss_sum(params, batch, options(m))
-    l16 = t5.loss_sum(params, batch, options(m, dtype="bfloat16"))
+    l16 = t5.loss_sum(params, batch, options(m, precision="bfloat16"))
     assert abs(float(l16) - float(l32)) / float(l32) < 2e-2
     assert float(l16) != float(l32)  # the compute really ran in bfloat16
 
@@ -174,7 +174,7 @@ def test_bfloat16_gradient_gemms_run_in_bfloat16(v11):
 
     _, m, params = v11
     batch = jax.tree.map(jnp.asarray, random_batch(m.embedding.vocab_size))
-    grad16 = jax.grad(lambda p: t5.loss_sum(p, batch, options(m, dtype="bfloat16")))
+    grad16 = jax.grad(lambda p: t5.loss_sum(p, batch, options(m, precision="bfloat16")))
     text = jax.jit(grad16).lower(params).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     operand_types = [re.search(r":\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)", line).groups() for line in dots]

@@ -21,19 +21,19 @@ import run_finetuning
 import run_validation
 from tests.test_finetuning_cli import SMALL, params_at
 from utils import checkpoint as ckpt
-from utils import cli
-from utils.launch import launch
+from app import runtime as cli
+from app.launch import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def two_processes(script: str, argv: list, tmp_path, timeout: int = 300) -> str:
-    """Runs a driver as 2 processes under utils.launch; each simulates its own share of the devices."""
+    """Runs a driver as 2 processes under app.launch; each simulates its own share of the devices."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 8 devices
     log = tmp_path / f"{os.path.basename(script)}.log"
     with open(log, "w") as f:
         # its own process group: on a timeout the launcher and both processes are stopped together
-        proc = subprocess.Popen([sys.executable, "-m", "utils.launch", "--nproc", "2", script, *argv],
+        proc = subprocess.Popen([sys.executable, "-m", "app.launch", "--nproc", "2", script, *argv],
                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
@@ -97,7 +97,7 @@ def test_two_processes_validate_like_one(tmp_path):
 SLURM_PROBE = r"""
 import sys
 sys.path.insert(0, {root!r})
-from utils.cli import ensure_host_devices, setup_jax
+from app.runtime import ensure_host_devices, setup_jax
 ensure_host_devices(4)
 setup_jax()
 import jax, numpy as np
@@ -115,7 +115,7 @@ def test_slurm_environment_is_detected_with_flan_t5_distributed(tmp_path):
     """FLAN_T5_DISTRIBUTED=1 under (a faked) SLURM: JAX reads rank, size and coordinator from the
     scheduler's variables; each process simulates its share of 4 devices; arrays placed per
     process and gathered back whole."""
-    from utils.launch import free_port
+    from app.launch import free_port
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
     env.update(JAX_PLATFORMS="cpu", FLAN_T5_DISTRIBUTED="1", SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost",
@@ -146,7 +146,7 @@ def test_sigterm_to_the_launcher_stops_its_processes(tmp_path):
     script.write_text("import os, sys, time\n"
                       "open(os.path.join(sys.argv[1], os.environ['JAX_PROCESS_ID']), 'w').write(str(os.getpid()))\n"
                       "time.sleep(120)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "utils.launch", "--nproc", "2", str(script), str(tmp_path)],
+    launcher = subprocess.Popen([sys.executable, "-m", "app.launch", "--nproc", "2", str(script), str(tmp_path)],
                                 cwd=ROOT)
     deadline = time.time() + 60
     while not all((tmp_path / r).exists() and (tmp_path / r).read_text() for r in ("0", "1")):

@@ -18,7 +18,7 @@ from data.packing import Examples, Packer, batch_stats, pack_rows, pad_rows
 from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
 from graphs.phased import PhasedExecutor
-from modelling import t5
+from modelling import registry, t5
 from tests.test_parallel import leaves, max_rel
 
 
@@ -92,14 +92,14 @@ def test_packed_batch_gives_the_unpacked_loss_and_gradients(dp, tp):
 
     def fused(cfg, batch):
         f = FusedExecutor(Graphs(cfg))
-        loss, grads = f.loss_and_grads(f.g.shard_params(host), f.g.shard_batch(batch), rng)
+        loss, grads = f.loss_and_grads(f.init_state(host), f.g.shard_batch(batch), rng)
         return float(loss), leaves(grads)
 
     def phased(cfg, batch):
         g = Graphs(cfg)
         ph = PhasedExecutor(g)
-        loss, g_rest, g_layers, _ = ph.loss_and_grads(ph.init_state(host), g.shard_batch(batch), rng)
-        return float(loss), leaves(ph.stacked_grads(g_rest, g_layers))
+        loss, grads = ph.loss_and_grads(ph.init_state(host), g.shard_batch(batch), rng)
+        return float(loss), leaves(grads)
 
     for run in (fused, phased):
         (lu, gu), (lp, gp) = run(cu, bu), run(cp, bp)
@@ -186,7 +186,7 @@ def test_greedy_decoding_of_a_packed_trained_model_matches_hf(tmp_path):
                                  strict=False)
     assert not [k for k in missing.missing_keys if "lm_head" not in k], missing
     rows = load_rows("synthetic", "validation_mismatched")[:6]
-    feats = tokenize_inputs(rows, load_tokenizer("synthetic"), 32)
+    feats = tokenize_inputs(rows, load_tokenizer("synthetic"), 32, registry.get("t5"))
     ref = hf_generate(hf, feats, 4)
     ours = sharded_generate(m, jax.tree.map(jnp.asarray, params), feats, 4, tp=2)
     np.testing.assert_array_equal(ours, ref)

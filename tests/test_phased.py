@@ -15,7 +15,7 @@ from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs, TrainState
 from graphs.host_state import HOST
 from graphs.phased import DeviceOps, PhasedExecutor, PhaseMemory
-from utils.bench import live_device_bytes
+from graphs.memory import live_device_bytes
 from modelling import t5
 from tests.test_parallel import fro_rel, leaves, max_rel, tiny
 
@@ -31,9 +31,8 @@ def _both(cfg, steps=2):
     params = g.init_params()
     pparams = ph.init_params()
     ps = ph.init_state(pparams)
-    loss, grads = f.loss_and_grads(params, batch, _rng())
-    ploss, g_rest, g_layers, _ = ph.loss_and_grads(ps, batch, _rng())
-    pgrads = ph.stacked_grads(g_rest, g_layers)
+    loss, grads = f.loss_and_grads(f.init_state(params), batch, _rng())
+    ploss, pgrads = ph.loss_and_grads(ps, batch, _rng())
     params = jax.tree.map(np.asarray, params)
     pparams = jax.tree.map(np.asarray, pparams)
     # the fused steps as the fused program runs them (loss_and_grads, then the optimizer phase update) without
@@ -44,7 +43,7 @@ def _both(cfg, steps=2):
     clip = pclip = jax.numpy.float32(0) if stale else None
     for step in range(steps):
         rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
-        loss_s, grads_s = f.loss_and_grads(state.params, batch, rng)
+        loss_s, grads_s = f.loss_and_grads(state, batch, rng)
         new_params, opt_state, g_norm = update(state.params, state.opt_state, grads_s, None, clip)
         state = TrainState(state.step + 1, new_params, opt_state)
         metrics = {"loss": loss_s, "grad_norm": g_norm}
@@ -147,8 +146,8 @@ class RecordingOps(DeviceOps):
     """The phased schedule's real operations, recording (as host copies, before anything is donated or freed)
     every activation row it stores and every phase program's inputs and outputs."""
 
-    def __init__(self, executor):
-        super().__init__(executor)
+    def __init__(self):
+        super().__init__()
         self.rows, self.runs = [], []
 
     def store(self, tree, shardings, label=""):
@@ -173,8 +172,8 @@ class RecordingOps(DeviceOps):
 def test_activation_buffer_rows_hold_each_phase_output():
     cfg = tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4)
     g = Graphs(cfg)
-    ph = PhasedExecutor(g)
-    ph.ops = rec = RecordingOps(ph)
+    rec = RecordingOps()
+    ph = PhasedExecutor(g, ops=rec)
     host_batch = generated_batch(cfg, seed=1, lengths="short")  # packed rows, several examples each
     assert host_batch["attention_mask"].max() > 1
     ph.loss_and_grads(ph.init_state(), g.shard_batch(host_batch), _rng())
@@ -243,8 +242,7 @@ def test_layer_phases_hold_one_layer_of_weights_on_device():
 
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(ps.layers["decoder"][0])) // 2  # per device (tp=2)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves((ps.rest, ps.layers))) // 2
-    ph.memory = Spy()
-    ph.train_step(ps, batch)  # consumes ps
+    ph.with_ops(DeviceOps(memory=Spy())).train_step(ps, batch)  # consumes ps
     assert {"encoder_layer_fwd", "decoder_layer_bwd", "head", "optimizer"} <= set(seen)
     # live on device at the start of a decoder backward phase: its weights, inputs and the small
     # gradient sums; far from the whole model (6 layers per stack)

@@ -13,7 +13,7 @@ from config import load_config
 from data.generated import generated_batch
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
-from graphs.phased import PhaseMemory
+from graphs.phased import DeviceOps, PhaseMemory
 from graphs.plan import GIB, PlanError, plan
 from modelling.params import count_params
 
@@ -57,9 +57,10 @@ def test_phased_plan_equals_what_a_step_allocates(optimizer):
             host_peak[0] = max(host_peak[0], _host_bytes())
 
     state = ex.init_state()
-    ex.memory = Measure()
-    ex.train_step(state, ex.g.shard_batch(generated_batch(cfg, seed=0, lengths="short")))
-    assert abs(p.device_peak - ex.memory.peak) <= 0.1 * ex.memory.peak, (p.format(), ex.memory.by_phase)
+    memory = Measure()
+    ex.with_ops(DeviceOps(memory=memory)).train_step(state, ex.g.shard_batch(generated_batch(cfg, seed=0,
+                                                                                              lengths="short")))
+    assert abs(p.device_peak - memory.peak) <= 0.1 * memory.peak, (p.format(), memory.by_phase)
     assert abs(p.host_peak - host_peak[0]) <= 0.1 * host_peak[0], (p.format(), host_peak[0] / GIB)
 
 
@@ -67,7 +68,7 @@ def test_fused_plan_equals_the_compiled_step():
     cfg = load_config("finetuning", "tiny", dict(global_batch_size=8, micro_batch_size=2, sequence_length=32))
     ex = make_executor(Graphs(cfg))
     p = plan(ex, exact=True)
-    from utils.bench import live_device_bytes, program_bytes
+    from graphs.memory import live_device_bytes, program_bytes
 
     state = ex.init_state()
     batch = ex.g.shard_batch(generated_batch(cfg, seed=0))

@@ -253,7 +253,7 @@ def test_a_cluster_log_gets_progress_lines_and_a_readable_loss_curve(tmp_path):
     lines = [line for line in err.splitlines() if " step " in line and " ETA " in line]
     assert [line.split(" step ")[1].split()[0] for line in lines] == ["2/8", "4/8", "6/8", "8/8"], lines
     assert all("loss" in line and "lr" in line and "samples/s" in line for line in lines)
-    from utils.tracking import plot_loss_curve
+    from app.tracking import plot_loss_curve
 
     drawn = plot_loss_curve(os.path.join(run_dir, "metrics.jsonl"), str(tmp_path / "curve.png"), "tiny (run)")
     assert drawn["curves"] == ["loss", "loss, smoothed", "learning rate"] and "tiny (run)" in drawn["title"]
@@ -291,7 +291,7 @@ def test_a_device_out_of_memory_is_one_line_with_the_bytes_and_the_knobs(capsys)
     """A real XLA out-of-memory error (4 TiB asked of this CPU) under the drivers' entry wrapper."""
     import jax.numpy as jnp
 
-    from utils.cli import entry
+    from app.entry import entry
 
     @entry
     def main(argv):

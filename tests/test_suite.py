@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "gptj"]
+PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "gptj_6B"]
 
 
 def suite(*args, timeout=900):
@@ -38,7 +38,7 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     assert any(n["ratios"] for n in figs["vs_hf"].values())
     assert figs["xl_phased"]["phased_over_fused_samples_per_s"] > 0
     assert figs["decode"]["base"]["decode_tokens_per_s"]["ratio"] > 0
-    assert figs["gptj"]["gptj_1gpu"]["median_step_s"] > 0 and figs["gptj"]["vs_hf"]["ratios"]
+    assert figs["gptj_6B"]["gptj_1gpu"]["median_step_s"] > 0 and figs["gptj_6B"]["vs_hf"]["ratios"]
     assert (out / "throughput.png").stat().st_size > 1000  # the figure, drawn from the suite's own results
     summary = open(out / "summary.md").read()
     assert all(f"| {name} | ok |" in summary for name in PARTS)
@@ -48,7 +48,7 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     readme.write_text("intro\n<!-- suite:begin -->\nold\n<!-- suite:end -->\nrest\n")
     suite("--summarize", str(out), "--readme", str(readme))
     text = readme.read_text()
-    assert "old" not in text and "| gptj | ok |" in text and text.startswith("intro") and text.endswith("rest\n")
+    assert "old" not in text and "| gptj_6B | ok |" in text and text.startswith("intro") and text.endswith("rest\n")
 
 
 def test_a_part_the_budget_cannot_hold_is_skipped_and_recorded(tmp_path):

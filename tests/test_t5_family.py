@@ -83,10 +83,9 @@ def executor_loss_and_grads(cfg, hf, batch):
     grouped = ex.g.shard_batch({k: v.reshape(2, 2, -1) for k, v in batch.items()})
     rng = jax.random.key_data(jax.random.key(0))
     if cfg.execution.phased:
-        loss, g_rest, g_layers, _ = ex.loss_and_grads(ex.init_state(host), grouped, rng)
-        grads = ex.stacked_grads(g_rest, g_layers)
+        loss, grads = ex.loss_and_grads(ex.init_state(host), grouped, rng)
     else:
-        loss, grads = ex.loss_and_grads(ex.g.shard_params(host), grouped, rng)
+        loss, grads = ex.loss_and_grads(ex.init_state(host), grouped, rng)
     return float(loss), jax.tree.map(np.asarray, grads)
 
 

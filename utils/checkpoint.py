@@ -184,9 +184,10 @@ def saved_shapes(directory: str, step: int) -> dict:
     return {jax.tree_util.keystr(p): tuple(m.shape) for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def check_shapes(directory: str, step: int, params_target, config: Optional[dict] = None, current=None) -> None:
-    """CheckpointShapeError naming a weight's two shapes (and the flags the checkpoint was trained with, where
-    they differ from ``current``, this run's config) when the saved weights do not fit the target."""
+def check_shapes(directory: str, step: int, params_target, hint=None) -> None:
+    """CheckpointShapeError naming a weight's two shapes when the saved weights do not fit the target; ``hint(saved
+    config or None) -> str`` says how to run the checkpoint instead (config.shape_hint: the flags it was trained
+    with)."""
     try:
         saved = saved_shapes(directory, step)
     except Exception:
@@ -194,28 +195,24 @@ def check_shapes(directory: str, step: int, params_target, config: Optional[dict
     want = {jax.tree_util.keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params_target)[0]}
     for key in want:
         if key in saved and saved[key] != want[key]:
-            hint = "use the preset and flags of the run that wrote it"
-            if config:
-                from config.config import FIELDS, model_shape
-
-                theirs = model_shape(config)
-                ours = model_shape(current) if current is not None else {k: FIELDS[k].default for k in theirs}
-                hint = "it was trained with " + " ".join(f"--{k} {v}" for k, v in theirs.items()
-                                                         if v != ours[k]) + ": pass the same (or that run's preset)"
+            meta = _meta_or_none(directory, step)
+            how = hint((meta or {}).get("config")) if hint else "use the preset and flags of the run that wrote it"
             raise CheckpointShapeError(f"{directory}/{step} holds {key} of shape {saved[key]} but this run's model "
-                                       f"has {want[key]}: {hint}")
+                                       f"has {want[key]}: {how}")
 
 
-def load(directory: str, step: int, params_target, opt_state_target=None, cfg=None) -> tuple:
-    """(params, opt_state or None, meta) of a step, restored into the targets' shardings (``cfg``: this run's
-    config, named in the error when the checkpoint's model has another shape)."""
-    check_step(directory, step)  # a step without its commit marker is never loaded as if complete
-    meta = None
+def _meta_or_none(directory: str, step: int) -> Optional[dict]:
     try:
-        meta = read_meta(directory, step)
+        return read_meta(directory, step)
     except Exception:
-        pass
-    check_shapes(directory, step, params_target, (meta or {}).get("config"), cfg)
+        return None
+
+
+def load(directory: str, step: int, params_target, opt_state_target=None, hint=None) -> tuple:
+    """(params, opt_state or None, meta) of a step, restored into the targets' shardings (``hint``: as
+    ``check_shapes`` takes it, for a checkpoint whose model has another shape)."""
+    check_step(directory, step)  # a step without its commit marker is never loaded as if complete
+    check_shapes(directory, step, params_target, hint)
     mgr = manager(directory, read_only=True)
     items = {"params": ocp.args.StandardRestore(params_target), "meta": ocp.args.JsonRestore()}
     if opt_state_target is not None:

@@ -1,8 +1,8 @@
-"""The project's error base class: an expected failure, reported as one line that names the problem and the fix.
+"""The project's errors: an expected failure, reported as one line that names the problem and the fix.
 
-Every driver runs under ``utils.cli.entry``, which prints such an error as ``error: <message>``
+Every driver runs under ``app.entry.entry``, which prints such an error as ``error: <message>``
 and exits with its ``exit_code``, without a traceback. Anything else is a bug and keeps its
-traceback.
+traceback. The errors every floor raises live here, at the bottom.
 """
 
 from __future__ import annotations
@@ -12,6 +12,14 @@ class FlanT5Error(Exception):
     """An expected failure: bad input, a missing file, a run that will not fit."""
 
     exit_code = 2
+
+
+class ConfigError(FlanT5Error, ValueError):
+    """A configuration problem; its message names the field and the fix."""
+
+
+class CheckpointError(FlanT5Error, RuntimeError):
+    """A missing or unreadable model checkpoint; the message says how to fix it."""
 
 
 class TrainingDiverged(FlanT5Error):

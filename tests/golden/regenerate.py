@@ -11,10 +11,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from config import load_config  # noqa: E402
 from graphs import sharding as S  # noqa: E402
-from modelling.params import param_specs  # noqa: E402
+from modelling import registry  # noqa: E402
 
 cfg = load_config("finetuning", "tiny")
 mesh = S.make_mesh(cfg.execution.data_parallel, cfg.execution.tensor_parallel)
-specs = param_specs(cfg.model, cfg.execution.tensor_parallel)
+specs = registry.of_config(cfg).param_specs(cfg.model, cfg.execution.tensor_parallel)
 S.write_snapshot(S.sharding_snapshot(specs, S.layouts(specs, mesh, cfg.execution.rts)),
                  os.path.join(os.path.dirname(__file__), "tiny_dp2_tp2_shardings.json"))

@@ -1,7 +1,7 @@
 """Runs a driver as N cooperating JAX processes on this machine (the original's ``poprun``, one host).
 
-    python3 -m utils.launch --nproc 2 run_finetuning.py --config tiny --save ckpt/tiny
-    python3 -m utils.launch --nproc 2 run_validation.py --config tiny --load ckpt/tiny
+    python3 -m app.launch --nproc 2 run_finetuning.py --config tiny --save ckpt/tiny
+    python3 -m app.launch --nproc 2 run_validation.py --config tiny --load ckpt/tiny
 
 Each process gets JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (the
 variables the drivers read, see utils/cli.py); on a CPU each simulates its share of

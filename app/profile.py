@@ -17,7 +17,7 @@ import re
 import time
 from collections import defaultdict
 
-from utils.bench import write_json
+from app.bench import write_json
 
 
 def op_family(name: str) -> str:

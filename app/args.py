@@ -1,0 +1,199 @@
+"""Command-line arguments shared by the drivers: a preset + one flat flag per config field, resolved into one
+validated config (the config's own checks, then its model family's)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable, Optional
+
+from app.entry import die
+from config.config import (FIELDS, Config, ConfigError, _base_type, coerce, config_from_mapping, get_path,
+                           ipu_only_notices, load_config, model_shape, read_presets, preset_path)
+from modelling import registry
+from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
+from utils.errors import FlanT5Error
+
+
+logger = logging.getLogger("flan_t5")
+
+
+def _preset_values(kind: str, argv: list) -> tuple:
+    """(preset name, {flag: value}) of the --config named in argv, for --help; ({}) if it cannot be read."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    name = pre.parse_known_args(argv)[0].config
+    if name is None:
+        return None, {}
+    try:
+        cfg = config_from_mapping(read_presets(preset_path(kind))[name] or {})
+    except (KeyError, ConfigError):
+        return name, {}
+    return name, {flag: get_path(cfg, ref.path) for flag, ref in FIELDS.items()}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as the one line every other error is (no usage dump)."""
+
+    def error(self, message):
+        import difflib
+        import re
+
+        m = re.match(r"unrecognized arguments: (.*)", message)
+        if m:  # a close typo gets its likely flag named
+            known = [o for a in self._actions for o in a.option_strings]
+            hints = [f"{w} (did you mean {c[0]}?)" for w in m.group(1).split() if w.startswith("--")
+                     for c in [difflib.get_close_matches(w.split("=")[0], known, n=1, cutoff=0.75)] if c]
+            if hints:
+                message = "unrecognized arguments: " + ", ".join(hints)
+        die(f"{message} (see --help)")
+
+
+# the fields only training reads (the decoding drivers accept them, a shared preset may set them, but do not list
+# them): the training section and what ``config.spec`` marks ``training``
+TRAINING_ONLY = tuple(flag for flag, ref in FIELDS.items() if ref.path[0] == "training" or ref.meta.get("training"))
+
+
+def build_parser(kind: str, description: str, default_preset: str,
+                 extra: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+                 argv: Optional[list] = None) -> argparse.ArgumentParser:
+    """An argparse parser with --config and every config field as a flat override flag.
+
+    With ``--config NAME`` in argv, ``--help`` shows that preset's value of every field.
+    """
+    presets = list(read_presets(preset_path(kind)))
+    preset, values = _preset_values(kind, argv or [])
+    p = _Parser(description=description, allow_abbrev=False)
+    p.add_argument("--config", default=default_preset, metavar="PRESET",
+                   help=f"preset of config/{kind}.yml: {', '.join(presets)} (default: {default_preset})")
+    if extra is not None:
+        extra(p)
+    title = "config fields (override the preset" + (f"; [{preset}: value] is the preset's)" if values else ")")
+    group = p.add_argument_group(title)
+    for flag, ref in FIELDS.items():
+        typ = _base_type(ref.type)
+        doc = ref.doc.replace("%", "%%")
+        if flag in values:
+            shown = values[flag]
+            shown = " ".join(str(v) for v in shown) if isinstance(shown, (list, tuple)) else shown
+            doc += f" [{preset}: {shown}]"
+        # decoding drivers accept the training fields (a shared preset may set them) but do not list them
+        hidden = kind == "inference" and flag in TRAINING_ONLY
+        kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS if hidden else doc)
+        if typ is bool:
+            group.add_argument(f"--{flag}", nargs="?", const="true", metavar="BOOL", **kwargs)
+        elif typ is tuple:
+            group.add_argument(f"--{flag}", nargs="+", metavar="FLOAT", **kwargs)
+        else:
+            group.add_argument(f"--{flag}", metavar=typ.__name__.upper(), **kwargs)
+    return p
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def join_negative_values(argv: list) -> list:
+    """``--flag -1e-3`` -> ``--flag=-1e-3``: argparse takes a value starting with '-' (other than a plain
+    negative integer or decimal) for another option; a number after an option is its value."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "=" not in a and i + 1 < len(argv) and argv[i + 1].startswith("-") \
+                and _is_number(argv[i + 1]):
+            out.append(f"{a}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def parse_args(kind: str, description: str, default_preset: str, argv=None, extra=None) -> tuple:
+    """(namespace of the non-config flags, {flag: value} of the config fields given on the command line)."""
+    argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser(kind, description, default_preset, extra, argv)
+    args = parser.parse_args(argv)
+    overrides = {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__")}
+    for k in list(vars(args)):
+        if k.startswith("cfg__"):
+            delattr(args, k)
+    return args, overrides
+
+
+def make_config(kind: str, preset: str, overrides: dict, fixed: Optional[dict] = None,
+                defaults: Optional[dict] = None):
+    """The config resolved once, at the edge: preset, then ``defaults`` (a driver's own, where the command line says
+    nothing), the command line's ``overrides``, and ``fixed`` (what the driver requires), validated by the config
+    and then by its model family; an IPU-only field set to no effect is said once."""
+    merged = {**(defaults or {}), **overrides, **(fixed or {})}
+    cfg = load_config(kind, preset, merged)
+    registry.checked(cfg)
+    for notice in ipu_only_notices(cfg):
+        logger.warning(notice)
+    return cfg
+
+
+def carried_fields(load, hf_model) -> tuple:
+    """({flag: value} the model carries: its shape, and the tokenizer it was trained with; source name)
+    from the latest checkpoint --load names, or the --hf_model's config.json (any family: its model_type)."""
+    from utils import checkpoint as ckpt  # orbax: --help need not pay for it
+
+    if load:
+        directory, step = ckpt.resolve(load)[-1]
+        saved = ckpt.read_meta(directory, step).get("config")
+        if not saved:
+            return {}, directory
+        fields = model_shape(saved)
+        fields["tokenizer"] = saved.get("data", {}).get("tokenizer")
+        return {k: v for k, v in fields.items() if v is not None}, f"checkpoint {directory}"
+    if hf_model:
+        m = model_config_from_hf(read_hf_config(resolve_hf_dir(hf_model)))
+        return model_shape(Config(model=m)), f"model {hf_model}"
+    return {}, None
+
+
+def carried_model(overrides: dict, load=None, hf_model=None) -> dict:
+    """The model fields a checkpoint (--load) or an HF model (--hf_model) carries, as config defaults: the
+    shape and variant never need repeating on the command line, and an explicit flag that contradicts them is
+    an error naming both values."""
+    carried, source = carried_fields(load, hf_model)
+    for flag, value in carried.items():
+        if flag in overrides and flag != "tokenizer" and coerce(FIELDS[flag], overrides[flag]) != value:
+            raise FlanT5Error(f"--{flag} {overrides[flag]} contradicts the {source}, whose {flag} is {value}: drop "
+                              f"--{flag} (the model's shape comes from the {'checkpoint' if load else 'model'})")
+    if carried:
+        logging.getLogger("flan_t5").info("model shape from the %s: %s", source,
+                                         ", ".join(f"{k}={v}" for k, v in carried.items()))
+    return carried
+
+
+def parse_config(kind: str, description: str, default_preset: str, argv=None, extra=None,
+                 fixed: Optional[dict] = None, defaults: Optional[dict] = None):
+    """Parses argv into (config, namespace of the non-config flags); a bad config raises ConfigError. With
+    --hf_model, the model's shape and variant come from its config.json (``carried_model``)."""
+    args, overrides = parse_args(kind, description, default_preset, argv, extra)
+    if overrides.get("hf_model"):
+        defaults = {**carried_model(overrides, hf_model=overrides["hf_model"]), **(defaults or {})}
+    return make_config(kind, args.config, overrides, fixed, defaults), args
+
+
+def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:
+    """Fails early (before any work) if ``path`` (a directory, or a file's directory) cannot be written."""
+    import tempfile
+
+    directory = os.path.abspath(path if is_dir else (os.path.dirname(path) or "."))
+    if not is_dir and os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory: pass a file path")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} cannot be written ({e.strerror or e}): choose a path you can write to") from None

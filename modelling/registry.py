@@ -1,0 +1,51 @@
+"""The model families this project runs: one line each. A new family is one module (a ``Family`` subclass,
+modelling/family.py) and one line here; the config's choices and the Hugging Face model types follow."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from modelling import gptj, t5
+from modelling.family import Family
+from utils.errors import CheckpointError, ConfigError
+
+FAMILIES: dict = {f.name: f for f in (t5.T5Family(), t5.UMT5Family(), gptj.GPTJFamily())}
+
+
+def names() -> tuple:
+    """The ``model.family`` values, as --help lists them."""
+    return tuple(FAMILIES)
+
+
+def get(name: str) -> Family:
+    """The family of a ``model.family`` value; ConfigError naming the choices."""
+    if name not in FAMILIES:
+        raise ConfigError(f"unknown model family {name!r}: choose one of {', '.join(FAMILIES)} (--family)")
+    return FAMILIES[name]
+
+
+def of_config(cfg) -> Family:
+    """The family of a config."""
+    return get(cfg.model.family)
+
+
+def checked(cfg) -> Family:
+    """The family of a config, after it checked what only it knows (``Family.validate_config``)."""
+    family = of_config(cfg)
+    family.validate_config(cfg)
+    return family
+
+
+def hf_model_types() -> dict:
+    """{HF config.json ``model_type``: our family name}, from every family's ``hf_model_types``."""
+    return {t: f.name for f in FAMILIES.values() for t in f.hf_model_types}
+
+
+def of_hf_config(hf: Mapping) -> Family:
+    """The family that loads an HF config (dict form); CheckpointError naming the supported types."""
+    types = hf_model_types()
+    kind = hf.get("model_type")
+    if kind not in types:
+        raise CheckpointError(f"model_type {kind!r} is not supported: this project runs "
+                              f"{', '.join(sorted(types))} checkpoints (config.json's model_type)")
+    return FAMILIES[types[kind]]

@@ -65,8 +65,9 @@ def build(cfg, executor=None, run_dir: str | None = None):
     """The executor, checked to fit this machine (graphs/plan.py), and the training data loader. With
     ``--tokenizer train`` the tokenizer is learnt from the training data and saved to RUN_DIR/tokenizer, which
     the config (and so every checkpoint) then names."""
-    from data.mnli import (TRAINED, TrainLoader, check_unknown_tokens, load_rows, load_tokenizer, tokenize_examples,
-                           train_tokenizer)
+    from app.runtime import agree
+    from data.mnli import (TRAINED, TrainLoader, check_unknown_tokens, load_rows, load_tokenizer, pad_id,
+                           tokenize_examples, train_tokenizer)
     from graphs.plan import check_fits, human_bytes
 
     executor = executor or build_executor(cfg)
@@ -78,13 +79,16 @@ def build(cfg, executor=None, run_dir: str | None = None):
     causal = family.causal
     if cfg.data.tokenizer == TRAINED:
         out = os.path.abspath(os.path.join(run_dir or cfg.checkpoint.save or "runs", "tokenizer"))
-        t0 = time.perf_counter()
-        tokenizer = train_tokenizer(rows, cfg.model.embedding.vocab_size, out, family)
-        cfg.data.tokenizer = out  # what checkpoints record: validation loads it from there
-        logger.info("trained a %d-token tokenizer on %d rows of %s in %.1f s -> %s", len(tokenizer), len(rows),
-                    cfg.data.dataset, time.perf_counter() - t0, out)
-    else:
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+
+        def learn() -> str:  # process 0 learns and saves it; the others load what it saved
+            t0 = time.perf_counter()
+            tok = train_tokenizer(rows, cfg.model.embedding.vocab_size, out, family)
+            logger.info("trained a %d-token tokenizer on %d rows of %s in %.1f s -> %s", len(tok), len(rows),
+                        cfg.data.dataset, time.perf_counter() - t0, out)
+            return out
+
+        cfg.data.tokenizer = agree("tokenizer", learn)  # what checkpoints record: validation loads it from there
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         raise FlanT5Error(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
                           "raise --vocab_size or use the tokenizer of this model")
@@ -102,7 +106,7 @@ def build(cfg, executor=None, run_dir: str | None = None):
                          sequence_length=cfg.model.sequence_length, target_length=cfg.model.decoder_sequence_length,
                          packing=cfg.data.packing, decoder_length=cfg.decoder_row_length, causal=causal,
                          causal_packing=cfg.data.causal_packing, loss_tokens=cfg.data.loss_tokens,
-                         pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+                         pad_id=pad_id(tokenizer))
     loader.report = data_report  # written with the run's first metrics line
     return executor, loader
 
@@ -149,11 +153,17 @@ def resume_point(cfg):
     for flag, (section, key) in DATA_ORDER:
         theirs, ours = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
         if theirs is not None and theirs != ours:
+            ours, theirs = _flag_value(ours), _flag_value(theirs)
             raise FlanT5Error(f"resuming {directory}/{step} with --{flag} {ours}, but it was trained with --{flag} "
                               f"{theirs}: its data order cannot continue; resume with --{flag} {theirs}, or start a "
                               f"new run from its weights with --init_from {directory}/{step} (step 0, fresh optimizer "
                               "state and schedule)")
     return directory, step
+
+
+def _flag_value(value) -> str:
+    """A config value as it is written on the command line (true / false for a bool)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def init_point(cfg, args):
@@ -234,11 +244,15 @@ def check_save_dir(cfg, point, discard_later: bool = False) -> list:
 
 
 def discard_steps(save: str, later: list, point) -> None:
-    """--discard_later_steps: deletes the steps ``check_save_dir`` found after the loaded one (under the run's lock)."""
+    """--discard_later_steps: deletes the steps ``check_save_dir`` found after the loaded one (under the run's lock;
+    process 0 of a multi-process run alone, the others wait for it)."""
     import shutil
 
-    for s_ in later:
+    from app.runtime import barrier, is_main_process
+
+    for s_ in later if is_main_process() else ():
         shutil.rmtree(os.path.join(save, str(s_)))
+    barrier("discarded later steps")
     if later:
         logger.info("--discard_later_steps: deleted step(s) %s of %s; continuing from step %d", ", ".join(map(str, later)),
                     save, point[1])
@@ -324,17 +338,22 @@ class Saver:
         self.last, self.pending = f"{cfg.checkpoint.save}/{step}", step
 
     def wait(self) -> None:
-        """Waits for the checkpoint being written; then keeps the newest ``to_keep`` of this run's steps."""
+        """Waits for the checkpoint being written; then keeps the newest ``to_keep`` of this run's steps. Process 0
+        of a multi-process run alone deletes (the others wait for it): every process of the run shares the
+        directory."""
+        from app.runtime import barrier, is_main_process
         from utils import checkpoint as ckpt
 
         if not self.mgr:
             return
         self.mgr.wait_until_finished()
         if self.pending is not None:
-            gone = ckpt.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep, keep=(self.pending,))
-            if gone:
-                logger.info("removed checkpoint step(s) %s of %s (--to_keep %d)", ", ".join(map(str, gone)),
-                            self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep)
+            if is_main_process():
+                gone = ckpt.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep, keep=(self.pending,))
+                if gone:
+                    logger.info("removed checkpoint step(s) %s of %s (--to_keep %d)", ", ".join(map(str, gone)),
+                                self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep)
+            barrier(f"pruned after step {self.pending}")
             self.pending = None
 
 
@@ -353,6 +372,12 @@ class Progress:
 
     def __iter__(self):
         return iter(self.bar)
+
+    def close(self, done: int) -> None:
+        """The bar at ``done`` steps, closed: what is printed next starts on a line of its own."""
+        self.bar.n = done
+        self.bar.refresh()
+        self.bar.close()
 
     def update(self, done: int, loss: float, lr: float, rows_s: float, examples_s: float) -> None:
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", examples_s=f"{examples_s:.1f}")
@@ -384,14 +409,17 @@ def train_step(cfg, executor, loader, state, step: int, start_step: int, loss_sc
     return state, {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}, stats
 
 
-def stop_after_signal(signum: int, done: int, cfg, saver: Saver, state, tracker) -> None:
-    """Saves the finished step (with --save) and exits 128 + the signal's number, with one line."""
+def stop_after_signal(signum: int, done: int, cfg, saver: Saver, state, tracker, progress) -> None:
+    """Saves the finished step (with --save) and exits 128 + the signal's number, with one line (below the
+    progress bar, which shows the step the line names)."""
     if saver.mgr:
         saver.save(done, state)
         saver.wait()
     tracker.close()
-    where = f"saved {cfg.checkpoint.save}/{done}; resume with --load {cfg.checkpoint.save}" \
-        if saver.mgr else "nothing saved (no --save)"
+    progress.close(done)
+    save = cfg.checkpoint.save
+    where = f"saved {save}/{done}; resume (and go on saving) with --load {save} --save {save}" if saver.mgr else \
+        "nothing saved (no --save)"
     print(f"{signal.Signals(signum).name}: stopped after step {done}: {where}", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)
 
@@ -401,7 +429,7 @@ def train(cfg, args, executor, loader, state, start_step: int, scaler) -> None:
     graphs/loss_scale.py, restored with the state) and the non-finite stop."""
     from config.config import to_dict
     from utils import checkpoint as ckpt
-    from app.runtime import is_main_process
+    from app.runtime import any_process, is_main_process
     from app.tracking import Tracker
 
     primary = is_main_process()  # process 0 of a multi-process run writes the metrics and shows progress
@@ -438,8 +466,9 @@ def train(cfg, args, executor, loader, state, start_step: int, scaler) -> None:
                                    "examples_per_s": stats["examples"] / dt,
                                    "packing_efficiency": stats["packing_efficiency"], **scaling, **first})
                 progress.update(done, m["loss"], lr, rows / dt, stats["examples"] / dt)
-                if stop.signum is not None:
-                    stop_after_signal(stop.signum, done, cfg, saver, state, tracker)
+                signum = any_process(stop.signum or 0)  # every process stops after the same step
+                if signum:
+                    stop_after_signal(signum, done, cfg, saver, state, tracker, progress)
                 if saver.mgr and every and done % every == 0 and done < total:
                     saver.save(done, state)
     except TrainingDiverged:
@@ -488,9 +517,14 @@ def main(argv=None) -> None:
         raise FlanT5Error("--steps 0: nothing to train (and nothing is written): pass --steps 1 or more")
     from app.runtime import is_main_process
     from app.rundir import check_free, check_metrics_owner, fresh_run_dir
+    from app.runtime import agree
 
     point, warm = resume_point(cfg), init_point(cfg, args)
-    args.run_dir = args.run_dir or cfg.checkpoint.save or fresh_run_dir("runs", args.config)
+    if point and not cfg.checkpoint.save:
+        logger.warning("resuming %s/%d without --save: nothing of this run will be saved; pass --save %s to go on "
+                       "saving where it stopped", *point, point[0])
+    # a fresh directory is chosen (and made) by process 0 alone; every process of the run uses the same
+    args.run_dir = args.run_dir or cfg.checkpoint.save or agree("run_dir", lambda: fresh_run_dir("runs", args.config))
     # every check that can refuse the run reads only: a refused run leaves its directories as they were
     for d in dict.fromkeys([cfg.checkpoint.save, args.run_dir]):
         if d and is_main_process():  # process 0 owns the run's directories (and holds their locks)

@@ -71,7 +71,7 @@ def main(argv=None) -> list:
     import jax
     import numpy as np
 
-    from data.mnli import load_rows, load_tokenizer, prompt
+    from data.mnli import load_rows, load_tokenizer, pad_id, prompt
     from data.packing import left_align
     from graphs.sharding import fetch, put_global
     from utils import checkpoint as ckpt
@@ -92,7 +92,7 @@ def main(argv=None) -> list:
         raise FlanT5Error(f"a prompt has {n} tokens but sequence_length is {cfg.model.sequence_length}: pass "
                           f"--sequence_length {n} or a shorter prompt")
     b = -(-len(enc) // cfg.execution.data_parallel) * cfg.execution.data_parallel
-    ids, mask = np.zeros((b, n), np.int32), np.zeros((b, n), np.int32)
+    ids, mask = np.full((b, n), pad_id(tokenizer), np.int32), np.zeros((b, n), np.int32)
     for i, x in enumerate(enc + [enc[-1]] * (b - len(enc))):  # rows fill the last dp shard
         ids[i, : len(x)], mask[i, : len(x)] = x, 1
     if family.left_pad_prompts:
@@ -104,10 +104,9 @@ def main(argv=None) -> list:
     ours = tokenizer.batch_decode(tokens, skip_special_tokens=True)
     theirs = agree = None
     if args.compare_hf:
-        eos = tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         host = jax.tree.map(np.asarray, params)
-        hf_tokens = hf_generate(cfg, family, host, ids[: len(enc)], mask[: len(enc)], eos, pad)
+        hf_tokens = hf_generate(cfg, family, host, ids[: len(enc)], mask[: len(enc)], tokenizer.eos_token_id,
+                                pad_id(tokenizer))
         theirs = tokenizer.batch_decode(hf_tokens, skip_special_tokens=True)
         agree = [bool(np.array_equal(a, h)) for a, h in zip(tokens, hf_tokens)]
     out = [{"prompt": t, "ours": o, **({} if theirs is None else {"hf": h, "same_tokens": a})}

@@ -97,9 +97,10 @@ class Validator:
     def generate(self, tokenizer):
         """The compiled decoding program, stopping at the tokenizer's end-of-text token."""
         if self._generate is None:
-            eos = tokenizer.eos_token_id
-            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-            self._generate = self.graphs.generate_phase(self.cfg.inference.output_length, eos_id=eos, pad_id=pad)
+            from data.mnli import pad_id
+
+            self._generate = self.graphs.generate_phase(self.cfg.inference.output_length, eos_id=tokenizer.eos_token_id,
+                                                        pad_id=pad_id(tokenizer))
         return self._generate
 
     def load_params(self, directory=None, step=None, hf_model=None):

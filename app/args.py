@@ -168,9 +168,10 @@ def carried_model(overrides: dict, load=None, hf_model=None) -> dict:
         if flag in overrides and flag != "tokenizer" and coerce(FIELDS[flag], overrides[flag]) != value:
             raise FlanT5Error(f"--{flag} {overrides[flag]} contradicts the {source}, whose {flag} is {value}: drop "
                               f"--{flag} (the model's shape comes from the {'checkpoint' if load else 'model'})")
-    if carried:
-        logging.getLogger("flan_t5").info("model shape from the %s: %s", source,
-                                         ", ".join(f"{k}={v}" for k, v in carried.items()))
+    if carried:  # the fields the model's family reads (a GPT-J has no relative-position buckets)
+        shown = registry.get(carried["family"]).shape_fields if carried.get("family") in registry.names() else carried
+        logger.info("model shape from the %s: %s", source, ", ".join(f"{k}={carried[k]}" for k in shown
+                                                                    if k in carried))
     return carried
 
 

@@ -1,4 +1,5 @@
-"""Every driver's entry: expected errors as one line, signals outside the training loop, out of memory."""
+"""Every driver's entry: expected errors as one line, signals outside the training loop, out of memory; in a
+multi-process run a failure in any process ends every process within seconds, each saying which one failed."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import typing
 from typing import Callable, Optional
 
+from app import runtime
 from utils.errors import FlanT5Error, OutOfMemory
 
 
@@ -22,7 +25,11 @@ def die(message: str, code: int = 2) -> typing.NoReturn:
 def entry(main: Callable) -> Callable:
     """Every driver's ``main``: an expected error (``utils.errors.FlanT5Error``) becomes one line on stderr
     and its exit code; Ctrl-C outside the training loop (which handles it itself) exits 130 without a
-    traceback; a device out of memory becomes one line with the knobs that lower memory."""
+    traceback; a device out of memory becomes one line with the knobs that lower memory.
+
+    In a run of several processes, a process that fails says so to the others (``runtime.report_failure``: each
+    stops at once, naming it) and exits without waiting for them: JAX's exit would wait at a barrier for peers that
+    wait in a collective for it, until its heartbeat timeout."""
 
     @functools.wraps(main)
     def run(argv=None):
@@ -33,19 +40,55 @@ def entry(main: Callable) -> Callable:
         try:
             return main(argv)
         except FlanT5Error as e:
-            die(str(e), e.exit_code)
+            fail(str(e), e.exit_code)
         except KeyboardInterrupt:
             die("interrupted", 130)
         except Exception as e:  # XLA's out-of-memory errors carry no type of their own
-            oom = out_of_memory_message(e)
-            if oom is None:
+            line, code = out_of_memory_message(e), OutOfMemory.exit_code
+            if line is None:
+                line, code = peer_failure_message(e), 1
+            if line is None and runtime.process_count() == 1:
                 raise
-            die(oom, OutOfMemory.exit_code)
+            if line is None:  # a bug: its traceback, then the line the other processes see
+                traceback.print_exc()
+                line = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+            fail(line, code)
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
 
     return run
+
+
+def fail(message: str, code: int) -> typing.NoReturn:
+    """The one line of a failure and its exit code; in a multi-process run the line names this process, the others
+    are told, and the process ends at once (``os._exit``: no barrier at exit waits for the peers)."""
+    if runtime.process_count() == 1:
+        die(message, code)
+    line = f"{runtime.process_label()}: {message}"
+    runtime.report_failure(line, code)
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    os.write(2, f"error: {line}\n".encode())
+    os._exit(code)
+
+
+def peer_failure_message(e: BaseException) -> Optional[str]:
+    """One line for a collective that failed because another process of the run is gone (gloo's connection
+    errors on CPUs; the coordination service's on any backend), else None."""
+    text = str(e)
+    marks = ("Connection reset by peer", "Connection closed by peer", "Gloo", "failed to connect",
+             "coordination service", "DistributedRuntimeClient")
+    if runtime.process_count() == 1 or not any(m in text for m in marks):
+        return None
+    other = runtime.reported_failure()
+    if other:
+        return f"stops because {other}"
+    first = next((x.strip() for x in text.splitlines() if x.strip()), type(e).__name__)[:200]
+    return (f"a collective with the other processes failed ({first}): another process of the run stopped; its own "
+            "output (or the launcher's) says why")
 
 
 def exit_on_signal(signum, frame=None) -> None:

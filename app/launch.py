@@ -28,12 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, command: list, port: int | None = None, env: dict | None = None) -> int:
+def launch(nproc: int, command: list, port: int | None = None, env: dict | None = None, grace: float = 5.0) -> int:
     """Starts ``command`` (a Python script and its arguments) ``nproc`` times; returns the exit status.
 
     The processes share the launcher's process group, so a signal to the group (Ctrl-C) reaches
-    them all; SIGTERM to the launcher alone stops them too.
-    """
+    them all; SIGTERM to the launcher alone stops them too. When one process fails (or is killed), the
+    launcher says which and how, and stops the others: SIGTERM, then SIGKILL after ``grace`` seconds (they
+    cannot go on without it; what they saved before stays loadable)."""
     address = f"127.0.0.1:{port or free_port()}"
     procs = []
     for i in range(nproc):
@@ -41,41 +42,64 @@ def launch(nproc: int, command: list, port: int | None = None, env: dict | None 
         penv.update(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(nproc), JAX_PROCESS_ID=str(i))
         procs.append(subprocess.Popen([sys.executable, *command], env=penv))
 
-    def stop_all():
-        for q in procs:
-            if q.poll() is None:
-                q.terminate()
-
     def on_sigterm(*_):
-        stop_all()
+        _stop(procs, grace)
         raise SystemExit(143)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     status = 0
     try:
-        running = list(procs)
-        while running:
-            for p in list(running):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                running.remove(p)
-                if rc != 0 and status == 0:
-                    status = rc
-                    stop_all()  # one failed: the others would wait for it forever
-            time.sleep(0.2)
+        status = _wait(procs, grace)
     except KeyboardInterrupt:
-        stop_all()
+        _stop(procs, grace)
         status = 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for q in procs:
-            try:
-                q.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                q.kill()
-                q.wait()
+        _stop(procs, 30)
     return status
+
+
+def _wait(procs: list, grace: float) -> int:
+    """Waits for every process; the first failure stops the others -> the first failure's status (0: none)."""
+    running, status = dict(enumerate(procs)), 0
+    while running:
+        for i, p in list(running.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            del running[i]
+            if rc != 0 and status == 0:
+                status = rc if rc > 0 else 128 - rc
+                how = (f"was killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0
+                       else f"exited with status {rc}")
+                print(f"launch: process {i} of {len(procs)} {how}; stopping the others", file=sys.stderr, flush=True)
+                # one failed: the others would wait for it in a collective. A process that failed on an error has
+                # told them (they stop within a second, saying so); one that was killed has not: they are stopped
+                _settle(procs, 3.0)
+                _stop(procs, grace)
+        time.sleep(0.2)
+    return status
+
+
+def _settle(procs: list, seconds: float) -> None:
+    """Waits up to ``seconds`` for the processes to end by themselves."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(q.poll() is None for q in procs):
+        time.sleep(0.1)
+
+
+def _stop(procs: list, grace: float) -> None:
+    """SIGTERM to every process still running, SIGKILL to those still running ``grace`` seconds later."""
+    for q in procs:
+        if q.poll() is None:
+            q.terminate()
+    deadline = time.monotonic() + grace
+    for q in procs:
+        try:
+            q.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            q.kill()
+            q.wait()
 
 
 def main(argv=None) -> None:

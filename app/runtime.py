@@ -1,14 +1,17 @@
 """The process and JAX set-up of a run: simulated CPU devices, multi-process start-up (the original's poprun),
-pinned host memory, the compilation cache; everything here runs before JAX starts a backend."""
+pinned host memory, the compilation cache (everything before JAX starts a backend), and what the processes of one
+run agree on: a value process 0 decides, barriers, and a failure that ends every process in seconds."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import threading
+import time
 from typing import Optional
 
-from app.entry import die
+from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
 
@@ -47,7 +50,7 @@ def _env_int(name: str) -> Optional[int]:
     try:
         return int(value)
     except ValueError:
-        die(f"{name}={value!r} is not an integer: set it to a whole number (or unset it)")
+        raise ConfigError(f"{name}={value!r} is not an integer: set it to a whole number (or unset it)") from None
 
 
 def ensure_pinned_host_memory(phased: bool) -> None:
@@ -94,14 +97,18 @@ def maybe_initialize_distributed() -> None:
     procs, pid = _env_int("JAX_NUM_PROCESSES"), _env_int("JAX_PROCESS_ID")
     missing = [n for n, v in (("JAX_NUM_PROCESSES", procs), ("JAX_PROCESS_ID", pid)) if v is None]
     if missing and not detect:
-        die(f"JAX_COORDINATOR_ADDRESS is set but {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-            "not: set all three in every process (or FLAN_T5_DISTRIBUTED=1 under SLURM / on a TPU pod)")
+        raise ConfigError(f"JAX_COORDINATOR_ADDRESS is set but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not: set all three in every process (or "
+                          "FLAN_T5_DISTRIBUTED=1 under SLURM / on a TPU pod)")
     if procs is not None and pid is not None and not 0 <= pid < procs:
-        die(f"JAX_PROCESS_ID={pid} is outside 0..{procs - 1} (JAX_NUM_PROCESSES={procs}): number the processes "
-            "0, 1, ... JAX_NUM_PROCESSES-1")
+        raise ConfigError(f"JAX_PROCESS_ID={pid} is outside 0..{procs - 1} (JAX_NUM_PROCESSES={procs}): number the "
+                          "processes 0, 1, ... JAX_NUM_PROCESSES-1")
     import jax
 
-    jax.distributed.initialize(address, procs, pid)
+    # a process killed outright is noticed by the coordination service after this many seconds without heartbeats
+    # (a process that fails on an error says so at once: report_failure); JAX's default is 100
+    heartbeat = _env_int("FLAN_T5_HEARTBEAT_TIMEOUT") or 30
+    jax.distributed.initialize(address, procs, pid, heartbeat_timeout_seconds=heartbeat)
 
 
 def filter_stdout_lines(drop) -> None:
@@ -154,6 +161,7 @@ def setup_jax() -> Optional[str]:
 
         if jax.process_count() > 1 and jax.local_devices()[0].platform == "cpu":
             filter_stdout_lines(_gloo_line)  # CPU collectives (gloo) announce every connection on stdout
+        watch_for_failures()
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("POPXL_CACHE_DIR")
     if not path:
         return None
@@ -172,3 +180,134 @@ def is_main_process() -> bool:
     import jax
 
     return jax.process_index() == 0
+
+
+# --------------------------------------------------------------------------- the processes of one run
+
+
+def process_count() -> int:
+    """The number of processes of this run (1 unless jax.distributed started)."""
+    if not distributed_requested():
+        return 1
+    import jax
+
+    return jax.process_count()
+
+
+def process_label() -> str:
+    """``process I of N``: who says a line in a multi-process run."""
+    import jax
+
+    return f"process {jax.process_index()} of {jax.process_count()}"
+
+
+def _client():
+    """The coordination service's client of this process (JAX's key-value store and barriers), or None."""
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.client
+    except Exception:  # another JAX version: the callers fall back to collectives
+        return None
+
+
+FAILED = "flan_t5/failed"  # the key under which a failing process leaves "exit code|its one line"
+AGREED = "flan_t5/agreed/"
+
+
+def agree(name: str, make) -> str:
+    """The value process 0 computes with ``make()`` (a string: a directory, a path), the same in every process of
+    the run; ``make`` runs in process 0 alone."""
+    if process_count() == 1:
+        return make()
+    import jax
+
+    client = _client()
+    if jax.process_index() == 0:
+        value = make()
+        client.key_value_set(AGREED + name, value)
+        return value
+    return client.blocking_key_value_get(AGREED + name, 10 * 60 * 1000)
+
+
+def barrier(name: str) -> None:
+    """Every process of the run waits here for the others (one process: nothing)."""
+    if process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def any_process(value: int) -> int:
+    """The largest of ``value`` over the processes of the run (so that all decide alike, e.g. to stop after a step
+    when any of them got a signal); one process: ``value``."""
+    if process_count() == 1:
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.int32(value))))
+
+
+def report_failure(message: str, code: int) -> None:
+    """Tells the other processes of the run that this one fails with ``message`` (one line) and ``code``: each of
+    them then stops at once (``watch_for_failures``) instead of waiting in a collective for a peer that is gone."""
+    client = _client()
+    if client is None:
+        return
+    try:
+        client.key_value_set(FAILED, f"{code}|{message}")
+    except Exception:
+        return  # another process reported first, or the service is gone: either way the others stop
+    import jax
+
+    if jax.process_index() == 0:  # the coordination service lives in process 0: give the others a poll to read it
+        time.sleep(1.5)
+
+
+def reported_failure() -> Optional[str]:
+    """The line another process reported failing with (``report_failure``), or None."""
+    client = _client()
+    try:
+        found = client.key_value_try_get(FAILED) if client is not None else None
+    except Exception:
+        return None
+    return found.partition("|")[2] if found else None
+
+
+def watch_for_failures(interval: float = 0.5) -> None:
+    """A thread that ends this process within ``interval`` seconds of another process's failure (its line is
+    printed, named, with its exit code), or when the coordination service (process 0) is gone."""
+    client = _client()
+    if client is None:
+        return
+    import jax
+
+    me = process_label()
+
+    def poll():
+        while True:
+            time.sleep(interval)
+            try:
+                found = client.key_value_try_get(FAILED)
+            except Exception as e:
+                if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
+                    continue
+                _stop(f"{me} stops: the run's coordinator (process 0) is gone ({type(e).__name__})", 1)
+            code, _, message = found.partition("|")
+            if not message.startswith(me + ":"):
+                _stop(f"{me} stops because {message}", int(code or 1))
+
+    if jax.process_count() > 1:
+        threading.Thread(target=poll, name="failure-watch", daemon=True).start()
+
+
+def _stop(line: str, code: int) -> None:
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os.write(2, f"error: {line}\n".encode())
+    os._exit(code)

@@ -167,7 +167,7 @@ def parts(smoke: bool) -> list:
 
 
 def _step_figures(r: dict) -> dict:
-    keys = ("median_step_s", "samples_per_s", "examples_per_s", "mfu", "losses", "peak_device_bytes",
+    keys = ("global_batch_size", "median_step_s", "samples_per_s", "examples_per_s", "mfu", "losses", "peak_device_bytes",
             "device_bytes_estimate", "plan_device_bytes", "plan_host_bytes", "host_peak_rss_bytes", "phase_timing")
     return {k: r.get(k) for k in keys}
 
@@ -371,8 +371,18 @@ def _gib(x: dict, *keys) -> str:
 
 
 def _host(x: dict) -> str:
-    """A run's measured host peak beside its plan's."""
-    return f"host {_gib(x, 'host_peak_rss_bytes')} (plan {_gib(x, 'plan_host_bytes')})"
+    """A run's measured host peak beside its plan's: the process's peak resident memory (JAX, the libraries and
+    the model's host-resident state) against the plan's host-resident state alone."""
+    return (f"host peak RSS {_gib(x, 'host_peak_rss_bytes')} (the plan's host-resident state "
+            f"{_gib(x, 'plan_host_bytes')})")
+
+
+def _rows(x: dict) -> str:
+    return f"{x.get('global_batch_size', '?')} rows"
+
+
+def _mfu(x: dict) -> str:
+    return _fmt(x.get("mfu")) if x.get("mfu") is not None else "- (no peak FLOP/s known for this device)"
 
 
 def summary_rows(results: list) -> list:
@@ -382,8 +392,9 @@ def summary_rows(results: list) -> list:
         f, head = r.get("figures") or {}, ""
         if r["part"] == "xxl_1gpu" and f.get("rows16"):
             x = f["rows16"]
-            head = (f"step {_fmt(x['median_step_s'], ' s')} (16 rows), "
-                    f"{_fmt((f.get('rows128') or {}).get('median_step_s'), ' s')} (128 rows); device "
+            big = f.get("rows128") or {}
+            head = (f"step {_fmt(x['median_step_s'], ' s')} ({_rows(x)}), "
+                    f"{_fmt(big.get('median_step_s'), ' s')} ({_rows(big)}); device "
                     f"{_gib(x, 'peak_device_bytes', 'device_bytes_estimate')} (plan {_gib(x, 'plan_device_bytes')}), "
                     f"{_host(x)}; transfer wait "
                     f"{_fmt(x.get('transfer_wait_s'), ' s')}")
@@ -395,7 +406,7 @@ def summary_rows(results: list) -> list:
                     f"{x.get('losses_decrease')}")
         elif r["part"] == "xl_mfu" and f.get("best"):
             b = f[f["best"]]
-            head = f"{f['best']}: MFU {_fmt(b.get('mfu'))}, {_fmt(b.get('samples_per_s'))} samples/s"
+            head = f"{f['best']}: MFU {_mfu(b)}, {_fmt(b.get('samples_per_s'))} samples/s"
         elif r["part"] == "vs_hf" and f:
             head = "; ".join(f"{k} {_fmt(v, 'x')}" for n in f.values() for k, v in (n.get("ratios") or {}).items())
         elif r["part"] == "xl_phased" and f:
@@ -406,15 +417,19 @@ def summary_rows(results: list) -> list:
         elif r["part"] == "gptj_6B" and f:
             g = f.get("gptj_1gpu") or {}
             ratios = ((f.get("vs_hf") or {}).get("ratios") or {})
-            head = f"6B step {_fmt(g.get('median_step_s'), ' s')}, MFU {_fmt(g.get('mfu'))}; " + "; ".join(
+            head = f"step {_fmt(g.get('median_step_s'), ' s')}, MFU {_mfu(g)}; " + "; ".join(
                 f"{k} {_fmt(v, 'x')}" for k, v in ratios.items())
+        if (r.get("env") or {}).get("smoke") and head:
+            head = "smoke (tiny shapes on CPU; not the part's figures): " + head
         rows.append((r["part"], r["status"] + (f" ({r['reason']})" if r.get("reason") else ""), head or "-"))
     return rows
 
 
 def write_summary(results: list, out_dir: str) -> str:
     env = next((r["env"] for r in results if r.get("env")), {})
-    lines = [f"Benchmark suite, {env.get('date', '?')}: {env.get('device_count', '?')} x "
+    smoke = ["SMOKE RUN (--smoke): every part at tiny shapes on CPU, to check that it runs; its numbers are not "
+             "the parts' figures.", ""] if env.get("smoke") else []
+    lines = smoke + [f"Benchmark suite, {env.get('date', '?')}: {env.get('device_count', '?')} x "
              f"{env.get('device_kind', '?')}, commit {str(env.get('commit'))[:10]}, jax {env.get('jax')}, "
              f"torch {env.get('torch')}, transformers {env.get('transformers')}", "",
              "| part | status | figures (each against its baseline in the part's JSON) |", "|---|---|---|"]

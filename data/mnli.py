@@ -281,6 +281,19 @@ def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str,
     return share
 
 
+def pad_id(tokenizer) -> int:
+    """The id that pads a row and follows a finished output: the tokenizer's pad token, else its end-of-text token
+    (what Hugging Face ``generate`` pads with when the model's config sets no pad token: GPT-J's and GPT-2's
+    tokenizers have none). Padding is masked everywhere, so which id it is never changes a result."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    raise DataError("the tokenizer has neither a pad token nor an end-of-text token: give it one (e.g. "
+                    "tokenizer.add_special_tokens({'eos_token': '</s>'}) and save_pretrained) or pass another "
+                    "--tokenizer")
+
+
 def _pad(seqs: list, length: int, value: int) -> np.ndarray:
     out = np.full((len(seqs), length), value, np.int32)
     for i, s in enumerate(seqs):
@@ -295,7 +308,7 @@ def tokenize_inputs(rows: list, tokenizer, sequence_length: int | None, family) 
     the prompt up to ``target:``, no special tokens)."""
     enc = family.encode_inputs(tokenizer, [family.prompt(prompt(r["hypothesis"], r["premise"])) for r in rows])
     length = sequence_length or max(len(x) for x in enc)
-    ids = _pad(enc, length, tokenizer.pad_token_id)
+    ids = _pad(enc, length, pad_id(tokenizer))
     mask = _pad([[1] * len(s) for s in enc], length, 0)
     return {"input_ids": ids, "attention_mask": mask}
 

@@ -72,7 +72,7 @@ def greedy(family, params: dict, input_ids: jax.Array, attention_mask: jax.Array
     """Greedy decoding with the KV cache. ids/mask [b, k] (left-padded for a family that says so) -> int32 tokens
     [b, max_new_tokens]: each sequence stops at ``eos_id`` (kept) and is padded with ``pad_id`` after it."""
     dp = family.decoding_params(params, opts)
-    logits, cache = family.decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis, pad_id)
+    logits, cache = family.decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis)
     b = input_ids.shape[0]
     first = greedy_token(logits, tp_axis)
     out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
@@ -100,7 +100,7 @@ def greedy_uncached(family, params: dict, input_ids, attention_mask, opts, max_n
     tokens = jnp.zeros((b, 0), jnp.int32)
     done = jnp.zeros((b,), bool)
     for _ in range(max_new_tokens):
-        logits = family.decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis, pad_id)
+        logits = family.decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis)
         nxt = jnp.where(done, pad_id, greedy_token(logits, tp_axis))
         done = done | (nxt == eos_id)
         tokens = jnp.concatenate([tokens, nxt[:, None]], axis=1)

@@ -143,6 +143,7 @@ class Family(abc.ABC):
     stacks: tuple  # its Stacks, in forward order
     head_stream: int  # the dropout stream of the head
     batch_keys: tuple  # the keys of a training batch it reads
+    shape_fields: tuple  # the config's model-shape flags (config.MODEL_SHAPE) it reads: what a checkpoint carries
 
     # ------------------------------------------------------------------ parameters and config
 
@@ -223,8 +224,7 @@ class Family(abc.ABC):
     # ------------------------------------------------------------------ decoding (modelling/decoding.py)
 
     @abc.abstractmethod
-    def decode_start(self, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None,
-                     pad_id: int = 0) -> tuple:
+    def decode_start(self, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None) -> tuple:
         """Reads the prompts (the encoder, or a causal LM's prefill) -> (logits [b, Vl] of the first new token,
         cache: a tree whose every leaf has the batch as its leading axis). ``params``: the compute copy."""
 
@@ -233,8 +233,7 @@ class Family(abc.ABC):
         """New token ``i`` (0-based) int [b] -> (logits [b, Vl] of the next, cache)."""
 
     @abc.abstractmethod
-    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None,
-                        pad_id: int = 0):
+    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
         """The reference: logits [b, Vl] after the prompts and the tokens generated so far (int [b, n]), by running
         the whole model again."""
 

@@ -231,7 +231,7 @@ def _prompt_positions(mask: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
 
 
-def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None, pad_id: int = 0):
+def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None):
     """The prefill of left-padded prompts ids/mask [b, k] -> (logits [b, Vl] of the first new token, cache)."""
     p, rows = dp
     b, k = input_ids.shape
@@ -277,7 +277,7 @@ def decode_step(dp: tuple, token, i, cache: dict, opts, tp_axis=None):
     return head_logits(p, y, opts, tp_axis)[:, 0], {**cache, "kv": new, "key_ok": key_ok}
 
 
-def decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis=None, pad_id: int = 0):
+def decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis=None):
     """Logits [b, Vl] of the next token after the left-padded prompts and ``tokens`` int [b, n], the whole
     sequence run again."""
     ids = jnp.concatenate([input_ids, tokens.astype(input_ids.dtype)], axis=1)
@@ -396,6 +396,8 @@ class GPTJFamily(Family):
     stacks = (STACK,)
     head_stream = HEAD
     batch_keys = ("input_ids", "attention_mask", "positions", "labels")
+    shape_fields = ("family", "layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv", "rotary_dim",
+                    "rotary_positional_embeddings_base", "eps")
 
     def param_specs(self, m, tensor_parallel: int = 1) -> dict:
         return param_specs(m, tensor_parallel)
@@ -473,14 +475,14 @@ class GPTJFamily(Family):
         p = cast_params(params, opts.compute_dtype)
         return p, decoding.layer_rows(p["decoder"]["layers"])
 
-    def decode_start(self, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None, pad_id=0):
-        return decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis, pad_id)
+    def decode_start(self, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None):
+        return decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis)
 
     def decode_step(self, dp, token, i, cache, opts, tp_axis=None):
         return decode_step(dp, token, i, cache, opts, tp_axis)
 
-    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None, pad_id=0):
-        return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis, pad_id)
+    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
+        return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis)
 
     # ------------------------------------------------------------------ Hugging Face
 

@@ -114,8 +114,10 @@ def load_hf_model(name_or_dir: str, tensor_parallel: int = 1, expect: Optional[M
     return m, params_from_hf_state_dict(read_safetensors_dir(path), m, tensor_parallel)
 
 
-def save_hf_model(params: dict, m: ModelConfig, path: str) -> None:
-    """Writes config.json + model.safetensors that transformers' from_pretrained loads."""
+def save_hf_model(params: dict, m: ModelConfig, path: str, special_tokens: Optional[dict] = None) -> None:
+    """Writes config.json + model.safetensors that transformers' from_pretrained loads. ``special_tokens``: the
+    tokenizer's ids ({"eos_token_id": ..., "pad_token_id": ..., "bos_token_id": ...}), written over the family's
+    defaults so that ``generate`` stops where the model was trained to (None values are left out)."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -125,5 +127,7 @@ def save_hf_model(params: dict, m: ModelConfig, path: str) -> None:
     # safetensors refuses aliased buffers; each tensor gets its own copy
     save_file({k: np.array(v, copy=True) for k, v in sd.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
+    config = hf_config_dict(m)
+    config.update({k: v for k, v in (special_tokens or {}).items() if v is not None})
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config_dict(m), f, indent=2)
+        json.dump(config, f, indent=2)

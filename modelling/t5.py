@@ -333,6 +333,10 @@ def param_specs(m, tensor_parallel: int = 1) -> dict:
 # cache [b, h, max_new_tokens, kv] per layer is written in place at each position (the layers unrolled, each
 # with its own weight arrays: no per-token slicing of the stack).
 
+# The decoder's start token: every T5 checkpoint's decoder_start_token_id (its pad id there), whatever the
+# tokenizer's pad token is; training rows start with it too (data/packing.py's PAD)
+DECODER_START = 0
+
 
 def cross_kv(rows: list, enc_out: jax.Array) -> list:
     """Cross-attention keys/values of every decoder layer, computed once: [(k, v)] each [b, h, k, kv]."""
@@ -372,9 +376,9 @@ def decoder_step(params, rows, token, pos, caches, cross, xbias, opts, tp_axis):
     return head_logits(params, x, opts, tp_axis)[:, 0], new_caches
 
 
-def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None, pad_id: int = 0):
-    """The encoder, the cross-attention keys/values and the decoder's first position (the start token, pad_id)
-    -> (logits [b, Vl] of the first new token, cache). dp: ``decoding_params``."""
+def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None):
+    """The encoder, the cross-attention keys/values and the decoder's first position (the start token,
+    ``DECODER_START``) -> (logits [b, Vl] of the first new token, cache). dp: ``decoding_params``."""
     p, rows = dp
     enc = encode(p, input_ids, attention_mask, opts, tp_axis)
     cross = cross_kv(rows, enc.astype(opts.compute_dtype))
@@ -382,7 +386,7 @@ def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int
     _, h, _, kv = cross[0][0].shape
     cache = {"self": [(jnp.zeros((b, h, max_new_tokens, kv), opts.compute_dtype),) * 2 for _ in rows],
              "cross": cross, "cross_bias": L.padding_mask_bias(attention_mask)}
-    return decode_step(dp, jnp.full((b,), pad_id, jnp.int32), -1, cache, opts, tp_axis)
+    return decode_step(dp, jnp.full((b,), DECODER_START, jnp.int32), -1, cache, opts, tp_axis)
 
 
 def decode_step(dp: tuple, token, i, cache: dict, opts, tp_axis=None):
@@ -393,10 +397,11 @@ def decode_step(dp: tuple, token, i, cache: dict, opts, tp_axis=None):
     return logits, {**cache, "self": caches}
 
 
-def decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis=None, pad_id: int = 0):
+def decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis=None):
     """Logits [b, Vl] of the next token after ``tokens`` int [b, n], the encoder and the decoder run whole."""
     enc = encode(p, input_ids, attention_mask, opts, tp_axis)
-    dec_in = jnp.concatenate([jnp.full((input_ids.shape[0], 1), pad_id, jnp.int32), tokens.astype(jnp.int32)], 1)
+    dec_in = jnp.concatenate([jnp.full((input_ids.shape[0], 1), DECODER_START, jnp.int32), tokens.astype(jnp.int32)],
+                             1)
     return head_logits(p, decode(p, enc, attention_mask, dec_in, opts, tp_axis), opts, tp_axis)[:, -1]
 
 
@@ -450,7 +455,7 @@ def hf_config_dict(m) -> dict:
         "dense_act_fn": "gelu_new" if m.feed_forward_proj == "gated-gelu" else act,
         "is_gated_act": m.feed_forward_proj.startswith("gated-"),
         "tie_word_embeddings": m.tie_word_embeddings, "scale_decoder_outputs": m.tie_word_embeddings,
-        "dropout_rate": m.dropout_prob, "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1,
+        "dropout_rate": m.dropout_prob, "decoder_start_token_id": DECODER_START, "pad_token_id": 0, "eos_token_id": 1,
         "initializer_factor": 1.0, "is_encoder_decoder": True,
     }
 
@@ -575,6 +580,9 @@ class T5Family(Family):
     head_stream = HEAD
     batch_keys = ("input_ids", "attention_mask", "positions", "decoder_input_ids", "decoder_attention_mask",
                   "decoder_positions", "labels")
+    shape_fields = ("family", "layers", "decoder_layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv",
+                    "relative_attention_num_buckets", "relative_attention_max_distance", "feed_forward_proj",
+                    "tie_word_embeddings", "eps")
 
     def param_specs(self, m, tensor_parallel: int = 1) -> dict:
         return param_specs(m, tensor_parallel)
@@ -657,14 +665,14 @@ class T5Family(Family):
         p = cast_params(params, opts.compute_dtype)
         return p, decoding.layer_rows(p["decoder"]["layers"])
 
-    def decode_start(self, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None, pad_id=0):
-        return decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis, pad_id)
+    def decode_start(self, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None):
+        return decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis)
 
     def decode_step(self, dp, token, i, cache, opts, tp_axis=None):
         return decode_step(dp, token, i, cache, opts, tp_axis)
 
-    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None, pad_id=0):
-        return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis, pad_id)
+    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
+        return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis)
 
     def hf_generate_kwargs(self) -> dict:
         return {"decoder_start_token_id": 0}

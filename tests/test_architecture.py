@@ -204,3 +204,12 @@ def test_ipu_only_fields_are_said_once_never_silently_ignored(caplog):
         make_config("finetuning", "tiny", {"io_tiles": 128, "available_memory_proportion": [0.2]})
     said = [r.getMessage() for r in caplog.records if "IPUs" in r.getMessage()]
     assert len(said) == 2 and "io_tiles=128" in said[0] and "no effect" in said[0]
+
+
+def test_each_family_names_the_shape_fields_it_reads():
+    from config.config import MODEL_SHAPE
+
+    for family in registry.FAMILIES.values():
+        assert set(family.shape_fields) <= set(MODEL_SHAPE) and "family" in family.shape_fields
+    assert "relative_attention_num_buckets" not in registry.get("gptj").shape_fields
+    assert "rotary_dim" not in registry.get("t5").shape_fields

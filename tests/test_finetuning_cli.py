@@ -65,6 +65,36 @@ def test_two_steps_then_resume_equals_uninterrupted(tmp_path, extra):
     assert [r["step"] for r in lines] == [1, 2] and all(np.isfinite(r["loss"]) for r in lines)
     assert os.path.getsize(os.path.join(a, "loss_curve.png")) > 1000
 
+def test_the_driver_clips_updates_in_the_backward_with_the_previous_norm(tmp_path):
+    """--update_in_backward through run_finetuning.py: its weights are the executor's stepped with the previous
+    step's norm as the clip norm (the driver's part), and unlike those of the same steps unclipped."""
+    from app.args import make_config
+    from graphs.executor import make_executor
+    from graphs.graphs import Graphs
+
+    flags = {"update_in_backward": "true", "gradient_clipping": "0.05", "steps": "3"}
+    save = str(tmp_path / "ck")
+    run_finetuning.main(SMALL + [x for k, v in flags.items() for x in (f"--{k}", v)] + ["--save", save])
+    _, driver = params_at(save, 3)
+    overrides = {a.lstrip("-"): b for a, b in zip(SMALL[2::2], SMALL[3::2])}
+    cfg = make_config("finetuning", "tiny", {**overrides, **flags})
+    executor, loader = run_finetuning.build(cfg, make_executor(Graphs(cfg)))
+    batches = [executor.g.shard_batch(loader.next_batch()) for _ in range(3)]
+
+    def stepped(stale: bool) -> list:
+        state, norm = executor.init_state(), None
+        for b in batches:
+            state, m = executor.train_step(state, b, clip_norm=norm if stale else None)
+            norm = float(m["grad_norm"])
+        assert norm > 0.05  # clipping would trigger at every step
+        return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+    clipped, unclipped = stepped(stale=True), stepped(stale=False)
+    for x, y in zip(jax.tree.leaves(driver), clipped):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    assert max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(driver), unclipped)) > 1e-4
+
+
 def test_phased_run_resumes_a_fused_checkpoint_and_saves_the_same_layout(tmp_path):
     """--phased true: a fused checkpoint resumes under the phased executor, which saves the stacked
     layout (any executor or run_validation loads it); equal to two phased steps uninterrupted."""

@@ -7,6 +7,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
@@ -84,3 +85,35 @@ def test_run_inference_equals_hf_generate_for_both_families(tmp_path, capsys):
         assert len(out) == 5 and all(r["same_tokens"] for r in out), out
         assert all(r["ours"] == r["hf"] for r in out)
     assert capsys.readouterr().out.count("5 of 5 outputs token for token equal to HF generate") == 2
+
+    # back to Hugging Face format: transformers loads the export and gives our logits; its config stops generate at
+    # the tokenizer's end-of-text (the synthetic tokenizer's 1, not GPT-2's 50256); nothing is written over
+    import run_export
+    import transformers
+
+    from config.config import config_from_mapping
+    from modelling import registry
+
+    for d in (t5_dir, gptj_dir):
+        out = str(tmp_path / f"hf_{os.path.basename(d)}")
+        run_export.main(["--load", d, "--output", out])
+        config = json.load(open(os.path.join(out, "config.json")))
+        assert config["eos_token_id"] == 1 and os.path.isfile(os.path.join(out, "tokenizer.json"))
+        hf = getattr(transformers, config["architectures"][0]).from_pretrained(out).eval()
+        meta, params = params_at(d, 3)
+        cfg = config_from_mapping(meta["config"])
+        cfg.model.eval = True
+        family = registry.of_config(cfg)
+        ids = np.random.default_rng(0).integers(3, 100, (2, 12))
+        batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        if not family.causal:
+            batch["decoder_input_ids"] = ids[:, :5]
+        from modelling.family import ModelOptions
+
+        ours = np.asarray(family.forward(params, batch, ModelOptions.from_config(cfg)))[..., :cfg.model.embedding.vocab_size]
+        with torch.no_grad():
+            theirs = hf(**{k: torch.tensor(v) for k, v in batch.items() if k != "attention_mask" or family.causal}).logits
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-4, atol=1e-5)
+        with pytest.raises(SystemExit):
+            run_export.main(["--load", d, "--output", out])  # the directory is not empty
+        assert "is not an empty directory" in capsys.readouterr().err

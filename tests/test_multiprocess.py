@@ -52,17 +52,22 @@ def metrics(run_dir, key) -> list:
 @pytest.mark.parametrize("preset,phased", [("tiny", "false"), ("tiny", "true"), ("gptj_tiny", "false")])
 def test_two_processes_fine_tune_like_one(tmp_path, preset, phased):
     """Fused and phased executors (the phased one builds its host buffers from each process's
-    own shards), T5 and GPT-J."""
+    own shards), T5 and GPT-J. The fused T5 run keeps one checkpoint (--to_keep 1: the retention prunes after
+    every save, which both processes once raced on) and is validated by two processes."""
     multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
     argv = [preset if a == "tiny" else a for a in SMALL] + ["--steps", "3", "--phased", phased]
-    out = two_processes("run_finetuning.py", argv + ["--save", multi], tmp_path)
+    prune = preset == "tiny" and phased == "false"
+    keep = ["--to_keep", "1"] if prune else []
+    out = two_processes("run_finetuning.py", argv + ["--save", multi] + keep, tmp_path)
     run_finetuning.main(argv + ["--save", single])
     assert "[Gloo]" not in out and "peer ranks" not in out  # the CPU collectives' connection lines are silenced
     assert "step 3/3 loss" in out  # and the rest of the output is kept
+    assert "Traceback" not in out and "error" not in out.lower(), out[-3000:]
 
     # process 0 alone wrote the run's files: one metrics line per step (a checkpoint every step: a tenth of 3)
-    assert ckpt.saved_steps(multi) == [1, 2, 3]
-    assert len(metrics(multi, "loss")) == 3
+    assert ckpt.saved_steps(multi) == ([3] if prune else [1, 2, 3])
+    assert not [d for d in os.listdir(multi) if "tmp" in d]  # no half-deleted or half-written step left
+    assert len(metrics(multi, "loss")) == 3 and os.path.isfile(os.path.join(multi, "loss_curve.png"))
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(metrics(multi, key), metrics(single, key), rtol=1e-5, err_msg=key)
     # the checkpoint the two processes wrote, restored on one device
@@ -71,6 +76,74 @@ def test_two_processes_fine_tune_like_one(tmp_path, preset, phased):
     for x, y in zip(jax.tree.leaves(pm), jax.tree.leaves(ps)):
         assert x.shape == y.shape
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    if prune:  # two processes validate it: process 0 writes the report
+        out = two_processes("run_validation.py", ["--load", multi, "--limit", "8"], tmp_path)
+        assert "Traceback" not in out and [f for f in os.listdir(multi) if f.startswith("validation")], out[-2000:]
+
+
+FAILING = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import run_finetuning
+
+real = run_finetuning.train_step
+
+
+def failing(cfg, executor, loader, state, step, *a, **kw):
+    import jax
+
+    if step == 3 and jax.process_index() == {rank}:
+        open({stamp!r}, "w").write(str(time.time()))
+        if {bug}:
+            raise KeyError("a bug at step 3")
+        from data.mnli import DataError
+
+        raise DataError("data.jsonl: row 7: column 'label' is empty")
+    return real(cfg, executor, loader, state, step, *a, **kw)
+
+
+run_finetuning.train_step = failing
+run_finetuning.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("how", ["launcher", "by hand"])
+def test_a_process_that_fails_ends_the_whole_job_in_seconds_naming_its_error(tmp_path, how):
+    """A process raising mid-training (process 1 on an expected error under the launcher; process 0, the
+    coordinator, on a bug when each process is started by hand as on a cluster): every process ends within
+    seconds of it, each naming the failed process and its error, with a non-zero status and no C++ stack dump;
+    the checkpoints saved before stay loadable."""
+    save, stamp = str(tmp_path / "ck"), str(tmp_path / "failed_at")
+    rank, bug = (1, False) if how == "launcher" else (0, True)
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING.format(root=ROOT, rank=rank, stamp=stamp, bug=bug))
+    argv = [str(script)] + SMALL + ["--steps", "8", "--save", save, "--checkpoint_steps", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if how == "launcher":
+        procs = [subprocess.Popen([sys.executable, "-m", "app.launch", "--nproc", "2", *argv], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    else:
+        from app.launch import free_port
+
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2")
+        procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, env={**env, "JAX_PROCESS_ID": str(i)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    ended = time.time()
+    assert ended - float(open(stamp).read()) < 30, "\n".join(outs)[-3000:]
+    assert all(p.returncode != 0 for p in procs)
+    text = "\n".join(outs)
+    expected = ("process 1 of 2: data.jsonl: row 7: column 'label' is empty" if rank == 1 else
+                "process 0 of 2: KeyError: 'a bug at step 3'")
+    assert f"error: {expected}" in text, text[-3000:]
+    other = 1 - rank
+    assert f"error: process {other} of 2" in text and expected in text.split(f"error: process {other} of 2")[1]
+    assert "Check failure stack trace" not in text and "(unknown)" not in text
+    if how == "launcher":
+        assert f"launch: process {rank} of 2 exited with status 2" in text
+    assert 2 in ckpt.saved_steps(save)
+    meta, params = params_at(save, 2)
+    assert meta["step"] == 2 and all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
 
 
 def test_two_processes_validate_like_one(tmp_path):
@@ -182,8 +255,10 @@ def test_incomplete_distributed_environment_is_a_one_line_error(monkeypatch, cap
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    from app.entry import entry
+
     with pytest.raises(SystemExit) as e:
-        cli.maybe_initialize_distributed()
+        entry(lambda argv: cli.maybe_initialize_distributed())(None)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "gptj_6B"]
 
@@ -28,20 +30,41 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
         assert r["env"]["device_kind"] and r["env"]["jax"] and r["env"]["torch"] and r["env"]["transformers"]
         assert all(v["command"].startswith("python3 ") for v in r["runs"].values())
         assert r["figures"] and "error" not in r["figures"], r["figures"]
-    figs = {name: json.load(open(out / f"{name}.json"))["figures"] for name in PARTS}
+    parts = {name: json.load(open(out / f"{name}.json")) for name in PARTS}
+    figs = {name: r["figures"] for name, r in parts.items()}
+
+    def raw(part, run):
+        return parts[part]["runs"][run]["report"]
+
     x = figs["xxl_1gpu"]["rows16"]
-    assert x["median_step_s"] > 0 and x["plan_host_bytes"] > 0 and x["host_peak_rss_bytes"] > 0
-    assert x["phase_timing"]["compute_s"] > 0 and x["transfer_wait_s"] >= 0
-    assert figs["ul2_1gpu"]["in_backward"]["losses_decrease"] is not None
-    assert figs["ul2_1gpu"]["stored_over_in_backward_step_s"] > 0
-    assert figs["xl_mfu"]["best"] in ("mb4", "mb8") and figs["xl_mfu"]["profile"]["families"]
-    assert any(n["ratios"] for n in figs["vs_hf"].values())
-    assert figs["xl_phased"]["phased_over_fused_samples_per_s"] > 0
-    assert figs["decode"]["base"]["decode_tokens_per_s"]["ratio"] > 0
-    assert figs["gptj_6B"]["gptj_1gpu"]["median_step_s"] > 0 and figs["gptj_6B"]["vs_hf"]["ratios"]
+    assert x["median_step_s"] == raw("xxl_1gpu", "rows16")["median_step_s"] > 0
+    assert x["plan_host_bytes"] > 0 and x["host_peak_rss_bytes"] > 0
+    t = raw("xxl_1gpu", "rows16")["phase_timing"]
+    assert t["compute_s"] > 0 and x["transfer_wait_s"] == max(x["median_step_s"] - t["compute_s"], 0.0)
+    for run in ("in_backward", "gradients_stored"):  # the figure says what the run's own losses say
+        losses = raw("ul2_1gpu", run)["losses"]
+        assert len(losses) > 1 and figs["ul2_1gpu"][run]["losses_decrease"] is (losses[-1] < losses[0])
+    assert figs["ul2_1gpu"]["stored_over_in_backward_step_s"] == pytest.approx(
+        raw("ul2_1gpu", "gradients_stored")["median_step_s"] / raw("ul2_1gpu", "in_backward")["median_step_s"])
+    best = figs["xl_mfu"]["best"]
+    assert best == max(("mb4", "mb8"), key=lambda n: raw("xl_mfu", n)["samples_per_s"])
+    assert figs["xl_mfu"]["profile"]["families"]
+    for run, f in figs["vs_hf"].items():  # each ratio is ours over the peer, from the run's own figures
+        training = raw("vs_hf", run)["training"]
+        assert f["ratios"] and all(v == pytest.approx(training[k.split(" / ")[0]]["examples_per_s"]
+                                                      / training[k.split(" / ")[1]]["examples_per_s"])
+                                   for k, v in f["ratios"].items())
+    assert figs["xl_phased"]["phased_over_fused_samples_per_s"] == pytest.approx(
+        raw("xl_phased", "phased")["samples_per_s"] / raw("xl_phased", "fused")["samples_per_s"])
+    d = raw("decode", "base")["decode_tokens_per_s"]
+    assert figs["decode"]["base"]["decode_tokens_per_s"]["ratio"] == pytest.approx(d["ours"] / d["hf"])
+    assert figs["gptj_6B"]["gptj_1gpu"]["median_step_s"] == raw("gptj_6B", "gptj_1gpu")["median_step_s"] > 0
+    assert figs["gptj_6B"]["vs_hf"]["ratios"]
     assert (out / "throughput.png").stat().st_size > 1000  # the figure, drawn from the suite's own results
     summary = open(out / "summary.md").read()
-    assert all(f"| {name} | ok |" in summary for name in PARTS)
+    assert all(f"| {name} | ok | smoke (tiny shapes on CPU" in summary for name in PARTS)
+    assert summary.startswith("SMOKE RUN")  # a reader of summary.md alone cannot take these for real figures
+    assert f"({raw('xxl_1gpu', 'rows16')['global_batch_size']} rows)" in summary  # the rows it ran, not 16
 
     # the README's table, regenerated from these results between its markers
     readme = tmp_path / "README.md"
@@ -49,6 +72,7 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     suite("--summarize", str(out), "--readme", str(readme))
     text = readme.read_text()
     assert "old" not in text and "| gptj_6B | ok |" in text and text.startswith("intro") and text.endswith("rest\n")
+    assert "SMOKE RUN" in text
 
 
 def test_a_part_the_budget_cannot_hold_is_skipped_and_recorded(tmp_path):

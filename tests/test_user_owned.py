@@ -195,6 +195,25 @@ def test_a_new_run_from_a_checkpoint_on_new_data_and_resume_keeps_the_data_order
     assert [r["step"] for r in lines] == [1, 2] and lines[0]["learning_rate"] == 0.0  # a fresh schedule
 
 
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory) -> str:
+    save = str(tmp_path_factory.mktemp("order") / "ck")
+    train(save, 1)
+    return save
+
+
+@pytest.mark.parametrize("flag,value", [("dataset", "synthetic-mnli"), ("global_batch_size", "16"),
+                                        ("packing", "false"), ("causal_packing", "concat"),
+                                        ("sequence_length", "24"), ("seed", "7")])
+def test_resume_refuses_every_change_of_the_data_order(one_step, capsys, flag, value):
+    """Each key that decides which examples the next batch holds: resuming with another value could not continue
+    the run's stream; the error names the key, both values and --init_from, before any work."""
+    err = _fails(capsys, run_finetuning.main, SMALL + ["--steps", "2", "--load", one_step, "--save", one_step,
+                                                       f"--{flag}", value], f"--{flag} {value}")
+    assert "it was trained with" in err and "--init_from" in err
+    assert ckpt.saved_steps(one_step) == [1]  # nothing written
+
+
 def test_malformed_lines_duplicated_columns_and_split_typos_are_named(tmp_path, capsys):
     from data.mnli import DataError, load_rows
 
@@ -276,6 +295,11 @@ def test_a_second_signal_during_the_save_stops_at_once_and_earlier_steps_stay_lo
     proc.send_signal(signal.SIGTERM)  # ... and stop at once, mid-save
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and "Traceback" not in err and "Segmentation fault" not in err, err[-2000:]
-    steps = ckpt.saved_steps(save)
-    assert steps and all(ckpt.is_complete(os.path.join(save, str(s))) for s in steps)
+    # every numbered folder on disk: the steps finished before the second signal are complete and ours; the one it
+    # cut short (if its write had begun) is incomplete, never listed as saved, and validation takes the one before
+    on_disk = sorted(int(d) for d in os.listdir(save) if d.isdigit())
+    complete = [s for s in on_disk if ckpt.is_complete(os.path.join(save, str(s)))]
+    assert complete and ckpt.saved_steps(save) == complete and set(on_disk) - set(complete) <= {on_disk[-1]}
     run_validation.main(["--load", save, "--limit", "2"])  # the newest complete step loads
+    report = [f for f in os.listdir(save) if f.startswith("validation") and f"step{complete[-1]}" in f]
+    assert report, os.listdir(save)

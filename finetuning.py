@@ -33,7 +33,7 @@ def extra_flags(p):
     p.add_argument("--plan", action="store_true",
                    help="print the memory plan (device and host bytes at their peaks, from shapes; programs compiled "
                         "but nothing allocated) and exit")
-    p.add_argument("--lengths", choices=("mnli", "uniform"), default="mnli",
+    p.add_argument("--lengths", choices=("mnli", "uniform", "summaries"), default="mnli",
                    help="prompt lengths of the generated data: mnli (drawn to MultiNLI's statistics, about 52 tokens "
                         "on average with a long tail) or uniform (in [L/2, L]: rows mostly full)")
 

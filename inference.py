@@ -25,16 +25,22 @@ def extra_flags(p):
 
 def programs(g, n: int) -> tuple:
     """(the decoding of n tokens, of one token, the prompts' reading alone: decode_start, the encoder and the first
-    decoder position of an encoder-decoder, a causal LM's prefill), each compiled for this mesh. The decodings never
-    stop early (eos -1): every step of output_length is timed."""
+    decoder position of an encoder-decoder, a causal LM's prefill), each compiled for this mesh. The decodings
+    (greedy, beam search or sampling, as the config's inference section says) never stop early (eos -1): every step
+    of output_length is timed."""
+    import dataclasses
+
     from jax.sharding import PartitionSpec as P
 
     from graphs import sharding as S
+    from modelling.decoding import Options
 
     family, opts = g.family, g.opts
+    options = Options.of_config(g.cfg.inference)
     start = g.phase(lambda p, i, m: family.decode_start(family.decoding_params(p, opts), i, m, opts, n, S.TP)[0],
                     (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, S.TP))  # logits: vocab over tp
-    return g.generate_phase(n, eos_id=-1), g.generate_phase(1, eos_id=-1), start
+    one = dataclasses.replace(options, max_new_tokens=1)
+    return g.decode_phase(options, eos_id=-1), g.decode_phase(one, eos_id=-1), start
 
 
 def prompts(cfg, g) -> tuple:
@@ -98,6 +104,7 @@ def main(argv=None) -> dict:
     b = ids.shape[0]
     report = {
         **device_header(cfg, args.config), "family": cfg.model.family, "batch_size": b,
+        "num_beams": cfg.inference.num_beams, "do_sample": cfg.inference.do_sample,
         "encoder_length": cfg.model.sequence_length, "output_length": n, "compile_s": compile_s,
         "encoder_s": encoder, "first_token_s": first, "generate_s": total, "decode_token_latency_s": per_token,
         "generated_tokens_per_s": out.size / total, "samples_per_s": b / total, "peak_device_bytes": peak_device_bytes(),

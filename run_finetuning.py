@@ -62,28 +62,42 @@ def build_executor(cfg):
 
 
 def build(cfg, executor=None, run_dir: str | None = None):
-    """The executor, checked to fit this machine (graphs/plan.py), and the training data loader. With
-    ``--tokenizer train`` the tokenizer is learnt from the training data and saved to RUN_DIR/tokenizer, which
-    the config (and so every checkpoint) then names."""
-    from app.runtime import agree
-    from data.mnli import (TRAINED, TrainLoader, check_unknown_tokens, load_rows, load_tokenizer, pad_id,
-                           tokenize_examples, train_tokenizer)
+    """The executor, checked to fit this machine (graphs/plan.py), and the training data loader of the task's
+    examples (the training split, less the rows held out: --holdout). The data is read and checked before anything
+    is compiled. With ``--tokenizer train`` the tokenizer is learnt from the training examples and saved to
+    RUN_DIR/tokenizer, which the config (and so every checkpoint) then names."""
+    from data import sources
+    from data.tasks import Task, holdout
     from graphs.plan import check_fits, human_bytes
 
+    task = Task.of_config(cfg)
+    rows = sources.read(cfg.data.dataset, cfg.data.train_split, cfg.model.seed, cfg.data.hub_config)
+    examples, held = holdout(task.examples(rows), cfg.data.holdout, cfg.model.seed)
+    if held:
+        logger.info("%d rows of %s held out of training (--holdout): --eval_every and validation score them",
+                    len(held), rows.where)
     executor = executor or build_executor(cfg)
     plan = check_fits(executor, cfg)
     logger.info("memory plan: %s per device, %s of host memory (before program temporaries; --plan counts them)",
                 human_bytes(plan.device_peak), human_bytes(plan.host_peak))
-    rows = load_rows(cfg.data.dataset, "train", seed=cfg.model.seed)
     family = executor.g.family
-    causal = family.causal
+    tokenizer = training_tokenizer(cfg, task, examples, family, run_dir)
+    return executor, training_loader(cfg, task, examples, tokenizer, family, rows.where)
+
+
+def training_tokenizer(cfg, task, examples: list, family, run_dir):
+    """The run's tokenizer: the config's, or with --tokenizer train one learnt from the training examples (process 0
+    learns and saves it; the others load what it saved), which the config then names."""
+    from app.runtime import agree
+    from data.tasks import TRAINED, load_tokenizer, train_tokenizer
+
     if cfg.data.tokenizer == TRAINED:
         out = os.path.abspath(os.path.join(run_dir or cfg.checkpoint.save or "runs", "tokenizer"))
 
-        def learn() -> str:  # process 0 learns and saves it; the others load what it saved
+        def learn() -> str:
             t0 = time.perf_counter()
-            tok = train_tokenizer(rows, cfg.model.embedding.vocab_size, out, family)
-            logger.info("trained a %d-token tokenizer on %d rows of %s in %.1f s -> %s", len(tok), len(rows),
+            tok = train_tokenizer(examples, cfg.model.embedding.vocab_size, out, family, task.labels)
+            logger.info("trained a %d-token tokenizer on %d examples of %s in %.1f s -> %s", len(tok), len(examples),
                         cfg.data.dataset, time.perf_counter() - t0, out)
             return out
 
@@ -92,50 +106,74 @@ def build(cfg, executor=None, run_dir: str | None = None):
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         raise FlanT5Error(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
                           "raise --vocab_size or use the tokenizer of this model")
-    examples = tokenize_examples(rows, tokenizer, family)
-    unknown = check_unknown_tokens(examples, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
-    data_report = report_lengths(cfg, examples, tokenizer, family, unknown)
-    if causal:
+    return tokenizer
+
+
+def training_loader(cfg, task, examples: list, tokenizer, family, where: str):
+    """The resumable loader of the tokenised examples, its length and unknown-token report attached."""
+    from data.loader import TrainLoader
+    from data.tasks import check_unknown_tokens, pad_id, tokenize_examples
+
+    tokens = tokenize_examples(examples, tokenizer, family)
+    unknown = check_unknown_tokens(tokens, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
+    data_report = report_lengths(cfg, task, tokens, tokenizer, family, unknown)
+    rows = f"{'packed' if cfg.data.packing else 'padded'} rows of "
+    if family.causal:
         how = f"{cfg.data.causal_packing}-packed" if cfg.data.packing else "padded"
-        logger.info("training on %d samples of %s (causal LM, %s rows of %d tokens, loss on %s tokens)", len(rows),
-                    cfg.data.dataset, how, cfg.model.sequence_length, cfg.data.loss_tokens)
+        rows = f"a causal LM, {how} rows of {cfg.model.sequence_length} tokens, loss on {cfg.data.loss_tokens} tokens"
     else:
-        logger.info("training on %d samples of %s (%s rows of %d/%d tokens)", len(rows), cfg.data.dataset,
-                    "packed" if cfg.data.packing else "padded", cfg.model.sequence_length, cfg.decoder_row_length)
-    loader = TrainLoader(examples, cfg.training.global_batch_size, cfg.gradient_accumulation, cfg.model.seed,
+        rows += f"{cfg.model.sequence_length}/{cfg.decoder_row_length} tokens"
+    logger.info("training %s on %d examples of %s (%s)", task.name, len(examples), where, rows)
+    loader = TrainLoader(tokens, cfg.training.global_batch_size, cfg.gradient_accumulation, cfg.model.seed,
                          sequence_length=cfg.model.sequence_length, target_length=cfg.model.decoder_sequence_length,
-                         packing=cfg.data.packing, decoder_length=cfg.decoder_row_length, causal=causal,
+                         packing=cfg.data.packing, decoder_length=cfg.decoder_row_length, causal=family.causal,
                          causal_packing=cfg.data.causal_packing, loss_tokens=cfg.data.loss_tokens,
                          pad_id=pad_id(tokenizer))
     loader.report = data_report  # written with the run's first metrics line
-    return executor, loader
+    loader.tokenizer = tokenizer  # what --eval_every decodes with
+    return loader
 
 
-# what decides the order of the training data: a resumed run must keep them to continue the same stream
-DATA_ORDER = (("dataset", ("data", "dataset")), ("global_batch_size", ("training", "global_batch_size")),
-              ("packing", ("data", "packing")), ("causal_packing", ("data", "causal_packing")),
-              ("sequence_length", ("model", "sequence_length")), ("seed", ("model", "seed")))
+# what decides the order and the contents of the training data: a resumed run must keep them to continue its stream
+DATA_ORDER = (("dataset", ("data", "dataset")), ("hub_config", ("data", "hub_config")),
+              ("train_split", ("data", "train_split")), ("holdout", ("data", "holdout")),
+              ("global_batch_size", ("training", "global_batch_size")), ("packing", ("data", "packing")),
+              ("causal_packing", ("data", "causal_packing")), ("sequence_length", ("model", "sequence_length")),
+              ("seed", ("model", "seed")), ("input_template", ("task", "input_template")),
+              ("input_column", ("task", "input_column")), ("target_column", ("task", "target_column")),
+              ("labels", ("task", "labels")))
 
 
-def report_lengths(cfg, examples, tokenizer, family, unknown: float) -> dict:
-    """A sequence_length that cannot hold the prompt template is an error; examples that do not fit are counted
-    and said (a warning when more than 1% are cut), never cut silently."""
-    from data.mnli import DataError, prompt
+class _Blank(dict):
+    def __missing__(self, key):
+        return "x"
+
+
+def report_lengths(cfg, task, examples, tokenizer, family, unknown: float) -> dict:
+    """A sequence_length that cannot hold the prompt template is an error; examples (and targets) that do not fit
+    are counted and said (a warning when more than 1% are cut), never cut silently."""
+    from data.sources import DataError
 
     L, causal = cfg.model.sequence_length, family.causal
-    template = len(family.encode_inputs(tokenizer, [family.prompt(prompt("x", "x"))])[0]) + (4 if causal else 0)
+    blank = "" if task.input_column else task.template.format_map(_Blank())
+    template = len(family.encode_inputs(tokenizer, [family.prompt(blank)])[0]) + (4 if causal else 0)
     if L < template:
-        raise DataError(f"sequence_length={L} cannot hold the prompt template ({template} tokens before any "
-                        f"premise or hypothesis{' and target' if causal else ''}): pass --sequence_length "
+        raise DataError(f"sequence_length={L} cannot hold the prompt template ({template} tokens before any of "
+                        f"{', '.join(task.fields)}{' and the target' if causal else ''}): pass --sequence_length "
                         f"{max(64, 2 * template)} or more")
     sizes = [len(x) + (len(t) if causal else 0) for x, t in zip(examples.inputs, examples.targets)]
-    cut = sum(n > L for n in sizes)
+    target_limit = L if causal else cfg.model.decoder_sequence_length
+    cut, cut_targets = sum(n > L for n in sizes), sum(len(t) > target_limit for t in examples.targets)
     share = cut / max(len(sizes), 1)
-    log = logger.warning if share > 0.01 else logger.info
+    log = logger.warning if share > 0.01 or cut_targets > 0.01 * len(sizes) else logger.info
     log("%d of %d training examples (%.1f%%) are longer than sequence_length %d (the longest: %d tokens) and are cut"
-        "%s; %.2f%% of the prompt tokens are unknown to the tokenizer", cut, len(sizes), 100 * share, L, max(sizes),
-        " (their start: the target is kept)" if causal else " (their end)", 100 * unknown)
-    return {"truncated_examples": cut, "truncated_share": share, "unknown_token_share": unknown}
+        "%s; %d targets are longer than %s %d and are cut (the longest: %d tokens); %.2f%% of the prompt tokens are "
+        "unknown to the tokenizer", cut, len(sizes), 100 * share, L, max(sizes),
+        " (their start: the target is kept)" if causal else " (their end)", cut_targets,
+        "sequence_length" if causal else "decoder_sequence_length", target_limit,
+        max(len(t) for t in examples.targets), 100 * unknown)
+    return {"truncated_examples": cut, "truncated_share": share, "truncated_targets": cut_targets,
+            "unknown_token_share": unknown}
 
 
 def resume_point(cfg):
@@ -152,6 +190,7 @@ def resume_point(cfg):
     saved = ckpt.read_meta(directory, step).get("config") or {}
     for flag, (section, key) in DATA_ORDER:
         theirs, ours = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+        ours = list(ours) if isinstance(ours, tuple) else ours  # a saved tuple is a list
         if theirs is not None and theirs != ours:
             ours, theirs = _flag_value(ours), _flag_value(theirs)
             raise FlanT5Error(f"resuming {directory}/{step} with --{flag} {ours}, but it was trained with --{flag} "
@@ -162,7 +201,9 @@ def resume_point(cfg):
 
 
 def _flag_value(value) -> str:
-    """A config value as it is written on the command line (true / false for a bool)."""
+    """A config value as it is written on the command line (true / false for a bool, words for a list)."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -425,19 +466,18 @@ def stop_after_signal(signum: int, done: int, cfg, saver: Saver, state, tracker,
 
 
 def train(cfg, args, executor, loader, state, start_step: int, scaler) -> None:
-    """The training loop: steps, logging, periodic checkpoints, signals, loss scaling (``scaler``,
+    """The training loop: steps, logging, periodic checkpoints, --eval_every, signals, loss scaling (``scaler``,
     graphs/loss_scale.py, restored with the state) and the non-finite stop."""
-    from config.config import to_dict
-    from utils import checkpoint as ckpt
     from app.runtime import any_process, is_main_process
     from app.tracking import Tracker
+    from config.config import to_dict
 
     primary = is_main_process()  # process 0 of a multi-process run writes the metrics and shows progress
-    run_dir = args.run_dir
-    tracker = Tracker(run_dir, to_dict(cfg), args.wandb, args.wandb_name, resume_step=start_step, enabled=primary,
-                      name=f"{args.config} ({os.path.basename(os.path.abspath(run_dir))})")
+    tracker = Tracker(args.run_dir, to_dict(cfg), args.wandb, args.wandb_name, resume_step=start_step,
+                      enabled=primary, name=f"{args.config} ({os.path.basename(os.path.abspath(args.run_dir))})")
+    evaluator = Evaluator(cfg, executor, loader.tokenizer, tracker) if cfg.training.eval_every else None
     saver = Saver(cfg, executor, loader, start_step, scaler)
-    total, every, rows = cfg.training.steps, checkpoint_every(cfg), cfg.training.global_batch_size
+    total, every = cfg.training.steps, checkpoint_every(cfg)
     progress = Progress(start_step, total, primary, args.log_every)
     t_last = time.perf_counter()
     try:
@@ -456,16 +496,15 @@ def train(cfg, args, executor, loader, state, start_step: int, scaler) -> None:
                                    "and optimizer state unchanged) and the scale lowered to %g", step + 1, used,
                                    scaler.scale)
                 now = time.perf_counter()
-                dt, t_last = now - t_last, now
-                done = step + 1
-                first = getattr(loader, "report", {}) if step == start_step else {}
-                scaling = {"loss_scale": used, "skipped_steps": scaler.skipped_total} if scaler.dynamic else {}
-                loss = {"loss": m["loss"]} if math.isfinite(m["loss"]) else {}  # metrics.jsonl stays plain JSON
-                tracker.log(done, {**loss, "learning_rate": lr, "grad_norm": m["grad_norm"] if applied else None,
-                                   "samples_per_s": rows / dt, "examples": stats["examples"],
-                                   "examples_per_s": stats["examples"] / dt,
-                                   "packing_efficiency": stats["packing_efficiency"], **scaling, **first})
-                progress.update(done, m["loss"], lr, rows / dt, stats["examples"] / dt)
+                record = step_record(cfg, m, stats, lr, applied, used, scaler, now - t_last)
+                t_last, done = now, step + 1
+                if step == start_step:
+                    record.update(getattr(loader, "report", {}))
+                if evaluator and (done % cfg.training.eval_every == 0 or done == total):
+                    record.update(evaluator(state, done))
+                    t_last = time.perf_counter()  # the evaluation's time is not the next step's
+                tracker.log(done, record)
+                progress.update(done, m["loss"], lr, record["samples_per_s"], record["examples_per_s"])
                 signum = any_process(stop.signum or 0)  # every process stops after the same step
                 if signum:
                     stop_after_signal(signum, done, cfg, saver, state, tracker, progress)
@@ -475,13 +514,87 @@ def train(cfg, args, executor, loader, state, start_step: int, scaler) -> None:
         saver.wait()  # earlier checkpoints stay complete
         tracker.close()
         raise
+    finish(cfg, saver, state, tracker, start_step, evaluator)
+
+
+def step_record(cfg, m: dict, stats: dict, lr: float, applied: bool, scale: float, scaler, seconds: float) -> dict:
+    """A step's line of metrics.jsonl (and W&B)."""
+    rows = cfg.training.global_batch_size
+    scaling = {"loss_scale": scale, "skipped_steps": scaler.skipped_total} if scaler.dynamic else {}
+    loss = {"loss": m["loss"]} if math.isfinite(m["loss"]) else {}  # metrics.jsonl stays plain JSON
+    return {**loss, "learning_rate": lr, "grad_norm": m["grad_norm"] if applied else None,
+            "samples_per_s": rows / seconds, "examples": stats["examples"], "examples_per_s": stats["examples"] / seconds,
+            "packing_efficiency": stats["packing_efficiency"], **scaling}
+
+
+def finish(cfg, saver, state, tracker, start_step: int, evaluator) -> None:
+    """The end of a run: its last checkpoint, the best --eval_every step named, the plot."""
+    from utils import checkpoint as ckpt
+
+    total = cfg.training.steps
     if saver.mgr:
         if start_step < total or not ckpt.saved_steps(cfg.checkpoint.save):
             saver.save(total, state)
         saver.wait()
         logger.info("saved %s/%d", cfg.checkpoint.save, total)
+    if evaluator and evaluator.best:
+        logger.info("the best held-out %s: %.4f at step %d%s", evaluator.key, *evaluator.best,
+                    f" ({cfg.checkpoint.save}/{evaluator.best[1]}, if kept)" if saver.mgr else "")
     tracker.close()
-    logger.info("metrics and loss curve in %s", run_dir)
+    logger.info("metrics and loss curve in %s", tracker.run_dir)
+
+
+class Evaluator:
+    """--eval_every: the task's held-out examples (data.tasks.evaluation_set, the first eval_rows of them) decoded
+    with the run's current weights, on the run's devices, and scored as the task asks. The weights are read, never
+    changed, and no training data is read: the run's data order and its exact resume are untouched."""
+
+    def __init__(self, cfg, executor, tokenizer, tracker):
+        import copy
+
+        from data.metrics import primary
+        from data.tasks import Task, evaluation_set, tokenize_prompts
+        from graphs.graphs import Graphs
+        from run_validation import Validator
+
+        ecfg = copy.deepcopy(cfg)
+        ecfg.model.eval, ecfg.execution.rts, ecfg.execution.phased = True, False, False
+        self.validator = Validator(ecfg.validate(), Graphs(ecfg, mesh=executor.g.mesh))
+        self.task, self.executor, self.tokenizer = Task.of_config(cfg), executor, tokenizer
+        data = evaluation_set(cfg.data, self.task, cfg.model.seed)
+        self.examples = data.examples[: cfg.training.eval_rows]
+        self.feats = tokenize_prompts(self.examples, tokenizer, executor.g.family)
+        self.key = f"eval_{primary(self.task)}"
+        self.best = _best_so_far(tracker, self.key)
+        logger.info("--eval_every %d: %d examples of %s", cfg.training.eval_every, len(self.examples), data.what)
+
+    def __call__(self, state, step: int) -> dict:
+        import jax
+
+        from data.metrics import headline, score
+
+        stacked = self.executor.to_checkpoint(state).params  # the stacked weights, wherever they live
+        params = jax.device_put(stacked, self.validator.graphs.param_shardings)
+        report = score(self.task, self.examples, self.validator.predict(params, self.feats, self.tokenizer,
+                                                                         progress="evaluating"))
+        del params
+        scores = {f"eval_{k}": v for k, v in report["scores"].items()}
+        if self.best is None or scores[self.key] > self.best[0]:
+            self.best = (scores[self.key], step)
+        logger.info("step %d: held-out %s", step, headline(report["scores"]))
+        return scores
+
+
+def _best_so_far(tracker, key: str):
+    """(score, step) of the best evaluation a resumed run logged before its checkpoint, or None."""
+    import json
+
+    path = getattr(tracker, "path", None)
+    if not path or not os.path.exists(path):
+        return None
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    found = [(r[key], r["step"]) for r in rows if key in r]
+    return max(found, key=lambda x: (x[0], -x[1])) if found else None
 
 
 def _duration(seconds: float) -> str:

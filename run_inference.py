@@ -1,17 +1,26 @@
-"""Greedy outputs of a model on a few prompts, optionally beside Hugging Face ``generate`` on the same weights.
+"""A model's outputs: on a few examples beside their references (and HF generate's), or on a whole file of inputs.
 
-    python3 run_inference.py --load ckpt/tiny --limit 5                      # 5 prompts of the preset's split
-    python3 run_inference.py --load ckpt/gptj --compare_hf --limit 5         # and HF's outputs beside ours
+    python3 run_inference.py --load ckpt/tiny --limit 5                       # 5 held-out examples of its task
+    python3 run_inference.py --load ckpt/gptj --compare_hf --limit 5          # and HF generate's outputs beside ours
     python3 run_inference.py --config gpt-j --prompt "mnli hypothesis: ... premise: ... target:"
+    python3 run_inference.py --load ckpt/sum --input tickets.jsonl --predictions tickets.out.jsonl --num_beams 4
 
-As the original's run_inference.py: a quick look at what a fine-tuned model says, for both families.
-Prompts come from --prompt (as given: with the template) or from the dataset's split (MNLI prompt format of
-the model's family). The model's shape and family come from the checkpoint or the --hf_model's config.json.
+As the original's run_inference.py: a quick look at what a fine-tuned model says, for both families. Inputs come
+from --prompt (as given: the whole text the model reads), from --input (a file of rows in the task's format: its
+input columns, a target column optional), or from the task's held-out data (a checkpoint's own: its template and
+format). The model's shape, family and task come from the checkpoint or the --hf_model's config.json. Decoding is
+greedy unless --num_beams or --do_sample say otherwise.
+
+With --input the predictions go to a JSONL file (--predictions; default: beside the input, NAME.predictions.jsonl),
+one line a row in the input's order ({"row", "input", "prediction"} and "reference" where the row has a target),
+written batch by batch: an interrupted run keeps what it finished, and the same command continues after it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 
 from app.args import parse_args
@@ -25,14 +34,19 @@ logger = logging.getLogger("flan_t5")
 
 def extra_flags(p):
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
-                   help="a prompt to continue (repeat the flag for several); default: the dataset split's prompts")
-    p.add_argument("--limit", type=int, default=4, help="prompts taken from the dataset (default 4)")
+                   help="a prompt to continue, as given (repeat the flag for several)")
+    p.add_argument("--input", default=None, metavar="FILE",
+                   help="a file of rows in the task's format (jsonl, json, csv, tsv, parquet) to predict")
+    p.add_argument("--predictions", default=None, metavar="JSONL",
+                   help="with --input: where the predictions go (default: INPUT's name + .predictions.jsonl)")
+    p.add_argument("--limit", type=int, default=4, help="examples taken from the task's held-out data (default 4)")
     p.add_argument("--compare_hf", action="store_true",
                    help="also decode with Hugging Face generate on the same weights and show whether they agree")
 
 
 def hf_generate(cfg, family, host_params, ids, mask, eos: int, pad: int):
-    """HF ``generate`` (greedy) of the same weights: tokens [b, output_length] padded with ``pad``."""
+    """HF ``generate`` of the same weights with the same decoding options: tokens [b, output_length] padded with
+    ``pad`` after each end-of-text."""
     import numpy as np
     import torch
     import transformers
@@ -50,13 +64,56 @@ def hf_generate(cfg, family, host_params, ids, mask, eos: int, pad: int):
     model.load_state_dict(sd, strict=False)
     n = cfg.inference.output_length
     with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), do_sample=False,
-                             num_beams=1, max_new_tokens=n, eos_token_id=eos, pad_token_id=pad,
+        out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=n,
+                             eos_token_id=eos, pad_token_id=pad, **hf_decoding(cfg.inference),
                              **family.hf_generate_kwargs())
     # a causal LM's output continues its prompt; an encoder-decoder's starts with the decoder's start token
-    out = out[:, ids.shape[1]:] if family.causal else out[:, 1:]
-    out = out.numpy()
-    return np.pad(out, ((0, 0), (0, n - out.shape[1])), constant_values=pad)
+    out = (out[:, ids.shape[1]:] if family.causal else out[:, 1:]).numpy()
+    out = np.pad(out, ((0, 0), (0, n - out.shape[1])), constant_values=pad)
+    ended = np.cumsum(out == eos, axis=1) - (out == eos) > 0  # HF's beam search fills after EOS with EOS
+    return np.where(ended, pad, out)
+
+
+def hf_decoding(inference) -> dict:
+    """The config's decoding options as HF ``generate``'s arguments."""
+    es = {"true": True, "false": False, "never": "never"}[inference.early_stopping]
+    return dict(do_sample=inference.do_sample, num_beams=inference.num_beams, length_penalty=inference.length_penalty,
+                early_stopping=es, temperature=inference.temperature, top_k=inference.top_k, top_p=inference.top_p)
+
+
+def inputs_of(args, cfg, task) -> list:
+    """The examples to decode: --prompt texts (as given), --input's rows, or the task's held-out examples."""
+    from data import sources
+    from data.tasks import Example, evaluation_set
+
+    if args.prompt:
+        return [Example(t, "") for t in args.prompt]
+    if args.input:
+        return task.examples(sources.read(args.input, "", cfg.model.seed), targets=False)
+    if args.limit < 1:
+        raise FlanT5Error(f"--limit {args.limit} must be at least 1")
+    return evaluation_set(cfg.data, task, cfg.model.seed).examples[: args.limit]
+
+
+def features(examples: list, tokenizer, family, given: bool, sequence_length: int) -> dict:
+    """Input ids and mask (the family's format; --prompt texts as given), never cut: a longer prompt is an error."""
+    import numpy as np
+
+    from data.tasks import pad_id, unknown_share
+
+    enc = family.encode_inputs(tokenizer, [e.input if given else family.prompt(e.input) for e in examples])
+    n = max(len(x) for x in enc)
+    if n > sequence_length:
+        raise FlanT5Error(f"a prompt has {n} tokens but sequence_length is {sequence_length}: pass --sequence_length "
+                          f"{n} or a shorter prompt")
+    share = unknown_share(enc, tokenizer)
+    if share > 0:
+        logger.warning("%.1f%% of the prompt tokens are unknown to tokenizer %s (<unk>): the model sees nothing "
+                       "there; pass the tokenizer of this model (--tokenizer)", 100 * share, tokenizer.name_or_path)
+    ids, mask = np.full((len(enc), n), pad_id(tokenizer), np.int32), np.zeros((len(enc), n), np.int32)
+    for i, x in enumerate(enc):
+        ids[i, : len(x)], mask[i, : len(x)] = x, 1
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 @entry
@@ -68,56 +125,104 @@ def main(argv=None) -> list:
     cfg = validation_config(args, overrides)
     ensure_host_devices(cfg.devices)
     setup_jax()
+    from data.tasks import Task, load_tokenizer
+    from utils import checkpoint as ckpt
+
+    task = Task.of_config(cfg)
+    examples = inputs_of(args, cfg, task)
+    validator = Validator(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    feats = features(examples, tokenizer, validator.graphs.family, bool(args.prompt), cfg.model.sequence_length)
+    directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
+    params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)
+    if args.input:
+        return predict_file(args, validator, params, examples, feats, tokenizer)
+    return show(args, cfg, validator, params, examples, feats, tokenizer)
+
+
+def show(args, cfg, validator, params, examples: list, feats: dict, tokenizer) -> list:
+    """Each input, our output (its reference, and HF generate's with --compare_hf), printed."""
     import jax
     import numpy as np
 
-    from data.mnli import load_rows, load_tokenizer, pad_id, prompt
-    from data.packing import left_align
-    from graphs.sharding import fetch, put_global
-    from utils import checkpoint as ckpt
+    from data.tasks import pad_id
 
-    validator = Validator(cfg)
-    family = validator.graphs.family
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if args.prompt:
-        texts = args.prompt
-    else:
-        if args.limit < 1:
-            raise FlanT5Error(f"--limit {args.limit} must be at least 1")
-        texts = [family.prompt(prompt(r["hypothesis"], r["premise"]))
-                 for r in load_rows(cfg.data.dataset, cfg.data.split, seed=cfg.model.seed)[: args.limit]]
-    enc = family.encode_inputs(tokenizer, texts)
-    n = max(len(x) for x in enc)
-    if n > cfg.model.sequence_length:
-        raise FlanT5Error(f"a prompt has {n} tokens but sequence_length is {cfg.model.sequence_length}: pass "
-                          f"--sequence_length {n} or a shorter prompt")
-    b = -(-len(enc) // cfg.execution.data_parallel) * cfg.execution.data_parallel
-    ids, mask = np.full((b, n), pad_id(tokenizer), np.int32), np.zeros((b, n), np.int32)
-    for i, x in enumerate(enc + [enc[-1]] * (b - len(enc))):  # rows fill the last dp shard
-        ids[i, : len(x)], mask[i, : len(x)] = x, 1
-    if family.left_pad_prompts:
-        ids, mask = left_align(ids, mask)
-    directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
-    params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)
-    rows = validator.graphs.row_sharding
-    tokens = fetch(validator.generate(tokenizer)(params, put_global(ids, rows), put_global(mask, rows)))[: len(enc)]
+    idx = np.arange(len(examples))
+    tokens = np.concatenate([validator.predict_batch(params, feats, idx[i: i + validator.batch_size], tokenizer,
+                                                     tokens=True) for i in range(0, len(idx), validator.batch_size)])
     ours = tokenizer.batch_decode(tokens, skip_special_tokens=True)
     theirs = agree = None
     if args.compare_hf:
         host = jax.tree.map(np.asarray, params)
-        hf_tokens = hf_generate(cfg, family, host, ids[: len(enc)], mask[: len(enc)], tokenizer.eos_token_id,
+        ids, mask = feats["input_ids"], feats["attention_mask"]
+        if validator.left_pad:
+            from data.packing import left_align
+
+            ids, mask = left_align(ids, mask)
+        hf_tokens = hf_generate(cfg, validator.graphs.family, host, ids, mask, tokenizer.eos_token_id,
                                 pad_id(tokenizer))
         theirs = tokenizer.batch_decode(hf_tokens, skip_special_tokens=True)
         agree = [bool(np.array_equal(a, h)) for a, h in zip(tokens, hf_tokens)]
-    out = [{"prompt": t, "ours": o, **({} if theirs is None else {"hf": h, "same_tokens": a})}
-           for t, o, h, a in zip(texts, ours, theirs or ours, agree or ours)]
+    out = [{"prompt": e.input, "ours": o, **({"reference": e.target} if e.target else {}),
+            **({} if theirs is None else {"hf": h, "same_tokens": a})}
+           for e, o, h, a in zip(examples, ours, theirs or ours, agree or ours)]
     if is_main_process():
         for r in out:
-            print(f"prompt: {r['prompt']}\n  ours: {r['ours']!r}" + (f"\n  HF:   {r['hf']!r} "
-                  f"({'same tokens' if r['same_tokens'] else 'DIFFERENT tokens'})" if args.compare_hf else ""))
+            print(f"prompt: {r['prompt']}\n  ours: {r['ours']!r}" + (f"\n  reference: {r['reference']!r}"
+                                                                     if "reference" in r else "")
+                  + (f"\n  HF:   {r['hf']!r} ({'same tokens' if r['same_tokens'] else 'DIFFERENT tokens'})"
+                     if theirs else ""))
         if args.compare_hf:
             print(f"{sum(agree)} of {len(agree)} outputs token for token equal to HF generate")
     return out
+
+
+def predict_file(args, validator, params, examples: list, feats: dict, tokenizer) -> list:
+    """--input: predictions appended to --predictions batch by batch, in the input's order; a file that already
+    holds the first rows' predictions (an interrupted run's) is continued after them."""
+    import numpy as np
+    from tqdm import tqdm
+
+    path = args.predictions or os.path.splitext(args.input)[0] + ".predictions.jsonl"
+    done = finished_rows(path, examples)
+    if done:
+        logger.info("%s holds the predictions of the first %d of %d rows: continuing after them", path, done,
+                    len(examples))
+    out = []
+    primary = is_main_process()
+    with open(path, "a") if primary else open(os.devnull, "w") as f:
+        for start in tqdm(range(done, len(examples), validator.batch_size), desc="predicting", unit="batch",
+                          disable=None if primary else True):
+            idx = np.arange(start, min(start + validator.batch_size, len(examples)))
+            for i, text in zip(idx, validator.predict_batch(params, feats, idx, tokenizer)):
+                e = examples[i]
+                line = {"row": int(i), "input": e.input, "prediction": text, **({"reference": e.target}
+                                                                                if e.target else {})}
+                out.append(line)
+                f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    if primary:
+        print(f"{len(examples) - done} predictions of {args.input} -> {path} ({len(examples)} rows in all)", flush=True)
+    return out
+
+
+def finished_rows(path: str, examples: list) -> int:
+    """How many rows an existing predictions file already holds (they must be this input's first rows, in order);
+    a file of other inputs is an error, never written over."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    try:
+        rows = [json.loads(line) for line in lines]
+    except ValueError:
+        rows = None
+    if rows is None or len(rows) > len(examples) or any(
+            r.get("row") != i or r.get("input") != examples[i].input for i, r in enumerate(rows)):
+        raise FlanT5Error(f"--predictions {path} exists and holds other predictions than this input's first rows: "
+                          "choose another --predictions path (nothing was written)")
+    return len(rows)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""Greedy-decoding validation on MNLI (validation_mismatched by default).
+"""Validation: decode a held-out set and score it as the task asks (MNLI's validation_mismatched by default).
 
-    python3 run_validation.py --config tiny --load ckpt/tiny            # offline, synthetic split
+    python3 run_validation.py --load ckpt/tiny                          # offline: the task and data it trained on
     python3 run_validation.py --config xxl-mnli --load 'ckpt/xxl/*'     # every checkpoint, in step order
     python3 run_validation.py --config xl-mnli --hf_model google/flan-t5-xl
+    python3 run_validation.py --load ckpt/sum --num_beams 4 --length_penalty 0.8
 
-The model's shape (layers, widths, heads, vocabulary) comes from the checkpoint's saved
-config, or from the --hf_model's config.json: the training overrides need not be repeated.
+A checkpoint carries the model's shape (layers, widths, heads, vocabulary) and the task it was trained on (its
+template, target, label set, metrics, tokenizer, data: its held-out rows or its validation split, and output
+length): none needs repeating, and any flag changes them (--dataset, --split, --metrics ...). An --hf_model's
+shape comes from its config.json. Decoding is greedy unless --num_beams or --do_sample say otherwise.
 """
 
 from __future__ import annotations
@@ -78,29 +81,29 @@ def write_report(report: dict, path: str) -> str:
 
 
 class Validator:
-    """Compiled sharded greedy decoding over length-bucketed micro-batches."""
+    """Compiled sharded decoding (greedy, beam search or sampling: the config's inference section) over
+    length-bucketed micro-batches."""
 
-    def __init__(self, cfg):
-        import jax
-
+    def __init__(self, cfg, graphs=None):
         from graphs.graphs import Graphs
 
         if cfg.execution.rts:
             raise ValueError("Validator needs a config with rts=false: inference keeps whole tp shards (nothing "
                              "to gather per call); build it as validation_config does")
-        self.cfg, self.graphs = cfg, Graphs(cfg)
+        self.cfg, self.graphs = cfg, graphs or Graphs(cfg)
         self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
         self.left_pad = self.graphs.family.left_pad_prompts  # a causal LM continues its prompt
         self._generate = None
-        self._jax = jax
 
     def generate(self, tokenizer):
         """The compiled decoding program, stopping at the tokenizer's end-of-text token."""
         if self._generate is None:
-            from data.mnli import pad_id
+            from data.tasks import pad_id
+            from modelling.decoding import Options
 
-            self._generate = self.graphs.generate_phase(self.cfg.inference.output_length, eos_id=tokenizer.eos_token_id,
-                                                        pad_id=pad_id(tokenizer))
+            inf = self.cfg.inference
+            self._generate = self.graphs.decode_phase(Options.of_config(inf), eos_id=tokenizer.eos_token_id,
+                                                      pad_id=pad_id(tokenizer), seed=inf.sampling_seed)
         return self._generate
 
     def load_params(self, directory=None, step=None, hf_model=None):
@@ -116,46 +119,101 @@ class Validator:
                                  hint=g.shape_hint)
         return params
 
-    def predict(self, params, feats: dict, tokenizer) -> list:
+    def predict(self, params, feats: dict, tokenizer, progress: str = "validating") -> list:
         """Generated texts for every row of feats (input_ids/attention_mask [n, len]), in row order."""
-        import numpy as np
         from tqdm import tqdm
 
-        from data.mnli import length_buckets
-        from data.packing import left_align
-        from graphs.sharding import fetch, put_global
+        from data.loader import length_buckets
 
         lengths = feats["attention_mask"].sum(1)
         out = [None] * len(lengths)
-        L = feats["input_ids"].shape[1]
-        for idx in tqdm(length_buckets(lengths, self.batch_size), desc="validating", unit="batch",
+        for idx in tqdm(length_buckets(lengths, self.batch_size), desc=progress, unit="batch",
                         disable=None if is_main_process() else True):
-            # pad to the longest prompt of the batch (a multiple of 8: few compilations); no prompt is ever cut
-            n = int(-(-int(lengths[idx].max()) // 8) * 8)
-            if n > L:  # the feats' width: pad it to the multiple of 8
-                feats = {k: np.pad(v, ((0, 0), (0, n - L))) for k, v in feats.items()}
-                L = n
-            rows = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])  # fill the last batch
-            ids, mask = feats["input_ids"][rows, :n], feats["attention_mask"][rows, :n]
-            if self.left_pad:  # right-align each prompt: the generated tokens follow its last token
-                ids, mask = left_align(ids, mask)
-            ids, mask = put_global(ids, self.graphs.row_sharding), put_global(mask, self.graphs.row_sharding)
-            tokens = fetch(self.generate(tokenizer)(params, ids, mask))[: len(idx)]
-            for i, text in zip(idx, tokenizer.batch_decode(tokens, skip_special_tokens=True)):
+            for i, text in zip(idx, self.predict_batch(params, feats, idx, tokenizer)):
                 out[i] = text
         return out
 
+    def predict_batch(self, params, feats: dict, idx, tokenizer, tokens: bool = False) -> list:
+        """Generated texts of rows ``idx`` of feats (at most one batch), padded to their longest prompt (a multiple
+        of 8: few compilations; no prompt is ever cut); ``tokens``: their token ids [len(idx), output_length]."""
+        import numpy as np
+
+        from data.packing import left_align
+        from graphs.sharding import fetch, put_global
+
+        n = int(-(-int(feats["attention_mask"][idx].sum(1).max()) // 8) * 8)
+        width = feats["input_ids"].shape[1]
+        rows = np.concatenate([idx, np.repeat(idx[-1:], self.batch_size - len(idx))])  # fill the last batch
+        ids, mask = feats["input_ids"][rows, :n], feats["attention_mask"][rows, :n]
+        if n > width:  # the feats' width: pad it to the multiple of 8
+            ids, mask = (np.pad(x, ((0, 0), (0, n - width))) for x in (ids, mask))
+        if self.left_pad:  # right-align each prompt: the generated tokens follow its last token
+            ids, mask = left_align(ids, mask)
+        ids, mask = put_global(ids, self.graphs.row_sharding), put_global(mask, self.graphs.row_sharding)
+        out = fetch(self.generate(tokenizer)(params, ids, mask))[: len(idx)]
+        return out if tokens else tokenizer.batch_decode(out, skip_special_tokens=True)
+
 
 def validation_config(args, overrides: dict):
-    """The inference preset, the model's own shape (explicit flags that contradict it are errors), the command
-    line, and what validation requires (eval mode, no RTS), validated once."""
+    """The inference preset, the model's own shape (explicit flags that contradict it are errors), the task the
+    checkpoint was trained on (its data, template, labels, metrics, tokenizer, output length: flags change them),
+    the command line, and what validation requires (eval mode, no RTS), validated once."""
     load, hf_model = overrides.get("load"), overrides.get("hf_model")
     if not load and not hf_model:
         raise FlanT5Error("nothing to validate: pass --load CKPT (a --save directory of run_finetuning.py) or "
                           "--hf_model NAME")
     carried = carried_model(overrides, load, hf_model)
-    return make_config("inference", args.config, overrides, fixed={"eval": True, "rts": False},
-                       defaults={k: v for k, v in carried.items() if not (k == "tokenizer" and not load)})
+    if "dataset" in overrides or "split" in overrides:  # data named on the command line: its rows, not held-out ones
+        carried["holdout"] = 0
+    return make_config("inference", args.config, overrides, fixed={"eval": True, "rts": False}, defaults=carried)
+
+
+def evaluation_data(cfg, overrides: dict, load):
+    """The examples to score (data.tasks.evaluation_set), refusing to score a checkpoint's own training rows as if
+    they were held out."""
+    from data.tasks import Task, evaluation_set
+
+    task = Task.of_config(cfg)
+    data = evaluation_set(cfg.data, task, cfg.model.seed)
+    if data.single and load and "dataset" not in overrides:
+        raise FlanT5Error(f"{load} was trained on every row of {cfg.data.dataset} (a single file, nothing held out): "
+                          "scoring its training rows says nothing of unseen data; pass --dataset FILE_OR_DIR "
+                          "[--split S] to score other rows, or train with --holdout N")
+    if data.single:
+        logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a directory "
+                       "holding %s.jsonl to score a split)", cfg.data.dataset, cfg.data.split, cfg.data.split)
+    return task, data
+
+
+def prompt_features(examples: list, tokenizer, validator, cfg) -> tuple:
+    """(input features padded to the longest prompt, none cut, the share of unknown prompt tokens)."""
+    from data.tasks import tokenize_prompts, unknown_share
+
+    feats = tokenize_prompts(examples, tokenizer, validator.graphs.family)  # never truncated
+    longest = feats["input_ids"].shape[1]
+    if longest > cfg.model.sequence_length:
+        logger.info("%d prompt(s) are longer than sequence_length %d (the longest: %d tokens): each batch is padded "
+                    "to its own longest prompt, as the original validated, none is cut",
+                    int((feats["attention_mask"].sum(1) > cfg.model.sequence_length).sum()), cfg.model.sequence_length,
+                    longest)
+    unknown = unknown_share([row[m > 0] for row, m in zip(feats["input_ids"], feats["attention_mask"])], tokenizer,
+                            sample=len(examples))
+    if unknown > 0.01:
+        logger.warning("%.1f%% of the prompt tokens are unknown to tokenizer %s: the model sees <unk> there",
+                       100 * unknown, cfg.data.tokenizer)
+    return feats, unknown
+
+
+def result_line(report: dict, step, what: str, path: str) -> str:
+    """``CKPT step N: TASK on DATA: scores -> path``; a label set's line keeps the original's accuracy figure."""
+    from data.metrics import headline
+
+    head = f"{report['checkpoint']}" + (f" step {step}" if step is not None else "")
+    if "accuracy" in report["scores"]:
+        rest = {k: v for k, v in report["scores"].items() if k != "accuracy"}
+        return (f"{head}: accuracy {report['accuracy']:.2%} on {report['samples']} samples of {what} "
+                f"({report['unknown']} unknown)" + (f", {headline(rest)}" if rest else "") + f" -> {path}")
+    return f"{head}: {report['task']} on {report['samples']} samples of {what}: {headline(report['scores'])} -> {path}"
 
 
 @entry
@@ -167,51 +225,43 @@ def main(argv=None) -> None:
     cfg = validation_config(args, overrides)
     ensure_host_devices(cfg.devices)
     setup_jax()
-    from data.mnli import load_rows, load_tokenizer, score, tokenize_inputs
+    from data.tasks import load_tokenizer
     from utils import checkpoint as ckpt
 
     targets = ckpt.resolve(cfg.checkpoint.load) if cfg.checkpoint.load else [(None, None)]
     for directory, _ in targets:
         if directory and not args.output:
             ensure_writable(directory, "the checkpoint directory (where the report goes; pass --output)")
+    task, data = evaluation_data(cfg, overrides, cfg.checkpoint.load)
+    examples = data.examples[: args.limit]
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    split, single_file = cfg.data.split, os.path.isfile(cfg.data.dataset)
-    if single_file:
-        # one file holds one set of rows, whatever --split says: name the file, not a split
-        split = os.path.splitext(os.path.basename(cfg.data.dataset))[0]
-        logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a directory "
-                       "holding %s.jsonl to score a split)", cfg.data.dataset, cfg.data.split, cfg.data.split)
-    rows = load_rows(cfg.data.dataset, cfg.data.split, seed=cfg.model.seed)[: args.limit]
     validator = Validator(cfg)
-    feats = tokenize_inputs(rows, tokenizer, None, validator.graphs.family)  # never truncated
-    longest = feats["input_ids"].shape[1]
-    if longest > cfg.model.sequence_length:
-        logger.info("%d prompt(s) are longer than sequence_length %d (the longest: %d tokens): each batch is padded "
-                    "to its own longest prompt, as the original validated, none is cut",
-                    int((feats["attention_mask"].sum(1) > cfg.model.sequence_length).sum()), cfg.model.sequence_length,
-                    longest)
-    labels = [r["label"] for r in rows]
-    unk = getattr(tokenizer, "unk_token_id", None)
-    unknown_share = 0.0 if unk is None else float((feats["input_ids"][feats["attention_mask"] > 0] == unk).mean())
-    if unknown_share > 0.01:
-        logger.warning("%.1f%% of the prompt tokens are unknown to tokenizer %s: the model sees <unk> there",
-                       100 * unknown_share, cfg.data.tokenizer)
+    feats, unknown = prompt_features(examples, tokenizer, validator, cfg)
     for directory, step in targets:
-        t0 = time.perf_counter()
-        params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)
-        report = score(labels, validator.predict(params, feats, tokenizer))
-        report.update(split=split, dataset=cfg.data.dataset, single_file=single_file, step=step, limit=args.limit,
-                      prompt_tokens_unknown=unknown_share, longest_prompt=int(feats["attention_mask"].sum(1).max()),
-                      checkpoint=directory or cfg.data.hf_model, seconds=time.perf_counter() - t0)
-        name = report_name(split, step, args.limit)
-        path = args.output if args.output and len(targets) == 1 else os.path.join(directory or "runs", name)
-        if not is_main_process():  # process 0 of a multi-process run writes and prints the report
-            continue
-        path = write_report(report, path)
-        what = f"the rows of {cfg.data.dataset}" if single_file else cfg.data.split
-        print(f"{report['checkpoint']}" + (f" step {step}" if step is not None else "")
-              + f": accuracy {report['accuracy']:.2%} on {report['samples']} samples of {what} "
-              f"({report['unknown']} unknown) -> {path}", flush=True)
+        validate(cfg, args, validator, (task, data, examples, feats, unknown), tokenizer, directory, step,
+                 len(targets))
+
+
+def validate(cfg, args, validator, inputs: tuple, tokenizer, directory, step, n_targets: int) -> None:
+    """One checkpoint decoded, scored, reported (process 0 of a multi-process run writes and prints)."""
+    from dataclasses import asdict
+
+    from data.metrics import score
+
+    task, data, examples, feats, unknown = inputs
+    t0 = time.perf_counter()
+    params = validator.load_params(directory, step, None if directory else cfg.data.hf_model)
+    report = score(task, examples, validator.predict(params, feats, tokenizer))
+    report.update(split=data.name, dataset=data.dataset, single_file=data.single, data=data.what, step=step,
+                  limit=args.limit, prompt_tokens_unknown=unknown, longest_prompt=int(feats["attention_mask"].sum(1).max()),
+                  checkpoint=directory or cfg.data.hf_model, decoding=asdict(cfg.inference),
+                  seconds=time.perf_counter() - t0)
+    name = report_name(data.name, step, args.limit)
+    path = args.output if args.output and n_targets == 1 else os.path.join(directory or "runs", name)
+    if not is_main_process():
+        return
+    path = write_report(report, path)
+    print(result_line(report, step, data.what, path), flush=True)
 
 
 if __name__ == "__main__":

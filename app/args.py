@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from app.entry import die
 from config.config import (FIELDS, Config, ConfigError, _base_type, coerce, config_from_mapping, get_path,
-                           ipu_only_notices, load_config, model_shape, read_presets, preset_path)
+                           ipu_only_notices, load_config, model_shape, read_presets, preset_path, travelling)
 from modelling import registry
 from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
 from utils.errors import FlanT5Error
@@ -85,7 +85,8 @@ def build_parser(kind: str, description: str, default_preset: str,
         if typ is bool:
             group.add_argument(f"--{flag}", nargs="?", const="true", metavar="BOOL", **kwargs)
         elif typ is tuple:
-            group.add_argument(f"--{flag}", nargs="+", metavar="FLOAT", **kwargs)
+            group.add_argument(f"--{flag}", nargs="+", metavar="WORD" if ref.meta.get("items") is str else "FLOAT",
+                               **kwargs)
         else:
             group.add_argument(f"--{flag}", metavar=typ.__name__.upper(), **kwargs)
     return p
@@ -141,38 +142,38 @@ def make_config(kind: str, preset: str, overrides: dict, fixed: Optional[dict] =
 
 
 def carried_fields(load, hf_model) -> tuple:
-    """({flag: value} the model carries: its shape, and the tokenizer it was trained with; source name)
-    from the latest checkpoint --load names, or the --hf_model's config.json (any family: its model_type)."""
+    """({flag: value} of the model's shape, {flag: value} of the task it was trained on (its task section, data,
+    tokenizer and output length: a checkpoint's alone), source name) from the latest checkpoint --load names, or the
+    --hf_model's config.json (any family: its model_type)."""
     from utils import checkpoint as ckpt  # orbax: --help need not pay for it
 
     if load:
         directory, step = ckpt.resolve(load)[-1]
         saved = ckpt.read_meta(directory, step).get("config")
         if not saved:
-            return {}, directory
-        fields = model_shape(saved)
-        fields["tokenizer"] = saved.get("data", {}).get("tokenizer")
-        return {k: v for k, v in fields.items() if v is not None}, f"checkpoint {directory}"
+            return {}, {}, directory
+        return model_shape(saved), travelling(saved), f"checkpoint {directory}"
     if hf_model:
         m = model_config_from_hf(read_hf_config(resolve_hf_dir(hf_model)))
-        return model_shape(Config(model=m)), f"model {hf_model}"
-    return {}, None
+        return model_shape(Config(model=m)), {}, f"model {hf_model}"
+    return {}, {}, None
 
 
 def carried_model(overrides: dict, load=None, hf_model=None) -> dict:
     """The model fields a checkpoint (--load) or an HF model (--hf_model) carries, as config defaults: the
     shape and variant never need repeating on the command line, and an explicit flag that contradicts them is
-    an error naming both values."""
-    carried, source = carried_fields(load, hf_model)
+    an error naming both values. A checkpoint carries the task it was trained on too (``carried_fields``): those
+    are defaults that any flag may change (another dataset, split, template, output length)."""
+    carried, task, source = carried_fields(load, hf_model)
     for flag, value in carried.items():
-        if flag in overrides and flag != "tokenizer" and coerce(FIELDS[flag], overrides[flag]) != value:
+        if flag in overrides and coerce(FIELDS[flag], overrides[flag]) != value:
             raise FlanT5Error(f"--{flag} {overrides[flag]} contradicts the {source}, whose {flag} is {value}: drop "
                               f"--{flag} (the model's shape comes from the {'checkpoint' if load else 'model'})")
     if carried:  # the fields the model's family reads (a GPT-J has no relative-position buckets)
         shown = registry.get(carried["family"]).shape_fields if carried.get("family") in registry.names() else carried
         logger.info("model shape from the %s: %s", source, ", ".join(f"{k}={carried[k]}" for k in shown
                                                                     if k in carried))
-    return carried
+    return {**task, **carried}
 
 
 def parse_config(kind: str, description: str, default_preset: str, argv=None, extra=None,

@@ -103,17 +103,33 @@ def smooth(values: list, weight: float) -> list:
 
 
 def plot_loss_curve(metrics_path: str, png_path: str, title: Optional[str] = None) -> Optional[dict]:
-    """Training loss against step (raw, and smoothed), with the learning rate on a second axis, as a PNG.
-    Returns what was drawn: {"title", "curves": [labels]} (None when there is nothing to plot)."""
+    """Training loss against step (raw, and smoothed), with the learning rate on a second axis, and below it the
+    task's scores of --eval_every where there are any, as a PNG. Returns what was drawn: {"title", "curves":
+    [labels]} (None when there is nothing to plot)."""
     from matplotlib.figure import Figure  # no pyplot: the caller's backend (a notebook's) is left alone
 
     rows = [json.loads(line) for line in open(metrics_path) if line.strip()]
+    evals = [r for r in rows if any(k.startswith("eval_") for k in r)]
     rows = [r for r in rows if "loss" in r]
     if not rows:
         return
+    fig = Figure(figsize=(7, 6 if evals else 4))
+    axes = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1)) if evals else [fig.subplots()]
+    lines, labels = _plot_loss(axes[0], rows)
+    if evals:
+        more = _plot_scores(axes[1], evals)
+        lines, labels = lines + more[0], labels + more[1]
     steps, loss = [r["step"] for r in rows], [r["loss"] for r in rows]
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
+    heading = (f"fine-tuning: {title or os.path.basename(os.path.dirname(os.path.abspath(metrics_path)))}"
+               f" ({steps[-1]} steps, last loss {loss[-1]:.4f})")
+    axes[0].set_title(heading, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    return {"title": heading, "curves": labels}
+
+
+def _plot_loss(ax, rows: list) -> tuple:
+    steps, loss = [r["step"] for r in rows], [r["loss"] for r in rows]
     ax.plot(steps, loss, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss")
     weight = min(0.98, max(0.0, 1 - 50 / max(len(loss), 1)))  # a window of about a fiftieth of the run
     log = min(loss) > 0
@@ -135,9 +151,17 @@ def plot_loss_curve(metrics_path: str, png_path: str, title: Optional[str] = Non
         more = lr_ax.get_legend_handles_labels()
         lines, labels = lines + more[0], labels + more[1]
     ax.legend(lines, labels, loc="lower left", fontsize=8)
-    heading = (f"fine-tuning: {title or os.path.basename(os.path.dirname(os.path.abspath(metrics_path)))}"
-               f" ({steps[-1]} steps, last loss {loss[-1]:.4f})")
-    ax.set_title(heading, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=110)
-    return {"title": heading, "curves": labels}
+    return lines, labels
+
+
+def _plot_scores(ax, rows: list) -> tuple:
+    """The --eval_every scores (eval_accuracy, eval_exact_match, eval_rougeL ...) against step."""
+    keys = sorted({k for r in rows for k in r if k.startswith("eval_") and isinstance(r[k], (int, float))})
+    for k in keys:
+        pts = [(r["step"], r[k]) for r in rows if k in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linewidth=1.2, label=k)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out score")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    return ax.get_legend_handles_labels()

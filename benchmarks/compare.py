@@ -62,8 +62,9 @@ def parse(argv=None):
                    "default: --batch")
     p.add_argument("--precision", default="float32")
     p.add_argument("--steps", default="7", help="training steps (2 warm-up)")
-    p.add_argument("--lengths", choices=("uniform", "mnli"), default="uniform",
-                   help="training prompt lengths: uniform (equal work) or mnli (ours packed and unpacked)")
+    p.add_argument("--lengths", choices=("uniform", "mnli", "summaries"), default="uniform",
+                   help="training lengths: uniform (equal work), mnli or summaries (long targets): ours packed and "
+                        "unpacked against HF padded to each micro-batch's longest")
     p.add_argument("--hf", choices=("eager", "compiled", "both"), default="both",
                    help="which HF training baselines to run")
     p.add_argument("--ours_flags", default="--recompute false --unroll_layers true",
@@ -87,7 +88,7 @@ def commands(a) -> tuple:
                      "--lengths", a.lengths]
     ours = train + a.ours_flags.split()
     trainers = {}  # name -> command
-    if a.lengths == "mnli":
+    if a.lengths != "uniform":
         trainers["ours packed"] = ["finetuning.py"] + ours + ["--packing", "true"]
         trainers["ours unpacked"] = ["finetuning.py"] + ours + ["--packing", "false"]
         hf_padding = ["--padding", "longest"]
@@ -152,7 +153,7 @@ def training_figures(a, trainers: dict, runs: dict) -> dict:
                                   f"{ex:9.2f} examples/s | {t['samples_per_s']:8.2f} samples (rows)/s | "
                                   f"{t['nonpad_tokens_per_s']:9.0f} non-pad tokens/s") + extra)
     pairs = [(o, h) for o in trainers if o.startswith("ours") for h in trainers if h.startswith("HF")]
-    if a.lengths == "mnli" and "ours unpacked" in trainers:
+    if a.lengths != "uniform" and "ours unpacked" in trainers:
         pairs.append(("ours packed", "ours unpacked"))
     ratios = {}
     for o, h in pairs:

@@ -30,12 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.args import parse_config  # noqa: E402
 from app.entry import die, entry  # noqa: E402
 from modelling import registry  # noqa: E402
+from run_inference import hf_decoding  # noqa: E402
 
 
 def extra_flags(p):
     p.add_argument("--json", default=None)
     p.add_argument("--compile", action="store_true", help="training: torch.compile the model, fused AdamW")
-    p.add_argument("--lengths", choices=("mnli", "uniform"), default="uniform",
+    p.add_argument("--lengths", choices=("mnli", "uniform", "summaries"), default="uniform",
                    help="prompt lengths of the generated data (as finetuning.py's --lengths)")
     p.add_argument("--padding", choices=("longest", "max_length"), default="longest",
                    help="training rows padded to the longest of each micro-batch (HF's collator default) or to "
@@ -166,8 +167,8 @@ def generate(cfg, args) -> dict:
 
     def timed(tokens):
         t0 = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, num_beams=1,
-                             max_new_tokens=tokens, min_new_tokens=tokens, eos_token_id=1, pad_token_id=0, **extra)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                             eos_token_id=1, pad_token_id=0, **hf_decoding(cfg.inference), **extra)
         if dev == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0, out

@@ -17,6 +17,9 @@ Parts, in priority order (each against its baseline, measured in the same run):
                   packed / unpacked against HF padded at MNLI-like lengths (base), in examples/s
   xl_phased       xl phased against fused at global batch 64
   decode          greedy decoding against HF generate (base, xl)
+  summaries       a long-target task (prompts ~150 tokens, targets ~30 of up to 128, base): ours packed and
+                  unpacked against HF padded to each micro-batch's longest, eager and compiled, in examples/s
+  beams           beam search with 4 beams against HF generate with the same beams (base), in tokens/s
   gptj_6B         GPT-J 6B phased on one device (gptj_1gpu), and a small GPT-J shape against HF compiled
 
 Each part runs its benchmarks as subprocesses (finetuning.py, compare.py, inference.py) and writes
@@ -96,6 +99,9 @@ def _smoke_commands() -> dict:
         "vs_hf_mnli": _compare(*cmp_small, "--only", "train", "--lengths", "mnli"),
         "phased_pair": [xl[0], xl[0] + ["--phased", "true"]],
         "decode": [("base", _compare(*cmp_small, "--only", "decode"))],
+        "summaries": _compare(*cmp_small[:-2], "--decoder_sequence_length", "16", "--only", "train", "--lengths",
+                              "summaries"),
+        "beams": _compare(*cmp_small, "--only", "decode", "--decode_flags", "--num_beams 4"),
         "gptj_6B": _finetune("gptj_tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1",
                           "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4", *one),
         "gptj_cmp": ["--config", "gptj_tiny", "--inference_config", "gptj_tiny", "--sequence_length", "32",
@@ -127,6 +133,11 @@ def _gpu_commands() -> dict:
         "phased_pair": [xl[0][:-2] + ["--steps", "4"], xl[0][:-2] + ["--steps", "4", "--phased", "true"]],
         "decode": [("base", _compare("--config", "base", "--inference_config", "base", *dec)),
                    ("xl", _compare("--config", "xl_pod8", "--inference_config", "xl", *dec))],
+        "summaries": _compare("--config", "base", *hf[:4], "--decoder_sequence_length", "128", "--steps", "7",
+                              "--hf", "both", "--batch", "32", "--micro_batch", "8", "--only", "train", "--lengths",
+                              "summaries"),
+        "beams": _compare("--config", "base", "--inference_config", "base", *dec, "--output_length", "32",
+                          "--decode_flags", "--num_beams 4"),
         "gptj_6B": _finetune("gptj_1gpu", "--steps", "3", "--warmup_iterations", "1", "--lengths", "mnli"),
         "gptj_cmp": ["--config", "gptj_small", "--inference_config", "gptj_small", "--precision", "bfloat16",
                      "--sequence_length", "256", "--batch", "64", "--micro_batch", "16", "--steps", "7", "--hf",
@@ -154,6 +165,10 @@ def parts(smoke: bool) -> list:
              [Run("fused", c["phased_pair"][0]), Run("phased", c["phased_pair"][1])], _phased_figures),
         Part("decode", "greedy decoding against HF generate", 120,
              [Run(name, cmd, required=i == 0) for i, (name, cmd) in enumerate(c["decode"])], _decode_figures),
+        Part("summaries", "a long-target task (prompts ~150 tokens, targets ~30, up to 128): ours packed and unpacked "
+             "against HF padded, eager and compiled", 360, [Run("base", c["summaries"])], _vs_hf_figures),
+        Part("beams", "beam search (4 beams) against HF generate with the same beams", 180,
+             [Run("base", c["beams"])], _decode_figures),
         Part("gptj_6B", "GPT-J 6B phased on one device; a small GPT-J against HF", 420,
              [Run("gptj_1gpu", c["gptj_6B"]), Run("vs_hf", _compare(*c["gptj_cmp"]), required=False)], _gptj_figures),
     ]
@@ -407,11 +422,11 @@ def summary_rows(results: list) -> list:
         elif r["part"] == "xl_mfu" and f.get("best"):
             b = f[f["best"]]
             head = f"{f['best']}: MFU {_mfu(b)}, {_fmt(b.get('samples_per_s'))} samples/s"
-        elif r["part"] == "vs_hf" and f:
+        elif r["part"] in ("vs_hf", "summaries") and f:
             head = "; ".join(f"{k} {_fmt(v, 'x')}" for n in f.values() for k, v in (n.get("ratios") or {}).items())
         elif r["part"] == "xl_phased" and f:
             head = f"phased / fused samples/s {_fmt(f.get('phased_over_fused_samples_per_s'))}"
-        elif r["part"] == "decode" and f:
+        elif r["part"] in ("decode", "beams") and f:
             head = "; ".join(f"{n}: {_fmt((v.get('decode_tokens_per_s') or {}).get('ratio'), 'x')} tokens/s"
                              for n, v in f.items())
         elif r["part"] == "gptj_6B" and f:

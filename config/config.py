@@ -29,16 +29,19 @@ CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def spec(default=dataclasses.MISSING, *, flag: Optional[str] = None, minimum: Optional[int] = None,
          choices: tuple = (), bounds: Optional[tuple] = None, shape: bool = False, training: bool = False,
-         ipu: bool = False):
+         ipu: bool = False, items: type = float, travels: bool = False):
     """A config field with what ``Config.validate`` and the drivers need to know of it, declared with the field:
 
     flag: its flat CLI flag when not its own name; minimum: the least value of an int; choices: the values a
     str may take; bounds: (low, high, low inclusive, high inclusive, an example) of a float, which must also be
     finite; shape: part of the model's shape (a checkpoint or an HF config.json carries it); training: read only
     by training (the decoding drivers accept it but do not list it); ipu: meaningful only on IPUs (kept so the
-    original's configs load; a value other than the default is said once, and has no effect)."""
+    original's configs load; a value other than the default is said once, and has no effect); items: the type of a
+    tuple's items (float or str; a tuple of choices checks each item); travels: the task a checkpoint was trained
+    on (with the whole task section): its validation and inference use it unless told otherwise."""
     meta = {k: v for k, v in dict(flag=flag, minimum=minimum, choices=choices, bounds=bounds, shape=shape,
-                                    training=training, ipu=ipu).items() if v}
+                                    training=training, ipu=ipu, items=items if items is not float else None,
+                                    travels=travels).items() if v}
     return field(default=default, metadata=meta)
 
 
@@ -186,6 +189,14 @@ class Training:
 
     optimizer: Optimizer = field(default_factory=Optimizer)
 
+    eval_every: int = spec(0, minimum=0)
+    """Every this many steps, decode eval_rows held-out examples (the task's held-out rows, else its validation split)
+    and log the task's scores to metrics.jsonl, W&B and the loss plot; the best step is named at the end (0: never).
+    The training's data order and exact resume are unchanged."""
+
+    eval_rows: int = spec(256, minimum=1)
+    """Examples decoded by each --eval_every evaluation (the first of the held-out set)."""
+
 
 @dataclass
 class Execution:
@@ -287,19 +298,32 @@ class Checkpoint:
 class Data:
     """Where the data and the tokenizer come from."""
 
-    dataset: str = "glue/mnli"
-    """glue/mnli (Hugging Face hub), synthetic (generated offline), synthetic-mnli (the same task with MultiNLI-like
-    lengths), or a local json/jsonl/parquet/csv file or directory."""
+    dataset: str = spec("glue/mnli", travels=True)
+    """Where the rows come from: a local jsonl/json/csv/tsv/parquet file, a directory of split files
+    (train.jsonl, validation.jsonl ...), a directory written by datasets' save_to_disk, a Hugging Face hub data set
+    name (with hub_config; glue/mnli is MNLI's), or one this project generates offline: synthetic (NLI),
+    synthetic-mnli (the same with MultiNLI-like lengths), synthetic-headlines (free text)."""
 
-    tokenizer: str = "google/flan-t5-xxl"
+    hub_config: Optional[str] = spec(None, travels=True)
+    """The configuration of a hub data set (datasets.load_dataset(dataset, hub_config)), e.g. mnli of nyu-mll/glue."""
+
+    train_split: str = spec("train", training=True, travels=True)
+    """Split used by training."""
+
+    holdout: int = spec(0, minimum=0, training=True, travels=True)
+    """Rows of the training split held out of training (the last ones of a fixed shuffle of the seed): --eval_every
+    and validation of the run's checkpoints score them unless told otherwise (0: none; the task's split is
+    scored)."""
+
+    tokenizer: str = spec("google/flan-t5-xxl", travels=True)
     """Hugging Face tokenizer name or directory, 'synthetic' for the offline word-level tokenizer, or 'train' to
     learn one from the training data (offline, seconds; saved with the run, and used by validation)."""
 
     hf_model: Optional[str] = None
     """Hugging Face model name or directory to initialise the weights from (random init if unset)."""
 
-    split: str = "validation_mismatched"
-    """Split used by validation."""
+    split: str = spec("validation_mismatched", travels=True)
+    """Split used by validation (and by --eval_every when nothing is held out)."""
 
     packing: bool = spec(True, training=True)
     """Pack several training examples into each row of sequence_length tokens (segment ids and per-segment
@@ -311,9 +335,9 @@ class Data:
     at 0: the loss equals the unpacked one) or concat (the original's: examples concatenated and cut into rows
     of sequence_length, attending across example boundaries, as Hugging Face's run_clm)."""
 
-    loss_tokens: str = spec("all", choices=("all", "target"), training=True)
-    """GPT-J: the tokens the causal-LM loss counts: all (every next token, as the original) or target (only the
-    label and end-of-text after 'target:')."""
+    loss_tokens: str = spec("target", choices=("all", "target"), training=True)
+    """A causal LM (GPT-J): the tokens the loss counts: target (the target and its end-of-text after 'target:')
+    or all (every next token, the prompt's too: the original's, which its MNLI presets keep)."""
 
     packed_decoder_length: int = spec(0, minimum=0, training=True)
     """Decoder length of a packed row, shared by the targets of all its examples (0: sequence_length // 8,
@@ -321,11 +345,67 @@ class Data:
 
 
 @dataclass
-class Inference:
-    """Greedy decoding."""
+class Task:
+    """What the model learns: how a row of the data becomes an input and a target, and how decoded outputs are
+    scored. The defaults are MNLI's (the original's task); a task of your own sets these (a task: section of a
+    preset, or the flags)."""
 
-    output_length: int = spec(5, minimum=1)
-    """Maximum number of tokens to generate."""
+    name: str = spec("mnli", flag="task_name")
+    """The task's name, in reports and metrics."""
+
+    input_template: str = "mnli hypothesis: {hypothesis} premise: {premise}"
+    """The input: a template over the row's columns ({column} fields, Python's format syntax)."""
+
+    input_column: Optional[str] = None
+    """The input: one column as it is, in place of input_template."""
+
+    target_column: str = "label"
+    """The column that holds the target: free text, or with labels a label."""
+
+    labels: Optional[tuple] = spec(("entailment", "neutral", "contradiction"), items=str)
+    """The label set: the target column holds a label (its index, 0 the first word, or the word itself; -1 marks an
+    unlabelled row, which is dropped) and the model learns to write its word. none: the target column is free
+    text."""
+
+    metrics: tuple = spec((), items=str, choices=("accuracy", "exact_match", "rouge", "bleu", "chrf"))
+    """How decoded outputs are scored: accuracy (a label set; with per-class counts), exact_match, rouge
+    (ROUGE-1/2/L F1 of the rouge-score package), bleu, chrf (sacrebleu); several at once. Unset: accuracy with
+    labels, else exact_match and rouge."""
+
+
+@dataclass
+class Inference:
+    """Decoding: greedy (the original's), beam search or sampling, each as Hugging Face generate defines it."""
+
+    output_length: int = spec(5, minimum=1, travels=True)
+    """Maximum number of tokens to generate (HF: max_new_tokens); a sequence stops earlier at its end-of-text."""
+
+    num_beams: int = spec(1, minimum=1)
+    """Beam search with this many beams (1: greedy, or sampling)."""
+
+    length_penalty: float = spec(1.0, bounds=(-10.0, 10.0, True, True, "1.0"))
+    """Beam search: a finished sequence's score is its log-probability divided by its length to this power (> 0
+    favours longer sequences)."""
+
+    early_stopping: str = spec("false", choices=("true", "false", "never"))
+    """Beam search: true (stop once num_beams sequences are finished), false (stop once no running beam can be
+    better, by HF's heuristic) or never (run until no better sequence is possible)."""
+
+    do_sample: bool = False
+    """Sample each token from the model's distribution (after temperature, top_k, top_p) instead of taking the
+    most likely."""
+
+    temperature: float = spec(1.0, bounds=(0.0, 100.0, False, True, "0.7"))
+    """Sampling: the logits are divided by it (< 1: sharper, > 1: flatter)."""
+
+    top_k: int = spec(50, minimum=0)
+    """Sampling: only the k most likely tokens (0: all), as HF's default of 50."""
+
+    top_p: float = spec(1.0, bounds=(0.0, 1.0, False, True, "0.9"))
+    """Sampling: only the most likely tokens whose probabilities sum to top_p (nucleus sampling; 1: all)."""
+
+    sampling_seed: int = 0
+    """Sampling: the seed of the draws (the same seed, the same outputs, at any dp x tp)."""
 
 
 @dataclass
@@ -337,6 +417,7 @@ class Config:
     execution: Execution = field(default_factory=Execution)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
+    task: Task = field(default_factory=Task)
     inference: Inference = field(default_factory=Inference)
 
     @property
@@ -380,6 +461,7 @@ class Config:
         _check_parallelism(self)
         _check_lengths(self)
         _check_training(self)
+        _check_task(self.task)
         return self
 
 
@@ -398,9 +480,10 @@ def _check_fields(cfg: Config) -> None:
                 raise ConfigError(f"{ref.flag}={value} must not be negative: pass --{ref.flag} 0 or more")
             raise ConfigError(f"{ref.flag}={value} must be at least {meta['minimum']}: pass --{ref.flag} with a "
                               f"value of {meta['minimum']} or more")
-        if meta.get("choices") and value not in meta["choices"]:
-            raise ConfigError(f"{ref.flag}={value!r} is not one of {', '.join(meta['choices'])}: pass --{ref.flag} "
-                              "with one of them")
+        for item in (value if isinstance(value, tuple) else (value,)) if meta.get("choices") else ():
+            if item not in meta["choices"]:
+                raise ConfigError(f"{ref.flag}={item!r} is not one of {', '.join(meta['choices'])}: pass "
+                                  f"--{ref.flag} with {'some' if isinstance(value, tuple) else 'one'} of them")
         if "bounds" in meta:
             _check_bounds(ref.flag, value, *meta["bounds"])
 
@@ -454,6 +537,35 @@ def _check_training(cfg: Config) -> None:
         raise ConfigError("update_in_backward=true updates each layer before the step's overflow is known, so "
                           "dynamic loss scaling could not skip a step whole: pass --precision bfloat16, or "
                           "--dynamic_loss_scaling false with a static --loss_scaling, or --update_in_backward false")
+
+
+def template_fields(template: str) -> list:
+    """The columns a template reads ({column} fields), in order; ConfigError for a template Python cannot read."""
+    import string
+
+    try:
+        fields_ = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as e:
+        raise ConfigError(f"input_template {template!r} is not a template ({e}): write the columns as {{column}}, "
+                          "and a literal brace as {{ or }}") from None
+    bad = [f for f in fields_ if not f or not f.replace("_", "a").replace("-", "a").replace(" ", "a").isalnum()]
+    if bad:
+        raise ConfigError(f"input_template {template!r} has a field {bad[0]!r} that is not a column name: write "
+                          "{column}")
+    return fields_
+
+
+def _check_task(t: "Task") -> None:
+    if t.input_column is None:
+        if not template_fields(t.input_template):
+            raise ConfigError(f"input_template {t.input_template!r} reads no column: write the columns as {{column}} "
+                              "(e.g. --input_template 'summarize: {text}'), or pass --input_column")
+    if t.labels is not None and (len(t.labels) < 2 or len(set(t.labels)) != len(t.labels) or not all(t.labels)):
+        raise ConfigError(f"labels={list(t.labels)}: a label set needs two or more distinct, non-empty words: pass "
+                          "e.g. --labels positive negative (or --labels none for free-text targets)")
+    if "accuracy" in t.metrics and t.labels is None:
+        raise ConfigError("metrics accuracy needs a label set (--labels WORD WORD ...): for free text pass --metrics "
+                          "exact_match rouge bleu chrf")
 
 
 def ipu_only_notices(cfg: Config) -> list:
@@ -560,15 +672,30 @@ def coerce(ref: FieldRef, value: Any) -> Any:
             raise bad
         return str(value)
     if typ is tuple:
-        if isinstance(value, str):
-            value = [v for v in value.replace(",", " ").split()]
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        try:
-            return tuple(float(v) for v in value)
-        except (TypeError, ValueError):
-            raise bad from None
+        return _coerce_tuple(ref, value, bad)
     return value
+
+
+def _coerce_tuple(ref: FieldRef, value, bad):
+    """A tuple field's value: floats (the default), or words (``items=str``: a list, or one string split at
+    commas; none or an empty string is unset where the field may be)."""
+    words = ref.meta.get("items") is str
+    if words and isinstance(value, str):
+        if value.strip().lower() in ("none", "") and typing.get_origin(ref.type) is typing.Union:
+            return None
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, str):
+        value = [v for v in value.replace(",", " ").split()]
+    if not isinstance(value, (list, tuple)):
+        value = [value]
+    if words:
+        if len(value) == 1 and str(value[0]).lower() == "none" and typing.get_origin(ref.type) is typing.Union:
+            return None
+        return tuple(str(v) for v in value)
+    try:
+        return tuple(float(v) for v in value)
+    except (TypeError, ValueError):
+        raise bad from None
 
 
 def _check_types(cfg) -> None:
@@ -667,6 +794,23 @@ def apply_overrides(cfg: Config, overrides: dict) -> Config:
 MODEL_SHAPE = tuple(flag for flag, ref in FIELDS.items() if ref.meta.get("shape"))
 
 
+# The fields of the task a checkpoint was trained on: its task section, its data and tokenizer, its output length.
+TASK_FIELDS = tuple(flag for flag, ref in FIELDS.items() if ref.path[0] == "task" or ref.meta.get("travels"))
+
+
+def travelling(saved: dict) -> dict:
+    """{flag: value} of the TASK_FIELDS of a saved config (a checkpoint's; a field it predates is absent)."""
+    out = {}
+    for flag in TASK_FIELDS:
+        value, ok = saved, True
+        for p in FIELDS[flag].path:
+            ok = ok and isinstance(value, dict) and p in value
+            value = value.get(p) if ok else None
+        if ok:
+            out[flag] = coerce(FIELDS[flag], value)
+    return out
+
+
 def model_shape(source) -> dict:
     """{flag: value} of the MODEL_SHAPE fields of a config, or of a nested config mapping (a checkpoint's)."""
     out = {}
@@ -691,10 +835,14 @@ def shape_hint(current: Optional[Config], saved: Optional[dict]) -> str:
 
 
 def to_dict(cfg: Config) -> dict:
-    """Nested plain-dict form of a config (for YAML/JSON dumps and checkpoints)."""
-    d = dataclasses.asdict(cfg)
-    d["execution"]["available_memory_proportion"] = list(d["execution"]["available_memory_proportion"])
-    return d
+    """Nested plain-dict form of a config (for YAML/JSON dumps and checkpoints); tuples as lists."""
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return list(x) if isinstance(x, tuple) else x
+
+    return plain(dataclasses.asdict(cfg))
 
 
 def dumps_yaml(cfg: Config) -> str:

@@ -4,6 +4,9 @@ Length modes for the prompts:
 - ``uniform``: prompt lengths uniform in [L/2, L] (rows mostly full; what the original's
   benchmarks measured);
 - ``short``: uniform in [2, L/2] (tests: several examples to a packed row);
+- ``summaries``: dialogue-summarisation-like: prompts of about 150 tokens and targets of about 30 (log-normal,
+  as SAMSum's dialogues of ~94 words and summaries of ~20 words in T5 tokens; up to the row lengths), the
+  long-target workload of a summarisation task;
 - ``mnli``: lengths drawn to match MultiNLI's statistics. The MultiNLI paper (Williams et al.,
   2018) reports a mean premise of 22.3 words and a mean hypothesis of 11.4; word counts are drawn
   log-normally around those means (a long right tail), turned into T5 tokens at 1.3 tokens per
@@ -41,17 +44,25 @@ def mnli_like_lengths(rng: np.random.Generator, n: int) -> tuple:
     return prompts, rng.integers(2, 5, n)
 
 
+def summary_like_lengths(rng: np.random.Generator, n: int, sequence_length: int, target_length: int) -> tuple:
+    """(prompt token lengths, target token lengths) of n dialogue-summarisation-like examples (module docstring)."""
+    enc = np.clip(np.rint(_lognormal(rng, 150.0, 0.5, n)), 8, sequence_length).astype(np.int64)
+    return enc, np.clip(np.rint(_lognormal(rng, 30.0, 0.5, n)), 2, target_length).astype(np.int64)
+
+
 def generated_examples(rng: np.random.Generator, n: int, vocab_size: int, lengths: str, sequence_length: int,
                        target_length: int) -> Examples:
     """n examples of random tokens (ids >= 3), each prompt and target ending in EOS (1)."""
     if lengths == "mnli":
         enc, tgt = mnli_like_lengths(rng, n)
+    elif lengths == "summaries":
+        enc, tgt = summary_like_lengths(rng, n, sequence_length, target_length)
     elif lengths in ("uniform", "short"):
         half = max(sequence_length // 2, 2)
         enc = rng.integers(half, sequence_length + 1, n) if lengths == "uniform" else rng.integers(2, half + 1, n)
         tgt = rng.integers(1, target_length + 1, n)
     else:
-        raise ValueError(f"lengths={lengths!r}: use 'uniform', 'short' or 'mnli'")
+        raise ValueError(f"lengths={lengths!r}: use 'uniform', 'short', 'mnli' or 'summaries'")
     inputs = [np.append(rng.integers(3, vocab_size, k - 1), 1).astype(np.int32) for k in enc]
     targets = [np.append(rng.integers(3, vocab_size, k - 1), 1).astype(np.int32) for k in tgt]
     return Examples(inputs, targets)
@@ -82,7 +93,7 @@ def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None, decod
         batch = pad_rows(generated_examples(rng, rows, V, lengths, L, T), range(rows), L, T)
     else:
         D = decoder_length or cfg.decoder_row_length
-        shortest = {"mnli": TEMPLATE_TOKENS + 2, "short": 2}.get(lengths, max(L // 2, 1))
+        shortest = {"mnli": TEMPLATE_TOKENS + 2, "short": 2, "summaries": 8}.get(lengths, max(L // 2, 1))
         ex = generated_examples(rng, rows * max(L // shortest, 1) + 64, V, lengths, L, T)  # enough for any fill
         filled, _ = Packer.for_examples(ex, L, T, D).fill(rows, [], iter(range(len(ex))))
         batch = pack_rows(ex, filled, L, T, D)

@@ -156,6 +156,21 @@ class Graphs:
         """tp-only specs of the weights (after the RTS gather)."""
         return jax.tree.map(lambda l: l.compute_spec, self.layouts, is_leaf=S.is_layout)
 
+    def decode_phase(self, options: decoding.Options, eos_id: int = 1, pad_id: int = 0, seed: int = 0):
+        """The search ``options`` names (greedy, beam search, sampling: modelling/decoding.py): (gathered weights,
+        ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens]. Sampling draws from ``seed``, each row by its global
+        index, so the outputs are the same at any dp x tp."""
+        opts, family = self.opts, self.family
+
+        def fn(p, ids, mask, key_data):
+            offset = jax.lax.axis_index(S.DP) * ids.shape[0]
+            return decoding.decode(family, p, ids, mask, opts, options, S.TP, eos_id, pad_id,
+                                   jax.random.wrap_key_data(key_data), offset)
+
+        program = self.phase(fn, (self.compute_specs(), P(S.DP, None), P(S.DP, None), P()), P(S.DP, None))
+        key = jax.device_put(jax.random.key_data(jax.random.key(seed)), self.replicated)
+        return lambda p, ids, mask: program(p, ids, mask, key)
+
     def generate_phase(self, max_new_tokens: int, eos_id: int = 1, cached: bool = True, pad_id: int = 0):
         """Greedy decoding: (gathered weights, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens].
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "gptj_6B"]
+PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "summaries", "beams", "gptj_6B"]
 
 
 def suite(*args, timeout=900):
@@ -56,8 +56,11 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
                                    for k, v in f["ratios"].items())
     assert figs["xl_phased"]["phased_over_fused_samples_per_s"] == pytest.approx(
         raw("xl_phased", "phased")["samples_per_s"] / raw("xl_phased", "fused")["samples_per_s"])
-    d = raw("decode", "base")["decode_tokens_per_s"]
-    assert figs["decode"]["base"]["decode_tokens_per_s"]["ratio"] == pytest.approx(d["ours"] / d["hf"])
+    for part in ("decode", "beams"):
+        d = raw(part, "base")["decode_tokens_per_s"]
+        assert figs[part]["base"]["decode_tokens_per_s"]["ratio"] == pytest.approx(d["ours"] / d["hf"])
+    assert raw("beams", "base")["args"]["decode_flags"] == "--num_beams 4"
+    assert "ours packed / ours unpacked" in figs["summaries"]["base"]["ratios"]
     assert figs["gptj_6B"]["gptj_1gpu"]["median_step_s"] == raw("gptj_6B", "gptj_1gpu")["median_step_s"] > 0
     assert figs["gptj_6B"]["vs_hf"]["ratios"]
     assert (out / "throughput.png").stat().st_size > 1000  # the figure, drawn from the suite's own results

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -35,11 +36,17 @@ def launch(nproc: int, command: list, port: int | None = None, env: dict | None 
     them all; SIGTERM to the launcher alone stops them too. When one process fails (or is killed), the
     launcher says which and how, and stops the others: SIGTERM, then SIGKILL after ``grace`` seconds (they
     cannot go on without it; what they saved before stays loadable)."""
+    with tempfile.TemporaryDirectory(prefix="launch-") as marks:
+        return _launch(nproc, command, port, env, grace, marks)
+
+
+def _launch(nproc: int, command: list, port, env, grace: float, marks: str) -> int:
     address = f"127.0.0.1:{port or free_port()}"
     procs = []
     for i in range(nproc):
         penv = dict(os.environ if env is None else env)
-        penv.update(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(nproc), JAX_PROCESS_ID=str(i))
+        penv.update(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES=str(nproc), JAX_PROCESS_ID=str(i),
+                    FLAN_T5_LAUNCH_DIR=marks)
         procs.append(subprocess.Popen([sys.executable, *command], env=penv))
 
     def on_sigterm(*_):
@@ -49,7 +56,7 @@ def launch(nproc: int, command: list, port: int | None = None, env: dict | None 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     status = 0
     try:
-        status = _wait(procs, grace)
+        status = _wait(procs, grace, os.path.join(marks, "failed_first"))
     except KeyboardInterrupt:
         _stop(procs, grace)
         status = 130
@@ -59,26 +66,39 @@ def launch(nproc: int, command: list, port: int | None = None, env: dict | None 
     return status
 
 
-def _wait(procs: list, grace: float) -> int:
-    """Waits for every process; the first failure stops the others -> the first failure's status (0: none)."""
-    running, status = dict(enumerate(procs)), 0
+def _wait(procs: list, grace: float, first_mark: str) -> int:
+    """Waits for every process; the first failure stops the others -> the first failure's status (0: none). The
+    failure named is the one a process marked as the run's first (``first_mark``, app.runtime.report_failure), not a
+    peer that ended a moment later because of it, whichever the polling saw first."""
+    running = dict(enumerate(procs))
     while running:
         for i, p in list(running.items()):
             rc = p.poll()
             if rc is None:
                 continue
             del running[i]
-            if rc != 0 and status == 0:
-                status = rc if rc > 0 else 128 - rc
-                how = (f"was killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0
-                       else f"exited with status {rc}")
-                print(f"launch: process {i} of {len(procs)} {how}; stopping the others", file=sys.stderr, flush=True)
+            if rc != 0:
                 # one failed: the others would wait for it in a collective. A process that failed on an error has
                 # told them (they stop within a second, saying so); one that was killed has not: they are stopped
                 _settle(procs, 3.0)
+                i = _first_failure(procs, i, first_mark)
+                rc = procs[i].returncode
+                how = (f"was killed by signal {-rc} ({signal.Signals(-rc).name})" if rc < 0
+                       else f"exited with status {rc}")
+                print(f"launch: process {i} of {len(procs)} {how}; stopping the others", file=sys.stderr, flush=True)
                 _stop(procs, grace)
+                return rc if rc > 0 else 128 - rc
         time.sleep(0.2)
-    return status
+    return 0
+
+
+def _first_failure(procs: list, seen: int, first_mark: str) -> int:
+    """The index of the process that failed first: the one that marked itself so, else the first seen failing."""
+    try:
+        marked = int(open(first_mark).read())
+    except (OSError, ValueError):
+        return seen
+    return marked if 0 <= marked < len(procs) and procs[marked].returncode not in (None, 0) else seen
 
 
 def _settle(procs: list, seconds: float) -> None:

@@ -253,6 +253,7 @@ def any_process(value: int) -> int:
 def report_failure(message: str, code: int) -> None:
     """Tells the other processes of the run that this one fails with ``message`` (one line) and ``code``: each of
     them then stops at once (``watch_for_failures``) instead of waiting in a collective for a peer that is gone."""
+    _mark_origin()
     client = _client()
     if client is None:
         return
@@ -264,6 +265,25 @@ def report_failure(message: str, code: int) -> None:
 
     if jax.process_index() == 0:  # the coordination service lives in process 0: give the others a poll to read it
         time.sleep(1.5)
+
+
+LAUNCH_DIR = "FLAN_T5_LAUNCH_DIR"  # set by app.launch: where the process that fails first leaves its index
+
+
+def _mark_origin() -> None:
+    """Under app.launch, leaves this process's index as the run's first failure (unless another left its own): the
+    launcher names the process that failed, not a peer that stopped a moment later because of it."""
+    directory = os.environ.get(LAUNCH_DIR)
+    if not directory:
+        return
+    import jax
+
+    try:
+        fd = os.open(os.path.join(directory, "failed_first"), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except OSError:
+        return
+    os.write(fd, str(jax.process_index()).encode())
+    os.close(fd)
 
 
 def reported_failure() -> Optional[str]:

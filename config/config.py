@@ -323,7 +323,7 @@ class Data:
     """Hugging Face model name or directory to initialise the weights from (random init if unset)."""
 
     split: str = spec("validation_mismatched", travels=True)
-    """Split used by validation (and by --eval_every when nothing is held out)."""
+    """Split used by validation (and by the evaluations during training, eval_every, when nothing is held out)."""
 
     packing: bool = spec(True, training=True)
     """Pack several training examples into each row of sequence_length tokens (segment ids and per-segment
@@ -799,14 +799,16 @@ TASK_FIELDS = tuple(flag for flag, ref in FIELDS.items() if ref.path[0] == "task
 
 
 def travelling(saved: dict) -> dict:
-    """{flag: value} of the TASK_FIELDS of a saved config (a checkpoint's; a field it predates is absent)."""
+    """{flag: value} of the TASK_FIELDS a saved config (a checkpoint's) set to other than their default: a field
+    it predates or left at its default is absent, so the decoding preset's own value stands (the tiny preset
+    scores the synthetic ``validation`` split, as it always has)."""
     out = {}
     for flag in TASK_FIELDS:
         value, ok = saved, True
         for p in FIELDS[flag].path:
             ok = ok and isinstance(value, dict) and p in value
             value = value.get(p) if ok else None
-        if ok:
+        if ok and coerce(FIELDS[flag], value) != coerce(FIELDS[flag], FIELDS[flag].default):
             out[flag] = coerce(FIELDS[flag], value)
     return out
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from config.config import template_fields
 from data.packing import Examples
+from data import sources, synthetic
 from data.sources import DataError, Rows
 from utils.hub import fetch
 
@@ -221,8 +222,6 @@ def train_tokenizer(examples: list, vocab_size: int, out_dir: str, family, label
 
 def load_tokenizer(name: str):
     """The tokenizer: 'synthetic' (the NLI task's offline word-level one) or an HF name/directory."""
-    from data import synthetic
-
     if name == "synthetic":
         return synthetic.make_tokenizer()
     if name == TRAINED:
@@ -285,8 +284,6 @@ class EvalSet:
 def evaluation_set(data, task: Task, seed: int) -> EvalSet:
     """The examples a run's evaluation scores (``data``: a config's data section): the rows held out of training
     (``holdout``), else the task's split (``split``); a single file is scored whole, whatever the split."""
-    from data import sources
-
     if data.holdout:
         rows = sources.read(data.dataset, data.train_split, seed, data.hub_config)
         _, held = holdout(task.examples(rows), data.holdout, seed)

@@ -5,6 +5,7 @@ run agree on: a value process 0 decides, barriers, and a failure that ends every
 from __future__ import annotations
 
 import logging
+import atexit
 import os
 import sys
 import threading
@@ -305,13 +306,15 @@ def watch_for_failures(interval: float = 0.5) -> None:
     import jax
 
     me = process_label()
+    done = threading.Event()
 
     def poll():
-        while True:
-            time.sleep(interval)
+        while not done.wait(interval):
             try:
                 found = client.key_value_try_get(FAILED)
             except Exception as e:
+                if done.is_set():  # the process is ending normally: the client is being shut down
+                    return
                 if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
                     continue
                 _stop(f"{me} stops: the run's coordinator (process 0) is gone ({type(e).__name__})", 1)
@@ -320,7 +323,14 @@ def watch_for_failures(interval: float = 0.5) -> None:
                 _stop(f"{me} stops because {message}", int(code or 1))
 
     if jax.process_count() > 1:
-        threading.Thread(target=poll, name="failure-watch", daemon=True).start()
+        watcher = threading.Thread(target=poll, name="failure-watch", daemon=True)
+        watcher.start()
+
+        def stop_watching():  # at exit, before JAX's own shutdown (registered earlier, so run later)
+            done.set()
+            watcher.join(timeout=10)
+
+        atexit.register(stop_watching)
 
 
 def _stop(line: str, code: int) -> None:

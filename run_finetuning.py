@@ -230,6 +230,8 @@ def initial_state(cfg, executor, loader, point, warm=None, scaler=None):
     """
     from modelling.hf_mapping import load_hf_model
 
+    if executor.g.lora:
+        return lora_state(cfg, executor, loader, point, warm, scaler)
     if point:
         state, meta = executor.restore(*point, cfg.checkpoint.optim_state)
         loader.restore(meta)
@@ -246,6 +248,52 @@ def initial_state(cfg, executor, loader, point, warm=None, scaler=None):
         logger.info("initialised from %s", cfg.data.hf_model)
         return executor.init_state(host), 0
     return executor.init_state(), 0
+
+
+def lora_state(cfg, executor, loader, point, warm=None, scaler=None):
+    """initial_state of a LoRA run: the frozen base (the checkpoint's weights of --init_from, --hf_model's or the
+    seed's random init), then new adapters, or a checkpoint's adapters when resuming, refused (one line) when they
+    were trained on another base."""
+    from graphs.state import describe_base, fingerprint, load_base
+
+    if point:
+        meta = ckpt_meta(*point)
+        source = meta.get("lora_base", {}).get("source") or base_source(cfg, warm)
+    else:
+        source = base_source(cfg, warm)
+    executor.frozen = load_base(executor.g, source)
+    executor.base = {"source": source, "fingerprint": fingerprint(executor.frozen)}
+    logger.info("LoRA: rank %d adapters on %s (frozen, %s)", cfg.lora.rank, describe_base(source),
+                cfg.model.precision)
+    if not point:
+        return executor.init_state(executor.frozen), 0
+    saved = meta.get("lora_base", {}).get("fingerprint")
+    if saved != executor.base["fingerprint"]:
+        raise FlanT5Error(f"{point[0]} step {point[1]} holds adapters trained on other base weights than "
+                          f"{describe_base(source)} (fingerprint {saved} != {executor.base['fingerprint']}): resume "
+                          "with the base they were trained on")
+    state, meta = executor.restore(*point, cfg.checkpoint.optim_state)
+    loader.restore(meta)
+    if scaler is not None:
+        scaler.restore(meta.get("loss_scale"))
+    logger.info("resumed %s at step %d (data position %d)", point[0], meta["step"], loader.position)
+    return state, meta["step"]
+
+
+def base_source(cfg, init_from=None) -> dict:
+    """LoRA: where a run's frozen base weights come from, as its checkpoints record it (``load_base`` reads it back):
+    a checkpoint's weights (--init_from), an HF model (--hf_model), or the family's random init of the seed."""
+    if init_from:
+        return {"init_from": [str(init_from[0]), int(init_from[1])]}
+    if cfg.data.hf_model:
+        return {"hf_model": cfg.data.hf_model}
+    return {"random_init_seed": cfg.model.seed}
+
+
+def ckpt_meta(directory: str, step: int) -> dict:
+    from utils import checkpoint as ckpt
+
+    return ckpt.load_meta(directory, step)
 
 
 def check_save_dir(cfg, point, discard_later: bool = False) -> list:
@@ -374,6 +422,8 @@ class Saver:
         cfg = self.cfg
         meta = {"step": step, **self.loader.state(), "seed": cfg.model.seed, "config": to_dict(cfg),
                 "loss_scale": self.scaler.state()}  # the loss scale and the last gradient norm, for an exact resume
+        if self.executor.g.lora:  # the adapters alone are saved: where their frozen base comes from
+            meta["lora_base"] = self.executor.base
         stacked = self.executor.to_checkpoint(state)
         ckpt.save(self.mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
         self.last, self.pending = f"{cfg.checkpoint.save}/{step}", step
@@ -559,6 +609,7 @@ class Evaluator:
 
         ecfg = copy.deepcopy(cfg)
         ecfg.model.eval, ecfg.execution.rts, ecfg.execution.phased = True, False, False
+        ecfg.lora.rank = 0  # LoRA: the adapters are merged into the weights decoded (executor.weights)
         self.validator = Validator(ecfg.validate(), Graphs(ecfg, mesh=executor.g.mesh))
         self.task, self.executor, self.tokenizer = Task.of_config(cfg), executor, tokenizer
         data = evaluation_set(cfg.data, self.task, cfg.model.seed)
@@ -573,7 +624,7 @@ class Evaluator:
 
         from data.metrics import headline, score
 
-        stacked = self.executor.to_checkpoint(state).params  # the stacked weights, wherever they live
+        stacked = self.executor.weights(state)  # the stacked weights, wherever they live
         params = jax.device_put(stacked, self.validator.graphs.param_shardings)
         report = score(self.task, self.examples, self.validator.predict(params, self.feats, self.tokenizer,
                                                                          progress="evaluating"))

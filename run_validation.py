@@ -115,9 +115,51 @@ class Validator:
 
             _, host = load_hf_model(hf_model, self.cfg.execution.tensor_parallel, expect=self.cfg.model)
             return g.shard_params(host)
+        saved = ckpt.load_meta(directory, step)
+        if saved.get("lora_base"):
+            return self.merged_params(directory, step, saved)
         params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(g.abstract_params(), g.param_shardings),
                                  hint=g.shape_hint)
         return params
+
+    def merged_params(self, directory: str, step: int, saved: dict):
+        """A LoRA checkpoint's adapters on their frozen base (which its meta names), merged: the weights decoded."""
+        import jax
+
+        from modelling import lora
+
+        lg, adapters, frozen = self.lora_parts(directory, step, saved)
+        merge = lambda b, a: lora.merged(b, a, lg.opts)  # noqa: E731
+        return jax.jit(merge, out_shardings=self.graphs.param_shardings)(frozen, adapters)
+
+    def lora_parts(self, directory: str, step: int, saved: dict, base: bool = True) -> tuple:
+        """(the LoRA run's Graphs, its adapters, its frozen base or None) of a LoRA checkpoint: the base found where
+        the checkpoint's meta says, and refused (one line) when its fingerprint is not the one trained on."""
+        import copy
+
+        from config.config import FIELDS, coerce, set_path
+        from graphs.graphs import Graphs
+        from graphs.state import describe_base, fingerprint, load_base
+        from utils import checkpoint as ckpt
+
+        lcfg = copy.deepcopy(self.cfg)
+        for flag in ("lora_rank", "lora_alpha", "lora_targets"):
+            value = saved["config"]
+            for p in FIELDS[flag].path:
+                value = value[p]
+            set_path(lcfg, FIELDS[flag].path, coerce(FIELDS[flag], value))
+        lg = Graphs(lcfg, mesh=self.graphs.mesh)
+        adapters, _, _ = ckpt.load(directory, step, ckpt.abstract_like(lg.abstract_params(), lg.param_shardings),
+                                   hint=lg.shape_hint)
+        if not base:
+            return lg, adapters, None
+        meta, source = saved["lora_base"], saved["lora_base"]["source"]
+        frozen = load_base(lg, source)
+        if fingerprint(frozen) != meta["fingerprint"]:
+            raise FlanT5Error(f"{directory} step {step} holds adapters trained on other weights than "
+                              f"{describe_base(source)} as found now (fingerprint {meta['fingerprint']} != "
+                              f"{fingerprint(frozen)}): restore that base")
+        return lg, adapters, frozen
 
     def predict(self, params, feats: dict, tokenizer, progress: str = "validating") -> list:
         """Generated texts for every row of feats (input_ids/attention_mask [n, len]), in row order."""
@@ -165,7 +207,9 @@ def validation_config(args, overrides: dict):
     carried = carried_model(overrides, load, hf_model)
     if "dataset" in overrides or "split" in overrides:  # data named on the command line: its rows, not held-out ones
         carried["holdout"] = 0
-    return make_config("inference", args.config, overrides, fixed={"eval": True, "rts": False}, defaults=carried)
+    # a LoRA checkpoint's adapters are merged into their base (Validator.merged_params): the model decoded has none
+    return make_config("inference", args.config, overrides, fixed={"eval": True, "rts": False, "lora_rank": 0},
+                       defaults=carried)
 
 
 def evaluation_data(cfg, overrides: dict, load):

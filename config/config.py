@@ -374,6 +374,27 @@ class Task:
 
 
 @dataclass
+class Lora:
+    """Low-rank adapters (LoRA, as Hugging Face PEFT defines them): the base weights frozen in the compute dtype, and
+    for each adapted weight W [in, out] two small trained matrices A [in, rank] and B [rank, out], the layer computing
+    x W + (alpha / rank) (dropout(x) A) B. Only the adapters get gradients, optimizer state and checkpoints."""
+
+    rank: int = spec(0, flag="lora_rank", minimum=0, shape=True)
+    """The adapters' rank (0: no adapters: every weight is fine-tuned)."""
+
+    alpha: float = spec(16.0, flag="lora_alpha", bounds=(0.0, 1e6, False, True, "16"), shape=True)
+    """The adapters' scaling is alpha / rank (PEFT's lora_alpha)."""
+
+    dropout: float = spec(0.0, flag="lora_dropout", bounds=(0.0, 1.0, True, False, "0.05"), training=True)
+    """Dropout on the adapters' input (PEFT's lora_dropout)."""
+
+    targets: tuple = spec((), flag="lora_targets", items=str, shape=True)
+    """The layer weights that get adapters, by the parameter tree's names (T5: q, k, v, o, the decoder's cross
+    attention cq, ck, cv, co, the feed-forward wi_0, wi_1 or wi, wo; GPT-J: q, k, v, o, fc_in, fc_out). Unset: the
+    family's attention projections."""
+
+
+@dataclass
 class Inference:
     """Decoding: greedy (the original's), beam search or sampling, each as Hugging Face generate defines it."""
 
@@ -418,6 +439,7 @@ class Config:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
     task: Task = field(default_factory=Task)
+    lora: Lora = field(default_factory=Lora)
     inference: Inference = field(default_factory=Inference)
 
     @property
@@ -533,6 +555,9 @@ def _check_training(cfg: Config) -> None:
     if tr.stochastic_rounding and m.precision == "float32":
         raise ConfigError("stochastic_rounding=true rounds float32 updates to 16-bit master weights, but precision "
                           "is float32: pass --precision bfloat16 (or float16), or --stochastic_rounding false")
+    if cfg.lora.rank and ex.phased:
+        raise ConfigError("lora_rank with phased=true: the phased executor does not stream LoRA's frozen base yet; "
+                          "pass --phased false (the fused executor trains the adapters), or --lora_rank 0")
     if ex.update_in_backward and cfg.dynamic_loss_scaling:
         raise ConfigError("update_in_backward=true updates each layer before the step's overflow is known, so "
                           "dynamic loss scaling could not skip a step whole: pass --precision bfloat16, or "

@@ -20,8 +20,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from graphs import sharding as S
 from graphs.memory import live_device_bytes, program_bytes
 from graphs.plan import MemoryPlan, shard_bytes
+from modelling.params import init_params
 from graphs.phases import PhaseBodies, accumulate, micro_key
-from graphs.state import TrainState, restore_train_state, step_key
+from graphs.state import TrainState, restore_base, restore_train_state, step_key
+from modelling import lora
 
 
 class FusedExecutor:
@@ -31,9 +33,24 @@ class FusedExecutor:
 
     def __init__(self, graphs):
         self.g = graphs
-        self.bodies = PhaseBodies(graphs.opts, S.TP, graphs.family, graphs.tree)
+        self.bodies = PhaseBodies(graphs.opts, S.TP, graphs.family, graphs.model_tree)
         self._step = None
         self._loss_and_grads = None
+        self.frozen = None  # LoRA: the frozen base weights (compute dtype, RTS layout), an input of every step
+        self.base = None  # LoRA: where the base comes from and its fingerprint (graphs/state.py), as checkpoints say
+
+    def set_base(self, params=None) -> None:
+        """LoRA: the frozen base weights: None (the family's random init), host (numpy) weights, or float32 device
+        weights in the full model's layout."""
+        g = self.g
+        if params is not None and params is self.frozen:
+            return
+        if params is None:
+            self.frozen = g.init_base()
+        elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
+            self.frozen = g.shard_base(params)
+        else:
+            self.frozen = jax.jit(g.frozen, out_shardings=g.base_shardings)(params)
 
     # ------------------------------------------------------------------ state
 
@@ -41,6 +58,9 @@ class FusedExecutor:
         """Weights (None: the random init; numpy on the host; or arrays in their layout) with a fresh
         optimizer state."""
         g = self.g
+        if g.lora:  # the weights given are the base's; the trained ones are new adapters
+            self.set_base(params)
+            params = None
         if params is None:
             params = g.init_params()
         elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
@@ -59,8 +79,18 @@ class FusedExecutor:
         return state, meta
 
     def warm_start(self, directory: str, step: int) -> TrainState:
-        """A new run's state from a checkpoint's weights: step 0 and a fresh optimizer state."""
+        """A new run's state from a checkpoint's weights: step 0 and a fresh optimizer state (LoRA: new adapters on
+        the checkpoint's weights, frozen)."""
+        if self.g.lora:
+            return self.init_state(restore_base(self.g, directory, step))
         return self.init_state(restore_train_state(self.g, directory, step, optim_state=False)[0].params)
+
+    def weights(self, state: TrainState) -> dict:
+        """The model's weights as a decoding program reads them (stacked; LoRA: the adapters merged into the base)."""
+        if not self.g.lora:
+            return state.params
+        merge = lambda b, a: lora.merged(b, a, self.g.opts)  # noqa: E731
+        return jax.jit(merge, out_shardings=self.g.base_shardings)(self.frozen, state.params)
 
     def to_checkpoint(self, state: TrainState) -> TrainState:
         return state
@@ -71,12 +101,14 @@ class FusedExecutor:
 
     # ------------------------------------------------------------------ the step
 
-    def _local_loss_and_grads(self, params, batch, rng_data, scale):
+    def _local_loss_and_grads(self, params, batch, rng_data, scale, frozen=None):
         """Per-device body: gather weights, scan micro-batches, reduce-scatter gradients. ``scale``: the loss scale
-        (a float32 scalar: changing it compiles nothing)."""
+        (a float32 scalar: changing it compiles nothing). LoRA: ``params`` are the adapters, ``frozen`` the base."""
         lay, opts = self.g.layouts, self.g.opts
         full = S.gather_all(params, lay)
         count = jax.lax.psum(jnp.sum(batch["labels"] != -100), S.DP).astype(jnp.float32)
+        if self.g.lora:
+            return self._local_lora(full, S.gather_all(frozen, self.g.base_layouts), batch, rng_data, scale, count)
         base = None
         if opts.dropout_prob > 0:
             # same key on every tp device (identical activations), distinct per dp replica
@@ -111,19 +143,40 @@ class FusedExecutor:
         loss = jax.lax.psum(jnp.sum(losses), S.DP) / scale
         return loss, grads
 
+    def _local_lora(self, adapters, base, batch, rng_data, scale, count):
+        """LoRA's body: the gradient of the adapters alone (the base, frozen, is a constant of the loss: no gradient
+        of it is formed), accumulated over the micro-batches in float32, reduce-scattered like any weight's."""
+        opts, lay = self.g.opts, self.g.layouts
+        key = None
+        if opts.dropout_prob > 0 or opts.lora_dropout > 0:
+            key = jax.random.fold_in(jax.random.wrap_key_data(rng_data), jax.lax.axis_index(S.DP))
+
+        def micro(acc, inputs):
+            mb, i = inputs
+            loss, grads = jax.value_and_grad(
+                lambda a: self.bodies.loss(lora.combine(base, a), mb, micro_key(key, i)) * (scale / count))(adapters)
+            return accumulate(acc, grads), loss
+
+        zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.float32), adapters)
+        grads, losses = jax.lax.scan(micro, zeros, (batch, jnp.arange(batch["labels"].shape[0])))
+        grads = jax.tree.map(lambda g, l: S.reduce_gradient(g, l) / scale, grads, lay)
+        return jax.lax.psum(jnp.sum(losses), S.DP) / scale, grads
+
     def _sharded_loss_and_grads(self, batch_keys):
         specs = S.storage_specs(self.g.layouts)
         batch_spec = {k: P(None, S.DP, None) for k in batch_keys}
+        frozen = S.storage_specs(self.g.base_layouts) if self.g.lora else None
         return jax.shard_map(self._local_loss_and_grads, mesh=self.g.mesh,
-                             in_specs=(specs, batch_spec, P(), P()), out_specs=(P(), specs), check_vma=False)
+                             in_specs=(specs, batch_spec, P(), P(), frozen), out_specs=(P(), specs), check_vma=False)
 
     def loss_and_grads(self, state: TrainState, batch, rng_data=None, loss_scale=None):
         """(mean token loss, float32 gradients in the stacked RTS layout, unscaled) of one global batch; the state is
         not changed. ``rng_data``: the step's key data (``step_key`` of the state's step when None)."""
         rng_data = step_key(self.g.steps.seed, state.step) if rng_data is None else rng_data
         if self._loss_and_grads is None:
-            self._loss_and_grads = jax.jit(lambda p, b, r, s: self._sharded_loss_and_grads(tuple(b))(p, b, r, s))
-        return self._loss_and_grads(state.params, batch, rng_data, self.g.loss_scale_input(loss_scale))
+            self._loss_and_grads = jax.jit(
+                lambda p, b, r, s, f: self._sharded_loss_and_grads(tuple(b))(p, b, r, s, f))
+        return self._loss_and_grads(state.params, batch, rng_data, self.g.loss_scale_input(loss_scale), self.frozen)
 
     def update(self, params, opt_state, grads, rng_data=None, clip_norm=None):
         """The optimizer phase: every weight group clipped with the global norm (or ``clip_norm``: the previous
@@ -134,12 +187,15 @@ class FusedExecutor:
         pg, gg = tree.split_groups(params), tree.split_groups(grads)
         new_p, new_s = {}, {}
         for name in pg:
+            if not jax.tree.leaves(pg[name]):  # a group with no weights (LoRA's adapters have no "small" group)
+                new_p[name], new_s[name] = pg[name], opt_state[name]
+                continue
             new_p[name], new_s[name] = updater.update(name, pg[name], opt_state[name], gg[name], g_norm, rng_data,
                                                       stacked=tree.is_layer_group(name), clip_norm=clip_norm)
         return tree.merge_groups(new_p), new_s, g_norm
 
-    def _step_fn(self, state: TrainState, batch, rng_data, loss_scale, clip_norm=None):
-        loss, grads = self._sharded_loss_and_grads(tuple(batch))(state.params, batch, rng_data, loss_scale)
+    def _step_fn(self, state: TrainState, batch, rng_data, loss_scale, clip_norm=None, frozen=None):
+        loss, grads = self._sharded_loss_and_grads(tuple(batch))(state.params, batch, rng_data, loss_scale, frozen)
         params, opt_state, g_norm = self.update(state.params, state.opt_state, grads, rng_data, clip_norm)
         return TrainState(state.step + 1, params, opt_state), {"loss": loss, "grad_norm": g_norm}
 
@@ -163,6 +219,12 @@ class FusedExecutor:
         batch = g.abstract_batch()
         items = {"weights": _per_device(params, g.param_shardings), "optimizer state": _per_device(opt, opt_sh),
                  "batch": sum(shard_bytes(b.shape, b.dtype, b.sharding) for b in batch.values())}
+        frozen = None
+        if g.lora:  # the frozen base, in the compute dtype, beside the adapters ("weights")
+            frozen = jax.eval_shape(lambda k: g.frozen(init_params(g.base_specs, k)), jax.random.key(0))
+            frozen = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), frozen,
+                                  g.base_shardings)
+            items["frozen base weights"] = _per_device(frozen, g.base_shardings)
         notes = []
         if exact:
             struct = lambda t, sh: jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),  # noqa: E731
@@ -171,7 +233,8 @@ class FusedExecutor:
                                struct(params, g.param_shardings), struct(opt, opt_sh))
             rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=g.replicated)
             scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=g.replicated)
-            analysis = self.train_step_program(state).lower(state, batch, rng, scale).compile().memory_analysis()
+            analysis = self.train_step_program(state).lower(state, batch, rng, scale, g.clip_norm_input(None),
+                                                            frozen).compile().memory_analysis()
             items["step temporaries (gradients, activations)"] = analysis.temp_size_in_bytes
             items["step outputs"] = max(analysis.output_size_in_bytes - analysis.alias_size_in_bytes, 0)
         else:
@@ -189,7 +252,8 @@ class FusedExecutor:
         """(state, device bytes of the step: live device arrays plus the compiled step's temporaries and outputs
         (XLA's memory analysis), None); nothing is run."""
         rng = jax.random.key_data(jax.random.key(0))
-        analysis = self.train_step_program(state).lower(state, batch, rng, self.g.loss_scale_input()).compile().memory_analysis()
+        analysis = self.train_step_program(state).lower(state, batch, rng, self.g.loss_scale_input(),
+                                                        self.g.clip_norm_input(None), self.frozen).compile().memory_analysis()
         return state, program_bytes(analysis, max(live_device_bytes().values() or [0])), None
 
     def timing_report(self, state: TrainState, batch: dict) -> tuple:
@@ -203,7 +267,7 @@ class FusedExecutor:
         if rng_data is None:
             rng_data = step_key(self.g.steps.seed, state.step)
         return self.train_step_program(state)(state, batch, rng_data, self.g.loss_scale_input(loss_scale),
-                                              self.g.clip_norm_input(clip_norm))
+                                              self.g.clip_norm_input(clip_norm), self.frozen)
 
 
 

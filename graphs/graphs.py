@@ -22,8 +22,8 @@ from graphs import optim
 from graphs import sharding as S
 from graphs.state import TrainState  # noqa: F401  (the state's home is graphs/state.py; callers import it here too)
 from graphs.tree import TreeStructure
-from modelling import decoding, registry
-from modelling.family import ModelOptions, leaf_name
+from modelling import decoding, lora, registry
+from modelling.family import ModelOptions, cast_params, leaf_name
 from modelling.params import init_params, zero_padded_vocab
 
 
@@ -48,10 +48,22 @@ class Graphs:
         self.mesh = mesh if mesh is not None else S.make_mesh(self.dp, self.tp)
         self.family = registry.checked(cfg)
         self.opts = ModelOptions.from_config(cfg)
-        self.specs = self.family.param_specs(cfg.model, self.tp)
         self.vocab_size = cfg.model.embedding.vocab_size
-        # the tree's structure: its stacks and the weights the head phase reads
-        self.tree = TreeStructure(tuple(s.name for s in self.family.stacks), self.family.head_paths(self.opts))
+        self.model_config = cfg.model  # the model section: a pretrained model's shape is checked against it
+        self.lora = lora.enabled(self.opts)
+        base_specs = self.family.param_specs(cfg.model, self.tp)
+        # the model's tree: its stacks and the weights the head phase reads (the trained tree, ``tree``, is the
+        # adapters' under LoRA)
+        self.model_tree = TreeStructure(tuple(s.name for s in self.family.stacks), self.family.head_paths(self.opts))
+        if self.lora:
+            # the trained weights are the adapters (modelling/lora.py); the base weights are frozen, stored in the
+            # compute dtype in their RTS layout (``base_shardings``), and never get a gradient or optimizer state
+            self.specs = lora.adapter_specs(self.family, base_specs, self.opts)
+            self.tree = TreeStructure(tuple(s.name for s in self.family.stacks if s.name in self.specs))
+            self.base_specs, self.base_layouts = base_specs, S.layouts(base_specs, self.mesh, ex.rts)
+            self.base_shardings = S.storage_shardings(self.base_layouts, self.mesh)
+        else:
+            self.specs, self.tree = base_specs, self.model_tree
         self.layouts = S.layouts(self.specs, self.mesh, ex.rts)
         self.param_shardings = S.storage_shardings(self.layouts, self.mesh)
         self.replicated = NamedSharding(self.mesh, P())
@@ -95,6 +107,26 @@ class Graphs:
                                                                                         memory_kind)
         host = self.to_master(jax.tree.map(lambda x: np.asarray(x, np.float32), host_params))
         return jax.tree.map(lambda x, s: S.put_global(np.asarray(x), s), host, shardings)
+
+    def init_base(self, seed: int | None = None) -> dict:
+        """LoRA: random base weights (the family's init, as ``init_params`` draws them without adapters), in the
+        compute dtype and their RTS layout."""
+        key = jax.random.key(self.steps.seed if seed is None else seed)
+        fn = jax.jit(lambda k: self.frozen(zero_padded_vocab(init_params(self.base_specs, k), self.vocab_size)),
+                     out_shardings=self.base_shardings)
+        return fn(key)
+
+    def frozen(self, params: dict) -> dict:
+        """LoRA: base weights as they are kept, frozen: in the compute dtype (the family's float32 weights aside)."""
+        return cast_params(params, self.opts.compute_dtype, self.family.keeps_f32)
+
+    def shard_base(self, host_params: dict) -> dict:
+        """LoRA: host (numpy) base weights placed frozen (``frozen``) in their RTS layout."""
+        dt = self.opts.compute_dtype
+        keep = self.family.keeps_f32
+        host = jax.tree_util.tree_map_with_path(
+            lambda path, x: np.asarray(x, np.float32 if keep(leaf_name(path)) else dt), host_params)
+        return jax.tree.map(lambda x, s: S.put_global(x, s), host, self.base_shardings)
 
     def abstract_params(self) -> dict:
         """ShapeDtypeStructs of the weights (no allocation)."""

@@ -186,6 +186,10 @@ class PhasedExecutor:
         """A new run's host-resident state from a checkpoint's weights: step 0 and a fresh optimizer state."""
         return self.init_state(restore_train_state(self.g, directory, step, False, HOST)[0].params)
 
+    def weights(self, ps: PhasedState) -> dict:
+        """The model's weights, stacked, in host memory (as a decoding program reads them, once placed)."""
+        return self.to_checkpoint(ps).params
+
     def to_checkpoint(self, ps: PhasedState) -> TrainState:
         """Host-resident state -> a stacked TrainState in host memory (what checkpoints hold)."""
         g = self.g

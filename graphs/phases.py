@@ -34,6 +34,7 @@ from jax import lax
 from graphs.tree import TreeStructure, layer_list
 from modelling import family as families
 from modelling import layers as L
+from modelling import lora
 from modelling.family import Family, Stack
 
 
@@ -111,7 +112,10 @@ class PhaseBodies:
         return self.family.context(stack, ctx_w, meta, length, self.opts)
 
     def block(self, stack: Stack, p: dict, x: jax.Array, self_ctx, cross_ctx, enc, rng=None) -> jax.Array:
-        """One layer. p: its weights (no layers axis); x float32 [b, l, d]; enc [b, k, d] (cross stacks)."""
+        """One layer. p: its weights (no layers axis), with LoRA adapters beside them (modelling/lora.py); x float32
+        [b, l, d]; enc [b, k, d] (cross stacks)."""
+        if lora.enabled(self.opts):
+            p = lora.attach(p, self.family, self.opts, self.tp, rng)
         return self.family.block(stack, p, x, self_ctx, cross_ctx, enc, self.opts, self.tp, rng)
 
     def block_backward(self, stack: Stack, p: dict, x, self_ctx, cross_ctx, enc, rng, dy) -> tuple:

@@ -3,6 +3,7 @@ restored into a layout (graphs/fused.py and graphs/phased.py both restore throug
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from graphs import sharding as S
+from modelling.hf_mapping import load_hf_model
+from modelling.params import init_params
 from utils import checkpoint as ckpt
 
 
@@ -45,3 +48,39 @@ def restore_train_state(graphs, directory: str, step: int, optim_state: bool = T
                                         graphs.shape_hint)
     step_arr = jax.device_put(jnp.asarray(meta["step"], jnp.int32), graphs.replicated)
     return TrainState(step_arr, params, opt_state), meta
+
+
+def restore_base(graphs, directory: str, step: int) -> dict:
+    """LoRA: a full checkpoint's weights (--init_from of a run without adapters) as frozen base weights, in the
+    compute dtype and their RTS layout."""
+    abstract = jax.eval_shape(lambda k: init_params(graphs.base_specs, k), jax.random.key(0))
+    params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(abstract, graphs.base_shardings), None,
+                             graphs.shape_hint)
+    return jax.jit(graphs.frozen, out_shardings=graphs.base_shardings)(params)
+
+
+def describe_base(source: dict) -> str:
+    if "init_from" in source:
+        return "the weights of {}/{}".format(*source["init_from"])
+    if "hf_model" in source:
+        return source["hf_model"]
+    return f"a random init (seed {source['random_init_seed']})"
+
+
+def load_base(graphs, source: dict) -> dict:
+    """LoRA: the frozen base weights a ``base_source`` names, in the compute dtype and their RTS layout."""
+    if "init_from" in source:
+        return restore_base(graphs, *source["init_from"])
+    if "hf_model" in source:
+        _, host = load_hf_model(source["hf_model"], graphs.tp, expect=graphs.model_config)
+        return graphs.shard_base(host)
+    return graphs.init_base(source["random_init_seed"])
+
+
+def fingerprint(frozen: dict) -> str:
+    """A short digest of base weights (each weight's sum and sum of squares, to 5 significant digits): adapters
+    resumed or loaded onto other weights are refused, whatever their layout."""
+    sums = jax.jit(lambda t: [(jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.square(x.astype(jnp.float32))))
+                              for x in jax.tree.leaves(t)])(frozen)
+    text = ";".join(f"{float(a):.5g},{float(b):.5g}" for a, b in sums)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

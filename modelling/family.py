@@ -56,12 +56,13 @@ class Stack:
 
 # --------------------------------------------------------------------------- the model's options
 
-# The execution fields the model functions read; they also read every field of the config's ``model`` section.
+# The execution fields the model functions read; they also read every field of the config's ``model`` and ``lora``
+# sections.
 EXECUTION_FIELDS = ("attention_serialisation", "recompute", "remat_policy", "unroll_layers", "attention_impl")
 
 
 def _option_fields() -> list:
-    refs = [r for r in FIELDS.values() if r.path[0] == "model"] + [FIELDS[f] for f in EXECUTION_FIELDS]
+    refs = [r for r in FIELDS.values() if r.path[0] in ("model", "lora")] + [FIELDS[f] for f in EXECUTION_FIELDS]
     return [(r.flag, r.type, dataclasses.field(default=r.default)) for r in refs]
 
 
@@ -144,6 +145,8 @@ class Family(abc.ABC):
     head_stream: int  # the dropout stream of the head
     batch_keys: tuple  # the keys of a training batch it reads
     shape_fields: tuple  # the config's model-shape flags (config.MODEL_SHAPE) it reads: what a checkpoint carries
+    lora_targets: tuple  # the layer weights that get adapters by default (PEFT's default for the model type)
+    residual_outputs: tuple  # the layer weights whose output is the residual stream (row-parallel under tp)
 
     # ------------------------------------------------------------------ parameters and config
 
@@ -261,6 +264,11 @@ class Family(abc.ABC):
         """Our float32 tree from an HF state dict (numpy arrays or torch tensors)."""
 
     @abc.abstractmethod
+    def hf_layer_keys(self, stack: str, i: int, m) -> dict:
+        """{our weight name: HF state-dict key} of layer ``i`` of stack ``stack`` (modelling/lora.py names PEFT's
+        adapters by them)."""
+        raise NotImplementedError(f"{self.name} does not name its HF layer weights")
+
     def hf_state_dict(self, params: dict, m) -> dict:
         """An HF state dict (numpy float32) from our tree; padded vocabulary stripped."""
 

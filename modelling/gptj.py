@@ -392,6 +392,8 @@ class GPTJFamily(Family):
     name = "gptj"
     hf_model_types = ("gptj",)
     causal = True
+    lora_targets = ("q", "v")  # PEFT's GPT-J default (q_proj, v_proj)
+    residual_outputs = ("o", "fc_out")
     left_pad_prompts = True  # decoding continues the prompt: prompts are right-aligned
     stacks = (STACK,)
     head_stream = HEAD
@@ -497,3 +499,6 @@ class GPTJFamily(Family):
 
     def hf_state_dict(self, params: dict, m) -> dict:
         return hf_state_dict(params, m)
+
+    def hf_layer_keys(self, stack: str, i: int, m) -> dict:
+        return _layer_keys(i)

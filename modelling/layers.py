@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from modelling.tp import identical_grad_inputs, identical_inputs, tp_index
+from modelling.tp import identical_grad_inputs, identical_inputs, share_of_sum, tp_index
 
 F32 = jnp.float32
 MASK_VALUE = -1e9  # exp(MASK_VALUE - max) is exactly 0 in float32
@@ -106,6 +106,37 @@ class Accumulating:
         return cls(*children)
 
 
+class Adapted:
+    """A frozen weight with its low-rank adapter (LoRA, modelling/lora.py): ``dense`` computes
+    x w + scale (dropout(x) a) b, with a [in..., rank] and b [rank, out...] in the weight's layout.
+
+    Under tensor parallelism the adapter follows its weight's split: a column-parallel weight (its output split
+    over tp) has a replicated ``a`` (its gradient summed over tp, as a replicated weight feeding a split one) and a
+    split ``b``; a row-parallel one (``row``: its input split over tp, its output summed) has a split ``a``, a
+    replicated ``b``, and the rank-sized activation is summed over tp before ``b``, whose identical output joins the
+    weight's partial sums as a 1/tp share each (``tp.share_of_sum``)."""
+
+    def __init__(self, w, a, b, scale: float, row: bool, tp_axis, rate: float = 0.0, rng=None):
+        self.w, self.a, self.b, self.scale, self.row, self.tp, self.rate, self.rng = w, a, b, scale, row, tp_axis, \
+            rate, rng
+
+    shape = property(lambda self: self.w.shape)
+    dtype = property(lambda self: self.w.dtype)
+
+    def delta(self, x: jax.Array) -> jax.Array:
+        """scale (dropout(x) a) b, float32 [n, out] (x [n, in])."""
+        # column-parallel: each device's share of the output gives a partial gradient of the replicated ``a``,
+        # summed over tp by ``identical_inputs`` (x's own gradient stays partial, as x's psum expects); row-parallel:
+        # the rank-sized activation is summed over tp forward, its gradient identical on every device
+        a = (self.a if self.row else identical_inputs(self.a, self.tp)).reshape(x.shape[-1], -1)
+        rng = self.rng if self.rng is None or not self.row else jax.random.fold_in(self.rng, tp_index(self.tp))
+        z = dense(dropout(x, self.rate, rng).astype(a.dtype), a, f32_out=True)  # a split input: a mask per share
+        if self.row:
+            z = identical_grad_inputs(z, self.tp)
+        out = dense(z.astype(self.b.dtype), self.b.reshape(z.shape[-1], -1), f32_out=True) * self.scale
+        return share_of_sum(out, self.tp) if self.row else out
+
+
 DENSE = "dense"  # the name of every weight matmul's output (jax.checkpoint policies)
 
 
@@ -115,6 +146,9 @@ def dense(x: jax.Array, w, f32_out: bool = False) -> jax.Array:
     The result is float32 (``f32_out``, accumulated in float32 as ``einsum_f32``) or in the weight's
     dtype. ``w`` may be an ``Accumulating`` weight, whose gradient goes into its accumulator.
     """
+    if isinstance(w, Adapted):
+        out = dense(x, w.w, f32_out)
+        return (out.astype(F32) + w.delta(x.astype(w.dtype))).astype(out.dtype)
     if isinstance(w, Accumulating):
         out = _dense_acc(x.astype(w.dtype), w.w, w.acc, f32_out)
     else:

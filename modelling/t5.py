@@ -576,6 +576,8 @@ class T5Family(Family):
     name = "t5"
     hf_model_types = ("t5", "mt5")
     causal = False
+    lora_targets = ("q", "v", "cq", "cv")  # PEFT's T5 default ("q", "v") matches the cross-attention's too
+    residual_outputs = ("o", "co", "wo")
     stacks = (ENCODER, DECODER)
     head_stream = HEAD
     batch_keys = ("input_ids", "attention_mask", "positions", "decoder_input_ids", "decoder_attention_mask",
@@ -673,6 +675,9 @@ class T5Family(Family):
 
     def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
         return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis)
+
+    def hf_layer_keys(self, stack: str, i: int, m) -> dict:
+        return _layer_keys(i, stack == "decoder", m)
 
     def hf_generate_kwargs(self) -> dict:
         return {"decoder_start_token_id": 0}

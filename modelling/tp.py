@@ -68,3 +68,26 @@ def identical_grad_inputs(x: jax.Array, tp_axis: Optional[str]) -> jax.Array:
 def tp_index(tp_axis: Optional[str]):
     """Index of this device along tp (0 on one device)."""
     return 0 if tp_axis is None else lax.axis_index(tp_axis)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _share_of_sum(x, axis):
+    return x / lax.axis_size(axis)
+
+
+def _sos_fwd(x, axis):
+    return _share_of_sum(x, axis), None
+
+
+def _sos_bwd(axis, _, g):
+    return (g,)
+
+
+_share_of_sum.defvjp(_sos_fwd, _sos_bwd)
+
+
+def share_of_sum(x: jax.Array, tp_axis: Optional[str]) -> jax.Array:
+    """A value identical on every tp replica, entering a sum over tp that a row-parallel matmul's partial sums go
+    through (``identical_grad_inputs``): each replica adds its 1/tp share forward, and its gradient is the whole
+    gradient backward, as the value's own (identical on every replica)."""
+    return x if tp_axis is None else _share_of_sum(x, tp_axis)

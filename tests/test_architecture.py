@@ -185,7 +185,7 @@ def test_model_options_are_derived_from_the_config():
     from modelling.family import EXECUTION_FIELDS, ModelOptions
 
     names = {f.name for f in dataclasses.fields(ModelOptions)}
-    assert names == {f for f, r in FIELDS.items() if r.path[0] == "model"} | set(EXECUTION_FIELDS)
+    assert names == {f for f, r in FIELDS.items() if r.path[0] in ("model", "lora")} | set(EXECUTION_FIELDS)
     cfg = load_config("finetuning", "tiny", {"layers": 3, "dropout_prob": 0.1})
     opts = ModelOptions.from_config(cfg)
     assert (opts.layers, opts.dropout_prob, opts.relative_attention_num_buckets) == (3, 0.1, 32)

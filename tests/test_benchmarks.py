@@ -75,7 +75,7 @@ def test_hf_baseline_under_torch_compile_trains_like_eager(tmp_path):
     from benchmarks import hf_baseline
 
     argv = ["train", "--config", "tiny", "--global_batch_size", "4", "--micro_batch_size", "2", "--sequence_length",
-            "32", "--iterations", "1", "--warmup_iterations", "2", "--lengths", "mnli"]
+            "32", "--iterations", "1", "--warmup_iterations", "1", "--lengths", "mnli"]
     eager = hf_baseline.main(argv + ["--json", str(tmp_path / "e.json")])
     compiled = hf_baseline.main(argv + ["--compile", "--json", str(tmp_path / "c.json")])
     assert compiled["compiled"] and compiled["optimizer"] == "AdamW (fused)" and not eager["compiled"]

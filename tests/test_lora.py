@@ -1,0 +1,179 @@
+"""LoRA (modelling/lora.py) on the fused executor, against Hugging Face PEFT on HF's model, float32.
+
+- The same base and the same adapter values (B non-zero, so that A's gradient is not zero): our loss and every
+  adapter's gradient equal PEFT's within 1e-5, T5 (self and cross attention, feed-forward) and GPT-J, at tp 1 and 2
+  (each adapter split as its weight: a column-parallel weight's B, a row-parallel weight's A).
+- Our adapters in PEFT's format load into ``peft`` and give its logits; merged into the base they give the same
+  logits as PEFT's merge.
+- Training touches only the adapters: the base is bit-identical after steps, the checkpoint holds the adapters
+  alone (a fraction of the model's bytes), and the tiny preset with LoRA learns the synthetic task.
+- A target no layer has, or a rank larger than a weight, is one line.
+"""
+
+import functools
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+peft = pytest.importorskip("peft", reason="the LoRA parity tests compare with Hugging Face PEFT (requirements-dev)")
+
+from graphs.executor import make_executor  # noqa: E402
+from graphs.graphs import Graphs  # noqa: E402
+from modelling import lora, registry  # noqa: E402
+from modelling.hf_mapping import params_from_hf_state_dict  # noqa: E402
+from tests import test_gptj as G  # noqa: E402
+from tests import test_t5_family as T  # noqa: E402
+
+TOL = 1e-5
+T5_TARGETS = ["q", "v", "co", "wi_0", "wo"]  # column- and row-parallel, self and cross attention, feed-forward
+GPTJ_TARGETS = ["q", "v", "o", "fc_in", "fc_out"]
+LORA = dict(lora_rank=4, lora_alpha=8.0)
+
+
+def rel(a, b):
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(np.asarray(b))), 1e-30))
+
+
+@functools.lru_cache(maxsize=None)
+def t5_model():
+    return T.build("v1.1")[1:]
+
+
+def peft_model(hf, family, adapters, m, opts):
+    """HF's model wrapped by PEFT with our adapter values (PEFT's own names and layouts)."""
+    import copy
+
+    config = lora.peft_config(family, adapters, m, opts, "base")
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=config["r"], lora_alpha=config["lora_alpha"], lora_dropout=0.0, target_modules=config["target_modules"],
+        task_type=config["task_type"]))
+    sd = lora.peft_state_dict(family, adapters, m)
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, value in sd.items():
+            named[key.replace(".weight", ".default.weight")].copy_(torch.tensor(value))
+    return model, sd
+
+
+def random_adapters(graphs, seed=3):
+    """Adapter values with B non-zero (numpy float32, the adapters' tree)."""
+    specs = graphs.specs
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: (0.2 * rng.standard_normal(s.shape)).astype(np.float32), specs,
+                        is_leaf=lambda x: hasattr(x, "axes"))
+
+
+def our_loss_and_grads(cfg, base_host, adapters, batch):
+    ex = make_executor(Graphs(cfg))
+    state = ex.init_state(base_host)
+    state = type(state)(state.step, ex.g.shard_params(adapters), state.opt_state)
+    grouped = ex.g.shard_batch({k: v.reshape(2, 2, -1) for k, v in batch.items()})
+    loss, grads = ex.loss_and_grads(state, grouped, jax.random.key_data(jax.random.key(0)))
+    return float(loss), jax.tree.map(np.asarray, grads), ex
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_t5_loss_and_adapter_gradients_equal_peft(tp):
+    hf, m = t5_model()
+    cfg = T.training_config(m, tensor_parallel=tp, lora_targets=T5_TARGETS, **LORA)
+    family, batch = registry.of_config(cfg), T.batch_of_rows(m.embedding.vocab_size)
+    g = Graphs(cfg)
+    adapters = random_adapters(g)
+    model, _ = peft_model(hf, family, adapters, m, g.opts)
+    out = model(**{k: torch.tensor(v) for k, v in batch.items()})
+    out.loss.backward()
+    theirs = {k.replace(".default.weight", ".weight"): p.grad.numpy() for k, p in model.named_parameters()
+              if p.requires_grad}
+    base = params_from_hf_state_dict(hf.state_dict(), cfg.model, tp)
+    loss, grads, _ = our_loss_and_grads(cfg, base, adapters, batch)
+    assert abs(loss - out.loss.item()) <= TOL * out.loss.item()
+    ours = lora.peft_state_dict(family, grads, m)
+    assert set(ours) == set(theirs) and {k.split(".")[-3] for k in theirs} == {"q", "v", "o", "wi_0", "wo"}
+    for key, r in theirs.items():
+        assert np.any(r != 0) and rel(ours[key], r) < TOL, key
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gptj_loss_and_adapter_gradients_equal_peft(tp, hf_model):
+    hf = hf_model
+    cfg = G.cfg_for(hf, tensor_parallel=tp, lora_targets=GPTJ_TARGETS, **LORA)
+    family, m = registry.of_config(cfg), cfg.model
+    batch = G.padded_batch()
+    g = Graphs(cfg)
+    adapters = random_adapters(g)
+    model, _ = peft_model(hf, family, adapters, m, g.opts)
+    ids = torch.tensor(batch["input_ids"], dtype=torch.long)
+    mask = torch.tensor((batch["attention_mask"] > 0).astype(np.int64))
+    out = model(input_ids=ids, attention_mask=mask, labels=torch.where(mask > 0, ids, torch.full_like(ids, -100)))
+    out.loss.backward()
+    theirs = {k.replace(".default.weight", ".weight"): p.grad.numpy() for k, p in model.named_parameters()
+              if p.requires_grad}
+    base = registry.get("gptj").params_from_hf(hf.state_dict(), m, tp)
+    loss, grads, _ = our_loss_and_grads(cfg, base, adapters, batch)
+    assert abs(loss - out.loss.item()) <= TOL * out.loss.item()
+    ours = lora.peft_state_dict(family, grads, m)
+    assert set(ours) == set(theirs) and len(ours) == 2 * len(GPTJ_TARGETS) * m.layers
+    for key, r in theirs.items():
+        assert np.any(r != 0) and rel(ours[key], r) < TOL, key
+
+
+hf_model = G.hf_model
+
+
+def test_merged_adapters_give_peft_merged_logits():
+    """Our merge (W + alpha/r A B) equals PEFT's merge_and_unload, weight for weight."""
+    hf, m = t5_model()
+    cfg = T.training_config(m, lora_targets=T5_TARGETS, **LORA)
+    family, g = registry.of_config(cfg), Graphs(cfg)
+    adapters = random_adapters(g)
+    model, _ = peft_model(hf, family, adapters, m, g.opts)
+    theirs = {k: v.numpy() for k, v in model.merge_and_unload().state_dict().items()}
+    base = params_from_hf_state_dict(hf.state_dict(), cfg.model, 1)
+    ours = family.hf_state_dict(lora.merged(base, adapters, g.opts), cfg.model)
+    adapted = {module + ".weight" for *_, module in lora._modules(family, adapters, m)}
+    for key, r in theirs.items():
+        if key in ours:
+            assert rel(ours[key], r) < TOL, key
+            assert (key in adapted) == (not np.array_equal(r, hf.state_dict()[key].numpy())), key
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(lora_targets=["qq"]), "--lora_targets qq: no such weight in a t5 layer; the layers' weights are"),
+    (dict(lora_rank=99), "--lora_rank 99 is larger than encoder weight q"),
+])
+def test_bad_lora_settings_are_one_line(flags, message):
+    from utils.errors import ConfigError
+
+    hf, m = t5_model()
+    with pytest.raises(ConfigError) as e:
+        Graphs(T.training_config(m, **{**LORA, **flags}))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_training_changes_only_the_adapters(tmp_path):
+    """Steps of the fused executor: the frozen base is bit-identical after them, the adapters moved; the checkpoint
+    holds the adapters (and their optimizer state) alone."""
+    from utils import checkpoint as ckpt
+
+    hf, m = t5_model()
+    cfg = T.training_config(m, **LORA)
+    ex = make_executor(Graphs(cfg))
+    state = ex.init_state(params_from_hf_state_dict(hf.state_dict(), cfg.model, 1))
+    before = jax.tree.map(np.asarray, ex.frozen)
+    batch = ex.g.shard_batch({k: v.reshape(2, 2, -1) for k, v in T.batch_of_rows(m.embedding.vocab_size).items()})
+    for _ in range(3):
+        state, _ = ex.train_step(state, batch)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(ex.frozen)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    bs = [np.asarray(x) for path, x in jax.tree_util.tree_leaves_with_path(state.params)
+          if jax.tree_util.keystr(path).endswith(lora.B + "']")]
+    assert bs and all(np.any(b != 0) for b in bs)  # B starts at zero: every one moved
+    mgr = ckpt.manager(str(tmp_path / "ck"))
+    ckpt.save(mgr, 3, state.params, state.opt_state, {"step": 3})
+    mgr.wait_until_finished()
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "ck") for f in fs)
+    full = sum(np.asarray(x).nbytes for x in jax.tree.leaves(before))
+    assert size < full / 4, (size, full)

@@ -155,7 +155,8 @@ def carried_fields(load, hf_model) -> tuple:
         return model_shape(saved), travelling(saved), f"checkpoint {directory}"
     if hf_model:
         m = model_config_from_hf(read_hf_config(resolve_hf_dir(hf_model)))
-        return model_shape(Config(model=m)), {}, f"model {hf_model}"
+        shape = model_shape(Config(model=m))  # the model section's (an HF model has no adapters of ours)
+        return {k: v for k, v in shape.items() if FIELDS[k].path[0] == "model"}, {}, f"model {hf_model}"
     return {}, {}, None
 
 

@@ -165,9 +165,11 @@ class FusedExecutor:
     def _sharded_loss_and_grads(self, batch_keys):
         specs = S.storage_specs(self.g.layouts)
         batch_spec = {k: P(None, S.DP, None) for k in batch_keys}
-        frozen = S.storage_specs(self.g.base_layouts) if self.g.lora else None
-        return jax.shard_map(self._local_loss_and_grads, mesh=self.g.mesh,
-                             in_specs=(specs, batch_spec, P(), P(), frozen), out_specs=(P(), specs), check_vma=False)
+        lora_on = self.g.lora
+        frozen = (S.storage_specs(self.g.base_layouts),) if lora_on else ()
+        fn = jax.shard_map(self._local_loss_and_grads, mesh=self.g.mesh,
+                           in_specs=(specs, batch_spec, P(), P(), *frozen), out_specs=(P(), specs), check_vma=False)
+        return lambda p, b, r, s, f=None: fn(p, b, r, s, *((f,) if lora_on else ()))  # f: LoRA's frozen base
 
     def loss_and_grads(self, state: TrainState, batch, rng_data=None, loss_scale=None):
         """(mean token loss, float32 gradients in the stacked RTS layout, unscaled) of one global batch; the state is

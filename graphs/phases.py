@@ -118,16 +118,23 @@ class PhaseBodies:
             p = lora.attach(p, self.family, self.opts, self.tp, rng)
         return self.family.block(stack, p, x, self_ctx, cross_ctx, enc, self.opts, self.tp, rng)
 
-    def block_backward(self, stack: Stack, p: dict, x, self_ctx, cross_ctx, enc, rng, dy) -> tuple:
+    def block_backward(self, stack: Stack, p: dict, x, self_ctx, cross_ctx, enc, rng, dy, extra=None) -> tuple:
         """One layer's backward from its input: recomputes the forward, then its vjp.
 
         -> (gradient of p, dx, gradient of the self context (None when the stack has no context
-        weights), gradient of enc (None for a stack without cross-attention)).
+        weights), gradient of enc (None for a stack without cross-attention)). ``extra``: more weights of the layer,
+        constants of the vjp (LoRA's frozen base: only the adapters are differentiated).
         """
         ctx_free = not stack.context  # a context without weights needs no gradient
+        if lora.enabled(self.opts) and extra is None:  # the frozen weights get no gradient (None: a zero, never formed)
+            frozen = {k: v for k, v in p.items() if not lora.is_adapter(k)}
+            g_a, *rest = self.block_backward(stack, {k: v for k, v in p.items() if lora.is_adapter(k)}, x, self_ctx,
+                                             cross_ctx, enc, rng, dy, frozen)
+            return ({**{k: None for k in frozen}, **g_a}, *rest)
+        extra = extra or {}
 
         def f(p_, x_, c_, e_):
-            return self.block(stack, p_, x_, self_ctx if ctx_free else c_, cross_ctx, e_, rng)
+            return self.block(stack, {**extra, **p_}, x_, self_ctx if ctx_free else c_, cross_ctx, e_, rng)
 
         if stack.cross:
             if ctx_free:

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from graphs import sharding as S
 from modelling.hf_mapping import load_hf_model
@@ -78,9 +79,15 @@ def load_base(graphs, source: dict) -> dict:
 
 
 def fingerprint(frozen: dict) -> str:
-    """A short digest of base weights (each weight's sum and sum of squares, to 5 significant digits): adapters
-    resumed or loaded onto other weights are refused, whatever their layout."""
-    sums = jax.jit(lambda t: [(jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.square(x.astype(jnp.float32))))
-                              for x in jax.tree.leaves(t)])(frozen)
-    text = ";".join(f"{float(a):.5g},{float(b):.5g}" for a, b in sums)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """A short digest of base weights: 256 fixed entries of each weight (a stride through it), rounded to bfloat16,
+    hashed. Exact (no reduction whose order a layout could change) and the same whatever dtype or layout the
+    weights are kept in: adapters resumed or loaded onto other weights are refused."""
+    def sample(x):
+        flat = x.reshape(-1)
+        return flat[:: max(1, flat.size // 256)][:256].astype(jnp.bfloat16).astype(jnp.float32)
+
+    values = jax.jit(lambda t: [sample(x) for x in jax.tree.leaves(t)])(frozen)
+    digest = hashlib.sha256()
+    for v in values:
+        digest.update(np.asarray(v, np.float32).tobytes())
+    return digest.hexdigest()[:16]

@@ -177,3 +177,72 @@ def test_training_changes_only_the_adapters(tmp_path):
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(tmp_path / "ck") for f in fs)
     full = sum(np.asarray(x).nbytes for x in jax.tree.leaves(before))
     assert size < full / 4, (size, full)
+
+
+def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_transformers(tmp_path, capsys):
+    """The drivers with --lora_rank on an HF base (a local directory) at tp 2: the checkpoint holds the adapters
+    alone and names its base; resumed, the run gives the uninterrupted run's adapters; exported in PEFT's format the
+    adapters load into peft on the base and give the logits of the merged export, which transformers loads;
+    validation decodes the merged model; a base that changed since is refused in one line."""
+    import run_export
+    import run_finetuning
+    import run_validation
+    from modelling.hf_mapping import save_hf_model
+    from tests.hf_utils import from_pretrained, make_hf
+    from tests.test_finetuning_cli import params_at
+    from transformers import T5ForConditionalGeneration
+
+    hf, m, params = make_hf("1.1", seed=7)
+    base = str(tmp_path / "base")
+    save_hf_model(jax.tree.map(np.asarray, params), m, base)
+    run = ["--config", "tiny", "--hf_model", base, "--lora_rank", "4", "--lora_targets", "q", "v", "o", "wi_0", "wo",
+           "--sequence_length", "16", "--global_batch_size", "8", "--micro_batch_size", "4", "--data_parallel", "1",
+           "--tensor_parallel", "2", "--warmup_steps", "0", "--learning_rate", "1e-2"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_finetuning.main(run + ["--steps", "4", "--save", a])
+    run_finetuning.main(run + ["--steps", "2", "--save", b])
+    run_finetuning.main(run + ["--steps", "4", "--save", b, "--load", b])
+    (meta, pa), (_, pb) = params_at(a, 4), params_at(b, 4)
+    assert meta["lora_base"]["source"] == {"hf_model": base}
+    assert {k for k in pa["encoder"]["layers"]} == {f"{n}{s}" for n in ("q", "v", "o", "wi_0", "wo")
+                                                    for s in (lora.A, lora.B)}
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+        np.testing.assert_array_equal(x, y)  # exact resume
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(a, "4")) for f in fs)
+    # adapters and their AdamW moments, below the base's own file even at these tiny shapes (rank 4 of width 48)
+    assert size < os.path.getsize(os.path.join(base, "model.safetensors"))
+    merged, adapters = str(tmp_path / "merged"), str(tmp_path / "peft")
+    run_export.main(["--load", a, "--output", merged])
+    run_export.main(["--load", a, "--output", adapters, "--peft"])
+    batch = {k: torch.tensor(v) for k, v in T.batch_of_rows(m.embedding.vocab_size).items()}
+    with torch.no_grad():
+        ours = from_pretrained(T5ForConditionalGeneration, merged)(**batch).logits.numpy()
+        theirs = peft.PeftModel.from_pretrained(from_pretrained(T5ForConditionalGeneration, base), adapters)
+        theirs = theirs(**batch).logits.numpy()
+        plain = hf(**batch).logits.numpy()
+    assert rel(ours, theirs) < TOL and rel(ours, plain) > 1e-3  # the adapters moved the model, and equally
+    run_validation.main(["--load", a, "--limit", "6", "--micro_batch_size", "2"])
+    assert "step 4: accuracy" in capsys.readouterr().out
+    other = make_hf("1.1", seed=8)[2]  # the base directory now holds other weights
+    os.remove(os.path.join(base, "model.safetensors"))
+    save_hf_model(jax.tree.map(np.asarray, other), m, base + "2")
+    os.replace(os.path.join(base + "2", "model.safetensors"), os.path.join(base, "model.safetensors"))
+    from tests.test_robustness import _fails
+
+    _fails(capsys, run_validation.main, ["--load", a, "--limit", "6"], "holds adapters trained on other weights")
+
+
+def test_the_tiny_preset_with_lora_learns_the_synthetic_task(tmp_path):
+    """The tiny preset (2 x 2 devices) on its random base, every layer weight adapted at rank 16: 300 steps take the
+    synthetic NLI task well above chance (a third); measured 57.2% on these 500 samples."""
+    import json
+
+    import run_finetuning
+    import run_validation
+
+    save = str(tmp_path / "ck")
+    run_finetuning.main(["--config", "tiny", "--steps", "300", "--lora_rank", "16", "--lora_targets", "q", "k", "v",
+                         "o", "cq", "ck", "cv", "co", "wi_0", "wi_1", "wo", "--learning_rate", "1e-2", "--save", save])
+    run_validation.main(["--load", save, "--limit", "500"])
+    report = json.load(open(os.path.join(save, "validation_step300_first500.json")))
+    assert report["accuracy"] > 0.45, report["accuracy"]

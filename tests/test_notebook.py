@@ -28,6 +28,7 @@ def test_the_notebook_runs_top_to_bottom():
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
     accuracy = float(re.search(r"accuracy ([0-9.]+)% on 1000 samples", text).group(1))
+    print(f"notebook accuracy {accuracy}%")
     assert accuracy >= 80, text[-2000:]  # 300 steps of the tiny preset learn the synthetic task
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) >= 2  # the loss curve and the confusion matrix, inline

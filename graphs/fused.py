@@ -19,11 +19,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from graphs import sharding as S
 from graphs.memory import live_device_bytes, program_bytes
-from graphs.plan import MemoryPlan, shard_bytes
-from modelling.params import init_params
 from graphs.phases import PhaseBodies, accumulate, micro_key
+from graphs.plan import MemoryPlan, shard_bytes
 from graphs.state import TrainState, restore_base, restore_train_state, step_key
 from modelling import lora
+from modelling.params import init_params
 
 
 class FusedExecutor:
@@ -65,17 +65,19 @@ class FusedExecutor:
             params = g.init_params()
         elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
             params = g.shard_params(params)
-        opt_state = jax.jit(lambda p: g.updater.init_state(p, g.tree),
-                            out_shardings=g.opt_state_shardings(params))(params)
-        return TrainState(jax.device_put(jnp.zeros((), jnp.int32), g.replicated), params, opt_state)
+        return TrainState(jax.device_put(jnp.zeros((), jnp.int32), g.replicated), params, self._fresh_opt(params))
+
+    def _fresh_opt(self, params):
+        g = self.g
+        return jax.jit(lambda p: g.updater.init_state(p, g.tree), out_shardings=g.opt_state_shardings(params))(params)
 
     def restore(self, directory: str, step: int, optim_state: bool = True):
-        """(state, meta) of a checkpoint, restored into this executor's layout."""
+        """(state, meta) of a checkpoint, restored into this executor's layout (LoRA: its adapters; the base is
+        ``set_base``'s)."""
         state, meta = restore_train_state(self.g, directory, step, optim_state)
         if state.opt_state is None:  # saved without optimizer state: start it afresh
-            fresh = self.init_state(state.params)
             return TrainState(jax.device_put(jnp.asarray(meta["step"], jnp.int32), self.g.replicated),
-                              fresh.params, fresh.opt_state), meta
+                              state.params, self._fresh_opt(state.params)), meta
         return state, meta
 
     def warm_start(self, directory: str, step: int) -> TrainState:

@@ -254,19 +254,20 @@ def lora_state(cfg, executor, loader, point, warm=None, scaler=None):
     """initial_state of a LoRA run: the frozen base (the checkpoint's weights of --init_from, --hf_model's or the
     seed's random init), then new adapters, or a checkpoint's adapters when resuming, refused (one line) when they
     were trained on another base."""
-    from graphs.state import describe_base, fingerprint, load_base
+    from graphs.host_state import HOST
+    from graphs.state import describe_base, load_base
 
     if point:
         meta = ckpt_meta(*point)
         source = meta.get("lora_base", {}).get("source") or base_source(cfg, warm)
     else:
         source = base_source(cfg, warm)
-    executor.frozen = load_base(executor.g, source)
-    executor.base = {"source": source, "fingerprint": fingerprint(executor.frozen)}
+    executor.set_base(load_base(executor.g, source, HOST if executor.name == "phased" else None))
+    executor.base = {"source": source, "fingerprint": executor.base_fingerprint()}
     logger.info("LoRA: rank %d adapters on %s (frozen, %s)", cfg.lora.rank, describe_base(source),
                 cfg.model.precision)
     if not point:
-        return executor.init_state(executor.frozen), 0
+        return executor.init_state(), 0  # new adapters on the base just set
     saved = meta.get("lora_base", {}).get("fingerprint")
     if saved != executor.base["fingerprint"]:
         raise FlanT5Error(f"{point[0]} step {point[1]} holds adapters trained on other base weights than "

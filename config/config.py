@@ -555,9 +555,6 @@ def _check_training(cfg: Config) -> None:
     if tr.stochastic_rounding and m.precision == "float32":
         raise ConfigError("stochastic_rounding=true rounds float32 updates to 16-bit master weights, but precision "
                           "is float32: pass --precision bfloat16 (or float16), or --stochastic_rounding false")
-    if cfg.lora.rank and ex.phased:
-        raise ConfigError("lora_rank with phased=true: the phased executor does not stream LoRA's frozen base yet; "
-                          "pass --phased false (the fused executor trains the adapters), or --lora_rank 0")
     if ex.update_in_backward and cfg.dynamic_loss_scaling:
         raise ConfigError("update_in_backward=true updates each layer before the step's overflow is known, so "
                           "dynamic loss scaling could not skip a step whole: pass --precision bfloat16, or "

@@ -21,7 +21,7 @@ from graphs import sharding as S
 from graphs.memory import live_device_bytes, program_bytes
 from graphs.phases import PhaseBodies, accumulate, micro_key
 from graphs.plan import MemoryPlan, shard_bytes
-from graphs.state import TrainState, restore_base, restore_train_state, step_key
+from graphs.state import TrainState, fingerprint, restore_base, restore_train_state, step_key
 from modelling import lora
 from modelling.params import init_params
 
@@ -40,8 +40,8 @@ class FusedExecutor:
         self.base = None  # LoRA: where the base comes from and its fingerprint (graphs/state.py), as checkpoints say
 
     def set_base(self, params=None) -> None:
-        """LoRA: the frozen base weights: None (the family's random init), host (numpy) weights, or float32 device
-        weights in the full model's layout."""
+        """LoRA: the frozen base weights: None (the family's random init), host (numpy) weights, or arrays in the
+        full model's layout (cast to the frozen dtypes and placed on the devices)."""
         g = self.g
         if params is not None and params is self.frozen:
             return
@@ -52,14 +52,20 @@ class FusedExecutor:
         else:
             self.frozen = jax.jit(g.frozen, out_shardings=g.base_shardings)(params)
 
+    def base_fingerprint(self) -> str:
+        """LoRA: graphs/state.py's ``fingerprint`` of the frozen base."""
+        return fingerprint(self.frozen)
+
     # ------------------------------------------------------------------ state
 
     def init_state(self, params=None) -> TrainState:
         """Weights (None: the random init; numpy on the host; or arrays in their layout) with a fresh
-        optimizer state."""
+        optimizer state. LoRA: params are the base's (None: the base already set, or the random init), and the
+        trained weights new adapters."""
         g = self.g
-        if g.lora:  # the weights given are the base's; the trained ones are new adapters
-            self.set_base(params)
+        if g.lora:
+            if params is not None or self.frozen is None:
+                self.set_base(params)
             params = None
         if params is None:
             params = g.init_params()

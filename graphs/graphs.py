@@ -24,7 +24,7 @@ from graphs.state import TrainState  # noqa: F401  (the state's home is graphs/s
 from graphs.tree import TreeStructure
 from modelling import decoding, lora, registry
 from modelling.family import ModelOptions, cast_params, leaf_name
-from modelling.params import init_params, zero_padded_vocab
+from modelling.params import ParamSpec, init_leaf, init_params, is_spec, zero_padded_vocab
 
 
 @dataclass(frozen=True)
@@ -108,34 +108,78 @@ class Graphs:
         host = self.to_master(jax.tree.map(lambda x: np.asarray(x, np.float32), host_params))
         return jax.tree.map(lambda x, s: S.put_global(np.asarray(x), s), host, shardings)
 
-    def init_base(self, seed: int | None = None) -> dict:
-        """LoRA: random base weights (the family's init, as ``init_params`` draws them without adapters), in the
-        compute dtype and their RTS layout."""
+    def init_base(self, seed: int | None = None, memory_kind: str | None = None) -> dict:
+        """LoRA: random base weights (the family's init, as ``init_params`` draws them without adapters), frozen
+        (``frozen``) in their RTS layout; created one weight at a time into host memory with ``memory_kind``
+        (the phased executor's: the whole base never passes through a device)."""
+        if memory_kind is not None:
+            return self.init_weights(self.base_specs, S.with_memory_kind(self.base_shardings, memory_kind),
+                                     self.frozen_dtype, seed)
         key = jax.random.key(self.steps.seed if seed is None else seed)
         fn = jax.jit(lambda k: self.frozen(zero_padded_vocab(init_params(self.base_specs, k), self.vocab_size)),
                      out_shardings=self.base_shardings)
         return fn(key)
 
+    def init_weights(self, specs: dict, shardings: dict, dtype_of, seed: int | None = None) -> dict:
+        """``init_params``' values for a spec tree, created one weight at a time (one compilation per distinct
+        weight shape) straight into ``shardings`` (host memory, for the phased executor), each in
+        ``dtype_of(name)``."""
+        key = jax.random.key(self.steps.seed if seed is None else seed)
+        flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]
+        keys = jax.random.split(key, len(flat))
+        programs, out = {}, []
+        for (path, spec), k, sh in zip(flat, keys, jax.tree_util.tree_leaves(shardings)):
+            top = path[0].key  # shared / lm_head(_bias) get their padded vocabulary zeroed, as in init_params
+            padded = top in ("shared", "lm_head", "lm_head_bias")
+            dt = dtype_of(leaf_name(path))
+            sig = (spec.shape, spec.is_norm, top if padded else None, sh, np.dtype(dt))
+            if sig not in programs:
+
+                def make(k, std, spec=spec, top=top, padded=padded, dt=dt):
+                    x = init_leaf(ParamSpec(spec.shape, spec.axes, None if spec.is_norm else 1.0, spec.dtype), k)
+                    x = x if spec.is_norm else std * x
+                    x = zero_padded_vocab({top: x}, self.vocab_size)[top] if padded else x
+                    return x.astype(dt)
+
+                programs[sig] = jax.jit(make, out_shardings=sh)
+            out.append(programs[sig](k, jnp.float32(1.0 if spec.std is None else spec.std)))
+        return jax.tree_util.tree_unflatten(jax.tree.structure(specs, is_leaf=is_spec), out)
+
+    def frozen_dtype(self, name: str):
+        """LoRA: the dtype a frozen base weight is kept in (the compute dtype; the family's float32 weights aside)."""
+        return np.float32 if self.family.keeps_f32(name) else self.opts.compute_dtype
+
+    def master_dtype_of(self, name: str):
+        """The dtype a trained weight is kept in (``to_master``)."""
+        return np.float32 if self.family.keeps_f32(name) else self.master_dtype
+
     def frozen(self, params: dict) -> dict:
         """LoRA: base weights as they are kept, frozen: in the compute dtype (the family's float32 weights aside)."""
         return cast_params(params, self.opts.compute_dtype, self.family.keeps_f32)
 
-    def shard_base(self, host_params: dict) -> dict:
-        """LoRA: host (numpy) base weights placed frozen (``frozen``) in their RTS layout."""
-        dt = self.opts.compute_dtype
-        keep = self.family.keeps_f32
+    def abstract_base(self, memory_kind: str | None = None) -> dict:
+        """LoRA: ShapeDtypeStructs of the frozen base weights in their layout (in ``memory_kind``)."""
+        shardings = self.base_shardings if memory_kind is None else S.with_memory_kind(self.base_shardings,
+                                                                                       memory_kind)
+        tree = jax.eval_shape(lambda k: self.frozen(init_params(self.base_specs, k)), jax.random.key(0))
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+    def shard_base(self, host_params: dict, memory_kind: str | None = None) -> dict:
+        """LoRA: host (numpy) base weights placed frozen (``frozen``) in their RTS layout (in ``memory_kind``)."""
+        shardings = self.base_shardings if memory_kind is None else S.with_memory_kind(self.base_shardings,
+                                                                                       memory_kind)
         host = jax.tree_util.tree_map_with_path(
-            lambda path, x: np.asarray(x, np.float32 if keep(leaf_name(path)) else dt), host_params)
-        return jax.tree.map(lambda x, s: S.put_global(x, s), host, self.base_shardings)
+            lambda path, x: np.asarray(x, self.frozen_dtype(leaf_name(path))), host_params)
+        return jax.tree.map(lambda x, s: S.put_global(x, s), host, shardings)
 
     def abstract_params(self) -> dict:
         """ShapeDtypeStructs of the weights (no allocation)."""
         return jax.eval_shape(self.init_params)
 
     def depths(self) -> dict:
-        """{stack name: number of layers} (an encoder and a decoder may differ)."""
-        params = self.abstract_params()
-        return {s: jax.tree.leaves(params[s]["layers"])[0].shape[0] for s in self.tree.stacks}
+        """{stack name: number of layers} of every stack of the model (an encoder and a decoder may differ)."""
+        specs = self.base_specs if self.lora else self.specs
+        return {s: jax.tree.leaves(specs[s]["layers"], is_leaf=is_spec)[0].shape[0] for s in self.model_tree.stacks}
 
     def opt_state_shardings(self, params, param_shardings=None) -> dict:
         """Shardings of the optimizer state ({group: state}): a leaf shaped like a weight follows that

@@ -22,7 +22,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from graphs import sharding as S
+from graphs.host_state import row_sharding
 from graphs.phases import PhaseBodies, accumulate, micro_key, stream_key
+from modelling import lora
 from modelling.family import Stack
 
 F32 = jnp.float32
@@ -35,12 +37,20 @@ class PhasePrograms:
     def __init__(self, graphs):
         g = self.g = graphs
         self.opts = g.opts
-        self.bodies = PhaseBodies(g.opts, S.TP, g.family, g.tree)
-        self.rest_layouts = g.tree.split_rest(g.layouts)
-        self.row_layouts = {s: jax.tree.map(lambda l: l.row(), g.layouts[s]["layers"], is_leaf=S.is_layout)
-                            for s in g.tree.stacks}
+        self.bodies = PhaseBodies(g.opts, S.TP, g.family, g.model_tree)
+        # LoRA (modelling/lora.py): the weights the programs read are the frozen base's, each layer's with its
+        # adapters beside them; gradients are the adapters' alone (``grad_layouts``)
+        self.lora = g.lora
+        model = g.base_layouts if g.lora else g.layouts
+        row = lambda layers: jax.tree.map(lambda l: l.row(), layers, is_leaf=S.is_layout)  # noqa: E731
+        self.rest_layouts = g.model_tree.split_rest(model)
+        self.grad_layouts = {s: row(g.layouts[s]["layers"]) if s in g.tree.stacks else {}
+                             for s in g.model_tree.stacks}
+        self.row_layouts = {s: {**row(model[s]["layers"]), **self.grad_layouts[s]} if g.lora else self.grad_layouts[s]
+                            for s in g.model_tree.stacks}
         self.rest_specs = S.storage_specs(self.rest_layouts)
         self.row_specs = {s: S.storage_specs(lay) for s, lay in self.row_layouts.items()}
+        self.grad_specs = {s: S.storage_specs(lay) for s, lay in self.grad_layouts.items()}
         # RTS on activations: rows stored split over tp along d, gathered after loading
         self.act_tp = g.tp > 1 and g.opts.hidden_size % g.tp == 0
         self.act_spec = P(None, S.DP, None, S.TP if self.act_tp else None)
@@ -62,7 +72,7 @@ class PhasePrograms:
 
     def _base_key(self, rng_data):
         """Dropout key of this dp replica (the fused step's), or None without dropout."""
-        if self.opts.dropout_prob <= 0:
+        if self.opts.dropout_prob <= 0 and not (self.lora and self.opts.lora_dropout > 0):
             return None
         return jax.random.fold_in(jax.random.wrap_key_data(rng_data), lax.axis_index(S.DP))
 
@@ -72,6 +82,12 @@ class PhasePrograms:
 
     def _cast(self, tree):
         return self.bodies.cast(tree)
+
+    def _layer_weights(self, lp, row_lay):
+        """One layer's weights as its body reads them: gathered (RTS) and cast to the compute dtype; LoRA's
+        frozen base is kept in it already and its adapters compute in float32, as in the fused executor."""
+        p = S.gather_all(lp, row_lay)
+        return p if self.lora else self._cast(p)
 
     def _ctx(self, tree, stack: Stack) -> dict:
         """The stack's context weights (``{}`` for none) of a rest-shaped tree (layouts, specs)."""
@@ -140,7 +156,7 @@ class PhasePrograms:
 
         def fn(lp, ctx_w, x, *rest):
             enc, meta, rng_data, j = rest if stack.cross else (None, *rest)
-            p, ctx_w = self._cast(S.gather_all(lp, row_lay)), S.gather_all(ctx_w, ctx_lay)
+            p, ctx_w = self._layer_weights(lp, row_lay), S.gather_all(ctx_w, ctx_lay)
             x, base = self._gather_act(x), self._base_key(rng_data)
             enc = None if enc is None else self._gather_act(enc)
 
@@ -163,15 +179,18 @@ class PhasePrograms:
         cross-attention: (layer, ctx, x, enc, meta, dy, d_enc, rng, j) -> (..., dx, d_enc + this layer's part)
         where d_enc, the gradient of the previous stack's output, is summed over the layers on the device.
         """
-        cross = stack.cross
+        cross, frozen = stack.cross, self.lora
         row_lay, ctx_lay = self.row_layouts[stack.name], self._ctx(self.rest_layouts, stack)
+        grad_lay = self.grad_layouts[stack.name]
+        # LoRA: only the adapters are differentiated (block_backward), the frozen context weights get no gradient
+        ctx_grad_lay = {} if frozen else ctx_lay
 
         def fn(lp, ctx_w, x, *rest):
             if cross:
                 enc, meta, dy, d_enc, rng_data, j = rest
             else:
                 (meta, dy, rng_data, j), enc, d_enc = rest, None, None
-            p, ctx_w = self._cast(S.gather_all(lp, row_lay)), S.gather_all(ctx_w, ctx_lay)
+            p, ctx_w = self._layer_weights(lp, row_lay), S.gather_all(ctx_w, ctx_lay)
             x, dy, base = self._gather_act(x), self._gather_act(dy), self._base_key(rng_data)
             enc = None if enc is None else self._gather_act(enc)
 
@@ -180,9 +199,17 @@ class PhasePrograms:
                 length = x_i.shape[1]
                 # (self context, its vjp to the context weights, cross context): the cross context does not
                 # depend on the context weights
-                sc, ctx_vjp, cc = jax.vjp(lambda w_: self.bodies.context(stack, w_, m_i, length), ctx_w, has_aux=True)
+                if frozen:
+                    (sc, cc), ctx_vjp = self.bodies.context(stack, ctx_w, m_i, length), None
+                else:
+                    sc, ctx_vjp, cc = jax.vjp(lambda w_: self.bodies.context(stack, w_, m_i, length), ctx_w,
+                                              has_aux=True)
                 r = stream_key(micro_key(base, i), stack.layers_stream, j)
                 acc_p, acc_ctx = acc
+                if frozen:  # the adapters' gradients (the frozen weights' are None: never formed)
+                    g_p, dx, _, g_e = self.bodies.block_backward(stack, p, x_i, sc, cc, e_i, r, dy_i)
+                    acc = ({k: a + g_p[k].astype(F32) for k, a in acc_p.items()}, acc_ctx)
+                    return acc, (self._slice_act(dx), self._slice_act(g_e) if cross else jnp.zeros(()))
                 # the matmul weights' gradients are added to acc_p inside their weight-gradient GEMMs
                 g_p, dx, g_sc, g_e = self.bodies.block_backward(stack, self.bodies.with_accumulators(p, acc_p), x_i,
                                                                 sc, cc, e_i, r, dy_i)
@@ -192,11 +219,12 @@ class PhasePrograms:
                 return acc, (self._slice_act(dx), self._slice_act(g_e) if cross else jnp.zeros(()))
 
             n = x.shape[0]
-            zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, F32), (p, ctx_w))
+            trained = {k: p[k] for k in grad_lay} if frozen else p
+            zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, F32), (trained, {} if frozen else ctx_w))
             (g_p, g_ctx), (dx, de) = lax.scan(
                 body, zeros, (x, enc if cross else jnp.zeros((n,)), meta, dy, jnp.arange(n)))
-            g_p, g_ctx = self._reduce(g_p, row_lay), self._reduce(g_ctx, ctx_lay)
-            sumsq = S.sum_of_squares(g_p, row_lay)
+            g_p, g_ctx = self._reduce(g_p, grad_lay), self._reduce(g_ctx, ctx_grad_lay)
+            sumsq = S.sum_of_squares(g_p, grad_lay) if g_p else jnp.zeros((), F32)
             g_p = jax.tree.map(lambda g: g.astype(self.grad_dtype), g_p)
             if self.grad_dtype == jnp.float16:  # a scaled gradient past 65504 is inf once stored: an overflow
                 sumsq = sumsq + jnp.where(lax.psum(sum(jnp.sum(~jnp.isfinite(g)) for g in jax.tree.leaves(g_p)),
@@ -206,7 +234,7 @@ class PhasePrograms:
             return g_p, sumsq, g_ctx, dx
 
         ins = self._layer_inputs(stack, meta_keys) + [self.act_spec]
-        outs = [self.row_specs[stack.name], P(), self._ctx(self.rest_specs, stack), self.act_spec]
+        outs = [self.grad_specs[stack.name], P(), {} if self.lora else self._ctx(self.rest_specs, stack), self.act_spec]
         donate = ()
         if cross:
             ins.append(self.act_spec)
@@ -256,9 +284,11 @@ class PhasePrograms:
         """Final norm + LM head + loss and its backward, in one phase as in the original:
         (head weights, x row, labels, rng, loss scale) -> (mean loss, head gradients, dx row), the gradients
         multiplied by the loss scale."""
-        lay = self.g.tree.head_subtree(self.rest_layouts)
-        specs = self.g.tree.head_subtree(self.rest_specs)
+        lay = self.g.model_tree.head_subtree(self.rest_layouts)
+        specs = self.g.model_tree.head_subtree(self.rest_specs)
         stream = self.g.family.head_stream
+
+        frozen = self.lora  # LoRA: the head's weights are frozen: the gradient of its input alone
 
         def fn(hp, x, labels, rng_data, scale):
             hp, x, base = self._cast(S.gather_all(hp, lay)), self._gather_act(x), self._base_key(rng_data)
@@ -267,16 +297,21 @@ class PhasePrograms:
             def body(acc, inp):
                 x_i, lab_i, i = inp
                 r = stream_key(micro_key(base, i), stream)
+                if frozen:
+                    loss, dx = jax.value_and_grad(
+                        lambda x_: self.bodies.head_loss(hp, x_, lab_i, r) * (scale / count))(x_i)
+                    return (acc[0], acc[1] + loss), self._slice_act(dx)
                 loss, (g_hp, dx) = jax.value_and_grad(
                     lambda hp_, x_: self.bodies.head_loss(hp_, x_, lab_i, r) * (scale / count), argnums=(0, 1))(hp, x_i)
                 acc_g, acc_l = acc
                 return (jax.tree.map(lambda a, b: a + b.astype(F32), acc_g, g_hp), acc_l + loss), self._slice_act(dx)
 
-            zeros = (jax.tree.map(lambda w: jnp.zeros(w.shape, F32), hp), jnp.zeros((), F32))
+            zeros = ({} if frozen else jax.tree.map(lambda w: jnp.zeros(w.shape, F32), hp), jnp.zeros((), F32))
             (g, loss), dx = lax.scan(body, zeros, (x, labels, jnp.arange(x.shape[0])))
-            return lax.psum(loss, S.DP) / scale, self._reduce(g, lay), dx
+            return lax.psum(loss, S.DP) / scale, self._reduce(g, {} if frozen else lay), dx
 
-        return self._program(("head",), fn, (specs, self.act_spec, MICRO, P(), P()), (P(), specs, self.act_spec))
+        return self._program(("head",), fn, (specs, self.act_spec, MICRO, P(), P()),
+                             (P(), {} if frozen else specs, self.act_spec))
 
     # ------------------------------------------------------------------ optimizer
 
@@ -296,6 +331,23 @@ class PhasePrograms:
                                       clip_norm=clip_norm, skip_non_finite=False)
 
             self._cache[key] = jax.jit(update, donate_argnums=(0, 1))
+        return self._cache[key]
+
+    def merged_row(self, stack: str):
+        """LoRA: (one layer's frozen weights beside its adapters, on the devices) -> its weights with the adapters
+        folded in (``lora.merged``), in the base's layout: for decoding, one layer at a time."""
+        key = ("merged_row", stack)
+        if key not in self._cache:
+            opts = self.g.opts
+            out = jax.tree.map(lambda sh: row_sharding(sh, "device"), self.g.base_shardings[stack]["layers"])
+
+            def merge(lp):
+                one = lambda adapters: {stack: {"layers": {k: v[None] for k, v in lp.items()  # noqa: E731
+                                                           if lora.is_adapter(k) == adapters}}}
+                merged = lora.merged(one(False), one(True), opts)[stack]["layers"]
+                return {k: v[0] for k, v in merged.items()}
+
+            self._cache[key] = jax.jit(merge, out_shardings=out)
         return self._cache[key]
 
     @staticmethod

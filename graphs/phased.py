@@ -56,9 +56,9 @@ from graphs.memory import live_device_bytes, program_bytes
 from graphs.phase_programs import PhasePrograms
 from graphs.phases import context_weights, stack_meta
 from graphs.plan import MemoryPlan, PlanOps
-from graphs.state import TrainState, restore_train_state, step_key
+from graphs.state import TrainState, fingerprint_rows, restore_base, restore_train_state, step_key
 from graphs.tree import flat_paths, from_flat
-from modelling.params import ParamSpec, init_leaf, is_spec, zero_padded_vocab
+from modelling import lora
 
 F32 = jnp.float32
 
@@ -96,16 +96,25 @@ class PhasedExecutor:
         g = self.g = graphs
         self.programs = PhasePrograms(g)
         self.mesh, self.depth = g.mesh, g.depths()  # {stack: layers}
-        self.tree, self.stacks = g.tree, g.family.stacks
-        # device shardings of what the schedule loads: the non-layer weights, one layer, and their optimizer states
+        self.tree, self.stacks = g.tree, g.family.stacks  # tree: the trained weights' (LoRA: the adapters')
+        self.lora = g.lora
+        rows = lambda tree: jax.tree.map(lambda sh: row_sharding(sh, "device"), tree)  # noqa: E731
+        # device shardings of what the schedule loads: the trained non-layer weights, one layer, their optimizer
+        # states, and (LoRA) the frozen base's non-layer weights and layers, which the forward reads
         self.rest_dev = self.tree.split_rest(g.param_shardings)
-        self.row_dev = {s.name: jax.tree.map(lambda sh: row_sharding(sh, "device"), g.param_shardings[s.name]["layers"])
-                        for s in self.stacks}
+        self.row_dev = {s: rows(g.param_shardings[s]["layers"]) for s in self.tree.stacks}
+        if self.lora:
+            self.read_rest_dev = g.model_tree.split_rest(g.base_shardings)
+            self.base_row_dev = {s.name: rows(g.base_shardings[s.name]["layers"]) for s in self.stacks}
+        else:
+            self.read_rest_dev = self.rest_dev
+        # LoRA: the frozen base in host memory ({non-layer weights}, {stack: [one tree per layer]}): set_base; it is
+        # read by every forward and backward and never written; ``base``: its source and fingerprint
+        self.frozen_rest = self.frozen_layers = self.base = None
         opt_dev = g.opt_state_shardings(g.abstract_params())
         self.opt_stacked = opt_dev  # {group: shardings}, layer groups stacked (checkpoint layout)
         self.opt_dev = {k: v for k, v in opt_dev.items() if not self.tree.is_layer_group(k)}
-        self.opt_row_dev = {s.name: jax.tree.map(lambda sh: row_sharding(sh, "device"), opt_dev[s.name])
-                            for s in self.stacks}
+        self.opt_row_dev = {s: rows(opt_dev[s]) for s in self.tree.stacks}
         self.act_dev = NamedSharding(self.mesh, self.programs.act_spec)
         self.ops = ops if ops is not None else DeviceOps(serial_collectives(self.mesh))
 
@@ -118,41 +127,52 @@ class PhasedExecutor:
     # ------------------------------------------------------------------ state
 
     def init_params(self, seed: int | None = None) -> dict:
-        """The fused executor's random weights (same values), created one weight at a time into host memory."""
+        """The fused executor's random weights (same values; LoRA: the adapters'), created one weight at a time
+        into host memory."""
         g = self.g
-        key = jax.random.key(g.steps.seed if seed is None else seed)
-        flat = jax.tree_util.tree_flatten_with_path(g.specs, is_leaf=is_spec)[0]
-        keys = jax.random.split(key, len(flat))
-        host = jax.tree_util.tree_leaves(S.with_memory_kind(g.param_shardings, HOST))
-        programs, out = {}, []
-        for (path, spec), k, sh in zip(flat, keys, host):
-            top = path[0].key  # shared / lm_head(_bias) get their padded vocabulary zeroed, as in Graphs.init_params
-            padded = top in ("shared", "lm_head", "lm_head_bias")
-            sig = (spec.shape, spec.is_norm, top if padded else None, sh)
-            if sig not in programs:  # one compilation per distinct weight shape, not per weight
+        return g.init_weights(g.specs, S.with_memory_kind(g.param_shardings, HOST), g.master_dtype_of, seed)
 
-                def make(k, std, spec=spec, top=top, padded=padded):
-                    x = init_leaf(ParamSpec(spec.shape, spec.axes, None if spec.is_norm else 1.0, spec.dtype), k)
-                    x = x if spec.is_norm else std * x
-                    return zero_padded_vocab({top: x}, g.vocab_size)[top] if padded else x
+    def set_base(self, params=None) -> None:
+        """LoRA: the frozen base weights, into host memory: None (the family's random init, one weight at a time),
+        host (numpy) weights, or arrays in the full model's stacked layout (any memory; cast to the frozen dtypes
+        when they are not in them)."""
+        g = self.g
+        if params is None:
+            params = g.init_base(memory_kind=HOST)
+        elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
+            params = g.shard_base(params, HOST)
+        elif any(x.dtype != a.dtype for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(g.abstract_base()))):
+            params = jax.jit(g.frozen, out_shardings=g.base_shardings)(params)
+        self.frozen_rest = to_host(g.model_tree.split_rest(params), self.read_rest_dev)
+        self.frozen_layers = {s.name: to_rows(params[s.name]["layers"], g.base_shardings[s.name]["layers"])
+                              for s in self.stacks}
 
-                programs[sig] = jax.jit(make, out_shardings=sh)
-            out.append(programs[sig](k, jnp.float32(spec.std or 1.0)))
-        return g.to_master(jax.tree_util.tree_unflatten(jax.tree.structure(g.specs, is_leaf=is_spec), out))
+    def base_fingerprint(self) -> str:
+        """LoRA: graphs/state.py's ``fingerprint`` of the frozen base, read row by row from host memory."""
+        rows = {s: jax.tree.map(lambda *r: _Rows(r), *self.frozen_layers[s]) for s in self.frozen_layers}
+        tree = self.g.model_tree.with_layers(jax.tree.map(lambda x: _Rows([x]), self.frozen_rest), rows)
+        return fingerprint_rows([r.rows for r in jax.tree.leaves(tree)])
 
     def _weights(self, params) -> tuple:
         """Stacked weights (any memory) -> (rest in host memory, {stack: [rows in host memory]})."""
         g = self.g
         rest = to_host(self.tree.split_rest(params), self.rest_dev)
-        layers = {s.name: to_rows(params[s.name]["layers"], g.param_shardings[s.name]["layers"]) for s in self.stacks}
+        layers = {s: to_rows(params[s]["layers"], g.param_shardings[s]["layers"]) for s in self.tree.stacks}
         return rest, layers
 
     def init_state(self, params=None) -> PhasedState:
         """Host-resident state with a fresh optimizer state. params: stacked weights (numpy on the host, or
-        arrays in any memory), or None for the random init."""
-        if params is None:
-            params = self.init_params()
-        elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
+        arrays in any memory), or None for the random init. LoRA: params are the base's (None: the base already
+        set, or the random init), and the trained weights new adapters."""
+        if self.lora:
+            if params is not None or self.frozen_layers is None:
+                self.set_base(params)
+            params = None
+        return self._fresh_state(self.init_params() if params is None else params)
+
+    def _fresh_state(self, params) -> PhasedState:
+        """The state of trained weights (stacked: numpy, or arrays in any memory) with a fresh optimizer state."""
+        if not isinstance(jax.tree.leaves(params)[0], jax.Array):
             params = self.g.shard_params(params, HOST)
         rest, layers = self._weights(params)
         updater = self.g.updater
@@ -170,35 +190,51 @@ class PhasedExecutor:
         """A stacked TrainState (a checkpoint's layout, any memory) -> the host-resident per-layer state."""
         rest, layers = self._weights(state.params)
         opt_rest = {k: to_host(state.opt_state[k], self.opt_dev[k]) for k in self.opt_dev}
-        opt_layers = {s.name: to_rows(state.opt_state[s.name], self.opt_stacked[s.name]) for s in self.stacks}
+        opt_layers = {s: to_rows(state.opt_state[s], self.opt_stacked[s]) for s in self.tree.stacks}
         return PhasedState(int(state.step), rest, layers, opt_rest, opt_layers)
 
     def restore(self, directory: str, step: int, optim_state: bool = True):
-        """(state, meta) of a checkpoint, restored straight into host memory."""
+        """(state, meta) of a checkpoint, restored straight into host memory (LoRA: its adapters; the base is
+        ``set_base``'s)."""
         state, meta = restore_train_state(self.g, directory, step, optim_state, HOST)
         if state.opt_state is None:  # saved without optimizer state: start it afresh
-            ps = self.init_state(state.params)
+            ps = self._fresh_state(state.params)
             ps.step = int(state.step)
             return ps, meta
         return self.from_train_state(state), meta
 
     def warm_start(self, directory: str, step: int) -> PhasedState:
-        """A new run's host-resident state from a checkpoint's weights: step 0 and a fresh optimizer state."""
+        """A new run's host-resident state from a checkpoint's weights: step 0 and a fresh optimizer state (LoRA: new
+        adapters on the checkpoint's weights, frozen)."""
+        if self.lora:
+            return self.init_state(restore_base(self.g, directory, step, HOST))
         return self.init_state(restore_train_state(self.g, directory, step, False, HOST)[0].params)
 
     def weights(self, ps: PhasedState) -> dict:
-        """The model's weights, stacked, in host memory (as a decoding program reads them, once placed)."""
-        return self.to_checkpoint(ps).params
+        """The model's weights, stacked, in host memory (as a decoding program reads them, once placed); LoRA: the
+        adapters merged into the base, one layer at a time on the device."""
+        if not self.lora:
+            return self.to_checkpoint(ps).params
+        g, ops = self.g, self.ops
+        layers = {}
+        for s in self.stacks:
+            rows = []
+            for j in range(self.depth[s.name]):
+                lp = self._load_layer(ps, s.name, j)
+                merged = self.programs.merged_row(s.name)(lp) if s.name in ps.layers else lp
+                rows.append(ops.store(merged, self.base_row_dev[s.name], label="weights"))
+            layers[s.name] = from_rows(rows, S.with_memory_kind(g.base_shardings[s.name]["layers"], HOST))
+        return g.model_tree.with_layers(self.frozen_rest, layers)
 
     def to_checkpoint(self, ps: PhasedState) -> TrainState:
         """Host-resident state -> a stacked TrainState in host memory (what checkpoints hold)."""
         g = self.g
         host = S.with_memory_kind(g.param_shardings, HOST)
-        layers = {s.name: from_rows(ps.layers[s.name], host[s.name]["layers"]) for s in self.stacks}
+        layers = {s: from_rows(ps.layers[s], host[s]["layers"]) for s in self.tree.stacks}
         params = self.tree.with_layers(ps.rest, layers)
         opt = dict(ps.opt)
-        for s in self.stacks:
-            opt[s.name] = from_rows(ps.opt_layers[s.name], S.with_memory_kind(self.opt_stacked[s.name], HOST))
+        for s in self.tree.stacks:
+            opt[s] = from_rows(ps.opt_layers[s], S.with_memory_kind(self.opt_stacked[s], HOST))
         step = jax.device_put(jnp.asarray(ps.step, jnp.int32), g.replicated)
         return TrainState(step, params, opt)
 
@@ -225,19 +261,19 @@ class PhasedExecutor:
         (``execution.update_in_backward``); the layer gradients returned are then None."""
         ops = self.ops
         meta = {s.name: stack_meta(s, batch) for s in self.stacks}
-        rest, rest_dev = ps.rest, self.rest_dev
+        rest, rest_dev = self.frozen_rest if self.lora else ps.rest, self.read_rest_dev  # what the forward reads
         w = {"shared": ops.load(rest["shared"], rest_dev["shared"]),
              "ctx": {s.name: ops.load(context_weights(s, rest[s.name]), context_weights(s, rest_dev[s.name]))
                      for s in self.stacks},
              "out": {s.name: ops.load(rest[s.name][s.output], rest_dev[s.name][s.output])
                      for s in self.stacks if s.output}}
         rows, x, enc_out = self._forward(ps, batch, meta, w, rng_data)
-        hp = ops.load(self.tree.head_subtree(rest), self.tree.head_subtree(rest_dev))
+        hp = ops.load(self.g.model_tree.head_subtree(rest), self.g.model_tree.head_subtree(rest_dev))
         loss, g_head, dy = ops.run("head", self.programs.head(), hp, x, batch["labels"], rng_data, scale)
         del hp, x
         g_flat = dict(zip(flat_paths(g_head), jax.tree.leaves(g_head)))  # {weight path: gradient} of the rest
         del g_head
-        sumsq, layer_grads = [], {s.name: [None] * self.depth[s.name] for s in self.stacks}
+        sumsq, layer_grads = [], {s: [None] * self.depth[s] for s in self.tree.stacks}
         carry = {"dy": dy}  # the gradient flowing back, handed from phase to phase (no frame keeps an old one alive)
         del dy
         for stack in reversed(self.stacks):
@@ -246,8 +282,9 @@ class PhasedExecutor:
             if stack.cross:
                 enc_out = None
         del w
-        g_rest = from_flat(rest, g_flat)  # the rest tree's structure
-        sumsq.append(ops.run("sum_of_squares", self.programs.rest_sum_of_squares(), g_rest))
+        g_rest = from_flat(ps.rest, g_flat)  # the trained rest tree's structure
+        if jax.tree.leaves(g_rest):  # (LoRA's adapters have no weights outside the layers)
+            sumsq.append(ops.run("sum_of_squares", self.programs.rest_sum_of_squares(), g_rest))
         g_norm = ops.run("global_norm", self.programs.global_norm, sumsq, scale)
         return loss, g_rest, layer_grads, g_norm
 
@@ -261,7 +298,7 @@ class PhasedExecutor:
             buf, keys = rows[stack.name], tuple(sorted(meta[stack.name]))
             x = ops.run("embeddings_fwd", prog.embeddings_fwd(stack), w["shared"], batch[stack.ids], rng_data)
             fwd = prog.layer_fwd(stack, keys)
-            layer = lambda j, s=stack.name: ops.load(ps.layers[s][j], self.row_dev[s])  # noqa: E731
+            layer = lambda j, s=stack.name: self._load_layer(ps, s, j)  # noqa: E731
             for j, lp in prefetch(depth[stack.name], layer):
                 buf[j] = self._store_act(x)  # this layer's input, read again by its backward
                 extra = (enc_out,) if stack.cross else ()
@@ -289,12 +326,13 @@ class PhasedExecutor:
         if stack.output:  # the output norm, from the gradient of its output summed over the layers reading it
             g_norm_w, carry["dy"] = ops.run(f"{name}_output_bwd", prog.stack_output_bwd(stack), w["out"][name],
                                             self._load_act(buf.pop(depth)), carry.pop("d_enc"), rng_data)
-            add_grad((name, stack.output), g_norm_w)
+            if not self.lora:  # (LoRA: the norm is frozen)
+                add_grad((name, stack.output), g_norm_w)
         if stack.cross:
             carry["d_enc"] = ops.zeros(enc_out.shape, F32, self.act_dev)
         bwd, g_ctx = prog.layer_bwd(stack, keys), None
         copy_ = update_layer is not None  # the loaded weights are then donated to the layer's update
-        layer = lambda j: ops.load(ps.layers[name][j], self.row_dev[name], copy=copy_)  # noqa: E731
+        layer = lambda j: self._load_layer(ps, name, j, copy_)  # noqa: E731
         for j, lp in prefetch(depth, layer, reverse=True):
             x = self._load_act(buf.pop(j))
             if stack.cross:
@@ -304,18 +342,38 @@ class PhasedExecutor:
             else:
                 g_lp, ss, g_c, carry["dy"] = ops.run(f"{name}_layer_bwd", bwd, lp, w["ctx"][name], x, meta[name],
                                                      carry.pop("dy"), rng_data, j)
-            if update_layer is None:
+            if name not in layer_grads:  # LoRA: a stack without adapters
+                pass
+            elif update_layer is None:
                 layer_grads[name][j] = ops.store(g_lp, self.row_dev[name], label="weight gradients")
             else:
-                update_layer(name, j, lp, g_lp, ss)
+                update_layer(name, j, self._trained(lp), g_lp, ss)
             sumsq.append(ss)
-            if stack.context:
+            if stack.context and not self.lora:
                 g_ctx = g_c if g_ctx is None else ops.run("add", prog.add, g_ctx, g_c)
             del lp, x, g_lp, g_c
+        if self.lora:  # the context weights and the embedding are frozen: the gradient stops here
+            del carry["dy"]
+            return
         for k in stack.context:
             add_grad((name, k), g_ctx[k])
         add_grad(("shared",), ops.run("embeddings_bwd", prog.embeddings_bwd(stack), w["shared"], batch[stack.ids],
                                       carry.pop("dy"), rng_data))
+
+    def _load_layer(self, ps, s: str, j: int, copy: bool = False) -> dict:
+        """Layer j of stack s on the device: its trained weights (``copy``: to be donated to its update), and under
+        LoRA the frozen base's layer beside its adapters."""
+        ops = self.ops
+        if not self.lora:
+            return ops.load(ps.layers[s][j], self.row_dev[s], copy=copy)
+        out = dict(ops.load(self.frozen_layers[s][j], self.base_row_dev[s], label="frozen base weights"))
+        if s in ps.layers:
+            out.update(ops.load(ps.layers[s][j], self.row_dev[s], copy=copy))
+        return out
+
+    def _trained(self, lp: dict) -> dict:
+        """The trained part of a loaded layer (LoRA: its adapters)."""
+        return {k: v for k, v in lp.items() if lora.is_adapter(k)} if self.lora else lp
 
     def _store_act(self, x):
         return self.ops.store(x, self.act_dev, label="activation rows")
@@ -337,7 +395,7 @@ class PhasedExecutor:
         rng_data = step_key(self.g.steps.seed, ps.step) if rng_data is None else rng_data
         scale, stale = self.g.loss_scale_input(loss_scale), self.g.clip_norm_input(clip_norm)
         in_backward = self.g.steps.update_in_backward
-        layers, opt_layers = ({s.name: [None] * self.depth[s.name] for s in self.stacks} for _ in range(2))
+        layers, opt_layers = ({s: [None] * self.depth[s] for s in self.tree.stacks} for _ in range(2))
 
         def update_layer(s, j, p, gr, ss):
             """Layer j of stack s, right after its backward: its weights are on the device already. (The step's norm
@@ -367,6 +425,10 @@ class PhasedExecutor:
         ps.rest = None
         new_params, new_opt = {}, {}
         for name in list(params_g):
+            if not jax.tree.leaves(params_g[name]):  # a group with no weights (LoRA's adapters have no "small")
+                new_params[name], new_opt[name] = params_g.pop(name), ps.opt[name]
+                grads_g.pop(name)
+                continue
             p, s = ops.run("optimizer", self.programs.optimizer(name), ops.load(params_g.pop(name), dev[name], copy=True),
                            ops.load(ps.opt[name], self.opt_dev[name], copy=True), grads_g.pop(name), g_norm,
                            rng_data, scale, None, stale)
@@ -380,8 +442,7 @@ class PhasedExecutor:
         """The optimizer phases of the layers, one at a time: weights, state and gradients loaded, the next layer's
         prefetched."""
         ops = self.ops
-        for stack in self.stacks:
-            s = stack.name
+        for s in self.tree.stacks:
 
             def load(j, s=s):
                 out = (ops.load(ps.layers[s][j], self.row_dev[s], copy=True),
@@ -419,9 +480,18 @@ class PhasedExecutor:
         opt = {k: ops.abstract(jax.eval_shape(g.updater.init_group, grp), host(self.opt_dev[k]), "optimizer state")
                for k, grp in g.tree.rest_groups(self.tree.split_rest(params)).items()}
         state = PhasedState(0, rest, layers, opt, opt_layers)
+        ex = self.with_ops(ops)
+        if self.lora:  # the frozen base in host memory, read by the forward and backward, never written
+            base = g.abstract_base()
+            ex.frozen_rest = ops.abstract(g.model_tree.split_rest(base), host(self.read_rest_dev), "frozen base weights")
+            ex.frozen_layers = {}
+            for s in self.stacks:
+                row = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), base[s.name]["layers"])
+                ex.frozen_layers[s.name] = [ops.abstract(row, host(self.base_row_dev[s.name]), "frozen base weights")
+                                            for _ in range(self.depth[s.name])]
         batch = {k: ops.new(b.shape, b.dtype, b.sharding, "batch") for k, b in g.abstract_batch().items()}
         rng = ops.new((2,), jnp.uint32, g.replicated, "batch")
-        new_state, _ = self.with_ops(ops).train_step(state, batch, rng)
+        new_state, _ = ex.train_step(state, batch, rng)
         del state, new_state
         return ops.plan("phased")
 
@@ -442,6 +512,13 @@ class PhasedExecutor:
         state, metrics = self.with_ops(ops).train_step(state, batch)
         jax.block_until_ready(metrics["loss"])
         return state, dict(ops.seconds, serial_step_s=time.perf_counter() - t0)
+
+
+class _Rows:
+    """A stacked weight given as its rows (not a pytree: a leaf of the tree it is placed in)."""
+
+    def __init__(self, rows):
+        self.rows = list(rows)
 
 
 class DeviceOps:

@@ -13,7 +13,6 @@ import numpy as np
 
 from graphs import sharding as S
 from modelling.hf_mapping import load_hf_model
-from modelling.params import init_params
 from utils import checkpoint as ckpt
 
 
@@ -51,13 +50,12 @@ def restore_train_state(graphs, directory: str, step: int, optim_state: bool = T
     return TrainState(step_arr, params, opt_state), meta
 
 
-def restore_base(graphs, directory: str, step: int) -> dict:
-    """LoRA: a full checkpoint's weights (--init_from of a run without adapters) as frozen base weights, in the
-    compute dtype and their RTS layout."""
-    abstract = jax.eval_shape(lambda k: init_params(graphs.base_specs, k), jax.random.key(0))
-    params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(abstract, graphs.base_shardings), None,
-                             graphs.shape_hint)
-    return jax.jit(graphs.frozen, out_shardings=graphs.base_shardings)(params)
+def restore_base(graphs, directory: str, step: int, memory_kind: str | None = None) -> dict:
+    """LoRA: a full checkpoint's weights (--init_from of a run without adapters) as frozen base weights, read
+    straight into the compute dtype (rounded to nearest even, as XLA casts) and their RTS layout, in ``memory_kind``
+    (host memory for the phased executor)."""
+    params, _, _ = ckpt.load(directory, step, graphs.abstract_base(memory_kind), None, graphs.shape_hint)
+    return params
 
 
 def describe_base(source: dict) -> str:
@@ -68,14 +66,22 @@ def describe_base(source: dict) -> str:
     return f"a random init (seed {source['random_init_seed']})"
 
 
-def load_base(graphs, source: dict) -> dict:
-    """LoRA: the frozen base weights a ``base_source`` names, in the compute dtype and their RTS layout."""
+def load_base(graphs, source: dict, memory_kind: str | None = None) -> dict:
+    """LoRA: the frozen base weights a ``base_source`` names, in the compute dtype and their RTS layout, in
+    ``memory_kind`` (None: the devices'; the phased executor's host memory: never the whole base on a device)."""
     if "init_from" in source:
-        return restore_base(graphs, *source["init_from"])
+        return restore_base(graphs, *source["init_from"], memory_kind)
     if "hf_model" in source:
         _, host = load_hf_model(source["hf_model"], graphs.tp, expect=graphs.model_config)
-        return graphs.shard_base(host)
-    return graphs.init_base(source["random_init_seed"])
+        return graphs.shard_base(host, memory_kind)
+    return graphs.init_base(source["random_init_seed"], memory_kind)
+
+
+SAMPLES = 256  # entries of each weight a fingerprint reads
+
+
+def _sample_at(size: int) -> np.ndarray:
+    return np.arange(0, size, max(1, size // SAMPLES))[:SAMPLES]
 
 
 def fingerprint(frozen: dict) -> str:
@@ -84,9 +90,38 @@ def fingerprint(frozen: dict) -> str:
     weights are kept in: adapters resumed or loaded onto other weights are refused."""
     def sample(x):
         flat = x.reshape(-1)
-        return flat[:: max(1, flat.size // 256)][:256].astype(jnp.bfloat16).astype(jnp.float32)
+        return flat[:: max(1, flat.size // SAMPLES)][:SAMPLES].astype(jnp.bfloat16).astype(jnp.float32)
 
     values = jax.jit(lambda t: [sample(x) for x in jax.tree.leaves(t)])(frozen)
+    return _digest(np.asarray(v, np.float32) for v in values)
+
+
+def fingerprint_rows(leaves: list) -> str:
+    """``fingerprint`` of weights given leaf by leaf (in ``jax.tree.leaves`` order of the stacked tree) as lists of
+    rows (a stacked leaf as its rows, any other as ``[leaf]``), read row by row in host memory (the phased
+    executor's: the whole base is never gathered in one place). The same digest as ``fingerprint``."""
+    def values(rows):
+        m = rows[0].size
+        at = _sample_at(m * len(rows))
+        out = []
+        for i, row in enumerate(rows):
+            local = at[(at >= i * m) & (at < (i + 1) * m)] - i * m
+            if local.size:
+                out.append(_host_values(row).reshape(-1)[local])
+        return np.concatenate(out).astype(jnp.bfloat16).astype(np.float32)
+
+    return _digest(values(rows) for rows in leaves)
+
+
+def _host_values(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _digest(values) -> str:
     digest = hashlib.sha256()
     for v in values:
         digest.update(np.asarray(v, np.float32).tobytes())

@@ -11,6 +11,7 @@ per-token decode latency (the marginal cost of each further token: (T(n) - T(1))
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from app.args import parse_config
@@ -28,8 +29,6 @@ def programs(g, n: int) -> tuple:
     decoder position of an encoder-decoder, a causal LM's prefill), each compiled for this mesh. The decodings
     (greedy, beam search or sampling, as the config's inference section says) never stop early (eos -1): every step
     of output_length is timed."""
-    import dataclasses
-
     from jax.sharding import PartitionSpec as P
 
     from graphs import sharding as S

@@ -15,6 +15,7 @@ adapters alone in PEFT's format. The output directory must not exist or be empty
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -89,8 +90,6 @@ def main(argv=None) -> str:
 
 def export_peft(validator, directory, step, output: str) -> str:
     """A LoRA checkpoint's adapters in PEFT's format (modelling/lora.py names them)."""
-    import json
-
     import jax
     import numpy as np
     from safetensors.numpy import save_file

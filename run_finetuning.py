@@ -14,11 +14,15 @@ loss scaling (float16's default) a step whose gradients overflow is skipped and 
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
+import threading
 import time
 
 from app.args import ensure_writable, parse_config
@@ -254,16 +258,14 @@ def lora_state(cfg, executor, loader, point, warm=None, scaler=None):
     """initial_state of a LoRA run: the frozen base (the checkpoint's weights of --init_from, --hf_model's or the
     seed's random init), then new adapters, or a checkpoint's adapters when resuming, refused (one line) when they
     were trained on another base."""
-    from graphs.host_state import HOST
-    from graphs.state import describe_base, load_base
+    from graphs.state import describe_base
 
     if point:
         meta = ckpt_meta(*point)
         source = meta.get("lora_base", {}).get("source") or base_source(cfg, warm)
     else:
         source = base_source(cfg, warm)
-    executor.set_base(load_base(executor.g, source, HOST if executor.name == "phased" else None))
-    executor.base = {"source": source, "fingerprint": executor.base_fingerprint()}
+    executor.use_base(source)
     logger.info("LoRA: rank %d adapters on %s (frozen, %s)", cfg.lora.rank, describe_base(source),
                 cfg.model.precision)
     if not point:
@@ -336,8 +338,6 @@ def check_save_dir(cfg, point, discard_later: bool = False) -> list:
 def discard_steps(save: str, later: list, point) -> None:
     """--discard_later_steps: deletes the steps ``check_save_dir`` found after the loaded one (under the run's lock;
     process 0 of a multi-process run alone, the others wait for it)."""
-    import shutil
-
     from app.runtime import barrier, is_main_process
 
     for s_ in later if is_main_process() else ():
@@ -384,7 +384,6 @@ class StopSignals:
 
 
 def _in_main_thread() -> bool:
-    import threading
 
     return threading.current_thread() is threading.main_thread()
 
@@ -486,8 +485,6 @@ def train_step(cfg, executor, loader, state, step: int, start_step: int, loss_sc
                clip_norm: float | None = None) -> tuple:
     """One step of the run at ``loss_scale`` (clipped with ``clip_norm`` under update_in_backward) -> (state,
     metrics, batch statistics)."""
-    import jax
-
     from data.packing import batch_stats
 
     host_batch = loader.next_batch()
@@ -496,8 +493,8 @@ def train_step(cfg, executor, loader, state, step: int, start_step: int, loss_sc
         rows = cfg.training.global_batch_size
         logger.info("%d examples in the first batch of %d rows: %.1f per row, %.1f%% of the token slots used",
                     stats["examples"], rows, stats["examples"] / rows, 100 * stats["packing_efficiency"])
-    rng = jax.random.key_data(jax.random.fold_in(jax.random.key(cfg.model.seed), step))
-    state, metrics = executor.train_step(state, executor.g.shard_batch(host_batch), rng, loss_scale, clip_norm)
+    # the step's key: the executor's, of its state's step (graphs/state.step_key, the one place it is derived)
+    state, metrics = executor.train_step(state, executor.g.shard_batch(host_batch), None, loss_scale, clip_norm)
     return state, {"loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"])}, stats
 
 
@@ -601,7 +598,6 @@ class Evaluator:
     changed, and no training data is read: the run's data order and its exact resume are untouched."""
 
     def __init__(self, cfg, executor, tokenizer, tracker):
-        import copy
 
         from data.metrics import primary
         from data.tasks import Task, evaluation_set, tokenize_prompts
@@ -639,8 +635,6 @@ class Evaluator:
 
 def _best_so_far(tracker, key: str):
     """(score, step) of the best evaluation a resumed run logged before its checkpoint, or None."""
-    import json
-
     path = getattr(tracker, "path", None)
     if not path or not os.path.exists(path):
         return None
@@ -680,9 +674,8 @@ def main(argv=None) -> None:
         return
     if cfg.training.steps == 0:
         raise FlanT5Error("--steps 0: nothing to train (and nothing is written): pass --steps 1 or more")
-    from app.runtime import is_main_process
     from app.rundir import check_free, check_metrics_owner, fresh_run_dir
-    from app.runtime import agree
+    from app.runtime import agree, is_main_process
 
     point, warm = resume_point(cfg), init_point(cfg, args)
     if point and not cfg.checkpoint.save:
@@ -718,8 +711,8 @@ def main(argv=None) -> None:
 
 def own_directories(cfg, args) -> list:
     """Locks the directories this run writes (process 0 of a multi-process run)."""
-    from app.runtime import is_main_process
     from app.rundir import RunLock
+    from app.runtime import is_main_process
 
     save = cfg.checkpoint.save
     if not is_main_process():

@@ -13,11 +13,14 @@ shape comes from its config.json. Decoding is greedy unless --num_beams or --do_
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
 import logging
 import os
 import sys
 import time
+from dataclasses import asdict
 
 from app.args import carried_model, ensure_writable, make_config, parse_args
 from app.entry import entry
@@ -29,7 +32,6 @@ logger = logging.getLogger("flan_t5")
 
 
 def _positive(text: str) -> int:
-    import argparse
 
     try:
         n = int(text)
@@ -135,11 +137,9 @@ class Validator:
     def lora_parts(self, directory: str, step: int, saved: dict, base: bool = True) -> tuple:
         """(the LoRA run's Graphs, its adapters, its frozen base or None) of a LoRA checkpoint: the base found where
         the checkpoint's meta says, and refused (one line) when its fingerprint is not the one trained on."""
-        import copy
-
         from config.config import FIELDS, coerce, set_path
         from graphs.graphs import Graphs
-        from graphs.state import describe_base, fingerprint, load_base
+        from graphs.state import describe_base, device_base, fingerprint
         from utils import checkpoint as ckpt
 
         lcfg = copy.deepcopy(self.cfg)
@@ -154,7 +154,7 @@ class Validator:
         if not base:
             return lg, adapters, None
         meta, source = saved["lora_base"], saved["lora_base"]["source"]
-        frozen = load_base(lg, source)
+        frozen = device_base(lg, source)
         if fingerprint(frozen) != meta["fingerprint"]:
             raise FlanT5Error(f"{directory} step {step} holds adapters trained on other weights than "
                               f"{describe_base(source)} as found now (fingerprint {meta['fingerprint']} != "
@@ -288,8 +288,6 @@ def main(argv=None) -> None:
 
 def validate(cfg, args, validator, inputs: tuple, tokenizer, directory, step, n_targets: int) -> None:
     """One checkpoint decoded, scored, reported (process 0 of a multi-process run writes and prints)."""
-    from dataclasses import asdict
-
     from data.metrics import score
 
     task, data, examples, feats, unknown = inputs

@@ -4,14 +4,17 @@ validated config (the config's own checks, then its model family's)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import re
 import sys
+import tempfile
 from typing import Callable, Optional
 
 from app.entry import die
 from config.config import (FIELDS, Config, ConfigError, _base_type, coerce, config_from_mapping, get_path,
-                           ipu_only_notices, load_config, model_shape, read_presets, preset_path, travelling)
+                           ipu_only_notices, load_config, model_shape, preset_path, read_presets, travelling)
 from modelling import registry
 from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
 from utils.errors import FlanT5Error
@@ -38,9 +41,6 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its errors as the one line every other error is (no usage dump)."""
 
     def error(self, message):
-        import difflib
-        import re
-
         m = re.match(r"unrecognized arguments: (.*)", message)
         if m:  # a close typo gets its likely flag named
             known = [o for a in self._actions for o in a.option_strings]
@@ -189,8 +189,6 @@ def parse_config(kind: str, description: str, default_preset: str, argv=None, ex
 
 def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:
     """Fails early (before any work) if ``path`` (a directory, or a file's directory) cannot be written."""
-    import tempfile
-
     directory = os.path.abspath(path if is_dir else (os.path.dirname(path) or "."))
     if not is_dir and os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a directory: pass a file path")

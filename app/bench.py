@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,9 +26,6 @@ def device_header(cfg, preset: str) -> dict:
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (host RAM), in bytes."""
-    import resource
-    import sys
-
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 

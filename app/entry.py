@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import sys
 import threading
@@ -112,7 +113,6 @@ def out_of_memory_message(e: BaseException) -> Optional[str]:
     text = str(e)
     if "RESOURCE_EXHAUSTED" not in text and "Out of memory" not in text:
         return None
-    import re
 
     m = re.search(r"allocat\w* ([0-9.]+)\s*(bytes|[KMGT]i?B)", text)
     need = ""

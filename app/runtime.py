@@ -4,8 +4,8 @@ run agree on: a value process 0 decides, barriers, and a failure that ends every
 
 from __future__ import annotations
 
-import logging
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -116,9 +116,6 @@ def filter_stdout_lines(drop) -> None:
     """Drops the lines of this process's standard output (file descriptor 1, so native libraries' prints too)
     for which ``drop(line: bytes)`` is true. The filter is a pipe and a thread; at exit the descriptor is
     restored and the thread drained, so no line is lost."""
-    import atexit
-    import threading
-
     read_end, write_end = os.pipe()
     original = os.dup(1)
     sys.stdout.flush()

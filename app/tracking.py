@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import netrc
 import os
@@ -13,8 +14,6 @@ from utils.errors import FlanT5Error
 
 
 def library_versions() -> dict:
-    import importlib.metadata as md
-
     out = {}
     for name in ("jax", "jaxlib", "optax", "orbax-checkpoint", "transformers", "numpy"):
         try:

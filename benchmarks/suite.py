@@ -33,6 +33,7 @@ skipped, not cut off, and the skip is recorded; a failed part is recorded and th
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -293,8 +294,6 @@ print(json.dumps(out))
 def ensure_packages() -> dict:
     """Installs, in one step, what the benchmarks import and this machine lacks: from wheels in ``.whl/`` when
     the machine reaches no package index (a lent GPU box), else from PyPI. -> {installed, missing}."""
-    import importlib.util
-
     missing = [pkg for mod, pkg in NEEDS.items() if importlib.util.find_spec(mod) is None]
     if not missing:
         return {"installed": [], "missing": []}

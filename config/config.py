@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import math
 import os
+import string
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -563,8 +564,6 @@ def _check_training(cfg: Config) -> None:
 
 def template_fields(template: str) -> list:
     """The columns a template reads ({column} fields), in order; ConfigError for a template Python cannot read."""
-    import string
-
     try:
         fields_ = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as e:
@@ -860,7 +859,6 @@ def shape_hint(current: Optional[Config], saved: Optional[dict]) -> str:
 
 def to_dict(cfg: Config) -> dict:
     """Nested plain-dict form of a config (for YAML/JSON dumps and checkpoints); tuples as lists."""
-
     def plain(x):
         if isinstance(x, dict):
             return {k: plain(v) for k, v in x.items()}

@@ -7,6 +7,7 @@ an error can name the file, the row and its line.
 
 from __future__ import annotations
 
+import csv
 import difflib
 import glob
 import json
@@ -101,7 +102,6 @@ def read_table(path: str) -> list:
 
 
 def _read_delimited(path: str, sep: str):
-    import csv
 
     import pandas as pd
 
@@ -116,7 +116,6 @@ def _read_delimited(path: str, sep: str):
 
 def _read_jsonl(path: str) -> list:
     """Rows of a JSON-lines file; a malformed line or a key given twice in a row is a DataError naming its line."""
-
     def no_duplicates(pairs):
         keys = [k for k, _ in pairs]
         dup = sorted({k for k in keys if keys.count(k) > 1})

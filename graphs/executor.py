@@ -10,6 +10,15 @@
     plan(exact=False)                 -> MemoryPlan from shapes alone (graphs/plan.py), nothing allocated
     memory_report(state, batch)       -> (state, device bytes at the step's peak, {phase: bytes} or None)
     timing_report(state, batch)       -> (state, {load_s, store_s, compute_s, serial_step_s} or None)
+    weights(state)                    -> the model's weights, stacked, as decoding reads them (LoRA: merged)
+
+LoRA (modelling/lora.py): the trained weights are the adapters; the frozen base is the executor's own, kept where it
+reads it (fused: on the devices; phased: in host memory, streamed in a layer at a time):
+
+    use_base(source)                  the base a ``base_source`` names (graphs/state.py), and ``base``: its record
+                                      (source and fingerprint) for checkpoints
+    set_base(params=None)             the base from weights (None: the random init)
+    base_fingerprint()                -> graphs/state.py's fingerprint of the base
 
 Both executors read and write the same checkpoints (stacked weights, optimizer state per
 weight group), so a run may switch executors on ``--load``.
@@ -46,6 +55,16 @@ class Executor(Protocol):
     def memory_report(self, state, batch: dict) -> tuple: ...
 
     def timing_report(self, state, batch: dict) -> tuple: ...
+
+    def weights(self, state) -> dict: ...
+
+    base: dict | None
+
+    def use_base(self, source: dict) -> None: ...
+
+    def set_base(self, params=None) -> None: ...
+
+    def base_fingerprint(self) -> str: ...
 
 
 def make_executor(graphs: Graphs) -> Executor:

@@ -21,7 +21,8 @@ from graphs import sharding as S
 from graphs.memory import live_device_bytes, program_bytes
 from graphs.phases import PhaseBodies, accumulate, micro_key
 from graphs.plan import MemoryPlan, shard_bytes
-from graphs.state import TrainState, fingerprint, restore_base, restore_train_state, step_key
+from graphs.state import (TrainState, base_record, device_base, fingerprint, restore_base, restore_train_state,
+                          step_key)
 from modelling import lora
 from modelling.params import init_params
 
@@ -55,6 +56,11 @@ class FusedExecutor:
     def base_fingerprint(self) -> str:
         """LoRA: graphs/state.py's ``fingerprint`` of the frozen base."""
         return fingerprint(self.frozen)
+
+    def use_base(self, source: dict) -> None:
+        """LoRA: the frozen base a ``base_source`` names (graphs/state.py) on the devices, and ``base``, its record."""
+        self.set_base(device_base(self.g, source))
+        self.base = base_record(source, self.base_fingerprint())
 
     # ------------------------------------------------------------------ state
 

@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from graphs.sharding import put_global
+
 HOST = "pinned_host"
 
 
@@ -77,6 +79,20 @@ def to_rows(stacked_tree, stacked_shardings) -> list:
     per_leaf = [unstack_rows(x, row_sharding(s, HOST)) for x, s in zip(leaves, shardings)]
     n = len(per_leaf[0])
     return [jax.tree.unflatten(treedef, [rows[i] for rows in per_leaf]) for i in range(n)]
+
+
+def rows_taken(leaves: list, stacked_shardings: list) -> list:
+    """``to_rows`` of flat stacked leaves (numpy arrays every process holds alike, or arrays in any memory) that the
+    caller gives up: each list entry is dropped as soon as its rows exist in host memory, so the weights pass through
+    host memory about once (plus one leaf) instead of twice. -> per leaf, its rows."""
+    out = []
+    for i, s in enumerate(stacked_shardings):
+        x, leaves[i] = leaves[i], None
+        row = row_sharding(s, HOST)
+        out.append(unstack_rows(x, row) if isinstance(x, jax.Array) else [put_global(x[r], row)
+                                                                           for r in range(x.shape[0])])
+        del x
+    return out
 
 
 def from_rows(rows: list, stacked_shardings):

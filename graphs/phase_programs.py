@@ -193,42 +193,12 @@ class PhasePrograms:
             p, ctx_w = self._layer_weights(lp, row_lay), S.gather_all(ctx_w, ctx_lay)
             x, dy, base = self._gather_act(x), self._gather_act(dy), self._base_key(rng_data)
             enc = None if enc is None else self._gather_act(enc)
-
-            def body(acc, inp):
-                x_i, e_i, m_i, dy_i, i = inp
-                length = x_i.shape[1]
-                # (self context, its vjp to the context weights, cross context): the cross context does not
-                # depend on the context weights
-                if frozen:
-                    (sc, cc), ctx_vjp = self.bodies.context(stack, ctx_w, m_i, length), None
-                else:
-                    sc, ctx_vjp, cc = jax.vjp(lambda w_: self.bodies.context(stack, w_, m_i, length), ctx_w,
-                                              has_aux=True)
-                r = stream_key(micro_key(base, i), stack.layers_stream, j)
-                acc_p, acc_ctx = acc
-                if frozen:  # the adapters' gradients (the frozen weights' are None: never formed)
-                    g_p, dx, _, g_e = self.bodies.block_backward(stack, p, x_i, sc, cc, e_i, r, dy_i)
-                    acc = ({k: a + g_p[k].astype(F32) for k, a in acc_p.items()}, acc_ctx)
-                    return acc, (self._slice_act(dx), self._slice_act(g_e) if cross else jnp.zeros(()))
-                # the matmul weights' gradients are added to acc_p inside their weight-gradient GEMMs
-                g_p, dx, g_sc, g_e = self.bodies.block_backward(stack, self.bodies.with_accumulators(p, acc_p), x_i,
-                                                                sc, cc, e_i, r, dy_i)
-                if g_sc is not None:
-                    acc_ctx = jax.tree.map(lambda a, g: a + g.astype(F32), acc_ctx, ctx_vjp(g_sc)[0])
-                acc = (accumulate(acc_p, g_p), acc_ctx)
-                return acc, (self._slice_act(dx), self._slice_act(g_e) if cross else jnp.zeros(()))
-
             n = x.shape[0]
             trained = {k: p[k] for k in grad_lay} if frozen else p
             zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, F32), (trained, {} if frozen else ctx_w))
-            (g_p, g_ctx), (dx, de) = lax.scan(
-                body, zeros, (x, enc if cross else jnp.zeros((n,)), meta, dy, jnp.arange(n)))
-            g_p, g_ctx = self._reduce(g_p, grad_lay), self._reduce(g_ctx, ctx_grad_lay)
-            sumsq = S.sum_of_squares(g_p, grad_lay) if g_p else jnp.zeros((), F32)
-            g_p = jax.tree.map(lambda g: g.astype(self.grad_dtype), g_p)
-            if self.grad_dtype == jnp.float16:  # a scaled gradient past 65504 is inf once stored: an overflow
-                sumsq = sumsq + jnp.where(lax.psum(sum(jnp.sum(~jnp.isfinite(g)) for g in jax.tree.leaves(g_p)),
-                                                   (S.DP, S.TP)) > 0, jnp.inf, 0.0)
+            (g_p, g_ctx), (dx, de) = lax.scan(self._micro_backward(stack, p, ctx_w, base, j), zeros,
+                                              (x, enc if cross else jnp.zeros((n,)), meta, dy, jnp.arange(n)))
+            (g_p, sumsq), g_ctx = self._layer_grads(g_p, grad_lay), self._reduce(g_ctx, ctx_grad_lay)
             if cross:
                 return g_p, sumsq, g_ctx, dx, d_enc + de.astype(d_enc.dtype)
             return g_p, sumsq, g_ctx, dx
@@ -241,6 +211,47 @@ class PhasePrograms:
             outs.append(self.act_spec)
             donate = (6,)  # the running d_enc sum is updated in place
         return self._program(("layer_bwd", stack.name, meta_keys), fn, tuple(ins + [P(), P()]), tuple(outs), donate)
+
+    def _micro_backward(self, stack: Stack, p: dict, ctx_w: dict, base, j):
+        """``layer_bwd``'s scan body: one micro-batch's backward from the layer's input, its weight gradients added to
+        the accumulators (layer, context weights; LoRA: the adapters' alone) -> (accumulators, (dx, d_enc part))."""
+        cross, frozen = stack.cross, self.lora
+
+        def body(acc, inp):
+            x_i, e_i, m_i, dy_i, i = inp
+            length = x_i.shape[1]
+            # (self context, its vjp to the context weights, cross context): the cross context does not depend on
+            # the context weights
+            if frozen:
+                (sc, cc), ctx_vjp = self.bodies.context(stack, ctx_w, m_i, length), None
+            else:
+                sc, ctx_vjp, cc = jax.vjp(lambda w_: self.bodies.context(stack, w_, m_i, length), ctx_w, has_aux=True)
+            r = stream_key(micro_key(base, i), stack.layers_stream, j)
+            acc_p, acc_ctx = acc
+            if frozen:  # the adapters' gradients (the frozen weights' are None: never formed)
+                g_p, dx, _, g_e = self.bodies.block_backward(stack, p, x_i, sc, cc, e_i, r, dy_i)
+                acc = ({k: a + g_p[k].astype(F32) for k, a in acc_p.items()}, acc_ctx)
+                return acc, (self._slice_act(dx), self._slice_act(g_e) if cross else jnp.zeros(()))
+            # the matmul weights' gradients are added to acc_p inside their weight-gradient GEMMs
+            g_p, dx, g_sc, g_e = self.bodies.block_backward(stack, self.bodies.with_accumulators(p, acc_p), x_i, sc,
+                                                            cc, e_i, r, dy_i)
+            if g_sc is not None:
+                acc_ctx = jax.tree.map(lambda a, g: a + g.astype(F32), acc_ctx, ctx_vjp(g_sc)[0])
+            return (accumulate(acc_p, g_p), acc_ctx), (self._slice_act(dx),
+                                                       self._slice_act(g_e) if cross else jnp.zeros(()))
+
+        return body
+
+    def _layer_grads(self, g_p: dict, grad_lay: dict) -> tuple:
+        """A layer's accumulated gradients -> (reduced over dp (RTS: scattered) in the gradient dtype, their sum of
+        squares; inf when a float16 gradient overflowed as it was stored)."""
+        g_p = self._reduce(g_p, grad_lay)
+        sumsq = S.sum_of_squares(g_p, grad_lay) if g_p else jnp.zeros((), F32)
+        g_p = jax.tree.map(lambda g: g.astype(self.grad_dtype), g_p)
+        if self.grad_dtype == jnp.float16:  # a scaled gradient past 65504 is inf once stored: an overflow
+            sumsq = sumsq + jnp.where(lax.psum(sum(jnp.sum(~jnp.isfinite(g)) for g in jax.tree.leaves(g_p)),
+                                               (S.DP, S.TP)) > 0, jnp.inf, 0.0)
+        return g_p, sumsq
 
     # ------------------------------------------------------------------ stack output and head
 

@@ -51,12 +51,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from graphs import sharding as S
-from graphs.host_state import HOST, ActivationBuffer, PhasedState, from_rows, row_sharding, to_host, to_rows
+from graphs.host_state import (HOST, ActivationBuffer, PhasedState, from_rows, row_sharding, rows_taken, to_host,
+                               to_rows)
 from graphs.memory import live_device_bytes, program_bytes
 from graphs.phase_programs import PhasePrograms
 from graphs.phases import context_weights, stack_meta
 from graphs.plan import MemoryPlan, PlanOps
-from graphs.state import TrainState, fingerprint_rows, restore_base, restore_train_state, step_key
+from graphs.state import (TrainState, base_record, fingerprint_rows, load_base, restore_base, restore_train_state,
+                          step_key)
 from graphs.tree import flat_paths, from_flat
 from modelling import lora
 
@@ -139,19 +141,35 @@ class PhasedExecutor:
         g = self.g
         if params is None:
             params = g.init_base(memory_kind=HOST)
-        elif not isinstance(jax.tree.leaves(params)[0], jax.Array):
-            params = g.shard_base(params, HOST)
         elif any(x.dtype != a.dtype for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(g.abstract_base()))):
-            params = jax.jit(g.frozen, out_shardings=g.base_shardings)(params)
-        self.frozen_rest = to_host(g.model_tree.split_rest(params), self.read_rest_dev)
-        self.frozen_layers = {s.name: to_rows(params[s.name]["layers"], g.base_shardings[s.name]["layers"])
-                              for s in self.stacks}
+            params = (g.shard_base(params, HOST) if not isinstance(jax.tree.leaves(params)[0], jax.Array)
+                      else jax.jit(g.frozen, out_shardings=g.base_shardings)(params))
+        # the layers row by row, each stacked leaf let go as soon as its rows exist (numpy leaves in the frozen dtypes
+        # placed straight from the host): when the caller keeps no reference to the tree it gives (the driver's
+        # load_base), the base passes through host memory about once
+        params = {k: dict(v) if isinstance(v, dict) else v for k, v in params.items()}  # (the caller's tree intact)
+        rest = g.model_tree.split_rest(params)
+        self.frozen_rest = jax.tree.map(lambda x, s: S.put_global(x, s.with_memory_kind(HOST)) if isinstance(
+            x, np.ndarray) else jax.device_put(x, s.with_memory_kind(HOST)), rest, self.read_rest_dev)
+        self.frozen_layers = {}
+        for s in self.stacks:
+            leaves, treedef = jax.tree.flatten(params[s.name]["layers"])
+            params[s.name]["layers"] = None
+            shardings = treedef.flatten_up_to(g.base_shardings[s.name]["layers"])
+            per_leaf = rows_taken(leaves, shardings)
+            self.frozen_layers[s.name] = [jax.tree.unflatten(treedef, [rows[i] for rows in per_leaf])
+                                          for i in range(self.depth[s.name])]
 
     def base_fingerprint(self) -> str:
         """LoRA: graphs/state.py's ``fingerprint`` of the frozen base, read row by row from host memory."""
         rows = {s: jax.tree.map(lambda *r: _Rows(r), *self.frozen_layers[s]) for s in self.frozen_layers}
         tree = self.g.model_tree.with_layers(jax.tree.map(lambda x: _Rows([x]), self.frozen_rest), rows)
         return fingerprint_rows([r.rows for r in jax.tree.leaves(tree)])
+
+    def use_base(self, source: dict) -> None:
+        """LoRA: the frozen base a ``base_source`` names (graphs/state.py) in host memory, and ``base``, its record."""
+        self.set_base(load_base(self.g, source, HOST))
+        self.base = base_record(source, self.base_fingerprint())
 
     def _weights(self, params) -> tuple:
         """Stacked weights (any memory) -> (rest in host memory, {stack: [rows in host memory]})."""

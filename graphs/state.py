@@ -67,14 +67,27 @@ def describe_base(source: dict) -> str:
 
 
 def load_base(graphs, source: dict, memory_kind: str | None = None) -> dict:
-    """LoRA: the frozen base weights a ``base_source`` names, in the compute dtype and their RTS layout, in
-    ``memory_kind`` (None: the devices'; the phased executor's host memory: never the whole base on a device)."""
+    """LoRA: the frozen base weights a ``base_source`` names, in the frozen dtypes (``Graphs.frozen_dtype``): a
+    checkpoint's or the random init as arrays in their RTS layout in ``memory_kind`` (None: the devices'; the phased
+    executor's host memory: never the whole base on a device), an HF model's as numpy arrays read tensor by tensor
+    (host memory holds the base once; an executor's ``set_base`` places them)."""
     if "init_from" in source:
         return restore_base(graphs, *source["init_from"], memory_kind)
     if "hf_model" in source:
-        _, host = load_hf_model(source["hf_model"], graphs.tp, expect=graphs.model_config)
-        return graphs.shard_base(host, memory_kind)
+        return load_hf_model(source["hf_model"], graphs.tp, expect=graphs.model_config,
+                             dtype=graphs.opts.compute_dtype)[1]
     return graphs.init_base(source["random_init_seed"], memory_kind)
+
+
+def device_base(graphs, source: dict) -> dict:
+    """LoRA: ``load_base`` on the devices, in the frozen dtypes and their RTS layout."""
+    base = load_base(graphs, source)
+    return base if isinstance(jax.tree.leaves(base)[0], jax.Array) else graphs.shard_base(base)
+
+
+def base_record(source: dict, fingerprint_: str) -> dict:
+    """What a LoRA checkpoint's meta says of its base (``lora_base``): where it comes from and its fingerprint."""
+    return {"source": source, "fingerprint": fingerprint_}
 
 
 SAMPLES = 256  # entries of each weight a fingerprint reads

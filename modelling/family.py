@@ -260,8 +260,9 @@ class Family(abc.ABC):
         """The HF config.json of our ModelConfig (``architectures`` first)."""
 
     @abc.abstractmethod
-    def params_from_hf(self, sd, m, tensor_parallel: int = 1) -> dict:
-        """Our float32 tree from an HF state dict (numpy arrays or torch tensors)."""
+    def params_from_hf(self, sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
+        """Our tree from an HF state dict (numpy arrays or torch tensors): float32, or with ``dtype`` the weights
+        not kept float32 (``keeps_f32``) in it, each cast as it is read (hf_weights.kept_as)."""
 
     @abc.abstractmethod
     def hf_layer_keys(self, stack: str, i: int, m) -> dict:

@@ -37,7 +37,7 @@ from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L
 from modelling.family import Family, ModelOptions, Stack
-from modelling.hf_weights import state_dict_reader, vocab_padder
+from modelling.hf_weights import kept_as, state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
 from modelling.tp import identical_grad_inputs, identical_inputs, tp_index
 from utils.errors import CheckpointError, ConfigError
@@ -329,10 +329,11 @@ def _layer_keys(i: int) -> dict:
             "fc_out": f"{s}.mlp.fc_out.weight", "fc_out_bias": f"{s}.mlp.fc_out.bias"}
 
 
-def params_from_hf(sd, m, tensor_parallel: int = 1) -> dict:
-    """Our float32 GPT-J tree from an HF state dict (numpy arrays or torch tensors). HF Linear weights are
-    [out, in]: q/k/v [d, h, kv] = W.T.reshape; o [h, kv, d] = W.T.reshape; fc_in/fc_out/lm_head = W.T."""
-    get, pad = state_dict_reader(sd, "GPT-J"), vocab_padder(m, tensor_parallel)
+def params_from_hf(sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
+    """Our GPT-J tree from an HF state dict (numpy arrays or torch tensors): float32, or with ``dtype`` the weights
+    not kept float32 (``keeps_f32``) in it, each cast as it is read. HF Linear weights are [out, in]: q/k/v
+    [d, h, kv] = W.T.reshape; o [h, kv, d] = W.T.reshape; fc_in/fc_out/lm_head = W.T."""
+    get, pad, cast = state_dict_reader(sd, "GPT-J"), vocab_padder(m, tensor_parallel), kept_as(dtype, keeps_f32)
     h, kv = m.attention.heads, m.attention.d_kv
 
     def ours(name, w):
@@ -343,13 +344,13 @@ def params_from_hf(sd, m, tensor_parallel: int = 1) -> dict:
         return w.T if name in ("fc_in", "fc_out") else w
 
     per_layer = [_layer_keys(i) for i in range(m.layers)]
-    layers = {n: np.stack([ours(n, get(keys[n])) for keys in per_layer]) for n in per_layer[0]}
+    layers = {n: np.stack([cast(n, ours(n, get(keys[n]))) for keys in per_layer]) for n in per_layer[0]}
     return {
-        "shared": pad(get("transformer.wte.weight"), 0),
+        "shared": cast("shared", pad(get("transformer.wte.weight"), 0)),
         "decoder": {"layers": layers, "final_norm": get("transformer.ln_f.weight"),
                     "final_norm_bias": get("transformer.ln_f.bias")},
-        "lm_head": pad(get("lm_head.weight").T, 1),
-        "lm_head_bias": pad(get("lm_head.bias"), 0),
+        "lm_head": cast("lm_head", pad(get("lm_head.weight").T, 1)),
+        "lm_head_bias": cast("lm_head_bias", pad(get("lm_head.bias"), 0)),
     }
 
 
@@ -494,8 +495,8 @@ class GPTJFamily(Family):
     def hf_config_dict(self, m) -> dict:
         return hf_config_dict(m)
 
-    def params_from_hf(self, sd, m, tensor_parallel: int = 1) -> dict:
-        return params_from_hf(sd, m, tensor_parallel)
+    def params_from_hf(self, sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
+        return params_from_hf(sd, m, tensor_parallel, dtype)
 
     def hf_state_dict(self, params: dict, m) -> dict:
         return hf_state_dict(params, m)

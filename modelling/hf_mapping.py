@@ -36,9 +36,10 @@ def hf_config_dict(m: ModelConfig) -> dict:
     return registry.get(m.family).hf_config_dict(m)
 
 
-def params_from_hf_state_dict(sd: Mapping, m: ModelConfig, tensor_parallel: int = 1) -> dict:
-    """Our float32 parameter tree from an HF state dict (numpy arrays or torch tensors), by m's family."""
-    return registry.get(m.family).params_from_hf(sd, m, tensor_parallel)
+def params_from_hf_state_dict(sd: Mapping, m: ModelConfig, tensor_parallel: int = 1, dtype=None) -> dict:
+    """Our parameter tree from an HF state dict (numpy arrays or torch tensors), by m's family: float32, or with
+    ``dtype`` every weight its family does not keep in float32 cast to it as it is read."""
+    return registry.get(m.family).params_from_hf(sd, m, tensor_parallel, dtype)
 
 
 def hf_state_dict_from_params(params: dict, m: ModelConfig) -> dict:
@@ -46,22 +47,49 @@ def hf_state_dict_from_params(params: dict, m: ModelConfig) -> dict:
     return registry.get(m.family).hf_state_dict(params, m)
 
 
-def read_safetensors_dir(path: str) -> dict:
-    """All tensors of a save_pretrained directory (single or sharded safetensors) as numpy."""
-    from safetensors.numpy import load_file
+class SafetensorsDir(Mapping):
+    """The tensors of a save_pretrained directory (single or sharded safetensors), read one at a time as a key is
+    looked up (memory-mapped files): a model is never held whole in host memory in its stored dtype beside the
+    tree built from it."""
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise CheckpointError(
-            f"no *.safetensors weights in {path}: save the model with "
-            "model.save_pretrained(dir, safe_serialization=True)")
-    sd = {}
-    for f in files:
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise CheckpointError(
+                f"no *.safetensors weights in {path}: save the model with "
+                "model.save_pretrained(dir, safe_serialization=True)")
+        self.handles, self.file_of = {}, {}
+        for f in files:
+            try:
+                self.handles[f] = safe_open(f, framework="numpy")
+                self.file_of.update((k, f) for k in self.handles[f].keys())
+            except Exception as e:  # safetensors raises several error types for a corrupt file
+                raise CheckpointError(f"cannot read {f} ({e}): the file is corrupt or truncated; download it "
+                                      "again") from e
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        f = self.file_of[key]
         try:
-            sd.update(load_file(f))
-        except Exception as e:  # safetensors raises several error types for a corrupt file
-            raise CheckpointError(f"cannot read {f} ({e}): the file is corrupt or truncated; download it again") from e
-    return sd
+            return self.handles[f].get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"cannot read {key} from {f} ({e}): the file is corrupt or truncated; download it "
+                                  "again") from e
+
+    def __contains__(self, key) -> bool:
+        return key in self.file_of
+
+    def __iter__(self):
+        return iter(self.file_of)
+
+    def __len__(self) -> int:
+        return len(self.file_of)
+
+
+def read_safetensors_dir(path: str) -> SafetensorsDir:
+    """The tensors of a save_pretrained directory as a mapping {key: numpy array}, each read when looked up."""
+    return SafetensorsDir(path)
 
 
 def read_hf_config(path: str) -> dict:
@@ -97,8 +125,10 @@ def resolve_hf_dir(name_or_dir: str) -> str:
             "and pass --hf_model DIR") from None
 
 
-def load_hf_model(name_or_dir: str, tensor_parallel: int = 1, expect: Optional[ModelConfig] = None):
-    """(ModelConfig, params) from an HF model name or save_pretrained directory."""
+def load_hf_model(name_or_dir: str, tensor_parallel: int = 1, expect: Optional[ModelConfig] = None, dtype=None):
+    """(ModelConfig, params) from an HF model name or save_pretrained directory: float32 weights, or with ``dtype``
+    (LoRA's frozen base) those the family does not keep in float32 read into it tensor by tensor, so that host
+    memory holds the model once in ``dtype``."""
     path = resolve_hf_dir(name_or_dir)
     m = model_config_from_hf(read_hf_config(path))
     if expect is not None and expect.family != m.family:
@@ -111,7 +141,7 @@ def load_hf_model(name_or_dir: str, tensor_parallel: int = 1, expect: Optional[M
             raise CheckpointError(
                 f"{name_or_dir} has (layers, decoder layers, hidden_size, d_ff, heads, d_kv) = {shape(m)} but the "
                 f"preset has {shape(expect)}: choose the preset of that model size")
-    return m, params_from_hf_state_dict(read_safetensors_dir(path), m, tensor_parallel)
+    return m, params_from_hf_state_dict(read_safetensors_dir(path), m, tensor_parallel, dtype)
 
 
 def save_hf_model(params: dict, m: ModelConfig, path: str, special_tokens: Optional[dict] = None) -> None:

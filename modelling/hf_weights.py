@@ -11,9 +11,18 @@ from modelling.params import padded_vocab
 from utils.errors import CheckpointError
 
 
+def kept_as(dtype, keeps_f32):
+    """cast(name, w): w in the dtype a family keeps its weight ``name`` in when loaded frozen (LoRA's base): ``dtype``
+    (None: float32), float32 for the weights ``keeps_f32`` names. Applied to each layer's tensor before the layers are
+    stacked, so that a 16-bit base never exists in float32 as a whole."""
+    def cast(name, w):
+        return w if dtype is None or keeps_f32(name) else w.astype(dtype)
+
+    return cast
+
+
 def state_dict_reader(sd: Mapping, family: str):
     """get(key) -> an HF state dict's entry (numpy or torch) as float32 numpy; a missing key is a CheckpointError."""
-
     def get(key):
         if key not in sd:
             raise CheckpointError(f"weight {key} is missing from the checkpoint: is it a {family} checkpoint of this "

@@ -23,7 +23,7 @@ from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L
 from modelling.family import Family, ModelOptions, Stack
-from modelling.hf_weights import state_dict_reader, vocab_padder
+from modelling.hf_weights import kept_as, state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
 from modelling.tp import tp_index
 from utils.errors import CheckpointError, ConfigError
@@ -194,7 +194,6 @@ def run_stack(layers_p: dict, x: jax.Array, self_ctx, opts: ModelOptions,
 
     The reference composition (validation, decoding, tests); training runs the layers through the
     phase library (graphs/phases.py), which adds recomputation and unrolling."""
-
     block = block_fn(opts)
 
     def body(x, inputs):
@@ -505,23 +504,25 @@ def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
     return w.T if name in _DENSE_FF else w
 
 
-def params_from_hf(sd: Mapping, m, tensor_parallel: int = 1) -> dict:
-    """Our float32 parameter tree from an HF state dict (values: numpy arrays or torch tensors)."""
+def params_from_hf(sd: Mapping, m, tensor_parallel: int = 1, dtype=None) -> dict:
+    """Our parameter tree from an HF state dict (values: numpy arrays or torch tensors): float32, or with ``dtype``
+    the matmul weights in it (norms and tables float32), each cast as it is read."""
     get, pad_rows = state_dict_reader(sd, "UMT5" if m.family == "umt5" else "T5"), vocab_padder(m, tensor_parallel)
+    cast = kept_as(dtype, keeps_f32)
     h, kv = m.attention.heads, m.attention.d_kv
     shared_key = "shared.weight" if "shared.weight" in sd else "encoder.embed_tokens.weight"
-    params = {"shared": pad_rows(get(shared_key), 0)}
+    params = {"shared": cast("shared", pad_rows(get(shared_key), 0))}
     for stack in ("encoder", "decoder"):
         dec = stack == "decoder"
         per_layer = [_layer_keys(i, dec, m) for i in range(m.decoder_depth if dec else m.layers)]
-        layers = {name: np.stack([_to_ours(name, get(keys[name]), h, kv) for keys in per_layer])
+        layers = {name: np.stack([cast(name, _to_ours(name, get(keys[name]), h, kv)) for keys in per_layer])
                   for name in per_layer[0]}
         own = {} if m.family == "umt5" else {"relpos": get(_relpos_key(stack))}
         params[stack] = {**own, "layers": layers, "final_norm": get(f"{stack}.final_layer_norm.weight")}
     if not m.tie_word_embeddings:
         # transformers >= 5 saves an untied head only as shared.weight (it ties them)
         head_key = "lm_head.weight" if "lm_head.weight" in sd else shared_key
-        params["lm_head"] = pad_rows(get(head_key).T, 1)
+        params["lm_head"] = cast("lm_head", pad_rows(get(head_key).T, 1))
     return params
 
 
@@ -690,8 +691,8 @@ class T5Family(Family):
     def hf_config_dict(self, m) -> dict:
         return hf_config_dict(m)
 
-    def params_from_hf(self, sd, m, tensor_parallel: int = 1) -> dict:
-        return params_from_hf(sd, m, tensor_parallel)
+    def params_from_hf(self, sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
+        return params_from_hf(sd, m, tensor_parallel, dtype)
 
     def hf_state_dict(self, params: dict, m) -> dict:
         return hf_state_dict(params, m)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -115,6 +116,21 @@ def test_deferred_imports_only_in_the_drivers(graph):
     offenders = [f"{f}:{line} defers the import of {dep}" for m, (f, deps) in graph.items() if _floor(m) < TOP
                  for dep, line, deferred in deps if deferred and (str(f), dep) not in DEFERRED]
     assert not offenders, "\n".join(offenders) + "\n(import at the top of the module, or give DEFERRED a reason)"
+
+
+def test_the_standard_library_is_imported_at_the_top():
+    """A function-level import defers a heavy library (JAX, torch, orbax, matplotlib...); the standard library costs
+    nothing to import, so it is imported where a reader looks for it: at the top of the module."""
+    offenders = []
+    for rel in _sources():
+        for fn in ast.walk(ast.parse((ROOT / rel).read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] \
+                        if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+                    offenders += [f"{rel}:{node.lineno} imports {n} in {fn.name}" for n in names
+                                  if n.split(".")[0] in sys.stdlib_module_names]
+    assert not offenders, "\n".join(offenders)
 
 
 def _family_questions(rel: pathlib.PurePath, names: set) -> list:

@@ -32,6 +32,33 @@ def test_round_trip_gives_identical_tensors_and_logits(tmp_path, version):
         assert torch.equal(hf(**b).logits, back(**b).logits)
 
 
+def test_a_16_bit_load_reads_each_tensor_into_the_frozen_dtype(tmp_path):
+    """load_hf_model(dtype=bfloat16) (LoRA's frozen base): the weights a family does not keep in float32 arrive in
+    bfloat16, each equal to the float32 load rounded to nearest; norms and position tables stay float32 and exact. The
+    directory is read a tensor at a time (a mapping that reads on lookup), sharded files included."""
+    import jax
+    import ml_dtypes
+
+    from modelling.family import leaf_name
+    from modelling.hf_mapping import read_safetensors_dir
+    from modelling.t5 import keeps_f32
+
+    hf, m, _ = make_hf("1.1", seed=4)
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")  # several files
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    sd = read_safetensors_dir(str(tmp_path))
+    assert "shared.weight" in sd and "nope" not in sd and len(sd) == len(list(sd))
+    _, f32 = load_hf_model(str(tmp_path), tensor_parallel=2)
+    _, b16 = load_hf_model(str(tmp_path), tensor_parallel=2, dtype=ml_dtypes.bfloat16)
+    kinds = set()
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(f32), jax.tree.leaves(b16)):
+        kept = keeps_f32(leaf_name(path))
+        kinds.add(kept)
+        assert b.dtype == (np.float32 if kept else ml_dtypes.bfloat16), path
+        np.testing.assert_array_equal(b, a if kept else a.astype(ml_dtypes.bfloat16))
+    assert kinds == {True, False}
+
+
 def test_vocab_padding_for_tensor_parallel_is_stripped_on_export(tmp_path):
     hf, m, _ = make_hf("1.1", vocab_size=99)
     hf.save_pretrained(tmp_path / "src")

@@ -234,7 +234,8 @@ def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_tran
 
 def test_the_tiny_preset_with_lora_learns_the_synthetic_task(tmp_path):
     """The tiny preset (2 x 2 devices) on its random base, every layer weight adapted at rank 16: 300 steps take the
-    synthetic NLI task well above chance (a third); measured 57.2% on these 500 samples."""
+    synthetic NLI task well above chance (a third); measured 86.6% on these 500 samples (at a learning rate of 1e-2
+    the run diverges back to the label prior after step 60: 32.6%)."""
     import json
 
     import run_finetuning
@@ -242,10 +243,10 @@ def test_the_tiny_preset_with_lora_learns_the_synthetic_task(tmp_path):
 
     save = str(tmp_path / "ck")
     run_finetuning.main(["--config", "tiny", "--steps", "300", "--lora_rank", "16", "--lora_targets", "q", "k", "v",
-                         "o", "cq", "ck", "cv", "co", "wi_0", "wi_1", "wo", "--learning_rate", "1e-2", "--save", save])
+                         "o", "cq", "ck", "cv", "co", "wi_0", "wi_1", "wo", "--learning_rate", "3e-3", "--save", save])
     run_validation.main(["--load", save, "--limit", "500"])
     report = json.load(open(os.path.join(save, "validation_step300_first500.json")))
-    assert report["accuracy"] > 0.45, report["accuracy"]
+    assert report["accuracy"] > 0.7, report["accuracy"]
 
 
 def _phased_and_fused(cfg, steps=2):
@@ -320,3 +321,31 @@ def test_phased_lora_equals_fused_and_streams_a_frozen_base(preset, flags):
     for a, b in zip(jax.tree.leaves(ph.weights(r["ps"])), jax.tree.leaves(r["f"].weights(r["fs"]))):
         assert a.shape == b.shape and a.dtype == b.dtype and fro_rel(np.asarray(a, np.float32),
                                                                       np.asarray(b, np.float32)) < 1e-5
+
+
+def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path, capsys):
+    """The drivers with --phased true --lora_rank on a GPT-J HF base (a local directory, read tensor by tensor into
+    bfloat16, placed row by row in host memory) at tp 2: 2 steps + resume equal 3 uninterrupted steps bit for bit,
+    the checkpoint names its base, and validation decodes the merged model."""
+    import run_finetuning
+    import run_validation
+    from tests.test_finetuning_cli import params_at
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(5)
+    base = str(tmp_path / "base")
+    GPTJForCausalLM(GPTJConfig(**{**G.HF_KW, "vocab_size": 128})).save_pretrained(base)
+    run = ["--config", "gptj_tiny", "--hf_model", base, "--lora_rank", "4", "--phased", "true", "--precision",
+           "bfloat16", "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4",
+           "--data_parallel", "1", "--tensor_parallel", "2", "--warmup_steps", "0", "--learning_rate", "1e-2"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_finetuning.main(run + ["--steps", "3", "--save", a])
+    run_finetuning.main(run + ["--steps", "2", "--save", b])
+    run_finetuning.main(run + ["--steps", "3", "--save", b, "--load", b])
+    (meta, pa), (_, pb) = params_at(a, 3), params_at(b, 3)
+    assert meta["lora_base"]["source"] == {"hf_model": base}
+    assert all(lora.is_adapter(k) for k in pa["decoder"]["layers"])
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+        np.testing.assert_array_equal(x, y)  # exact resume
+    run_validation.main(["--load", a, "--limit", "6", "--micro_batch_size", "2"])
+    assert "step 3: accuracy" in capsys.readouterr().out

@@ -133,3 +133,29 @@ def test_ul2_and_xxl_fit_one_box_and_stochastic_rounding_halves_the_host_weights
         p.check(device_limit=75 * GIB, host_limit=105 * GIB, cfg=cfg)
     cfg, p = planned("ul2_1gpu", stochastic_rounding=False)
     p.check(device_limit=75 * GIB, host_limit=90 * GIB, cfg=cfg)
+
+
+def test_the_lora_presets_fit_a_24_gb_gpu_with_64_gb_of_host_memory():
+    """xxl_lora_1gpu and ul2_lora_1gpu (phased: the frozen bfloat16 base in host memory, streamed in a layer at a
+    time) and gptj_lora_1gpu (fused: the base on the device) plan within one 24 GB GPU (22 GiB) and 64 GB of host
+    memory (59 GiB), from shapes alone. The frozen base is in bfloat16 (2 bytes a weight), the adapters and their
+    AdamW moments are under 1% of it. XLA:CPU has no bfloat16 GEMM and counts every frozen weight of the fused step
+    converted to float32 for it (a GPU does not): the fused preset's device peak is its frozen base plus the step
+    temporaries of the float32 run, which bound the bfloat16 run's."""
+    gpu, host = 22 * GIB, 59 * GIB
+    for name, billions in (("xxl_lora_1gpu", 11.1), ("ul2_lora_1gpu", 19.5)):
+        cfg = load_config("finetuning", name)
+        g = Graphs(cfg)
+        p = plan(make_executor(g), exact=False)
+        p.check(device_limit=gpu, host_limit=host, cfg=cfg)
+        n = count_params(g.base_specs)
+        assert n > billions * 1e9 and p.host_items["frozen base weights"] == pytest.approx(2 * n, rel=0.01)
+        assert p.host_items["weights"] < 0.01 * p.host_items["frozen base weights"]
+        assert "weight gradients" not in p.host_items or p.host_items["weight gradients"] < 0.01 * 2 * n
+    cfg = load_config("finetuning", "gptj_lora_1gpu")
+    frozen = plan(make_executor(Graphs(cfg)), exact=False).device_items["frozen base weights"]
+    f32 = plan(make_executor(Graphs(load_config("finetuning", "gptj_lora_1gpu", dict(precision="float32")))),
+               exact=False)
+    temporaries = f32.device_peak - f32.device_items["frozen base weights"]
+    assert frozen == pytest.approx(f32.device_items["frozen base weights"] / 2, rel=0.01)
+    assert frozen + temporaries < gpu, (frozen / GIB, temporaries / GIB)

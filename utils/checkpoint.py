@@ -10,7 +10,10 @@ it only when complete, so a crash mid-write leaves the earlier steps intact.
 from __future__ import annotations
 
 import glob
+import json
+import logging
 import os
+import shutil
 from typing import Optional
 
 import jax
@@ -42,8 +45,6 @@ def manager(directory: str, read_only: bool = False) -> ocp.CheckpointManager:
 def is_ours(step_dir: str) -> bool:
     """Whether a numbered folder is one of this project's checkpoint steps: its meta item holds our schema
     (step and config). A user's own folder named like a step is not."""
-    import json
-
     try:
         with open(os.path.join(step_dir, "meta", "metadata")) as f:
             meta = json.load(f)
@@ -83,8 +84,6 @@ def incomplete_steps(directory: str) -> list:
 def prune(directory: str, to_keep: int, keep: tuple = ()) -> list:
     """Deletes the oldest of this project's complete steps beyond the newest ``to_keep`` (0: keep all), never a
     step in ``keep`` and never a folder that is not ours -> the steps deleted."""
-    import shutil
-
     if to_keep <= 0:
         return []
     steps = saved_steps(directory)
@@ -120,8 +119,6 @@ def resolve(path: str) -> list:
     Sorted by step, as the original validated checkpoints in training order. A step directory that is
     incomplete or not ours is an error naming the previous complete step.
     """
-    import logging
-
     found = []
     for p in sorted(glob.glob(path)) or [path]:
         p = p.rstrip("/")
@@ -159,8 +156,6 @@ def save(mgr: ocp.CheckpointManager, step: int, params, opt_state, meta: dict) -
 def read_meta(directory: str, step: int) -> dict:
     """A saved step's meta (step, data position, config) read as the JSON file it is: no JAX needed, so a
     driver can read the model's config before JAX starts."""
-    import json
-
     path = os.path.join(directory, str(step), "meta", "metadata")
     try:
         with open(path) as f:

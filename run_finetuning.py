@@ -193,9 +193,11 @@ def resume_point(cfg):
                           f"pass --steps greater than {step} to continue, or evaluate it with run_validation.py")
     saved = ckpt.read_meta(directory, step).get("config") or {}
     for flag, (section, key) in DATA_ORDER:
-        theirs, ours = saved.get(section, {}).get(key), getattr(getattr(cfg, section), key)
+        if key not in saved.get(section, {}):  # a checkpoint older than the field: nothing to compare
+            continue
+        theirs, ours = saved[section][key], getattr(getattr(cfg, section), key)
         ours = list(ours) if isinstance(ours, tuple) else ours  # a saved tuple is a list
-        if theirs is not None and theirs != ours:
+        if theirs != ours:  # (None against a value too: --hub_config where there was none is other data)
             ours, theirs = _flag_value(ours), _flag_value(theirs)
             raise FlanT5Error(f"resuming {directory}/{step} with --{flag} {ours}, but it was trained with --{flag} "
                               f"{theirs}: its data order cannot continue; resume with --{flag} {theirs}, or start a "

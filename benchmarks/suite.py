@@ -8,7 +8,9 @@
 Parts, in priority order (each against its baseline, measured in the same run):
   xxl_1gpu        Flan-T5-XXL phased on one device, packed, encoder 512 / decoder 8: the preset's 16 rows and
                   the issue's 128 rows; step time, losses, device and host peaks against the plan's, and a
-                  serialised step's transfer and compute seconds (what the step waits on transfers)
+                  serialised step's transfer and compute seconds (what the step waits on transfers); and the
+                  same 16 rows with LoRA (xxl_lora_1gpu: the frozen bfloat16 base streamed, rank-16 adapters
+                  trained) against full fine-tuning's step
   ul2_1gpu        Flan-UL2 (20B) phased on one device, packed, encoder 512 / decoder 8, 128 rows: layers updated in
                   the backward (the preset) against gradients stored in host memory; step times, losses, peaks
   xl_mfu          Flan-T5-XL fused on one device at micro-batch 8 and 16: MFU of the best, with the profile of
@@ -95,6 +97,7 @@ def _smoke_commands() -> dict:
                     "--micro_batch_size", str(mb), *one, "--recompute", "false") for mb in (4, 8)]
     return {
         "xxl": xxl, "xxl128": xxl[:-8] + ["--global_batch_size", "16", "--micro_batch_size", "4", *one],
+        "xxl_lora": xxl + ["--lora_rank", "4"],
         "ul2": xxl + ["--update_in_backward", "true"], "xl": xl,
         "vs_hf": [_compare(*cmp_small, "--only", "train")],
         "vs_hf_mnli": _compare(*cmp_small, "--only", "train", "--lengths", "mnli"),
@@ -122,6 +125,7 @@ def _gpu_commands() -> dict:
     dec = ["--precision", "bfloat16", "--sequence_length", "512", "--batch", "64", "--only", "decode"]
     return {
         "xxl": xxl, "xxl128": xxl + ["--global_batch_size", "128", "--micro_batch_size", "8"],
+        "xxl_lora": _finetune("xxl_lora_1gpu", "--steps", "4", "--warmup_iterations", "1", "--lengths", "mnli"),
         "ul2": _finetune("ul2_1gpu", "--steps", "4", "--warmup_iterations", "1", "--lengths", "mnli",
                          "--global_batch_size", "128", "--micro_batch_size", "8"),
         "xl": xl,
@@ -152,8 +156,9 @@ def parts(smoke: bool) -> list:
     xl = [Run(f"mb{cmd[cmd.index('--micro_batch_size') + 1]}", cmd, required=False) for cmd in c["xl"]]
     xl[-1].cmd = xl[-1].cmd + ["--profile", "{dir}/xl_profile"]  # the larger micro-batch's profile
     out = [
-        Part("xxl_1gpu", "Flan-T5-XXL phased on one device (packed, 16 and 128 rows)", 420,
-             [Run("rows16", c["xxl"]), Run("rows128", c["xxl128"], required=False)], _xxl_figures),
+        Part("xxl_1gpu", "Flan-T5-XXL phased on one device (packed, 16 and 128 rows; 16 rows with LoRA)", 560,
+             [Run("rows16", c["xxl"]), Run("rows128", c["xxl128"], required=False),
+              Run("lora16", c["xxl_lora"], required=False)], _xxl_figures),
         Part("ul2_1gpu", "Flan-UL2 phased on one device (packed, 128 rows): updated in the backward or not", 900,
              [Run("in_backward", c["ul2"]), Run("gradients_stored", c["ul2"] + ["--update_in_backward", "false"],
                                                 required=False)], _ul2_figures),
@@ -198,6 +203,9 @@ def _xxl_figures(reports: dict) -> dict:
         losses = r.get("losses") or []
         f["losses_decrease"] = len(losses) > 1 and losses[-1] < losses[0]
         out[name] = f
+    full, lora = out.get("rows16", {}), out.get("lora16", {})
+    if full.get("median_step_s") and lora.get("median_step_s"):  # < 1: a LoRA step is cheaper than a full one
+        out["lora_over_full_step_s"] = lora["median_step_s"] / full["median_step_s"]
     return out
 
 
@@ -411,7 +419,9 @@ def summary_rows(results: list) -> list:
                     f"{_fmt(big.get('median_step_s'), ' s')} ({_rows(big)}); device "
                     f"{_gib(x, 'peak_device_bytes', 'device_bytes_estimate')} (plan {_gib(x, 'plan_device_bytes')}), "
                     f"{_host(x)}; transfer wait "
-                    f"{_fmt(x.get('transfer_wait_s'), ' s')}")
+                    f"{_fmt(x.get('transfer_wait_s'), ' s')}; with LoRA "
+                    f"{_fmt((f.get('lora16') or {}).get('median_step_s'), ' s')} "
+                    f"({_fmt(f.get('lora_over_full_step_s'), 'x')} of the full step)")
         elif r["part"] == "ul2_1gpu" and f.get("in_backward"):
             x = f["in_backward"]
             head = (f"step {_fmt(x['median_step_s'], ' s')} updated in the backward, "

@@ -221,7 +221,7 @@ def beam_search(family, params: dict, input_ids, attention_mask, opts, options: 
         i, logits, cache, st, _ = carry
         st, parents, go = _beam_step(st, gather_vocab(logits, tp_axis), i, options, eos_id)
         flat = (parents + jnp.arange(b)[:, None] * k).reshape(-1)  # each new beam's parent, as a row of the cache
-        cache = jax.tree.map(lambda x: jnp.take(x, flat, axis=0), cache)
+        cache = family.reorder_beams(cache, flat)
         step = lambda: family.decode_step(dp, st.tokens[:, :, i].reshape(-1), i, cache, opts, tp_axis)  # noqa: E731
         logits, cache = lax.cond(go & (i + 1 < n), step, lambda: (logits, cache))  # no forward after the last
         return i + 1, logits, cache, st, go

@@ -240,6 +240,13 @@ class Family(abc.ABC):
         """The reference: logits [b, Vl] after the prompts and the tokens generated so far (int [b, n]), by running
         the whole model again."""
 
+    def reorder_beams(self, cache, rows: jax.Array):
+        """Beam search's cache after a step: row ``rows[j]`` of ``cache`` becomes row j, where ``rows`` only moves a
+        row within its prompt's block of beams (a beam's parent is a beam of the same prompt). Every leaf by default;
+        a family whose cache holds parts that are equal for all beams of a prompt (T5's cross-attention keys) leaves
+        those where they are."""
+        return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
+
     def compute_params(self, params: dict, opts) -> dict:
         """The weights in the compute dtype (this family's float32 weights kept)."""
         return cast_params(params, opts.compute_dtype, self.keeps_f32)

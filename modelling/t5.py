@@ -674,6 +674,12 @@ class T5Family(Family):
     def decode_step(self, dp, token, i, cache, opts, tp_axis=None):
         return decode_step(dp, token, i, cache, opts, tp_axis)
 
+    def reorder_beams(self, cache, rows):
+        """Only the decoder's self-attention cache follows the beams: the encoder's cross-attention keys, values and
+        mask are the prompt's, the same for each of its beams (moving them was most of a beam step's memory
+        traffic at encoder lengths above the new tokens')."""
+        return {**cache, "self": jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache["self"])}
+
     def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
         return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis)
 

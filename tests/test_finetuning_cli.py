@@ -198,7 +198,8 @@ def test_wandb_offline_run_logs_metrics_and_config(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = str(tmp_path / "run")
-    run_finetuning.main(SMALL + ["--steps", "2", "--run_dir", run_dir, "--wandb", "--wandb-name", "smoke"])
+    run_finetuning.main(SMALL + ["--steps", "2", "--run_dir", run_dir, "--wandb", "--wandb-name", "smoke",
+                                 "--holdout", "16", "--eval_every", "2", "--eval_rows", "4"])
     # run.finish() in offline mode can return before W&B's service process has flushed the run file
     # (seen on CI); teardown waits for the service to exit, as the atexit hook does at process end.
     import wandb
@@ -209,8 +210,8 @@ def test_wandb_offline_run_logs_metrics_and_config(tmp_path, monkeypatch):
     files = glob.glob(os.path.join(runs[0], "*.wandb"))
     assert files and os.path.getsize(files[0]) > 0
     data = open(files[0], "rb").read()
-    for needle in (b"smoke", b"learning_rate", b"samples_per_s", b"micro_batch_size", b"jaxlib"):
-        assert needle in data, needle  # run name, logged metrics, config and library versions
+    for needle in (b"smoke", b"learning_rate", b"samples_per_s", b"micro_batch_size", b"jaxlib", b"eval_accuracy"):
+        assert needle in data, needle  # run name, logged metrics (the held-out score too), config, library versions
 
 
 def test_hf_model_directory_initialises_training_and_validation(tmp_path, capsys):

@@ -71,7 +71,7 @@ def test_hf_gptj_directory_initialises_training_and_validation(tmp_path):
     assert ckpt.saved_steps(str(tmp_path)) == []
 
 
-def test_run_inference_equals_hf_generate_for_both_families(tmp_path, capsys):
+def test_run_inference_equals_hf_generate_for_both_families(tmp_path, capsys, caplog):
     """run_inference.py --compare_hf: our greedy outputs of a T5 (untied head) and a GPT-J checkpoint, token for
     token those of HF generate on the same weights."""
     import run_inference
@@ -84,7 +84,14 @@ def test_run_inference_equals_hf_generate_for_both_families(tmp_path, capsys):
         out = run_inference.main(["--load", d, "--compare_hf", "--limit", "5"])
         assert len(out) == 5 and all(r["same_tokens"] for r in out), out
         assert all(r["ours"] == r["hf"] for r in out)
-    assert capsys.readouterr().out.count("5 of 5 outputs token for token equal to HF generate") == 2
+        # beam search from the command line: HF generate with the same beams and length penalty, token for token
+        out = run_inference.main(["--load", d, "--compare_hf", "--limit", "5", "--num_beams", "3",
+                                  "--length_penalty", "0.8"])
+        assert len(out) == 5 and all(r["same_tokens"] for r in out), out
+    assert capsys.readouterr().out.count("5 of 5 outputs token for token equal to HF generate") == 4
+    with caplog.at_level("WARNING", logger="flan_t5"):  # words the tokenizer does not know are said, as in training
+        run_inference.main(["--load", t5_dir, "--prompt", "mnli hypothesis: zorblax quuxes premise: the cat sleeps"])
+    assert "unknown to tokenizer" in caplog.text
 
     # back to Hugging Face format: transformers loads the export and gives our logits; its config stops generate at
     # the tokenizer's end-of-text (the synthetic tokenizer's 1, not GPT-2's 50256); nothing is written over

@@ -94,6 +94,10 @@ def failing(cfg, executor, loader, state, step, *a, **kw):
 
     if step == 3 and jax.process_index() == {rank}:
         open({stamp!r}, "w").write(str(time.time()))
+        if {killed}:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)  # as kill -9, or the kernel's OOM killer
         if {bug}:
             raise KeyError("a bug at step 3")
         from data.mnli import DataError
@@ -107,19 +111,20 @@ run_finetuning.main(sys.argv[1:])
 """
 
 
-@pytest.mark.parametrize("how", ["launcher", "by hand"])
+@pytest.mark.parametrize("how", ["launcher", "by hand", "killed"])
 def test_a_process_that_fails_ends_the_whole_job_in_seconds_naming_its_error(tmp_path, how):
     """A process raising mid-training (process 1 on an expected error under the launcher; process 0, the
-    coordinator, on a bug when each process is started by hand as on a cluster): every process ends within
-    seconds of it, each naming the failed process and its error, with a non-zero status and no C++ stack dump;
-    the checkpoints saved before stay loadable."""
+    coordinator, on a bug when each process is started by hand as on a cluster) or killed (SIGKILL, under the
+    launcher): every process ends within seconds of it, each naming the failed process and its error (the killed
+    one's by the launcher: the signal), with a non-zero status and no C++ stack dump; the checkpoints saved before
+    stay loadable."""
     save, stamp = str(tmp_path / "ck"), str(tmp_path / "failed_at")
-    rank, bug = (1, False) if how == "launcher" else (0, True)
+    rank, bug, killed = {"launcher": (1, False, False), "by hand": (0, True, False), "killed": (1, False, True)}[how]
     script = tmp_path / "failing.py"
-    script.write_text(FAILING.format(root=ROOT, rank=rank, stamp=stamp, bug=bug))
+    script.write_text(FAILING.format(root=ROOT, rank=rank, stamp=stamp, bug=bug, killed=killed))
     argv = [str(script)] + SMALL + ["--steps", "8", "--save", save, "--checkpoint_steps", "2"]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if how == "launcher":
+    if how != "by hand":
         procs = [subprocess.Popen([sys.executable, "-m", "app.launch", "--nproc", "2", *argv], cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     else:
@@ -133,6 +138,11 @@ def test_a_process_that_fails_ends_the_whole_job_in_seconds_naming_its_error(tmp
     assert ended - float(open(stamp).read()) < 30, "\n".join(outs)[-3000:]
     assert all(p.returncode != 0 for p in procs)
     text = "\n".join(outs)
+    if killed:
+        assert "launch: process 1 of 2 was killed by signal 9 (SIGKILL); stopping the others" in text, text[-3000:]
+        assert "Traceback" not in text and "Check failure stack trace" not in text
+        assert 2 in ckpt.saved_steps(save)
+        return
     expected = ("process 1 of 2: data.jsonl: row 7: column 'label' is empty" if rank == 1 else
                 "process 0 of 2: KeyError: 'a bug at step 3'")
     assert f"error: {expected}" in text, text[-3000:]

@@ -65,9 +65,10 @@ def test_packer_fills_rows_and_holds_over_what_does_not_fit():
     assert fill > 0.9, fill
 
 
-def _pair(cfg_kw, ex, packed_rows, micro_unpacked, micro_packed):
-    """(unpacked config, unpacked batch, packed config, packed batch) of the same examples."""
-    n, L, T, D = len(ex), 32, 4, 12
+def _pair(cfg_kw, ex, packed_rows, micro_unpacked, micro_packed, T=4, D=12):
+    """(unpacked config, unpacked batch, packed config, packed batch) of the same examples (targets of at most T
+    tokens, packed decoder rows of D)."""
+    n, L = len(ex), 32
     base = dict(sequence_length=L, decoder_sequence_length=T, packed_decoder_length=D, warmup_steps=0, **cfg_kw)
     dp = cfg_kw["data_parallel"]
     cu = load_config("finetuning", "tiny", dict(base, packing=False, global_batch_size=n, micro_batch_size=micro_unpacked))
@@ -79,13 +80,17 @@ def _pair(cfg_kw, ex, packed_rows, micro_unpacked, micro_packed):
     return cu, shape(bu, cu), cp, shape(bp, cp)
 
 
-@pytest.mark.parametrize("dp,tp", [(1, 1), (2, 2)])
-def test_packed_batch_gives_the_unpacked_loss_and_gradients(dp, tp):
-    # 8 examples: one longer than half a row (20 of 32 tokens), and a row holding a single example
-    ex = _examples([20, 5, 9, 3, 30, 7, 6, 11], [3, 2, 4, 2, 3, 1, 2, 4])
+@pytest.mark.parametrize("dp,tp,targets", [(1, 1, "summaries"), (2, 2, "labels")])
+def test_packed_batch_gives_the_unpacked_loss_and_gradients(dp, tp, targets):
+    """8 examples: one longer than half a row (20 of 32 tokens), and a row holding a single example; their targets
+    a label's few tokens (MNLI), or summaries' tens (decoder rows of 24, packed three to a row of 48)."""
+    lengths, T, D = (([3, 2, 4, 2, 3, 1, 2, 4], 4, 12) if targets == "labels" else
+                     ([14, 6, 18, 3, 11, 9, 12, 17], 24, 48))
+    ex = _examples([20, 5, 9, 3, 30, 7, 6, 11], lengths)
     rows = [[0, 1, 3], [4], [2, 5, 6], [7]]
-    cu, bu, cp, bp = _pair(dict(data_parallel=dp, tensor_parallel=tp), ex, rows, 4 // dp, 2 // dp)
-    assert int(np.sum(bu["labels"] != -100)) == int(np.sum(bp["labels"] != -100)) == 21  # the same token count
+    cu, bu, cp, bp = _pair(dict(data_parallel=dp, tensor_parallel=tp), ex, rows, 4 // dp, 2 // dp, T, D)
+    # the same token count
+    assert int(np.sum(bu["labels"] != -100)) == int(np.sum(bp["labels"] != -100)) == sum(lengths)
     assert batch_stats(bp)["examples"] == 8 and bp["input_ids"].shape[:2] == (2, 2)
     host = jax.tree.map(np.asarray, Graphs(cu).init_params())
     rng = jax.random.key_data(jax.random.key(0))

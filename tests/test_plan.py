@@ -159,3 +159,18 @@ def test_the_lora_presets_fit_a_24_gb_gpu_with_64_gb_of_host_memory():
     temporaries = f32.device_peak - f32.device_items["frozen base weights"]
     assert frozen == pytest.approx(f32.device_items["frozen base weights"] / 2, rel=0.01)
     assert frozen + temporaries < gpu, (frozen / GIB, temporaries / GIB)
+
+
+def test_a_task_with_longer_targets_is_planned_with_its_longer_decoder():
+    """Summaries' targets (decoder rows of 64 tokens, packed into 128) against labels' (8, packed into 16): the plan
+    reads the decoder length from the config, so the decoder's activation rows and the device peak grow with it."""
+    def planned(decoder, packed):
+        cfg = load_config("finetuning", "tiny", dict(data_parallel=1, tensor_parallel=1, global_batch_size=8,
+                                                     micro_batch_size=4, sequence_length=64, phased=True,
+                                                     decoder_sequence_length=decoder, packed_decoder_length=packed))
+        return plan(make_executor(Graphs(cfg)), exact=True)
+
+    short, long = planned(8, 16), planned(64, 128)
+    assert long.host_items["activation rows"] > short.host_items["activation rows"] * 1.5, (short.format(),
+                                                                                             long.format())
+    assert long.device_peak > short.device_peak

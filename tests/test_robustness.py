@@ -6,6 +6,7 @@ with nothing useful, or lost work).
 """
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -113,7 +114,10 @@ def test_ctrl_c_saves_the_step_and_exits_130_without_a_traceback(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
-    assert len(ckpt.saved_steps(save)) == 1
+    (k,) = ckpt.saved_steps(save)
+    # the hint is the command that resumes and goes on saving
+    assert f"SIGINT: stopped after step {k}: saved {save}/{k}; resume (and go on saving) with --load {save} " \
+           f"--save {save}" in err, err[-2000:]
 
 
 def test_steps_at_or_below_the_checkpoint_and_periodic_saves(tmp_path, capsys, caplog):
@@ -124,6 +128,11 @@ def test_steps_at_or_below_the_checkpoint_and_periodic_saves(tmp_path, capsys, c
     _fails(capsys, run_finetuning.main, SMALL + ["--steps", "10", "--save", save, "--load", save],
            f"{save} is at step 20 and --steps is 10: nothing to train")
     assert before == {f: os.path.getmtime(os.path.join(r, f)) for r, _, fs in os.walk(save) for f in fs}
+    # resuming with nowhere to save trains, but says so at its start
+    with caplog.at_level(logging.WARNING, logger="flan_t5"):
+        run_finetuning.main(SMALL + ["--steps", "21", "--load", save, "--run_dir", str(tmp_path / "run")])
+    assert f"resuming {save}/20 without --save: nothing of this run will be saved; pass --save {save}" in caplog.text
+    assert ckpt.saved_steps(save) == [14, 16, 18, 20]
 
 
 def test_unwritable_paths_fail_before_the_model_is_built(tmp_path, capsys, monkeypatch):

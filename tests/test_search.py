@@ -94,9 +94,10 @@ def test_beam_search_gives_hf_generates_tokens(fixture, beams, length_penalty, e
     np.testing.assert_array_equal(got, ref)
 
 
-def test_one_beam_is_greedy(fixture):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_one_beam_is_greedy(fixture, tp):
     name, hf, m, params, ids, mask = fixture
-    np.testing.assert_array_equal(ours(m, params, ids, mask, Options(N)),
+    np.testing.assert_array_equal(ours(m, params, ids, mask, Options(N, num_beams=1), tp=tp),
                                   hf_tokens(name, hf, ids, mask, do_sample=False, num_beams=1))
 
 

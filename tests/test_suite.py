@@ -39,6 +39,9 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     x = figs["xxl_1gpu"]["rows16"]
     assert x["median_step_s"] == raw("xxl_1gpu", "rows16")["median_step_s"] > 0
     assert x["plan_host_bytes"] > 0 and x["host_peak_rss_bytes"] > 0
+    assert figs["xxl_1gpu"]["lora_over_full_step_s"] == pytest.approx(
+        raw("xxl_1gpu", "lora16")["median_step_s"] / raw("xxl_1gpu", "rows16")["median_step_s"])
+    assert raw("xxl_1gpu", "lora16")["parameters"] < raw("xxl_1gpu", "rows16")["parameters"] / 10  # the adapters
     t = raw("xxl_1gpu", "rows16")["phase_timing"]
     assert t["compute_s"] > 0 and x["transfer_wait_s"] == max(x["median_step_s"] - t["compute_s"], 0.0)
     for run in ("in_backward", "gradients_stored"):  # the figure says what the run's own losses say

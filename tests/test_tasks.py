@@ -136,6 +136,13 @@ def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, p
     assert report["scores"]["exact_match"] > least, report["scores"]  # measured: 0.55 (T5, 150 steps), 0.97 (GPT-J)
     assert report["scores"]["rougeL"] > report["scores"]["exact_match"]
     assert len(report["generated"]) == len(report["references"]) == len(report["inputs"]) == 200
+    # beam search and sampling from the command line, scored the same way
+    run_validation.main(["--load", save, "--limit", "32", "--num_beams", "3", "--output", str(tmp_path / "b.json")])
+    run_validation.main(["--load", save, "--limit", "32", "--do_sample", "--top_k", "3", "--sampling_seed", "5",
+                         "--output", str(tmp_path / "s.json")])
+    beams, sampled = (json.load(open(tmp_path / f)) for f in ("b.json", "s.json"))
+    assert beams["decoding"]["num_beams"] == 3 and sampled["decoding"]["do_sample"] is True
+    assert beams["scores"]["exact_match"] > least and sampled["samples"] == 32, (beams["scores"], sampled["scores"])
     # predictions for a file of inputs (no targets), batch by batch; the same command continues a cut-short file
     rows = [{"text": r["text"]} for r in generate_headlines("test", 9, seed=1)]
     data = write(rows, tmp_path / "in.jsonl")
@@ -165,6 +172,11 @@ def test_eval_every_changes_nothing_of_the_run_and_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(x, z)
     lines = [json.loads(x) for x in open(os.path.join(c, "metrics.jsonl"))]
     assert [r["step"] for r in lines] == [1, 2, 3, 4] and [r["step"] for r in lines if "eval_accuracy" in r] == [2, 4]
+    # the loss plot carries the held-out score beside the loss
+    from app.tracking import plot_loss_curve
+
+    drawn = plot_loss_curve(os.path.join(c, "metrics.jsonl"), str(tmp_path / "curve.png"))
+    assert any("eval_accuracy" in label for label in drawn["curves"]) and os.path.getsize(tmp_path / "curve.png")
     # validation of the checkpoint scores the rows held out of its training, by default
     run_validation.main(["--load", c, "--limit", "8"])
     report = json.load(open(os.path.join(c, "validation_heldout_step4_first8.json")))

@@ -195,6 +195,10 @@ def test_a_new_run_from_a_checkpoint_on_new_data_and_resume_keeps_the_data_order
     assert [r["step"] for r in lines] == [1, 2] and lines[0]["learning_rate"] == 0.0  # a fresh schedule
 
 
+ORDER_FLAGS = ("dataset", "hub_config", "train_split", "holdout", "global_batch_size", "packing", "causal_packing",
+               "sequence_length", "seed", "input_template", "input_column", "target_column", "labels")
+
+
 @pytest.fixture(scope="module")
 def one_step(tmp_path_factory) -> str:
     save = str(tmp_path_factory.mktemp("order") / "ck")
@@ -202,14 +206,21 @@ def one_step(tmp_path_factory) -> str:
     return save
 
 
-@pytest.mark.parametrize("flag,value", [("dataset", "synthetic-mnli"), ("global_batch_size", "16"),
-                                        ("packing", "false"), ("causal_packing", "concat"),
-                                        ("sequence_length", "24"), ("seed", "7")])
+@pytest.mark.parametrize("flag,value", [
+    ("dataset", "synthetic-mnli"), ("hub_config", "plain_text"), ("train_split", "validation"), ("holdout", "8"),
+    ("global_batch_size", "16"), ("packing", "false"), ("causal_packing", "concat"), ("sequence_length", "24"),
+    ("seed", "7"), ("input_template", "nli {premise} | {hypothesis}"), ("input_column", "premise"),
+    ("target_column", "hypothesis"), ("labels", "yes maybe no")])
 def test_resume_refuses_every_change_of_the_data_order(one_step, capsys, flag, value):
-    """Each key that decides which examples the next batch holds: resuming with another value could not continue
-    the run's stream; the error names the key, both values and --init_from, before any work."""
+    """Each key that decides which examples the next batch holds (run_finetuning.DATA_ORDER, every one of them):
+    resuming with another value could not continue the run's stream; the error names the key, both values and
+    --init_from, before any work."""
+    from run_finetuning import DATA_ORDER
+
+    assert {f for f, _ in DATA_ORDER} == set(ORDER_FLAGS)
+    given = value.split() if flag == "labels" else [value]
     err = _fails(capsys, run_finetuning.main, SMALL + ["--steps", "2", "--load", one_step, "--save", one_step,
-                                                       f"--{flag}", value], f"--{flag} {value}")
+                                                       f"--{flag}", *given], f"--{flag} {value}")
     assert "it was trained with" in err and "--init_from" in err
     assert ckpt.saved_steps(one_step) == [1]  # nothing written
 
@@ -259,8 +270,9 @@ def test_own_words_train_offline_with_a_tokenizer_learnt_from_the_data(tmp_path)
                          "--steps", "250", "--checkpoint_steps", "0"])
     assert os.path.isfile(os.path.join(save, "tokenizer", "tokenizer.json"))
     out = tmp_path / "v.json"
-    run_validation.main(["--load", save, "--dataset", str(data), "--output", str(out)])
+    run_validation.main(["--load", save, "--output", str(out)])  # no data flag: the checkpoint's own data
     r = json.load(open(out))
+    assert r["dataset"] == str(data) and r["split"] == "validation_mismatched" and r["samples"] == 150
     assert r["prompt_tokens_unknown"] == 0.0 and r["unknown"] == 0
     assert r["accuracy"] > 0.55, r["per_class"]  # chance: 1/3 (measured: 74% after 300 steps, 150 words unseen)
 
@@ -277,11 +289,51 @@ def test_no_network_is_one_line_at_once_naming_the_offline_choice(monkeypatch):
     assert time.time() - t0 < 20  # the hub's retries took 52 s
 
 
+def test_no_network_for_a_hub_data_set_is_one_line_without_a_download_attempt(monkeypatch):
+    """--config small offline: its data set (nyu-mll/glue) is looked up in the local cache alone, then refused in one
+    line naming --dataset PATH; no request is made (datasets' retries took 25 s)."""
+    import datasets
+
+    from data.sources import DataError, read
+    from utils import hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "reachable", lambda timeout=3.0: False)
+    calls = []
+
+    def load_dataset(*a, **kw):
+        calls.append(datasets.config.HF_HUB_OFFLINE)
+        raise FileNotFoundError("not in the cache")
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(DataError, match=r"no network .* --dataset PATH") as e:
+        read("nyu-mll/glue", "train", hub_config="mnli")
+    assert calls == [True] and "\n" not in str(e.value)  # the cache, offline; never the network
+
+
+def test_a_checkpoint_of_every_row_of_one_file_is_not_scored_on_them(tmp_path, capsys):
+    """Trained on a single file with nothing held out: validation of the checkpoint refuses to score its own training
+    rows (one line naming --dataset and --holdout); told another file, it scores that one and names it."""
+    from data import synthetic
+
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic.generate_split("train", 64, seed=3)))
+    save = str(tmp_path / "ck")
+    train(save, 1, "--dataset", str(data))
+    _fails(capsys, run_validation.main, ["--load", save], "a single file, nothing held out")
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in synthetic.generate_split("validation", 8, seed=4)))
+    run_validation.main(["--load", save, "--dataset", str(other)])
+    assert f"of {other}" in capsys.readouterr().out
+
+
 def test_truncation_and_unknown_counts_are_in_the_first_metrics_line(tmp_path):
     save = str(tmp_path / "ck")
-    run_finetuning.main(SMALL + ["--steps", "2", "--save", save, "--sequence_length", "12"])
+    run_finetuning.main(SMALL + ["--steps", "2", "--save", save, "--sequence_length", "12",
+                                 "--decoder_sequence_length", "1"])  # MNLI's targets are a word and </s>
     first = json.loads(open(os.path.join(save, "metrics.jsonl")).readline())
     assert first["truncated_examples"] > 0 and 0 < first["truncated_share"] <= 1 and first["unknown_token_share"] == 0
+    assert first["truncated_targets"] > 0
 
 
 def test_a_second_signal_during_the_save_stops_at_once_and_earlier_steps_stay_loadable(tmp_path):

@@ -45,15 +45,16 @@ def entry(main: Callable) -> Callable:
         except KeyboardInterrupt:
             die("interrupted", 130)
         except Exception as e:  # XLA's out-of-memory errors carry no type of their own
-            line, code = out_of_memory_message(e), OutOfMemory.exit_code
-            if line is None:
-                line, code = peer_failure_message(e), 1
+            line, code, origin = out_of_memory_message(e), OutOfMemory.exit_code, True
+            if line is None:  # a peer is gone: this process did not fail first (a killed one leaves no mark)
+                line, code, origin = peer_failure_message(e), 1, False
             if line is None and runtime.process_count() == 1:
                 raise
             if line is None:  # a bug: its traceback, then the line the other processes see
                 traceback.print_exc()
-                line = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-            fail(line, code)
+                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+                line, origin = f"{type(e).__name__}: {first}", True
+            fail(line, code, origin)
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
@@ -61,13 +62,14 @@ def entry(main: Callable) -> Callable:
     return run
 
 
-def fail(message: str, code: int) -> typing.NoReturn:
+def fail(message: str, code: int, origin: bool = True) -> typing.NoReturn:
     """The one line of a failure and its exit code; in a multi-process run the line names this process, the others
-    are told, and the process ends at once (``os._exit``: no barrier at exit waits for the peers)."""
+    are told, and the process ends at once (``os._exit``: no barrier at exit waits for the peers). ``origin``: this
+    process failed first (False: it stops because a peer is gone, and the launcher names that peer)."""
     if runtime.process_count() == 1:
         die(message, code)
     line = f"{runtime.process_label()}: {message}"
-    runtime.report_failure(line, code)
+    runtime.report_failure(line, code, origin)
     try:
         sys.stdout.flush()
     except Exception:

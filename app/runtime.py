@@ -248,10 +248,12 @@ def any_process(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.int32(value))))
 
 
-def report_failure(message: str, code: int) -> None:
+def report_failure(message: str, code: int, origin: bool = True) -> None:
     """Tells the other processes of the run that this one fails with ``message`` (one line) and ``code``: each of
-    them then stops at once (``watch_for_failures``) instead of waiting in a collective for a peer that is gone."""
-    _mark_origin()
+    them then stops at once (``watch_for_failures``) instead of waiting in a collective for a peer that is gone.
+    ``origin``: this process's failure is the run's first (under app.launch, the launcher names it)."""
+    if origin:
+        _mark_origin()
     client = _client()
     if client is None:
         return

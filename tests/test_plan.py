@@ -163,7 +163,8 @@ def test_the_lora_presets_fit_a_24_gb_gpu_with_64_gb_of_host_memory():
 
 def test_a_task_with_longer_targets_is_planned_with_its_longer_decoder():
     """Summaries' targets (decoder rows of 64 tokens, packed into 128) against labels' (8, packed into 16): the plan
-    reads the decoder length from the config, so the decoder's activation rows and the device peak grow with it."""
+    reads the decoder length from the config, so the batch, the activations and the device peak grow with it
+    (measured: 10.7 MiB against 4.0 MiB at this tiny shape)."""
     def planned(decoder, packed):
         cfg = load_config("finetuning", "tiny", dict(data_parallel=1, tensor_parallel=1, global_batch_size=8,
                                                      micro_batch_size=4, sequence_length=64, phased=True,
@@ -171,6 +172,6 @@ def test_a_task_with_longer_targets_is_planned_with_its_longer_decoder():
         return plan(make_executor(Graphs(cfg)), exact=True)
 
     short, long = planned(8, 16), planned(64, 128)
-    assert long.host_items["activation rows"] > short.host_items["activation rows"] * 1.5, (short.format(),
-                                                                                             long.format())
-    assert long.device_peak > short.device_peak
+    for item in ("batch", "activations"):
+        assert long.device_items[item] > short.device_items[item] * 1.5, (short.format(), long.format())
+    assert long.device_peak > 2 * short.device_peak

@@ -17,6 +17,11 @@ plus the compiled programs' temporaries (XLA's memory analysis). With
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) is one line too, not a traceback
+    from app.entry import signals_from_the_start
+
+    signals_from_the_start()
+
 import time
 
 from app.args import parse_config

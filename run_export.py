@@ -15,6 +15,11 @@ adapters alone in PEFT's format. The output directory must not exist or be empty
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) is one line too, not a traceback
+    from app.entry import signals_from_the_start
+
+    signals_from_the_start()
+
 import json
 import logging
 import os

@@ -14,6 +14,11 @@ loss scaling (float16's default) a step whose gradients overflow is skipped and 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) is one line too, not a traceback
+    from app.entry import signals_from_the_start
+
+    signals_from_the_start()
+
 import copy
 import json
 import logging

@@ -94,6 +94,13 @@ def peer_failure_message(e: BaseException) -> Optional[str]:
             "output (or the launcher's) says why")
 
 
+def signals_from_the_start() -> None:
+    """A driver run as a script calls this before its other imports (JAX's take seconds): Ctrl-C or SIGTERM then is
+    one line and exit 130 / 143 at any moment, the imports included (``entry`` keeps the same handlers)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, exit_on_signal)
+
+
 def exit_on_signal(signum, frame=None) -> None:
     """Ctrl-C or SIGTERM at any moment outside the training loop's own handling (start-up, compilation, loading,
     validation, decoding): one line and exit 130 / 143 at once. No Python exception is raised into a program

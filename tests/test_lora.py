@@ -233,26 +233,27 @@ def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_tran
 
 
 def test_the_tiny_preset_with_lora_learns_the_synthetic_task(tmp_path):
-    """The tiny preset (2 x 2 devices) on its random base, every layer weight adapted at rank 16: 300 steps take the
-    synthetic NLI task well above chance (a third); measured 86.6% on these 500 samples (at a learning rate of 1e-2
-    the run diverges back to the label prior after step 60: 32.6%)."""
+    """The tiny preset (2 x 2 devices) on its random base, every layer weight adapted at rank 16: 150 steps take the
+    synthetic NLI task well above chance (a third); measured 74.8% on these 500 samples (86.6% after 300 steps; at a
+    learning rate of 1e-2 the run diverges back to the label prior after step 60: 32.6%)."""
     import json
 
     import run_finetuning
     import run_validation
 
     save = str(tmp_path / "ck")
-    run_finetuning.main(["--config", "tiny", "--steps", "300", "--lora_rank", "16", "--lora_targets", "q", "k", "v",
-                         "o", "cq", "ck", "cv", "co", "wi_0", "wi_1", "wo", "--learning_rate", "3e-3", "--save", save])
+    run_finetuning.main(["--config", "tiny", "--steps", "150", "--lora_rank", "16", "--lora_targets", "q", "k", "v",
+                         "o", "cq", "ck", "cv", "co", "wi_0", "wi_1", "wo", "--learning_rate", "3e-3", "--save", save,
+                         "--checkpoint_steps", "0"])
     run_validation.main(["--load", save, "--limit", "500"])
-    report = json.load(open(os.path.join(save, "validation_step300_first500.json")))
-    assert report["accuracy"] > 0.7, report["accuracy"]
+    report = json.load(open(os.path.join(save, "validation_step150_first500.json")))
+    assert report["accuracy"] > 0.6, report["accuracy"]
 
 
-def _phased_and_fused(cfg, steps=2):
-    """The fused and the phased executor on the same random base (each created its own way: on the devices, and
-    one weight at a time into host memory) and the same non-zero adapters: loss and gradients, then ``steps`` steps
-    of each."""
+def _phased_and_fused(cfg, random_base: bool, steps=2):
+    """The fused and the phased executor on the same base and the same non-zero adapters: ``steps`` steps of each.
+    ``random_base``: the family's random init, which each executor creates its own way (on the devices, and one
+    weight at a time into host memory); else numpy weights, placed."""
     from data.generated import generated_batch
     from graphs.fused import FusedExecutor
     from graphs.phased import PhasedExecutor
@@ -260,17 +261,19 @@ def _phased_and_fused(cfg, steps=2):
 
     g = Graphs(cfg)
     f, ph = FusedExecutor(g), PhasedExecutor(g)
-    f.set_base(None)
-    ph.set_base(None)
+    rng = np.random.default_rng(5)
+    base = None if random_base else jax.tree.map(
+        lambda s: (s.std or 1.0) * rng.standard_normal(s.shape).astype(np.float32) + (0.0 if s.std else 1.0),
+        g.base_specs, is_leaf=lambda x: hasattr(x, "axes"))
+    f.set_base(base)
+    ph.set_base(base)
     frozen = [np.asarray(x) for s in ph.frozen_layers for row in ph.frozen_layers[s] for x in jax.tree.leaves(row)]
     adapters = random_adapters(g)
     fs = f.init_state()
     fs = TrainState(fs.step, g.shard_params(adapters), fs.opt_state)
-    ps = ph._fresh_state(adapters)
+    ps = ph.from_train_state(fs)  # the same adapters and optimizer state, as a checkpoint hands them over
     batch = g.shard_batch(generated_batch(cfg, seed=0))
-    rng = jax.random.key_data(jax.random.key(3))
-    out = dict(g=g, f=f, ph=ph, frozen=frozen, batch=batch, fingerprints=(f.base_fingerprint(), ph.base_fingerprint()),
-               grads=(f.loss_and_grads(fs, batch, rng), ph.loss_and_grads(ps, batch, rng)))
+    out = dict(g=g, f=f, ph=ph, frozen=frozen, batch=batch, fingerprints=(f.base_fingerprint(), ph.base_fingerprint()))
     metrics = []
     for _ in range(steps):
         fs, fm = f.train_step(fs, batch)
@@ -281,29 +284,26 @@ def _phased_and_fused(cfg, steps=2):
 
 @pytest.mark.parametrize("preset,flags", [
     # T5 at dp 2 x tp 2: self and cross attention, feed-forward (column- and row-parallel adapters), dropout in the
-    # model and on the adapters, clipping that triggers
+    # model and on the adapters, clipping that triggers; a base given as numpy weights
     ("tiny", dict(data_parallel=2, tensor_parallel=2, micro_batch_size=4, dropout_prob=0.1, lora_dropout=0.1,
-                  gradient_clipping=0.05, lora_targets=T5_TARGETS)),
+                  gradient_clipping=0.05, lora_targets=T5_TARGETS, layers=2)),
+    # GPT-J at tp 2 on the random init's base, which each executor creates its own way
     ("gptj_tiny", dict(data_parallel=1, tensor_parallel=2, micro_batch_size=8, lora_targets=GPTJ_TARGETS)),
 ])
 def test_phased_lora_equals_fused_and_streams_a_frozen_base(preset, flags):
     """The phased executor with LoRA: the frozen base streamed from host memory for the forward and backward, only
-    the adapters differentiated and updated. Its random base is the fused one's (the same fingerprint), its loss,
-    adapter gradients and adapters after two steps equal the fused executor's, the base rows are bit-identical
-    after the steps, and the merged weights it decodes with equal the fused ones."""
+    the adapters differentiated and updated. Its random base is the fused one's (the same fingerprint); its losses
+    and gradient norms, and after two steps its adapters and their AdamW moments (the first moment a weighted sum of
+    the two steps' gradients, every one non-zero) equal the fused executor's; the base rows are bit-identical after
+    the steps, and the merged weights it decodes with equal the fused ones."""
     from config.config import load_config
-    from tests.test_parallel import fro_rel, max_rel
+    from tests.test_parallel import fro_rel
 
     cfg = load_config("finetuning", preset, dict(global_batch_size=16, sequence_length=16, warmup_steps=0,
                                                  learning_rate=1e-3, precision="float32", **LORA, **flags))
     assert cfg.gradient_accumulation == 2
-    r = _phased_and_fused(cfg)
+    r = _phased_and_fused(cfg, random_base=preset == "gptj_tiny")
     assert r["fingerprints"][0] == r["fingerprints"][1]
-    (floss, fgrads), (ploss, pgrads) = r["grads"]
-    assert abs(float(ploss) - float(floss)) < 1e-6 * float(floss)
-    assert jax.tree.structure(pgrads) == jax.tree.structure(fgrads)
-    for a, b in zip(jax.tree.leaves(pgrads), jax.tree.leaves(fgrads)):
-        assert np.any(np.asarray(b) != 0) and max_rel(np.asarray(a), np.asarray(b)) < 1e-5
     for fm, pm in r["metrics"]:
         assert abs(float(pm["loss"]) - float(fm["loss"])) < 1e-6 * float(fm["loss"])
         assert abs(float(pm["grad_norm"]) - float(fm["grad_norm"])) < 1e-5 * float(fm["grad_norm"])
@@ -314,6 +314,7 @@ def test_phased_lora_equals_fused_and_streams_a_frozen_base(preset, flags):
     # AdamW's second moment is a sum of squared gradients: its relative error is twice theirs (1e-5)
     for a, b in zip(jax.tree.leaves(stacked.opt_state), jax.tree.leaves(r["fs"].opt_state)):
         assert np.shape(a) == np.shape(b) and fro_rel(np.asarray(a), np.asarray(b)) < 3e-5
+        assert np.ndim(b) == 0 or np.all(np.any(np.asarray(b) != 0, axis=tuple(range(1, np.ndim(b)))))
     ph = r["ph"]
     after = [np.asarray(x) for s in ph.frozen_layers for row in ph.frozen_layers[s] for x in jax.tree.leaves(row)]
     assert all(np.array_equal(a, b) for a, b in zip(after, r["frozen"]))

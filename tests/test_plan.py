@@ -6,6 +6,8 @@ Tolerance: the plan's device and host peaks within 10% of the bytes measured dur
 count them; host: live arrays in host memory at each phase's start).
 """
 
+import gc
+
 import jax
 import pytest
 
@@ -14,6 +16,7 @@ from data.generated import generated_batch
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from graphs.phased import DeviceOps, PhaseMemory
+from graphs.memory import live_device_bytes
 from graphs.plan import GIB, PlanError, plan
 from modelling.params import count_params
 
@@ -56,11 +59,16 @@ def test_phased_plan_equals_what_a_step_allocates(optimizer):
             super().record(name, program, args)
             host_peak[0] = max(host_peak[0], _host_bytes())
 
+    # device arrays that earlier tests of this worker keep alive (caches, garbage not yet collected) are not the
+    # step's: they are measured before it and taken off
+    gc.collect()
+    before = max(live_device_bytes().values() or [0])
     state = ex.init_state()
     memory = Measure()
     ex.with_ops(DeviceOps(memory=memory)).train_step(state, ex.g.shard_batch(generated_batch(cfg, seed=0,
                                                                                               lengths="short")))
-    assert abs(p.device_peak - memory.peak) <= 0.1 * memory.peak, (p.format(), memory.by_phase)
+    measured = memory.peak - before
+    assert abs(p.device_peak - measured) <= 0.1 * measured, (p.format(), memory.by_phase, before)
     assert abs(p.host_peak - host_peak[0]) <= 0.1 * host_peak[0], (p.format(), host_peak[0] / GIB)
 
 
@@ -68,13 +76,15 @@ def test_fused_plan_equals_the_compiled_step():
     cfg = load_config("finetuning", "tiny", dict(global_batch_size=8, micro_batch_size=2, sequence_length=32))
     ex = make_executor(Graphs(cfg))
     p = plan(ex, exact=True)
-    from graphs.memory import live_device_bytes, program_bytes
+    from graphs.memory import program_bytes
 
+    gc.collect()
+    before = max(live_device_bytes().values() or [0])  # what earlier tests of this worker keep alive
     state = ex.init_state()
     batch = ex.g.shard_batch(generated_batch(cfg, seed=0))
     rng = jax.random.key_data(jax.random.key(0))
     analysis = ex.train_step_program(state).lower(state, batch, rng, jax.numpy.float32(1)).compile().memory_analysis()
-    measured = program_bytes(analysis, max(live_device_bytes().values()))
+    measured = program_bytes(analysis, max(live_device_bytes().values()) - before)
     assert abs(p.device_peak - measured) <= 0.1 * measured, (p.format(), measured)
 
 

@@ -160,7 +160,8 @@ def test_a_tiny_run_with_16_bit_weights_reaches_the_float32_accuracy(tmp_path):
     acc = {}
     for name, extra in (("f32", []), ("sr", ["--stochastic_rounding", "true"])):
         save = str(tmp_path / name)
-        run_finetuning.main(["--config", "tiny", "--steps", "300", "--precision", "bfloat16", "--save", save] + extra)
+        run_finetuning.main(["--config", "tiny", "--steps", "300", "--precision", "bfloat16", "--save", save,
+                             "--checkpoint_steps", "0"] + extra)
         run_validation.main(["--load", save, "--limit", "500"])
         report = [f for f in os.listdir(save) if f.startswith("validation") and f.endswith(".json")]
         acc[name] = json.load(open(os.path.join(save, report[0])))["accuracy"]

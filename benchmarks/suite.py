@@ -157,8 +157,8 @@ def parts(smoke: bool) -> list:
     xl[-1].cmd = xl[-1].cmd + ["--profile", "{dir}/xl_profile"]  # the larger micro-batch's profile
     out = [
         Part("xxl_1gpu", "Flan-T5-XXL phased on one device (packed, 16 and 128 rows; 16 rows with LoRA)", 560,
-             [Run("rows16", c["xxl"]), Run("rows128", c["xxl128"], required=False),
-              Run("lora16", c["xxl_lora"], required=False)], _xxl_figures),
+             [Run("rows16", c["xxl"]), Run("lora16", c["xxl_lora"], required=False),
+              Run("rows128", c["xxl128"], required=False)], _xxl_figures),
         Part("ul2_1gpu", "Flan-UL2 phased on one device (packed, 128 rows): updated in the backward or not", 900,
              [Run("in_backward", c["ul2"]), Run("gradients_stored", c["ul2"] + ["--update_in_backward", "false"],
                                                 required=False)], _ul2_figures),

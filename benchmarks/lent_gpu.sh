@@ -9,7 +9,7 @@ parts=$1 budget=$2
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, jaxlib; print('jax', jax.__version__, jax.devices())"
-timeout $((${budget%.*} + 20)) python3 benchmarks/suite.py --out /tmp/suite --budget "$budget" --only "$parts"
+timeout $((${budget%.*} + 5)) python3 benchmarks/suite.py --out /tmp/suite --budget "$budget" --only "$parts"
 echo "suite exit $?"
 cat /tmp/suite/summary.md 2>/dev/null
 tar czf "${OUT:-/tmp}/suite_${parts//,/_}.tgz" -C /tmp/suite --exclude jax_cache --exclude xl_profile .

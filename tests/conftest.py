@@ -11,6 +11,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# one folder for the session's every process: pytest-xdist's workers share its run id (each worker imports this
+# file itself, so a folder made here per process would give each worker a cache of its own)
+_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _run:
+    _cache = os.path.join(tempfile.gettempdir(), f"flan_t5_tests_jax_cache_{_run}")
+    os.makedirs(_cache, exist_ok=True)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="flan_t5_tests_jax_cache_"))
 
 import jax  # noqa: E402

@@ -12,9 +12,9 @@ per-token decode latency (the marginal cost of each further token: (T(n) - T(1))
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) is one line too, not a traceback
-    from app.entry import signals_from_the_start
+    from app.entry import exit_on_signals
 
-    signals_from_the_start()
+    exit_on_signals()
 
 import dataclasses
 import time

@@ -15,9 +15,9 @@ loss scaling (float16's default) a step whose gradients overflow is skipped and 
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) is one line too, not a traceback
-    from app.entry import signals_from_the_start
+    from app.entry import exit_on_signals
 
-    signals_from_the_start()
+    exit_on_signals()
 
 import copy
 import json

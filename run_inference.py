@@ -19,9 +19,9 @@ written batch by batch: an interrupted run keeps what it finished, and the same 
 from __future__ import annotations
 
 if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) is one line too, not a traceback
-    from app.entry import signals_from_the_start
+    from app.entry import exit_on_signals
 
-    signals_from_the_start()
+    exit_on_signals()
 
 import json
 import logging

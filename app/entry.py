@@ -34,10 +34,7 @@ def entry(main: Callable) -> Callable:
 
     @functools.wraps(main)
     def run(argv=None):
-        old = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                old[sig] = signal.signal(sig, exit_on_signal)
+        old = exit_on_signals() if threading.current_thread() is threading.main_thread() else {}
         try:
             return main(argv)
         except FlanT5Error as e:
@@ -94,11 +91,11 @@ def peer_failure_message(e: BaseException) -> Optional[str]:
             "output (or the launcher's) says why")
 
 
-def signals_from_the_start() -> None:
-    """A driver run as a script calls this before its other imports (JAX's take seconds): Ctrl-C or SIGTERM then is
-    one line and exit 130 / 143 at any moment, the imports included (``entry`` keeps the same handlers)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, exit_on_signal)
+def exit_on_signals() -> dict:
+    """Ctrl-C or SIGTERM from now on is one line and exit 130 / 143 (``exit_on_signal``); returns the handlers it
+    replaced. ``entry`` installs it around a driver's ``main``; a driver run as a script also calls it before its
+    other imports (JAX's take seconds), so that the imports are covered too."""
+    return {sig: signal.signal(sig, exit_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def exit_on_signal(signum, frame=None) -> None:

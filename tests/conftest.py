@@ -13,12 +13,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # one folder for the session's every process: pytest-xdist's workers share its run id (each worker imports this
 # file itself, so a folder made here per process would give each worker a cache of its own)
-_run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-if _run:
-    _cache = os.path.join(tempfile.gettempdir(), f"flan_t5_tests_jax_cache_{_run}")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    _cache = (os.path.join(tempfile.gettempdir(), f"flan_t5_tests_jax_cache_{_run}") if _run
+              else tempfile.mkdtemp(prefix="flan_t5_tests_jax_cache_"))
     os.makedirs(_cache, exist_ok=True)
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="flan_t5_tests_jax_cache_"))
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 
 import jax  # noqa: E402
 

@@ -44,6 +44,13 @@ def _planned_without_allocating(ex, **kw):
     return p
 
 
+def _kept_alive_bytes() -> int:
+    """Device bytes that earlier tests of this worker keep alive (caches, garbage not yet collected): not a step's,
+    so they are measured before it and taken off."""
+    gc.collect()
+    return max(live_device_bytes().values() or [0])
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_phased_plan_equals_what_a_step_allocates(optimizer):
     cfg = load_config("finetuning", "tiny", dict(
@@ -59,10 +66,7 @@ def test_phased_plan_equals_what_a_step_allocates(optimizer):
             super().record(name, program, args)
             host_peak[0] = max(host_peak[0], _host_bytes())
 
-    # device arrays that earlier tests of this worker keep alive (caches, garbage not yet collected) are not the
-    # step's: they are measured before it and taken off
-    gc.collect()
-    before = max(live_device_bytes().values() or [0])
+    before = _kept_alive_bytes()
     state = ex.init_state()
     memory = Measure()
     ex.with_ops(DeviceOps(memory=memory)).train_step(state, ex.g.shard_batch(generated_batch(cfg, seed=0,
@@ -78,8 +82,7 @@ def test_fused_plan_equals_the_compiled_step():
     p = plan(ex, exact=True)
     from graphs.memory import program_bytes
 
-    gc.collect()
-    before = max(live_device_bytes().values() or [0])  # what earlier tests of this worker keep alive
+    before = _kept_alive_bytes()
     state = ex.init_state()
     batch = ex.g.shard_batch(generated_batch(cfg, seed=0))
     rng = jax.random.key_data(jax.random.key(0))

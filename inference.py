@@ -51,15 +51,13 @@ def prompts(cfg, g) -> tuple:
     """Generated prompts, one per row as validation decodes them (left-aligned for a family that says so), placed
     on the devices."""
     from data.generated import generated_batch
-    from data.packing import left_align
     from graphs import sharding as S
 
     b = g.dp * cfg.execution.micro_batch_size
     data = generated_batch(cfg, seed=0, packing=False)
     L = cfg.model.sequence_length
     ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
-    if g.family.left_pad_prompts:  # a causal LM continues each prompt from its last token
-        ids, mask = left_align(ids, mask)
+    ids, mask = g.family.layout_prompts(ids, mask)
     return S.put_global(ids, g.row_sharding), S.put_global(mask, g.row_sharding)
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.args import parse_config  # noqa: E402
 from app.entry import die, entry  # noqa: E402
 from modelling import registry  # noqa: E402
-from run_inference import hf_decoding  # noqa: E402
+from app.hf_generate import hf_decoding  # noqa: E402
 
 
 def extra_flags(p):
@@ -158,10 +158,7 @@ def generate(cfg, args) -> dict:
     ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
     family = registry.of_config(cfg)
     extra = family.hf_generate_kwargs()
-    if family.left_pad_prompts:  # a decoder-only model continues left-padded prompts
-        from data.packing import left_align
-
-        ids, mask = left_align(ids, mask)
+    ids, mask = family.layout_prompts(ids, mask)
     ids = torch.tensor(ids, dtype=torch.long, device=dev)
     mask = torch.tensor(mask, dtype=torch.long, device=dev)
 

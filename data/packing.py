@@ -245,12 +245,3 @@ def concat_rows(examples: Examples, stream, pending: tuple, n_rows: int, sequenc
            "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (n_rows, L)).copy(),
            "labels": labels[:-1].reshape(n_rows, L)}
     return out, cut, started
-
-
-def left_align(ids: np.ndarray, mask: np.ndarray) -> tuple:
-    """Right-padded prompt rows -> left-padded ones (each row's tokens moved to its end), for decoding a causal
-    LM, whose generated tokens follow the prompt's last token. ids, mask [b, n] -> (ids, mask) [b, n]."""
-    n = mask.shape[1]
-    shift = n - (mask > 0).sum(1)
-    cols = (np.arange(n)[None, :] - shift[:, None]) % n
-    return np.take_along_axis(ids, cols, 1), np.take_along_axis(mask, cols, 1)

@@ -31,6 +31,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from config.config import FIELDS, get_path
 from utils.errors import ConfigError
@@ -120,6 +121,15 @@ def leaf_name(path) -> str:
 def cast_params(params: dict, dtype, keeps_f32) -> dict:
     """Casts the weights to the compute dtype, except those ``keeps_f32(name)`` keeps float32 (norms...)."""
     return jax.tree_util.tree_map_with_path(lambda p, x: x if keeps_f32(leaf_name(p)) else x.astype(dtype), params)
+
+
+def left_align(ids: np.ndarray, mask: np.ndarray) -> tuple:
+    """Right-padded prompt rows -> left-padded ones (each row's tokens moved to its end), for decoding a causal
+    LM, whose generated tokens follow the prompt's last token. ids, mask [b, n] -> (ids, mask) [b, n]."""
+    n = mask.shape[1]
+    shift = n - (mask > 0).sum(1)
+    cols = (np.arange(n)[None, :] - shift[:, None]) % n
+    return np.take_along_axis(ids, cols, 1), np.take_along_axis(mask, cols, 1)
 
 
 def rng(key, *data):
@@ -240,6 +250,11 @@ class Family(abc.ABC):
         """The reference: logits [b, Vl] after the prompts and the tokens generated so far (int [b, n]), by running
         the whole model again."""
 
+    def layout_prompts(self, ids: np.ndarray, mask: np.ndarray) -> tuple:
+        """Right-padded prompt rows (ids, mask [b, n], numpy) as decoding reads them: as they are, or right-aligned
+        (``left_align``) where decoding continues each prompt from its last token (``left_pad_prompts``)."""
+        return left_align(ids, mask) if self.left_pad_prompts else (ids, mask)
+
     def reorder_beams(self, cache, rows: jax.Array):
         """Beam search's cache after a step: row ``rows[j]`` of ``cache`` becomes row j, where ``rows`` only moves a
         row within its prompt's block of beams (a beam's parent is a beam of the same prompt). Every leaf by default;
@@ -279,6 +294,11 @@ class Family(abc.ABC):
 
     def hf_state_dict(self, params: dict, m) -> dict:
         """An HF state dict (numpy float32) from our tree; padded vocabulary stripped."""
+
+    def hf_new_tokens(self, out: np.ndarray, prompt_width: int) -> np.ndarray:
+        """The new tokens of HF ``generate``'s output [b, n] for prompts ``prompt_width`` tokens wide: a causal LM's
+        output continues its prompt; an encoder-decoder's starts with the decoder's start token."""
+        return out[:, prompt_width:] if self.causal else out[:, 1:]
 
     def hf_generate_kwargs(self) -> dict:
         """What HF ``generate`` needs beside the ids to decode as this family's ``decode_start`` does."""

@@ -28,7 +28,8 @@ FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "graphs": 4, "app"
 TOP = 6  # the drivers (top-level scripts) and benchmarks/
 # Function-level imports of project modules are how the drivers defer JAX (and orbax) until the run's devices are
 # set up and keep --help fast; below the top floor they would hide circles. The exceptions, each with its reason:
-DEFERRED = {("app/args.py", "utils.checkpoint"): "orbax is slow to import: --help and config errors need not pay for it"}
+DEFERRED = {("app/args.py", "utils.checkpoint"): "orbax is slow to import: --help and config errors need not pay for it",
+            ("app/predict.py", "app.hf_generate"): "torch: imported only when HF generate's outputs are compared"}
 # A family's name outside modelling/: the config field's own default (the config cannot ask the registry: it sits
 # below modelling).
 NAMED = {("config/config.py", "t5")}

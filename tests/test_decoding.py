@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from config.config import T5Config
-from data.packing import left_align
 from graphs.graphs import Graphs
 from modelling import decoding, registry
 from modelling.hf_mapping import params_from_hf_state_dict
@@ -95,12 +94,12 @@ def test_output_length_cuts_generation(model):
 
 
 def test_batches_that_do_not_divide_the_split_score_every_sample_once(tmp_path):
-    import run_validation
+    from app.predict import Predictor
     from config import load_config
     from data.mnli import load_rows, load_tokenizer, tokenize_inputs
 
     cfg = load_config("inference", "tiny", {"micro_batch_size": 4, "tensor_parallel": 2, "rts": False})
-    v = run_validation.Validator(cfg)
+    v = Predictor(cfg)
     params = v.graphs.init_params()
     tok = load_tokenizer("synthetic")
     rows = load_rows("synthetic", "validation")[:7]  # 7 = 4 + 3: the last batch is short
@@ -177,8 +176,7 @@ def test_cached_logits_equal_the_whole_model_at_every_position(kind):
         family, opts, params, vocab = _fixture(kind, seed)
         batch = random_batch(vocab, 3, 9, 2, seed=seed)  # prompts of 9, 5 and 3 tokens
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        if family.left_pad_prompts:  # decoding continues each prompt from its last token
-            ids, mask = left_align(ids, mask)
+        ids, mask = family.layout_prompts(ids, mask)  # right-aligned where decoding continues each prompt
         ids, mask = jnp.asarray(ids), jnp.asarray(mask)
         tokens = jnp.asarray(np.random.default_rng(seed).integers(2, vocab, (3, n)), jnp.int32)
         cached = np.asarray(_cached_logits(family, opts, n)(params, ids, mask, tokens))

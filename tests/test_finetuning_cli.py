@@ -14,7 +14,15 @@ import pytest
 
 import run_finetuning
 import run_validation
+from app.resume import initial_state, resume_point
+from app.train_data import training_data
 from utils import checkpoint as ckpt
+
+
+def build(cfg):
+    """(executor, training loader) of a config, as run_finetuning.py builds them."""
+    executor = run_finetuning.build_executor(cfg)
+    return executor, training_data(cfg, executor.g.family)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "8", "--micro_batch_size", "2",
@@ -69,8 +77,6 @@ def test_the_driver_clips_updates_in_the_backward_with_the_previous_norm(tmp_pat
     """--update_in_backward through run_finetuning.py: its weights are the executor's stepped with the previous
     step's norm as the clip norm (the driver's part), and unlike those of the same steps unclipped."""
     from app.args import make_config
-    from graphs.executor import make_executor
-    from graphs.graphs import Graphs
 
     flags = {"update_in_backward": "true", "gradient_clipping": "0.05", "steps": "3"}
     save = str(tmp_path / "ck")
@@ -78,7 +84,7 @@ def test_the_driver_clips_updates_in_the_backward_with_the_previous_norm(tmp_pat
     _, driver = params_at(save, 3)
     overrides = {a.lstrip("-"): b for a, b in zip(SMALL[2::2], SMALL[3::2])}
     cfg = make_config("finetuning", "tiny", {**overrides, **flags})
-    executor, loader = run_finetuning.build(cfg, make_executor(Graphs(cfg)))
+    executor, loader = build(cfg)
     batches = [executor.g.shard_batch(loader.next_batch()) for _ in range(3)]
 
     def stepped(stale: bool) -> list:
@@ -150,9 +156,12 @@ def test_validation_after_training_writes_report(tmp_path, capsys):
         assert r["samples"] == 9 and len(r["predictions"]) == 9 and r["step"] == step
         assert 0.0 <= r["accuracy"] <= 1.0
         assert sum(map(sum, r["confusion_matrix"]["counts"])) == 9
-    assert run_validation.report_name("validation_mismatched", 1000) == "validation_mismatched_step1000.json"
-    assert run_validation.report_name("test") == "validation_test.json"
-    assert run_validation.report_name("validation_mismatched", 10, limit=5) == "validation_mismatched_step10_first5.json"
+    from app.evaluate import report_name
+
+    assert report_name("validation_mismatched", 1000) == "validation_mismatched_step1000.json"
+    assert report_name("test") == "validation_test.json"
+    assert report_name("validation_mismatched", 10, limit=5) == "validation_mismatched_step10_first5.json"
+    assert report_name("validation", 10, decoding="beam4") == "validation_step10_beam4.json"
 
 def _fails(capsys, main, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -223,8 +232,8 @@ def test_hf_model_directory_initialises_training_and_validation(tmp_path, capsys
                        relative_attention_num_buckets=32, relative_attention_max_distance=128)
     hf.save_pretrained(tmp_path / "hf")
     cfg = load_config("finetuning", "tiny", {"hf_model": str(tmp_path / "hf"), "sequence_length": 16})
-    executor, loader = run_finetuning.build(cfg)
-    state, start = run_finetuning.initial_state(cfg, executor, loader, run_finetuning.resume_point(cfg))
+    executor, loader = build(cfg)
+    state, start = initial_state(cfg, executor, loader, resume_point(cfg))
     assert start == 0
     ours = hf_state_dict_from_params(jax.tree.map(np.asarray, state.params), cfg.model)
     assert not np.array_equal(hf.lm_head.weight.detach().numpy(), hf.shared.weight.detach().numpy())  # untied

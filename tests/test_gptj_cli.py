@@ -13,7 +13,8 @@ from transformers import GPTJConfig, GPTJForCausalLM
 
 import run_finetuning
 import run_validation
-from tests.test_finetuning_cli import params_at
+from app.resume import initial_state, resume_point
+from tests.test_finetuning_cli import build, params_at
 from utils import checkpoint as ckpt
 
 SMALL = ["--config", "gptj_tiny", "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "2",
@@ -57,8 +58,8 @@ def test_hf_gptj_directory_initialises_training_and_validation(tmp_path):
 
     cfg = load_config("finetuning", "gptj_tiny", {"hf_model": str(tmp_path / "hf"), "sequence_length": 32,
                                                   "rotary_dim": 8})
-    executor, loader = run_finetuning.build(cfg)
-    state, start = run_finetuning.initial_state(cfg, executor, loader, run_finetuning.resume_point(cfg))
+    executor, loader = build(cfg)
+    state, start = initial_state(cfg, executor, loader, resume_point(cfg))
     assert start == 0
     ours = gptj.hf_state_dict(jax.tree.map(np.asarray, state.params), cfg.model)
     for name, ref in hf.state_dict().items():

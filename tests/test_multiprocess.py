@@ -85,8 +85,9 @@ FAILING = """
 import os, sys, time
 sys.path.insert(0, {root!r})
 import run_finetuning
+from app import trainer
 
-real = run_finetuning.train_step
+real = trainer.train_step
 
 
 def failing(cfg, executor, loader, state, step, *a, **kw):
@@ -106,7 +107,7 @@ def failing(cfg, executor, loader, state, step, *a, **kw):
     return real(cfg, executor, loader, state, step, *a, **kw)
 
 
-run_finetuning.train_step = failing
+trainer.train_step = failing
 run_finetuning.main(sys.argv[1:])
 """
 

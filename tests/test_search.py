@@ -14,9 +14,8 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from config.config import Config
-from data.packing import left_align
 from graphs.graphs import Graphs
-from modelling import decoding, gptj
+from modelling import decoding, gptj, registry
 from modelling.decoding import Options
 from tests.hf_utils import make_hf, random_batch
 
@@ -41,8 +40,7 @@ def fixture(request):
         params = gptj.params_from_hf(hf.state_dict(), m)
     batch = random_batch(m.embedding.vocab_size, 4, 9, 2, seed=4)
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    if request.param == "gptj":
-        ids, mask = left_align(ids, mask)
+    ids, mask = registry.get(request.param).layout_prompts(ids, mask)
     return request.param, hf, m, jax.tree.map(np.asarray, params), ids, mask
 
 

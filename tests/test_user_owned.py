@@ -215,7 +215,7 @@ def test_resume_refuses_every_change_of_the_data_order(one_step, capsys, flag, v
     """Each key that decides which examples the next batch holds (run_finetuning.DATA_ORDER, every one of them):
     resuming with another value could not continue the run's stream; the error names the key, both values and
     --init_from, before any work."""
-    from run_finetuning import DATA_ORDER
+    from app.resume import DATA_ORDER
 
     assert {f for f, _ in DATA_ORDER} == set(ORDER_FLAGS)
     given = value.split() if flag == "labels" else [value]

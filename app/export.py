@@ -1,0 +1,71 @@
+"""Export: a checkpoint back in Hugging Face's formats, the library under run_export.py. A whole model (LoRA adapters
+merged into their base) as transformers loads it, or a LoRA checkpoint's adapters alone in PEFT's format, with the
+base they were trained on named where PEFT can load it (an HF model), else written beside them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+from safetensors.numpy import save_file
+
+from data.tasks import pad_id
+from graphs.state import describe_base, device_base
+from modelling import lora
+from modelling.hf_mapping import save_hf_model
+from utils import checkpoint as ckpt
+from utils.errors import FlanT5Error
+
+BASE_DIR = "base"  # where a PEFT export writes a base that no hub name or HF directory holds
+
+
+def check_output(path: str) -> None:
+    """The export never writes into a directory that holds anything."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise FlanT5Error(f"--output {path} exists and is not an empty directory: choose a new directory (nothing "
+                          "was written)")
+
+
+def special_tokens(tokenizer) -> dict:
+    """The tokenizer's ids that an HF config.json names (a tokenizer without a pad token pads with its
+    end-of-text token, as our decoding does: data.tasks.pad_id)."""
+    return {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": pad_id(tokenizer),
+            "bos_token_id": getattr(tokenizer, "bos_token_id", None)}
+
+
+def export_model(params, model_config, tokenizer, family, output: str) -> str:
+    """Weights (any memory, stacked) with their tokenizer as an HF model directory -> its architecture's name."""
+    save_hf_model(jax.tree.map(np.asarray, params), model_config, output, special_tokens(tokenizer))
+    tokenizer.save_pretrained(output)
+    return family.hf_config_dict(model_config)["architectures"][0]
+
+
+def export_peft(predictor, directory: str, step: int, tokenizer, output: str) -> dict:
+    """A LoRA checkpoint's adapters in PEFT's format (modelling/lora.py names them) -> the adapter config. Its
+    ``base_model_name_or_path`` is the base's HF name or directory; a base that is no HF model (a random init, a
+    checkpoint of ours: --init_from) is exported beside the adapters, into OUTPUT/base, and named by its absolute
+    path, so that ``AutoPeftModel...from_pretrained(OUTPUT)`` loads both."""
+    saved = ckpt.load_meta(directory, step) if directory else {}
+    if not saved.get("lora_base"):
+        raise FlanT5Error(f"--peft exports LoRA adapters, but {directory or 'the model'} was not trained with "
+                          "--lora_rank: drop --peft to export the whole model")
+    lg, adapters, _ = predictor.lora_parts(directory, step, saved, base=False)
+    adapters = jax.tree.map(np.asarray, adapters)
+    source = saved["lora_base"]["source"]
+    os.makedirs(output, exist_ok=True)
+    if "hf_model" in source:
+        base = source["hf_model"]
+    else:  # PEFT loads its base by name: write ours where it can find it
+        base = os.path.abspath(os.path.join(output, BASE_DIR))
+        frozen = device_base(lg, source)
+        export_model(frozen, lg.cfg.model, tokenizer, lg.family, base)
+        del frozen
+    config = lora.peft_config(lg.family, adapters, lg.cfg.model, lg.opts, base)
+    config["base_description"] = describe_base(source)
+    save_file(lora.peft_state_dict(lg.family, adapters, lg.cfg.model), os.path.join(output, "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    with open(os.path.join(output, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return config

@@ -1,0 +1,267 @@
+"""Prediction: a model's weights (a checkpoint, LoRA adapters on their base, or an HF model) decoded on a task's
+inputs, batch by batch. The library under run_validation.py, run_inference.py, --eval_every (app/evaluate.py) and
+the server: the drivers parse, build a ``Predictor`` and call it.
+
+    cfg = decoding_config(args, overrides)          # the inference preset, the checkpoint's shape and task
+    predictor = Predictor(cfg)
+    params = predictor.load_params(directory, step)
+    texts = predictor.predict(params, prompt_features(examples, tokenizer, predictor.family), tokenizer)
+
+Decoding is one compiled program per prompt width (a multiple of 8) for the config's search (greedy, beam search
+or sampling: modelling/decoding.py), over rows sharded over dp and weights over tp. Prompts are never cut: each
+batch is padded to its own longest prompt, and laid out as the family reads them (``Family.layout_prompts``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from app.args import carried_model, make_config
+from app.runtime import is_main_process
+from config.config import FIELDS, coerce, set_path
+from data import sources
+from data.loader import length_buckets
+from data.sources import DataError
+from data.tasks import Example, evaluation_set, pad_id, tokenize_prompts, unknown_share
+from graphs.graphs import Graphs
+from graphs.sharding import fetch, put_global
+from graphs.state import describe_base, device_base, fingerprint
+from modelling import lora
+from modelling.decoding import Options
+from modelling.hf_mapping import load_hf_model
+from utils import checkpoint as ckpt
+from utils.errors import FlanT5Error
+
+logger = logging.getLogger("flan_t5")
+
+
+def decoding_config(args, overrides: dict):
+    """The inference preset, the model's own shape (explicit flags that contradict it are errors), the task the
+    checkpoint was trained on (its data, template, labels, metrics, tokenizer, output length: flags change them),
+    the command line, and what decoding requires (eval mode, no RTS), validated once."""
+    load, hf_model = overrides.get("load"), overrides.get("hf_model")
+    if not load and not hf_model:
+        raise FlanT5Error("nothing to validate or decode: pass --load CKPT (a --save directory of run_finetuning.py) or "
+                          "--hf_model NAME")
+    carried = carried_model(overrides, load, hf_model)
+    if "dataset" in overrides or "split" in overrides:  # data named on the command line: its rows, not held-out ones
+        carried["holdout"] = 0
+    # a LoRA checkpoint's adapters are merged into their base (Predictor.merged_params): the model decoded has none
+    return make_config("inference", args.config, overrides, fixed={"eval": True, "rts": False, "lora_rank": 0},
+                       defaults=carried)
+
+
+def decoding_graphs_config(cfg):
+    """A training config's twin for decoding its weights on the same devices (--eval_every): eval mode, no RTS, the
+    fused layout, and no adapters (LoRA's are merged into the weights decoded)."""
+    ecfg = copy.deepcopy(cfg)
+    ecfg.model.eval, ecfg.execution.rts, ecfg.execution.phased = True, False, False
+    ecfg.lora.rank = 0
+    return ecfg.validate()
+
+
+class Predictor:
+    """Compiled sharded decoding (greedy, beam search or sampling: the config's inference section) over
+    length-bucketed batches of ``micro_batch_size * data_parallel`` rows."""
+
+    def __init__(self, cfg, graphs=None):
+        if cfg.execution.rts:
+            raise ValueError("Predictor needs a config with rts=false: decoding keeps whole tp shards (nothing "
+                             "to gather per call); build it with decoding_config")
+        self.cfg, self.graphs = cfg, graphs or Graphs(cfg)
+        self.family = self.graphs.family
+        self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
+        self._generate = None
+
+    def generate(self, tokenizer):
+        """The compiled decoding program, stopping at the tokenizer's end-of-text token."""
+        if self._generate is None:
+            inf = self.cfg.inference
+            self._generate = self.graphs.decode_phase(Options.of_config(inf), eos_id=tokenizer.eos_token_id,
+                                                      pad_id=pad_id(tokenizer), seed=inf.sampling_seed)
+        return self._generate
+
+    # ------------------------------------------------------------------ weights
+
+    def load_params(self, directory=None, step=None, hf_model=None):
+        """The weights decoded, on the devices: an HF model's, a checkpoint's, or a LoRA checkpoint's adapters merged
+        into the base they were trained on."""
+        g = self.graphs
+        if hf_model:
+            _, host = load_hf_model(hf_model, self.cfg.execution.tensor_parallel, expect=self.cfg.model)
+            return g.shard_params(host)
+        saved = ckpt.load_meta(directory, step)
+        if saved.get("lora_base"):
+            return self.merged_params(directory, step, saved)
+        params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(g.abstract_params(), g.param_shardings),
+                                 hint=g.shape_hint)
+        return params
+
+    def merged_params(self, directory: str, step: int, saved: dict):
+        """A LoRA checkpoint's adapters on their frozen base (which its meta names), merged: the weights decoded."""
+        lg, adapters, frozen = self.lora_parts(directory, step, saved)
+        merge = lambda b, a: lora.merged(b, a, lg.opts)  # noqa: E731
+        return jax.jit(merge, out_shardings=self.graphs.param_shardings)(frozen, adapters)
+
+    def lora_parts(self, directory: str, step: int, saved: dict, base: bool = True) -> tuple:
+        """(the LoRA run's Graphs, its adapters, its frozen base or None) of a LoRA checkpoint: the base found where
+        the checkpoint's meta says, and refused (one line) when its fingerprint is not the one trained on."""
+        lcfg = copy.deepcopy(self.cfg)
+        for flag in ("lora_rank", "lora_alpha", "lora_targets"):
+            value = saved["config"]
+            for p in FIELDS[flag].path:
+                value = value[p]
+            set_path(lcfg, FIELDS[flag].path, coerce(FIELDS[flag], value))
+        lg = Graphs(lcfg, mesh=self.graphs.mesh)
+        adapters, _, _ = ckpt.load(directory, step, ckpt.abstract_like(lg.abstract_params(), lg.param_shardings),
+                                   hint=lg.shape_hint)
+        if not base:
+            return lg, adapters, None
+        meta, source = saved["lora_base"], saved["lora_base"]["source"]
+        frozen = device_base(lg, source)
+        if fingerprint(frozen) != meta["fingerprint"]:
+            raise FlanT5Error(f"{directory} step {step} holds adapters trained on other weights than "
+                              f"{describe_base(source)} as found now (fingerprint {meta['fingerprint']} != "
+                              f"{fingerprint(frozen)}): restore that base")
+        return lg, adapters, frozen
+
+    # ------------------------------------------------------------------ decoding
+
+    def predict(self, params, feats: dict, tokenizer, progress: str = "validating") -> list:
+        """Generated texts for every row of feats (input_ids/attention_mask [n, len]), in row order."""
+        lengths = feats["attention_mask"].sum(1)
+        out = [None] * len(lengths)
+        for idx in tqdm(length_buckets(lengths, self.batch_size), desc=progress, unit="batch",
+                        disable=None if is_main_process() else True):
+            for i, text in zip(idx, self.predict_batch(params, feats, idx, tokenizer)):
+                out[i] = text
+        return out
+
+    def predict_batch(self, params, feats: dict, idx, tokenizer, tokens: bool = False) -> list:
+        """Generated texts of rows ``idx`` of feats (at most one batch), padded to their longest prompt (a multiple
+        of 8: few compilations; no prompt is ever cut); ``tokens``: their token ids [len(idx), output_length]."""
+        ids, mask = batch_rows(feats, idx, self.batch_size)
+        ids, mask = self.family.layout_prompts(ids, mask)
+        ids, mask = put_global(ids, self.graphs.row_sharding), put_global(mask, self.graphs.row_sharding)
+        out = fetch(self.generate(tokenizer)(params, ids, mask))[: len(idx)]
+        return out if tokens else tokenizer.batch_decode(out, skip_special_tokens=True)
+
+    def predict_tokens(self, params, feats: dict, tokenizer) -> np.ndarray:
+        """Token ids [n, output_length] of every row of feats, in row order, batch after batch."""
+        idx = np.arange(len(feats["input_ids"]))
+        return np.concatenate([self.predict_batch(params, feats, idx[i: i + self.batch_size], tokenizer, tokens=True)
+                               for i in range(0, len(idx), self.batch_size)])
+
+
+def batch_rows(feats: dict, idx, batch_size: int) -> tuple:
+    """(ids, mask) [batch_size, n] of rows ``idx`` of feats, right-padded to their longest prompt rounded up to a
+    multiple of 8, the last batch filled by repeating its last row."""
+    n = int(-(-int(feats["attention_mask"][idx].sum(1).max()) // 8) * 8)
+    width = feats["input_ids"].shape[1]
+    rows = np.concatenate([idx, np.repeat(idx[-1:], batch_size - len(idx))])
+    ids, mask = feats["input_ids"][rows, :n], feats["attention_mask"][rows, :n]
+    if n > width:  # the feats' width: pad it to the multiple of 8
+        ids, mask = (np.pad(x, ((0, 0), (0, n - width))) for x in (ids, mask))
+    return ids, mask
+
+
+def prompt_features(examples: list, tokenizer, family, sequence_length: int, given: bool = False) -> tuple:
+    """(input features of the examples padded to the longest prompt, none cut, the share of unknown prompt tokens).
+    ``given``: the inputs are whole prompts as a user wrote them (--prompt), read as they are."""
+    feats = tokenize_prompts(examples, tokenizer, family, given=given)  # never truncated
+    longest = feats["input_ids"].shape[1]
+    if longest > sequence_length:
+        logger.info("%d prompt(s) are longer than sequence_length %d (the longest: %d tokens): each batch is padded "
+                    "to its own longest prompt, as the original validated, none is cut",
+                    int((feats["attention_mask"].sum(1) > sequence_length).sum()), sequence_length, longest)
+    unknown = unknown_share([row[m > 0] for row, m in zip(feats["input_ids"], feats["attention_mask"])], tokenizer,
+                            sample=len(examples))
+    if unknown > 0.01:
+        logger.warning("%.1f%% of the prompt tokens are unknown to tokenizer %s: the model sees <unk> there; pass "
+                       "the tokenizer of this model (--tokenizer)", 100 * unknown, tokenizer.name_or_path)
+    return feats, unknown
+
+
+def inference_inputs(prompts, input_file, limit: int, cfg, task) -> list:
+    """The examples run_inference.py decodes: prompt texts (as given), a file's rows, or the task's held-out
+    examples (the first ``limit``)."""
+    if prompts:
+        return [Example(t, "") for t in prompts]
+    if input_file:
+        if not os.path.exists(input_file):
+            raise DataError(f"--input {input_file} does not exist: pass --input with an existing file of rows "
+                            f"(jsonl, json, csv, tsv, parquet) holding the task's columns ({', '.join(task.fields)})")
+        return task.examples(sources.read(input_file, "", cfg.model.seed), targets=False)
+    if limit < 1:
+        raise FlanT5Error(f"--limit {limit} must be at least 1")
+    return evaluation_set(cfg.data, task, cfg.model.seed).examples[:limit]
+
+
+def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, compare_hf: bool = False) -> list:
+    """[{prompt, ours[, reference][, hf, same_tokens]}] of each example: our output, its reference, and with
+    ``compare_hf`` Hugging Face ``generate``'s on the same weights with the same decoding options (app/hf_generate.py,
+    imported here: torch is needed only then)."""
+    tokens = predictor.predict_tokens(params, feats, tokenizer)
+    ours = tokenizer.batch_decode(tokens, skip_special_tokens=True)
+    theirs = agree = None
+    if compare_hf:
+        from app.hf_generate import hf_generate  # torch, only for --compare_hf
+
+        host = jax.tree.map(np.asarray, params)
+        ids, mask = predictor.family.layout_prompts(feats["input_ids"], feats["attention_mask"])
+        hf_tokens = hf_generate(predictor.cfg, predictor.family, host, ids, mask, tokenizer.eos_token_id,
+                                pad_id(tokenizer))
+        theirs = tokenizer.batch_decode(hf_tokens, skip_special_tokens=True)
+        agree = [bool(np.array_equal(a, h)) for a, h in zip(tokens, hf_tokens)]
+    return [{"prompt": e.input, "ours": o, **({"reference": e.target} if e.target else {}),
+             **({} if theirs is None else {"hf": h, "same_tokens": a})}
+            for e, o, h, a in zip(examples, ours, theirs or ours, agree or ours)]
+
+
+def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path: str) -> tuple:
+    """Predictions of a file's rows appended to the JSONL ``path`` batch by batch, in the input's order
+    ({row, input, prediction[, reference]}); a file that already holds the first rows' predictions (an interrupted
+    run's) is continued after them. -> (the lines written, how many rows were done before)."""
+    done = finished_rows(path, examples)
+    if done:
+        logger.info("%s holds the predictions of the first %d of %d rows: continuing after them", path, done,
+                    len(examples))
+    out, primary = [], is_main_process()
+    with open(path, "a") if primary else open(os.devnull, "w") as f:
+        for start in tqdm(range(done, len(examples), predictor.batch_size), desc="predicting", unit="batch",
+                          disable=None if primary else True):
+            idx = np.arange(start, min(start + predictor.batch_size, len(examples)))
+            for i, text in zip(idx, predictor.predict_batch(params, feats, idx, tokenizer)):
+                e = examples[i]
+                line = {"row": int(i), "input": e.input, "prediction": text,
+                        **({"reference": e.target} if e.target else {})}
+                out.append(line)
+                f.write(json.dumps(line) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return out, done
+
+
+def finished_rows(path: str, examples: list) -> int:
+    """How many rows an existing predictions file already holds (they must be this input's first rows, in order);
+    a file of other inputs is an error, never written over."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    try:
+        rows = [json.loads(line) for line in lines]
+    except ValueError:
+        rows = None
+    if rows is None or len(rows) > len(examples) or any(
+            r.get("row") != i or r.get("input") != examples[i].input for i, r in enumerate(rows)):
+        raise FlanT5Error(f"--predictions {path} exists and holds other predictions than this input's first rows: "
+                          "choose another --predictions path (nothing was written)")
+    return len(rows)

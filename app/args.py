@@ -13,8 +13,11 @@ import tempfile
 from typing import Callable, Optional
 
 from app.entry import die
-from config.config import (FIELDS, Config, ConfigError, _base_type, coerce, config_from_mapping, get_path,
-                           ipu_only_notices, load_config, model_shape, preset_path, read_presets, travelling)
+from config.carry import model_shape, travelling
+from config.fields import _base_type, coerce, get_path
+from config.presets import config_from_mapping, load_config, preset_path, read_presets
+from config.schema import Config, FIELDS, ipu_only_notices
+from utils.errors import ConfigError
 from modelling import registry
 from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
 from utils.errors import FlanT5Error

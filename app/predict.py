@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from app.args import carried_model, make_config
 from app.runtime import is_main_process
-from config.config import FIELDS, coerce, set_path
+from config.fields import coerce, set_path
+from config.schema import FIELDS
 from data import sources
 from data.loader import length_buckets
 from data.sources import DataError

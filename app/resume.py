@@ -10,7 +10,7 @@ import shutil
 
 from app.rundir import RunLock
 from app.runtime import barrier, is_main_process
-from config.config import to_dict
+from config.presets import to_dict
 from graphs.state import describe_base
 from modelling.hf_mapping import load_hf_model
 from utils import checkpoint as ckpt

@@ -19,7 +19,7 @@ from app.evaluate import Evaluator, best_logged
 from app.resume import Saver, checkpoint_every
 from app.runtime import any_process, is_main_process
 from app.tracking import Tracker
-from config.config import to_dict
+from config.presets import to_dict
 from data.packing import batch_stats
 from utils import checkpoint as ckpt
 from utils.errors import TrainingDiverged

@@ -56,7 +56,7 @@ def checkpoint_sizes() -> dict:
     from app.runtime import ensure_host_devices
 
     ensure_host_devices(1)
-    from config.config import load_config
+    from config.presets import load_config
     from graphs.graphs import Graphs
     from modelling.params import count_params
 

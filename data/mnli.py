@@ -12,7 +12,7 @@ positions are -100. GPT-J (a causal LM): ``mnli hypothesis: ... premise: ... tar
 
 from __future__ import annotations
 
-from config.config import Task as TaskSection
+from config.schema import Task as TaskSection
 from data import metrics, sources
 from data.loader import TrainLoader, length_buckets  # noqa: F401  (MNLI's tools batch with these)
 from data.packing import Examples, pad_rows

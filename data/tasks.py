@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from config.config import template_fields
+from config.schema import template_fields
 from data.packing import Examples
 from data import sources, synthetic
 from data.sources import DataError, Rows

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from config.config import shape_hint
+from config.carry import shape_hint
 from graphs import optim
 from graphs import sharding as S
 from graphs.state import TrainState  # noqa: F401  (the state's home is graphs/state.py; callers import it here too)

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from config.config import FIELDS, get_path
+from config.fields import get_path
+from config.schema import FIELDS
 from utils.errors import ConfigError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}

@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from config.config import ModelConfig
+from config.schema import ModelConfig
 from modelling import registry
 from utils.errors import CheckpointError
 from utils.hub import fetch

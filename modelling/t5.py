@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from config.config import ModelConfig
+from config.schema import ModelConfig
 from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L

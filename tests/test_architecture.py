@@ -32,7 +32,7 @@ DEFERRED = {("app/args.py", "utils.checkpoint"): "orbax is slow to import: --hel
             ("app/predict.py", "app.hf_generate"): "torch: imported only when HF generate's outputs are compared"}
 # A family's name outside modelling/: the config field's own default (the config cannot ask the registry: it sits
 # below modelling).
-NAMED = {("config/config.py", "t5")}
+NAMED = {("config/schema.py", "t5")}
 
 
 def _sources() -> list:
@@ -198,7 +198,8 @@ def test_model_options_are_derived_from_the_config():
     """ModelOptions is no hand copy: every field of the config's model section is an option of the same name."""
     import dataclasses
 
-    from config.config import FIELDS, load_config
+    from config.presets import load_config
+    from config.schema import FIELDS
     from modelling.family import EXECUTION_FIELDS, ModelOptions
 
     names = {f.name for f in dataclasses.fields(ModelOptions)}
@@ -224,7 +225,7 @@ def test_ipu_only_fields_are_said_once_never_silently_ignored(caplog):
 
 
 def test_each_family_names_the_shape_fields_it_reads():
-    from config.config import MODEL_SHAPE
+    from config.schema import MODEL_SHAPE
 
     for family in registry.FAMILIES.values():
         assert set(family.shape_fields) <= set(MODEL_SHAPE) and "family" in family.shape_fields

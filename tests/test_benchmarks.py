@@ -7,7 +7,7 @@ import numpy as np
 
 import finetuning
 import inference
-from config.config import ModelConfig
+from config.schema import ModelConfig
 from app.flops import forward_flops_per_sample, peak_tflops, train_flops_per_sample
 
 

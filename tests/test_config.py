@@ -6,7 +6,8 @@ import pytest
 import yaml
 
 from config import ConfigError, load_config, read_presets, preset_path
-from config.config import FIELDS, config_from_mapping, dumps_yaml
+from config.presets import config_from_mapping, dumps_yaml
+from config.schema import FIELDS
 from app.args import parse_config
 
 FINETUNING = ["tiny", "xl_pod8", "xl_pod16", "xxl_1gpu", "xxl_pod16", "xxl_pod64", "small", "base", "large",

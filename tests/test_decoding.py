@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from config.config import T5Config
+from config.schema import T5Config
 from graphs.graphs import Graphs
 from modelling import decoding, registry
 from modelling.hf_mapping import params_from_hf_state_dict
@@ -128,7 +128,7 @@ def _fixture(kind: str, seed: int):
     hf = GPTJForCausalLM(GPTJConfig(vocab_size=96, n_positions=64, n_embd=48, n_layer=2, n_head=4, rotary_dim=8,
                                     n_inner=96, bos_token_id=1, eos_token_id=1, tie_word_embeddings=False))
     m = gptj.config_from_hf(hf.config.to_dict())
-    from config.config import Config
+    from config.schema import Config
 
     opts = ModelOptions.from_config(Config(model=m))
     return registry.get("gptj"), opts, jax.tree.map(jnp.asarray, gptj.params_from_hf(hf.state_dict(), m)), 96

@@ -99,7 +99,7 @@ def test_run_inference_equals_hf_generate_for_both_families(tmp_path, capsys, ca
     import run_export
     import transformers
 
-    from config.config import config_from_mapping
+    from config.presets import config_from_mapping
     from modelling import registry
 
     for d in (t5_dir, gptj_dir):

@@ -296,7 +296,7 @@ def test_phased_lora_equals_fused_and_streams_a_frozen_base(preset, flags):
     and gradient norms, and after two steps its adapters and their AdamW moments (the first moment a weighted sum of
     the two steps' gradients, every one non-zero) equal the fused executor's; the base rows are bit-identical after
     the steps, and the merged weights it decodes with equal the fused ones."""
-    from config.config import load_config
+    from config.presets import load_config
     from tests.test_parallel import fro_rel
 
     cfg = load_config("finetuning", preset, dict(global_batch_size=16, sequence_length=16, warmup_steps=0,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
-from config.config import Config
+from config.schema import Config
 from graphs.graphs import Graphs
 from modelling import decoding, gptj, registry
 from modelling.decoding import Options

@@ -18,7 +18,8 @@ import torch
 from transformers import T5ForConditionalGeneration, UMT5ForConditionalGeneration
 
 from config import load_config
-from config.config import T5Config, model_shape
+from config.carry import model_shape
+from config.schema import T5Config
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from modelling.hf_mapping import hf_state_dict_from_params, params_from_hf_state_dict, save_hf_model

@@ -1,50 +1,21 @@
-"""Typed configuration: nested dataclasses, YAML presets and flat CLI overrides.
+"""The config's schema: typed nested dataclasses, one per section, each field declared with what it means (the
+string under it, also its --help text) and what it accepts (``spec``), the properties derived from them, and
+``Config.validate``, which checks every field against its declaration and the fields against each other.
 
-Field names follow the original PopXL Flan-T5 application (``layers``,
-``hidden_size``, ``micro_batch_size``, ...). Every field has a docstring (the
-string literal under it), which is also its ``--help`` text.
-
-A preset file holds model bases (YAML anchors) and a ``release:`` mapping of
-named presets. ``load_config(path, name, overrides)`` resolves one preset,
-applies ``{flat_flag: value}`` overrides and validates the result.
+Field names follow the original PopXL Flan-T5 application (``layers``, ``hidden_size``, ``micro_batch_size``, ...).
+config/fields.py reads the declarations (flat flags, coercion); config/presets.py resolves the YAML presets;
+config/carry.py says what a checkpoint carries.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import inspect
 import math
-import os
 import string
-import typing
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
-import yaml
-
+from config.fields import coerce, get_path, leaf_fields, set_path, spec
 from utils.errors import ConfigError
-
-CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def spec(default=dataclasses.MISSING, *, flag: Optional[str] = None, minimum: Optional[int] = None,
-         choices: tuple = (), bounds: Optional[tuple] = None, shape: bool = False, training: bool = False,
-         ipu: bool = False, items: type = float, travels: bool = False):
-    """A config field with what ``Config.validate`` and the drivers need to know of it, declared with the field:
-
-    flag: its flat CLI flag when not its own name; minimum: the least value of an int; choices: the values a
-    str may take; bounds: (low, high, low inclusive, high inclusive, an example) of a float, which must also be
-    finite; shape: part of the model's shape (a checkpoint or an HF config.json carries it); training: read only
-    by training (the decoding drivers accept it but do not list it); ipu: meaningful only on IPUs (kept so the
-    original's configs load; a value other than the default is said once, and has no effect); items: the type of a
-    tuple's items (float or str; a tuple of choices checks each item); travels: the task a checkpoint was trained
-    on (with the whole task section): its validation and inference use it unless told otherwise."""
-    meta = {k: v for k, v in dict(flag=flag, minimum=minimum, choices=choices, bounds=bounds, shape=shape,
-                                    training=training, ipu=ipu, items=items if items is not float else None,
-                                    travels=travels).items() if v}
-    return field(default=default, metadata=meta)
-
 
 @dataclass
 class Embedding:
@@ -596,127 +567,9 @@ def ipu_only_notices(cfg: Config) -> list:
             if r.meta.get("ipu") and r.flag != "device_iterations" and get_path(cfg, r.path) != r.default]
 
 
-# --------------------------------------------------------------------------- fields
+# --------------------------------------------------------------------------- the flat fields
 
-
-@dataclass(frozen=True)
-class FieldRef:
-    """One leaf field of the config: its flat flag, its path and its type."""
-
-    flag: str
-    path: tuple
-    type: Any
-    default: Any
-    doc: str
-    meta: dict = field(default_factory=dict)  # what ``spec`` declared of it
-
-
-def _field_docs(cls) -> dict:
-    """Docstrings of dataclass fields: the string literal right after each field."""
-    try:
-        tree = ast.parse(inspect.getsource(cls).lstrip())
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
-def leaf_fields(cls=Config, prefix: tuple = ()) -> list:
-    """All leaf fields of a config class, depth first, with their flat flag names."""
-    hints = typing.get_type_hints(cls)
-    docs = _field_docs(cls)
-    out = []
-    for f in fields(cls):
-        typ = hints[f.name]
-        if dataclasses.is_dataclass(typ):
-            out += leaf_fields(typ, prefix + (f.name,))
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out.append(FieldRef(f.metadata.get("flag", f.name), prefix + (f.name,), typ, default, docs.get(f.name, ""),
-                            dict(f.metadata)))
-    flags = [r.flag for r in out]
-    dup = {x for x in flags if flags.count(x) > 1}
-    assert not dup, f"config flags must be unique, duplicated: {dup}"
-    return out
-
-
-FIELDS = {r.flag: r for r in leaf_fields()}
-
-
-def _base_type(typ):
-    if typing.get_origin(typ) is typing.Union:
-        args = [t for t in typing.get_args(typ) if t is not type(None)]
-        return args[0]
-    return typ
-
-
-def coerce(ref: FieldRef, value: Any) -> Any:
-    """Converts a YAML or CLI value to the field's type; ConfigError if it cannot."""
-    typ = _base_type(ref.type)
-    if value is None:
-        if typing.get_origin(ref.type) is typing.Union:
-            return None
-        raise ConfigError(f"{ref.flag} must not be empty: give it a {typ.__name__} value")
-    bad = ConfigError(f"{ref.flag}={value!r} is not a valid {typ.__name__}: pass --{ref.flag} with a {typ.__name__} value")
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise bad
-    if typ is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if typ is float:
-        if isinstance(value, bool):
-            raise bad
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise bad from None
-    if typ is str:
-        if isinstance(value, (dict, list)):
-            raise bad
-        return str(value)
-    if typ is tuple:
-        return _coerce_tuple(ref, value, bad)
-    return value
-
-
-def _coerce_tuple(ref: FieldRef, value, bad):
-    """A tuple field's value: floats (the default), or words (``items=str``: a list, or one string split at
-    commas; none or an empty string is unset where the field may be)."""
-    words = ref.meta.get("items") is str
-    if words and isinstance(value, str):
-        if value.strip().lower() in ("none", "") and typing.get_origin(ref.type) is typing.Union:
-            return None
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    elif isinstance(value, str):
-        value = [v for v in value.replace(",", " ").split()]
-    if not isinstance(value, (list, tuple)):
-        value = [value]
-    if words:
-        if len(value) == 1 and str(value[0]).lower() == "none" and typing.get_origin(ref.type) is typing.Union:
-            return None
-        return tuple(str(v) for v in value)
-    try:
-        return tuple(float(v) for v in value)
-    except (TypeError, ValueError):
-        raise bad from None
+FIELDS = {r.flag: r for r in leaf_fields(Config)}
 
 
 def _check_types(cfg) -> None:
@@ -727,145 +580,9 @@ def _check_types(cfg) -> None:
             set_path(cfg, ref.path, coerced)
 
 
-def get_path(cfg, path):
-    for p in path:
-        cfg = getattr(cfg, p)
-    return cfg
-
-
-def set_path(cfg, path, value):
-    for p in path[:-1]:
-        cfg = getattr(cfg, p)
-    setattr(cfg, path[-1], value)
-
-
-# --------------------------------------------------------------------------- presets
-
-
-def preset_path(kind: str) -> str:
-    """Path of a preset file: kind is 'finetuning' or 'inference'."""
-    return os.path.join(CONFIG_DIR, f"{kind}.yml")
-
-
-def read_presets(path: str) -> dict:
-    """Named presets of a preset file (its ``release:`` mapping)."""
-    with open(path) as f:
-        doc = yaml.safe_load(f)
-    if not isinstance(doc, dict) or not isinstance(doc.get("release"), dict):
-        raise ConfigError(f"{path} has no 'release:' mapping of presets: see config/finetuning.yml for the format")
-    return doc["release"]
-
-
-def _apply_mapping(cfg, mapping: dict, cls, where: str) -> None:
-    """Sets the values of a nested YAML mapping on cfg; unknown keys are errors."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name: f for f in fields(cls)}
-    for key, value in mapping.items():
-        if key not in names:
-            raise ConfigError(
-                f"unknown config key '{where}{key}': known keys here are {', '.join(sorted(names))}"
-            )
-        typ = hints[key]
-        if dataclasses.is_dataclass(typ):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config key '{where}{key}' must be a mapping of {', '.join(f.name for f in fields(typ))}")
-            _apply_mapping(getattr(cfg, key), value, typ, f"{where}{key}.")
-        else:
-            flag = names[key].metadata.get("flag", key)
-            setattr(cfg, key, coerce(FIELDS[flag], value))
-
-
-def config_from_mapping(mapping: dict) -> Config:
-    """A Config from a nested mapping (a resolved preset, or a saved config)."""
-    cfg = Config()
-    _apply_mapping(cfg, mapping, Config, "")
-    return cfg
-
-
-def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) -> Config:
-    """Resolves preset ``name`` of a preset file, applies flat overrides and validates.
-
-    Args:
-      kind_or_path: 'finetuning', 'inference' or a path to a preset YAML file.
-      name: the preset name (a key of the file's ``release:`` mapping).
-      overrides: {flat_flag: value}, e.g. {'micro_batch_size': 2}.
-    """
-    path = kind_or_path if kind_or_path.endswith((".yml", ".yaml")) else preset_path(kind_or_path)
-    presets = read_presets(path)
-    if name not in presets:
-        raise ConfigError(
-            f"unknown preset '{name}' in {os.path.relpath(path)}: choose one of {', '.join(presets)}"
-        )
-    cfg = config_from_mapping(presets[name] or {})
-    apply_overrides(cfg, overrides or {})
-    return cfg.validate()
-
-
-def apply_overrides(cfg: Config, overrides: dict) -> Config:
-    """Applies {flat_flag: value} overrides; unknown flags are errors."""
-    for flag, value in overrides.items():
-        if flag not in FIELDS:
-            raise ConfigError(f"unknown config field '{flag}': see --help for the list of fields")
-        ref = FIELDS[flag]
-        set_path(cfg, ref.path, coerce(ref, value))
-    return cfg
-
-
 # The fields that make a model's shape (and numerics): a checkpoint or a Hugging Face config.json carries them.
 MODEL_SHAPE = tuple(flag for flag, ref in FIELDS.items() if ref.meta.get("shape"))
 
 
 # The fields of the task a checkpoint was trained on: its task section, its data and tokenizer, its output length.
 TASK_FIELDS = tuple(flag for flag, ref in FIELDS.items() if ref.path[0] == "task" or ref.meta.get("travels"))
-
-
-def travelling(saved: dict) -> dict:
-    """{flag: value} of the TASK_FIELDS a saved config (a checkpoint's) set to other than their default: a field
-    it predates or left at its default is absent, so the decoding preset's own value stands (the tiny preset
-    scores the synthetic ``validation`` split, as it always has)."""
-    out = {}
-    for flag in TASK_FIELDS:
-        value, ok = saved, True
-        for p in FIELDS[flag].path:
-            ok = ok and isinstance(value, dict) and p in value
-            value = value.get(p) if ok else None
-        if ok and coerce(FIELDS[flag], value) != coerce(FIELDS[flag], FIELDS[flag].default):
-            out[flag] = coerce(FIELDS[flag], value)
-    return out
-
-
-def model_shape(source) -> dict:
-    """{flag: value} of the MODEL_SHAPE fields of a config, or of a nested config mapping (a checkpoint's)."""
-    out = {}
-    for flag in MODEL_SHAPE:
-        ref = FIELDS[flag]
-        value = source
-        for p in ref.path:  # a checkpoint saved before a field existed has its default
-            value = value.get(p, ref.default) if isinstance(value, dict) else getattr(value, p)
-        out[flag] = coerce(ref, value)
-    return out
-
-
-def shape_hint(current: Optional[Config], saved: Optional[dict]) -> str:
-    """How to run a checkpoint saved with config ``saved`` (a nested mapping) whose weights do not fit ``current``:
-    the shape flags it was trained with, where they differ."""
-    if not saved:
-        return "use the preset and flags of the run that wrote it"
-    theirs = model_shape(saved)
-    ours = model_shape(current) if current is not None else {k: FIELDS[k].default for k in theirs}
-    return ("it was trained with " + " ".join(f"--{k} {v}" for k, v in theirs.items() if v != ours[k])
-            + ": pass the same (or that run's preset)")
-
-
-def to_dict(cfg: Config) -> dict:
-    """Nested plain-dict form of a config (for YAML/JSON dumps and checkpoints); tuples as lists."""
-    def plain(x):
-        if isinstance(x, dict):
-            return {k: plain(v) for k, v in x.items()}
-        return list(x) if isinstance(x, tuple) else x
-
-    return plain(dataclasses.asdict(cfg))
-
-
-def dumps_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,48 @@
+"""What a checkpoint carries of its config: the model's shape (``MODEL_SHAPE``: the fields declared ``shape``), which
+never needs repeating to load it, and the task it was trained on (``TASK_FIELDS``), which its validation and
+inference use unless told otherwise."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from config.fields import coerce
+from config.schema import FIELDS, MODEL_SHAPE, TASK_FIELDS, Config
+
+
+def travelling(saved: dict) -> dict:
+    """{flag: value} of the TASK_FIELDS a saved config (a checkpoint's) set to other than their default: a field
+    it predates or left at its default is absent, so the decoding preset's own value stands (the tiny preset
+    scores the synthetic ``validation`` split, as it always has)."""
+    out = {}
+    for flag in TASK_FIELDS:
+        value, ok = saved, True
+        for p in FIELDS[flag].path:
+            ok = ok and isinstance(value, dict) and p in value
+            value = value.get(p) if ok else None
+        if ok and coerce(FIELDS[flag], value) != coerce(FIELDS[flag], FIELDS[flag].default):
+            out[flag] = coerce(FIELDS[flag], value)
+    return out
+
+
+def model_shape(source) -> dict:
+    """{flag: value} of the MODEL_SHAPE fields of a config, or of a nested config mapping (a checkpoint's)."""
+    out = {}
+    for flag in MODEL_SHAPE:
+        ref = FIELDS[flag]
+        value = source
+        for p in ref.path:  # a checkpoint saved before a field existed has its default
+            value = value.get(p, ref.default) if isinstance(value, dict) else getattr(value, p)
+        out[flag] = coerce(ref, value)
+    return out
+
+
+def shape_hint(current: Optional[Config], saved: Optional[dict]) -> str:
+    """How to run a checkpoint saved with config ``saved`` (a nested mapping) whose weights do not fit ``current``:
+    the shape flags it was trained with, where they differ."""
+    if not saved:
+        return "use the preset and flags of the run that wrote it"
+    theirs = model_shape(saved)
+    ours = model_shape(current) if current is not None else {k: FIELDS[k].default for k in theirs}
+    return ("it was trained with " + " ".join(f"--{k} {v}" for k, v in theirs.items() if v != ours[k])
+            + ": pass the same (or that run's preset)")

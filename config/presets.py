@@ -1,0 +1,102 @@
+"""Presets: a preset file holds model bases (YAML anchors) and a ``release:`` mapping of named presets.
+``load_config(kind_or_path, name, overrides)`` resolves one preset, applies ``{flat_flag: value}`` overrides and
+validates the result; ``to_dict`` / ``dumps_yaml`` write a config back out."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import fields
+from typing import Optional
+
+import yaml
+
+from config.fields import coerce, set_path
+from config.schema import FIELDS, Config
+from utils.errors import ConfigError
+
+CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def preset_path(kind: str) -> str:
+    """Path of a preset file: kind is 'finetuning' or 'inference'."""
+    return os.path.join(CONFIG_DIR, f"{kind}.yml")
+
+
+def read_presets(path: str) -> dict:
+    """Named presets of a preset file (its ``release:`` mapping)."""
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    if not isinstance(doc, dict) or not isinstance(doc.get("release"), dict):
+        raise ConfigError(f"{path} has no 'release:' mapping of presets: see config/finetuning.yml for the format")
+    return doc["release"]
+
+
+def _apply_mapping(cfg, mapping: dict, cls, where: str) -> None:
+    """Sets the values of a nested YAML mapping on cfg; unknown keys are errors."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name: f for f in fields(cls)}
+    for key, value in mapping.items():
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key '{where}{key}': known keys here are {', '.join(sorted(names))}"
+            )
+        typ = hints[key]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key '{where}{key}' must be a mapping of {', '.join(f.name for f in fields(typ))}")
+            _apply_mapping(getattr(cfg, key), value, typ, f"{where}{key}.")
+        else:
+            flag = names[key].metadata.get("flag", key)
+            setattr(cfg, key, coerce(FIELDS[flag], value))
+
+
+def config_from_mapping(mapping: dict) -> Config:
+    """A Config from a nested mapping (a resolved preset, or a saved config)."""
+    cfg = Config()
+    _apply_mapping(cfg, mapping, Config, "")
+    return cfg
+
+
+def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) -> Config:
+    """Resolves preset ``name`` of a preset file, applies flat overrides and validates.
+
+    Args:
+      kind_or_path: 'finetuning', 'inference' or a path to a preset YAML file.
+      name: the preset name (a key of the file's ``release:`` mapping).
+      overrides: {flat_flag: value}, e.g. {'micro_batch_size': 2}.
+    """
+    path = kind_or_path if kind_or_path.endswith((".yml", ".yaml")) else preset_path(kind_or_path)
+    presets = read_presets(path)
+    if name not in presets:
+        raise ConfigError(
+            f"unknown preset '{name}' in {os.path.relpath(path)}: choose one of {', '.join(presets)}"
+        )
+    cfg = config_from_mapping(presets[name] or {})
+    apply_overrides(cfg, overrides or {})
+    return cfg.validate()
+
+
+def apply_overrides(cfg: Config, overrides: dict) -> Config:
+    """Applies {flat_flag: value} overrides; unknown flags are errors."""
+    for flag, value in overrides.items():
+        if flag not in FIELDS:
+            raise ConfigError(f"unknown config field '{flag}': see --help for the list of fields")
+        ref = FIELDS[flag]
+        set_path(cfg, ref.path, coerce(ref, value))
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    """Nested plain-dict form of a config (for YAML/JSON dumps and checkpoints); tuples as lists."""
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return list(x) if isinstance(x, tuple) else x
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def dumps_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -38,6 +38,9 @@ def extra_flags(p):
     p.add_argument("--plan", action="store_true",
                    help="print the memory plan (device and host bytes at their peaks, from shapes; programs compiled "
                         "but nothing allocated) and exit")
+    p.add_argument("--link_gbps", type=float, default=None, metavar="GB_S",
+                   help="phased: the host link's bandwidth each way (GB/s) at which to say how long a step waits on "
+                        "it (default: measured on this machine)")
     p.add_argument("--lengths", choices=("mnli", "uniform", "summaries"), default="mnli",
                    help="prompt lengths of the generated data: mnli (drawn to MultiNLI's statistics, about 52 tokens "
                         "on average with a long tail) or uniform (in [L/2, L]: rows mostly full)")
@@ -122,8 +125,25 @@ def make_report(cfg, args, executor, stats: list, times: list, losses: list, com
         "phased": cfg.execution.phased, "peak_device_bytes": peak_device_bytes(),
         "device_bytes_estimate": estimate, "device_bytes_by_phase": by_phase,
         "plan_device_bytes": plan.device_peak, "plan_host_bytes": plan.host_peak,
-        "host_peak_rss_bytes": peak_rss_bytes(), "phase_timing": timing,
+        "host_peak_rss_bytes": peak_rss_bytes(), "phase_timing": timing, **link_report(args, plan),
     }
+
+
+def link_report(args, plan) -> dict:
+    """Phased: what a step moves over the host link (counted from the schedule) and the least its layout moves
+    (graphs/transfers.py), and how long a step waits on the link at its bandwidth (--link_gbps, else measured)."""
+    from app.bench import link_bandwidth
+    from graphs.transfers import link_seconds
+
+    if not plan.transfers:
+        return {}
+    link = ({"load_gb_per_s": args.link_gbps, "store_gb_per_s": args.link_gbps, "measured": False}
+            if args.link_gbps else {**link_bandwidth(), "measured": True})
+    t, f = plan.transfers, plan.transfer_floor
+    seconds = lambda x: max(x["load_bytes"] / (link["load_gb_per_s"] * 1e9),  # noqa: E731
+                            x["store_bytes"] / (link["store_gb_per_s"] * 1e9))
+    return {"transfers": t, "transfer_floor": f, "link": link, "link_bound_step_s": seconds(t),
+            "link_floor_step_s": seconds(f), "link_seconds_at_52": link_seconds(t["load_bytes"], t["store_bytes"], 52)}
 
 
 def print_report(report: dict, cfg) -> None:
@@ -136,6 +156,15 @@ def print_report(report: dict, cfg) -> None:
           + (f" | MFU {report['mfu']:.1%}" if report["mfu"] else "")
           + (f" | peak device memory {report['peak_device_bytes'] / 2**30:.2f} GiB" if report["peak_device_bytes"] else "")
           + f" | device bytes (live arrays + XLA temporaries) {estimate / 2**30:.3f} GiB")
+    if report.get("transfers"):
+        from graphs.transfers import format_bytes_table
+
+        link = report["link"]
+        print(format_bytes_table(report["transfers"], report["transfer_floor"]))
+        print(f"host link {'measured' if link['measured'] else 'given'}: {link['load_gb_per_s']:.1f} GB/s in, "
+              f"{link['store_gb_per_s']:.1f} GB/s out: a step waits at least {report['link_bound_step_s']:.3f} s on "
+              f"it (its layout's floor: {report['link_floor_step_s']:.3f} s) against {report['median_step_s']:.3f} s "
+              "measured")
 
 
 @entry
@@ -145,7 +174,7 @@ def main(argv=None) -> dict:
     if cfg.training.steps <= args.warmup_iterations:
         die(f"steps={cfg.training.steps} must exceed --warmup_iterations={args.warmup_iterations}: pass a larger --steps")
     ensure_host_devices(cfg.devices)
-    ensure_pinned_host_memory(cfg.execution.phased)
+    ensure_pinned_host_memory(cfg)
     setup_jax()
     primary = is_main_process()
 

@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags)
     check_args(cfg, args)
     ensure_host_devices(cfg.devices)
-    ensure_pinned_host_memory(cfg.execution.phased)
+    ensure_pinned_host_memory(cfg)
     setup_jax()
     if args.plan:
         from graphs.plan import plan

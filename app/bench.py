@@ -58,3 +58,25 @@ def run_script(argv: list) -> float:
     if proc.returncode != 0:
         sys.exit(f"{' '.join(argv)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
+
+
+def link_bandwidth(nbytes: int = 256 * 2 ** 20, repeats: int = 3) -> dict:
+    """The host link of the first device, measured: {load_gb_per_s, store_gb_per_s}, the best of ``repeats`` copies
+    of ``nbytes`` from pinned host memory to the device and back (on a CPU: a memory copy)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    d = jax.local_devices()[0]
+    host, dev = SingleDeviceSharding(d, memory_kind="pinned_host"), SingleDeviceSharding(d, memory_kind="device")
+    x = jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), host)
+    best = {"load": float("inf"), "store": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        y = jax.block_until_ready(jax.device_put(x, dev, may_alias=False))
+        best["load"] = min(best["load"], time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        jax.block_until_ready(jax.device_put(y, host))
+        best["store"] = min(best["store"], time.perf_counter() - t0)
+        del y
+    return {f"{k}_gb_per_s": nbytes / v / 1e9 for k, v in best.items()}

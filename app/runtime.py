@@ -5,13 +5,18 @@ run agree on: a value process 0 decides, barriers, and a failure that ends every
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import math
 import os
+import pkgutil
+import subprocess
 import sys
 import threading
 import time
 from typing import Optional
 
+from config.presets import to_dict
 from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
@@ -54,18 +59,47 @@ def _env_int(name: str) -> Optional[int]:
         raise ConfigError(f"{name}={value!r} is not an integer: set it to a whole number (or unset it)") from None
 
 
-def ensure_pinned_host_memory(phased: bool) -> None:
-    """Phased execution keeps weights and optimizer state in pinned host memory. JAX's GPU
-    client caps that at 64 GB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise (an XL
-    model's float32 weights, AdamW state and gradients need more); raise the cap to 90% of
-    this host's RAM when the user has not set it. Must run before JAX starts; inert on CPU."""
-    if not phased or "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in os.environ:
-        return
+POOL_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+POOL_MARGIN = 0.10  # of the plan, for what it does not see (the allocator's rounding and fragmentation)
+POOL_SLACK_GIB = 2  # and a fixed slack for small plans (a pinned batch, staging buffers)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pool_gib(host_plan_bytes: int) -> int:
+    """The pinned host pool for a plan's host bytes: the plan, POOL_MARGIN of it more, and POOL_SLACK_GIB, in GiB."""
+    return max(math.ceil(host_plan_bytes * (1 + POOL_MARGIN) / 2 ** 30) + POOL_SLACK_GIB, 1)
+
+
+def gpu_plugin_installed() -> bool:
+    """Whether JAX has a CUDA plugin to load (read without starting JAX): where it has none, the pinned host pool
+    is never created and sizing it costs nothing."""
     try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(int(0.9 * ram / 2**30), 1))
+        import jax_plugins  # the namespace package of JAX's PJRT plugins; absent on a CPU-only install
+    except ImportError:
+        return False
+    return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
+
+
+def ensure_pinned_host_memory(cfg, force: bool = False) -> Optional[int]:
+    """Phased execution keeps weights, optimizer state and activation rows in pinned host memory, which JAX's GPU
+    client caps at 64 GB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise: set it to the run's memory plan
+    plus a stated margin (app/host_pool.py: the plan +10% +2 GiB), never to the machine's RAM, when the user has
+    not set it. Must run before JAX starts; nothing to do without a GPU plugin (``force``: compute it anyway).
+    -> the GiB set, or None."""
+    if not cfg.execution.phased or POOL_VAR in os.environ or not (force or gpu_plugin_installed()):
+        return None
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.devices}"}
+    proc = subprocess.run([sys.executable, "-m", "app.host_pool"], input=json.dumps(to_dict(cfg)), text=True,
+                          capture_output=True, env=env, cwd=ROOT)
+    if proc.returncode != 0:
+        logger.warning("the memory plan for the pinned host pool failed (%s): JAX's default cap stands; set %s to "
+                       "size it", (proc.stderr.strip().splitlines() or ["?"])[-1][:200], POOL_VAR)
+        return None
+    gib = pool_gib(int(proc.stdout.strip().splitlines()[-1]))
+    os.environ[POOL_VAR] = str(gib)
+    logger.info("pinned host memory pool: %d GiB (the plan's host bytes +10%% +2 GiB; set %s to change it)", gib,
+                POOL_VAR)
+    return gib
 
 
 def rank_from_env() -> int:

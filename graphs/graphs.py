@@ -34,6 +34,7 @@ class StepOptions:
     seed: int  # of the initial weights and of every step's key (graphs/state.step_key)
     loss_scale: float  # the static loss scale, or the first one under dynamic scaling
     update_in_backward: bool  # phased: each layer updated right after its backward, clipped with the previous norm
+    compute_copy: bool  # phased: forward and backward read a compute-dtype copy of the weights kept in host memory
     batch: tuple  # (gradient accumulation, rows per micro-batch) of a global batch
     batch_lengths: tuple  # ((batch key, row length), ...) as the loader builds a batch
 
@@ -77,6 +78,7 @@ class Graphs:
         self.master_dtype = self.opts.compute_dtype if training and cfg.training.stochastic_rounding else np.float32
         ga = max(cfg.gradient_accumulation, 1)
         self.steps = StepOptions(cfg.model.seed, cfg.initial_loss_scale, ex.update_in_backward and training,
+                                 ex.compute_copy and training,
                                  (ga, cfg.training.global_batch_size // ga),
                                  tuple(self.family.batch_lengths(cfg).items()))
         self.phased = ex.phased

@@ -13,7 +13,7 @@ on the batch and over tp on d (RTS on activations).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -31,7 +31,8 @@ class PhasedState:
     rest: the weights outside the layers (shared, lm_head, relative biases, final norms: the
     TreeStructure's ``split_rest``), with their whole-tree paths; layers: {stack: [one weight tree per layer]}; opt: the optimizer
     state of the non-layer weight groups {shared, lm_head, small}; opt_layers: {stack: [one
-    optimizer state per layer]}.
+    optimizer state per layer]}; copy_rest, copy_layers: the weights' compute-dtype copies, shaped as rest and
+    layers with None where a weight is read from its master (None: no copies kept, execution.compute_copy).
     """
 
     step: int
@@ -39,6 +40,8 @@ class PhasedState:
     layers: dict
     opt: dict
     opt_layers: dict
+    copy_rest: Any = None
+    copy_layers: Optional[dict] = None
 
 
 def row_sharding(stacked: NamedSharding, memory_kind: str | None = None) -> NamedSharding:

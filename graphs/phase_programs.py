@@ -25,7 +25,7 @@ from graphs import sharding as S
 from graphs.host_state import row_sharding
 from graphs.phases import PhaseBodies, accumulate, micro_key, stream_key
 from modelling import lora
-from modelling.family import Stack
+from modelling.family import Stack, leaf_name
 
 F32 = jnp.float32
 MICRO = P(None, S.DP, None)  # [GA, dp * micro_batch, length] token-level inputs
@@ -57,6 +57,9 @@ class PhasePrograms:
         # weight gradients leave the device in the compute dtype (they were summed over the
         # micro-batches in float32, and their norm taken, before that)
         self.grad_dtype = g.opts.compute_dtype
+        # a compute-dtype copy of the trained weights beside their masters (graphs/phased.py): where they differ
+        self.copy = (g.steps.compute_copy and not g.lora and g.updater is not None
+                     and jnp.dtype(g.master_dtype) != jnp.dtype(g.opts.compute_dtype))
         self._cache: dict = {}
 
     # ------------------------------------------------------------------ helpers inside shard_map
@@ -326,9 +329,23 @@ class PhasePrograms:
 
     # ------------------------------------------------------------------ optimizer
 
+    def compute_copy(self, tree):
+        """A tree of master weights -> their compute copy: each weight in the compute dtype, None where the family
+        keeps it float32 (read from its master). As the programs cast: the same values as a cast on the device."""
+        keep, dt = self.g.family.keeps_f32, self.opts.compute_dtype
+        return jax.tree_util.tree_map_with_path(lambda p, x: None if keep(leaf_name(p)) else x.astype(dt), tree)
+
+    def copy_program(self):
+        """(master weights on the devices) -> their compute copy (``compute_copy``): made once, when a state is built
+        or restored; each update writes the next one itself."""
+        if "copy" not in self._cache:
+            self._cache["copy"] = jax.jit(self.compute_copy)
+        return self._cache["copy"]
+
     def optimizer(self, group: str, layer: bool = False):
         """(params, optimizer state, gradients, global norm, rng data, loss scale[, layer index j]) of one weight
-        group (of one layer of a stack's group with ``layer``[, clip norm]) -> (params, state). The gradients arrive
+        group (of one layer of a stack's group with ``layer``[, clip norm]) -> (params, state[, their compute copy,
+        where one is kept: ``copy``]). The gradients arrive
         loss-scaled, the norm not; the clip norm, when given, replaces the norm for clipping
         (``execution.update_in_backward``). With stochastic rounding the key is the fused step's: ``optim.group_key``
         of the group, folded with j for a layer (``optim.Updater.update``). Weights and state are donated: their updated values take their place on the device."""
@@ -338,8 +355,9 @@ class PhasePrograms:
 
             def update(p, s, g, g_norm, rng_data, scale, j=None, clip_norm=None):
                 # the schedule runs no optimizer program in a step whose norm is not finite (PhasedExecutor.train_step)
-                return updater.update(group, p, s, g, g_norm, rng_data, layer=j if layer else None, loss_scale=scale,
+                p, s = updater.update(group, p, s, g, g_norm, rng_data, layer=j if layer else None, loss_scale=scale,
                                       clip_norm=clip_norm, skip_non_finite=False)
+                return (p, s, self.compute_copy(p)) if self.copy else (p, s)
 
             self._cache[key] = jax.jit(update, donate_argnums=(0, 1))
         return self._cache[key]

@@ -57,10 +57,13 @@ from graphs.memory import live_device_bytes, program_bytes
 from graphs.phase_programs import PhasePrograms
 from graphs.phases import context_weights, stack_meta
 from graphs.plan import MemoryPlan, PlanOps
+from graphs.sharding import shard_bytes
 from graphs.state import (TrainState, base_record, fingerprint_rows, load_base, restore_base, restore_train_state,
                           step_key)
+from graphs.transfers import Transfers, floor, tree_bytes, weight_costs
 from graphs.tree import flat_paths, from_flat
 from modelling import lora
+from modelling.family import leaf_name
 
 F32 = jnp.float32
 
@@ -118,7 +121,24 @@ class PhasedExecutor:
         self.opt_dev = {k: v for k, v in opt_dev.items() if not self.tree.is_layer_group(k)}
         self.opt_row_dev = {s: rows(opt_dev[s]) for s in self.tree.stacks}
         self.act_dev = NamedSharding(self.mesh, self.programs.act_spec)
+        # the compute copy (execution.compute_copy): where the master dtype is not the compute dtype, each weight the
+        # compute dtype changes (the family keeps its norms and tables float32) has a copy in it in host memory, which
+        # the forward and the backward read; None marks a weight read from its master
+        self.copy = self.programs.copy
+        self.copy_rest_dev = self._copied(self.rest_dev)
+        self.copy_row_dev = {s: self._copied(self.row_dev[s]) for s in self.tree.stacks}
         self.ops = ops if ops is not None else DeviceOps(serial_collectives(self.mesh))
+
+    def _copied(self, shardings):
+        """The shardings of the weights that have a compute copy (None where a weight is read from its master)."""
+        keep = self.g.family.keeps_f32
+        return jax.tree_util.tree_map_with_path(lambda p, s: None if keep(leaf_name(p)) else s, shardings)
+
+    @staticmethod
+    def _compute(master, copy):
+        """The weights the forward and the backward read: each weight's compute copy, or its master where it has none
+        (``copy`` None: no copies kept)."""
+        return master if copy is None else jax.tree.map(lambda m, c: m if c is None else c, master, copy)
 
     def with_ops(self, ops) -> "PhasedExecutor":
         """This executor (its compiled programs and shardings shared) running its schedule on other ops."""
@@ -202,14 +222,29 @@ class PhasedExecutor:
         groups, dev = self.tree.rest_groups(rest), self.tree.rest_groups(self.rest_dev)
         opt_rest = {k: init(groups[k], dev[k], self.opt_dev[k]) for k in groups}
         opt_layers = {s: [init(lp, self.row_dev[s], self.opt_row_dev[s]) for lp in layers[s]] for s in layers}
-        return PhasedState(0, rest, layers, opt_rest, opt_layers)
+        return self._with_copies(PhasedState(0, rest, layers, opt_rest, opt_layers))
 
     def from_train_state(self, state: TrainState) -> PhasedState:
         """A stacked TrainState (a checkpoint's layout, any memory) -> the host-resident per-layer state."""
         rest, layers = self._weights(state.params)
         opt_rest = {k: to_host(state.opt_state[k], self.opt_dev[k]) for k in self.opt_dev}
         opt_layers = {s: to_rows(state.opt_state[s], self.opt_stacked[s]) for s in self.tree.stacks}
-        return PhasedState(int(state.step), rest, layers, opt_rest, opt_layers)
+        return self._with_copies(PhasedState(int(state.step), rest, layers, opt_rest, opt_layers))
+
+    def _with_copies(self, ps: PhasedState) -> PhasedState:
+        """The state with the compute copies of its weights made (one weight group at a time through the devices),
+        where copies are kept (``copy``)."""
+        if not self.copy:
+            return ps
+        ops, make = self.ops, self.programs.copy_program()
+
+        def copied(tree, dev, copy_dev):
+            return ops.store(make(ops.load(tree, dev, label="master weights")), copy_dev, label="compute copy")
+
+        ps.copy_rest = copied(ps.rest, self.rest_dev, self.copy_rest_dev)
+        ps.copy_layers = {s: [copied(lp, self.row_dev[s], self.copy_row_dev[s]) for lp in ps.layers[s]]
+                          for s in self.tree.stacks}
+        return ps
 
     def restore(self, directory: str, step: int, optim_state: bool = True):
         """(state, meta) of a checkpoint, restored straight into host memory (LoRA: its adapters; the base is
@@ -278,17 +313,22 @@ class PhasedExecutor:
         the device, a copy it may donate) right after its backward, in place of storing its gradients
         (``execution.update_in_backward``); the layer gradients returned are then None."""
         ops = self.ops
+        ops.moved.phase = "forward"
         meta = {s.name: stack_meta(s, batch) for s in self.stacks}
-        rest, rest_dev = self.frozen_rest if self.lora else ps.rest, self.read_rest_dev  # what the forward reads
-        w = {"shared": ops.load(rest["shared"], rest_dev["shared"]),
-             "ctx": {s.name: ops.load(context_weights(s, rest[s.name]), context_weights(s, rest_dev[s.name]))
-                     for s in self.stacks},
-             "out": {s.name: ops.load(rest[s.name][s.output], rest_dev[s.name][s.output])
+        # what the forward reads: the frozen base (LoRA), else the compute copies of the weights
+        rest = self.frozen_rest if self.lora else self._compute(ps.rest, ps.copy_rest)
+        rest_dev, label = self.read_rest_dev, "frozen base weights" if self.lora else "weights"
+        w = {"shared": ops.load(rest["shared"], rest_dev["shared"], label=label),
+             "ctx": {s.name: ops.load(context_weights(s, rest[s.name]), context_weights(s, rest_dev[s.name]),
+                                      label=label) for s in self.stacks},
+             "out": {s.name: ops.load(rest[s.name][s.output], rest_dev[s.name][s.output], label=label)
                      for s in self.stacks if s.output}}
         rows, x, enc_out = self._forward(ps, batch, meta, w, rng_data)
-        hp = ops.load(self.g.model_tree.head_subtree(rest), self.g.model_tree.head_subtree(rest_dev))
+        ops.moved.phase = "head"
+        hp = self._head_weights(rest, w, label)
         loss, g_head, dy = ops.run("head", self.programs.head(), hp, x, batch["labels"], rng_data, scale)
         del hp, x
+        ops.moved.phase = "backward"
         g_flat = dict(zip(flat_paths(g_head), jax.tree.leaves(g_head)))  # {weight path: gradient} of the rest
         del g_head
         sumsq, layer_grads = [], {s: [None] * self.depth[s] for s in self.tree.stacks}
@@ -305,6 +345,19 @@ class PhasedExecutor:
             sumsq.append(ops.run("sum_of_squares", self.programs.rest_sum_of_squares(), g_rest))
         g_norm = ops.run("global_norm", self.programs.global_norm, sumsq, scale)
         return loss, g_rest, layer_grads, g_norm
+
+    def _head_weights(self, rest, w: dict, label: str) -> dict:
+        """The head phase's weights on the devices: those the forward loaded already (a head tied to the embedding
+        reads ``shared``) as they are, the others loaded."""
+        tree = self.g.model_tree
+        on_device = {("shared",): w["shared"], **{(s, k): v for s, ctx in w["ctx"].items() for k, v in ctx.items()},
+                     **{(s.name, s.output): w["out"][s.name] for s in self.stacks if s.output}}
+        host, dev = tree.head_subtree(rest), tree.head_subtree(self.read_rest_dev)
+        paths = flat_paths(host)
+        load = [p for p in paths if p not in on_device]
+        loaded = dict(zip(load, jax.tree.leaves(self.ops.load(
+            [_leaf_at(host, p) for p in load], [_leaf_at(dev, p) for p in load], label=label))))
+        return from_flat(host, {p: on_device[p] if p in on_device else loaded[p] for p in paths})
 
     def _forward(self, ps, batch, meta, w, rng_data) -> tuple:
         """Every stack forward, storing each layer's input row -> (activation buffers, the last stack's output,
@@ -349,8 +402,9 @@ class PhasedExecutor:
         if stack.cross:
             carry["d_enc"] = ops.zeros(enc_out.shape, F32, self.act_dev)
         bwd, g_ctx = prog.layer_bwd(stack, keys), None
-        copy_ = update_layer is not None  # the loaded weights are then donated to the layer's update
-        layer = lambda j: self._load_layer(ps, name, j, copy_)  # noqa: E731
+        # under update_in_backward each layer's master is loaded (and donated to its update), not its compute copy
+        master = update_layer is not None
+        layer = lambda j: self._load_layer(ps, name, j, master)  # noqa: E731
         for j, lp in prefetch(depth, layer, reverse=True):
             x = self._load_act(buf.pop(j))
             if stack.cross:
@@ -378,15 +432,20 @@ class PhasedExecutor:
         add_grad(("shared",), ops.run("embeddings_bwd", prog.embeddings_bwd(stack), w["shared"], batch[stack.ids],
                                       carry.pop("dy"), rng_data))
 
-    def _load_layer(self, ps, s: str, j: int, copy: bool = False) -> dict:
-        """Layer j of stack s on the device: its trained weights (``copy``: to be donated to its update), and under
+    def _load_layer(self, ps, s: str, j: int, master: bool = False) -> dict:
+        """Layer j of stack s on the device as the forward and the backward read it: its compute copy where one is
+        kept, else its master; with ``master`` its master, to be donated to its update (update_in_backward). Under
         LoRA the frozen base's layer beside its adapters."""
         ops = self.ops
         if not self.lora:
-            return ops.load(ps.layers[s][j], self.row_dev[s], copy=copy)
+            if master or not self.copy:
+                return ops.load(ps.layers[s][j], self.row_dev[s], copy=master,
+                                label="master weights" if master else "weights")
+            return ops.load(self._compute(ps.layers[s][j], ps.copy_layers[s][j]), self.row_dev[s], label="weights")
         out = dict(ops.load(self.frozen_layers[s][j], self.base_row_dev[s], label="frozen base weights"))
         if s in ps.layers:
-            out.update(ops.load(ps.layers[s][j], self.row_dev[s], copy=copy))
+            out.update(ops.load(ps.layers[s][j], self.row_dev[s], copy=master,
+                                label="master weights" if master else "weights"))
         return out
 
     def _trained(self, lp: dict) -> dict:
@@ -394,7 +453,7 @@ class PhasedExecutor:
         return {k: v for k, v in lp.items() if lora.is_adapter(k)} if self.lora else lp
 
     def _store_act(self, x):
-        return self.ops.store(x, self.act_dev, label="activation rows")
+        return self.ops.store(x, self.act_dev, label="activations")
 
     def _load_act(self, x):
         return self.ops.load(x, self.act_dev, label="activations")
@@ -413,15 +472,19 @@ class PhasedExecutor:
         rng_data = step_key(self.g.steps.seed, ps.step) if rng_data is None else rng_data
         scale, stale = self.g.loss_scale_input(loss_scale), self.g.clip_norm_input(clip_norm)
         in_backward = self.g.steps.update_in_backward
-        layers, opt_layers = ({s: [None] * self.depth[s] for s in self.tree.stacks} for _ in range(2))
+        self.ops.moved.reset()
+        # the updated layers: {stack: [weights]}, their optimizer states and compute copies
+        new = {k: {s: [None] * self.depth[s] for s in self.tree.stacks} for k in ("layers", "opt", "copy")}
 
         def update_layer(s, j, p, gr, ss):
             """Layer j of stack s, right after its backward: its weights are on the device already. (The step's norm
             is not known yet: the update clips with the previous one, and the driver stops a run whose norm turns
             out not finite before anything of the step is saved.)"""
-            st = self.ops.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True)
+            st = self.ops.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True, label="optimizer state")
             ps.layers[s][j] = ps.opt_layers[s][j] = None
-            self._update_layer(s, j, p, st, gr, stale, rng_data, scale, stale, layers, opt_layers)
+            if ps.copy_layers is not None:
+                ps.copy_layers[s][j] = None
+            self._update_layer(s, j, p, st, gr, stale, rng_data, scale, stale, new)
 
         loss, g_rest, layer_grads, g_norm = self._forward_backward(ps, batch, rng_data, scale,
                                                                    update_layer if in_backward else None)
@@ -429,56 +492,71 @@ class PhasedExecutor:
         if not in_backward and not self.ops.is_finite(g_norm):
             # an overflow (or a diverged step): no optimizer program runs, every weight and state stays as it was.
             # Reading the norm here waits for the backward; the optimizer phase needed the norm first anyway.
-            return PhasedState(ps.step + 1, ps.rest, ps.layers, ps.opt, ps.opt_layers), metrics
-        new_rest, new_opt = self._update_rest(ps, g_rest, g_norm, rng_data, scale, stale)
+            return PhasedState(ps.step + 1, ps.rest, ps.layers, ps.opt, ps.opt_layers, ps.copy_rest,
+                               ps.copy_layers), metrics
+        self.ops.moved.phase = "optimizer"
+        new_rest, new_opt, new_copy = self._update_rest(ps, g_rest, g_norm, rng_data, scale, stale)
         del g_rest
         if not in_backward:
-            self._update_layers(ps, layer_grads, g_norm, rng_data, scale, layers, opt_layers)
-        return PhasedState(ps.step + 1, new_rest, layers, new_opt, opt_layers), metrics
+            self._update_layers(ps, layer_grads, g_norm, rng_data, scale, new)
+        return PhasedState(ps.step + 1, new_rest, new["layers"], new_opt, new["opt"], new_copy,
+                           new["copy"] if self.copy else None), metrics
 
     def _update_rest(self, ps, g_rest, g_norm, rng_data, scale, stale) -> tuple:
-        """The optimizer phases of the embedding, the LM head and the small rest -> (rest weights, their states)."""
+        """The optimizer phases of the embedding, the LM head and the small rest -> (rest weights, their states,
+        their compute copies or None)."""
         ops, tree = self.ops, self.tree
         params_g, grads_g, dev = tree.rest_groups(ps.rest), tree.rest_groups(g_rest), tree.rest_groups(self.rest_dev)
-        ps.rest = None
-        new_params, new_opt = {}, {}
+        copy_dev = tree.rest_groups(self.copy_rest_dev)
+        ps.rest = ps.copy_rest = None
+        new_params, new_opt, new_copy = {}, {}, {}
         for name in list(params_g):
             if not jax.tree.leaves(params_g[name]):  # a group with no weights (LoRA's adapters have no "small")
                 new_params[name], new_opt[name] = params_g.pop(name), ps.opt[name]
+                new_copy[name] = jax.tree.map(lambda _: None, new_params[name])
                 grads_g.pop(name)
                 continue
-            p, s = ops.run("optimizer", self.programs.optimizer(name), ops.load(params_g.pop(name), dev[name], copy=True),
-                           ops.load(ps.opt[name], self.opt_dev[name], copy=True), grads_g.pop(name), g_norm,
-                           rng_data, scale, None, stale)
+            out = ops.run("optimizer", self.programs.optimizer(name),
+                          ops.load(params_g.pop(name), dev[name], copy=True, label="master weights"),
+                          ops.load(ps.opt[name], self.opt_dev[name], copy=True, label="optimizer state"),
+                          grads_g.pop(name), g_norm, rng_data, scale, None, stale)
             ps.opt[name] = None
-            new_params[name] = ops.store(p, dev[name], label="weights")
-            new_opt[name] = ops.store(s, self.opt_dev[name], label="optimizer state")
-            del p, s
-        return tree.rest_from_groups(new_params), new_opt
+            new_params[name] = ops.store(out[0], dev[name], label="master weights")
+            new_opt[name] = ops.store(out[1], self.opt_dev[name], label="optimizer state")
+            if self.copy:
+                new_copy[name] = ops.store(out[2], copy_dev[name], label="compute copy")
+            del out
+        copies = tree.rest_from_groups(new_copy) if self.copy else None
+        return tree.rest_from_groups(new_params), new_opt, copies
 
-    def _update_layers(self, ps, layer_grads, g_norm, rng_data, scale, layers, opt_layers) -> None:
-        """The optimizer phases of the layers, one at a time: weights, state and gradients loaded, the next layer's
-        prefetched."""
+    def _update_layers(self, ps, layer_grads, g_norm, rng_data, scale, new: dict) -> None:
+        """The optimizer phases of the layers, one at a time: master weights, state and gradients loaded, the next
+        layer's prefetched."""
         ops = self.ops
         for s in self.tree.stacks:
 
             def load(j, s=s):
-                out = (ops.load(ps.layers[s][j], self.row_dev[s], copy=True),
-                       ops.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True),
-                       ops.load(layer_grads[s][j], self.row_dev[s]))
+                out = (ops.load(ps.layers[s][j], self.row_dev[s], copy=True, label="master weights"),
+                       ops.load(ps.opt_layers[s][j], self.opt_row_dev[s], copy=True, label="optimizer state"),
+                       ops.load(layer_grads[s][j], self.row_dev[s], label="weight gradients"))
                 ps.layers[s][j] = ps.opt_layers[s][j] = layer_grads[s][j] = None
+                if ps.copy_layers is not None:
+                    ps.copy_layers[s][j] = None
                 return out
 
             for j, (p, st, gr) in prefetch(self.depth[s], load):
-                self._update_layer(s, j, p, st, gr, g_norm, rng_data, scale, None, layers, opt_layers)
+                self._update_layer(s, j, p, st, gr, g_norm, rng_data, scale, None, new)
                 del p, st, gr
 
-    def _update_layer(self, s, j, p, st, gr, g_norm, rng_data, scale, clip_norm, layers, opt_layers) -> None:
+    def _update_layer(self, s, j, p, st, gr, g_norm, rng_data, scale, clip_norm, new: dict) -> None:
+        """Layer j of stack s updated; its master, state (and compute copy) stored into ``new``."""
         update = self.programs.optimizer(s, layer=True)
         args = (p, st, gr, g_norm, rng_data, scale, j) + ((clip_norm,) if clip_norm is not None else ())
-        p, st = self.ops.run("optimizer", update, *args)
-        layers[s][j] = self.ops.store(p, self.row_dev[s], label="weights")
-        opt_layers[s][j] = self.ops.store(st, self.opt_row_dev[s], label="optimizer state")
+        out = self.ops.run("optimizer", update, *args)
+        new["layers"][s][j] = self.ops.store(out[0], self.row_dev[s], label="master weights")
+        new["opt"][s][j] = self.ops.store(out[1], self.opt_row_dev[s], label="optimizer state")
+        if self.copy:
+            new["copy"][s][j] = self.ops.store(out[2], self.copy_row_dev[s], label="compute copy")
 
     # ------------------------------------------------------------------ plans and reports
 
@@ -487,17 +565,24 @@ class PhasedExecutor:
         g, ops = self.g, PlanOps(exact)
         host = lambda sh: S.with_memory_kind(sh, HOST)  # noqa: E731
         params = g.abstract_params()
-        rest = ops.abstract(self.tree.split_rest(params), host(self.rest_dev), "weights")
+        rest = ops.abstract(self.tree.split_rest(params), host(self.rest_dev), "master weights")
         layers, opt_layers = {}, {}
         for s in g.tree.stacks:
             row = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params[s]["layers"])
-            layers[s] = [ops.abstract(row, host(self.row_dev[s]), "weights") for _ in range(self.depth[s])]
+            layers[s] = [ops.abstract(row, host(self.row_dev[s]), "master weights") for _ in range(self.depth[s])]
             opt_row = jax.eval_shape(g.updater.init_group, row)
             opt_layers[s] = [ops.abstract(opt_row, host(self.opt_row_dev[s]), "optimizer state")
                              for _ in range(self.depth[s])]
         opt = {k: ops.abstract(jax.eval_shape(g.updater.init_group, grp), host(self.opt_dev[k]), "optimizer state")
                for k, grp in g.tree.rest_groups(self.tree.split_rest(params)).items()}
         state = PhasedState(0, rest, layers, opt, opt_layers)
+        if self.copy:  # the compute copies, beside their masters
+            copy_of = lambda tree, sh: ops.abstract(jax.eval_shape(self.programs.compute_copy, tree), host(sh),  # noqa
+                                                    "compute copy")
+            state.copy_rest = copy_of(self.tree.split_rest(params), self.copy_rest_dev)
+            state.copy_layers = {s: [copy_of(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                                                          params[s]["layers"]), self.copy_row_dev[s])
+                                     for _ in range(self.depth[s])] for s in g.tree.stacks}
         ex = self.with_ops(ops)
         if self.lora:  # the frozen base in host memory, read by the forward and backward, never written
             base = g.abstract_base()
@@ -511,7 +596,41 @@ class PhasedExecutor:
         rng = ops.new((2,), jnp.uint32, g.replicated, "batch")
         new_state, _ = ex.train_step(state, batch, rng)
         del state, new_state
-        return ops.plan("phased")
+        out = ops.plan("phased")
+        out.transfer_floor = self.transfer_floor()
+        return out
+
+    def transfer_floor(self) -> dict:
+        """What one step of this state layout must move over the host link, per device (graphs/transfers.py's
+        ``floor``), from shapes alone."""
+        g, programs = self.g, self.programs
+        params = g.abstract_params()
+        row = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
+        grad = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, programs.grad_dtype), t)  # noqa: E731
+
+        def costs(tree, dev, opt_dev, copy_dev):
+            master = tree_bytes(tree, dev)
+            state = tree_bytes(jax.eval_shape(g.updater.init_group, tree), opt_dev)
+            copy = jax.eval_shape(programs.compute_copy, tree) if self.copy else None
+            compute = tree_bytes(self._compute(tree, copy), dev)
+            return weight_costs(master, compute, state, tree_bytes(grad(tree), dev),
+                                tree_bytes(copy, copy_dev) if self.copy else 0)
+
+        layers = [costs(jax.tree.map(row, params[s]["layers"]), self.row_dev[s], self.opt_row_dev[s],
+                        self.copy_row_dev[s]) for s in self.tree.stacks for _ in range(self.depth[s])]
+        groups = self.tree.rest_groups(self.tree.split_rest(params))
+        dev, copy_dev = self.tree.rest_groups(self.rest_dev), self.tree.rest_groups(self.copy_rest_dev)
+        rest = [costs(groups[k], dev[k], self.opt_dev[k], copy_dev[k]) for k in groups if jax.tree.leaves(groups[k])]
+        frozen_layers = frozen_rest = 0
+        if self.lora:
+            base = g.abstract_base()
+            frozen_layers = sum(self.depth[s.name] * tree_bytes(jax.tree.map(row, base[s.name]["layers"]),
+                                                                 self.base_row_dev[s.name]) for s in self.stacks)
+            frozen_rest = tree_bytes(g.model_tree.split_rest(base), self.read_rest_dev)
+        batch, d = g.abstract_batch(), g.opts.hidden_size
+        acts = sum((self.depth[s.name] + (1 if s.output else 0))
+                   * shard_bytes(batch[s.ids].shape + (d,), F32, self.act_dev) for s in self.stacks)
+        return floor(layers, rest, frozen_layers, frozen_rest, acts, g.steps.update_in_backward)
 
     def memory_report(self, state: PhasedState, batch: dict) -> tuple:
         """(state after one more step, device bytes at the step's peak, {phase: bytes}): one step with every phase
@@ -532,6 +651,12 @@ class PhasedExecutor:
         return state, dict(ops.seconds, serial_step_s=time.perf_counter() - t0)
 
 
+def _leaf_at(tree: dict, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
 class _Rows:
     """A stacked weight given as its rows (not a pytree: a leaf of the tree it is placed in)."""
 
@@ -546,6 +671,7 @@ class DeviceOps:
 
     def __init__(self, serial: bool = False, memory=None):
         self.serial, self.memory = serial, memory
+        self.moved = Transfers()  # what the schedule moves over the host link (graphs/transfers.py)
 
     def load(self, tree, shardings, copy: bool = False, label: str = ""):
         """Remote buffer -> device: one transfer per weight (RTS shards stay shards).
@@ -553,9 +679,11 @@ class DeviceOps:
         ``copy``: never alias the host buffer (on CPU host and device memory are one RAM), so the
         loaded arrays can be donated to the program that updates them.
         """
+        self.moved.add("load", label, tree, shardings)
         return jax.device_put(tree, shardings, may_alias=False if copy else None)
 
     def store(self, tree, shardings, label: str = ""):
+        self.moved.add("store", label, tree, shardings)
         return jax.device_put(tree, S.with_memory_kind(shardings, HOST))
 
     def zeros(self, shape, dtype, sharding, label: str = ""):

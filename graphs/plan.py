@@ -27,6 +27,12 @@ import jax
 import numpy as np
 
 from graphs import sharding as S
+from graphs.sharding import shard_bytes
+from graphs.transfers import Transfers, format_bytes_table
+
+# the bandwidth at which the plan says how long a step waits on the host link: PCIe 5.0 x16 pinned copies, as
+# measured on an H100 machine (~52 GB/s each way); finetuning.py measures the machine's own
+LINK_GB_PER_S = 52.0
 from utils.errors import FlanT5Error
 
 GIB = 2 ** 30
@@ -47,12 +53,6 @@ class PlanError(FlanT5Error, RuntimeError):
 
 def _kind(sharding) -> str:
     return "host" if getattr(sharding, "memory_kind", None) in HOST_KINDS else "device"
-
-
-def shard_bytes(shape, dtype, sharding) -> int:
-    """Bytes of one device's shard of an array."""
-    shard = sharding.shard_shape(tuple(shape)) if sharding is not None else tuple(shape)
-    return int(np.prod(shard, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 class Ledger:
@@ -114,6 +114,7 @@ class PlanOps:
 
     def __init__(self, exact: bool = False):
         self.ledger, self.exact = Ledger(), exact
+        self.moved = Transfers()  # what the schedule moves over the host link, from shapes
         self._programs: dict = {}
 
     def new(self, shape, dtype, sharding, label: str) -> Placeholder:
@@ -124,10 +125,12 @@ class PlanOps:
         return jax.tree.map(lambda x, s: self.new(x.shape, x.dtype, s, label), tree, shardings)
 
     def load(self, tree, shardings, copy: bool = False, label: str = "loaded weights and state"):
+        self.moved.add("load", label, tree, shardings)
         return jax.tree.map(lambda x, s: self.new(x.shape, x.dtype, s, label), tree, shardings,
                             is_leaf=_is_placeholder)
 
     def store(self, tree, shardings, label: str = "stored"):
+        self.moved.add("store", label, tree, shardings)
         host = S.with_memory_kind(shardings, "pinned_host")
         return jax.tree.map(lambda x, s: self.new(x.shape, x.dtype, s, label), tree, host, is_leaf=_is_placeholder)
 
@@ -140,7 +143,8 @@ class PlanOps:
     def plan(self, executor: str) -> "MemoryPlan":
         """The plan of the schedule just run on these placeholders: its device and host peaks."""
         dev, host = self.ledger.peak["device"], self.ledger.peak["host"]
-        return MemoryPlan(executor, dev[0], dev[1], dev[2], host[0], host[1], host[2], self.exact)
+        return MemoryPlan(executor, dev[0], dev[1], dev[2], host[0], host[1], host[2], self.exact,
+                          transfers=self.moved.summary())
 
     def run(self, name: str, program, *args, label: str = "phase outputs"):
         structs = jax.tree.map(lambda x: x.struct() if _is_placeholder(x) else x, args, is_leaf=_is_placeholder)
@@ -179,6 +183,8 @@ class MemoryPlan:
     host_items: dict
     exact: bool
     notes: list = field(default_factory=list)
+    transfers: dict | None = None  # phased: what a step moves over the host link (graphs/transfers.py's summary)
+    transfer_floor: dict | None = None  # phased: the least a step of its layout moves (graphs/transfers.py's floor)
 
     def format(self) -> str:
         def items(d):
@@ -190,6 +196,8 @@ class MemoryPlan:
                  f"{items(self.device_items)}",
                  f"  host:   {human_bytes(self.host_peak)} per process at its peak ({self.host_phase}): "
                  f"{items(self.host_items) or 'nothing'}"]
+        if self.transfers and self.transfer_floor:
+            lines.append(format_bytes_table(self.transfers, self.transfer_floor, LINK_GB_PER_S))
         return "\n".join(lines + [f"  {n}" for n in self.notes])
 
     def check(self, device_limit: int | None, host_limit: int | None, cfg) -> None:
@@ -206,13 +214,18 @@ class MemoryPlan:
                             f"device has {device_limit / GIB:.1f} GiB: try {', '.join(knobs)}")
         if host_limit and self.host_peak > host_limit:
             knobs = []
-            state = sum(v for k, v in self.host_items.items() if any(w in k for w in ("weights", "optimizer state")))
+            state = sum(v for k, v in self.host_items.items()
+                        if any(w in k for w in ("weights", "optimizer state", "compute copy")))
             if cfg.training.optimizer.name == "adamw":
                 knobs.append("--optimizer adafactor (factored optimizer state)")
             grads = self.host_items.get("weight gradients", 0)
             if phased and grads and not cfg.dynamic_loss_scaling:
                 knobs.append(f"--update_in_backward true (no layer gradients in host memory: {human_bytes(grads)} "
                              "less)")
+            copies = self.host_items.get("compute copy", 0)
+            if copies:
+                knobs.append(f"--compute_copy false (the forward and the backward read the float32 masters: "
+                             f"{human_bytes(copies)} less, more over the host link)")
             if phased and not cfg.training.stochastic_rounding and cfg.model.precision != "float32":
                 knobs.append("--stochastic_rounding true (16-bit master weights: half their bytes)")
             if state > host_limit:  # a smaller batch cannot help: the model's own state does not fit

@@ -210,6 +210,12 @@ def sum_of_squares(grads, lay) -> jax.Array:
 # --------------------------------------------------------------------------- reporting
 
 
+def shard_bytes(shape, dtype, sharding) -> int:
+    """Bytes of one device's shard of an array."""
+    shard = sharding.shard_shape(tuple(shape)) if sharding is not None else tuple(shape)
+    return int(np.prod(shard, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
 def per_device_bytes(tree) -> dict:
     """{device: bytes} of the shards of every array in a tree, read from their shardings."""
     out: dict = {}

@@ -160,15 +160,23 @@ def test_cli_help_lists_every_field(capsys, kind):
     assert ("10% faster" in out) == (kind == "finetuning")  # a "%" in a doc (unroll_layers) once broke --help
 
 
-def test_phased_raises_the_pinned_host_memory_cap_unless_set(monkeypatch):
-    from app.runtime import ensure_pinned_host_memory
+def test_the_pinned_host_pool_is_sized_from_the_plan_unless_set(monkeypatch):
+    """A phased run's pinned host pool is its memory plan's host bytes +10% +2 GiB (computed before JAX starts, in
+    a child process on JAX's CPU backend), never the machine's RAM; a fused run, or a pool the user set, is left
+    alone; without a GPU plugin nothing is computed."""
+    from app.runtime import POOL_VAR, ensure_pinned_host_memory, gpu_plugin_installed, pool_gib
+    from graphs.executor import make_executor
+    from graphs.graphs import Graphs
+    from graphs.plan import plan
 
-    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
-    ensure_pinned_host_memory(False)
-    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in os.environ
-    ensure_pinned_host_memory(True)
-    ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    assert 0 < int(os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"]) <= ram_gb
-    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "7")
-    ensure_pinned_host_memory(True)
-    assert os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] == "7"
+    monkeypatch.delenv(POOL_VAR, raising=False)
+    assert ensure_pinned_host_memory(load_config("finetuning", "tiny"), force=True) is None and POOL_VAR not in os.environ
+    cfg = load_config("finetuning", "tiny", {"phased": True, "layers": 2})
+    if not gpu_plugin_installed():
+        assert ensure_pinned_host_memory(cfg) is None and POOL_VAR not in os.environ
+    gib = ensure_pinned_host_memory(cfg, force=True)
+    host = plan(make_executor(Graphs(cfg))).host_peak
+    assert gib == pool_gib(host) == int(os.environ[POOL_VAR]) == 3  # a few MiB of plan: +2 GiB, rounded up
+    assert pool_gib(62 * 2 ** 30) == 71  # Flan-T5-XXL's ~62 GiB: +10%, +2 GiB
+    monkeypatch.setenv(POOL_VAR, "7")
+    assert ensure_pinned_host_memory(cfg, force=True) is None and os.environ[POOL_VAR] == "7"

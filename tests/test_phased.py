@@ -152,7 +152,7 @@ class RecordingOps(DeviceOps):
 
     def store(self, tree, shardings, label=""):
         out = super().store(tree, shardings, label)
-        if label == "activation rows":
+        if label == "activations":
             self.rows.append(out)
         return out
 

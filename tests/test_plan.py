@@ -100,16 +100,16 @@ def test_xxl_plan_on_one_device_from_shapes_alone():
     p = _planned_without_allocating(make_executor(Graphs(cfg)), exact=False)
     n = count_params(Graphs(cfg).specs)
     assert 11.0e9 < n < 11.3e9
-    assert p.host_items["weights"] == pytest.approx(4 * n, rel=1e-3)
+    assert p.host_items["master weights"] == pytest.approx(4 * n, rel=1e-3)
     assert p.host_items["optimizer state"] == pytest.approx(8 * n, rel=1e-3)  # AdamW: two float32 moments
     # the encoder's activation rows alone: 25 rows of [128, 512, 4096] float32 (1 GiB each)
-    assert p.host_items["activation rows"] >= 25 * GIB
+    assert p.host_items["activations"] >= 25 * GIB
     box = dict(device_limit=80 * GIB, host_limit=125 * GIB, cfg=cfg)
     with pytest.raises(PlanError, match=r"host memory .* try --optimizer adafactor"):
         p.check(**box)
     cfg = load_config("finetuning", "xxl_pod16", dict(base, optimizer="adafactor"))
     p = plan(make_executor(Graphs(cfg)), exact=False)
-    assert p.host_items["optimizer state"] < 0.01 * p.host_items["weights"]  # factored, per layer
+    assert p.host_items["optimizer state"] < 0.01 * p.host_items["master weights"]  # factored, per layer
     p.check(**box)  # fits
     assert 2 * GIB < p.device_peak < 40 * GIB, p.format()
     assert 60 * GIB < p.host_peak < 100 * GIB, p.format()
@@ -133,7 +133,7 @@ def test_ul2_and_xxl_fit_one_box_and_stochastic_rounding_halves_the_host_weights
         cfg, p = planned(name)
         p.check(device_limit=75 * GIB, host_limit=110 * GIB, cfg=cfg)
         sr, f32 = planned(name, stochastic_rounding=True)[1], planned(name, stochastic_rounding=False)[1]
-        assert sr.host_items["weights"] == pytest.approx(f32.host_items["weights"] / 2, rel=1e-3)
+        assert sr.host_items["master weights"] == pytest.approx(f32.host_items["master weights"] / 2, rel=1e-3)
         assert sr.device_peak < f32.device_peak
         stored = planned(name, update_in_backward=False)[1]
         in_bwd = planned(name, update_in_backward=True)[1]
@@ -144,7 +144,10 @@ def test_ul2_and_xxl_fit_one_box_and_stochastic_rounding_halves_the_host_weights
     cfg, p = planned("ul2_1gpu", stochastic_rounding=False, update_in_backward=False)
     with pytest.raises(PlanError, match="host memory"):
         p.check(device_limit=75 * GIB, host_limit=105 * GIB, cfg=cfg)
-    cfg, p = planned("ul2_1gpu", stochastic_rounding=False)
+    cfg, p = planned("ul2_1gpu", stochastic_rounding=False)  # float32 masters and their bfloat16 compute copies
+    with pytest.raises(PlanError, match="--compute_copy false"):
+        p.check(device_limit=75 * GIB, host_limit=90 * GIB, cfg=cfg)
+    cfg, p = planned("ul2_1gpu", stochastic_rounding=False, compute_copy=False)
     p.check(device_limit=75 * GIB, host_limit=90 * GIB, cfg=cfg)
 
 
@@ -163,7 +166,7 @@ def test_the_lora_presets_fit_a_24_gb_gpu_with_64_gb_of_host_memory():
         p.check(device_limit=gpu, host_limit=host, cfg=cfg)
         n = count_params(g.base_specs)
         assert n > billions * 1e9 and p.host_items["frozen base weights"] == pytest.approx(2 * n, rel=0.01)
-        assert p.host_items["weights"] < 0.01 * p.host_items["frozen base weights"]
+        assert p.host_items["master weights"] < 0.01 * p.host_items["frozen base weights"]
         assert "weight gradients" not in p.host_items or p.host_items["weight gradients"] < 0.01 * 2 * n
     cfg = load_config("finetuning", "gptj_lora_1gpu")
     frozen = plan(make_executor(Graphs(cfg)), exact=False).device_items["frozen base weights"]

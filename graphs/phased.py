@@ -17,6 +17,14 @@ micro-batch:
 Transfers overlap compute: while layer j's program runs, layer j+1's weights are already
 being loaded (``prefetch``), and layer j's gradients go back to host memory while layer j-1
 computes (JAX dispatches both asynchronously; on a GPU copies run beside the compute stream).
+The host runs at most one program ahead (``DeviceOps``): a load waits for the last program
+dispatched, so no more than the two layers the plan counts are ever on the device.
+
+What a step moves over the host link is counted as it moves (graphs/transfers.py) and equals the
+floor of its layout: the forward and the backward read each weight in the compute dtype (a copy
+kept beside the float32 master, written by each update: ``execution.compute_copy``), the update
+reads and writes the master and the optimizer state once, and under ``update_in_backward`` the
+backward reads the master it updates and no layer gradient goes to host memory.
 
 Activation buffers, in host memory, one per stack, each row [GA, batch, length, d] sharded over
 dp and over tp on d (RTS on activations); for T5:
@@ -667,18 +675,32 @@ class _Rows:
 class DeviceOps:
     """The schedule's operations on real arrays (graphs/plan.py's PlanOps runs the same schedule on placeholders to
     plan its memory). ``serial``: wait for each program (``serial_collectives``); ``memory``: a PhaseMemory that
-    records each program's device bytes."""
+    records each program's device bytes.
+
+    The host never runs more than one program ahead of the devices: a load waits for the last program dispatched to
+    finish (``pending``) before it allocates its arrays. JAX dispatches asynchronously, and a schedule left to run
+    ahead would have loaded layer after layer while the device still computed the first: their buffers all alive at
+    once, the device's peak far above the plan's (one layer computing, the next arriving). The load of layer j + 1
+    still runs beside layer j's program, which is dispatched right after it."""
 
     def __init__(self, serial: bool = False, memory=None):
         self.serial, self.memory = serial, memory
         self.moved = Transfers()  # what the schedule moves over the host link (graphs/transfers.py)
+        self.pending = None  # an output of the last program dispatched: ready once the program has run
+
+    def wait_for_last_program(self) -> None:
+        if self.pending is not None:
+            jax.block_until_ready(self.pending)
+            self.pending = None
 
     def load(self, tree, shardings, copy: bool = False, label: str = ""):
-        """Remote buffer -> device: one transfer per weight (RTS shards stay shards).
+        """Remote buffer -> device: one transfer per weight (RTS shards stay shards), once the last program
+        dispatched has run (see the class docstring).
 
         ``copy``: never alias the host buffer (on CPU host and device memory are one RAM), so the
         loaded arrays can be donated to the program that updates them.
         """
+        self.wait_for_last_program()
         self.moved.add("load", label, tree, shardings)
         return jax.device_put(tree, shardings, may_alias=False if copy else None)
 
@@ -697,6 +719,9 @@ class DeviceOps:
         if self.memory is not None:
             self.memory.record(name, program, args)
         out = program(*args)
+        arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+        # the smallest output stands for the program: every output of one execution is ready at once
+        self.pending = min(arrays, key=lambda x: x.size) if arrays else None
         return jax.block_until_ready(out) if self.serial else out
 
 

@@ -38,6 +38,9 @@ def extra_flags(p):
     p.add_argument("--plan", action="store_true",
                    help="print the memory plan (device and host bytes at their peaks, from shapes; programs compiled "
                         "but nothing allocated) and exit")
+    p.add_argument("--plan_exact", action="store_true",
+                   help="also report the plan with XLA's count of every program's temporaries (compiles each phase "
+                        "program's plan once more; the device peak a GPU's allocator should agree with)")
     p.add_argument("--link_gbps", type=float, default=None, metavar="GB_S",
                    help="phased: the host link's bandwidth each way (GB/s) at which to say how long a step waits on "
                         "it (default: measured on this machine)")
@@ -125,6 +128,7 @@ def make_report(cfg, args, executor, stats: list, times: list, losses: list, com
         "phased": cfg.execution.phased, "peak_device_bytes": peak_device_bytes(),
         "device_bytes_estimate": estimate, "device_bytes_by_phase": by_phase,
         "plan_device_bytes": plan.device_peak, "plan_host_bytes": plan.host_peak,
+        "plan_device_bytes_exact": executor.plan(exact=True).device_peak if args.plan_exact else None,
         "host_peak_rss_bytes": peak_rss_bytes(), "phase_timing": timing, **link_report(args, plan),
     }
 

@@ -23,6 +23,14 @@ Parts, in priority order (each against its baseline, measured in the same run):
                   unpacked against HF padded to each micro-batch's longest, eager and compiled, in examples/s
   beams           beam search with 4 beams against HF generate with the same beams (base), in tokens/s
   gptj_6B         GPT-J 6B phased on one device (gptj_1gpu), and a small GPT-J shape against HF compiled
+  plan_check      each one-GPU preset (xxl_1gpu, xxl_lora_1gpu, ul2_lora_1gpu, gptj_1gpu, gptj_lora_1gpu) for 3 steps:
+                  the allocator's device peak over the exact plan (goal: within 15%), host RSS over the host plan
+  workstation     each LoRA preset trained 10 steps and validated with the device capped at 22 GiB and the host
+                  memory at 60 GiB (benchmarks/workstation.py: JAX's memory fraction, a cgroup)
+
+Every phased run's report carries what a step moved over the host link against the floor of its layout
+(graphs/transfers.py) and the link-bound step time at the measured bandwidth; xxl_1gpu's figures say how far the
+step is from the larger of its compute and its link floor (goal: 1.2x).
 
 Each part runs its benchmarks as subprocesses (finetuning.py, compare.py, inference.py) and writes
 ``OUT/<part>.json`` the moment it ends: status (ok, failed, out of memory, timed out, skipped), figures, the
@@ -110,7 +118,17 @@ def _smoke_commands() -> dict:
                           "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4", *one),
         "gptj_cmp": ["--config", "gptj_tiny", "--inference_config", "gptj_tiny", "--sequence_length", "32",
                      "--batch", "4", "--steps", "3", "--hf", "eager", "--only", "train"],
+        "plan_check": [(name, _finetune(preset, "--phased", "true", "--steps", "3", "--warmup_iterations", "1",
+                                        "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size",
+                                        "4", *one, "--plan_exact", *lora))
+                       for name, preset, lora in (("xxl_1gpu", "tiny", []), ("gptj_lora_1gpu", "gptj_tiny",
+                                                                             ["--lora_rank", "4"]))],
+        "workstation": [("xxl_lora_1gpu", ["benchmarks/workstation.py", "--preset", "tiny", "--smoke"])],
     }
+
+
+PLAN_CHECK = ("xxl_1gpu", "xxl_lora_1gpu", "ul2_lora_1gpu", "gptj_1gpu", "gptj_lora_1gpu")
+LORA_1GPU = ("xxl_lora_1gpu", "ul2_lora_1gpu", "gptj_lora_1gpu")
 
 
 def _gpu_commands() -> dict:
@@ -147,6 +165,9 @@ def _gpu_commands() -> dict:
         "gptj_cmp": ["--config", "gptj_small", "--inference_config", "gptj_small", "--precision", "bfloat16",
                      "--sequence_length", "256", "--batch", "64", "--micro_batch", "16", "--steps", "7", "--hf",
                      "compiled", "--only", "train"],
+        "plan_check": [(p, _finetune(p, "--steps", "3", "--warmup_iterations", "1", "--lengths", "mnli",
+                                     "--plan_exact")) for p in PLAN_CHECK],
+        "workstation": [(p, ["benchmarks/workstation.py", "--preset", p]) for p in LORA_1GPU],
     }
 
 
@@ -177,6 +198,11 @@ def parts(smoke: bool) -> list:
              [Run("base", c["beams"])], _decode_figures),
         Part("gptj_6B", "GPT-J 6B phased on one device; a small GPT-J against HF", 420,
              [Run("gptj_1gpu", c["gptj_6B"]), Run("vs_hf", _compare(*c["gptj_cmp"]), required=False)], _gptj_figures),
+        Part("plan_check", "the allocator's device peak and the process's host peak against the plan (exact: with "
+             "XLA's temporaries), each one-GPU preset", 900, [Run(n, cmd, required=False) for n, cmd in c["plan_check"]],
+             _plan_figures),
+        Part("workstation", "each LoRA preset trained 10 steps and validated on a 22 GiB device with 60 GiB of host "
+             "memory", 1200, [Run(n, cmd, required=False) for n, cmd in c["workstation"]], _workstation_figures),
     ]
     if smoke:  # CPU seconds at tiny shapes: a tenth of the GPU estimates
         for q in out:
@@ -189,8 +215,14 @@ def parts(smoke: bool) -> list:
 
 def _step_figures(r: dict) -> dict:
     keys = ("global_batch_size", "median_step_s", "samples_per_s", "examples_per_s", "mfu", "losses", "peak_device_bytes",
-            "device_bytes_estimate", "plan_device_bytes", "plan_host_bytes", "host_peak_rss_bytes", "phase_timing")
-    return {k: r.get(k) for k in keys}
+            "device_bytes_estimate", "plan_device_bytes", "plan_device_bytes_exact", "plan_host_bytes",
+            "host_peak_rss_bytes", "phase_timing", "link", "link_bound_step_s", "link_floor_step_s")
+    out = {k: r.get(k) for k in keys}
+    t, f = r.get("transfers"), r.get("transfer_floor")
+    if t and f:  # what a step moved over the host link against the floor of its layout
+        out.update(load_bytes=t["load_bytes"], store_bytes=t["store_bytes"], floor_load_bytes=f["load_bytes"],
+                   floor_store_bytes=f["store_bytes"])
+    return out
 
 
 def _xxl_figures(reports: dict) -> dict:
@@ -200,6 +232,8 @@ def _xxl_figures(reports: dict) -> dict:
         t = r.get("phase_timing") or {}
         if t.get("compute_s") is not None:  # the overlapped step against its programs' own time
             f["transfer_wait_s"] = max(r["median_step_s"] - t["compute_s"], 0.0)
+            if r.get("link_floor_step_s") is not None:  # the goal: at most 1.2x the larger of compute and the link
+                f["over_bound"] = r["median_step_s"] / max(t["compute_s"], r["link_floor_step_s"])
         losses = r.get("losses") or []
         f["losses_decrease"] = len(losses) > 1 and losses[-1] < losses[0]
         out[name] = f
@@ -236,6 +270,30 @@ def _phased_figures(reports: dict) -> dict:
     if f and p and f.get("samples_per_s"):
         out["phased_over_fused_samples_per_s"] = p["samples_per_s"] / f["samples_per_s"]
     return out
+
+
+def _plan_figures(reports: dict) -> dict:
+    """Each preset's allocator peak over its exact plan (goal: within 15%) and host RSS over its host plan (goal:
+    within 10% + a few GiB)."""
+    out = {}
+    for n, r in reports.items():
+        f = _step_figures(r)
+        plan = r.get("plan_device_bytes_exact") or r.get("plan_device_bytes")
+        peak = r.get("peak_device_bytes") or r.get("device_bytes_estimate")
+        f["device_over_plan"] = peak / plan if peak and plan else None
+        f["host_rss_over_plan"] = (r["host_peak_rss_bytes"] / r["plan_host_bytes"]
+                                   if r.get("host_peak_rss_bytes") and r.get("plan_host_bytes") else None)
+        out[n] = f
+    return out
+
+
+def _workstation_figures(reports: dict) -> dict:
+    """Each LoRA preset's status, step seconds and peaks under the caps (the caps and how they were enforced)."""
+    return {n: {"status": r.get("status"), "step_s": r.get("step_s"), "device_cap": r.get("device_cap"),
+                "host_cap": r.get("host_cap"),
+                **{f"{k}_peak_rss_bytes": (r.get(k) or {}).get("peak_rss_bytes") for k in ("train", "validate")},
+                **{f"{k}_status": (r.get(k) or {}).get("status") for k in ("train", "validate")}}
+            for n, r in reports.items()}
 
 
 def _decode_figures(reports: dict) -> dict:
@@ -443,6 +501,12 @@ def summary_rows(results: list) -> list:
             ratios = ((f.get("vs_hf") or {}).get("ratios") or {})
             head = f"step {_fmt(g.get('median_step_s'), ' s')}, MFU {_mfu(g)}; " + "; ".join(
                 f"{k} {_fmt(v, 'x')}" for k, v in ratios.items())
+        elif r["part"] == "plan_check" and f:
+            head = "; ".join(f"{n}: device {_fmt(v.get('device_over_plan'), 'x')} of the plan, host RSS "
+                             f"{_fmt(v.get('host_rss_over_plan'), 'x')}" for n, v in f.items())
+        elif r["part"] == "workstation" and f:
+            head = "; ".join(f"{n}: {v['status']}, step {_fmt(min(v['step_s'][1:] or v['step_s'] or [None]), ' s')}"
+                             for n, v in f.items())
         if (r.get("env") or {}).get("smoke") and head:
             head = "smoke (tiny shapes on CPU; not the part's figures): " + head
         rows.append((r["part"], r["status"] + (f" ({r['reason']})" if r.get("reason") else ""), head or "-"))

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "summaries", "beams", "gptj_6B"]
+PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "summaries", "beams", "gptj_6B",
+         "plan_check", "workstation"]
 
 
 def suite(*args, timeout=900):
@@ -66,6 +67,17 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     assert "ours packed / ours unpacked" in figs["summaries"]["base"]["ratios"]
     assert figs["gptj_6B"]["gptj_1gpu"]["median_step_s"] == raw("gptj_6B", "gptj_1gpu")["median_step_s"] > 0
     assert figs["gptj_6B"]["vs_hf"]["ratios"]
+    # the host link: what a step moved (the schedule's count) is its layout's floor, and the step is set against
+    # the larger of its compute and that floor
+    assert x["load_bytes"] == x["floor_load_bytes"] > 0 and x["store_bytes"] == x["floor_store_bytes"] > 0
+    assert x["over_bound"] == pytest.approx(x["median_step_s"] / max(t["compute_s"], x["link_floor_step_s"]))
+    for name, f in figs["plan_check"].items():
+        r = raw("plan_check", name)
+        assert r["plan_device_bytes_exact"] > 0 and f["device_over_plan"] == pytest.approx(
+            (r["peak_device_bytes"] or r["device_bytes_estimate"]) / r["plan_device_bytes_exact"])
+    w = figs["workstation"]["xxl_lora_1gpu"]
+    assert w["status"] == w["train_status"] == w["validate_status"] == "ok" and len(w["step_s"]) == 3
+    assert w["train_peak_rss_bytes"] > 0 and w["host_cap"]["gib"] == 60 and w["device_cap"]["gib"] == 22
     assert (out / "throughput.png").stat().st_size > 1000  # the figure, drawn from the suite's own results
     summary = open(out / "summary.md").read()
     assert all(f"| {name} | ok | smoke (tiny shapes on CPU" in summary for name in PARTS)

@@ -244,7 +244,8 @@ class Family(abc.ABC):
 
     @abc.abstractmethod
     def decode_step(self, params, token, i, cache, opts, tp_axis=None) -> tuple:
-        """New token ``i`` (0-based) int [b] -> (logits [b, Vl] of the next, cache)."""
+        """New token ``i`` (0-based) int [b] -> (logits [b, Vl] of the next, cache). ``i``: one index for the whole
+        batch, or int [b], one per row (serving's slots, each at its own position)."""
 
     @abc.abstractmethod
     def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
@@ -255,6 +256,13 @@ class Family(abc.ABC):
         """Right-padded prompt rows (ids, mask [b, n], numpy) as decoding reads them: as they are, or right-aligned
         (``left_align``) where decoding continues each prompt from its last token (``left_pad_prompts``)."""
         return left_align(ids, mask) if self.left_pad_prompts else (ids, mask)
+
+    def widen_cache(self, cache, prompt_width: int, width: int):
+        """``decode_start``'s cache of prompts ``prompt_width`` wide, given room for prompts ``width`` wide (the
+        padding masked), so that the caches of every prompt width have one shape: serving's slots
+        (modelling/slots.py) keep the rows of requests of any prompt width in one cache, each row decoding at its
+        own position (``decode_step`` with ``i`` int [b])."""
+        raise NotImplementedError(f"the {self.name} family has no cache for serving slots (widen_cache)")
 
     def reorder_beams(self, cache, rows: jax.Array):
         """Beam search's cache after a step: row ``rows[j]`` of ``cache`` becomes row j, where ``rows`` only moves a

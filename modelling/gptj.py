@@ -255,11 +255,12 @@ def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int
 
 
 def decode_step(dp: tuple, token, i, cache: dict, opts, tp_axis=None):
-    """New token i, at cache column k + i -> (logits [b, Vl] of the next, cache)."""
+    """New token i, at cache column k + i -> (logits [b, Vl] of the next, cache). ``i``: one index for the batch, or
+    one per row (int [b]: serving's slots, each at its own position and prompt width)."""
     p, rows = dp
     b = token.shape[0]
-    col = cache["start"][0] + i
-    key_ok = lax.dynamic_update_slice_in_dim(cache["key_ok"], jnp.ones((b, 1), bool), col, axis=1)
+    col = cache["start"][0] + i if jnp.ndim(i) == 0 else cache["start"] + i
+    key_ok = L.write_at(cache["key_ok"], jnp.ones((b, 1), bool), col, axis=1)
     bias = jnp.where(key_ok, 0.0, L.MASK_VALUE)[:, None, None, :]
     head_dim = rows[0]["q"].shape[-1]
     rot = rotary_tables((cache["next_pos"] + i)[:, None], opts.rotary_dim or head_dim,
@@ -269,12 +270,21 @@ def decode_step(dp: tuple, token, i, cache: dict, opts, tp_axis=None):
     for lp, (k_c, v_c) in zip(rows, cache["kv"]):
         h = L.layer_norm(y, lp["norm"], lp["norm_bias"], opts.eps).astype(opts.compute_dtype)
         q, kk, v = attention_qkv(lp, h, rot, tp_axis)
-        k_c = lax.dynamic_update_slice_in_dim(k_c, decoding.heads_major(kk).astype(k_c.dtype), col, axis=2)
-        v_c = lax.dynamic_update_slice_in_dim(v_c, decoding.heads_major(v).astype(v_c.dtype), col, axis=2)
+        k_c = L.write_at(k_c, decoding.heads_major(kk).astype(k_c.dtype), col, axis=2)
+        v_c = L.write_at(v_c, decoding.heads_major(v).astype(v_c.dtype), col, axis=2)
         a = decoding.attend_cached(q, k_c, v_c, bias, scale=head_dim ** -0.5)
         y = y + L.attention_output(lp, a, tp_axis) + mlp(lp, h, tp_axis, opts.scale_ff)
         new.append((k_c, v_c))
     return head_logits(p, y, opts, tp_axis)[:, 0], {**cache, "kv": new, "key_ok": key_ok}
+
+
+def widen_cache(cache: dict, prompt_width: int, width: int) -> dict:
+    """``decode_start``'s cache of prompts ``prompt_width`` wide with room for prompts ``width`` wide: the key/value
+    columns (and their mask) extended by ``width - prompt_width`` unused ones at the end; each row still writes its
+    new tokens from its own ``start`` (serving's slots hold the rows of every prompt bucket in one cache)."""
+    pad = width - prompt_width
+    kv = [tuple(jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0))) for t in layer) for layer in cache["kv"]]
+    return {**cache, "kv": kv, "key_ok": jnp.pad(cache["key_ok"], ((0, 0), (0, pad)))}
 
 
 def decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis=None):
@@ -486,6 +496,9 @@ class GPTJFamily(Family):
 
     def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
         return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis)
+
+    def widen_cache(self, cache, prompt_width, width):
+        return widen_cache(cache, prompt_width, width)
 
     # ------------------------------------------------------------------ Hugging Face
 

@@ -254,6 +254,15 @@ def padding_mask_bias(mask: jax.Array) -> jax.Array:
     return jnp.where(mask[:, None, None, :] > 0, 0.0, MASK_VALUE).astype(F32)
 
 
+def write_at(cache: jax.Array, new: jax.Array, at, axis: int) -> jax.Array:
+    """``new`` written into ``cache`` from index ``at`` along ``axis`` (a cache's position axis): one index for every
+    row (a scalar), or one per row (int [b]: row r at ``at[r]``, the rows on axis 0, as serving's slots decode each
+    at its own position). cache [b, ...], new [b, ...] (shorter along ``axis``) -> cache's shape."""
+    if jnp.ndim(at) == 0:
+        return lax.dynamic_update_slice_in_dim(cache, new, at, axis=axis)
+    return jax.vmap(lambda c, n, a: lax.dynamic_update_slice_in_dim(c, n, a, axis=axis - 1))(cache, new, at)
+
+
 def causal_mask_bias(q_len: int, k_len: int, q_offset=0) -> jax.Array:
     """Additive causal bias -> float32 [1, 1, q, k]; query i sees keys <= i + q_offset."""
     qi = jnp.arange(q_len)[:, None] + q_offset

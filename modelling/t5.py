@@ -346,14 +346,16 @@ def decoder_step(params, rows, token, pos, caches, cross, xbias, opts, tp_axis):
     """One decoder position with the cache. token int [b] at position ``pos`` -> (logits [b, Vl], caches).
 
     rows: the decoder layers' weights (decoding.layer_rows); caches: [(k, v)] per layer, each
-    [b, h, max_len, kv], written in place at ``pos``; cross: cross_kv's output; xbias: the encoder padding."""
+    [b, h, max_len, kv], written in place at ``pos``; cross: cross_kv's output; xbias: the encoder padding.
+    ``pos``: one position for the batch, or one per row (int [b]: serving's slots, each at its own)."""
     dec, dt = params["decoder"], opts.compute_dtype
     max_len = caches[0][0].shape[2]
     x = embeddings(params["shared"], token[:, None], opts, tp_axis)  # [b, 1, d]
-    rel = jnp.arange(max_len, dtype=jnp.int32) - pos
+    at = jnp.reshape(pos, (-1, 1))  # [1 or b, 1]
+    rel = jnp.arange(max_len, dtype=jnp.int32)[None] - at
     buckets = L.relative_position_bucket(rel, False, opts.relative_attention_num_buckets,
-                                         opts.relative_attention_max_distance)[None, None]  # [1, 1, K]
-    causal = jnp.where(jnp.arange(max_len) <= pos, 0.0, L.MASK_VALUE)[None, None, None]
+                                         opts.relative_attention_max_distance)[:, None]  # [1 or b, 1, K]
+    causal = jnp.where(jnp.arange(max_len)[None] <= at, 0.0, L.MASK_VALUE)[:, None, None]
     per_layer = per_layer_bias(opts)  # UMT5: each layer's own table
     bias = None if per_layer else bucket_bias(dec["relpos"], buckets) + causal
     new_caches = []
@@ -363,8 +365,8 @@ def decoder_step(params, rows, token, pos, caches, cross, xbias, opts, tp_axis):
         h = L.identical_inputs(L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt), tp_axis)
         q = L.project_q(p, h)
         k_new, v_new = L.project_kv(p, h)
-        k_c = lax.dynamic_update_slice_in_dim(k_c, decoding.heads_major(k_new).astype(k_c.dtype), pos, axis=2)
-        v_c = lax.dynamic_update_slice_in_dim(v_c, decoding.heads_major(v_new).astype(v_c.dtype), pos, axis=2)
+        k_c = L.write_at(k_c, decoding.heads_major(k_new).astype(k_c.dtype), pos, axis=2)
+        v_c = L.write_at(v_c, decoding.heads_major(v_new).astype(v_c.dtype), pos, axis=2)
         x = x + L.attention_output(p, decoding.attend_cached(q, k_c, v_c, bias), tp_axis)
         h = L.rms_norm(x, p["cross_norm"], opts.eps).astype(dt)
         q = L.project_q(p, h, "c")
@@ -394,6 +396,16 @@ def decode_step(dp: tuple, token, i, cache: dict, opts, tp_axis=None):
     logits, caches = decoder_step(p, rows, token, i + 1, cache["self"], cache["cross"], cache["cross_bias"], opts,
                                   tp_axis)
     return logits, {**cache, "self": caches}
+
+
+def widen_cache(cache: dict, prompt_width: int, width: int) -> dict:
+    """``decode_start``'s cache of prompts ``prompt_width`` wide with room for prompts ``width`` wide: the
+    cross-attention keys/values padded with zeros to ``width`` positions, masked (serving's slots hold the rows
+    of every prompt bucket in one cache)."""
+    pad = width - prompt_width
+    cross = [tuple(jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0))) for t in kv) for kv in cache["cross"]]
+    bias = jnp.pad(cache["cross_bias"], ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=L.MASK_VALUE)
+    return {**cache, "cross": cross, "cross_bias": bias}
 
 
 def decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis=None):
@@ -673,6 +685,9 @@ class T5Family(Family):
 
     def decode_step(self, dp, token, i, cache, opts, tp_axis=None):
         return decode_step(dp, token, i, cache, opts, tp_axis)
+
+    def widen_cache(self, cache, prompt_width, width):
+        return widen_cache(cache, prompt_width, width)
 
     def reorder_beams(self, cache, rows):
         """Only the decoder's self-attention cache follows the beams: the encoder's cross-attention keys, values and

@@ -36,6 +36,9 @@ from app.hf_generate import hf_decoding  # noqa: E402
 def extra_flags(p):
     p.add_argument("--json", default=None)
     p.add_argument("--compile", action="store_true", help="training: torch.compile the model, fused AdamW")
+    p.add_argument("--compile_backend", default="inductor",
+                   help="torch.compile's backend (inductor, the default and what the benchmarks report; aot_eager "
+                        "traces and differentiates the same graph without generating kernels: the tests' check)")
     p.add_argument("--lengths", choices=("mnli", "uniform", "summaries"), default="uniform",
                    help="prompt lengths of the generated data (as finetuning.py's --lengths)")
     p.add_argument("--padding", choices=("longest", "max_length"), default="longest",
@@ -109,7 +112,7 @@ def train(cfg, args) -> dict:
             optimizer = "AdamW (fused)"
         except (RuntimeError, TypeError):  # no fused kernel for this device or dtype
             opt = torch.optim.AdamW(model.parameters(), **kw)
-        run = torch.compile(model)
+        run = torch.compile(model, backend=args.compile_backend)
     else:
         opt = torch.optim.AdamW(model.parameters(), **kw)
         run = model
@@ -137,7 +140,8 @@ def train(cfg, args) -> dict:
     tokens = sum(int(mb["attention_mask"].sum()) + dec * int((mb["labels"] != -100).sum())
                  for b in batches for mb in b) / 2
     return {"framework": "transformers+torch" + (" (torch.compile)" if args.compile else " (eager)"), "device": dev,
-            "compiled": args.compile, "optimizer": optimizer, "precision_policy": str(dtype).replace("torch.", ""),
+            "compiled": args.compile, "compile_backend": args.compile_backend if args.compile else None,
+            "optimizer": optimizer, "precision_policy": str(dtype).replace("torch.", ""),
             "lengths": args.lengths, "padding": args.padding, "median_step_s": step_s,
             "samples_per_s": samples / step_s, "examples_per_s": samples / step_s,
             "nonpad_tokens_per_s": tokens / step_s, "losses": losses, "global_batch_size": samples}

@@ -25,3 +25,23 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+# FLAN_T5_TEST_CPU=FILE: each test's CPU seconds (this process and every process it started and waited for) appended
+# to FILE as JSON lines: what the suite's time is spent on, measured rather than guessed from contended wall times
+if os.environ.get("FLAN_T5_TEST_CPU"):
+    import json  # noqa: E402
+    import resource  # noqa: E402
+
+    import pytest  # noqa: E402
+
+    def _cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        t0 = _cpu()
+        yield
+        with open(os.environ["FLAN_T5_TEST_CPU"], "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu() - t0, 2)}) + "\n")

@@ -1,5 +1,5 @@
 """The structure stays as it is made: one owner for each kind of knowledge, floors that import only downwards, no
-import circles, and the engine reading resolved objects rather than the config.
+import circles, thin drivers over a library, and the engine reading resolved objects rather than the config.
 
 Floors, lowest first (a module may import its own floor and those below it):
 
@@ -8,14 +8,17 @@ Floors, lowest first (a module may import its own floor and those below it):
     modelling   the model families (one module each, plus the registry) and what they share
     data        rows, tasks, tokenisation, batches
     graphs      the engine: mesh, sharding, phase programs, executors, memory plan
-    app         what the drivers share: arguments, process set-up, logging, run directories, tracking
+    app         the library under the drivers: training, prediction, evaluation, export, process set-up
+    serving     the server: a scheduler of decode slots and its HTTP layer
     (top)       the drivers, the benchmarks, the notebook
+
+Every rule is a function of a tree of sources ({path: text}); each test runs it on the project and on a small
+synthetic tree that breaks it, so that a rule that could never fail would fail its own test.
 """
 
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
 import sys
 
@@ -24,8 +27,10 @@ import pytest
 from modelling import registry
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "graphs": 4, "app": 5}
-TOP = 6  # the drivers (top-level scripts) and benchmarks/
+FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "graphs": 4, "app": 5, "serving": 6}
+TOP = 7  # the drivers (top-level scripts) and benchmarks/
+DRIVERS = ("run_finetuning", "run_validation", "run_inference", "run_export", "run_server", "finetuning",
+           "inference")
 # Function-level imports of project modules are how the drivers defer JAX (and orbax) until the run's devices are
 # set up and keep --help fast; below the top floor they would hide circles. The exceptions, each with its reason:
 DEFERRED = {("app/args.py", "utils.checkpoint"): "orbax is slow to import: --help and config errors need not pay for it",
@@ -33,20 +38,27 @@ DEFERRED = {("app/args.py", "utils.checkpoint"): "orbax is slow to import: --hel
 # A family's name outside modelling/: the config field's own default (the config cannot ask the registry: it sits
 # below modelling).
 NAMED = {("config/schema.py", "t5")}
+LONGEST = 60  # lines of a function
 
 
-def _sources() -> list:
-    out = []
+def project() -> dict:
+    """{path relative to the root: source} of the project's Python files (tests excluded)."""
+    out = {}
     for p in sorted(ROOT.rglob("*.py")):
         rel = p.relative_to(ROOT)
         if rel.parts[0] in (".git", "tests") or any(part.startswith(".") for part in rel.parts):
             continue
-        out.append(rel)
+        out[str(rel)] = p.read_text()
     return out
 
 
-def _module(rel: pathlib.PurePath) -> str:
-    parts = list(rel.with_suffix("").parts)
+@pytest.fixture(scope="module")
+def tree() -> dict:
+    return project()
+
+
+def _module(rel: str) -> str:
+    parts = list(pathlib.PurePath(rel).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -54,46 +66,53 @@ def _floor(module: str) -> int:
     return FLOORS.get(module.split(".")[0], TOP)
 
 
-def _imports(rel: pathlib.PurePath, modules: set) -> list:
-    """[(imported project module, line, inside a function)] of a file, every import (module-level and deferred)."""
-    tree = ast.parse((ROOT / rel).read_text())
-    inside = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-              for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
-    out = []
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # ``from pkg import mod`` imports pkg.mod when that is a module, else a name of pkg
-            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                     for a in node.names]
-        for name in names:
-            while name and name not in modules:
-                name = name.rpartition(".")[0]
-            if name:
-                out.append((name, node.lineno, id(node) in inside))
+def _is_driver(module: str) -> bool:
+    return module in DRIVERS
+
+
+def imports(tree: dict) -> dict:
+    """{module: (path, [(imported project module, line, inside a function)])} of a tree, every import."""
+    modules = {_module(f) for f in tree}
+    out = {}
+    for rel, text in tree.items():
+        parsed = ast.parse(text)
+        inside = {id(n) for f in ast.walk(parsed) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+        found = []
+        for node in ast.walk(parsed):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # ``from pkg import mod`` imports pkg.mod when that is a module, else a name of pkg
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names]
+            for name in names:
+                while name and name not in modules:
+                    name = name.rpartition(".")[0]
+                if name:
+                    found.append((name, node.lineno, id(node) in inside))
+        out[_module(rel)] = (rel, found)
     return out
 
 
-@pytest.fixture(scope="module")
-def graph() -> dict:
-    """{module: {(imported module, line, deferred)}} of the project (tests excluded)."""
-    files = _sources()
-    modules = {_module(f) for f in files}
-    return {_module(f): (f, _imports(f, modules)) for f in files}
+# --------------------------------------------------------------------------- the rules
 
 
-def test_no_module_imports_a_floor_above_its_own(graph):
-    offenders = [f"{f}:{line} ({_module(f)}, floor {_floor(m)}) imports {dep} (floor {_floor(dep)})"
-                 for m, (f, deps) in graph.items() for dep, line, _ in deps if _floor(dep) > _floor(m)]
-    assert not offenders, "\n".join(offenders)
+def upward_imports(tree: dict) -> list:
+    return [f"{f}:{line} ({m}, floor {_floor(m)}) imports {dep} (floor {_floor(dep)})"
+            for m, (f, deps) in imports(tree).items() for dep, line, _ in deps if _floor(dep) > _floor(m)]
 
 
-def test_no_import_circles(graph):
+def driver_imports(tree: dict) -> list:
+    """A driver (run_*.py, finetuning.py, inference.py) imported by anything: what is shared lives in the library."""
+    return [f"{f}:{line} ({m}) imports the driver {dep}: move what it needs into the library (app/)"
+            for m, (f, deps) in imports(tree).items() for dep, line, _ in deps if _is_driver(dep) and dep != m]
+
+
+def import_circles(tree: dict) -> list:
     """Every import counts, deferred ones too: a function-level import does not make a circle go away."""
-    edges = {m: {d for d, _, _ in deps if d != m} for m, (_, deps) in graph.items()}
-    # packages' __init__ import their own modules; a module importing ``pkg.mod`` does not import pkg's others
+    edges = {m: {d for d, _, _ in deps if d != m} for m, (_, deps) in imports(tree).items()}
     cycles, state, stack = [], {}, []
 
     def visit(m):
@@ -101,7 +120,7 @@ def test_no_import_circles(graph):
         stack.append(m)
         for d in sorted(edges.get(m, ())):
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
             elif d not in state:
                 visit(d)
         stack.pop()
@@ -110,88 +129,158 @@ def test_no_import_circles(graph):
     for m in sorted(edges):
         if m not in state:
             visit(m)
-    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+    return cycles
 
 
-def test_deferred_imports_only_in_the_drivers(graph):
-    offenders = [f"{f}:{line} defers the import of {dep}" for m, (f, deps) in graph.items() if _floor(m) < TOP
-                 for dep, line, deferred in deps if deferred and (str(f), dep) not in DEFERRED]
-    assert not offenders, "\n".join(offenders) + "\n(import at the top of the module, or give DEFERRED a reason)"
+def deferred_imports(tree: dict) -> list:
+    return [f"{f}:{line} defers the import of {dep} (import at the top of the module, or give DEFERRED a reason)"
+            for m, (f, deps) in imports(tree).items() if _floor(m) < TOP
+            for dep, line, deferred in deps if deferred and (f, dep) not in DEFERRED]
 
 
-def test_the_standard_library_is_imported_at_the_top():
+def late_standard_library(tree: dict) -> list:
     """A function-level import defers a heavy library (JAX, torch, orbax, matplotlib...); the standard library costs
     nothing to import, so it is imported where a reader looks for it: at the top of the module."""
     offenders = []
-    for rel in _sources():
-        for fn in ast.walk(ast.parse((ROOT / rel).read_text())):
+    for rel, text in tree.items():
+        for fn in ast.walk(ast.parse(text)):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(fn):
                     names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] \
                         if isinstance(node, ast.ImportFrom) and node.level == 0 else []
                     offenders += [f"{rel}:{node.lineno} imports {n} in {fn.name}" for n in names
                                   if n.split(".")[0] in sys.stdlib_module_names]
-    assert not offenders, "\n".join(offenders)
+    return offenders
 
 
-def _family_questions(rel: pathlib.PurePath, names: set) -> list:
-    tree = ast.parse((ROOT / rel).read_text())
+def family_questions(tree: dict, names: set, specific_keys: set) -> list:
+    """Outside modelling/ nothing asks which family a run has, what kind it is, or what its batches hold: no family
+    name ('t5', 'gptj'), no comparison of a ``family`` value, no ``.causal`` read, and no batch key only some
+    families have (``decoder_input_ids`` ...): the family answers (its row format, prompt layout, decoding)."""
     out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names \
-                and (str(rel), node.value) not in NAMED:
-            out.append(f"{rel}:{node.lineno} names the family {node.value!r}")
-        if isinstance(node, ast.Compare):
-            for side in [node.left, *node.comparators]:
-                key = side.attr if isinstance(side, ast.Attribute) else getattr(side.slice, "value", None) \
-                    if isinstance(side, ast.Subscript) else None
-                if key == "family":
-                    out.append(f"{rel}:{node.lineno} compares a family name: ask the family (modelling/family.py)")
+    for rel, text in tree.items():
+        if rel.split("/")[0] == "modelling":
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if node.value in names and (rel, node.value) not in NAMED:
+                    out.append(f"{rel}:{node.lineno} names the family {node.value!r}")
+                if node.value in specific_keys:
+                    out.append(f"{rel}:{node.lineno} builds the batch key {node.value!r}: the family's row format "
+                               "does (modelling/)")
+            if isinstance(node, ast.Attribute) and node.attr == "causal":
+                out.append(f"{rel}:{node.lineno} branches on .causal: ask the family for what differs")
+            if isinstance(node, ast.Compare):
+                for side in [node.left, *node.comparators]:
+                    key = side.attr if isinstance(side, ast.Attribute) else getattr(side.slice, "value", None) \
+                        if isinstance(side, ast.Subscript) else None
+                    if key == "family":
+                        out.append(f"{rel}:{node.lineno} compares a family name: ask the family (modelling/family.py)")
     return out
 
 
-def test_only_modelling_names_a_family():
-    """Outside modelling/ nothing asks which family a run has: it asks the family (causal, left_pad_prompts,
-    encode_inputs, decode_start ...). The names are the registry's and the HF model types it loads."""
-    names = set(registry.names()) | set(registry.hf_model_types())
-    offenders = [x for f in _sources() if f.parts[0] != "modelling" for x in _family_questions(f, names)]
-    assert not offenders, "\n".join(offenders)
-
-
-def test_the_engine_reads_resolved_objects_not_the_config():
+def engine_reading_config(tree: dict) -> list:
     """graphs/: the config is resolved once into Graphs (graphs/graphs.py: the family, options, updater, step
     options); the executors, programs and plans read those, never ``cfg`` parked on an object."""
-    offenders = []
-    for p in sorted((ROOT / "graphs").glob("*.py")):
-        if p.name == "graphs.py":
-            continue
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "cfg":
-                offenders.append(f"graphs/{p.name}:{node.lineno} reads .cfg")
-    assert not offenders, "\n".join(offenders)
+    return [f"{rel}:{node.lineno} reads .cfg" for rel, text in tree.items()
+            if rel.startswith("graphs/") and rel != "graphs/graphs.py"
+            for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Attribute) and node.attr == "cfg"]
 
 
-def test_no_function_over_60_lines():
+def long_functions(tree: dict) -> list:
     """In the engine, the families, the drivers and the benchmarks: a longer function is split by what it does."""
-    long = []
-    for rel in _sources():
-        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
-                long.append(f"{rel}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines")
-    assert not long, "\n".join(long)
+    return [f"{rel}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines" for rel, text in tree.items()
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= LONGEST]
 
 
-def test_a_new_family_is_one_module_and_one_registry_line():
-    """Every registered family implements the whole interface (an abstract method left out cannot be
-    instantiated), and the registry is the one list of families: the HF model types come from it."""
-    for name, family in registry.FAMILIES.items():
-        assert family.name == name and family.hf_model_types
-        assert not getattr(type(family), "__abstractmethods__", None)
+def _family_facts() -> tuple:
+    names = set(registry.names()) | set(registry.hf_model_types())
+    keys = [set(f.batch_keys) for f in registry.FAMILIES.values()]
+    return names, set().union(*keys) - set.intersection(*keys)
+
+
+# --------------------------------------------------------------------------- each rule on the project, and biting
+
+
+def _bites(rule, tree: dict, *args, expect: str) -> None:
+    found = rule(tree, *args)
+    assert found and any(expect in x for x in found), (rule.__name__, found)
+
+
+def test_no_module_imports_a_floor_above_its_own(tree):
+    assert not upward_imports(tree), "\n".join(upward_imports(tree))
+    _bites(upward_imports, {"utils/a.py": "import graphs.b\n", "graphs/b.py": ""}, expect="utils/a.py:1")
+    _bites(upward_imports, {"app/a.py": "from serving import b\n", "serving/b.py": ""}, expect="imports serving.b")
+
+
+def test_no_driver_is_imported_by_anything(tree):
+    """Drivers parse, build and call; another driver, a benchmark or the library importing one means the code it
+    wants lives in the wrong place."""
+    assert not driver_imports(tree), "\n".join(driver_imports(tree))
+    _bites(driver_imports, {"run_inference.py": "from run_validation import Validator\n", "run_validation.py": ""},
+           expect="imports the driver run_validation")
+    _bites(driver_imports, {"benchmarks/x.py": "import finetuning\n", "finetuning.py": ""},
+           expect="benchmarks/x.py:1")
+
+
+def test_no_import_circles(tree):
+    assert not import_circles(tree), "\n".join(import_circles(tree))
+    _bites(import_circles, {"data/a.py": "import data.b\n", "data/b.py": "def f():\n    import data.a\n"},
+           expect="data.a -> data.b -> data.a")
+
+
+def test_deferred_imports_only_in_the_drivers(tree):
+    assert not deferred_imports(tree), "\n".join(deferred_imports(tree))
+    _bites(deferred_imports, {"graphs/a.py": "def f():\n    import data.b\n", "data/b.py": ""},
+           expect="graphs/a.py:2 defers")
+    assert not deferred_imports({"run_x.py": "def main():\n    import data.b\n", "data/b.py": ""})  # drivers may
+
+
+def test_the_standard_library_is_imported_at_the_top(tree):
+    assert not late_standard_library(tree), "\n".join(late_standard_library(tree))
+    _bites(late_standard_library, {"app/a.py": "def f():\n    import json\n"}, expect="imports json in f")
+
+
+def test_only_modelling_asks_what_a_family_is(tree):
+    names, keys = _family_facts()
+    assert {"decoder_input_ids", "decoder_attention_mask"} <= keys and "input_ids" not in keys
+    offenders = family_questions(tree, names, keys)
+    assert not offenders, "\n".join(offenders)
+    _bites(family_questions, {"data/a.py": "x = 'gptj'\n"}, names, keys, expect="names the family 'gptj'")
+    _bites(family_questions, {"app/a.py": "if family.causal:\n    pass\n"}, names, keys, expect="branches on .causal")
+    _bites(family_questions, {"data/a.py": "row = {'decoder_input_ids': 1}\n"}, names, keys,
+           expect="builds the batch key 'decoder_input_ids'")
+    _bites(family_questions, {"app/a.py": "ok = cfg.model.family == name\n"}, names, keys, expect="compares")
+    assert not family_questions({"modelling/x.py": "if self.causal:\n    k = 'decoder_input_ids'\n"}, names, keys)
+
+
+def test_the_engine_reads_resolved_objects_not_the_config(tree):
+    assert not engine_reading_config(tree), "\n".join(engine_reading_config(tree))
+    _bites(engine_reading_config, {"graphs/phased.py": "x = self.g.cfg.model\n"}, expect="graphs/phased.py:1")
+    assert not engine_reading_config({"graphs/graphs.py": "x = self.cfg\n"})  # where the config is resolved
+
+
+def test_no_function_over_60_lines(tree):
+    assert not long_functions(tree), "\n".join(long_functions(tree))
+    body = "".join(f"    x{i} = {i}\n" for i in range(LONGEST))
+    _bites(long_functions, {"app/a.py": f"def f():\n{body}"}, expect="f: 61 lines")
+
+
+def test_the_family_interface_is_enforced_and_the_registry_is_its_one_list():
+    """A family that leaves a question of the interface unanswered cannot be made; the registry lists each family
+    once, and the config's choices and the HF model types come from it."""
+    from modelling.family import CausalLM
+
+    class Incomplete(CausalLM):  # no parameters, no block
+        name = "incomplete"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()
     types = registry.hf_model_types()
-    assert {types[t] for t in types} == set(registry.names())
+    assert {types[t] for t in types} == set(registry.names()) == set(registry.FAMILIES)
     text = (ROOT / "modelling" / "registry.py").read_text()
     assert text.count("Family()") == len(registry.FAMILIES)  # one entry a family, in one place
-    assert os.path.isfile(ROOT / "modelling" / "family.py")
 
 
 def test_model_options_are_derived_from_the_config():

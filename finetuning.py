@@ -99,13 +99,14 @@ def make_report(cfg, args, executor, stats: list, times: list, losses: list, com
                 by_phase, timing=None) -> dict:
     """The benchmark's figures: throughput in rows, examples and tokens, model FLOP/s and MFU, memory."""
     from modelling.params import count_params
+    from modelling.rows import RowShape
     from app.bench import device_header, median, peak_rss_bytes
     from graphs.memory import peak_device_bytes
     from app.flops import peak_tflops, train_flops_per_sample
 
     plan = executor.plan(exact=False)  # the plan's figures from shapes, beside the measured ones
     samples = cfg.training.global_batch_size  # rows of sequence_length tokens
-    dec_len = 0 if executor.g.family.causal else cfg.decoder_row_length  # a causal LM has one sequence
+    dec_len = executor.g.family.rows.decoder_row_length(RowShape.of_config(cfg))  # a causal LM: one sequence
     tokens = samples * (cfg.model.sequence_length + dec_len)
     examples = sum(s["examples"] for s in stats) / len(stats)
     real_tokens = sum(s["tokens"] for s in stats) / len(stats)
@@ -183,7 +184,6 @@ def main(argv=None) -> dict:
     primary = is_main_process()
 
     from data.generated import generated_batch
-    from data.packing import batch_stats
     from app.bench import write_json
 
     if args.plan:
@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
     executor = build(cfg)
     state = executor.init_state()
     host_batches = [generated_batch(cfg, seed=i, lengths=args.lengths) for i in range(2)]
-    stats = [batch_stats(b) for b in host_batches]
+    stats = [executor.g.family.rows.stats(b) for b in host_batches]
     batches = [executor.g.shard_batch(b) for b in host_batches]
     state, times, losses, compile_s = time_steps(executor, state, batches, cfg.training.steps,
                                                  args.warmup_iterations, primary)

@@ -15,15 +15,17 @@ Length modes for the prompts:
   about 52 tokens, the 99th percentile about 140, the longest a few hundred. Targets are 2 to 4
   tokens (a class name and EOS).
 
-Batches are padded (one example per row) or packed (data/packing.py), as ``data.packing`` says.
+Batches are padded (one example per row) or packed, as ``data.packing`` says, in the family's row format.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from data.packing import Examples, Packer, causal_packer, causal_rows, pack_rows, pad_rows
+from data.packing import Examples, Packer
+from data.packing import lengths as lengths_of
 from modelling import registry
+from modelling.rows import RowShape
 
 MNLI_PREMISE_WORDS, MNLI_HYPOTHESIS_WORDS = 22.3, 11.4  # means reported by the MultiNLI paper
 PREMISE_SIGMA, HYPOTHESIS_SIGMA = 0.6, 0.45  # spread of log word counts: a long tail to a few hundred tokens
@@ -72,9 +74,8 @@ def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None, decod
                     lengths: str = "uniform", packing: bool | None = None) -> dict:
     """One global batch {key: int32 [gradient_accumulation, dp * micro_batch_size, length]}.
 
-    Rows as the training data has them: padded (one example per row, right padding, -100 labels
-    on padding, decoder inputs the targets shifted right behind a 0 start token), or packed
-    (``packing``, default ``cfg.data.packing``: as many examples as fit the rows).
+    Rows as the training data has them, in the family's row format (modelling/rows.py): padded (one example per
+    row), or packed (``packing``, default ``cfg.data.packing``: as many examples as fit the rows).
     """
     rng = np.random.default_rng(seed)
     ga = max(cfg.gradient_accumulation, 1)
@@ -83,18 +84,16 @@ def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None, decod
     T = decoder_length or cfg.model.decoder_sequence_length
     V = cfg.model.embedding.vocab_size
     packing = cfg.data.packing if packing is None else packing
-    if registry.of_config(cfg).causal:  # causal rows of prompt + target (data/packing.py)
-        n = rows * max(L // 8, 1) + 64 if packing else rows
-        ex = generated_examples(rng, n, V, lengths, max(L - T, 2), T)
-        filled = causal_packer(ex, L).fill(rows, [], iter(range(n)))[0] if packing else [[i] for i in range(rows)]
-        batch = causal_rows(ex, filled, L, cfg.data.loss_tokens)
-        return {k: v.reshape(ga, rows // ga, -1) for k, v in batch.items()}
+    fmt = registry.of_config(cfg).rows
+    shape = RowShape(L, T, decoder_length or cfg.decoder_row_length, packing, False, cfg.data.loss_tokens)
     if not packing:
-        batch = pad_rows(generated_examples(rng, rows, V, lengths, L, T), range(rows), L, T)
+        batch = fmt.padded(generated_examples(rng, rows, V, lengths, fmt.input_room(shape), T), range(rows), shape)
     else:
-        D = decoder_length or cfg.decoder_row_length
         shortest = {"mnli": TEMPLATE_TOKENS + 2, "short": 2, "summaries": 8}.get(lengths, max(L // 2, 1))
-        ex = generated_examples(rng, rows * max(L // shortest, 1) + 64, V, lengths, L, T)  # enough for any fill
-        filled, _ = Packer.for_examples(ex, L, T, D).fill(rows, [], iter(range(len(ex))))
-        batch = pack_rows(ex, filled, L, T, D)
+        ex = generated_examples(rng, rows * max(L // shortest, 1) + 64, V, lengths, fmt.input_room(shape), T)
+        n = np.arange(len(ex))
+        a, b = fmt.sizes(lengths_of(ex.inputs, n), lengths_of(ex.targets, n), shape)
+        filled, _ = Packer.of_sizes(lambda i: (int(a[i]), int(b[i])), fmt.capacity(shape)).fill(
+            rows, [], iter(range(len(ex))))
+        batch = fmt.packed(ex, filled, shape)
     return {k: v.reshape(ga, rows // ga, -1) for k, v in batch.items()}

@@ -10,7 +10,8 @@ The family answers for
   family needs no sharding code), ``keeps_f32``, ``decays``, ``is_dense``, ``head_paths``;
 - its stacks as data (``Stack``) and the per-device bodies of a training step (``embeddings``,
   ``context``, ``block``, ``stack_output``, ``head_loss``) that graphs/phases.py composes for both
-  executors, and the batch it reads (``batch_keys``, ``batch_lengths``);
+  executors, and the batch it reads (``batch_keys``, ``batch_lengths``) and how its training rows are laid out
+  (``rows``: modelling/rows.py);
 - its text format: how an input and a target become token ids (``encode_inputs``, ``encode_targets``,
   ``prompt``);
 - decoding: ``decode_start`` and ``decode_step`` over a KV cache, which modelling/decoding.py's searches
@@ -35,6 +36,7 @@ import numpy as np
 
 from config.fields import get_path
 from config.schema import FIELDS
+from modelling.rows import RowFormat
 from utils.errors import ConfigError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -155,6 +157,7 @@ class Family(abc.ABC):
     stacks: tuple  # its Stacks, in forward order
     head_stream: int  # the dropout stream of the head
     batch_keys: tuple  # the keys of a training batch it reads
+    rows: RowFormat  # how its training rows are laid out (modelling/rows.py): the data path calls it
     shape_fields: tuple  # the config's model-shape flags (config.MODEL_SHAPE) it reads: what a checkpoint carries
     lora_targets: tuple  # the layer weights that get adapters by default (PEFT's default for the model type)
     residual_outputs: tuple  # the layer weights whose output is the residual stream (row-parallel under tp)

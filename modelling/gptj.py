@@ -39,6 +39,7 @@ from modelling import layers as L
 from modelling.family import Family, ModelOptions, Stack
 from modelling.hf_weights import kept_as, state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
+from modelling.rows import CausalRows
 from modelling.tp import identical_grad_inputs, identical_inputs, tp_index
 from utils.errors import CheckpointError, ConfigError
 
@@ -403,6 +404,7 @@ class GPTJFamily(Family):
     name = "gptj"
     hf_model_types = ("gptj",)
     causal = True
+    rows = CausalRows()
     lora_targets = ("q", "v")  # PEFT's GPT-J default (q_proj, v_proj)
     residual_outputs = ("o", "fc_out")
     left_pad_prompts = True  # decoding continues the prompt: prompts are right-aligned

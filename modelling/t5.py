@@ -25,6 +25,7 @@ from modelling import layers as L
 from modelling.family import Family, ModelOptions, Stack
 from modelling.hf_weights import kept_as, state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
+from modelling.rows import Seq2SeqRows
 from modelling.tp import tp_index
 from utils.errors import CheckpointError, ConfigError
 
@@ -589,6 +590,7 @@ class T5Family(Family):
     name = "t5"
     hf_model_types = ("t5", "mt5")
     causal = False
+    rows = Seq2SeqRows()
     lora_targets = ("q", "v", "cq", "cv")  # PEFT's T5 default ("q", "v") matches the cross-attention's too
     residual_outputs = ("o", "co", "wo")
     stacks = (ENCODER, DECODER)

@@ -41,6 +41,10 @@ class Attention:
     relative_attention_max_distance: int = spec(128, shape=True)
     """Largest distance told apart by the relative position encoding."""
 
+    kv_heads: int = spec(0, minimum=0, shape=True)
+    """Key/value heads of a decoder-only family with grouped-query attention: each serves heads // kv_heads query
+    heads (0: as many as heads, as T5 and GPT-J have)."""
+
     rotary_dim: int = spec(0, shape=True)
     """GPT-J: dimensions of each head that get the rotary position embedding, in interleaved pairs (0: all)."""
 

@@ -25,10 +25,10 @@ from utils.errors import FlanT5Error
 
 DP, TP = "dp", "tp"
 
-# Megatron layout: heads (attention), mlp (feed-forward inner dim), vocab
+# Megatron layout: heads (attention; kv_heads, the grouped key/value heads, with them), mlp (feed-forward inner dim), vocab
 # (embedding rows and LM-head columns) and the relative-bias heads split over tp;
 # everything else (embed, kv, layers, buckets) is whole on every tp device.
-RULES = {"heads": TP, "mlp": TP, "vocab": TP}
+RULES = {"heads": TP, "kv_heads": TP, "mlp": TP, "vocab": TP}
 
 
 class DeviceCountError(FlanT5Error, RuntimeError):

@@ -43,16 +43,6 @@ def greedy_token(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     return jnp.take_along_axis(idxs, best[None], axis=0)[0]
 
 
-def layer_rows(layers: dict) -> list:
-    """Stacked [layers, ...] weights -> one tree per layer, sliced once outside the decode loop.
-
-    The decode step is memory-bound (a few rows against every weight); slicing a layer out of
-    the stack inside the loop made XLA:CPU copy each layer's weights at every token.
-    """
-    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-    return [jax.tree.map(lambda w: w[i], layers) for i in range(n)]
-
-
 def heads_major(x: jax.Array) -> jax.Array:
     """[b, l, h, kv] -> [b, h, l, kv]."""
     return jnp.transpose(x, (0, 2, 1, 3))

@@ -37,7 +37,7 @@ import numpy as np
 from config.fields import get_path
 from config.schema import FIELDS
 from modelling.rows import RowFormat
-from utils.errors import ConfigError
+from utils.errors import CheckpointError, ConfigError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -116,6 +116,16 @@ def resolve_attention_impl(requested: str, precision: str, dropout_prob: float) 
 # --------------------------------------------------------------------------- helpers of every family
 
 
+def layer_rows(layers: dict) -> list:
+    """Stacked [layers, ...] weights -> one tree per layer, sliced once outside the decode loop.
+
+    The decode step is memory-bound (a few rows against every weight); slicing a layer out of
+    the stack inside the loop made XLA:CPU copy each layer's weights at every token.
+    """
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    return [jax.tree.map(lambda w: w[i], layers) for i in range(n)]
+
+
 def leaf_name(path) -> str:
     """The last key of a tree path (the weight's own name)."""
     return str(getattr(path[-1], "key", path[-1]))
@@ -148,10 +158,24 @@ def rng(key, *data):
 
 
 class Family(abc.ABC):
-    """A model family as everything outside ``modelling/`` sees it (see the module docstring)."""
+    """A model family as everything outside ``modelling/`` sees it (see the module docstring). Its questions come in
+    five groups; what every family of a kind answers alike has its default here or in the kind's base
+    (modelling/causal.py's ``CausalLM``; T5 is the encoder-decoder), so a family module writes only what differs.
+
+    what it is       name, stacks, shape_fields, rows (its training rows), batch_keys, batch_lengths,
+                     validate_config, forward_flops
+    its weights      param_specs, keeps_f32, decays, is_dense, head_paths, lora_targets, residual_outputs
+    its bodies       embeddings, context, block, stack_output, head_loss (graphs/phases.py composes them for
+                     both executors), and forward, the reference composition
+    its text         prompt, encode_inputs, encode_targets, layout_prompts
+    its decoding     decoding_params, decode_start, decode_step, decode_uncached, widen_cache, reorder_beams
+    Hugging Face     hf_model_types, model_config_from_hf, hf_config_dict, params_from_hf, hf_state_dict,
+                     hf_layer_keys, hf_generate_kwargs, hf_new_tokens: a family without an HF model says so (one
+                     line) when asked for one
+    """
 
     name: str  # its ``model.family`` value
-    hf_model_types: tuple  # the ``model_type`` values of HF config.json files it loads
+    hf_model_types: tuple = ()  # the ``model_type`` values of HF config.json files it loads
     causal: bool  # one causal stack: a prompt and its target are one sequence (else an encoder-decoder)
     left_pad_prompts: bool = False  # decoding continues each prompt from its last token: prompts right-aligned
     stacks: tuple  # its Stacks, in forward order
@@ -159,10 +183,23 @@ class Family(abc.ABC):
     batch_keys: tuple  # the keys of a training batch it reads
     rows: RowFormat  # how its training rows are laid out (modelling/rows.py): the data path calls it
     shape_fields: tuple  # the config's model-shape flags (config.MODEL_SHAPE) it reads: what a checkpoint carries
-    lora_targets: tuple  # the layer weights that get adapters by default (PEFT's default for the model type)
-    residual_outputs: tuple  # the layer weights whose output is the residual stream (row-parallel under tp)
+    lora_targets: tuple = ()  # the layer weights that get adapters by default (PEFT's default for the model type)
+    residual_outputs: tuple = ()  # the layer weights whose output is the residual stream (row-parallel under tp)
 
-    # ------------------------------------------------------------------ parameters and config
+    # ------------------------------------------------------------------ what it is
+
+    @abc.abstractmethod
+    def batch_lengths(self, cfg) -> dict:
+        """{batch key: row length} of a training batch as the loader builds it."""
+
+    def validate_config(self, cfg) -> None:
+        """ConfigError (naming the field and the fix) for what only this family knows to be wrong."""
+
+    @abc.abstractmethod
+    def forward_flops(self, m, encoder_length: int, decoder_length: int) -> int:
+        """Matmul FLOPs (2 per multiply-add) of one sample's forward pass."""
+
+    # ------------------------------------------------------------------ its weights
 
     @abc.abstractmethod
     def param_specs(self, m, tensor_parallel: int = 1) -> dict:
@@ -172,31 +209,23 @@ class Family(abc.ABC):
     def keeps_f32(self, name: str) -> bool:
         """Whether a weight stays float32 in the compute copy (norms, tables)."""
 
-    @abc.abstractmethod
     def decays(self, name: str) -> bool:
-        """Whether weight decay applies to a weight."""
+        """Whether weight decay applies to a weight: every weight the compute dtype changes."""
+        return not self.keeps_f32(name)
 
-    @abc.abstractmethod
     def is_dense(self, name: str) -> bool:
         """Whether a layer weight is a matmul weight (its gradient accumulates inside the weight-gradient GEMM)."""
+        return not self.keeps_f32(name)
 
     @abc.abstractmethod
     def head_paths(self, opts) -> tuple:
         """The tree paths of the weights the head phase reads."""
 
-    @abc.abstractmethod
-    def batch_lengths(self, cfg) -> dict:
-        """{batch key: row length} of a training batch as the loader builds it."""
+    def compute_params(self, params: dict, opts) -> dict:
+        """The weights in the compute dtype (this family's float32 weights kept)."""
+        return cast_params(params, opts.compute_dtype, self.keeps_f32)
 
-    @abc.abstractmethod
-    def validate_config(self, cfg) -> None:
-        """ConfigError (naming the field and the fix) for what only this family knows to be wrong."""
-
-    @abc.abstractmethod
-    def forward_flops(self, m, encoder_length: int, decoder_length: int) -> int:
-        """Matmul FLOPs (2 per multiply-add) of one sample's forward pass."""
-
-    # ------------------------------------------------------------------ per-device bodies (graphs/phases.py)
+    # ------------------------------------------------------------------ its bodies (graphs/phases.py)
 
     @abc.abstractmethod
     def embeddings(self, shared, ids, opts, tp_axis, rng=None):
@@ -218,17 +247,15 @@ class Family(abc.ABC):
     def head_loss(self, head_p, x, labels, opts, tp_axis, rng=None):
         """Final norm + LM head + vocab-sharded cross entropy, summed over the tokens (labels -100 ignored)."""
 
-    # ------------------------------------------------------------------ the whole model (reference composition)
-
     @abc.abstractmethod
     def forward(self, params: dict, batch: dict, opts, tp_axis=None, rng=None):
         """The whole model on a batch -> float32 logits [b, l, Vl] (this device's vocab slice)."""
 
-    # ------------------------------------------------------------------ text
+    # ------------------------------------------------------------------ its text
 
-    @abc.abstractmethod
     def prompt(self, text: str) -> str:
-        """The text the model reads for an input (GPT-J: followed by ``target:``, which it continues)."""
+        """The text the model reads for an input (a causal LM: followed by ``target:``, which it continues)."""
+        return text
 
     @abc.abstractmethod
     def encode_inputs(self, tokenizer, texts: list) -> list:
@@ -238,12 +265,23 @@ class Family(abc.ABC):
     def encode_targets(self, tokenizer, texts: list) -> list:
         """Token ids of targets, each ending where decoding stops (the end-of-text token)."""
 
-    # ------------------------------------------------------------------ decoding (modelling/decoding.py)
+    def layout_prompts(self, ids: np.ndarray, mask: np.ndarray) -> tuple:
+        """Right-padded prompt rows (ids, mask [b, n], numpy) as decoding reads them: as they are, or right-aligned
+        (``left_align``) where decoding continues each prompt from its last token (``left_pad_prompts``)."""
+        return left_align(ids, mask) if self.left_pad_prompts else (ids, mask)
+
+    # ------------------------------------------------------------------ its decoding (modelling/decoding.py)
+
+    def decoding_params(self, params: dict, opts):
+        """What ``decode_start`` and ``decode_step`` read, prepared once outside the decoding loop: the compute
+        copy, and the last stack's layers sliced out of their stack (the decode step reads them one by one)."""
+        p = self.compute_params(params, opts)
+        return p, layer_rows(p[self.stacks[-1].name]["layers"])
 
     @abc.abstractmethod
     def decode_start(self, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None) -> tuple:
         """Reads the prompts (the encoder, or a causal LM's prefill) -> (logits [b, Vl] of the first new token,
-        cache: a tree whose every leaf has the batch as its leading axis). ``params``: the compute copy."""
+        cache: a tree whose every leaf has the batch as its leading axis). ``params``: ``decoding_params``'."""
 
     @abc.abstractmethod
     def decode_step(self, params, token, i, cache, opts, tp_axis=None) -> tuple:
@@ -254,11 +292,6 @@ class Family(abc.ABC):
     def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
         """The reference: logits [b, Vl] after the prompts and the tokens generated so far (int [b, n]), by running
         the whole model again."""
-
-    def layout_prompts(self, ids: np.ndarray, mask: np.ndarray) -> tuple:
-        """Right-padded prompt rows (ids, mask [b, n], numpy) as decoding reads them: as they are, or right-aligned
-        (``left_align``) where decoding continues each prompt from its last token (``left_pad_prompts``)."""
-        return left_align(ids, mask) if self.left_pad_prompts else (ids, mask)
 
     def widen_cache(self, cache, prompt_width: int, width: int):
         """``decode_start``'s cache of prompts ``prompt_width`` wide, given room for prompts ``width`` wide (the
@@ -274,47 +307,42 @@ class Family(abc.ABC):
         those where they are."""
         return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
 
-    def compute_params(self, params: dict, opts) -> dict:
-        """The weights in the compute dtype (this family's float32 weights kept)."""
-        return cast_params(params, opts.compute_dtype, self.keeps_f32)
-
-    @abc.abstractmethod
-    def decoding_params(self, params: dict, opts):
-        """What ``decode_start`` and ``decode_step`` read, prepared once outside the decoding loop (the compute
-        copy, layers sliced out of their stack)."""
-
     # ------------------------------------------------------------------ Hugging Face
 
-    @abc.abstractmethod
+    def _no_hf(self, what: str):
+        raise CheckpointError(f"the {self.name} family has no Hugging Face model to {what}: train it from a random "
+                              "init (no --hf_model) and keep its checkpoints in this project's format")
+
     def model_config_from_hf(self, hf: dict):
         """Our ModelConfig from an HF config.json (dict form)."""
+        self._no_hf("read a config.json of")
 
-    @abc.abstractmethod
     def hf_config_dict(self, m) -> dict:
         """The HF config.json of our ModelConfig (``architectures`` first)."""
+        self._no_hf("write a config.json for")
 
-    @abc.abstractmethod
     def params_from_hf(self, sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
         """Our tree from an HF state dict (numpy arrays or torch tensors): float32, or with ``dtype`` the weights
         not kept float32 (``keeps_f32``) in it, each cast as it is read (hf_weights.kept_as)."""
-
-    @abc.abstractmethod
-    def hf_layer_keys(self, stack: str, i: int, m) -> dict:
-        """{our weight name: HF state-dict key} of layer ``i`` of stack ``stack`` (modelling/lora.py names PEFT's
-        adapters by them)."""
-        raise NotImplementedError(f"{self.name} does not name its HF layer weights")
+        self._no_hf("load weights from")
 
     def hf_state_dict(self, params: dict, m) -> dict:
         """An HF state dict (numpy float32) from our tree; padded vocabulary stripped."""
+        self._no_hf("export weights to")
+
+    def hf_layer_keys(self, stack: str, i: int, m) -> dict:
+        """{our weight name: HF state-dict key} of layer ``i`` of stack ``stack`` (modelling/lora.py names PEFT's
+        adapters by them)."""
+        self._no_hf("name the layer weights of (PEFT's format)")
+
+    def hf_generate_kwargs(self) -> dict:
+        """What HF ``generate`` needs beside the ids to decode as this family's ``decode_start`` does."""
+        return {}
 
     def hf_new_tokens(self, out: np.ndarray, prompt_width: int) -> np.ndarray:
         """The new tokens of HF ``generate``'s output [b, n] for prompts ``prompt_width`` tokens wide: a causal LM's
         output continues its prompt; an encoder-decoder's starts with the decoder's start token."""
         return out[:, prompt_width:] if self.causal else out[:, 1:]
-
-    def hf_generate_kwargs(self) -> dict:
-        """What HF ``generate`` needs beside the ids to decode as this family's ``decode_start`` does."""
-        return {}
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"

@@ -490,3 +490,53 @@ def cross_entropy_sum(logits: jax.Array, labels: jax.Array, tp_axis: Optional[st
     identical over tp. Only [b, l] statistics cross devices; full logits are never gathered.
     """
     return _sharded_ce(logits, labels, tp_axis)
+
+
+# --------------------------------------------------------------------------- rotary embeddings and grouped heads
+
+
+def rotary_tables(positions: jax.Array, rotary_dim: int, base: float = 10000.0) -> tuple:
+    """(sin, cos) of a rotary embedding on ``rotary_dim`` dims of each head. positions int [b, l] -> each float32
+    [b, l, rotary_dim // 2] (frequency i: base ** (-2i / rotary_dim))."""
+    inv_freq = 1.0 / (base ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.sin(angles), jnp.cos(angles)
+
+
+def _rotated(x: jax.Array, sin: jax.Array, cos: jax.Array, interleaved: bool) -> jax.Array:
+    r = 2 * sin.shape[-1]
+    rot, rest = x[..., :r].astype(jnp.float32), x[..., r:]
+    if interleaved:  # pairs (2i, 2i + 1) rotate together: GPT-J's rotate_every_two
+        s, c = (jnp.repeat(t, 2, axis=-1)[:, :, None, :] for t in (sin, cos))
+        pairs = rot.reshape(*rot.shape[:-1], r // 2, 2)
+        turned = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(rot.shape)
+    else:  # dims (i, i + r/2) rotate together: GPT-NeoX's and LLaMA's rotate_half
+        s, c = (jnp.concatenate([t, t], axis=-1)[:, :, None, :] for t in (sin, cos))
+        turned = jnp.concatenate([-rot[..., r // 2:], rot[..., : r // 2]], axis=-1)
+    out = (rot * c + turned * s).astype(x.dtype)
+    return jnp.concatenate([out, rest], axis=-1) if rest.shape[-1] else out
+
+
+def rotate_every_two(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotary embedding on the first ``2 * sin.shape[-1]`` dims of each head, pairs (2i, 2i + 1) rotated together
+    (GPT-J). x [b, l, h, kv], sin/cos [b, l, r/2] -> [b, l, h, kv] in x's dtype."""
+    return _rotated(x, sin, cos, interleaved=True)
+
+
+def rotate_half(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+    """Rotary embedding on the first ``2 * sin.shape[-1]`` dims of each head, dims i and i + r/2 rotated together
+    (GPT-NeoX, LLaMA). x [b, l, h, kv], sin/cos [b, l, r/2] -> [b, l, h, kv] in x's dtype."""
+    return _rotated(x, sin, cos, interleaved=False)
+
+
+def repeat_heads(x: jax.Array, heads: int, axis: int) -> jax.Array:
+    """Grouped key/value heads repeated to ``heads`` along ``axis`` (each group serves heads // groups query heads,
+    the groups in order: query head j reads group j // (heads // groups))."""
+    groups = x.shape[axis]
+    return x if groups == heads else jnp.repeat(x, heads // groups, axis=axis)
+
+
+def prompt_positions(mask: jax.Array) -> jax.Array:
+    """Positions of left-padded prompts: real tokens count from 0, padding is no position (as HF's ``generate``
+    derives them from the attention mask). mask [b, k] -> int [b, k]."""
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)

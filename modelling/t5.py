@@ -346,7 +346,7 @@ def cross_kv(rows: list, enc_out: jax.Array) -> list:
 def decoder_step(params, rows, token, pos, caches, cross, xbias, opts, tp_axis):
     """One decoder position with the cache. token int [b] at position ``pos`` -> (logits [b, Vl], caches).
 
-    rows: the decoder layers' weights (decoding.layer_rows); caches: [(k, v)] per layer, each
+    rows: the decoder layers' weights (family.layer_rows); caches: [(k, v)] per layer, each
     [b, h, max_len, kv], written in place at ``pos``; cross: cross_kv's output; xbias: the encoder padding.
     ``pos``: one position for the batch, or one per row (int [b]: serving's slots, each at its own)."""
     dec, dt = params["decoder"], opts.compute_dtype
@@ -600,20 +600,10 @@ class T5Family(Family):
     shape_fields = ("family", "layers", "decoder_layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv",
                     "relative_attention_num_buckets", "relative_attention_max_distance", "feed_forward_proj",
                     "tie_word_embeddings", "eps")
-
-    def param_specs(self, m, tensor_parallel: int = 1) -> dict:
-        return param_specs(m, tensor_parallel)
-
-    def keeps_f32(self, name: str) -> bool:
-        return keeps_f32(name)
-
-    def decays(self, name: str) -> bool:
-        """Weight decay applies to every matmul weight: not to norms, not to the relative-position tables."""
-        return not keeps_f32(name)
-
-    def is_dense(self, name: str) -> bool:
-        """Matmul weights (their gradient can accumulate inside the weight-gradient GEMM): not norms, not tables."""
-        return not keeps_f32(name)
+    # (decays and is_dense: the base's, every weight the compute dtype changes: not norms, not the position tables)
+    param_specs = staticmethod(param_specs)
+    keeps_f32 = staticmethod(keeps_f32)
+    forward_flops = staticmethod(forward_flops)
 
     def head_paths(self, opts) -> tuple:
         return (("decoder", "final_norm"), ("shared",) if opts.tie_word_embeddings else ("lm_head",))
@@ -632,14 +622,15 @@ class T5Family(Family):
         if proj not in FEED_FORWARD_PROJ:
             raise ConfigError(f"feed_forward_proj={proj!r} is not one of {', '.join(FEED_FORWARD_PROJ)}: pass "
                               "--feed_forward_proj with one of them")
-
-    def forward_flops(self, m, encoder_length: int, decoder_length: int) -> int:
-        return forward_flops(m, encoder_length, decoder_length)
+        if cfg.model.attention.kv_heads not in (0, cfg.model.attention.heads):
+            raise ConfigError(f"kv_heads={cfg.model.attention.kv_heads}: T5's keys and values have every head: pass "
+                              "--kv_heads 0")
 
     # ------------------------------------------------------------------ per-device bodies
 
-    def embeddings(self, shared, ids, opts, tp_axis, rng=None):
-        return embeddings(shared, ids, opts, tp_axis, rng)
+    embeddings = staticmethod(embeddings)
+    head_loss = staticmethod(head)
+    forward = staticmethod(forward)
 
     def context(self, stack: Stack, ctx_w: dict, meta: dict, length: int, opts) -> tuple:
         """(self-attention context, cross-attention bias or None) of a micro-batch: the self context is the
@@ -657,39 +648,20 @@ class T5Family(Family):
     def stack_output(self, stack: Stack, w, x, opts, rng=None):
         return encoder_head(w, x, opts, rng)
 
-    def head_loss(self, head_p, x, labels, opts, tp_axis, rng=None):
-        return head(head_p, x, labels, opts, tp_axis, rng)
-
-    def forward(self, params, batch, opts, tp_axis=None, rng=None):
-        return forward(params, batch, opts, tp_axis, rng)
-
-    # ------------------------------------------------------------------ text
-
-    def prompt(self, text: str) -> str:
-        return text
+    # ------------------------------------------------------------------ text: the input to the encoder, the target
+    # to the decoder, each ending with the tokenizer's end-of-text (its special tokens), where decoding stops
 
     def encode_inputs(self, tokenizer, texts: list) -> list:
-        """The encoder's input: the text and the tokenizer's end-of-text (its special tokens)."""
         return tokenizer(list(texts), add_special_tokens=True)["input_ids"] if texts else []
 
-    def encode_targets(self, tokenizer, texts: list) -> list:
-        """The decoder's target: the text and the tokenizer's end-of-text, where decoding stops."""
-        return tokenizer(list(texts), add_special_tokens=True)["input_ids"] if texts else []
+    encode_targets = encode_inputs
 
     # ------------------------------------------------------------------ decoding
 
-    def decoding_params(self, params, opts):
-        p = cast_params(params, opts.compute_dtype)
-        return p, decoding.layer_rows(p["decoder"]["layers"])
-
-    def decode_start(self, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None):
-        return decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis)
-
-    def decode_step(self, dp, token, i, cache, opts, tp_axis=None):
-        return decode_step(dp, token, i, cache, opts, tp_axis)
-
-    def widen_cache(self, cache, prompt_width, width):
-        return widen_cache(cache, prompt_width, width)
+    decode_start = staticmethod(decode_start)
+    decode_step = staticmethod(decode_step)
+    decode_uncached = staticmethod(decode_uncached)
+    widen_cache = staticmethod(widen_cache)
 
     def reorder_beams(self, cache, rows):
         """Only the decoder's self-attention cache follows the beams: the encoder's cross-attention keys, values and
@@ -697,28 +669,18 @@ class T5Family(Family):
         traffic at encoder lengths above the new tokens')."""
         return {**cache, "self": jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache["self"])}
 
-    def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
-        return decode_uncached(params, input_ids, attention_mask, tokens, opts, tp_axis)
+    # ------------------------------------------------------------------ Hugging Face
+
+    model_config_from_hf = staticmethod(config_from_hf)
+    hf_config_dict = staticmethod(hf_config_dict)
+    params_from_hf = staticmethod(params_from_hf)
+    hf_state_dict = staticmethod(hf_state_dict)
 
     def hf_layer_keys(self, stack: str, i: int, m) -> dict:
         return _layer_keys(i, stack == "decoder", m)
 
     def hf_generate_kwargs(self) -> dict:
         return {"decoder_start_token_id": 0}
-
-    # ------------------------------------------------------------------ Hugging Face
-
-    def model_config_from_hf(self, hf: dict):
-        return config_from_hf(hf)
-
-    def hf_config_dict(self, m) -> dict:
-        return hf_config_dict(m)
-
-    def params_from_hf(self, sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
-        return params_from_hf(sd, m, tensor_parallel, dtype)
-
-    def hf_state_dict(self, params: dict, m) -> dict:
-        return hf_state_dict(params, m)
 
 
 class UMT5Family(T5Family):

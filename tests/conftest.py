@@ -5,7 +5,10 @@ training step, again and again) is compiled once."""
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from tests.env import FAST_COMPILE  # noqa: E402  (tests/env.py: compile fast, compute the same)
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {FAST_COMPILE} "
+                           "--xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

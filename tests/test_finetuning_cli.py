@@ -12,6 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.env import child_env
+
 import run_finetuning
 import run_validation
 from app.resume import initial_state, resume_point
@@ -137,7 +139,7 @@ def test_checkpoint_write_killed_half_way_leaves_the_earlier_one_loadable(tmp_pa
     argv = SMALL + ["--steps", "2", "--checkpoint_steps", "1", "--save", save]
     proc = subprocess.run([sys.executable, "-c", CRASH.format(root=ROOT, argv=argv)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+                          env=child_env(4))
     assert proc.returncode == 17, proc.stderr[-2000:]
     assert ckpt.saved_steps(save) == [1]
     meta, params = params_at(save, 1)

@@ -20,6 +20,7 @@ from data.packing import Examples, causal_packer, causal_rows, concat_rows
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from modelling import gptj, registry
+from modelling import layers
 from modelling.family import ModelOptions
 
 HF_KW = dict(vocab_size=98, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_inner=96,
@@ -81,7 +82,7 @@ def test_forward_logits_equal_hf(hf_model):
     m = gptj.config_from_hf(hf_model.config.to_dict())
     params = jax.tree.map(jnp.asarray, gptj.params_from_hf(hf_model.state_dict(), m))
     opts = ModelOptions.from_config(cfg_for(hf_model))
-    ours = np.asarray(gptj.forward(params, jax.tree.map(jnp.asarray, batch), opts))
+    ours = np.asarray(gptj.GPTJFamily().forward(params, jax.tree.map(jnp.asarray, batch), opts))
     valid = batch["attention_mask"] > 0  # padded positions: HF lets them attend to each other, no loss there
     assert max_rel(ours[valid][:, :98], logits[valid]) < 1e-5
 
@@ -115,8 +116,8 @@ def test_rotary_pairs_are_interleaved_and_partial():
     """rotary_dim < head size: dims past rotary_dim pass through; pairs (2i, 2i+1) rotate together."""
     x = jnp.arange(2 * 3 * 1 * 8, dtype=jnp.float32).reshape(2, 3, 1, 8)
     pos = jnp.broadcast_to(jnp.arange(3), (2, 3))
-    sin, cos = gptj.rotary_tables(pos, 4)
-    y = np.asarray(gptj.apply_rotary(x, sin, cos))
+    sin, cos = layers.rotary_tables(pos, 4)
+    y = np.asarray(layers.rotate_every_two(x, sin, cos))
     np.testing.assert_array_equal(y[..., 4:], np.asarray(x)[..., 4:])
     np.testing.assert_allclose(y[:, 0], np.asarray(x)[:, 0])  # position 0: no rotation
     theta = 1.0  # position 1, pair 0: frequency 1
@@ -253,7 +254,7 @@ def test_packed_equals_unpacked_loss_and_gradients():
     opts = g.opts
 
     def loss_and_grads(b):
-        return jax.value_and_grad(lambda p: gptj.loss_sum(p, jax.tree.map(jnp.asarray, b), opts))(params)
+        return jax.value_and_grad(lambda p: gptj.GPTJFamily().loss_sum(p, jax.tree.map(jnp.asarray, b), opts))(params)
 
     (lp, gp), (lu, gu) = loss_and_grads(packed), loss_and_grads(single)
     assert (packed["labels"] != -100).sum() == (single["labels"] != -100).sum()

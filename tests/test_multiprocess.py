@@ -17,6 +17,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.env import child_env
+
 import run_finetuning
 import run_validation
 from tests.test_finetuning_cli import SMALL, params_at
@@ -29,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def two_processes(script: str, argv: list, tmp_path, timeout: int = 300) -> str:
     """Runs a driver as 2 processes under app.launch; each simulates its own share of the devices."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # not this process's 8 devices
+    env = child_env()  # not this process's 8 devices
     log = tmp_path / f"{os.path.basename(script)}.log"
     with open(log, "w") as f:
         # its own process group: on a timeout the launcher and both processes are stopped together
@@ -124,7 +126,7 @@ def test_a_process_that_fails_ends_the_whole_job_in_seconds_naming_its_error(tmp
     script = tmp_path / "failing.py"
     script.write_text(FAILING.format(root=ROOT, rank=rank, stamp=stamp, bug=bug, killed=killed))
     argv = [str(script)] + SMALL + ["--steps", "8", "--save", save, "--checkpoint_steps", "2"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     if how != "by hand":
         procs = [subprocess.Popen([sys.executable, "-m", "app.launch", "--nproc", "2", *argv], cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
@@ -201,7 +203,7 @@ def test_slurm_environment_is_detected_with_flan_t5_distributed(tmp_path):
     process and gathered back whole."""
     from app.launch import free_port
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
+    env = {k: v for k, v in child_env().items() if not k.startswith("JAX_")}
     env.update(JAX_PLATFORMS="cpu", FLAN_T5_DISTRIBUTED="1", SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost",
                SLURM_NTASKS="2", JAX_COORDINATOR_PORT=str(free_port()))
     script = SLURM_PROBE.format(root=ROOT)

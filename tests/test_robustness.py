@@ -17,6 +17,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.env import child_env
+
 import run_finetuning
 import run_validation
 from tests.test_finetuning_cli import ROOT, SMALL, params_at
@@ -34,7 +36,7 @@ def _fails(capsys, main, argv, message, code=2):
 
 
 def _subprocess(argv, devices=4, **kw):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONUNBUFFERED": "1"}
+    env = child_env(devices, PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable] + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kw)
 

@@ -9,13 +9,15 @@ import sys
 
 import pytest
 
+from tests.env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "summaries", "beams", "gptj_6B",
          "plan_check", "workstation"]
 
 
 def suite(*args, timeout=900):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the drivers simulate their own devices
+    env = child_env()  # the drivers simulate their own devices
     p = subprocess.run([sys.executable, "benchmarks/suite.py", *args], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=timeout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -275,7 +275,9 @@ def _phased_and_fused(cfg, random_base: bool, steps=2):
     batch = g.shard_batch(generated_batch(cfg, seed=0))
     out = dict(g=g, f=f, ph=ph, frozen=frozen, batch=batch, fingerprints=(f.base_fingerprint(), ph.base_fingerprint()))
     metrics = []
-    for _ in range(steps):
+    for step in range(steps):
+        if step:  # an evaluation during the run (--eval_every): the merged weights it decodes must leave the base be
+            jax.block_until_ready(ph.weights(ps))
         fs, fm = f.train_step(fs, batch)
         ps, pm = ph.train_step(ps, batch)
         metrics.append((fm, pm))
@@ -294,8 +296,9 @@ def test_phased_lora_equals_fused_and_streams_a_frozen_base(preset, flags):
     """The phased executor with LoRA: the frozen base streamed from host memory for the forward and backward, only
     the adapters differentiated and updated. Its random base is the fused one's (the same fingerprint); its losses
     and gradient norms, and after two steps its adapters and their AdamW moments (the first moment a weighted sum of
-    the two steps' gradients, every one non-zero) equal the fused executor's; the base rows are bit-identical after
-    the steps, and the merged weights it decodes with equal the fused ones."""
+    the two steps' gradients, every one non-zero) equal the fused executor's, with an evaluation's merged weights
+    taken between the steps; the base rows are bit-identical after the steps, and the merged weights it decodes with
+    equal the fused ones."""
     from config.presets import load_config
     from tests.test_parallel import fro_rel
 

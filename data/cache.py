@@ -5,7 +5,8 @@ Under the cache root (data/sources.py's ``cache_root``: --cache_dir, $FLAN_T5_CA
 
 - ``arrow/``: datasets' Arrow copies of local files (its JSON, CSV and Parquet builders);
 - ``texts/KEY``: a task's rows of one split as texts, checked by the task (``Task.render``): the inputs and targets
-  (UTF-8 bytes and offsets) and the labels; KEY: the source's fingerprint and the task's definition;
+  (UTF-8 bytes and offsets, read by offset for evaluation; and the reading map's own Arrow files, which the tokenizing
+  map reads) and the labels; KEY: the source's fingerprint and the task's definition;
 - ``tokens/KEY``: their token ids in a family's format (int32 ids and offsets of the inputs and the targets, nothing
   cut: any lengths read them), length histograms and the share of unknown input tokens; KEY: the texts' key, the
   tokenizer (its serialised vocabulary and rules) and the family's text format;
@@ -48,7 +49,7 @@ from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 
-TEXTS_VERSION, TOKENS_VERSION = 1, 1  # bumped when what a cache holds changes: older caches are then rebuilt
+TEXTS_VERSION, TOKENS_VERSION = 2, 1  # bumped when what a cache holds changes: older caches are then rebuilt
 APART_BYTES = 32 << 20  # a source larger than this is read and tokenized by a process of its own
 BATCH = 4096  # rows a map call reads at once
 BUILDS = {"texts": 0, "tokens": 0, "tokenizers": 0}  # caches built by this process (tests count them)
@@ -86,10 +87,11 @@ def _map(ds, fn, scratch: str, what: str, key: str, num_proc: Optional[int], **k
                   load_from_cache_file=False, **kw)
 
 
-def _drop_maps(scratch: str) -> None:
+def _drop_maps(scratch: str, keep: tuple = ()) -> None:
     """The map's own Arrow files (one per worker process), once their contents are in the flat files."""
     for f in glob.glob(os.path.join(scratch, "map*.arrow")) + glob.glob(os.path.join(scratch, "tmp*")):
-        os.remove(f)
+        if os.path.basename(f) not in keep:
+            os.remove(f)
 
 
 def _mapped(path: str, dtype, n: int) -> np.ndarray:
@@ -180,10 +182,11 @@ def build_texts(part: Part, root: str, num_proc: Optional[int] = None) -> str:
         labels.append(table.column("label").to_numpy())
     writer.close(scratch)
     np.concatenate(labels or [np.zeros(0, np.int32)]).astype(np.int32).tofile(os.path.join(scratch, "label.bin"))
+    arrow = [os.path.basename(c["filename"]) for c in out.cache_files]  # kept: what the tokens map reads
     del out
-    _drop_maps(scratch)
+    _drop_maps(scratch, keep=arrow)
     meta = {"n": sum(len(x) for x in labels), "rows": len(rows), "where": src.where, "single": src.single,
-            "task": task.name, "load_seconds": loaded, "seconds": time.perf_counter() - t0}
+            "task": task.name, "arrow": arrow, "load_seconds": loaded, "seconds": time.perf_counter() - t0}
     if meta["n"] == 0:
         shutil.rmtree(scratch, ignore_errors=True)
         raise DataError(f"{src.where}: " + ("every row has label -1: nothing to train or score" if len(rows)
@@ -235,6 +238,12 @@ class TextSet:
         finally:
             os.close(fd)
 
+    def dataset(self) -> datasets.Dataset:
+        """The texts as the Dataset the reading map wrote (memory-mapped Arrow files: worker processes of a map over
+        it open the files, nothing is pickled to them)."""
+        parts = [datasets.Dataset.from_file(os.path.join(self.path, f)) for f in self.meta["arrow"]]
+        return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
     def arrow(self) -> pa.Table:
         """The texts as an Arrow table over the mapped files (nothing copied)."""
         cols = {}
@@ -278,7 +287,7 @@ def build_tokens(texts_dir: str, tokenizer, family, root: str, num_proc: Optiona
         return pa.table({"input_ids": _ragged_array(x),
                          "target_ids": _ragged_array(_encode_targets(family, encoder, table.column("target")))})
 
-    ds = datasets.Dataset(texts.arrow()).with_format("arrow")
+    ds = texts.dataset().with_format("arrow")
     out = _map(ds, encode, scratch, f"tokenizing {texts.meta['where']}", key, num_proc)
     writer, hists = _Writer(scratch, ("input", "target")), {"input": [], "target": [], "joint": []}
     for table in out.with_format("arrow").iter(batch_size=65536):
@@ -426,7 +435,7 @@ def run(req: Request, apart: Optional[bool] = None) -> dict:
         with open(ask, "w") as f:
             json.dump(asdict(req), f)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-        proc = subprocess.run([sys.executable, "-m", "data.cache", ask, answer], cwd=ROOT, env=env)
+        proc = subprocess.run([sys.executable, "-m", "data.cache", ask, answer], env=env)
         result = json.load(open(answer)) if os.path.exists(answer) else {}
     if "error" in result:
         raise DataError(result["error"])

@@ -119,10 +119,10 @@ class Source:
             try:
                 return datasets.load_from_disk(self.name)
             except Exception as e:  # datasets raises several types for a directory it did not write
-                raise DataError(f"{self.name}: cannot be read as a save_to_disk directory ({type(e).__name__}: "
+                raise DataError(f"{self.where}: cannot be read as a save_to_disk directory ({type(e).__name__}: "
                                 f"{e})") from None
         if self.kind == "file":
-            return read_file(self.name, self.cache_dir)
+            return read_file(self.name, self.cache_dir, self.where)
         return _read_hub(self.name, self.config, self.split)
 
 
@@ -141,8 +141,8 @@ def locate(dataset: str, split: str, seed: int = 0, hub_config: Optional[str] = 
     if os.path.exists(dataset):
         path = _local_file(dataset, split)
         first_line = 2 if path.endswith((".csv", ".tsv")) else 1 if path.endswith(".jsonl") else None
-        return Source("file", path, split, path, first_line=first_line, single=os.path.isfile(dataset),
-                      cache_dir=cache_dir)
+        return Source("file", os.path.abspath(path), split, path, first_line=first_line,
+                      single=os.path.isfile(dataset), cache_dir=cache_dir)
     if dataset.startswith((".", "/")) or os.sep in dataset.strip("/").split("/", 1)[-1]:
         raise DataError(f"dataset {dataset} does not exist: pass --dataset with an existing file or directory, a hub "
                         "data set name, or synthetic")
@@ -181,17 +181,18 @@ def _quiet():
         datasets.logging.set_verbosity(level)
 
 
-def read_file(path: str, cache_dir: Optional[str] = None) -> datasets.Dataset:
+def read_file(path: str, cache_dir: Optional[str] = None, shown: Optional[str] = None) -> datasets.Dataset:
     """A local json/jsonl/parquet/csv/tsv file through datasets' builders (converted once into Arrow under the
-    cache directory): JSON and Parquet typed, CSV and TSV cells as text."""
-    kind = os.path.splitext(path)[1]
+    cache directory): JSON and Parquet typed, CSV and TSV cells as text. Messages name it as ``shown`` (the path as
+    the user gave it)."""
+    kind, shown = os.path.splitext(path)[1], shown or path
     if kind not in SUFFIXES:
-        raise DataError(f"{path}: unknown file type: use one of {', '.join(SUFFIXES)}")
+        raise DataError(f"{shown}: unknown file type: use one of {', '.join(SUFFIXES)}")
     if not _has_content(path):
-        raise DataError(f"{path}: the file has no rows: give a file with the task's columns")
+        raise DataError(f"{shown}: the file has no rows: give a file with the task's columns")
     kw = {}
     if kind in (".csv", ".tsv"):
-        builder, kw = "csv", _delimited(path, "\t" if kind == ".tsv" else ",")
+        builder, kw = "csv", _delimited(path, "\t" if kind == ".tsv" else ",", shown)
     else:
         builder = "json" if kind in (".json", ".jsonl") else "parquet"
     try:
@@ -200,12 +201,12 @@ def read_file(path: str, cache_dir: Optional[str] = None) -> datasets.Dataset:
                                        cache_dir=os.path.join(cache_root(cache_dir), "arrow"), **kw)
     except Exception as e:  # datasets and pyarrow raise many types for unreadable files
         if builder == "json":
-            _find_bad_line(path)
+            _find_bad_line(path, shown)
         cause = e.__cause__ or e
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
-        raise DataError(f"{path}: cannot be read as {kind} ({type(cause).__name__}: {first})") from None
+        raise DataError(f"{shown}: cannot be read as {kind} ({type(cause).__name__}: {first})") from None
     if len(ds) == 0:
-        raise DataError(f"{path}: the file has no rows: give a file with the task's columns")
+        raise DataError(f"{shown}: the file has no rows: give a file with the task's columns")
     return ds
 
 
@@ -217,19 +218,19 @@ def _has_content(path: str) -> bool:
     return False
 
 
-def _delimited(path: str, sep: str) -> dict:
+def _delimited(path: str, sep: str, shown: str) -> dict:
     """datasets' CSV builder options reading every cell as text as written (a header given twice is refused)."""
     with open(path, newline="") as f:
         header = next(csv.reader(f, delimiter=sep), [])
     dup = sorted({c for c in header if header.count(c) > 1})
     if dup:
-        raise DataError(f"{path}: line 1: column(s) {', '.join(dup)} appear more than once in the header: keep one "
+        raise DataError(f"{shown}: line 1: column(s) {', '.join(dup)} appear more than once in the header: keep one "
                         "of each")
     return {"sep": sep, "keep_default_na": False,
             "features": datasets.Features({c: datasets.Value("string") for c in header})}
 
 
-def _find_bad_line(path: str) -> None:
+def _find_bad_line(path: str, shown: str) -> None:
     """The first line of a JSON-lines file that is no JSON object (or names a key twice), as a DataError; called
     when datasets could not read the file (its own error names a row of a block, not a line)."""
     def no_duplicates(pairs):
@@ -250,9 +251,9 @@ def _find_bad_line(path: str) -> None:
             try:
                 row = json.loads(line, object_pairs_hook=no_duplicates)
             except ValueError as e:  # json.JSONDecodeError is a ValueError
-                raise DataError(f"{path}: line {n}: not a valid JSON object ({e}): fix or remove the line") from None
+                raise DataError(f"{shown}: line {n}: not a valid JSON object ({e}): fix or remove the line") from None
             if not isinstance(row, dict):
-                raise DataError(f"{path}: line {n}: a JSON object (the row's columns) is expected, got "
+                raise DataError(f"{shown}: line {n}: a JSON object (the row's columns) is expected, got "
                                 f"{type(row).__name__}")
 
 
@@ -286,8 +287,8 @@ def _locate_saved(path: str, split: str) -> Source:
         except (OSError, ValueError, KeyError) as e:
             raise DataError(f"{path}: cannot be read as a save_to_disk directory ({type(e).__name__}: {e})") from None
         split = _split_of(split, splits, path)
-        return Source("saved", os.path.join(path, split), split, f"{path}:{split}")
-    return Source("saved", path, split, path, single=True)
+        return Source("saved", os.path.abspath(os.path.join(path, split)), split, f"{path}:{split}")
+    return Source("saved", os.path.abspath(path), split, path, single=True)
 
 
 def _read_hub(name: str, config: Optional[str], split: str) -> datasets.Dataset:

@@ -213,3 +213,17 @@ def test_the_computed_shuffle_is_a_permutation():
         order = Shuffle(n, (3, 1))(np.arange(n))
         assert sorted(order) == list(range(n))
     assert not np.array_equal(Shuffle(1000, (3, 1))(np.arange(1000)), Shuffle(1000, (3, 2))(np.arange(1000)))
+
+
+def test_the_fast_batch_encoding_gives_the_tokenizer_s_own_ids(tmp_path):
+    """The cache tokenizes through the Rust tokenizer directly (data.tasks.FastEncoder): the family's inputs and
+    targets get the ids the transformers tokenizer gives them (the word-level one and a learnt BPE one)."""
+    from data.mnli import train_tokenizer
+    from data.tasks import encoder_of
+
+    rows = synthetic.generate_split("train", 64, seed=4)
+    texts = [f"premise: {r['premise']} hypothesis: {r['hypothesis']}" for r in rows] + ["", "unknown wörds"]
+    for tok in (synthetic.make_tokenizer(), train_tokenizer(rows, 128, str(tmp_path / "bpe"), registry.get("t5"))):
+        for family in (registry.get("t5"), registry.get("gptj")):
+            assert family.encode_inputs(encoder_of(tok), texts) == family.encode_inputs(tok, texts)
+            assert family.encode_targets(encoder_of(tok), texts) == family.encode_targets(tok, texts)

@@ -42,7 +42,7 @@ import pyarrow as pa
 
 from data.loader import holdout_indices
 from data.packing import Examples, FileRagged, Ragged
-from data.sources import DataError, Source, cache_root
+from data.sources import DataError, Source
 from data.tasks import TRAINED, Example, Task, encoder_of, load_tokenizer, train_tokenizer
 from modelling import registry
 from utils.errors import FlanT5Error
@@ -99,11 +99,14 @@ def _mapped(path: str, dtype, n: int) -> np.ndarray:
 
 
 class _Writer:
-    """Appends ragged columns (Arrow string or list arrays, batch by batch) to flat files and offsets."""
+    """Appends ragged columns (Arrow string or list arrays, batch by batch) to flat files and their offsets, each
+    batch written as it comes (nothing per row is kept)."""
 
     def __init__(self, path: str, names: tuple):
         self.files = {n: open(os.path.join(path, f"{n}.bin"), "wb") for n in names}
-        self.offsets = {n: [np.zeros(1, np.int64)] for n in names}
+        self.offsets = {n: open(os.path.join(path, f"{n}.off"), "wb") for n in names}
+        for f in self.offsets.values():
+            np.zeros(1, np.int64).tofile(f)
         self.total = dict.fromkeys(names, 0)
 
     def add(self, name: str, arr: pa.Array) -> np.ndarray:
@@ -114,20 +117,19 @@ class _Writer:
             values = arr.values.to_numpy(zero_copy_only=False).astype(np.int32)[off[0]: off[-1]]
             data = values.tobytes()
         else:
-            off = np.frombuffer(arr.buffers()[1], np.int64 if pa.types.is_large_string(arr.type) else np.int32,
-                                len(arr) + 1, arr.offset * (8 if pa.types.is_large_string(arr.type) else 4))
-            off = off.astype(np.int64)
+            wide = pa.types.is_large_string(arr.type)
+            off = np.frombuffer(arr.buffers()[1], np.int64 if wide else np.int32, len(arr) + 1,
+                                arr.offset * (8 if wide else 4)).astype(np.int64)
             data = arr.buffers()[2].to_pybytes()[off[0]: off[-1]]
         self.files[name].write(data)
         lengths = np.diff(off)
-        self.offsets[name].append(self.total[name] + np.cumsum(lengths))
+        (self.total[name] + np.cumsum(lengths)).astype(np.int64).tofile(self.offsets[name])
         self.total[name] += int(lengths.sum())
         return lengths
 
-    def close(self, path: str) -> None:
-        for name, f in self.files.items():
+    def close(self) -> None:
+        for f in list(self.files.values()) + list(self.offsets.values()):
             f.close()
-            np.concatenate(self.offsets[name]).tofile(os.path.join(path, f"{name}.off"))
 
 
 # --------------------------------------------------------------------------- texts
@@ -175,17 +177,18 @@ def build_texts(part: Part, root: str, num_proc: Optional[int] = None) -> str:
     except FlanT5Error:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    writer, labels = _Writer(scratch, ("input", "target")), []
-    for table in out.with_format("arrow").iter(batch_size=65536):
-        writer.add("input", table.column("input"))
-        writer.add("target", table.column("target"))
-        labels.append(table.column("label").to_numpy())
-    writer.close(scratch)
-    np.concatenate(labels or [np.zeros(0, np.int32)]).astype(np.int32).tofile(os.path.join(scratch, "label.bin"))
+    writer, n = _Writer(scratch, ("input", "target")), 0
+    with open(os.path.join(scratch, "label.bin"), "wb") as labels:
+        for table in out.with_format("arrow").iter(batch_size=65536):
+            writer.add("input", table.column("input"))
+            writer.add("target", table.column("target"))
+            table.column("label").to_numpy().astype(np.int32).tofile(labels)
+            n += table.num_rows
+    writer.close()
     arrow = [os.path.basename(c["filename"]) for c in out.cache_files]  # kept: what the tokens map reads
     del out
     _drop_maps(scratch, keep=arrow)
-    meta = {"n": sum(len(x) for x in labels), "rows": len(rows), "where": src.where, "single": src.single,
+    meta = {"n": n, "rows": len(rows), "where": src.where, "single": src.single,
             "task": task.name, "arrow": arrow, "load_seconds": loaded, "seconds": time.perf_counter() - t0}
     if meta["n"] == 0:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -294,7 +297,7 @@ def build_tokens(texts_dir: str, tokenizer, family, root: str, num_proc: Optiona
         a, b = writer.add("input", table.column("input_ids")), writer.add("target", table.column("target_ids"))
         for name, lens in (("input", a), ("target", b), ("joint", a + b)):
             hists[name].append(np.bincount(lens))
-    writer.close(scratch)
+    writer.close()
     seconds = time.perf_counter() - t0
     del out
     _drop_maps(scratch)

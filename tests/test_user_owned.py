@@ -270,14 +270,14 @@ def test_own_words_train_offline_with_a_tokenizer_learnt_from_the_data(tmp_path)
                                                      for r in synthetic.generate_split(split, n, seed=11)))
     save = str(tmp_path / "ck")
     run_finetuning.main(["--config", "tiny", "--dataset", str(data), "--tokenizer", "train", "--save", save,
-                         "--steps", "250", "--checkpoint_steps", "0"])
+                         "--steps", "120", "--learning_rate", "3e-3", "--warmup_steps", "20", "--checkpoint_steps", "0"])
     assert os.path.isfile(os.path.join(save, "tokenizer", "tokenizer.json"))
     out = tmp_path / "v.json"
     run_validation.main(["--load", save, "--output", str(out)])  # no data flag: the checkpoint's own data
     r = json.load(open(out))
     assert r["dataset"] == str(data) and "validation_mismatched" in r["data"] and r["samples"] == 150
     assert r["prompt_tokens_unknown"] == 0.0 and r["unknown"] == 0
-    assert r["accuracy"] > 0.55, r["per_class"]  # chance: 1/3 (measured: 74% after 300 steps, 150 words unseen)
+    assert r["accuracy"] > 0.55, r["per_class"]  # chance: 1/3 (measured: 74.7% after 120 steps, 150 words unseen)
 
 
 def test_no_network_is_one_line_at_once_naming_the_offline_choice(monkeypatch):

@@ -57,11 +57,13 @@ def main(argv=None) -> list:
     ensure_host_devices(cfg.devices)
     setup_jax()
     from app import predict
-    from data.tasks import Task, load_tokenizer
+    from data.mixture import inference_task
+    from data.tasks import load_tokenizer
     from utils import checkpoint as ckpt
 
-    task = Task.of_config(cfg)
-    examples = predict.inference_inputs(args.prompt, args.input, args.limit, cfg, task)
+    # a mixture's checkpoint predicts with the task --task_name names (its first without the flag)
+    td = inference_task(cfg, overrides.get("task_name") if cfg.mixture.tasks else None)
+    examples = predict.inference_inputs(args.prompt, args.input, args.limit, cfg, td)
     predictor = predict.Predictor(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     feats, _ = predict.prompt_features(examples, tokenizer, predictor.family, cfg.model.sequence_length,

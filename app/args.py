@@ -88,7 +88,8 @@ def build_parser(kind: str, description: str, default_preset: str,
         if typ is bool:
             group.add_argument(f"--{flag}", nargs="?", const="true", metavar="BOOL", **kwargs)
         elif typ is tuple:
-            group.add_argument(f"--{flag}", nargs="+", metavar="WORD" if ref.meta.get("items") is str else "FLOAT",
+            items = ref.meta.get("items")
+            group.add_argument(f"--{flag}", nargs="+", metavar={str: "WORD", dict: "TASK"}.get(items, "FLOAT"),
                                **kwargs)
         else:
             group.add_argument(f"--{flag}", metavar=typ.__name__.upper(), **kwargs)

@@ -15,26 +15,45 @@ import jax
 from app.predict import Predictor, decoding_graphs_config, prompt_features
 from app.runtime import is_main_process
 from data.metrics import headline, primary, score
-from data.tasks import Task, evaluation_set, tokenize_prompts
+from data.mixture import evaluation_sets
+from data.tasks import tokenize_prompts
 from graphs.graphs import Graphs
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 
 
-def evaluation_data(cfg, overrides: dict, load):
-    """(task, the examples to score: data.tasks.evaluation_set), refusing to score a checkpoint's own training rows
-    as if they were held out."""
-    task = Task.of_config(cfg)
-    data = evaluation_set(cfg.data, task, cfg.model.seed)
-    if data.single and load and "dataset" not in overrides:
-        raise FlanT5Error(f"{load} was trained on every row of {cfg.data.dataset} (a single file, nothing held out): "
-                          "scoring its training rows says nothing of unseen data; pass --dataset FILE_OR_DIR "
-                          "[--split S] to score other rows, or train with --holdout N")
-    if data.single:
-        logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a directory "
-                       "holding %s.jsonl to score a split)", cfg.data.dataset, cfg.data.split, cfg.data.split)
-    return task, data
+def evaluation_data(cfg, overrides: dict, load) -> list:
+    """The evaluation set of each of the run's tasks (data.mixture.evaluation_set), refusing to score a checkpoint's
+    own training rows as if they were held out."""
+    if cfg.mixture.tasks and ("dataset" in overrides or "split" in overrides):
+        raise FlanT5Error("a mixture's checkpoint scores each of its tasks on its own data: drop --dataset / --split, "
+                          "or pass --mixture none with the task's flags (--dataset, --input_template ...) to score "
+                          "one data set")
+    sets = evaluation_sets(cfg)
+    for data in sets:
+        if data.single and load and "dataset" not in overrides:
+            raise FlanT5Error(f"{load} was trained on every row of {data.dataset} (a single file, nothing held out): "
+                              "scoring its training rows says nothing of unseen data; pass --dataset FILE_OR_DIR "
+                              "[--split S] to score other rows, or train with --holdout N")
+        if data.single:
+            logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a "
+                           "directory holding %s.jsonl to score a split)", data.dataset, cfg.data.split,
+                           cfg.data.split)
+    return sets
+
+
+def long_references(examples: list, tokenizer, family, output_length: int, what: str) -> int:
+    """How many references need more than ``output_length`` tokens (their end-of-text aside): decoding cannot write
+    them whole, which one warning line says with the flag that lets it."""
+    ids = family.encode_targets(tokenizer, [e.target for e in examples if e.target])
+    longest = max((len(x) - 1 for x in ids), default=0)
+    n = sum(len(x) - 1 > output_length for x in ids)
+    if n:
+        logger.warning("%d of %d references of %s are longer than output_length %d tokens (the longest: %d): "
+                       "decoding cannot write them whole; pass --output_length %d", n, len(ids), what,
+                       output_length, longest, longest)
+    return n
 
 
 def decoding_name(inference) -> str:
@@ -44,10 +63,14 @@ def decoding_name(inference) -> str:
     return f"beam{inference.num_beams}" if inference.num_beams > 1 else "greedy"
 
 
-def report_name(split: str, step=None, limit=None, decoding: str = "greedy") -> str:
+def report_name(split: str, step=None, limit=None, decoding: str = "greedy", task: str | None = None) -> str:
     """validation_mismatched_step1000.json (..._first100.json for a --limit run, ..._beam4.json for a search other
-    than greedy); a split not named validation* gets the prefix (validation_test.json)."""
+    than greedy); a split not named validation* gets the prefix (validation_test.json); a mixture's task is named
+    after the prefix (validation_nli_mismatched_step10.json, validation_headlines_heldout.json)."""
     base = split if split.startswith("validation") else f"validation_{split}"
+    if task:
+        rest = base[len("validation"):].lstrip("_")
+        base = f"validation_{task}" + (f"_{rest}" if rest else "")
     return (base + (f"_step{step}" if step is not None else "") + (f"_first{limit}" if limit else "")
             + ("" if decoding == "greedy" else f"_{decoding}") + ".json")
 
@@ -76,78 +99,110 @@ def write_report(report: dict, path: str) -> str:
     return final
 
 
-def result_line(report: dict, step, what: str, path: str) -> str:
+def result_line(report: dict, step, what: str, path: str, mixed: bool = False) -> str:
     """``CKPT step N: TASK on DATA (DECODING): scores -> path``; a label set's line keeps the original's accuracy
-    figure."""
+    figure (after its task's name, for a mixture's)."""
     head = f"{report['checkpoint']}" + (f" step {step}" if step is not None else "")
     how = f" ({report['decoding_name']})" if report.get("decoding_name", "greedy") != "greedy" else ""
     if "accuracy" in report["scores"]:
         rest = {k: v for k, v in report["scores"].items() if k != "accuracy"}
-        return (f"{head}: accuracy {report['accuracy']:.2%} on {report['samples']} samples of {what}{how} "
-                f"({report['unknown']} unknown)" + (f", {headline(rest)}" if rest else "") + f" -> {path}")
+        return (f"{head}: {report['task'] + ' ' if mixed else ''}accuracy {report['accuracy']:.2%} on "
+                f"{report['samples']} samples of {what}{how} ({report['unknown']} unknown)"
+                + (f", {headline(rest)}" if rest else "") + f" -> {path}")
     return (f"{head}: {report['task']} on {report['samples']} samples of {what}{how}: {headline(report['scores'])} "
             f"-> {path}")
 
 
+def mixture_score(sets: list, scores: dict) -> float:
+    """A mixture's evaluation in one number (which names its best step): the mean of its tasks' first scores, each
+    in [0, 1] (BLEU and chrF divided by 100)."""
+    firsts = [scores[f"eval_{s.task.name}_{primary(s.task)}"] for s in sets]
+    return sum(v / 100 if p in ("bleu", "chrf") else v for v, p in zip(firsts, [primary(s.task) for s in sets])) \
+        / len(sets)
+
+
 class Validation:
-    """run_validation.py's work: the task's evaluation examples tokenized once, then each checkpoint (or an HF model)
-    decoded, scored and reported (process 0 of a multi-process run writes and prints)."""
+    """run_validation.py's work: each task's evaluation examples tokenized once, then each checkpoint (or an HF model)
+    decoded, scored and reported, a report per task (process 0 of a multi-process run writes and prints)."""
 
     def __init__(self, cfg, overrides: dict, tokenizer, limit=None, output=None):
         self.cfg, self.tokenizer, self.limit, self.output = cfg, tokenizer, limit, output
-        self.task, self.data = evaluation_data(cfg, overrides, cfg.checkpoint.load)
-        self.examples = self.data.examples[:limit]
+        self.sets = evaluation_data(cfg, overrides, cfg.checkpoint.load)
+        self.mixed = bool(cfg.mixture.tasks)
         self.predictor = Predictor(cfg)
-        self.feats, self.unknown = prompt_features(self.examples, tokenizer, self.predictor.family,
-                                                   cfg.model.sequence_length)
+        self.inputs = []
+        for data in self.sets:
+            examples = data.examples[:limit]
+            feats, unknown = prompt_features(examples, tokenizer, self.predictor.family, cfg.model.sequence_length)
+            long_references(examples, tokenizer, self.predictor.family, cfg.inference.output_length, data.what)
+            self.inputs.append((data, examples, feats, unknown))
 
     def __call__(self, directory, step, n_targets: int = 1):
-        """One checkpoint (``directory`` None: the config's --hf_model) decoded, scored, reported -> the report."""
-        cfg, t0 = self.cfg, time.perf_counter()
+        """One checkpoint (``directory`` None: the config's --hf_model) decoded, scored, reported -> the report (a
+        list of them, one a task, for a mixture)."""
+        cfg = self.cfg
         params = self.predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
-        report = score(self.task, self.examples, self.predictor.predict(params, self.feats, self.tokenizer))
+        reports = [self.one(params, directory, step, n_targets, *x) for x in self.inputs]
+        return reports if self.mixed else reports[0]
+
+    def one(self, params, directory, step, n_targets: int, data, examples, feats, unknown) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        report = score(data.task, examples, self.predictor.predict(params, feats, self.tokenizer))
         how = decoding_name(cfg.inference)
-        report.update(split=self.data.name, dataset=self.data.dataset, single_file=self.data.single,
-                      data=self.data.what, step=step, limit=self.limit, prompt_tokens_unknown=self.unknown,
-                      longest_prompt=int(self.feats["attention_mask"].sum(1).max()),
+        report.update(split=data.name, dataset=data.dataset, single_file=data.single, data=data.what, step=step,
+                      limit=self.limit, prompt_tokens_unknown=unknown, longest_prompt=int(feats["attention_mask"]
+                                                                                          .sum(1).max()),
                       checkpoint=directory or cfg.data.hf_model, decoding=asdict(cfg.inference), decoding_name=how,
                       seconds=time.perf_counter() - t0)
-        name = report_name(self.data.name, step, self.limit, how)
-        path = self.output if self.output and n_targets == 1 else os.path.join(directory or "runs", name)
+        name = report_name(data.name, step, self.limit, how, data.task.name if self.mixed else None)
+        path = os.path.join(directory or "runs", name)
+        if self.output and n_targets == 1:
+            path = self.output if not self.mixed else f"{os.path.splitext(self.output)[0]}_{data.task.name}.json"
         if is_main_process():
             path = write_report(report, path)
-            print(result_line(report, step, self.data.what, path), flush=True)
+            print(result_line(report, step, data.what, path, self.mixed), flush=True)
         return report
 
 
 class Evaluator:
-    """--eval_every: the task's evaluation examples (data.tasks.evaluation_set: its held-out rows, else its validation
-    split; the first eval_rows of them) decoded with the run's current weights, on the run's devices, and scored as
-    the task asks. The weights are read, never changed, and no training data is read: the run's data order and its
+    """--eval_every: each task's evaluation examples (data.mixture.evaluation_set: its held-out rows, else its
+    validation split; the first eval_rows of them) decoded with the run's current weights, on the run's devices, and
+    scored as the task asks (a mixture's: each task's scores under its name, eval_TASK_METRIC, and their mean,
+    eval_score). The weights are read, never changed, and no training data is read: the run's data order and its
     exact resume are untouched."""
 
     def __init__(self, cfg, executor, tokenizer, best=None):
         ecfg = decoding_graphs_config(cfg)
         self.predictor = Predictor(ecfg, Graphs(ecfg, mesh=executor.g.mesh))
-        self.task, self.executor, self.tokenizer = Task.of_config(cfg), executor, tokenizer
-        data = evaluation_set(cfg.data, self.task, cfg.model.seed)
-        self.examples = data.examples[: cfg.training.eval_rows]
-        self.feats = tokenize_prompts(self.examples, tokenizer, executor.g.family)
-        self.key = f"eval_{primary(self.task)}"
+        self.executor, self.tokenizer, self.mixed = executor, tokenizer, bool(cfg.mixture.tasks)
+        self.sets, self.inputs = evaluation_sets(cfg), []
+        family = executor.g.family
+        for data in self.sets:
+            examples = data.examples[: cfg.training.eval_rows]
+            long_references(examples, tokenizer, family, cfg.inference.output_length, data.what)
+            self.inputs.append((examples, tokenize_prompts(examples, tokenizer, family)))
+            logger.info("--eval_every %d: %d examples of %s", cfg.training.eval_every, len(examples), data.what)
+        self.key = "eval_score" if self.mixed else f"eval_{primary(self.sets[0].task)}"
         self.best = best  # (score, step) of the best evaluation so far (a resumed run's: ``best_logged``)
-        self.what = "held-out" if data.name == "heldout" else data.name
-        logger.info("--eval_every %d: %d examples of %s", cfg.training.eval_every, len(self.examples), data.what)
+        first = self.sets[0].name
+        self.what = "mixture" if self.mixed else "held-out" if first == "heldout" else first
 
     def __call__(self, state, step: int) -> dict:
         stacked = self.executor.weights(state)  # the stacked weights, wherever they live
         params = jax.device_put(stacked, self.predictor.graphs.param_shardings)
-        report = score(self.task, self.examples, self.predictor.predict(params, self.feats, self.tokenizer,
-                                                                        progress="evaluating"))
+        scores = {}
+        for data, (examples, feats) in zip(self.sets, self.inputs):
+            report = score(data.task, examples, self.predictor.predict(params, feats, self.tokenizer,
+                                                                       progress="evaluating"))
+            prefix = f"eval_{data.task.name}_" if self.mixed else "eval_"
+            scores.update({prefix + k: v for k, v in report["scores"].items()})
+            logger.info("step %d: %s%s %s", step, f"{data.task.name} " if self.mixed else "",
+                        "held-out" if data.name == "heldout" else data.name, headline(report["scores"]))
         del params
-        scores = {f"eval_{k}": v for k, v in report["scores"].items()}
+        if self.mixed:
+            scores["eval_score"] = mixture_score(self.sets, scores)
         if self.best is None or scores[self.key] > self.best[0]:
             self.best = (scores[self.key], step)
-        logger.info("step %d: %s %s", step, self.what, headline(report["scores"]))
         return scores
 
 

@@ -30,7 +30,8 @@ from config.schema import FIELDS
 from data import sources
 from data.loader import length_buckets
 from data.sources import DataError
-from data.tasks import Example, evaluation_set, pad_id, tokenize_prompts, unknown_share
+from data.mixture import evaluation_set
+from data.tasks import Example, pad_id, tokenize_prompts, unknown_share
 from graphs.graphs import Graphs
 from graphs.sharding import fetch, put_global
 from graphs.state import describe_base, device_base, fingerprint
@@ -190,9 +191,10 @@ def prompt_features(examples: list, tokenizer, family, sequence_length: int, giv
     return feats, unknown
 
 
-def inference_inputs(prompts, input_file, limit: int, cfg, task) -> list:
-    """The examples run_inference.py decodes: prompt texts (as given), a file's rows, or the task's held-out
-    examples (the first ``limit``)."""
+def inference_inputs(prompts, input_file, limit: int, cfg, td) -> list:
+    """The examples run_inference.py decodes: prompt texts (as given), a file's rows, or the held-out examples of
+    the task ``td`` (data.mixture.TaskData: the first ``limit``)."""
+    task = td.task
     if prompts:
         return [Example(t, "") for t in prompts]
     if input_file:
@@ -202,7 +204,7 @@ def inference_inputs(prompts, input_file, limit: int, cfg, task) -> list:
         return task.examples(sources.read(input_file, "", cfg.model.seed), targets=False)
     if limit < 1:
         raise FlanT5Error(f"--limit {limit} must be at least 1")
-    return evaluation_set(cfg.data, task, cfg.model.seed).examples[:limit]
+    return evaluation_set(td, cfg).examples[:limit]
 
 
 def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, compare_hf: bool = False) -> list:

@@ -25,7 +25,8 @@ DATA_ORDER = (("dataset", ("data", "dataset")), ("hub_config", ("data", "hub_con
               ("causal_packing", ("data", "causal_packing")), ("sequence_length", ("model", "sequence_length")),
               ("seed", ("model", "seed")), ("input_template", ("task", "input_template")),
               ("input_column", ("task", "input_column")), ("target_column", ("task", "target_column")),
-              ("labels", ("task", "labels")))
+              ("labels", ("task", "labels")), ("mixture", ("mixture", "tasks")),
+              ("mixture_rates", ("mixture", "rates")), ("mixture_cap", ("mixture", "cap")))
 
 
 def resume_point(cfg):
@@ -54,8 +55,8 @@ def resume_point(cfg):
 
 def _flag_value(value) -> str:
     """A config value as it is written on the command line (true / false for a bool, words for a list)."""
-    if isinstance(value, (list, tuple)):
-        return " ".join(map(str, value))
+    if isinstance(value, (list, tuple)):  # a mixture's tasks by their names
+        return " ".join(str(v["name"]) if isinstance(v, dict) else str(v) for v in value) or "none"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -1,51 +1,65 @@
-"""A training run's data: the task's training examples (less the rows held out), the run's tokenizer (the config's,
-or one learnt from the data), their lengths checked and said, and the resumable loader of their batches."""
+"""A training run's data: each task's training split read, checked and tokenized once into the cache (data/cache.py:
+process 0 builds what is missing, every process maps it), the run's tokenizer (the config's, or one learnt from the
+data), the rows held out, the lengths checked and said, and the resumable loader of their batches (one task, or a
+mixture of tasks with rates: data/mixture.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import time
+import shutil
+
+import numpy as np
 
 from app.runtime import agree
-from data import sources
-from data.loader import TrainLoader
-from data.sources import DataError
-from data.tasks import (TRAINED, Task, check_unknown_tokens, holdout, load_tokenizer, pad_id, tokenize_examples,
-                        train_tokenizer)
+from data import cache, mixture
+from data.loader import TaskStream, TrainLoader, holdout_indices
+from data.sources import DataError, cache_root
+from data.tasks import TRAINED, check_unknown, load_tokenizer, pad_id
+from modelling.rows import RowShape
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 
 
 def training_data(cfg, family, run_dir: str | None = None) -> TrainLoader:
-    """The training loader of the task's examples (the training split, less the rows held out: --holdout), read and
-    checked before anything is compiled. With ``--tokenizer train`` the tokenizer is learnt from the training examples
-    and saved to RUN_DIR/tokenizer, which the config (and so every checkpoint) then names."""
-    task = Task.of_config(cfg)
-    rows = sources.read(cfg.data.dataset, cfg.data.train_split, cfg.model.seed, cfg.data.hub_config)
-    examples, held = holdout(task.examples(rows), cfg.data.holdout, cfg.model.seed)
-    if held:
-        logger.info("%d rows of %s held out of training (--holdout): --eval_every and validation score them",
-                    len(held), rows.where)
-    tokenizer = training_tokenizer(cfg, task, examples, family, run_dir)
-    return training_loader(cfg, task, examples, tokenizer, family, rows.where)
+    """The training loader of the run's tasks (each task's training split, less the rows held out: --holdout), read
+    and checked before anything is compiled. With ``--tokenizer train`` the tokenizer is learnt from the training
+    texts and saved to RUN_DIR/tokenizer, which the config (and so every checkpoint) then names."""
+    tasks = mixture.tasks_of(cfg)
+    req = cache.Request([td.part(cfg) for td in tasks], family.name, cfg.data.tokenizer, cache_root(cfg.data.cache_dir),
+                        vocab_size=cfg.model.embedding.vocab_size, num_proc=cfg.data.num_proc,
+                        labels=tuple(dict.fromkeys(w for td in tasks for w in td.task.labels or ())))
+    built = json.loads(agree("data", lambda: json.dumps(cache.run(req))))  # process 0 builds, the others map it
+    tokenizer = training_tokenizer(cfg, built["tokenizer"], run_dir)
+    sets = [cache.TokenSet(path) for path in built["tokens"]]
+    streams = []
+    for td, tokens in zip(tasks, sets):
+        if td.holdout >= len(tokens):
+            raise DataError(f"--holdout {td.holdout} holds out every one of the {len(tokens)} training examples of "
+                            f"{tokens.meta['where']}: pass a smaller --holdout")
+        held = holdout_indices(len(tokens), td.holdout, cfg.model.seed)
+        if len(held):
+            logger.info("%d rows of %s held out of training (--holdout): --eval_every and validation score them",
+                        len(held), tokens.meta["where"])
+        streams.append(TaskStream(tokens.examples, held, td.name))
+    return training_loader(cfg, tasks, sets, streams, tokenizer, family)
 
 
-def training_tokenizer(cfg, task, examples: list, family, run_dir):
-    """The run's tokenizer: the config's, or with --tokenizer train one learnt from the training examples (process 0
-    learns and saves it; the others load what it saved), which the config then names."""
+def training_tokenizer(cfg, name: str, run_dir):
+    """The run's tokenizer: the config's, or with --tokenizer train the one learnt from the training texts (``name``:
+    its cached folder), copied to RUN_DIR/tokenizer by process 0, which the config then names (validation loads it
+    from there)."""
     if cfg.data.tokenizer == TRAINED:
         out = os.path.abspath(os.path.join(run_dir or cfg.checkpoint.save or "runs", "tokenizer"))
 
-        def learn() -> str:
-            t0 = time.perf_counter()
-            tok = train_tokenizer(examples, cfg.model.embedding.vocab_size, out, family, task.labels)
-            logger.info("trained a %d-token tokenizer on %d examples of %s in %.1f s -> %s", len(tok), len(examples),
-                        cfg.data.dataset, time.perf_counter() - t0, out)
+        def copy() -> str:
+            shutil.copytree(name, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("meta.json"))
+            logger.info("the tokenizer learnt from the training data -> %s", out)
             return out
 
-        cfg.data.tokenizer = agree("tokenizer", learn)  # what checkpoints record: validation loads it from there
+        cfg.data.tokenizer = agree("tokenizer", copy)  # what checkpoints record
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         raise FlanT5Error(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
@@ -53,25 +67,24 @@ def training_tokenizer(cfg, task, examples: list, family, run_dir):
     return tokenizer
 
 
-def training_loader(cfg, task, examples: list, tokenizer, family, where: str) -> TrainLoader:
-    """The resumable loader of the tokenised examples, its length and unknown-token report attached."""
-    tokens = tokenize_examples(examples, tokenizer, family)
-    unknown = check_unknown_tokens(tokens, tokenizer, cfg.data.tokenizer, cfg.data.dataset)
-    data_report = report_lengths(cfg, task, tokens, tokenizer, family, unknown)
-    rows = f"{'packed' if cfg.data.packing else 'padded'} rows of "
-    if family.causal:
-        how = f"{cfg.data.causal_packing}-packed" if cfg.data.packing else "padded"
-        rows = f"a causal LM, {how} rows of {cfg.model.sequence_length} tokens, loss on {cfg.data.loss_tokens} tokens"
-    else:
-        rows += f"{cfg.model.sequence_length}/{cfg.decoder_row_length} tokens"
-    logger.info("training %s on %d examples of %s (%s)", task.name, len(examples), where, rows)
-    loader = TrainLoader(tokens, cfg.training.global_batch_size, cfg.gradient_accumulation, cfg.model.seed,
-                         sequence_length=cfg.model.sequence_length, target_length=cfg.model.decoder_sequence_length,
-                         packing=cfg.data.packing, decoder_length=cfg.decoder_row_length, causal=family.causal,
-                         causal_packing=cfg.data.causal_packing, loss_tokens=cfg.data.loss_tokens,
-                         pad_id=pad_id(tokenizer))
-    loader.report = data_report  # written with the run's first metrics line
+def training_loader(cfg, tasks: list, sets: list, streams: list, tokenizer, family) -> TrainLoader:
+    """The resumable loader of the tokenised examples, its length, unknown-token and mixture report attached."""
+    shape = RowShape.of_config(cfg, pad_id(tokenizer))
+    report = report_lengths(cfg, tasks, sets, tokenizer, family, shape)
+    rates = None
+    if len(tasks) > 1:
+        rates = mixture.rates(cfg, [s.size for s in streams])
+        report["mixture"] = mixture.shares([t.name for t in tasks], [s.size for s in streams], rates)
+        logger.info("mixing %s", "; ".join(f"{n}: {m['examples']} examples, rate {m['rate']:g} ({m['share']:.1%} of "
+                                           "the examples)" for n, m in report["mixture"].items()))
+    where = ", ".join(s.meta["where"] for s in sets)
+    logger.info("training %s on %d examples of %s (%s)", " + ".join(t.name for t in tasks),
+                sum(s.size for s in streams), where, family.rows.describe(shape))
+    loader = TrainLoader(streams, cfg.training.global_batch_size, cfg.gradient_accumulation, cfg.model.seed,
+                         fmt=family.rows, shape=shape, rates=rates)
+    loader.report = report  # written with the run's first metrics line
     loader.tokenizer = tokenizer  # what --eval_every decodes with
+    loader.names = [t.name for t in tasks]
     return loader
 
 
@@ -80,26 +93,46 @@ class _Blank(dict):
         return "x"
 
 
-def report_lengths(cfg, task, examples, tokenizer, family, unknown: float) -> dict:
-    """A sequence_length that cannot hold the prompt template is an error; examples (and targets) that do not fit
-    are counted and said (a warning when more than 1% are cut), never cut silently."""
-    L, causal = cfg.model.sequence_length, family.causal
-    blank = "" if task.input_column else task.template.format_map(_Blank())
-    template = len(family.encode_inputs(tokenizer, [family.prompt(blank)])[0]) + (4 if causal else 0)
-    if L < template:
-        raise DataError(f"sequence_length={L} cannot hold the prompt template ({template} tokens before any of "
-                        f"{', '.join(task.fields)}{' and the target' if causal else ''}): pass --sequence_length "
-                        f"{max(64, 2 * template)} or more")
-    sizes = [len(x) + (len(t) if causal else 0) for x, t in zip(examples.inputs, examples.targets)]
-    target_limit = L if causal else cfg.model.decoder_sequence_length
-    cut, cut_targets = sum(n > L for n in sizes), sum(len(t) > target_limit for t in examples.targets)
-    share = cut / max(len(sizes), 1)
-    log = logger.warning if share > 0.01 or cut_targets > 0.01 * len(sizes) else logger.info
-    log("%d of %d training examples (%.1f%%) are longer than sequence_length %d (the longest: %d tokens) and are cut"
-        "%s; %d targets are longer than %s %d and are cut (the longest: %d tokens); %.2f%% of the prompt tokens are "
-        "unknown to the tokenizer", cut, len(sizes), 100 * share, L, max(sizes),
-        " (their start: the target is kept)" if causal else " (their end)", cut_targets,
-        "sequence_length" if causal else "decoder_sequence_length", target_limit,
-        max(len(t) for t in examples.targets), 100 * unknown)
-    return {"truncated_examples": cut, "truncated_share": share, "truncated_targets": cut_targets,
-            "unknown_token_share": unknown}
+def report_lengths(cfg, tasks: list, sets: list, tokenizer, family, shape) -> dict:
+    """A sequence_length that cannot hold a prompt template is an error; examples and targets that do not fit are
+    counted and said (a warning naming the flag that keeps them when a target is cut), never cut silently."""
+    L, fmt = shape.sequence_length, family.rows
+    for td in tasks:
+        t = td.task
+        blank = "" if t.input_column else t.template.format_map(_Blank())
+        need, what = fmt.template_room(len(family.encode_inputs(tokenizer, [family.prompt(blank)])[0]))
+        if L < need:
+            raise DataError(f"sequence_length={L} cannot hold the prompt template of {t.name} ({need} tokens before "
+                            f"any of {', '.join(t.fields)}{what}): pass --sequence_length {max(64, 2 * need)} or "
+                            "more")
+    hist = {k: _sum([s.histogram(k) for s in sets]) for k in ("input", "target", "joint")}
+    cut = fmt.truncation(hist["input"], hist["target"], hist["joint"], shape)
+    n = int(hist["input"].sum())
+    unknown = max(check_unknown(s.meta["unknown"], cfg.data.tokenizer, td.dataset) for td, s in zip(tasks, sets))
+    share = cut["cut_examples"] / max(n, 1)
+    logger.info("%d of %d examples (%.1f%%) are longer than sequence_length %d (the longest: %d tokens) and are cut "
+                "(%s); %d targets are longer than %s %d (the longest: %d tokens); %.2f%% of the prompt tokens are "
+                "unknown to the tokenizer", cut["cut_examples"], n, 100 * share, L, cut["longest_example"],
+                cut["cut_where"], cut["cut_targets"], cut["target_flag"], cut["target_limit"], cut["longest_target"],
+                100 * unknown)
+    if share > 0.01:
+        logger.warning("%.1f%% of the examples are cut to sequence_length %d (the longest: %d tokens): pass "
+                       "--sequence_length %d to keep them whole", 100 * share, L, cut["longest_example"],
+                       cut["longest_example"])
+    if cut["cut_targets"]:
+        keep = cut["longest_target"]
+        logger.warning("%d of %d targets (%.1f%%) are longer than %s %d tokens and are cut (the longest: %d): the model "
+                       "learns only their start; pass --%s %d to keep them whole%s", cut["cut_targets"], n,
+                       100 * cut["cut_targets"] / max(n, 1), cut["target_flag"], cut["target_limit"], keep,
+                       cut["target_flag"], keep, f" (and --output_length {keep} to decode them whole)"
+                       if cfg.inference.output_length < keep - 1 else "")
+    return {"truncated_examples": cut["cut_examples"], "truncated_share": share,
+            "truncated_targets": cut["cut_targets"], "unknown_token_share": unknown}
+
+
+def _sum(hists: list) -> np.ndarray:
+    size = max(len(h) for h in hists)
+    out = np.zeros(size, np.int64)
+    for h in hists:
+        out[: len(h)] += h
+    return out

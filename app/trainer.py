@@ -20,7 +20,6 @@ from app.resume import Saver, checkpoint_every
 from app.runtime import any_process, is_main_process
 from app.tracking import Tracker
 from config.presets import to_dict
-from data.packing import batch_stats
 from utils import checkpoint as ckpt
 from utils.errors import TrainingDiverged
 
@@ -103,7 +102,9 @@ def train_step(cfg, executor, loader, state, step: int, start_step: int, loss_sc
     """One step of the run at ``loss_scale`` (clipped with ``clip_norm`` under update_in_backward) -> (state,
     metrics, batch statistics)."""
     host_batch = loader.next_batch()
-    stats = batch_stats(host_batch)
+    stats = loader.stats(host_batch)
+    if getattr(loader, "batch_tasks", None) is not None:  # a mixture: each task's examples in the batch
+        stats["by_task"] = {f"examples_{n}": int(k) for n, k in zip(loader.names, loader.batch_tasks)}
     if step == start_step:
         rows = cfg.training.global_batch_size
         logger.info("%d examples in the first batch of %d rows: %.1f per row, %.1f%% of the token slots used",
@@ -212,7 +213,7 @@ def step_record(cfg, m: dict, stats: dict, lr: float, applied: bool, scale: floa
     loss = {"loss": m["loss"]} if math.isfinite(m["loss"]) else {}  # metrics.jsonl stays plain JSON
     return {**loss, "learning_rate": lr, "grad_norm": m["grad_norm"] if applied else None,
             "samples_per_s": rows / seconds, "examples": stats["examples"], "examples_per_s": stats["examples"] / seconds,
-            "packing_efficiency": stats["packing_efficiency"], **scaling}
+            "packing_efficiency": stats["packing_efficiency"], **stats.get("by_task", {}), **scaling}
 
 
 def _duration(seconds: float) -> str:

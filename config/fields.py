@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+import yaml
+
 from utils.errors import ConfigError
 
 def spec(default=dataclasses.MISSING, *, flag: Optional[str] = None, minimum: Optional[int] = None,
@@ -129,8 +131,10 @@ def coerce(ref: FieldRef, value: Any) -> Any:
 
 
 def _coerce_tuple(ref: FieldRef, value, bad):
-    """A tuple field's value: floats (the default), or words (``items=str``: a list, or one string split at
-    commas; none or an empty string is unset where the field may be)."""
+    """A tuple field's value: floats (the default), words (``items=str``: a list, or one string split at
+    commas; none or an empty string is unset where the field may be), or mappings (``items=dict``)."""
+    if ref.meta.get("items") is dict:
+        return _coerce_mappings(ref, value)
     words = ref.meta.get("items") is str
     if words and isinstance(value, str):
         if value.strip().lower() in ("none", "") and typing.get_origin(ref.type) is typing.Union:
@@ -148,6 +152,39 @@ def _coerce_tuple(ref: FieldRef, value, bad):
         return tuple(float(v) for v in value)
     except (TypeError, ValueError):
         raise bad from None
+
+
+def _coerce_mappings(ref: FieldRef, value) -> tuple:
+    """A tuple of mappings (``items=dict``): each a mapping, a mapping in YAML's flow style ("{name: qa, ...}"), or a
+    name (a reference the preset loader resolves); "none" alone: empty. Values are plain (lists, not tuples)."""
+    items = [value] if isinstance(value, (str, dict)) else list(value or ())
+    if len(items) == 1 and isinstance(items[0], str) and items[0].strip().lower() in ("none", ""):
+        return ()
+    out = []
+    for item in items:
+        if isinstance(item, str) and item.strip().startswith("{"):
+            try:
+                item = yaml.safe_load(item)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{ref.flag}: {item!r} is not a mapping ({str(e).splitlines()[0]}): write it as "
+                                  "\"{key: value, ...}\" (quote a value holding braces or a colon)") from None
+        if isinstance(item, dict):
+            item = {str(k): _plain(k, v) for k, v in item.items()}
+        elif not isinstance(item, str):
+            raise ConfigError(f"{ref.flag}: {item!r} is neither a name nor a mapping")
+        out.append(item)
+    return tuple(out)
+
+
+def _plain(key, value):
+    """A mapping item's value as a saved config holds it: lists for tuples, none for an unset label set."""
+    if isinstance(value, tuple):
+        value = list(value)
+    if key == "labels" and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", ""))):
+        return None
+    if key in ("labels", "metrics") and isinstance(value, str):
+        return [v.strip() for v in value.replace(",", " ").split() if v.strip()]
+    return value
 
 
 def get_path(cfg, path):

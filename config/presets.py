@@ -75,7 +75,43 @@ def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) 
         )
     cfg = config_from_mapping(presets[name] or {})
     apply_overrides(cfg, overrides or {})
+    resolve_mixture(cfg)
     return cfg.validate()
+
+
+def mixture_entry(cfg: Config) -> dict:
+    """A config's one task as a mixture task: its task section and where its rows come from."""
+    t, d = cfg.task, cfg.data
+    return {"name": t.name, "dataset": d.dataset, "hub_config": d.hub_config, "train_split": d.train_split,
+            "split": d.split, "holdout": d.holdout, "input_template": t.input_template, "input_column": t.input_column,
+            "target_column": t.target_column, "labels": list(t.labels) if t.labels is not None else None,
+            "metrics": list(t.metrics)}
+
+
+def resolve_mixture(cfg: Config) -> Config:
+    """The mixture's tasks as whole mappings: a preset's name becomes that preset's task (config/finetuning.yml),
+    a mapping gets the defaults of the keys it leaves out (MNLI's task, the data section's splits)."""
+    if not cfg.mixture.tasks:
+        return cfg
+    presets, out = None, []
+    for entry in cfg.mixture.tasks:
+        if isinstance(entry, str):
+            presets = presets or read_presets(preset_path("finetuning"))
+            if entry not in presets:
+                raise ConfigError(f"mixture task {entry!r} is not a preset of config/finetuning.yml: name one of "
+                                  f"{', '.join(presets)}, or give a mapping {{name: ..., dataset: ..., ...}}")
+            entry = mixture_entry(config_from_mapping(presets[entry] or {}))
+        else:
+            defaults = mixture_entry(Config())
+            defaults.update(dataset=None, name=None)
+            entry = {**defaults, **entry}
+            for key in ("labels", "metrics", "holdout"):
+                ref = FIELDS[key]
+                value = coerce(ref, entry[key]) if entry[key] is not None else None
+                entry[key] = list(value) if isinstance(value, tuple) else value
+        out.append(entry)
+    cfg.mixture.tasks = tuple(out)
+    return cfg
 
 
 def apply_overrides(cfg: Config, overrides: dict) -> Config:

@@ -325,6 +325,14 @@ class Data:
     """Decoder length of a packed row, shared by the targets of all its examples (0: sequence_length // 8,
     at least decoder_sequence_length). Each target is first cut to decoder_sequence_length, as unpacked."""
 
+    cache_dir: Optional[str] = None
+    """Where data read and tokenized once is kept for every later run, resume and validation (unset:
+    $FLAN_T5_CACHE, else ~/.cache/flan_t5)."""
+
+    num_proc: int = spec(0, minimum=0)
+    """Worker processes that read and tokenize a large source (0: as many as the cores; a small source is read by
+    the run itself)."""
+
 
 @dataclass
 class Task:
@@ -353,6 +361,29 @@ class Task:
     """How decoded outputs are scored: accuracy (a label set; with per-class counts), exact_match, rouge
     (ROUGE-1/2/L F1 of the rouge-score package), bleu, chrf (sacrebleu); several at once. Unset: accuracy with
     labels, else exact_match and rouge."""
+
+
+MIXTURE_KEYS = ("name", "dataset", "hub_config", "train_split", "split", "holdout", "input_template", "input_column",
+                "target_column", "labels", "metrics")
+
+
+@dataclass
+class Mixture:
+    """Several tasks trained at once (T5's mixtures): each with its own data, template, target, labels and metrics,
+    mixed by rates. Empty: the run has one task (the task: section and the data: section's dataset)."""
+
+    tasks: tuple = spec((), flag="mixture", items=dict, travels=True)
+    """The mixture's tasks: each a preset's name (its task: section and its dataset, hub_config, train_split, split
+    and holdout) or a mapping of those keys (on the command line in YAML's flow style, e.g. "{name: qa, dataset:
+    qa.jsonl, input_column: question, target_column: answer, labels: none}"); none: no mixture."""
+
+    rates: tuple = spec((), flag="mixture_rates", travels=True)
+    """Each task's rate, in the order of the tasks: its share of the training examples is its rate over their sum
+    (unset: examples-proportional, each task's rate its number of training examples, at most mixture_cap)."""
+
+    cap: int = spec(0, flag="mixture_cap", minimum=0, travels=True)
+    """Examples-proportional mixing: a task's rate is the smaller of its training examples and this (T5's K; 0: no
+    cap)."""
 
 
 @dataclass
@@ -421,6 +452,7 @@ class Config:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     data: Data = field(default_factory=Data)
     task: Task = field(default_factory=Task)
+    mixture: Mixture = field(default_factory=Mixture)
     lora: Lora = field(default_factory=Lora)
     inference: Inference = field(default_factory=Inference)
 
@@ -466,6 +498,7 @@ class Config:
         _check_lengths(self)
         _check_training(self)
         _check_task(self.task)
+        _check_mixture(self.mixture)
         return self
 
 
@@ -568,6 +601,46 @@ def _check_task(t: "Task") -> None:
     if "accuracy" in t.metrics and t.labels is None:
         raise ConfigError("metrics accuracy needs a label set (--labels WORD WORD ...): for free text pass --metrics "
                           "exact_match rouge bleu chrf")
+
+
+def _check_mixture(mx: "Mixture") -> None:
+    """Each mixture task a whole task (config/presets.py resolves preset names into mappings), named once, and the
+    rates one per task."""
+    names = []
+    for entry in mx.tasks:
+        if not isinstance(entry, dict):
+            raise ConfigError(f"mixture task {entry!r} is not a preset of config/finetuning.yml: name one (e.g. "
+                              "tiny_headlines) or give a mapping {name: ..., dataset: ..., ...}")
+        unknown = sorted(set(entry) - set(MIXTURE_KEYS))
+        if unknown:
+            raise ConfigError(f"mixture task {entry.get('name', '?')!r} has unknown key(s) {', '.join(unknown)}: "
+                              f"known keys are {', '.join(MIXTURE_KEYS)}")
+        if not entry.get("name") or not entry.get("dataset"):
+            raise ConfigError(f"mixture task {entry!r} needs a name and a dataset: give both (e.g. {{name: qa, "
+                              "dataset: qa.jsonl, ...}})")
+        names.append(entry["name"])
+        try:
+            _check_task(Task(**{k: entry[k] for k in ("name", "input_template", "input_column", "target_column",
+                                                      "labels", "metrics")}))
+            _check_fields_of(Task, entry)
+        except ConfigError as e:
+            raise ConfigError(f"mixture task {entry['name']!r}: {e}") from None
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"mixture task name(s) {', '.join(dup)} appear more than once: give each task its own name "
+                          "(they name its scores and reports)")
+    if mx.rates and (len(mx.rates) != len(mx.tasks) or min(mx.rates) < 0 or not sum(mx.rates) > 0):
+        raise ConfigError(f"mixture_rates {list(mx.rates)}: give one rate (>= 0, not all 0) for each of the "
+                          f"{len(mx.tasks)} mixture tasks, in their order, or none for examples-proportional mixing")
+
+
+def _check_fields_of(cls, entry: dict) -> None:
+    """The choices a mixture task's values must take (its metrics)."""
+    for name in ("metrics",):
+        ref = FIELDS[name]
+        for item in entry.get(name) or ():
+            if item not in ref.meta["choices"]:
+                raise ConfigError(f"metrics={item!r} is not one of {', '.join(ref.meta['choices'])}")
 
 
 def ipu_only_notices(cfg: Config) -> list:

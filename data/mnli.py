@@ -18,7 +18,7 @@ from data.loader import TrainLoader, length_buckets  # noqa: F401  (MNLI's tools
 from data.packing import Examples, pad_rows
 from data.sources import DataError  # noqa: F401  (raised by these helpers)
 from data.tasks import (TRAINED, Example, Task, check_unknown_tokens, load_tokenizer, pad_id,  # noqa: F401
-                        tokenize_prompts)
+                        parse_label, tokenize_prompts)
 from data.tasks import tokenize_examples as _tokenize
 from data.tasks import train_tokenizer as _train_tokenizer
 
@@ -31,12 +31,22 @@ def prompt(hypothesis: str, premise: str) -> str:
     return MNLI.input_text({"hypothesis": hypothesis, "premise": premise})
 
 
-def validate_rows(rows: list, source: str, first_line: int | None = None) -> list:
-    """MNLI rows {premise, hypothesis, label} checked by the task (errors name the row, its line and the column);
-    label -1 rows (unlabelled) dropped with a count in the log."""
+def validate_rows(rows, source: str, first_line: int | None = None) -> list:
+    """MNLI rows {premise, hypothesis, label} (a list of dicts or a datasets.Dataset) checked by the task (errors
+    name the row, its line and the column; numbers are read as their text, as every task reads them); label -1 rows
+    (unlabelled) dropped with a count in the log."""
     examples = MNLI.examples(sources.Rows(rows, source, first_line))
-    kept = [r for r in rows if MNLI._label(r["label"], source) != -1]
-    return [{"premise": r["premise"], "hypothesis": r["hypothesis"], "label": e.label} for r, e in zip(kept, examples)]
+    out = []
+    for _, batch in sources.Rows(rows, source, first_line).batches():
+        out += [{"premise": p, "hypothesis": h} for p, h, y in zip(batch["premise"], batch["hypothesis"],
+                                                                   batch["label"])
+                if parse_label(y, MNLI.labels) != -1]
+    return [{"premise": _text(r["premise"]), "hypothesis": _text(r["hypothesis"]), "label": e.label}
+            for r, e in zip(out, examples)]
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else str(value)
 
 
 def load_rows(dataset: str, split: str, seed: int = 0) -> list:
@@ -52,7 +62,9 @@ def examples(rows: list) -> list:
 
 def train_tokenizer(rows: list, vocab_size: int, out_dir: str, family):
     """A tokenizer learnt from MNLI rows (data.tasks.train_tokenizer)."""
-    return _train_tokenizer(examples(rows), vocab_size, out_dir, family, MNLI.labels)
+    ex = examples(rows)
+    return _train_tokenizer(lambda: [[family.prompt(e.input) for e in ex], [e.target for e in ex]], vocab_size,
+                            out_dir, MNLI.labels)
 
 
 def tokenize_inputs(rows: list, tokenizer, sequence_length: int | None, family) -> dict:

@@ -1,26 +1,30 @@
 """Tasks: how a row becomes an example (an input text and a target text, and for a label set the label), and what
 is the same for every task: the row checks that name the row, the column and the columns present; the tokenizer
-(loaded, learnt from the task's texts, its pad id); the examples in a model family's format; the held-out rows.
+(loaded, learnt from the task's texts, its pad id); prompts in a model family's format.
 
-A task is data (the config's ``task`` section; MNLI's are its defaults): an input template over the row's columns
-(or one input column), a target column, a label set when the target is a label, and the metrics that score it
-(data/metrics.py). The family (modelling/family.py) says how an input and a target become tokens: T5 reads the
-input with its encoder and writes the target with its decoder; GPT-J continues ``INPUT target:`` with
-`` TARGET<|endoftext|>``.
+A task is data (the config's ``task`` section, or one task of a ``mixture``; MNLI's are the defaults): an input
+template over the row's columns (or one input column), a target column, a label set when the target is a label, and
+the metrics that score it (data/metrics.py). ``Task.render`` turns a batch of rows (columns of values, as
+``Dataset.map(batched=True)`` gives them) into input and target texts and labels, applying data/sources.py's typing
+rule: a number where text is expected is its text, in every format. The family (modelling/family.py) says how an
+input and a target become tokens: T5 reads the input with its encoder and writes the target with its decoder; GPT-J
+continues ``INPUT target:`` with `` TARGET<|endoftext|>``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import string
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from config.schema import template_fields
+from data import synthetic
 from data.packing import Examples
-from data import sources, synthetic
 from data.sources import DataError, Rows
 from utils.hub import fetch
 
@@ -39,16 +43,29 @@ class Example:
     label: int = -1
 
 
+def _positional(template: str, fields: list) -> str:
+    """``template`` with its {column} fields numbered in ``fields``' order (str.format of a row's values)."""
+    out = []
+    for literal, name, spec, conversion in string.Formatter().parse(template):
+        out.append(literal.replace("{", "{{").replace("}", "}}"))
+        if name is not None:
+            out.append("{" + str(fields.index(name)) + (f"!{conversion}" if conversion else "")
+                       + (f":{spec}" if spec else "") + "}")
+    return "".join(out)
+
+
 class Task:
-    """A config's ``task`` section, resolved: the columns it reads, its label set, its metrics (see the module
-    docstring)."""
+    """A config's ``task`` section (or a mixture's task), resolved: the columns it reads, its label set, its metrics
+    (see the module docstring)."""
 
     def __init__(self, section):
         self.name, self.template, self.input_column = section.name, section.input_template, section.input_column
         self.target_column = section.target_column
         self.labels = tuple(section.labels) if section.labels is not None else None
-        self.fields = [self.input_column] if self.input_column else template_fields(self.template)
+        self.fields = ([self.input_column] if self.input_column
+                       else list(dict.fromkeys(template_fields(self.template))))
         self.metrics = tuple(section.metrics) or (("accuracy",) if self.labels else ("exact_match", "rouge"))
+        self._format = "{0}" if self.input_column else _positional(self.template, self.fields)
 
     @classmethod
     def of_config(cls, cfg) -> "Task":
@@ -59,23 +76,59 @@ class Task:
         """The columns a row must have: the input's, then the target's."""
         return list(dict.fromkeys(self.fields + [self.target_column]))
 
+    def definition(self) -> dict:
+        """What decides the examples of a row (the caches are keyed by it)."""
+        return {"template": None if self.input_column else self.template, "input_column": self.input_column,
+                "target_column": self.target_column, "labels": list(self.labels) if self.labels else None}
+
     def input_text(self, row: dict) -> str:
-        return row[self.input_column] if self.input_column else self.template.format_map(row)
+        return self._format.format(*(row[f] for f in self.fields))
 
     # ------------------------------------------------------------------ rows -> examples
 
+    def render(self, batch: dict, start: int, where: str, first_line: Optional[int] = None,
+               targets: bool = True) -> dict:
+        """{input: [str], target: [str], label: [int]} of a batch of rows ({column: [values]}, the first being row
+        ``start`` of ``where``), each checked (DataError naming the row, its line, the column and the row's columns);
+        rows labelled -1 (unlabelled) are left out. ``targets=False``: inputs only (rows to predict), the target
+        where there is one."""
+        n = len(next(iter(batch.values()))) if batch else 0
+        at = _Where(batch, start, where, first_line, self)
+        need = self.columns if targets else self.fields
+        for col in need:
+            if col not in batch:
+                at.missing(0, col)
+        cols = [_texts(batch[c], c, at) for c in self.fields]
+        inputs = cols[0] if self.input_column else [self._format.format(*vals) for vals in zip(*cols)]
+        values = batch.get(self.target_column, [None] * n)
+        given = list(range(n)) if targets else [k for k, v in enumerate(values) if not _missing(v) and v != ""]
+        tgt, labels = [""] * n, [-1] * n  # rows to predict without a target: none
+        if self.labels is None:
+            texts = _texts([values[k] for k in given], self.target_column, at, given)
+            for k, text in zip(given, texts):
+                tgt[k] = text
+            return {"input": inputs, "target": tgt, "label": labels}
+        dropped = []
+        ints = [values[k] for k in given]
+        if targets and ints and all(type(v) is int for v in ints) and -1 < min(ints) and max(ints) < len(self.labels):
+            return {"input": inputs, "target": [self.labels[v] for v in ints], "label": ints}  # the usual column
+        for k in given:
+            labels[k] = self._label(values[k], at, k)
+            tgt[k] = self.labels[labels[k]] if labels[k] != -1 else dropped.append(k) or ""
+        if not dropped:
+            return {"input": inputs, "target": tgt, "label": labels}
+        keep = sorted(set(range(n)) - set(dropped))
+        return {"input": [inputs[k] for k in keep], "target": [tgt[k] for k in keep],
+                "label": [labels[k] for k in keep]}
+
     def examples(self, rows: Rows, targets: bool = True) -> list:
-        """The examples of rows, each checked; rows whose label is -1 (unlabelled) are dropped with a count in the
-        log. ``targets=False``: inputs only (rows to predict), a target where there is one."""
-        out, dropped = [], 0
-        for i, row in enumerate(rows.rows):
-            where = f"{rows.where}: row {i}" + (f" (line {rows.first_line + i})" if rows.first_line is not None
-                                                 else "")
-            ex = self._example(row, where, targets)
-            if ex is None:
-                dropped += 1
-            else:
-                out.append(ex)
+        """The examples of rows (small sets: evaluation, prediction), each checked as ``render`` checks it; rows
+        whose label is -1 (unlabelled) are dropped with a count in the log."""
+        out = []
+        for start, batch in rows.batches():
+            r = self.render(batch, start, rows.where, rows.first_line, targets)
+            out += [Example(*e) for e in zip(r["input"], r["target"], r["label"])]
+        dropped = len(rows) - len(out)
         if dropped:
             logger.info("%s: dropped %d rows with label -1", rows.where, dropped)
         if not out:
@@ -83,43 +136,66 @@ class Task:
                                                  else "no rows"))
         return out
 
-    def _example(self, row: dict, where: str, targets: bool) -> Optional[Example]:
-        for col in self.columns if targets else self.fields:
-            if col not in row:
-                raise DataError(f"{where}: column '{col}' is missing: the task reads {', '.join(self.columns)}; the "
-                                f"row has {', '.join(map(str, row)) or 'no columns'}")
-        for col in self.fields:
-            _text(row[col], col, where)
-        if self.target_column not in row or (not targets and _missing(row[self.target_column])):
-            return Example(self.input_text(row), "")
-        if self.labels is None:
-            return Example(self.input_text(row), _text(row[self.target_column], self.target_column, where))
-        label = self._label(row[self.target_column], where)
-        return None if label == -1 else Example(self.input_text(row), self.labels[label], label)
-
-    def _label(self, value, where: str) -> int:
+    def _label(self, value, at: "_Where", k: int) -> int:
         col, n = self.target_column, len(self.labels)
         try:
             label = parse_label(value, self.labels)
         except (ValueError, TypeError):
-            raise DataError(f"{where}: column '{col}' must be {', '.join(map(str, range(n)))} (or -1 for unlabelled), "
-                            f"or {', '.join(self.labels)}; got {value!r}") from None
+            raise DataError(f"{at(k)}: column '{col}' must be {', '.join(map(str, range(n)))} (or -1 for "
+                            f"unlabelled), or {', '.join(self.labels)}; got {value!r}: fix the row, or, if the "
+                            f"'{col}' column is free text rather than a label, pass --labels none") from None
         if label is None:
-            raise DataError(f"{where}: column '{col}' is empty: give {', '.join(map(str, range(n)))} or a class name "
-                            f"({', '.join(self.labels)}), or -1 for an unlabelled row")
+            if value is None:
+                at.missing(k, col)
+            raise DataError(f"{at(k)}: column '{col}' is empty: give {', '.join(map(str, range(n)))} or a class "
+                            f"name ({', '.join(self.labels)}), or -1 for an unlabelled row")
         return label
+
+
+class _Where:
+    """Where row k of a batch is, for messages: ``FILE: row I (line L)``."""
+
+    def __init__(self, batch: dict, start: int, where: str, first_line, task: Task):
+        self.batch, self.start, self.where, self.first_line, self.task = batch, start, where, first_line, task
+
+    def __call__(self, k: int) -> str:
+        i = self.start + k
+        return f"{self.where}: row {i}" + (f" (line {self.first_line + i})" if self.first_line is not None else "")
+
+    def missing(self, k: int, col: str):
+        has = [str(c) for c, v in self.batch.items() if v[k] is not None] if self.batch else []
+        raise DataError(f"{self(k)}: column '{col}' is missing: the task reads {', '.join(self.task.columns)}; the "
+                        f"row has {', '.join(has) or 'no columns'}")
+
+
+def _as_text(value, col: str, at: _Where, k: int) -> str:
+    """The typing rule (data/sources.py): text as it is, a number as its text, anything else refused."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise DataError(f"{at(k)}: column '{col}' must be text, got {value!r} ({type(value).__name__}): write it as "
+                        "text (a string), or fix the column the task reads")
+    if isinstance(value, (float, np.floating)):
+        if math.isnan(value):
+            return ""
+        return str(int(value)) if float(value).is_integer() and abs(value) < 1e16 else repr(float(value))
+    return str(int(value))
+
+
+def _texts(values: list, col: str, at: _Where, rows: Optional[list] = None) -> list:
+    """A text column of a batch under the typing rule, every value non-empty (``rows``: the batch rows the values
+    are of, when not all)."""
+    rows = rows if rows is not None else range(len(values))
+    out = values if all(type(v) is str for v in values) else [
+        at.missing(k, col) if v is None else _as_text(v, col, at, k) for k, v in zip(rows, values)]
+    for k, v in zip(rows, out):
+        if not v or v.isspace():
+            raise DataError(f"{at(k)}: column '{col}' is empty: give the {col} text, or remove the row")
+    return out
 
 
 def _missing(value) -> bool:
     return value is None or (isinstance(value, (float, np.floating)) and np.isnan(value))
-
-
-def _text(value, col: str, where: str) -> str:
-    if _missing(value) or (isinstance(value, str) and not value.strip()):
-        raise DataError(f"{where}: column '{col}' is empty: give the {col} text, or remove the row")
-    if not isinstance(value, str):
-        raise DataError(f"{where}: column '{col}' must be text, got {value!r} ({type(value).__name__})")
-    return value
 
 
 def parse_label(value, labels: tuple):
@@ -144,20 +220,25 @@ def parse_label(value, labels: tuple):
     return int(value)
 
 
-def holdout(examples: list, n: int, seed: int) -> tuple:
-    """(training examples, held-out examples): the last ``n`` of a fixed shuffle of ``seed`` are held out (the same
-    split whenever the same data and seed are read: a resumed run, validation of its checkpoints)."""
-    if n <= 0:
-        return examples, []
-    if n >= len(examples):
-        raise DataError(f"--holdout {n} holds out every one of the {len(examples)} training examples: pass a "
-                        f"smaller --holdout")
-    order = np.random.default_rng([seed, 0x0d]).permutation(len(examples))
-    keep, held = sorted(order[:-n]), sorted(order[-n:])
-    return [examples[i] for i in keep], [examples[i] for i in held]
-
-
 # --------------------------------------------------------------------------- tokens
+
+
+class FastEncoder:
+    """A fast tokenizer's batch encoding as the family's ``encode_inputs`` / ``encode_targets`` call it
+    (``tok(texts, add_special_tokens=...)["input_ids"]``), through the Rust tokenizer directly: the same ids
+    without transformers' per-row dictionaries (half the time of a large tokenization)."""
+
+    def __init__(self, tokenizer):
+        self.backend, self.eos_token_id = tokenizer.backend_tokenizer, tokenizer.eos_token_id
+        self._encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+
+    def __call__(self, texts: list, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [e.ids for e in self._encode(list(texts), add_special_tokens=add_special_tokens)]}
+
+
+def encoder_of(tokenizer):
+    """What encodes a batch of texts: ``FastEncoder`` for a fast tokenizer, else the tokenizer itself."""
+    return FastEncoder(tokenizer) if getattr(tokenizer, "is_fast", False) else tokenizer
 
 
 def tokenize_examples(examples: list, tokenizer, family) -> Examples:
@@ -195,16 +276,20 @@ def pad_id(tokenizer) -> int:
                     "--tokenizer")
 
 
-def train_tokenizer(examples: list, vocab_size: int, out_dir: str, family, labels: Optional[tuple] = None):
-    """A BPE tokenizer learnt in seconds, no download, from the examples' inputs (as the family reads them) and
-    targets: at most ``vocab_size`` tokens (the model's), <pad> 0, </s> 1, <unk> 2 as T5's, every character of the
-    data in its alphabet (so no word of the data is unknown), saved to ``out_dir`` (a directory AutoTokenizer loads,
-    which checkpoints name and validation uses). A label set's words are frequent: they become whole tokens."""
+def train_tokenizer(batches, vocab_size: int, out_dir: str, labels: Optional[tuple] = None):
+    """A BPE tokenizer learnt in seconds, no download, from ``batches``: an iterable of lists of texts (the inputs as
+    the family reads them, and the targets; read twice: for the alphabet, then for the merges): at most
+    ``vocab_size`` tokens (the model's), <pad> 0, </s> 1, <unk> 2 as T5's, every character of the data in its
+    alphabet (so no word of the data is unknown), saved to ``out_dir`` (a directory AutoTokenizer loads, which
+    checkpoints name and validation uses). A label set's words are frequent: they become whole tokens.
+    ``batches`` is a callable giving a fresh iterable each time."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [family.prompt(e.input) for e in examples] + [e.target for e in examples] + list(labels or ())
-    alphabet = sorted({c for t in texts for c in t if not c.isspace()} | {"\u2581"})  # + Metaspace's word marker
+    chars = set(" ".join(labels or ()))
+    for texts in batches():
+        chars.update(*texts)
+    alphabet = sorted({c for c in chars if not c.isspace()} | {"\u2581"})  # + Metaspace's word marker
     specials = ["<pad>", "</s>", "<unk>"]
     if len(alphabet) + len(specials) + 1 > vocab_size:
         raise DataError(f"the training data has {len(alphabet)} distinct characters but vocab_size is {vocab_size}: "
@@ -212,9 +297,15 @@ def train_tokenizer(examples: list, vocab_size: int, out_dir: str, family, label
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                                        initial_alphabet=alphabet, limit_alphabet=len(alphabet),
-                                                        show_progress=False))
+
+    def texts():
+        for part in batches():
+            yield from part
+        yield from labels or ()
+
+    tok.train_from_iterator(texts(), trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                         initial_alphabet=alphabet, limit_alphabet=len(alphabet),
+                                                         show_progress=False))
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(out_dir)
@@ -252,10 +343,9 @@ def unknown_share(ids: list, tokenizer, sample: int = 5000) -> float:
     return sum(int(np.sum(np.asarray(x) == unk)) for x in ids) / total
 
 
-def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str, limit: float = 0.01) -> float:
-    """The share of input tokens the tokenizer maps to <unk>; DataError above ``limit``, naming a tokenizer that
-    fits (a word-level synthetic tokenizer turns other text into almost nothing but <unk>)."""
-    share = unknown_share(examples.inputs, tokenizer)
+def check_unknown(share: float, name: str, dataset: str, limit: float = 0.01) -> float:
+    """``share`` of the input tokens unknown (<unk>) to tokenizer ``name``; DataError above ``limit``, naming a
+    tokenizer that fits (a word-level synthetic tokenizer turns other text into almost nothing but <unk>)."""
     if share > limit:
         hint = ("the synthetic tokenizer knows only the synthetic NLI task's words: pass --tokenizer train to learn "
                 "one from this data (offline, seconds), or the model's tokenizer, e.g. --tokenizer "
@@ -267,31 +357,6 @@ def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str,
     return share
 
 
-# --------------------------------------------------------------------------- what evaluation scores
-
-
-@dataclass
-class EvalSet:
-    """The examples an evaluation scores and how to name them: ``name`` (the report's stem: a split, a file's
-    stem, or heldout) and ``what`` (the result line's: which rows of which data)."""
-
-    examples: list
-    name: str
-    what: str
-    dataset: str
-    single: bool = False
-
-
-def evaluation_set(data, task: Task, seed: int) -> EvalSet:
-    """The examples a run's evaluation scores (``data``: a config's data section): the rows held out of training
-    (``holdout``), else the task's split (``split``); a single file is scored whole, whatever the split."""
-    if data.holdout:
-        rows = sources.read(data.dataset, data.train_split, seed, data.hub_config)
-        _, held = holdout(task.examples(rows), data.holdout, seed)
-        return EvalSet(held, "heldout", f"the {len(held)} rows of {rows.where} held out of training", data.dataset)
-    rows = sources.read(data.dataset, data.split, seed, data.hub_config)
-    examples = task.examples(rows)
-    if rows.single:  # one file holds one set of rows, whatever --split says: name the file, not a split
-        stem = os.path.splitext(os.path.basename(data.dataset))[0]
-        return EvalSet(examples, stem, f"the rows of {data.dataset}", data.dataset, single=True)
-    return EvalSet(examples, data.split, f"{rows.where}", data.dataset)
+def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str, limit: float = 0.01) -> float:
+    """The share of the examples' input tokens unknown to the tokenizer, refused above ``limit`` (``check_unknown``)."""
+    return check_unknown(unknown_share(examples.inputs, tokenizer), name, dataset, limit)

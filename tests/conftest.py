@@ -1,6 +1,6 @@
 """Test setup: 8 simulated CPU devices and exact float32 matmuls, before JAX starts; one persistent compilation
 cache for the session (the drivers' subprocesses share it), so a program the suite already compiled (the tiny
-training step, again and again) is compiled once."""
+training step, again and again) is compiled once; one data cache for the session, likewise."""
 
 import os
 import tempfile
@@ -22,6 +22,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
               else tempfile.mkdtemp(prefix="flan_t5_tests_jax_cache_"))
     os.makedirs(_cache, exist_ok=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+# the data caches (data/cache.py) likewise: one folder for the session, which every test and driver shares, so the
+# synthetic sets are read and tokenized once (and the user's own cache is never written)
+if "FLAN_T5_CACHE" not in os.environ:
+    os.environ["FLAN_T5_CACHE"] = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "data")
 
 import jax  # noqa: E402
 

@@ -13,7 +13,7 @@ from app.args import parse_config
 FINETUNING = ["tiny", "xl_pod8", "xl_pod16", "xxl_1gpu", "xxl_pod16", "xxl_pod64", "small", "base", "large",
               "gptj_6B_1024_pod64", "gptj_6B_1024_pod16", "gptj_1gpu", "gptj_small", "gptj_tiny",
               "mt5_xl_pod8", "mt5_xxl_pod16", "mt5_xl_1gpu", "umt5_xl_pod8", "umt5_xl_1gpu", "ul2_1gpu", "ul2_pod16",
-              "tiny_headlines", "gptj_tiny_headlines", "base_samsum", "gptj_lora_1gpu", "xxl_lora_1gpu",
+              "tiny_headlines", "tiny_mixture", "gptj_tiny_headlines", "base_samsum", "gptj_lora_1gpu", "xxl_lora_1gpu",
               "ul2_lora_1gpu"]
 INFERENCE = ["tiny", "xl", "xl-mnli", "xxl", "xxl-mnli", "small", "base", "large", "gpt-j", "gpt-j-mnli", "gptj_small",
              "gptj_tiny"]
@@ -24,7 +24,7 @@ def test_preset_files_hold_exactly_the_documented_presets():
         "xxl_pod64", "xxl_1gpu", "xxl_pod16", "xl_pod16", "xl_pod8", "large", "base", "small", "tiny",
         "gptj_6B_1024_pod64", "gptj_6B_1024_pod16", "gptj_1gpu", "gptj_lora_1gpu", "xxl_lora_1gpu", "ul2_lora_1gpu",
         "gptj_small",
-        "gptj_tiny", "tiny_headlines",
+        "gptj_tiny", "tiny_headlines", "tiny_mixture",
         "gptj_tiny_headlines", "base_samsum", "mt5_xl_pod8",
         "mt5_xxl_pod16", "mt5_xl_1gpu", "umt5_xl_pod8", "umt5_xl_1gpu", "ul2_1gpu", "ul2_pod16"]
     assert set(read_presets(preset_path("inference"))) == set(INFERENCE)

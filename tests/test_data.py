@@ -10,6 +10,7 @@ from data import synthetic
 from data.mnli import DataError, TrainLoader, load_rows, score, tokenize_training
 from modelling import registry
 from data.packing import Examples
+from modelling.rows import RowShape
 
 VOCAB = {w: i for i, w in enumerate(synthetic.vocabulary())}
 
@@ -64,8 +65,9 @@ def test_other_file_types_load(tmp_path, suffix):
 
 @pytest.mark.parametrize("rows,message", [
     ([{"premise": "a", "label": 0}], r"row 0 \(line 1\): column 'hypothesis' is missing"),
-    ([{"premise": "a", "hypothesis": "b", "label": 0}, {"premise": 3, "hypothesis": "b", "label": 0}],
-     r"row 1 \(line 2\): column 'premise' must be text"),
+    ([{"premise": "a", "hypothesis": "b", "label": 0}, {"premise": [3], "hypothesis": "b", "label": 0}],
+     r"row 1 \(line 2\): column 'premise' must be text, got \[3\] \(list\)"),
+    ([{"premise": True, "hypothesis": "b", "label": 0}], r"row 0 \(line 1\): column 'premise' must be text"),
     ([{"premise": "a", "hypothesis": "b", "label": "yes"}], r"row 0 \(line 1\): column 'label' must be 0, 1, 2"),
     ([{"premise": "a", "hypothesis": "b", "label": 7}], r"row 0 \(line 1\): column 'label' must be 0, 1, 2"),
 ])
@@ -112,7 +114,7 @@ def _numbered(n):
 
 
 def test_loader_is_deterministic_and_resumable():
-    kw = dict(sequence_length=4, target_length=2)
+    kw = dict(fmt=registry.get("t5").rows, shape=RowShape(4, 2, 2))
     a = TrainLoader(_numbered(10), 4, gradient_accumulation=2, seed=3, **kw)
     batches = [a.next_batch()["input_ids"][..., 0] - 3 for _ in range(5)]  # crosses two epoch boundaries
     assert batches[0].shape == (2, 2)
@@ -135,3 +137,93 @@ def test_accuracy_on_hand_written_predictions():
     assert r["per_class"]["contradiction"] == {"support": 2, "correct": 1, "accuracy": 0.5}
     assert r["predictions"] == ["entailment", "neutral", "neutral", "contradiction", "unknown", "entailment"]
     assert r["generated"] == generated
+
+
+# --------------------------------------------------------------------------- the caches (data/cache.py)
+
+
+def _builds():
+    from data import cache
+
+    return dict(cache.BUILDS)
+
+
+def test_a_large_source_is_built_by_a_process_of_its_own(tmp_path, monkeypatch):
+    """Above APART_BYTES a separate process reads and tokenizes (the training process never maps the source): the
+    same arrays as a build in this process, and its errors are this process's one line."""
+    from data import cache, mixture
+    from data.sources import cache_root
+
+    data = write_jsonl(tmp_path / "train.jsonl", synthetic.generate_split("train", 50, seed=2))
+    cfg = __import__("config").load_config("finetuning", "tiny", {"dataset": data, "cache_dir": str(tmp_path / "c")})
+    part = mixture.tasks_of(cfg)[0].part(cfg)
+    req = cache.Request([part], "t5", "synthetic", cache_root(cfg.data.cache_dir))
+    monkeypatch.setattr(cache, "APART_BYTES", 0)
+    apart = cache.run(req)
+    here = cache.prepare(cache.Request([part], "t5", "synthetic", str(tmp_path / "here")))
+    assert apart["built"] == {"texts": 1, "tokens": 1, "tokenizers": 0}
+    a, b = cache.TokenSet(apart["tokens"][0]), cache.TokenSet(here["tokens"][0])
+    assert len(a) == 50 and all(np.array_equal(a.examples.inputs[i], b.examples.inputs[i]) for i in range(50))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"premise": "a", "hypothesis": "b", "label": 0}, {"premise": "a"}])
+    cfg.data.dataset = bad
+    with pytest.raises(DataError, match=r"bad.jsonl: row 1 \(line 2\): column 'hypothesis' is missing"):
+        cache.run(cache.Request([mixture.tasks_of(cfg)[0].part(cfg)], "t5", "synthetic", str(tmp_path / "c")))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_the_loader_holds_no_memory_per_example(tmp_path):
+    """Three million examples of memory-mapped tokens (about 120 MiB on disk, more than SMALL: the computed
+    shuffle) and 2000 held out: building the loader and drawing packed batches adds a few MiB, not the data."""
+    from data import cache
+    from data.loader import TaskStream, holdout_indices
+
+    n = 3_000_000
+    path = tmp_path / "tokens"
+    path.mkdir()
+    for name, k in (("input", 4), ("target", 2)):
+        np.arange(n * k, dtype=np.int32).__mod__(100).astype(np.int32).tofile(path / f"{name}.bin")
+        np.arange(0, n * k + 1, k, dtype=np.int64).tofile(path / f"{name}.off")
+    (path / "meta.json").write_text(json.dumps({"n": n, "where": "generated"}))
+    before = _rss_mib()
+    tokens = cache.TokenSet(str(path))
+    loader = TrainLoader(TaskStream(tokens.examples, holdout_indices(n, 2000, 0)), 32, 2, seed=1,
+                         fmt=registry.get("t5").rows, shape=RowShape(64, 4, 16, packing=True))
+    state = None
+    for step in range(20):
+        state = loader.state() if step == 10 else state
+        last = loader.next_batch()
+    grown = _rss_mib() - before
+    assert grown < 24, f"{grown:.1f} MiB"  # the arrays are 126 MiB
+    again = TrainLoader(TaskStream(tokens.examples, holdout_indices(n, 2000, 0)), 32, 2, seed=1,
+                        fmt=registry.get("t5").rows, shape=RowShape(64, 4, 16, packing=True))
+    again.restore(state)
+    for _ in range(9):
+        again.next_batch()
+    np.testing.assert_array_equal(again.next_batch()["input_ids"], last["input_ids"])
+
+
+def test_the_computed_shuffle_is_a_permutation():
+    from data.loader import Shuffle
+
+    for n in (1, 7, 1000, 4097):
+        order = Shuffle(n, (3, 1))(np.arange(n))
+        assert sorted(order) == list(range(n))
+    assert not np.array_equal(Shuffle(1000, (3, 1))(np.arange(1000)), Shuffle(1000, (3, 2))(np.arange(1000)))
+
+
+def test_the_fast_batch_encoding_gives_the_tokenizer_s_own_ids(tmp_path):
+    """The cache tokenizes through the Rust tokenizer directly (data.tasks.FastEncoder): the family's inputs and
+    targets get the ids the transformers tokenizer gives them (the word-level one and a learnt BPE one)."""
+    from data.mnli import train_tokenizer
+    from data.tasks import encoder_of
+
+    rows = synthetic.generate_split("train", 64, seed=4)
+    texts = [f"premise: {r['premise']} hypothesis: {r['hypothesis']}" for r in rows] + ["", "unknown wörds"]
+    for tok in (synthetic.make_tokenizer(), train_tokenizer(rows, 128, str(tmp_path / "bpe"), registry.get("t5"))):
+        for family in (registry.get("t5"), registry.get("gptj")):
+            assert family.encode_inputs(encoder_of(tok), texts) == family.encode_inputs(tok, texts)
+            assert family.encode_targets(encoder_of(tok), texts) == family.encode_targets(tok, texts)

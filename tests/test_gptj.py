@@ -22,6 +22,7 @@ from graphs.graphs import Graphs
 from modelling import gptj, registry
 from modelling import layers
 from modelling.family import ModelOptions
+from modelling.rows import RowShape
 
 HF_KW = dict(vocab_size=98, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_inner=96,
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=1,
@@ -194,9 +195,10 @@ def synthetic_batches(cfg, n=2):
 
     tok = load_tokenizer("synthetic")
     ex = tokenize_examples(load_rows("synthetic", "validation")[:200], tok, registry.get("gptj"))
+    shape = RowShape(cfg.model.sequence_length, 4, 4, cfg.data.packing,
+                     cfg.data.packing and cfg.data.causal_packing == "concat", cfg.data.loss_tokens)
     loader = TrainLoader(ex, cfg.training.global_batch_size, cfg.gradient_accumulation, 0,
-                         sequence_length=cfg.model.sequence_length, target_length=4, packing=cfg.data.packing,
-                         causal=True, causal_packing=cfg.data.causal_packing, loss_tokens=cfg.data.loss_tokens)
+                         fmt=registry.get("gptj").rows, shape=shape)
     return [loader.next_batch() for _ in range(n)]
 
 

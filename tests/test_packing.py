@@ -19,6 +19,7 @@ from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
 from graphs.phased import PhasedExecutor
 from modelling import registry, t5
+from modelling.rows import RowShape
 from tests.test_parallel import leaves, max_rel
 
 
@@ -147,7 +148,7 @@ def test_no_token_attends_across_a_segment(monkeypatch, impl):
 def test_packed_loader_is_deterministic_and_resumes_exactly():
     rng = np.random.default_rng(1)
     ex = _examples(rng.integers(3, 30, 200), rng.integers(1, 4, 200))
-    kw = dict(sequence_length=32, target_length=4, packing=True, decoder_length=12)
+    kw = dict(fmt=registry.get("t5").rows, shape=RowShape(32, 4, 12, packing=True))
     a = TrainLoader(ex, 8, 2, seed=5, **kw)
     batches, states = [], []
     for _ in range(12):  # about 20 examples a batch: the stream crosses an epoch boundary

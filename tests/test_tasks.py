@@ -32,7 +32,9 @@ SENTIMENT = {"task_name": "sentiment", "input_column": "text", "target_column": 
 
 
 def rows_qa(n=5):
-    return [{"question": f"what is {i} plus one ?", "context": f"{i} plus one is {i + 1} .", "answer": str(i + 1),
+    """Rows whose answer is a number: JSON and Parquet hold it as one, CSV as its text; every format reads it as
+    text (it was refused in JSONL and accepted in CSV)."""
+    return [{"question": f"what is {i} plus one ?", "context": f"{i} plus one is {i + 1} .", "answer": i + 1,
              "id": i} for i in range(n)]
 
 
@@ -81,6 +83,9 @@ def test_every_source_kind_gives_the_same_examples(tmp_path):
     ([{"text": "good", "label": 1}, {"text": "bad", "label": 2}], SENTIMENT,
      "row 1 (line 2): column 'label' must be 0, 1 (or -1 for unlabelled), or negative, positive; got 2"),
     ([{"text": "good", "label": "great"}], SENTIMENT, "column 'label' must be 0, 1 (or -1 for unlabelled)"),
+    # free text on a label set (a preset's labels): the error names the flag for free-text targets
+    ([{"text": "good", "label": "GREEN HOUSE"}], SENTIMENT, "got 'GREEN HOUSE': fix the row, or, if the 'label' "
+                                                            "column is free text rather than a label, pass --labels none"),
     ([{"question": "q", "context": "c", "answer": "a"}], {**QA, "input_template": "question: {question} {hint}"},
      "row 0 (line 1): column 'hint' is missing"),
 ])
@@ -117,11 +122,12 @@ def test_metrics_are_the_libraries_own():
     assert report["references"] == ["positive", "negative"] and report["inputs"] == ["x", "y"]
 
 
-@pytest.mark.parametrize("preset,steps,least", [("tiny_headlines", 150, 0.35), ("gptj_tiny_headlines", 120, 0.8)])
+@pytest.mark.parametrize("preset,steps,least", [("gptj_tiny_headlines", 120, 0.8)])
 def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, preset, steps, least):
-    """Offline: a tokenizer learnt from the data, held-out scores every half run, the best step named; then
+    """Offline: a tokenizer learnt from the data, validation scores every half run, the best step named; then
     validation and inference of the checkpoint with no task flag: the task, its data, tokenizer and output length
-    travel with it. Chance is well below 1% (four words to get right)."""
+    travel with it. Chance is well below 1% (four words to get right). (The tiny T5 learns the same task in
+    tests/test_mixture.py, beside the NLI task.)"""
     save = str(tmp_path / "ck")
     with caplog.at_level("INFO", logger="flan_t5"):
         run_finetuning.main(["--config", preset, "--steps", str(steps), "--eval_every", str(steps // 2),
@@ -129,13 +135,13 @@ def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, p
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     evals = [r for r in lines if "eval_exact_match" in r]
     assert [r["step"] for r in evals] == [steps // 2, steps] and "eval_rougeL" in evals[0]
-    assert "the best held-out eval_exact_match" in caplog.text
-    run_validation.main(["--load", save, "--limit", "200"])
-    report = json.load(open(os.path.join(save, f"validation_step{steps}_first200.json")))
+    assert "the best validation eval_exact_match" in caplog.text  # its validation split: no rows held out
+    run_validation.main(["--load", save, "--limit", "100"])
+    report = json.load(open(os.path.join(save, f"validation_step{steps}_first100.json")))
     assert report["task"] == "headlines" and report["dataset"] == "synthetic-headlines"
-    assert report["scores"]["exact_match"] > least, report["scores"]  # measured: 0.55 (T5, 150 steps), 0.97 (GPT-J)
+    assert report["scores"]["exact_match"] > least, report["scores"]  # measured: 0.97 (GPT-J, 120 steps)
     assert report["scores"]["rougeL"] > report["scores"]["exact_match"]
-    assert len(report["generated"]) == len(report["references"]) == len(report["inputs"]) == 200
+    assert len(report["generated"]) == len(report["references"]) == len(report["inputs"]) == 100
     # beam search and sampling from the command line, scored the same way
     run_validation.main(["--load", save, "--limit", "32", "--num_beams", "3", "--output", str(tmp_path / "b.json")])
     run_validation.main(["--load", save, "--limit", "32", "--do_sample", "--top_k", "3", "--sampling_seed", "5",
@@ -157,18 +163,24 @@ def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, p
 
 
 def test_eval_every_changes_nothing_of_the_run_and_resumes_exactly(tmp_path):
-    """The same weights with and without --eval_every; stopped and resumed with it, too (the evaluation reads no
-    training data, draws no random number of the run's and changes no weight)."""
+    """The same weights with and without --eval_every, stopped and resumed with it (the evaluation reads no
+    training data, draws no random number of the run's and changes no weight); the data is read and tokenized once
+    (counted): the second run, the resume and the validation of the held-out rows map the first run's cache."""
+    from data import cache
+    from data.synthetic import generate_split
+
+    data = write(generate_split("train", 400, seed=9), tmp_path / "train.jsonl")
     base = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "8", "--micro_batch_size", "2",
-            "--warmup_steps", "0", "--holdout", "32", "--eval_rows", "8"]
-    a, b, c = (str(tmp_path / n) for n in "abc")
+            "--warmup_steps", "0", "--holdout", "32", "--eval_rows", "8", "--dataset", data]
+    a, c = (str(tmp_path / n) for n in "ac")
+    before = dict(cache.BUILDS)
     run_finetuning.main(base + ["--steps", "4", "--save", a])
-    run_finetuning.main(base + ["--steps", "4", "--save", b, "--eval_every", "2"])
+    built = dict(cache.BUILDS)
+    assert {k: built[k] - before[k] for k in built} == {"texts": 1, "tokens": 1, "tokenizers": 0}
     run_finetuning.main(base + ["--steps", "2", "--save", c, "--eval_every", "2"])
     run_finetuning.main(base + ["--steps", "4", "--save", c, "--load", c, "--eval_every", "2"])
-    (_, pa), (_, pb), (_, pc) = params_at(a, 4), params_at(b, 4), params_at(c, 4)
-    for x, y, z in zip(*(jax_leaves(p) for p in (pa, pb, pc))):
-        np.testing.assert_array_equal(x, y)
+    (_, pa), (_, pc) = params_at(a, 4), params_at(c, 4)
+    for x, z in zip(*(jax_leaves(p) for p in (pa, pc))):
         np.testing.assert_array_equal(x, z)
     lines = [json.loads(x) for x in open(os.path.join(c, "metrics.jsonl"))]
     assert [r["step"] for r in lines] == [1, 2, 3, 4] and [r["step"] for r in lines if "eval_accuracy" in r] == [2, 4]
@@ -181,9 +193,31 @@ def test_eval_every_changes_nothing_of_the_run_and_resumes_exactly(tmp_path):
     run_validation.main(["--load", c, "--limit", "8"])
     report = json.load(open(os.path.join(c, "validation_heldout_step4_first8.json")))
     assert "held out of training" in report["data"] and report["samples"] == 8
+    assert cache.BUILDS == built  # nothing read or tokenized again
 
 
 def jax_leaves(tree):
     import jax
 
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_the_readme_s_own_task_command_is_the_tiny_headlines_preset():
+    """README's "Your own task" says the tiny_headlines preset is `--config tiny` with its flags: they give the same
+    config, field for field (the flags it named once left out the lengths, the learning rate and the steps)."""
+    import re
+    import shlex
+
+    from app.args import parse_config
+    from config.fields import get_path
+    from config.schema import FIELDS
+
+    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    block = re.search(r"```bash\n(python3 run_finetuning\.py --config tiny --task_name headlines .*?)```", text, re.S)
+    argv = shlex.split(block.group(1).replace("\\\n", " "))[2:]
+    del argv[argv.index("--save"): argv.index("--save") + 2]
+    flags, _ = parse_config("finetuning", "", "tiny", argv)
+    preset = load_config("finetuning", "tiny_headlines")
+    differ = {f: (get_path(flags, r.path), get_path(preset, r.path)) for f, r in FIELDS.items()
+              if get_path(flags, r.path) != get_path(preset, r.path)}
+    assert not differ, differ

@@ -1,0 +1,132 @@
+"""A run's tasks: its one task (the config's ``task`` and ``data`` sections), or the tasks of its ``mixture`` (SeqIO's
+``Mixture``: several tasks, each with its own source, template, target, labels and metrics, mixed by rates), and
+what evaluation scores of each: its held-out rows (read from the training split's cache) or its validation split.
+
+Rates: explicit (``mixture_rates``: a task's share of the examples is its rate over their sum), or
+examples-proportional (each task's rate is its number of training examples, at most ``mixture_cap``: T5's K, so
+that a huge task does not drown the others).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+from data import cache, sources
+from data.loader import holdout_indices
+from data.sources import DataError
+from data.tasks import Task
+
+
+@dataclass
+class TaskData:
+    """One task of a run and where its rows come from: ``task`` (data.tasks.Task), ``dataset``, ``hub_config``,
+    ``train_split``, ``split`` (what evaluation scores when nothing is held out), ``holdout`` (rows of the training
+    split held out of training, which evaluation then scores)."""
+
+    task: Task
+    dataset: str
+    hub_config: Optional[str]
+    train_split: str
+    split: str
+    holdout: int
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    def part(self, cfg, training: bool = True) -> cache.Part:
+        """The cache part of its training split (or its validation split)."""
+        src = sources.locate(self.dataset, self.train_split if training else self.split, cfg.model.seed,
+                             self.hub_config, cfg.data.cache_dir)
+        t = self.task
+        return cache.Part(source=vars(src).copy(), task={"name": t.name, "input_template": t.template,
+                                                         "input_column": t.input_column,
+                                                         "target_column": t.target_column,
+                                                         "labels": list(t.labels) if t.labels else None,
+                                                         "metrics": list(t.metrics)},
+                          held=self.holdout if training else 0, seed=cfg.model.seed)
+
+
+def tasks_of(cfg) -> list:
+    """The run's tasks: the mixture's, or its one task."""
+    if cfg.mixture.tasks:
+        return [TaskData(Task(SimpleNamespace(**e)), e["dataset"], e["hub_config"], e["train_split"], e["split"],
+                         e["holdout"]) for e in cfg.mixture.tasks]
+    d = cfg.data
+    return [TaskData(Task.of_config(cfg), d.dataset, d.hub_config, d.train_split, d.split, d.holdout)]
+
+
+def inference_task(cfg, name: Optional[str] = None) -> TaskData:
+    """The task run_inference.py predicts: the run's one task, or a mixture's task named ``name`` (its first
+    without one)."""
+    tasks = tasks_of(cfg)
+    if name is None:
+        return tasks[0]
+    for td in tasks:
+        if td.name == name:
+            return td
+    raise DataError(f"--task_name {name} is not a task of the mixture: choose one of {', '.join(t.name for t in tasks)}")
+
+
+def rates(cfg, sizes: list) -> list:
+    """Each task's rate: the mixture's own, else examples-proportional (capped at mixture_cap)."""
+    if cfg.mixture.rates:
+        return [float(r) for r in cfg.mixture.rates]
+    cap = cfg.mixture.cap
+    return [float(min(n, cap) if cap else n) for n in sizes]
+
+
+def shares(names: list, sizes: list, rates_: list) -> dict:
+    """{task: {examples, rate, share}}: what the run reports of its mixture."""
+    total = sum(rates_)
+    return {n: {"examples": int(s), "rate": r, "share": r / total} for n, s, r in zip(names, sizes, rates_)}
+
+
+# --------------------------------------------------------------------------- what evaluation scores
+
+
+@dataclass
+class EvalSet:
+    """The examples an evaluation scores and how to name them: ``name`` (the report's stem: a split, a file's
+    stem, or heldout), ``what`` (the result line's: which rows of which data) and the ``task``."""
+
+    examples: list
+    name: str
+    what: str
+    dataset: str
+    single: bool = False
+    task: Optional[Task] = None
+
+
+def held_out(td: TaskData, cfg) -> tuple:
+    """(the texts cache of a task's training split, the sorted indices held out of training)."""
+    req = cache.Request([td.part(cfg)], family="", tokenizer="", root=sources.cache_root(cfg.data.cache_dir),
+                        tokens=False)
+    texts = cache.TextSet(cache.run(req)["texts"][0])
+    if td.holdout >= len(texts):
+        raise DataError(f"--holdout {td.holdout} holds out every one of the {len(texts)} training examples: pass a "
+                        "smaller --holdout")
+    return texts, holdout_indices(len(texts), td.holdout, cfg.model.seed)
+
+
+def evaluation_set(td: TaskData, cfg) -> EvalSet:
+    """The examples a task's evaluation scores: the rows held out of training (``holdout``), else its split
+    (``split``); a single file is scored whole, whatever the split."""
+    if td.holdout:
+        texts, held = held_out(td, cfg)
+        return EvalSet(texts.examples(held), "heldout", f"the {len(held)} rows of {texts.meta['where']} held out of "
+                       "training", td.dataset, task=td.task)
+    rows = sources.read(td.dataset, td.split, cfg.model.seed, td.hub_config, cfg.data.cache_dir)
+    examples = td.task.examples(rows)
+    if rows.single:  # one file holds one set of rows, whatever --split says: name the file, not a split
+        stem = os.path.splitext(os.path.basename(td.dataset))[0]
+        return EvalSet(examples, stem, f"the rows of {td.dataset}", td.dataset, single=True, task=td.task)
+    return EvalSet(examples, td.split, f"{rows.where}", td.dataset, task=td.task)
+
+
+def evaluation_sets(cfg) -> list:
+    """Every task's evaluation set (one for a single task)."""
+    return [evaluation_set(td, cfg) for td in tasks_of(cfg)]

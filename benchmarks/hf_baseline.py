@@ -75,22 +75,11 @@ def micro_batches(cfg, args, dev, seed: int) -> list:
     from data.generated import generated_batch
 
     host = generated_batch(cfg, seed=seed, lengths=args.lengths, packing=False)
+    family = registry.of_config(cfg)
     out = []
-    causal = registry.of_config(cfg).causal
     for i in range(host["labels"].shape[0]):
-        if causal:  # HF shifts the labels itself: the row's own tokens, -100 on padding
-            ids, mask = host["input_ids"][i], host["attention_mask"][i]
-            mb = {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100)}
-            if args.padding == "longest":
-                n = int(mask.sum(1).max())
-                mb = {k: v[:, :n] for k, v in mb.items()}
-            out.append({k: torch.tensor(np.ascontiguousarray(v), dtype=torch.long, device=dev) for k, v in mb.items()})
-            continue
-        mb = {k: host[k][i] for k in ("input_ids", "attention_mask", "decoder_input_ids", "labels")}
-        if args.padding == "longest":  # DataCollatorForSeq2Seq's default: pad to the longest row
-            n = int(mb["attention_mask"].sum(1).max())
-            t = int((mb["labels"] != -100).sum(1).max())
-            mb = {k: (v[:, :n] if k in ("input_ids", "attention_mask") else v[:, :t]) for k, v in mb.items()}
+        # HF's own batch of our padded rows (the family says which); "longest": the collator's default padding
+        mb = family.hf_train_inputs({k: v[i] for k, v in host.items()}, trim=args.padding == "longest")
         out.append({k: torch.tensor(np.ascontiguousarray(v), dtype=torch.long, device=dev) for k, v in mb.items()})
     return out
 
@@ -136,9 +125,8 @@ def train(cfg, args) -> dict:
             times.append(time.perf_counter() - t0)
     step_s = median(times)
     samples = cfg.training.global_batch_size
-    dec = 0 if registry.of_config(cfg).causal else 1  # a causal LM's labels are its own tokens
-    tokens = sum(int(mb["attention_mask"].sum()) + dec * int((mb["labels"] != -100).sum())
-                 for b in batches for mb in b) / 2
+    family = registry.of_config(cfg)
+    tokens = sum(family.nonpad_tokens({k: v.cpu().numpy() for k, v in mb.items()}) for b in batches for mb in b) / 2
     return {"framework": "transformers+torch" + (" (torch.compile)" if args.compile else " (eager)"), "device": dev,
             "compiled": args.compile, "compile_backend": args.compile_backend if args.compile else None,
             "optimizer": optimizer, "precision_policy": str(dtype).replace("torch.", ""),

@@ -260,6 +260,13 @@ class CausalLM(Family):
         ids = tokenizer([" " + t for t in texts], add_special_tokens=False)["input_ids"]
         return [x + [tokenizer.eos_token_id] for x in ids]
 
+    def hf_train_inputs(self, rows: dict, trim: bool = False) -> dict:
+        """The row's own tokens (HF shifts the labels itself), -100 on padding."""
+        ids, mask = rows["input_ids"], rows["attention_mask"]
+        out = {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100)}
+        n = int(mask.sum(1).max()) if trim else ids.shape[1]
+        return {k: v[:, :n] for k, v in out.items()}
+
     # ------------------------------------------------------------------ decoding with a KV cache
     #
     # Prompts are left-padded (as for HF ``generate`` of a decoder-only model). The prompt runs once (prefill),

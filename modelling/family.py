@@ -335,6 +335,16 @@ class Family(abc.ABC):
         adapters by them)."""
         self._no_hf("name the layer weights of (PEFT's format)")
 
+    @abc.abstractmethod
+    def hf_train_inputs(self, rows: dict, trim: bool = False) -> dict:
+        """Padded training rows of ours (one example a row: {batch key: int [n, len]}) as HF's model takes them in
+        training ({input_ids, attention_mask, labels, ...}); ``trim``: cut to the longest row (HF's collators'
+        default padding)."""
+
+    def nonpad_tokens(self, hf_inputs: dict) -> int:
+        """The tokens of an HF training batch that are not padding (what a step reads and predicts)."""
+        return int(hf_inputs["attention_mask"].sum())
+
     def hf_generate_kwargs(self) -> dict:
         """What HF ``generate`` needs beside the ids to decode as this family's ``decode_start`` does."""
         return {}

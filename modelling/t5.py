@@ -682,6 +682,18 @@ class T5Family(Family):
     def hf_generate_kwargs(self) -> dict:
         return {"decoder_start_token_id": 0}
 
+    def hf_train_inputs(self, rows: dict, trim: bool = False) -> dict:
+        """The encoder's rows and the decoder's (its inputs and labels), each cut to its longest with ``trim``."""
+        out = {k: rows[k] for k in ("input_ids", "attention_mask", "decoder_input_ids", "labels")}
+        if trim:  # DataCollatorForSeq2Seq's default: pad to the longest row
+            n, t = int(out["attention_mask"].sum(1).max()), int((out["labels"] != -100).sum(1).max())
+            out = {k: (v[:, :n] if k in ("input_ids", "attention_mask") else v[:, :t]) for k, v in out.items()}
+        return out
+
+    def nonpad_tokens(self, hf_inputs: dict) -> int:
+        """The encoder's real tokens and the decoder's."""
+        return int(hf_inputs["attention_mask"].sum()) + int((hf_inputs["labels"] != -100).sum())
+
 
 class UMT5Family(T5Family):
     """UMT5: T5 v1.1 with a relative-position table in every layer's self-attention (``relpos`` among the layer

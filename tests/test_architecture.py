@@ -270,7 +270,7 @@ def test_no_function_over_60_lines(tree):
 def test_the_family_interface_is_enforced_and_the_registry_is_its_one_list():
     """A family that leaves a question of the interface unanswered cannot be made; the registry lists each family
     once, and the config's choices and the HF model types come from it."""
-    from modelling.family import CausalLM
+    from modelling.causal import CausalLM
 
     class Incomplete(CausalLM):  # no parameters, no block
         name = "incomplete"

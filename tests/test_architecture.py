@@ -9,6 +9,7 @@ Floors, lowest first (a module may import its own floor and those below it):
     data        rows, tasks, tokenisation, batches
     graphs      the engine: mesh, sharding, phase programs, executors, memory plan
     app         what the drivers share: arguments, process set-up, logging, run directories, tracking
+    serving     the server: the scheduler over the decoding slots, the engine, the HTTP layer
     (top)       the drivers, the benchmarks, the notebook
 """
 
@@ -24,8 +25,8 @@ import pytest
 from modelling import registry
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "graphs": 4, "app": 5}
-TOP = 6  # the drivers (top-level scripts) and benchmarks/
+FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "graphs": 4, "app": 5, "serving": 6}
+TOP = 7  # the drivers (top-level scripts) and benchmarks/
 # Function-level imports of project modules are how the drivers defer JAX (and orbax) until the run's devices are
 # set up and keep --help fast; below the top floor they would hide circles. The exceptions, each with its reason:
 DEFERRED = {("app/args.py", "utils.checkpoint"): "orbax is slow to import: --help and config errors need not pay for it",

@@ -56,9 +56,10 @@ def extra_flags(p):
     s.add_argument("--join_sizes", type=int, nargs="+", default=None, metavar="N",
                    help="how many prompts (per dp shard) one insert reads, compiled (default: 1, 4, 16 ... and the "
                         "slots per shard)")
-    s.add_argument("--steps_per_call", type=int, default=1,
-                   help="decoding steps per call of the slots' program (more: less host overhead per token, tokens "
-                        "streamed in bursts, joins every that many steps)")
+    s.add_argument("--steps_per_call", type=int, default=8,
+                   help="decoding steps per call of the slots' program (default 8: the host's work per call spread "
+                        "over 8 tokens; 1: a token streamed at a time and joins at every step, at more host work "
+                        "per token)")
     s.add_argument("--grace_period", type=float, default=30.0,
                    help="seconds a SIGTERM leaves the held requests to finish before they end with an error")
     s.add_argument("--max_body_bytes", type=int, default=1 << 20, help="the largest request body (413 past it)")

@@ -23,6 +23,8 @@ Parts, in priority order (each against its baseline, measured in the same run):
                   unpacked against HF padded to each micro-batch's longest, eager and compiled, in examples/s
   beams           beam search with 4 beams against HF generate with the same beams (base), in tokens/s
   gptj_6B         GPT-J 6B phased on one device (gptj_1gpu), and a small GPT-J shape against HF compiled
+  serve           the server (continuous batching, base and xl) against static batching and HF generate one by
+                  one on the same Poisson arrivals of mixed lengths (benchmarks/serve.py): tokens/s, TTFT, ITL
 
 Each part runs its benchmarks as subprocesses (finetuning.py, compare.py, inference.py) and writes
 ``OUT/<part>.json`` the moment it ends: status (ok, failed, out of memory, timed out, skipped), figures, the
@@ -110,6 +112,9 @@ def _smoke_commands() -> dict:
                           "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4", *one),
         "gptj_cmp": ["--config", "gptj_tiny", "--inference_config", "gptj_tiny", "--sequence_length", "32",
                      "--batch", "4", "--steps", "3", "--hf", "eager", "--only", "train"],
+        "serve": ["benchmarks/serve.py", "--configs", "tiny", "--requests", "6", "--slots", "2", "--min_new", "4",
+                  "--max_new", "8", "--min_prompt", "3", "--max_prompt", "8", "--steps_per_call", "8", "--repeats",
+                  "1", "--hf_requests", "2"],
     }
 
 
@@ -147,6 +152,9 @@ def _gpu_commands() -> dict:
         "gptj_cmp": ["--config", "gptj_small", "--inference_config", "gptj_small", "--precision", "bfloat16",
                      "--sequence_length", "256", "--batch", "64", "--micro_batch", "16", "--steps", "7", "--hf",
                      "compiled", "--only", "train"],
+        "serve": ["benchmarks/serve.py", "--configs", "base", "xl", "--requests", "128", "--slots", "32",
+                  "--steps_per_call", "1", "8", "--join_sizes", "4", "32", "--repeats", "2", "--hf_requests", "16",
+                  "--model_flags=--tensor_parallel 1 --data_parallel 1"],
     }
 
 
@@ -177,6 +185,8 @@ def parts(smoke: bool) -> list:
              [Run("base", c["beams"])], _decode_figures),
         Part("gptj_6B", "GPT-J 6B phased on one device; a small GPT-J against HF", 420,
              [Run("gptj_1gpu", c["gptj_6B"]), Run("vs_hf", _compare(*c["gptj_cmp"]), required=False)], _gptj_figures),
+        Part("serve", "the server (continuous batching) against static batching and HF generate one by one, on "
+             "Poisson arrivals of mixed lengths (base, xl)", 600, [Run("serve", c["serve"])], _serve_figures),
     ]
     if smoke:  # CPU seconds at tiny shapes: a tenth of the GPU estimates
         for q in out:
@@ -249,6 +259,17 @@ def _gptj_figures(reports: dict) -> dict:
         out["gptj_1gpu"] = _xxl_figures({"x": reports["gptj_1gpu"]})["x"]
     if "vs_hf" in reports:
         out["vs_hf"] = _vs_hf_figures({"x": reports["vs_hf"]})["x"]
+    return out
+
+
+def _serve_figures(reports: dict) -> dict:
+    """{model: tokens/s of each method, TTFT and ITL p50/p99, the ratios} of benchmarks/serve.py's report."""
+    out = {}
+    for model, m in reports["serve"]["models"].items():
+        methods = {k: v for k, v in m.items() if k != "ratios"}
+        out[model] = {"tokens_per_s": {k: v["tokens_per_s"] for k, v in methods.items()},
+                      "ttft_s": {k: v["ttft_s"] for k, v in methods.items()},
+                      "itl_s": {k: v["itl_s"] for k, v in methods.items()}, "ratios": m["ratios"]}
     return out
 
 
@@ -443,6 +464,9 @@ def summary_rows(results: list) -> list:
             ratios = ((f.get("vs_hf") or {}).get("ratios") or {})
             head = f"step {_fmt(g.get('median_step_s'), ' s')}, MFU {_mfu(g)}; " + "; ".join(
                 f"{k} {_fmt(v, 'x')}" for k, v in ratios.items())
+        elif r["part"] == "serve" and f:
+            head = "; ".join(f"{model}: " + ", ".join(f"{k} {_fmt(v, 'x')}" for k, v in m["ratios"].items())
+                             for model, m in f.items())
         if (r.get("env") or {}).get("smoke") and head:
             head = "smoke (tiny shapes on CPU; not the part's figures): " + head
         rows.append((r["part"], r["status"] + (f" ({r['reason']})" if r.get("reason") else ""), head or "-"))

@@ -269,6 +269,8 @@ class Server(uvicorn.Server):
 
 def serve(engine, host: str, port: int, api_key: Optional[str], grace: float, banner) -> None:
     """Serves ``engine`` until a signal (see ``Server``); ``banner(host, port)`` once it listens."""
+    # keep-alive 30 s (uvicorn's 5): pooled client connections (the openai client's) are closed under them less
+    # often, the race where a request starts on a connection the server is closing
     config = uvicorn.Config(make_app(engine, api_key), host=host, port=port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=10, lifespan="on")
+                            access_log=False, timeout_graceful_shutdown=10, timeout_keep_alive=30, lifespan="on")
     Server(config, engine, grace, banner).run()

@@ -213,6 +213,14 @@ def test_per_row_warpers_equal_the_batch_warpers():
     assert np.isinf(ours[1]).sum() == 64 - 5 and np.isinf(ours[3]).sum() >= 64 - 12
 
 
+def test_a_server_on_a_non_local_address_without_a_key_says_so():
+    from serving.engine import check_exposure
+
+    line = check_exposure("0.0.0.0", None)
+    assert "0.0.0.0" in line and "--api_key" in line and "\n" not in line
+    assert check_exposure("0.0.0.0", "k") is None and check_exposure("127.0.0.1", None) is None
+
+
 def test_a_seeded_request_gives_the_same_text_alone_or_among_others(servers):
     server = servers["t5"]
     client = server.client()

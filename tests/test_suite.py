@@ -10,7 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "summaries", "beams", "gptj_6B"]
+PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "summaries", "beams", "gptj_6B", "serve"]
 
 
 def suite(*args, timeout=900):
@@ -66,6 +66,10 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     assert "ours packed / ours unpacked" in figs["summaries"]["base"]["ratios"]
     assert figs["gptj_6B"]["gptj_1gpu"]["median_step_s"] == raw("gptj_6B", "gptj_1gpu")["median_step_s"] > 0
     assert figs["gptj_6B"]["vs_hf"]["ratios"]
+    served = raw("serve", "serve")["models"]["tiny"]  # the server against static batching, from its own figures
+    assert figs["serve"]["tiny"]["ratios"]["server_8step / static tokens_per_s"] == pytest.approx(
+        served["server_8step"]["tokens_per_s"] / served["static"]["tokens_per_s"])
+    assert served["static"]["same_tokens_as_server"] == 1.0  # greedy through the server: static batching's tokens
     assert (out / "throughput.png").stat().st_size > 1000  # the figure, drawn from the suite's own results
     summary = open(out / "summary.md").read()
     assert all(f"| {name} | ok | smoke (tiny shapes on CPU" in summary for name in PARTS)

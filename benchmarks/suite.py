@@ -266,7 +266,7 @@ def _serve_figures(reports: dict) -> dict:
     """{model: tokens/s of each method, TTFT and ITL p50/p99, the ratios} of benchmarks/serve.py's report."""
     out = {}
     for model, m in reports["serve"]["models"].items():
-        methods = {k: v for k, v in m.items() if k != "ratios"}
+        methods = {k: v for k, v in m.items() if isinstance(v, dict) and "tokens_per_s" in v}
         out[model] = {"tokens_per_s": {k: v["tokens_per_s"] for k, v in methods.items()},
                       "ttft_s": {k: v["ttft_s"] for k, v in methods.items()},
                       "itl_s": {k: v["itl_s"] for k, v in methods.items()}, "ratios": m["ratios"]}
@@ -466,7 +466,7 @@ def summary_rows(results: list) -> list:
                 f"{k} {_fmt(v, 'x')}" for k, v in ratios.items())
         elif r["part"] == "serve" and f:
             head = "; ".join(f"{model}: " + ", ".join(f"{k} {_fmt(v, 'x')}" for k, v in m["ratios"].items())
-                             for model, m in f.items())
+                             for model, m in f.items() if isinstance(m, dict) and "ratios" in m)
         if (r.get("env") or {}).get("smoke") and head:
             head = "smoke (tiny shapes on CPU; not the part's figures): " + head
         rows.append((r["part"], r["status"] + (f" ({r['reason']})" if r.get("reason") else ""), head or "-"))

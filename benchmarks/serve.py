@@ -353,7 +353,10 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
             proc.wait(120)
         static.stdin.close()
         static.wait(120)
-    out = {name: {**median_run(runs[name]), "slots": a.slots, "steps_per_call": k}
+    out = {name: {**median_run(runs[name]), "slots": a.slots, "steps_per_call": k,
+                  # each round's server / static: runs next to each other in time, the ratio a slow spell spares
+                  "over_static_per_round": [x["tokens_per_s"] / y["tokens_per_s"]
+                                            for x, y in zip(runs[name], runs["static"])]}
            for name, (k, _, _) in servers.items()}
     out["static"] = median_run(runs["static"])
     return out
@@ -403,6 +406,8 @@ def one_model(a, config: str, flags: str, tmp: str) -> dict:
     out[servers[0]].pop("outputs")
     out["ratios"] = {f"{s} / {b} tokens_per_s": out[s]["tokens_per_s"] / out[b]["tokens_per_s"]
                      for s in servers for b in ("static", "hf")}
+    for s in servers:  # the median of the rounds' ratios (tokens/s, server over static batching)
+        out["ratios"][f"{s} / static, median of rounds"] = float(np.median(out[s]["over_static_per_round"]))
     return out
 
 

@@ -247,6 +247,17 @@ class Server(uvicorn.Server):
                         self.engine.scheduler.held(), self.grace)
         else:
             self.deadline = time.monotonic()
+        if time.monotonic() >= self.deadline:  # no grace: the held requests end at the next decoding call, not tick
+            self._abort()
+
+    def _abort(self) -> None:
+        """Every request still held ends with an error (once)."""
+        held = self.engine.scheduler.held()
+        if held and not self.aborted:
+            logger.warning("grace period over: ending the %d requests still held with an error", held)
+            self.engine.scheduler.abort_all(api.ApiError(
+                503, "the server shut down before this request finished", code="shutting_down"))
+            self.aborted = True
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -256,13 +267,9 @@ class Server(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.deadline is not None:
-            held = self.engine.scheduler.held()
-            if held and not self.aborted and time.monotonic() >= self.deadline:
-                logger.warning("grace period over: ending the %d requests still held with an error", held)
-                self.engine.scheduler.abort_all(api.ApiError(
-                    503, "the server shut down before this request finished", code="shutting_down"))
-                self.aborted = True
-            if not held:
+            if time.monotonic() >= self.deadline:
+                self._abort()
+            if not self.engine.scheduler.held():
                 self.should_exit = True
         return await super().on_tick(counter)
 

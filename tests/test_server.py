@@ -339,10 +339,13 @@ def test_size_limits_are_a_413(servers):
 
 
 def _open_stream(server, body: dict):
-    """A streaming request, its first event read: (client, response) -- the request holds its slot."""
+    """A streaming request, its first event read: (client, response, its lines) -- the request holds its slot. Its
+    events carry their token ids, so that the first comes with the first tokens (a random model's tokens often
+    decode to no text, and an event without text or ids is not sent)."""
     client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
     response = client.send(client.build_request("POST", server.url + "/v1/completions",
-                                                json={**body, "stream": True}), stream=True)
+                                                json={**body, "stream": True, "return_token_ids": True}),
+                           stream=True)
     assert response.status_code == 200, response.read()
     lines = response.iter_lines()
     first = next(line for line in lines if line)

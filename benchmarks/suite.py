@@ -31,6 +31,8 @@ Parts, in priority order (each against its baseline, measured in the same run):
 Every phased run's report carries what a step moved over the host link against the floor of its layout
 (graphs/transfers.py) and the link-bound step time at the measured bandwidth; xxl_1gpu's figures say how far the
 step is from the larger of its compute and its link floor (goal: 1.2x).
+  serve           the server (continuous batching, base and xl) against static batching and HF generate one by
+                  one on the same Poisson arrivals of mixed lengths (benchmarks/serve.py): tokens/s, TTFT, ITL
 
 Each part runs its benchmarks as subprocesses (finetuning.py, compare.py, inference.py) and writes
 ``OUT/<part>.json`` the moment it ends: status (ok, failed, out of memory, timed out, skipped), figures, the
@@ -124,6 +126,9 @@ def _smoke_commands() -> dict:
                        for name, preset, lora in (("xxl_1gpu", "tiny", []), ("gptj_lora_1gpu", "gptj_tiny",
                                                                              ["--lora_rank", "4"]))],
         "workstation": [("xxl_lora_1gpu", ["benchmarks/workstation.py", "--preset", "tiny", "--smoke"])],
+        "serve": ["benchmarks/serve.py", "--configs", "tiny", "--requests", "6", "--slots", "2", "--min_new", "4",
+                  "--max_new", "8", "--min_prompt", "3", "--max_prompt", "8", "--steps_per_call", "8", "--repeats",
+                  "1", "--hf_requests", "2"],
     }
 
 
@@ -168,6 +173,9 @@ def _gpu_commands() -> dict:
         "plan_check": [(p, _finetune(p, "--steps", "3", "--warmup_iterations", "1", "--lengths", "mnli",
                                      "--plan_exact")) for p in PLAN_CHECK],
         "workstation": [(p, ["benchmarks/workstation.py", "--preset", p]) for p in LORA_1GPU],
+        "serve": ["benchmarks/serve.py", "--configs", "base", "xl", "--requests", "128", "--slots", "32",
+                  "--steps_per_call", "1", "8", "--join_sizes", "4", "32", "--repeats", "2", "--hf_requests", "16",
+                  "--model_flags=--tensor_parallel 1 --data_parallel 1"],
     }
 
 
@@ -203,6 +211,8 @@ def parts(smoke: bool) -> list:
              _plan_figures),
         Part("workstation", "each LoRA preset trained 10 steps and validated on a 22 GiB device with 60 GiB of host "
              "memory", 1200, [Run(n, cmd, required=False) for n, cmd in c["workstation"]], _workstation_figures),
+        Part("serve", "the server (continuous batching) against static batching and HF generate one by one, on "
+             "Poisson arrivals of mixed lengths (base, xl)", 600, [Run("serve", c["serve"])], _serve_figures),
     ]
     if smoke:  # CPU seconds at tiny shapes: a tenth of the GPU estimates
         for q in out:
@@ -307,6 +317,17 @@ def _gptj_figures(reports: dict) -> dict:
         out["gptj_1gpu"] = _xxl_figures({"x": reports["gptj_1gpu"]})["x"]
     if "vs_hf" in reports:
         out["vs_hf"] = _vs_hf_figures({"x": reports["vs_hf"]})["x"]
+    return out
+
+
+def _serve_figures(reports: dict) -> dict:
+    """{model: tokens/s of each method, TTFT and ITL p50/p99, the ratios} of benchmarks/serve.py's report."""
+    out = {}
+    for model, m in reports["serve"]["models"].items():
+        methods = {k: v for k, v in m.items() if isinstance(v, dict) and "tokens_per_s" in v}
+        out[model] = {"tokens_per_s": {k: v["tokens_per_s"] for k, v in methods.items()},
+                      "ttft_s": {k: v["ttft_s"] for k, v in methods.items()},
+                      "itl_s": {k: v["itl_s"] for k, v in methods.items()}, "ratios": m["ratios"]}
     return out
 
 
@@ -507,6 +528,9 @@ def summary_rows(results: list) -> list:
         elif r["part"] == "workstation" and f:
             head = "; ".join(f"{n}: {v['status']}, step {_fmt(min(v['step_s'][1:] or v['step_s'] or [None]), ' s')}"
                              for n, v in f.items())
+        elif r["part"] == "serve" and f:
+            head = "; ".join(f"{model}: " + ", ".join(f"{k} {_fmt(v, 'x')}" for k, v in m["ratios"].items())
+                             for model, m in f.items() if isinstance(m, dict) and "ratios" in m)
         if (r.get("env") or {}).get("smoke") and head:
             head = "smoke (tiny shapes on CPU; not the part's figures): " + head
         rows.append((r["part"], r["status"] + (f" ({r['reason']})" if r.get("reason") else ""), head or "-"))

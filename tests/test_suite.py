@@ -13,7 +13,7 @@ from tests.env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "summaries", "beams", "gptj_6B",
-         "plan_check", "workstation"]
+         "plan_check", "workstation", "serve"]
 
 
 def suite(*args, timeout=900):
@@ -80,6 +80,10 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     w = figs["workstation"]["xxl_lora_1gpu"]
     assert w["status"] == w["train_status"] == w["validate_status"] == "ok" and len(w["step_s"]) == 3
     assert w["train_peak_rss_bytes"] > 0 and w["host_cap"]["gib"] == 60 and w["device_cap"]["gib"] == 22
+    served = raw("serve", "serve")["models"]["tiny"]  # the server against static batching, from its own figures
+    assert figs["serve"]["tiny"]["ratios"]["server_8step / static tokens_per_s"] == pytest.approx(
+        served["server_8step"]["tokens_per_s"] / served["static"]["tokens_per_s"])
+    assert served["static"]["same_tokens_as_server"] == 1.0  # greedy through the server: static batching's tokens
     assert (out / "throughput.png").stat().st_size > 1000  # the figure, drawn from the suite's own results
     summary = open(out / "summary.md").read()
     assert all(f"| {name} | ok | smoke (tiny shapes on CPU" in summary for name in PARTS)

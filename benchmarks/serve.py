@@ -1,0 +1,443 @@
+"""Serving benchmark: the server (continuous batching) against static batching and HF generate one by one, on the
+same requests: Poisson arrivals, prompt and output lengths drawn from a spread.
+
+    python3 benchmarks/serve.py --model_flags= --model_flags="--hidden_size 256 --d_ff 1024 --d_kv 64" \
+        --hf_requests 16 --json benchmarks/results/cpu/serve.json      # CPU: tiny T5 and GPT-J, and 4x wider
+    python3 benchmarks/serve.py --configs base xl --requests 128 --slots 32 --hf_requests 16 \
+        --model_flags="--tensor_parallel 1 --data_parallel 1"                        # one GPU
+
+Each model is a random-init checkpoint of an inference preset's shape (the synthetic tokenizer: nothing is
+downloaded; the weights do not matter for speed), saved once. Its requests (``--requests``, arriving as a Poisson
+process of ``--rate`` per second; prompts of ``--min_prompt``..``--max_prompt`` words, outputs of ``--min_new``..
+``--max_new`` tokens, log-uniform: many short answers, a few long ones) go, all greedy:
+  - server: run_server.py with ``--slots`` slots, over HTTP, streamed (each request sent at its arrival time);
+  - static: run_inference.py's batches (app/predict.py's Predictor: rows of micro_batch_size * dp =
+    ``--slots``, padded to their longest prompt, decoded up to the output length every request may ask for,
+    ``--max_new``, or until every row has written its end-of-text); a batch takes the requests that have arrived
+    when the previous one ends (or waits for the next);
+  - hf: HF ``generate`` one request at a time, in arrival order, on the same weights (``--hf_requests`` first).
+Static and HF run on a virtual clock (their measured compute, the arrivals' idle time), the server in real time,
+with a load generator as light as can be (one connection per request, HTTP/1.1 over asyncio's streams) on the same
+machine: the server's figures carry its HTTP layer and its clients' work, static batching's carry neither.
+``--model_flags`` given several times runs every preset once per value (another shape of the same preset).
+
+Reported per method: generated tokens/s (the tokens each request asked for, up to its end-of-text, over the time
+from the first arrival to the last answer), time to the first token and inter-token latency (p50, p99; a static
+batch and HF generate give a request's tokens all at once, at its end), request latency, and the share of requests
+whose tokens equal the server's; ratios server / static and server / hf measured in this run. Each method runs in a
+process of its own (on a GPU each takes the device in turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from app.bench import write_json  # noqa: E402
+
+RESULT = "static run: "
+WORDS = ("the a cat dog bird horse child woman in at sleeps eats runs park house garden small red old . "
+         "mnli hypothesis: premise:").split()
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=["tiny", "gptj_tiny"], help="inference presets: the shapes")
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--rate", type=float, default=400.0,
+                   help="arrivals per second (Poisson; the default keeps every method busy: throughput)")
+    p.add_argument("--slots", type=int, default=8, help="the server's slots = a static batch's rows")
+    p.add_argument("--steps_per_call", type=int, nargs="+", default=[1, 8],
+                   help="the server's decoding steps per call (a server run for each)")
+    p.add_argument("--min_prompt", type=int, default=8)
+    p.add_argument("--max_prompt", type=int, default=48)
+    p.add_argument("--min_new", type=int, default=16)
+    p.add_argument("--max_new", type=int, default=256)
+    p.add_argument("--hf_requests", type=int, default=None, help="requests HF generate runs (default: all)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of the server's and static batching's (medians)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--join_sizes", type=int, nargs="+", default=None, help="the server's (default: its own)")
+    p.add_argument("--model_flags", action="append", default=None,
+                   help="config flags of every method, e.g. --model_flags='--tensor_parallel 1'; given again, "
+                        "every preset runs once per value (another shape: --model_flags='--hidden_size 256')")
+    p.add_argument("--json", default=None)
+    p.add_argument("--method", choices=("checkpoint", "static", "hf"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def workload(a) -> list:
+    """[{arrival s, prompt, max_tokens}]: Poisson arrivals, uniform prompt words, log-uniform output lengths."""
+    rng = np.random.default_rng(a.seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / a.rate, a.requests)) - 0.0
+    new = np.exp(rng.uniform(math.log(a.min_new), math.log(a.max_new + 1), a.requests)).astype(int)
+    words = rng.integers(a.min_prompt, a.max_prompt + 1, a.requests)
+    return [{"arrival": float(t - arrivals[0]), "prompt": " ".join(rng.choice(WORDS, int(w))),
+             "max_tokens": int(min(n, a.max_new))} for t, n, w in zip(arrivals, new, words)]
+
+
+def quantiles(xs) -> dict:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {"p50": None, "p99": None}
+    return {"p50": float(np.percentile(xs, 50)), "p99": float(np.percentile(xs, 99))}
+
+
+def summarize(reqs: list, arrivals: list, ends: list, tokens: list, ttft: list, times=None) -> dict:
+    """One run's figures; ``times``: each request's token arrival times (streamed), for ITL and TPOT."""
+    n = sum(len(t) for t in tokens)
+    span = max(ends) - min(arrivals)
+    itl = [b - a for t in times or [] for a, b in zip(t, t[1:])]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times or [] if len(t) > 1]
+    return {"requests": len(reqs), "tokens": n, "seconds": span, "tokens_per_s": n / span,
+            "ttft_s": quantiles(ttft), "itl_s": quantiles(itl), "tpot_s": quantiles(tpot),
+            "latency_s": quantiles([e - a for e, a in zip(ends, arrivals)]), "outputs": tokens}
+
+
+def median_run(runs: list) -> dict:
+    """The run of median throughput, with every run's tokens/s beside it."""
+    best = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+    return {**best, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
+
+
+def useful(row, max_tokens: int, eos: int) -> list:
+    """The tokens a request gets from a decoded row: up to its end-of-text, at most max_tokens."""
+    row = [int(t) for t in row[:max_tokens]]
+    return row[:row.index(eos) + 1] if eos in row else row
+
+
+# --------------------------------------------------------------------------- the methods in their own processes
+
+
+def decoding_setup(a, extra: list, overrides: dict):
+    """(config, Predictor, tokenizer, weights) of the checkpoint, as run_inference.py builds them."""
+    from app.args import parse_args
+    from app.predict import decoding_config
+
+    flags = ["--config", a.config, "--load", a.ckpt] + [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
+    args, over = parse_args("inference", "serve benchmark", a.config, flags + extra)
+    cfg = decoding_config(args, over)
+    from app.runtime import ensure_host_devices, setup_jax
+
+    ensure_host_devices(cfg.devices)
+    setup_jax()
+    from app.predict import Predictor
+    from data.tasks import load_tokenizer
+    from utils import checkpoint as ckpt
+
+    predictor = Predictor(cfg)
+    directory, step = ckpt.resolve(a.ckpt)[-1]
+    return cfg, predictor, load_tokenizer(cfg.data.tokenizer), predictor.load_params(directory, step)
+
+
+def make_checkpoint(a, extra: list) -> dict:
+    """A random-init checkpoint of the preset's shape with the synthetic tokenizer, as run_finetuning saves one."""
+    from app.args import make_config, parse_args
+    from app.runtime import ensure_host_devices
+
+    _, over = parse_args("inference", "serve benchmark", a.config, ["--config", a.config] + extra)
+    cfg = make_config("inference", a.config, {**over, "tokenizer": "synthetic", "hf_model": None},
+                      fixed={"eval": True, "rts": False})
+    ensure_host_devices(cfg.devices)
+    from config.presets import to_dict
+    from graphs.graphs import Graphs
+    from utils import checkpoint as ckpt
+
+    mgr = ckpt.manager(a.ckpt)
+    ckpt.save(mgr, 1, Graphs(cfg).init_params(a.seed), None, {"step": 1, "seed": a.seed, "config": to_dict(cfg)})
+    mgr.wait_until_finished()
+    mgr.close()
+    return {"checkpoint": a.ckpt}
+
+
+def run_static(a, extra: list) -> dict:
+    """run_inference.py's batches on a virtual clock: each batch the requests arrived when the previous ended. A
+    worker: compiled once, it runs the requests once for each line it reads, printing each run's report."""
+    from app.predict import prompt_features
+    from data.tasks import Example
+
+    reqs = json.load(open(a.workload))
+    cfg, predictor, tok, params = decoding_setup(a, extra, {"output_length": a.max_new,
+                                                            "micro_batch_size": a.slots})
+    b = predictor.batch_size
+    feats, _ = prompt_features([Example(r["prompt"], "") for r in reqs], tok, predictor.family,
+                               cfg.model.sequence_length, given=True)
+    lengths = feats["attention_mask"].sum(1)
+    for w in sorted({int(-(-n // 8) * 8) for n in lengths}):  # every prompt width a batch can have, compiled
+        predictor.predict_batch(params, feats, np.array([int(np.argmax(-(-lengths // 8) * 8 == w))]), tok, True)
+    print("ready", flush=True)
+    for line in sys.stdin:  # a run each time the orchestrator asks (between the server's runs): the same load
+        run = static_once(reqs, lambda idx: predictor.predict_batch(params, feats, idx, tok, tokens=True), b,
+                          tok.eos_token_id)
+        print(RESULT + json.dumps({**run, "batch_rows": b, "output_length": a.max_new}), flush=True)
+    return {}
+
+
+def static_once(reqs: list, decode, b: int, eos: int) -> dict:
+    clock, i, ends, outputs = 0.0, 0, [0.0] * len(reqs), [None] * len(reqs)
+    while i < len(reqs):
+        clock = max(clock, reqs[i]["arrival"])
+        idx = [j for j in range(i, min(i + b, len(reqs))) if reqs[j]["arrival"] <= clock] or [i]
+        t0 = time.perf_counter()
+        rows = decode(np.array(idx))
+        clock += time.perf_counter() - t0
+        for j, row in zip(idx, rows):
+            ends[j], outputs[j] = clock, useful(row, reqs[j]["max_tokens"], eos)
+        i = idx[-1] + 1
+    arrivals = [r["arrival"] for r in reqs]
+    return summarize(reqs, arrivals, ends, outputs, [e - r for e, r in zip(ends, arrivals)])
+
+
+def run_hf(a, extra: list) -> dict:
+    """HF generate, one request at a time in arrival order, on a virtual clock."""
+    import jax
+    import torch
+
+    from app.hf_generate import hf_model_of
+
+    reqs = json.load(open(a.workload))[:a.hf_requests]
+    cfg, predictor, tok, params = decoding_setup(a, extra, {"output_length": a.max_new})
+    family = predictor.family
+    model = hf_model_of(cfg, family, jax.tree.map(np.asarray, params))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # one request at a time of a small model: more threads only wait for each other (a 2-core
+        torch.set_num_threads(1)  # machine shared with other work ran 70x slower with 2)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.model.precision, torch.float32)
+    model = model.to(device=device, dtype=dtype)
+    clock, ends, outputs = 0.0, [], []
+    for k, r in enumerate([reqs[0]] + reqs):  # the first once more, untimed: warm-up
+        ids = torch.tensor([family.encode_inputs(tok, [r["prompt"]])[0]], device=device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=r["max_tokens"],
+                                 do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+                                 if tok.pad_token_id is not None else tok.eos_token_id, **family.hf_generate_kwargs())
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if k == 0:
+            continue
+        clock = max(clock, r["arrival"]) + time.perf_counter() - t0
+        ends.append(clock)
+        outputs.append(useful(family.hf_new_tokens(out.cpu().numpy(), ids.shape[1])[0], r["max_tokens"],
+                              tok.eos_token_id))
+    arrivals = [r["arrival"] for r in reqs]
+    return {**summarize(reqs, arrivals, ends, outputs, [e - r for e, r in zip(ends, arrivals)]), "device": device}
+
+
+# --------------------------------------------------------------------------- the server, over HTTP
+
+
+def start_server(a, steps: int, ckpt: str, reqs: list, extra: list) -> tuple:
+    """run_server.py on a free port with every program compiled -> (process, base url)."""
+    widths, longest = [16], max(len(r["prompt"].split()) for r in reqs) + 2  # + T5's end-of-text, slack
+    while widths[-1] < longest:
+        widths.append(widths[-1] * 2)
+    cmd = [sys.executable, "run_server.py", "--load", ckpt, "--port", "0", "--slots", str(a.slots), "--max_queue",
+           str(len(reqs)), "--output_length", str(a.max_new), "--prompt_widths", *map(str, widths),
+           "--steps_per_call", str(steps), *extra]
+    cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
+    env = {**os.environ, "FLAN_T5_API_KEY": ""}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **SHARED_DEVICE}, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("serving "):
+            return proc, line.split(" on ")[1].split()[0]
+    raise SystemExit(f"the server did not start: {' '.join(cmd)} (exit {proc.wait()})")
+
+
+async def _post_stream(host: str, port: int, body: dict):
+    """POST /v1/completions and yield each server-sent event's JSON: HTTP/1.1 over asyncio's streams, a connection
+    per request. A load generator as light as it can be (httpx's parsing of every event cost the 2-core machine
+    as much as the server's work at the tiny shapes)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(data), data))
+    try:
+        status = await reader.readline()
+        if b" 200 " not in status:
+            raise RuntimeError(f"the server answered {status!r}: {await reader.read()!r}")
+        while (await reader.readline()).strip():  # headers (the body is chunked)
+            pass
+        pending = b""
+        while True:
+            size = int((await reader.readline()).strip() or b"0", 16)
+            if size == 0:
+                break
+            pending += (await reader.readexactly(size + 2))[:-2]  # the chunk, without its CRLF
+            *events, pending = pending.split(b"\n\n")
+            for e in events:
+                if e.startswith(b"data: {"):
+                    yield json.loads(e[6:])
+    finally:
+        writer.close()
+
+
+async def _one(url: str, r: dict, t0: float) -> dict:
+    await asyncio.sleep(max(t0 + r["arrival"] - time.perf_counter(), 0))
+    host, port = url.split("//")[1].rsplit(":", 1)
+    sent, times, tokens = time.perf_counter(), [], []
+    body = {"prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0, "stream": True,
+            "return_token_ids": True}
+    async for event in _post_stream(host, int(port), body):
+        ids = event["choices"][0].get("token_ids") or []
+        now = time.perf_counter()
+        times += [now] * len(ids)
+        tokens += ids
+    return {"sent": sent - t0, "times": [t - t0 for t in times], "tokens": tokens}
+
+
+async def _drive(url: str, reqs: list) -> list:
+    """The requests sent at their arrival times (after two untimed ones)."""
+    for r in reqs[:2]:
+        await _one(url, {**r, "arrival": 0.0}, time.perf_counter())
+    t0 = time.perf_counter()
+    return await asyncio.gather(*[_one(url, r, t0) for r in reqs])
+
+
+def server_run(url: str, reqs: list) -> dict:
+    got = asyncio.run(_drive(url, reqs))
+    return summarize(reqs, [g["sent"] for g in got], [g["times"][-1] for g in got], [g["tokens"] for g in got],
+                     [g["times"][0] - g["sent"] for g in got], [g["times"] for g in got])
+
+
+def start_static(a, config: str, ckpt: str, work: str, flags: str):
+    """The static-batching worker (its programs compiled) -> (process, run(): one run's report)."""
+    cmd = _method_cmd(a, "static", config, ckpt, work, flags, os.devnull)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, **SHARED_DEVICE})
+    def until(mark: str) -> str:  # the worker's next line that starts with ``mark`` (a library may print others)
+        for line in proc.stdout:
+            if line.startswith(mark):
+                return line[len(mark):]
+        raise SystemExit(f"{' '.join(cmd)} stopped (exit {proc.wait()})")
+
+    until("ready")
+
+    def run() -> dict:
+        proc.stdin.write("run\n")
+        proc.stdin.flush()
+        return json.loads(until(RESULT))
+
+    return proc, run
+
+
+def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) -> dict:
+    """The servers (one per --steps_per_call) and static batching, each compiled once, their runs taking turns
+    (the order turned each round), so that a shared machine's slow spell falls on all of them."""
+    static, run_static_once = start_static(a, config, ckpt, work, flags)
+    servers = {f"server_{k}step": (k, *start_server(a, k, ckpt, reqs, shlex.split(flags))) for k in a.steps_per_call}
+    runs = {name: [] for name in list(servers) + ["static"]}
+    try:
+        for r in range(a.repeats):
+            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                runs[name].append(run_static_once() if name == "static" else server_run(servers[name][2], reqs))
+    finally:
+        for _, proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+        static.stdin.close()
+        static.wait(120)
+    out = {name: {**median_run(runs[name]), "slots": a.slots, "steps_per_call": k,
+                  # each round's server / static: runs next to each other in time, the ratio a slow spell spares
+                  "over_static_per_round": [x["tokens_per_s"] / y["tokens_per_s"]
+                                            for x, y in zip(runs[name], runs["static"])]}
+           for name, (k, _, _) in servers.items()}
+    out["static"] = median_run(runs["static"])
+    return out
+
+
+# --------------------------------------------------------------------------- the whole run
+
+
+# the server and the static worker share the accelerator: each takes memory as it needs it, none preallocates
+SHARED_DEVICE = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+
+
+def _method_cmd(a, name: str, config: str, ckpt: str, work: str, flags: str, out: str) -> list:
+    cmd = [sys.executable, os.path.join("benchmarks", "serve.py"), "--method", name, "--config", config, "--ckpt",
+           ckpt, "--workload", work, "--json", out, "--slots", str(a.slots), "--max_new", str(a.max_new),
+           "--seed", str(a.seed), f"--model_flags={flags}"]
+    return cmd + (["--hf_requests", str(a.hf_requests)] if a.hf_requests else [])
+
+
+def method(a, name: str, config: str, ckpt: str, work: str, flags: str, tmp: str) -> dict:
+    """One method in a process of its own -> its report."""
+    out = os.path.join(tmp, f"{config}_{name}.json")
+    cmd = _method_cmd(a, name, config, ckpt, work, flags, out)
+    # HF generate's process keeps JAX off the accelerator (it only reads the checkpoint): torch gets the device
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"} if name == "hf" else None
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return json.load(open(out))
+
+
+def one_model(a, config: str, flags: str, tmp: str) -> dict:
+    """Every method on one model's requests, and their ratios."""
+    tmp = tempfile.mkdtemp(dir=tmp)
+    ckpt, work = os.path.join(tmp, f"{config}_ckpt"), os.path.join(tmp, f"{config}_workload.json")
+    reqs = workload(a)
+    with open(work, "w") as f:
+        json.dump(reqs, f)
+    method(a, "checkpoint", config, ckpt, work, flags, tmp)
+    servers = [f"server_{k}step" for k in a.steps_per_call]
+    out = interleaved(a, config, ckpt, work, flags, reqs)
+    out["hf"] = method(a, "hf", config, ckpt, work, flags, tmp)
+    served = out[servers[0]]["outputs"]
+    for name in servers[1:] + ["static", "hf"]:
+        theirs = out[name].pop("outputs")
+        out[name]["same_tokens_as_server"] = float(np.mean([x == y for x, y in zip(served, theirs)]))
+    out[servers[0]].pop("outputs")
+    out["ratios"] = {f"{s} / {b} tokens_per_s": out[s]["tokens_per_s"] / out[b]["tokens_per_s"]
+                     for s in servers for b in ("static", "hf")}
+    for s in servers:  # the median of the rounds' ratios (tokens/s, server over static batching)
+        out["ratios"][f"{s} / static, median of rounds"] = float(np.median(out[s]["over_static_per_round"]))
+    return out
+
+
+def main(argv=None) -> dict:
+    own = list(sys.argv[1:] if argv is None else argv)
+    a = parse(own)
+    variants = a.model_flags or [""]
+    if a.method:
+        report = {"checkpoint": make_checkpoint, "static": run_static, "hf": run_hf}[a.method](
+            a, shlex.split(variants[0]))
+        write_json(a.json, report)
+        return report
+    report = {"command": "python3 benchmarks/serve.py " + shlex.join(own),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(),
+              "workload": {k: getattr(a, k) for k in ("requests", "rate", "slots", "steps_per_call", "min_prompt",
+                                                      "max_prompt", "min_new", "max_new", "hf_requests", "repeats",
+                                                      "seed")},
+              "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for flags, config in [(f, c) for f in variants for c in a.configs]:
+            name = f"{config} {flags}".strip()
+            report["models"][name] = m = one_model(a, config, flags, tmp)
+            m["model_flags"] = flags
+            print(f"{name}: " + ", ".join(f"{k} {m[k]['tokens_per_s']:.0f} tokens/s (TTFT p50 "
+                                             f"{m[k]['ttft_s']['p50']:.3f} s, p99 {m[k]['ttft_s']['p99']:.3f} s)"
+                                             for k in m if k not in ("ratios", "model_flags"))
+                  + "; " + ", ".join(f"{k} {v:.2f}x" for k, v in m["ratios"].items()), flush=True)
+            write_json(a.json, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

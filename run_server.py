@@ -1,0 +1,92 @@
+"""An OpenAI-compatible HTTP server for a fine-tuned model, with continuous batching, for both families.
+
+    python3 run_server.py --load ckpt/tiny                                  # http://127.0.0.1:8000/v1
+    python3 run_server.py --hf_model google/flan-t5-base --config base --slots 32
+    FLAN_T5_API_KEY=secret python3 run_server.py --load ckpt/gptj --host 0.0.0.0 --port 8080
+
+Then any OpenAI client: ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret").completions.create(
+model=..., prompt=..., max_tokens=32, temperature=0)``. Endpoints: POST /v1/completions, GET /v1/models, GET
+/health, GET /metrics (Prometheus). The weights (a checkpoint, LoRA adapters merged into their base, or an HF
+model), the tokenizer and the output length come from the checkpoint as run_inference.py takes them; prompts are
+read as given (as ``run_inference.py --prompt``), and greedy decoding (temperature 0) gives its tokens.
+
+Decoding runs in ``--slots`` rows at once, each request in its own row at its own position: requests join and leave
+between steps (serving/scheduler.py). Every program is compiled before the server listens; the line
+``serving MODEL on http://HOST:PORT ...`` says it is ready. SIGTERM or Ctrl-C: no new requests, the held ones
+finished (ended with an error after --grace_period seconds), exit 0.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) is one line too, not a traceback
+    from app.entry import exit_on_signals
+
+    exit_on_signals()
+
+import logging
+import os
+import sys
+
+from app.args import parse_args
+from app.entry import entry
+from app.logs import setup_logging
+from app.runtime import ensure_host_devices, setup_jax
+
+logger = logging.getLogger("flan_t5")
+KEY_VARIABLE = "FLAN_T5_API_KEY"
+
+
+def extra_flags(p):
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
+                                                       "only)")
+    s.add_argument("--port", type=int, default=8000, help="the port (0: any free one; the start-up line names it)")
+    s.add_argument("--api_key", default=None, metavar="KEY",
+                   help=f"the key every endpoint but /health requires (Authorization: Bearer KEY); default: the "
+                        f"{KEY_VARIABLE} environment variable, which keeps it out of the process list")
+    s.add_argument("--model_name", default=None, help="the model id clients name (default: the checkpoint "
+                                                       "directory's name, or the --hf_model)")
+    s.add_argument("--slots", type=int, default=None,
+                   help="decoding slots: requests decoded at once (default: micro_batch_size * data_parallel)")
+    s.add_argument("--max_queue", type=int, default=None,
+                   help="requests that may wait for a slot; more get 429 (default: 4 x slots)")
+    s.add_argument("--prompt_widths", type=int, nargs="+", default=None, metavar="N",
+                   help="prompt widths compiled (a prompt is padded to the first that holds it; the widest is the "
+                        "longest prompt taken); default: 16, 32, ... up to sequence_length")
+    s.add_argument("--join_sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="how many prompts (per dp shard) one insert reads, compiled (default: 1, 4, 16 ... and the "
+                        "slots per shard)")
+    s.add_argument("--steps_per_call", type=int, default=8,
+                   help="decoding steps per call of the slots' program (default 8: the host's work per call spread "
+                        "over 8 tokens; 1: a token streamed at a time and joins at every step, at more host work "
+                        "per token)")
+    s.add_argument("--grace_period", type=float, default=30.0,
+                   help="seconds a SIGTERM leaves the held requests to finish before they end with an error")
+    s.add_argument("--max_body_bytes", type=int, default=1 << 20, help="the largest request body (413 past it)")
+    s.add_argument("--max_prompt_chars", type=int, default=None,
+                   help="the longest prompt in characters (413 past it; default 64 x the widest prompt width)")
+
+
+@entry
+def main(argv=None) -> None:
+    setup_logging()
+    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    from app.predict import decoding_config
+
+    cfg = decoding_config(args, overrides)
+    ensure_host_devices(cfg.devices)
+    setup_jax()
+    from serving.engine import Engine, ServeOptions, check_exposure
+    from serving.http import serve
+
+    api_key = args.api_key or os.environ.get(KEY_VARIABLE) or None
+    exposed = check_exposure(args.host, api_key)
+    if exposed:
+        logger.warning(exposed)
+    engine = Engine.build(cfg, ServeOptions.of(args, cfg))
+    serve(engine, args.host, args.port, api_key, args.grace_period,
+          lambda host, port: print(engine.describe(host, port), flush=True))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

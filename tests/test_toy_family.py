@@ -18,6 +18,7 @@ from config.schema import ModelConfig
 from modelling import decoding, registry
 from modelling.family import ModelOptions
 from tests.test_finetuning_cli import params_at
+from tests.test_parallel import fro_rel
 from tests.toy_family import ToyLlama, hf_llama
 
 SHAPE = ["--family", "toy_llama", "--layers", "2", "--hidden_size", "32", "--d_ff", "64", "--heads", "4",
@@ -62,7 +63,7 @@ def test_the_toy_family_is_transformers_llama(toy):
     with torch.no_grad():
         want = hf.generate(input_ids=torch.tensor(left), attention_mask=torch.tensor(lmask), max_new_tokens=6,
                            min_new_tokens=6, do_sample=False, pad_token_id=0)[:, 9:].numpy()
-    got = decoding.greedy(toy, toy.decoding_params(params, opts), jnp.asarray(left), jnp.asarray(lmask), opts, 6,
+    got = decoding.greedy(toy, params, jnp.asarray(left), jnp.asarray(lmask), opts, 6,
                           eos_id=-1)
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -77,7 +78,7 @@ def test_the_toy_family_trains_resumes_and_decodes_through_the_drivers(toy, tmp_
     run_finetuning.main(base + ["--tensor_parallel", "2", "--steps", "4", "--checkpoint_steps", "2", "--save", two])
     run_finetuning.main(base + ["--tensor_parallel", "2", "--steps", "4", "--load", f"{two}/2", "--save", resumed])
     for a, b in zip(jax.tree.leaves(params_at(one, 2)[1]), jax.tree.leaves(params_at(two, 2)[1])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # tp 2 trains as one device does
+        assert fro_rel(a, b) < 1e-5  # tp 2 trains as one device does (AdamW: see tests/test_parallel.py's norm)
     for a, b in zip(jax.tree.leaves(params_at(two, 4)[1]), jax.tree.leaves(params_at(resumed, 4)[1])):
         np.testing.assert_array_equal(a, b)  # resumed exactly
     capsys.readouterr()

@@ -12,7 +12,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from data.tasks import pad_id
-from graphs.state import describe_base, device_base
+from graphs.state import device_base
 from modelling import lora
 from modelling.hf_mapping import save_hf_model
 from utils import checkpoint as ckpt
@@ -63,7 +63,6 @@ def export_peft(predictor, directory: str, step: int, tokenizer, output: str) ->
         export_model(frozen, lg.cfg.model, tokenizer, lg.family, base)
         del frozen
     config = lora.peft_config(lg.family, adapters, lg.cfg.model, lg.opts, base)
-    config["base_description"] = describe_base(source)
     save_file(lora.peft_state_dict(lg.family, adapters, lg.cfg.model), os.path.join(output, "adapter_model.safetensors"),
               metadata={"format": "pt"})
     with open(os.path.join(output, "adapter_config.json"), "w") as f:

@@ -120,11 +120,10 @@ def _smoke_commands() -> dict:
                           "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4", *one),
         "gptj_cmp": ["--config", "gptj_tiny", "--inference_config", "gptj_tiny", "--sequence_length", "32",
                      "--batch", "4", "--steps", "3", "--hf", "eager", "--only", "train"],
-        "plan_check": [(name, _finetune(preset, "--phased", "true", "--steps", "3", "--warmup_iterations", "1",
-                                        "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size",
-                                        "4", *one, "--plan_exact", *lora))
-                       for name, preset, lora in (("xxl_1gpu", "tiny", []), ("gptj_lora_1gpu", "gptj_tiny",
-                                                                             ["--lora_rank", "4"]))],
+        "plan_check": [("gptj_lora_1gpu", _finetune("gptj_tiny", "--phased", "true", "--steps", "3",
+                                                    "--warmup_iterations", "1", "--sequence_length", "32",
+                                                    "--global_batch_size", "8", "--micro_batch_size", "4", *one,
+                                                    "--plan_exact", "--lora_rank", "4"))],
         "workstation": [("xxl_lora_1gpu", ["benchmarks/workstation.py", "--preset", "tiny", "--smoke"])],
         "serve": ["benchmarks/serve.py", "--configs", "tiny", "--requests", "6", "--slots", "2", "--min_new", "4",
                   "--max_new", "8", "--min_prompt", "3", "--max_prompt", "8", "--steps_per_call", "8", "--repeats",
@@ -398,8 +397,25 @@ def ensure_packages() -> dict:
 # --------------------------------------------------------------------------- running
 
 
+_DONE: dict = {}  # {command: result} of the runs this invocation finished ok: a part that runs the same command reuses it
+_DONE_LOCK = threading.Lock()
+
+
 def run_one(run: Run, out_dir: str, part: str, timeout: float) -> dict:
-    """One benchmark process -> its report (``status`` ok, failed, out_of_memory or timed_out), its output kept."""
+    """One benchmark process -> its report (``status`` ok, failed, out_of_memory or timed_out), its output kept; a
+    command another part already ran in this invocation is not run again (its result is reused, and says so)."""
+    with _DONE_LOCK:
+        done = _DONE.get(tuple(run.cmd))
+    if done is not None:
+        return {**done, "reused": True}
+    result = _run_process(run, out_dir, part, timeout)
+    if result["status"] == "ok":
+        with _DONE_LOCK:
+            _DONE[tuple(run.cmd)] = result
+    return result
+
+
+def _run_process(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     path = os.path.join(out_dir, f"{part}__{run.name}.run.json")
     cmd = [c.replace("{dir}", out_dir) for c in run.cmd] + ["--json", path]
     log = os.path.join(out_dir, f"{part}__{run.name}.log")

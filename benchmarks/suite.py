@@ -415,6 +415,27 @@ def run_one(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     return result
 
 
+def _child(cmd: list, log: str, timeout: float) -> tuple:
+    """Runs ``python3 CMD`` with its output to ``log`` -> (exit code, or None past ``timeout`` seconds; the CPU
+    seconds of the process and the processes it waited for)."""
+    timed_out = threading.Event()
+    with open(log, "w") as f:
+        p = subprocess.Popen([PY, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+
+        def stop():
+            timed_out.set()
+            p.kill()
+
+        timer = threading.Timer(max(timeout, 1), stop)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        finally:
+            timer.cancel()
+    code = None if timed_out.is_set() else os.waitstatus_to_exitcode(status)
+    return code, usage.ru_utime + usage.ru_stime
+
+
 def _run_process(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     path = os.path.join(out_dir, f"{part}__{run.name}.run.json")
     cmd = [c.replace("{dir}", out_dir) for c in run.cmd] + ["--json", path]
@@ -422,12 +443,7 @@ def _run_process(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     if os.path.exists(path):
         os.remove(path)
     t0 = time.perf_counter()
-    try:
-        with open(log, "w") as f:
-            p = subprocess.run([PY, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=max(timeout, 1))
-        code = p.returncode
-    except subprocess.TimeoutExpired:
-        code = None
+    code, cpu_s = _child(cmd, log, timeout)
     seconds = time.perf_counter() - t0
     text = open(log).read() if os.path.exists(log) else ""
     report = json.load(open(path)) if code == 0 and os.path.exists(path) else {}
@@ -443,7 +459,7 @@ def _run_process(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     if status == "ok" and "--profile" in run.cmd and os.path.exists(profile):
         report["profile"] = json.load(open(profile))
     tail = "\n".join(text.strip().splitlines()[-5:]) if status != "ok" else None
-    return {"status": status, "seconds": seconds, "command": "python3 " + " ".join(cmd), "report": report,
+    return {"status": status, "seconds": seconds, "cpu_s": cpu_s, "command": "python3 " + " ".join(cmd), "report": report,
             "log_tail": tail}
 
 

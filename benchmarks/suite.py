@@ -106,7 +106,7 @@ def _smoke_commands() -> dict:
     xl = [_finetune("tiny", "--steps", "3", "--warmup_iterations", "1", *t5, "--global_batch_size", "8",
                     "--micro_batch_size", str(mb), *one, "--recompute", "false") for mb in (4, 8)]
     return {
-        "xxl": xxl, "xxl128": xxl[:-8] + ["--global_batch_size", "16", "--micro_batch_size", "4", *one],
+        "xxl": xxl, "xxl128": xxl,  # (one run: a larger batch at tiny shapes tests nothing more)
         "xxl_lora": xxl + ["--lora_rank", "4"],
         "ul2": xxl + ["--update_in_backward", "true"], "xl": xl,
         "vs_hf": [_compare(*cmp_small, "--only", "train")],

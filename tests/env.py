@@ -1,17 +1,23 @@
 """The environment of the processes the tests start (drivers, the launcher's workers, the benchmark suite).
 
-Tests compile far more than they run (tiny shapes, a few steps): XLA:CPU's LLVM backend at -O0 and without its
-expensive passes compiles their programs in about two thirds of the CPU time, and the programs compute the same
-values (no fast-math either way). Measured on this 2-core machine: tests/test_t5_family.py + tests/test_parallel.py
-349 -> 218 s of CPU, tests/test_model_parity.py 61 -> 57 s more with the passes off; a 150-step learning test
-62 -> 68 s (its steps run a little slower). Runs and benchmarks keep XLA's defaults.
+Most tests compile far more than they run (tiny shapes, a few steps): XLA:CPU's LLVM backend at -O0 and without
+its expensive passes (``FAST_COMPILE``) compiles their programs in about two thirds of the CPU time, and the programs
+compute the same values (no fast-math either way). The few tests that train or decode for hundreds of steps run the
+other way round: -O0 code steps 2-3x slower, so they run their drivers in a child process at -O1 (``RUN_FAST``:
+``run_optimized``). Measured on this 2-core machine (CPU seconds): tests/test_t5_family.py + tests/test_parallel.py
+304 with XLA's defaults, 196 with ``FAST_COMPILE``, 258 with ``RUN_FAST``; the tiny preset's 300 bfloat16 steps
+68 with ``FAST_COMPILE``, 31 with XLA's defaults or ``RUN_FAST``. Runs of 100-150 steps gain little either way (the
+compilation at -O1 costs what the faster steps save). Runs and benchmarks keep XLA's defaults.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+RUN_FAST = "--xla_backend_optimization_level=1 --xla_llvm_disable_expensive_passes=true"
 
 
 def child_env(devices: int | None = None, **extra) -> dict:
@@ -19,3 +25,18 @@ def child_env(devices: int | None = None, **extra) -> dict:
     (a driver simulates what its preset needs), or ``devices`` of them; ``extra`` variables set."""
     flags = f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}" if devices else FAST_COMPILE
     return {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": flags, **extra}
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_optimized(driver: str, args: list, timeout: float = 900) -> str:
+    """``python3 DRIVER ARGS`` from the repository root compiled with ``RUN_FAST`` (a long training run or a large
+    decoding: its steps, not its compilation, take the time) -> its output (stdout and the log); a failure is the
+    test's, with the output's tail."""
+    env = {**os.environ, "XLA_FLAGS": RUN_FAST}  # (the driver simulates its preset's devices)
+    p = subprocess.run([sys.executable, driver, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{driver} exited {p.returncode}:\n{out[-3000:]}"
+    return out

@@ -227,3 +227,28 @@ def test_the_fast_batch_encoding_gives_the_tokenizer_s_own_ids(tmp_path):
         for family in (registry.get("t5"), registry.get("gptj")):
             assert family.encode_inputs(encoder_of(tok), texts) == family.encode_inputs(tok, texts)
             assert family.encode_targets(encoder_of(tok), texts) == family.encode_targets(tok, texts)
+
+
+@pytest.mark.parametrize("n,held", [(300, 37), (5000, 1)])
+def test_the_held_out_rows_are_exactly_n_and_never_trained_on(tmp_path, n, held):
+    """--holdout N: evaluation scores exactly N rows of the training split and the training stream visits every
+    other row once and none of those N (each row's target names its index)."""
+    from app.train_data import training_data
+    from config import load_config
+    from data.mixture import evaluation_set, tasks_of
+
+    rows = [{"text": f"the dog runs {i % 7}", "summary": f"r{i}"} for i in range(n)]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    cfg = load_config("finetuning", "tiny", {
+        "dataset": data, "input_template": "{text}", "target_column": "summary", "labels": None,
+        "metrics": ["exact_match"], "tokenizer": "train", "holdout": held, "cache_dir": str(tmp_path / "cache")})
+    loader = training_data(cfg, registry.get("t5"), run_dir=str(tmp_path / "run"))
+    stream = loader.tasks[0]
+    trained = [int(stream.index(j)) for j in range(stream.size)]
+    scored = [int(e.target[1:]) for e in evaluation_set(tasks_of(cfg)[0], cfg).examples]
+    assert len(scored) == len(set(scored)) == held
+    assert len(trained) == len(set(trained)) == n - held
+    assert not set(scored) & set(trained) and set(scored) | set(trained) == set(range(n))
+    # and the stream reads those rows' tokens: the target at a trained index is that row's target
+    j = trained[len(trained) // 2]
+    assert loader.tokenizer.decode(stream.examples.targets[j], skip_special_tokens=True).replace(" ", "") == f"r{j}"

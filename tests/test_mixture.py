@@ -19,6 +19,7 @@ from data.packing import Examples
 from modelling import registry
 from modelling.rows import RowShape
 from tests.test_finetuning_cli import params_at
+from tests.env import run_optimized
 
 
 def _numbered(n, first):
@@ -72,14 +73,13 @@ def test_a_bad_mixture_is_one_line_naming_the_fix(flags, message):
         parse_config("finetuning", "", "tiny_mixture", flags)
 
 
-def test_the_tiny_mixture_learns_both_tasks_and_each_is_scored_and_named(tmp_path, caplog):
+def test_the_tiny_mixture_learns_both_tasks_and_each_is_scored_and_named(tmp_path):
     """The tiny T5 on the synthetic NLI task and the headlines task at once (a tokenizer learnt from both): each task
     is scored with its own metrics during training and by validation with no task flag (the checkpoint carries the
     mixture). Measured at 100 steps: NLI accuracy 0.70 (chance 1/3), headlines exact match 0.51 (chance < 1%)."""
     save = str(tmp_path / "ck")
-    with caplog.at_level(logging.INFO, logger="flan_t5"):
-        run_finetuning.main(["--config", "tiny_mixture", "--steps", "100", "--eval_every", "100", "--eval_rows", "64",
-                             "--save", save, "--checkpoint_steps", "0"])
+    log = run_optimized("run_finetuning.py", ["--config", "tiny_mixture", "--steps", "100", "--eval_every", "100",
+                                              "--eval_rows", "64", "--save", save, "--checkpoint_steps", "0"])
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     assert lines[0]["mixture"] == {"nli": {"examples": 20000, "rate": 20000.0, "share": 0.5},
                                    "headlines": {"examples": 20000, "rate": 20000.0, "share": 0.5}}
@@ -88,7 +88,7 @@ def test_the_tiny_mixture_learns_both_tasks_and_each_is_scored_and_named(tmp_pat
     assert last["eval_nli_accuracy"] > 0.5 and last["eval_headlines_exact_match"] > 0.25, last
     assert last["eval_headlines_rougeL"] >= last["eval_headlines_exact_match"]
     assert last["eval_score"] == pytest.approx((last["eval_nli_accuracy"] + last["eval_headlines_exact_match"]) / 2)
-    assert "the best mixture eval_score" in caplog.text
+    assert "the best mixture eval_score" in log
     run_validation.main(["--load", save, "--limit", "32"])
     nli, headlines = (json.load(open(os.path.join(save, f"validation_{t}_step100_first32.json")))
                       for t in ("nli", "headlines"))

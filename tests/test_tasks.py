@@ -10,6 +10,7 @@
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -135,7 +136,10 @@ def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, p
     lines = [json.loads(x) for x in open(os.path.join(save, "metrics.jsonl"))]
     evals = [r for r in lines if "eval_exact_match" in r]
     assert [r["step"] for r in evals] == [steps // 2, steps] and "eval_rougeL" in evals[0]
-    assert "the best validation eval_exact_match" in caplog.text  # its validation split: no rows held out
+    # the best step named is the best score's (its validation split: no rows held out)
+    best = re.search(r"the best validation eval_exact_match: ([0-9.]+) at step (\d+)", caplog.text)
+    top = max(r["eval_exact_match"] for r in evals)
+    assert best and int(best.group(2)) == min(r["step"] for r in evals if r["eval_exact_match"] == top), evals
     run_validation.main(["--load", save, "--limit", "100"])
     report = json.load(open(os.path.join(save, f"validation_step{steps}_first100.json")))
     assert report["task"] == "headlines" and report["dataset"] == "synthetic-headlines"
@@ -221,3 +225,16 @@ def test_the_readme_s_own_task_command_is_the_tiny_headlines_preset():
     differ = {f: (get_path(flags, r.path), get_path(preset, r.path)) for f, r in FIELDS.items()
               if get_path(flags, r.path) != get_path(preset, r.path)}
     assert not differ, differ
+
+
+def test_the_best_logged_evaluation_is_the_highest_score_the_earliest_of_ties(tmp_path):
+    """A resumed run's best step so far (app/evaluate.best_logged): the highest score in its metrics.jsonl, the
+    earliest step of a tie; steps without an evaluation are not candidates."""
+    from app.evaluate import best_logged
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 1, "loss": 0.1}, {"step": 2, "eval_x": 0.5}, {"step": 4, "eval_x": 0.9}, {"step": 6, "eval_x": 0.2},
+            {"step": 8, "eval_x": 0.9}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert best_logged(str(path), "eval_x") == (0.9, 4)
+    assert best_logged(str(path), "eval_y") is None and best_logged(str(tmp_path / "none.jsonl"), "eval_x") is None

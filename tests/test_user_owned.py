@@ -254,6 +254,7 @@ def test_own_words_train_offline_with_a_tokenizer_learnt_from_the_data(tmp_path)
     import random
 
     from data import synthetic
+    from tests.env import run_optimized
 
     words = synthetic.NOUNS + synthetic.ADJS + synthetic.VERBS + synthetic.PLACES + synthetic.TIMES
     rng = random.Random(0)
@@ -269,8 +270,9 @@ def test_own_words_train_offline_with_a_tokenizer_learnt_from_the_data(tmp_path)
         (data / f"{split}.jsonl").write_text("".join(json.dumps(own(r)) + "\n"
                                                      for r in synthetic.generate_split(split, n, seed=11)))
     save = str(tmp_path / "ck")
-    run_finetuning.main(["--config", "tiny", "--dataset", str(data), "--tokenizer", "train", "--save", save,
-                         "--steps", "120", "--learning_rate", "3e-3", "--warmup_steps", "20", "--checkpoint_steps", "0"])
+    run_optimized("run_finetuning.py", ["--config", "tiny", "--dataset", str(data), "--tokenizer", "train", "--save",
+                                        save, "--steps", "120", "--learning_rate", "3e-3", "--warmup_steps", "20",
+                                        "--checkpoint_steps", "0"])  # (tests/env.py: steps, not compilation)
     assert os.path.isfile(os.path.join(save, "tokenizer", "tokenizer.json"))
     out = tmp_path / "v.json"
     run_validation.main(["--load", save, "--output", str(out)])  # no data flag: the checkpoint's own data

@@ -459,8 +459,8 @@ def _run_process(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     if status == "ok" and "--profile" in run.cmd and os.path.exists(profile):
         report["profile"] = json.load(open(profile))
     tail = "\n".join(text.strip().splitlines()[-5:]) if status != "ok" else None
-    return {"status": status, "seconds": seconds, "cpu_s": cpu_s, "command": "python3 " + " ".join(cmd), "report": report,
-            "log_tail": tail}
+    return {"status": status, "seconds": seconds, "cpu_s": cpu_s, "command": "python3 " + " ".join(cmd),
+            "report": report, "log_tail": tail}
 
 
 def run_part(part: Part, out_dir: str, left: float, env: dict) -> dict:

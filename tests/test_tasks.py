@@ -233,8 +233,8 @@ def test_the_best_logged_evaluation_is_the_highest_score_the_earliest_of_ties(tm
     from app.evaluate import best_logged
 
     path = tmp_path / "metrics.jsonl"
-    rows = [{"step": 1, "loss": 0.1}, {"step": 2, "eval_x": 0.5}, {"step": 4, "eval_x": 0.9}, {"step": 6, "eval_x": 0.2},
-            {"step": 8, "eval_x": 0.9}]
+    rows = [{"step": 1, "loss": 0.1}, {"step": 2, "eval_x": 0.5}, {"step": 4, "eval_x": 0.9},
+            {"step": 6, "eval_x": 0.2}, {"step": 8, "eval_x": 0.9}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert best_logged(str(path), "eval_x") == (0.9, 4)
     assert best_logged(str(path), "eval_y") is None and best_logged(str(tmp_path / "none.jsonl"), "eval_x") is None

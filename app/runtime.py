@@ -200,7 +200,10 @@ def setup_jax() -> Optional[str]:
     import jax
 
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    # programs that compile in under half a second are not worth a cache entry, unless the environment says otherwise
+    # (JAX reads its own variable: the tests set it where the same small programs compile in process after process)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
 
 

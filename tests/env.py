@@ -24,7 +24,10 @@ def child_env(devices: int | None = None, **extra) -> dict:
     """This process's environment for a child: the fast compilation kept, this process's simulated devices dropped
     (a driver simulates what its preset needs), or ``devices`` of them; ``extra`` variables set."""
     flags = f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}" if devices else FAST_COMPILE
-    return {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": flags, **extra}
+    # every program into the shared compilation cache, however fast it compiled: the children compile the same tiny
+    # programs process after process (the benchmark suite's smoke run: 199 s of CPU, not 207)
+    return {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "XLA_FLAGS": flags,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra}
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -26,7 +26,7 @@ import sys
 from app.args import parse_args
 from app.entry import entry
 from app.logs import setup_logging
-from app.runtime import ensure_host_devices, process_count, setup_jax
+from app.runtime import process_count
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
@@ -47,11 +47,9 @@ def main(argv=None) -> str:
     from app.export import check_output
 
     check_output(args.output)
-    from app.predict import decoding_config
+    from app.predict import start_decoding
 
-    cfg = decoding_config(args, overrides)
-    ensure_host_devices(cfg.devices)
-    setup_jax()
+    cfg = start_decoding(args, overrides)
     if process_count() > 1:
         raise FlanT5Error("run_export.py runs in one process: start it without the launcher (it needs no more "
                           "devices than the checkpoint's tensor parallelism, simulated on a CPU)")

@@ -30,7 +30,7 @@ import sys
 from app.args import parse_args
 from app.entry import entry
 from app.logs import setup_logging
-from app.runtime import ensure_host_devices, is_main_process, setup_jax
+from app.runtime import is_main_process
 
 logger = logging.getLogger("flan_t5")
 
@@ -51,11 +51,9 @@ def extra_flags(p):
 def main(argv=None) -> list:
     setup_logging()
     args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
-    from app.predict import decoding_config
+    from app.predict import start_decoding
 
-    cfg = decoding_config(args, overrides)
-    ensure_host_devices(cfg.devices)
-    setup_jax()
+    cfg = start_decoding(args, overrides)
     from app import predict
     from data.mixture import inference_task
     from data.tasks import load_tokenizer

@@ -30,7 +30,6 @@ import sys
 from app.args import parse_args
 from app.entry import entry
 from app.logs import setup_logging
-from app.runtime import ensure_host_devices, setup_jax
 
 logger = logging.getLogger("flan_t5")
 KEY_VARIABLE = "FLAN_T5_API_KEY"
@@ -71,11 +70,9 @@ def extra_flags(p):
 def main(argv=None) -> None:
     setup_logging()
     args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
-    from app.predict import decoding_config
+    from app.predict import start_decoding
 
-    cfg = decoding_config(args, overrides)
-    ensure_host_devices(cfg.devices)
-    setup_jax()
+    cfg = start_decoding(args, overrides)
     from serving.engine import Engine, ServeOptions, check_exposure
     from serving.http import serve
 

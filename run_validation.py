@@ -25,7 +25,6 @@ import sys
 from app.args import ensure_writable, parse_args
 from app.entry import entry
 from app.logs import setup_logging
-from app.runtime import ensure_host_devices, setup_jax
 
 logger = logging.getLogger("flan_t5")
 
@@ -56,11 +55,9 @@ def main(argv=None) -> None:
     args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
     if args.output:
         ensure_writable(args.output, "--output", is_dir=False)
-    from app.predict import decoding_config
+    from app.predict import start_decoding
 
-    cfg = decoding_config(args, overrides)
-    ensure_host_devices(cfg.devices)
-    setup_jax()
+    cfg = start_decoding(args, overrides)
     from app.evaluate import Validation
     from data.tasks import load_tokenizer
     from utils import checkpoint as ckpt

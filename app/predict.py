@@ -2,7 +2,7 @@
 inputs, batch by batch. The library under run_validation.py, run_inference.py, --eval_every (app/evaluate.py) and
 the server: the drivers parse, build a ``Predictor`` and call it.
 
-    cfg = decoding_config(args, overrides)          # the inference preset, the checkpoint's shape and task
+    cfg = start_decoding(args, overrides)   # the inference preset, the checkpoint's shape and task; devices, JAX
     predictor = Predictor(cfg)
     params = predictor.load_params(directory, step)
     texts = predictor.predict(params, prompt_features(examples, tokenizer, predictor.family), tokenizer)
@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from app.args import carried_model, make_config
-from app.runtime import is_main_process
+from app.runtime import ensure_host_devices, is_main_process, setup_jax
 from config.fields import coerce, set_path
 from config.schema import FIELDS
 from data import sources
@@ -58,6 +58,15 @@ def decoding_config(args, overrides: dict):
     # a LoRA checkpoint's adapters are merged into their base (Predictor.merged_params): the model decoded has none
     return make_config("inference", args.config, overrides, fixed={"eval": True, "rts": False, "lora_rank": 0},
                        defaults=carried)
+
+
+def start_decoding(args, overrides: dict):
+    """``decoding_config``, then this process's simulated devices and JAX's set-up from it (both before JAX starts a
+    backend) -> the config: how every decoding driver starts."""
+    cfg = decoding_config(args, overrides)
+    ensure_host_devices(cfg.devices)
+    setup_jax()
+    return cfg
 
 
 def decoding_graphs_config(cfg):

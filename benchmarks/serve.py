@@ -128,15 +128,11 @@ def useful(row, max_tokens: int, eos: int) -> list:
 def decoding_setup(a, extra: list, overrides: dict):
     """(config, Predictor, tokenizer, weights) of the checkpoint, as run_inference.py builds them."""
     from app.args import parse_args
-    from app.predict import decoding_config
+    from app.predict import start_decoding
 
     flags = ["--config", a.config, "--load", a.ckpt] + [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
     args, over = parse_args("inference", "serve benchmark", a.config, flags + extra)
-    cfg = decoding_config(args, over)
-    from app.runtime import ensure_host_devices, setup_jax
-
-    ensure_host_devices(cfg.devices)
-    setup_jax()
+    cfg = start_decoding(args, over)
     from app.predict import Predictor
     from data.tasks import load_tokenizer
     from utils import checkpoint as ckpt

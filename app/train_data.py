@@ -84,7 +84,6 @@ def training_loader(cfg, tasks: list, sets: list, streams: list, tokenizer, fami
                          fmt=family.rows, shape=shape, rates=rates)
     loader.report = report  # written with the run's first metrics line
     loader.tokenizer = tokenizer  # what --eval_every decodes with
-    loader.names = [t.name for t in tasks]
     return loader
 
 

@@ -102,9 +102,7 @@ def train_step(cfg, executor, loader, state, step: int, start_step: int, loss_sc
     """One step of the run at ``loss_scale`` (clipped with ``clip_norm`` under update_in_backward) -> (state,
     metrics, batch statistics)."""
     host_batch = loader.next_batch()
-    stats = loader.stats(host_batch)
-    if getattr(loader, "batch_tasks", None) is not None:  # a mixture: each task's examples in the batch
-        stats["by_task"] = {f"examples_{n}": int(k) for n, k in zip(loader.names, loader.batch_tasks)}
+    stats = loader.stats(host_batch)  # (a mixture's: each task's examples in the batch too)
     if step == start_step:
         rows = cfg.training.global_batch_size
         logger.info("%d examples in the first batch of %d rows: %.1f per row, %.1f%% of the token slots used",

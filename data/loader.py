@@ -126,6 +126,7 @@ class TrainLoader:
             self.p = None
         self.position = 0  # stream positions consumed so far
         self.task_positions = [0] * len(self.tasks)
+        self.batch_tasks = None  # a mixture's: each task's examples in the last batch
         self.pending: list = []  # examples held over for the next batch (or the cut example and its offset)
         self.view = Examples(_Column(self, "inputs"), _Column(self, "targets"))
         self._orders, self._choices = {}, (None, None)
@@ -193,8 +194,12 @@ class TrainLoader:
         return {k: v.reshape(self.ga, self.rows // self.ga, -1) for k, v in batch.items()}
 
     def stats(self, batch: dict) -> dict:
-        """Examples and tokens of a batch (the row format's count)."""
-        return self.fmt.stats(batch)
+        """Examples and tokens of a batch (the row format's count); a mixture's last batch also each task's examples
+        (``by_task``: examples_TASK)."""
+        out = self.fmt.stats(batch)
+        if self.batch_tasks is not None:
+            out["by_task"] = {f"examples_{t.name}": int(k) for t, k in zip(self.tasks, self.batch_tasks)}
+        return out
 
     def state(self) -> dict:
         """What a checkpoint saves to resume the data exactly."""

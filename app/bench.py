@@ -9,6 +9,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +41,30 @@ def write_json(path: str | None, report: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
+
+
+def run_child(argv: list, log: str, env=None, timeout=None, preexec_fn=None) -> tuple:
+    """Runs ``python3 ARGV`` from the repository root, its output to ``log`` -> (its exit code, or None when it was
+    killed past ``timeout`` seconds; its resource usage: os.wait4's, of the process and the processes it waited
+    for: CPU seconds, peak RSS)."""
+    timed_out = threading.Event()
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                             preexec_fn=preexec_fn)
+
+        def stop():
+            timed_out.set()
+            p.kill()
+
+        timer = threading.Timer(max(timeout, 1), stop) if timeout is not None else None
+        if timer:
+            timer.start()
+        try:
+            _, status, usage = os.wait4(p.pid, 0)
+        finally:
+            if timer:
+                timer.cancel()
+    return (None if timed_out.is_set() else os.waitstatus_to_exitcode(status)), usage
 
 
 def split_passthrough(argv: list) -> tuple:

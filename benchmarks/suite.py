@@ -57,6 +57,9 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from app.bench import run_child  # noqa: E402  (app/bench.py imports the standard library alone)
+
 PY = sys.executable
 # what the benchmarks import; a bare GPU machine has JAX, PyTorch and transformers (datasets and wandb, which
 # only the MNLI download and --wandb use, are imported lazily)
@@ -415,27 +418,6 @@ def run_one(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     return result
 
 
-def _child(cmd: list, log: str, timeout: float) -> tuple:
-    """Runs ``python3 CMD`` with its output to ``log`` -> (exit code, or None past ``timeout`` seconds; the CPU
-    seconds of the process and the processes it waited for)."""
-    timed_out = threading.Event()
-    with open(log, "w") as f:
-        p = subprocess.Popen([PY, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-
-        def stop():
-            timed_out.set()
-            p.kill()
-
-        timer = threading.Timer(max(timeout, 1), stop)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(p.pid, 0)
-        finally:
-            timer.cancel()
-    code = None if timed_out.is_set() else os.waitstatus_to_exitcode(status)
-    return code, usage.ru_utime + usage.ru_stime
-
-
 def _run_process(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     path = os.path.join(out_dir, f"{part}__{run.name}.run.json")
     cmd = [c.replace("{dir}", out_dir) for c in run.cmd] + ["--json", path]
@@ -443,7 +425,8 @@ def _run_process(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     if os.path.exists(path):
         os.remove(path)
     t0 = time.perf_counter()
-    code, cpu_s = _child(cmd, log, timeout)
+    code, usage = run_child(cmd, log, timeout=timeout)
+    cpu_s = usage.ru_utime + usage.ru_stime
     seconds = time.perf_counter() - t0
     text = open(log).read() if os.path.exists(log) else ""
     report = json.load(open(path)) if code == 0 and os.path.exists(path) else {}

@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from app.bench import write_json  # noqa: E402
+from app.bench import run_child, write_json  # noqa: E402
 from config.presets import load_config  # noqa: E402
 
 GIB = 2 ** 30
@@ -68,11 +68,7 @@ def run(cmd: list, env: dict, group: str | None, log: str) -> dict:
                 f.write(str(os.getpid()))
 
     t0 = time.perf_counter()
-    with open(log, "w") as f:
-        p = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                             preexec_fn=enter if group else None)
-        _, status_word, usage = os.wait4(p.pid, 0)  # this child's own resource usage
-    code = os.waitstatus_to_exitcode(status_word)
+    code, usage = run_child(cmd, log, env=env, preexec_fn=enter if group else None)  # this child's own usage
     text = open(log).read()
     status = "ok" if code == 0 else ("out_of_memory" if code in (4, -9, 137) or "out of memory" in text.lower()
                                      or "RESOURCE_EXHAUSTED" in text else "failed")

@@ -14,7 +14,7 @@ import numpy as np
 
 from app.runtime import agree
 from data import cache, mixture
-from data.loader import TaskStream, TrainLoader, holdout_indices
+from data.loader import TaskStream, TrainLoader
 from data.sources import DataError, cache_root
 from data.tasks import TRAINED, check_unknown, load_tokenizer, pad_id
 from modelling.rows import RowShape
@@ -36,10 +36,7 @@ def training_data(cfg, family, run_dir: str | None = None) -> TrainLoader:
     sets = [cache.TokenSet(path) for path in built["tokens"]]
     streams = []
     for td, tokens in zip(tasks, sets):
-        if td.holdout >= len(tokens):
-            raise DataError(f"--holdout {td.holdout} holds out every one of the {len(tokens)} training examples of "
-                            f"{tokens.meta['where']}: pass a smaller --holdout")
-        held = holdout_indices(len(tokens), td.holdout, cfg.model.seed)
+        held = mixture.held_rows(td, len(tokens), cfg.model.seed, tokens.meta["where"])
         if len(held):
             logger.info("%d rows of %s held out of training (--holdout): --eval_every and validation score them",
                         len(held), tokens.meta["where"])

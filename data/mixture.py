@@ -101,15 +101,21 @@ class EvalSet:
     task: Optional[Task] = None
 
 
+def held_rows(td: TaskData, n: int, seed: int, where: str):
+    """The sorted indices of the rows of a task's ``n`` training examples held out of training (--holdout): what
+    training leaves out and evaluation scores; an error when that is every one of them."""
+    if td.holdout >= n:
+        raise DataError(f"--holdout {td.holdout} holds out every one of the {n} training examples of {where}: pass a "
+                        "smaller --holdout")
+    return holdout_indices(n, td.holdout, seed)
+
+
 def held_out(td: TaskData, cfg) -> tuple:
     """(the texts cache of a task's training split, the sorted indices held out of training)."""
     req = cache.Request([td.part(cfg)], family="", tokenizer="", root=sources.cache_root(cfg.data.cache_dir),
                         tokens=False)
     texts = cache.TextSet(cache.run(req)["texts"][0])
-    if td.holdout >= len(texts):
-        raise DataError(f"--holdout {td.holdout} holds out every one of the {len(texts)} training examples: pass a "
-                        "smaller --holdout")
-    return texts, holdout_indices(len(texts), td.holdout, cfg.model.seed)
+    return texts, held_rows(td, len(texts), cfg.model.seed, texts.meta["where"])
 
 
 def evaluation_set(td: TaskData, cfg) -> EvalSet:

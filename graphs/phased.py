@@ -624,8 +624,9 @@ class PhasedExecutor:
             return weight_costs(master, compute, state, tree_bytes(grad(tree), dev),
                                 tree_bytes(copy, copy_dev) if self.copy else 0)
 
-        layers = [costs(jax.tree.map(row, params[s]["layers"]), self.row_dev[s], self.opt_row_dev[s],
-                        self.copy_row_dev[s]) for s in self.tree.stacks for _ in range(self.depth[s])]
+        layers = [c for s in self.tree.stacks  # (a stack's layers are alike: counted once, repeated)
+                  for c in [costs(jax.tree.map(row, params[s]["layers"]), self.row_dev[s], self.opt_row_dev[s],
+                                  self.copy_row_dev[s])] * self.depth[s]]
         groups = self.tree.rest_groups(self.tree.split_rest(params))
         dev, copy_dev = self.tree.rest_groups(self.rest_dev), self.tree.rest_groups(self.copy_rest_dev)
         rest = [costs(groups[k], dev[k], self.opt_dev[k], copy_dev[k]) for k in groups if jax.tree.leaves(groups[k])]

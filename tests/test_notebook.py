@@ -6,6 +6,8 @@ import re
 
 import nbformat
 
+from tests.env import RUN_FAST
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "flan_t5_mnli.ipynb")
 
@@ -21,7 +23,7 @@ def test_the_notebook_runs_top_to_bottom(monkeypatch):
     """Its kernel trains 300 steps: with XLA's optimisations, not the tests' fast compilation (tests/env.py)."""
     from nbclient import NotebookClient
 
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the kernel inherits it
+    monkeypatch.setenv("XLA_FLAGS", RUN_FAST + " --xla_force_host_platform_device_count=8")  # the kernel inherits it
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=900, kernel_name="python3",

@@ -23,6 +23,8 @@ from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from tests.env import run_optimized
 
+import run_validation
+
 N = 20000  # roundings averaged
 
 
@@ -156,8 +158,8 @@ def test_a_tiny_run_with_16_bit_weights_reaches_the_float32_accuracy(tmp_path):
     """The tiny preset on one device, 300 steps of 16 rows: float32 master weights against bfloat16 ones with
     stochastic rounding (the compute is bfloat16 in both); validation accuracy on 500 samples of the synthetic split
     within 3 points (measured 86.8% and 87.0%; at 32 rows 95.0/98.4%, for 1.7x the CPU time; at 2 layers and 2e-3,
-    93.6/92.8% in one run and 92.8/88.8% in another: too near the tolerance). Trained and decoded at -O1
-    (tests/env.py's run_optimized)."""
+    93.6/92.8% in one run and 92.8/88.8% in another: too near the tolerance). Trained at -O1 (tests/env.py's
+    run_optimized)."""
     acc = {}
     for name, extra in (("f32", []), ("sr", ["--stochastic_rounding", "true"])):
         save = str(tmp_path / name)
@@ -165,7 +167,7 @@ def test_a_tiny_run_with_16_bit_weights_reaches_the_float32_accuracy(tmp_path):
                                             "--precision", "bfloat16", "--save",
                                             save, "--checkpoint_steps", "0", "--data_parallel", "1",
                                             "--tensor_parallel", "1", *extra])
-        run_optimized("run_validation.py", ["--load", save, "--limit", "500"])
+        run_validation.main(["--load", save, "--limit", "500"])  # (compiles more than it runs: in this process)
         report = [f for f in os.listdir(save) if f.startswith("validation") and f.endswith(".json")]
         acc[name] = json.load(open(os.path.join(save, report[0])))["accuracy"]
     assert acc["f32"] > 0.8, acc

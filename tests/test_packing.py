@@ -14,7 +14,7 @@ import pytest
 
 from config import load_config
 from data.mnli import TrainLoader
-from data.packing import Examples, Packer, batch_stats, pack_rows, pad_rows
+from data.packing import Examples, FileRagged, Packer, batch_stats, pack_rows, pad_rows
 from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
 from graphs.phased import PhasedExecutor
@@ -46,6 +46,25 @@ def test_packed_row_layout_is_exact():
     assert s["examples"] == 3 and s["encoder_tokens"] == 9 and s["decoder_tokens"] == 7
     with pytest.raises(ValueError, match="overflows"):
         pack_rows(ex, [[0, 1, 2]], 6, 4, 6)
+
+
+@pytest.mark.parametrize("in_memory", [True, False], ids=["offsets-in-memory", "offsets-read"])
+def test_a_file_ragged_reads_each_sequence_and_its_length(tmp_path, monkeypatch, in_memory):
+    """The token cache's files read back as written: with the offsets in memory (up to a million sequences) and
+    read by offset (more), the same sequences and lengths, any order of indices."""
+    if not in_memory:
+        monkeypatch.setattr(FileRagged, "OFFSETS_IN_MEMORY", 3)
+    seqs = [np.arange(n, dtype=np.uint16) + 7 * n for n in (3, 0, 5, 1, 9, 2)]
+    offsets = np.concatenate([[0], np.cumsum([len(x) for x in seqs])]).astype(np.int64)
+    np.concatenate(seqs).tofile(tmp_path / "t.bin")
+    offsets.tofile(tmp_path / "t.off")
+    r = FileRagged(str(tmp_path / "t.bin"), str(tmp_path / "t.off"), np.uint16, len(seqs))
+    assert (r.offs is not None) is in_memory and len(r) == 6
+    for i, x in enumerate(seqs):
+        np.testing.assert_array_equal(r[i], x)
+    idx = np.array([[4, 0], [1, 5]])
+    np.testing.assert_array_equal(r.lengths(idx), [9, 3, 0, 2])
+    np.testing.assert_array_equal(r.lengths(np.arange(6)), [len(x) for x in seqs])
 
 
 def test_packer_fills_rows_and_holds_over_what_does_not_fit():

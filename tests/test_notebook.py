@@ -20,7 +20,8 @@ def test_the_committed_notebook_has_no_outputs():
 
 
 def test_the_notebook_runs_top_to_bottom(monkeypatch):
-    """Its kernel trains 300 steps: with XLA's optimisations, not the tests' fast compilation (tests/env.py)."""
+    """Its kernel trains 300 steps: compiled at -O1 (tests/env.py's ``RUN_FAST``), not with the tests' fast
+    compilation, whose code steps 2-4x slower."""
     from nbclient import NotebookClient
 
     monkeypatch.setenv("XLA_FLAGS", RUN_FAST + " --xla_force_host_platform_device_count=8")  # the kernel inherits it

@@ -94,7 +94,8 @@ def link_bandwidth(nbytes: int | None = None, repeats: int = 3) -> dict:
     from jax.sharding import SingleDeviceSharding
 
     d = jax.local_devices()[0]
-    nbytes = nbytes or (32 if d.platform == "cpu" else 256) * 2 ** 20
+    if nbytes is None:
+        nbytes = (32 if d.platform == "cpu" else 256) * 2 ** 20
     host, dev = SingleDeviceSharding(d, memory_kind="pinned_host"), SingleDeviceSharding(d, memory_kind="device")
     x = jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), host)
     best = {"load": float("inf"), "store": float("inf")}

@@ -16,6 +16,7 @@ import numpy as np
 
 from modelling.rows import (IGNORE, PAD, batch_stats, causal_rows, causal_tokens, concat_rows,  # noqa: F401
                             pack_rows, pad_rows)
+from utils.errors import FlanT5Error
 
 
 class Ragged:
@@ -40,16 +41,19 @@ class FileRagged:
     """``Ragged`` read from its files by offset (``os.pread``) as sequences are asked for: the sequences are never
     mapped, so the process holds only those it reads, however many the files hold (a memory map's pages, once
     touched, count in the process's resident memory, and the kernel maps 16 neighbouring pages on each touch). The
-    offsets of up to ``OFFSETS_IN_MEMORY`` sequences (8 MiB of them) are read once into memory: each sequence then
-    costs one read, not two, and the packer's lengths are one array operation (a pread per sequence was a third of
-    the training loop's Python time); more are read by offset too."""
+    offsets of fewer than ``OFFSETS_IN_MEMORY`` sequences (at most 4 MiB a file) are read once into memory: each
+    sequence then costs one read, not two, and the packer's lengths are one array operation (a pread per sequence
+    was a third of the training loop's Python time); more are read by offset too."""
 
-    OFFSETS_IN_MEMORY = 1 << 20
+    OFFSETS_IN_MEMORY = 1 << 19
 
     def __init__(self, flat_path: str, offsets_path: str, dtype, n: int):
         self.dtype, self.n, self.size = np.dtype(dtype), n, np.dtype(dtype).itemsize
         self.flat, self.offsets = os.open(flat_path, os.O_RDONLY), os.open(offsets_path, os.O_RDONLY)
         self.offs = np.fromfile(offsets_path, np.int64, count=n + 1) if n < self.OFFSETS_IN_MEMORY else None
+        if self.offs is not None and len(self.offs) != n + 1:
+            raise FlanT5Error(f"{offsets_path} holds {len(self.offs) - 1} sequences' offsets, not {n}: the cache is cut "
+                             f"short; delete its folder ({os.path.dirname(offsets_path)}) to rebuild it")
 
     def __len__(self) -> int:
         return self.n
@@ -60,11 +64,15 @@ class FileRagged:
         return np.frombuffer(os.pread(self.offsets, 16, 8 * int(i)), np.int64)
 
     def __getitem__(self, i) -> np.ndarray:
+        if not 0 <= i < self.n:
+            raise IndexError(f"sequence {i} of {self.n}")
         a, b = self._bounds(i)
         return np.frombuffer(os.pread(self.flat, int(b - a) * self.size, int(a) * self.size), self.dtype)
 
     def lengths(self, idx) -> np.ndarray:
         idx = np.asarray(idx, np.int64).reshape(-1)
+        if idx.size and not 0 <= idx.min() <= idx.max() < self.n:
+            raise IndexError(f"sequences {idx.min()}..{idx.max()} of {self.n}")
         if self.offs is not None:
             return self.offs[idx + 1] - self.offs[idx]
         return np.array([np.diff(self._bounds(i))[0] for i in idx], np.int64)

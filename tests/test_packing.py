@@ -21,6 +21,7 @@ from graphs.phased import PhasedExecutor
 from modelling import registry, t5
 from modelling.rows import RowShape
 from tests.test_parallel import leaves, max_rel
+from utils.errors import FlanT5Error
 
 
 def _examples(prompt_lengths, target_lengths, seed=0, vocab=128):
@@ -50,8 +51,9 @@ def test_packed_row_layout_is_exact():
 
 @pytest.mark.parametrize("in_memory", [True, False], ids=["offsets-in-memory", "offsets-read"])
 def test_a_file_ragged_reads_each_sequence_and_its_length(tmp_path, monkeypatch, in_memory):
-    """The token cache's files read back as written: with the offsets in memory (up to a million sequences) and
-    read by offset (more), the same sequences and lengths, any order of indices."""
+    """The token cache's files read back as written: with the offsets in memory (fewer than 2^19 sequences) and
+    read by offset (more), the same sequences and lengths, any order of indices; an index out of range is refused
+    and a cache cut short named."""
     if not in_memory:
         monkeypatch.setattr(FileRagged, "OFFSETS_IN_MEMORY", 3)
     seqs = [np.arange(n, dtype=np.uint16) + 7 * n for n in (3, 0, 5, 1, 9, 2)]
@@ -65,6 +67,15 @@ def test_a_file_ragged_reads_each_sequence_and_its_length(tmp_path, monkeypatch,
     idx = np.array([[4, 0], [1, 5]])
     np.testing.assert_array_equal(r.lengths(idx), [9, 3, 0, 2])
     np.testing.assert_array_equal(r.lengths(np.arange(6)), [len(x) for x in seqs])
+    for bad in (-1, 6):  # no wrapping around and no reading past the end
+        with pytest.raises(IndexError):
+            r[bad]
+        with pytest.raises(IndexError):
+            r.lengths([0, bad])
+    if in_memory:  # a cache cut short is named, with the fix
+        offsets[:-2].tofile(tmp_path / "t.off")
+        with pytest.raises(FlanT5Error, match=r"t.off holds 4 sequences' offsets, not 6: .* delete its folder"):
+            FileRagged(str(tmp_path / "t.bin"), str(tmp_path / "t.off"), np.uint16, len(seqs))
 
 
 def test_packer_fills_rows_and_holds_over_what_does_not_fit():

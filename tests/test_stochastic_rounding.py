@@ -21,9 +21,8 @@ from config import ConfigError, load_config
 from graphs import optim
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
-from tests.env import run_optimized
-
 import run_validation
+from tests.env import run_optimized
 
 N = 20000  # roundings averaged
 

@@ -52,8 +52,8 @@ class FileRagged:
         self.flat, self.offsets = os.open(flat_path, os.O_RDONLY), os.open(offsets_path, os.O_RDONLY)
         self.offs = np.fromfile(offsets_path, np.int64, count=n + 1) if n < self.OFFSETS_IN_MEMORY else None
         if self.offs is not None and len(self.offs) != n + 1:
-            raise FlanT5Error(f"{offsets_path} holds {len(self.offs) - 1} sequences' offsets, not {n}: the cache is cut "
-                             f"short; delete its folder ({os.path.dirname(offsets_path)}) to rebuild it")
+            raise FlanT5Error(f"{offsets_path} holds {len(self.offs) - 1} sequences' offsets, not {n}: the cache is "
+                              f"cut short; delete its folder ({os.path.dirname(offsets_path)}) to rebuild it")
 
     def __len__(self) -> int:
         return self.n

@@ -327,10 +327,11 @@ def test_phased_lora_equals_fused_and_streams_a_frozen_base(preset, flags):
                                                                       np.asarray(b, np.float32)) < 1e-5
 
 
-def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path, capsys):
+def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path, capsys, monkeypatch):
     """The drivers with --phased true --lora_rank on a GPT-J HF base (a local directory, read tensor by tensor into
     bfloat16, placed row by row in host memory) at tp 2: 2 steps + resume equal 3 uninterrupted steps bit for bit,
-    the checkpoint names its base, and validation decodes the merged model."""
+    the checkpoint names its base, and validation decodes the merged model, merged a layer at a time from host
+    memory."""
     import run_finetuning
     import run_validation
     from tests.test_finetuning_cli import params_at
@@ -351,5 +352,24 @@ def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path,
     assert all(lora.is_adapter(k) for k in pa["decoder"]["layers"])
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
         np.testing.assert_array_equal(x, y)  # exact resume
+    # validation merges a phased run's adapters a layer at a time from host memory: the base is never placed whole
+    # on the devices, and the merged weights are the ones merging on the devices gives, bit for bit
+    import app.predict
+    from app.args import parse_args
+    from utils import checkpoint as ckpt
+
+    def whole_base(*a, **kw):
+        raise AssertionError("the whole base placed on the devices")
+
+    monkeypatch.setattr(app.predict, "device_base", whole_base)
     run_validation.main(["--load", a, "--limit", "6", "--micro_batch_size", "2"])
     assert "step 3: accuracy" in capsys.readouterr().out
+    monkeypatch.undo()
+    args, overrides = parse_args("inference", "", "tiny", ["--load", a, "--micro_batch_size", "2"])
+    predictor = app.predict.Predictor(app.predict.decoding_config(args, overrides))
+    saved = ckpt.load_meta(a, 3)
+    host, device = predictor.merged_from_host(a, 3, saved), predictor.merged_on_device(a, 3, saved)
+    assert jax.tree.structure(host) == jax.tree.structure(device)
+    for x, y in zip(jax.tree.leaves(host), jax.tree.leaves(device)):
+        assert x.sharding == y.sharding and x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))

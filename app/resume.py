@@ -68,7 +68,16 @@ def init_point(cfg, init_from):
     if cfg.checkpoint.load:
         raise FlanT5Error("--load resumes a run and --init_from starts a new one from a checkpoint's weights: pass "
                           "one of them")
-    return ckpt.resolve(init_from)[-1]
+    directory, step = ckpt.resolve(init_from)[-1]
+    try:
+        adapters_alone = bool(ckpt.load_meta(directory, step).get("lora_base"))
+    except Exception:  # (an unreadable checkpoint: the load that follows names it)
+        adapters_alone = False
+    if adapters_alone:
+        raise FlanT5Error(f"{directory}/{step} holds LoRA adapters alone, and --init_from starts from a checkpoint's "
+                          f"whole weights: resume it with --load {directory}, or start from its base, or export the "
+                          f"merged model (run_export.py --load {directory}) and pass that as --hf_model")
+    return directory, step
 
 
 def initial_state(cfg, executor, loader, point, warm=None, scaler=None):

@@ -183,7 +183,8 @@ def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_tran
     """The drivers with --lora_rank on an HF base (a local directory) at tp 2: the checkpoint holds the adapters
     alone and names its base; resumed, the run gives the uninterrupted run's adapters; exported in PEFT's format the
     adapters load into peft on the base and give the logits of the merged export, which transformers loads;
-    validation decodes the merged model; a base that changed since is refused in one line."""
+    validation decodes the merged model; a base that changed since is refused in one line, and so are the adapters
+    as --init_from."""
     import run_export
     import run_finetuning
     import run_validation
@@ -230,6 +231,10 @@ def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_tran
     from tests.test_robustness import _fails
 
     _fails(capsys, run_validation.main, ["--load", a, "--limit", "6"], "holds adapters trained on other weights")
+    # adapters alone are no --init_from: one line naming what to pass instead, before any work
+    _fails(capsys, run_finetuning.main, ["--config", "tiny", "--init_from", a, "--steps", "1"],
+           f"{a}/4 holds LoRA adapters alone, and --init_from starts from a checkpoint's whole weights: resume it "
+           f"with --load {a}")
 
 
 def test_the_tiny_preset_with_lora_learns_the_synthetic_task(tmp_path):

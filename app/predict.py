@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from app.args import carried_model, make_config
 from app.runtime import ensure_host_devices, is_main_process, setup_jax
-from config.fields import coerce, set_path
+from config.carry import saved_value
+from config.fields import set_path
 from config.schema import FIELDS
 from data import sources
 from data.loader import length_buckets
@@ -79,16 +80,6 @@ def decoding_graphs_config(cfg):
     return ecfg.validate()
 
 
-def _saved(saved: dict, flag: str, default=None):
-    """A config field of a checkpoint's meta (its saved config), by the flag's name (``default`` where it has none)."""
-    value = saved["config"]
-    for p in FIELDS[flag].path:
-        if p not in value:
-            return default
-        value = value[p]
-    return value
-
-
 class Predictor:
     """Compiled sharded decoding (greedy, beam search or sampling: the config's inference section) over
     length-bucketed batches of ``micro_batch_size * data_parallel`` rows."""
@@ -131,7 +122,7 @@ class Predictor:
         A checkpoint trained phased (the presets whose base never fits a device beside anything else) is merged from
         host memory (``merged_from_host``): its device then holds the merged model alone, never the base beside it
         (XXL: 20.7 GiB, not 41)."""
-        if _saved(saved, "phased", False):
+        if saved_value(saved["config"], "phased"):
             return self.merged_from_host(directory, step, saved)
         return self.merged_on_device(directory, step, saved)
 
@@ -168,7 +159,7 @@ class Predictor:
         """The Graphs of a LoRA checkpoint's run on these devices: its adapters' rank, alpha and targets."""
         lcfg = copy.deepcopy(self.cfg)
         for flag in ("lora_rank", "lora_alpha", "lora_targets"):
-            set_path(lcfg, FIELDS[flag].path, coerce(FIELDS[flag], _saved(saved, flag)))
+            set_path(lcfg, FIELDS[flag].path, saved_value(saved["config"], flag))
         return Graphs(lcfg, mesh=self.graphs.mesh)
 
     @staticmethod

@@ -10,19 +10,23 @@ from config.fields import coerce
 from config.schema import FIELDS, MODEL_SHAPE, TASK_FIELDS, Config
 
 
+def saved_value(saved: dict, flag: str):
+    """A field of a saved config (a checkpoint's, a nested mapping) by its flag's name, coerced; the field's default
+    where the checkpoint predates it."""
+    ref, value = FIELDS[flag], saved
+    for p in ref.path:
+        if not (isinstance(value, dict) and p in value):
+            return coerce(ref, ref.default)
+        value = value[p]
+    return coerce(ref, value)
+
+
 def travelling(saved: dict) -> dict:
     """{flag: value} of the TASK_FIELDS a saved config (a checkpoint's) set to other than their default: a field
     it predates or left at its default is absent, so the decoding preset's own value stands (the tiny preset
     scores the synthetic ``validation`` split, as it always has)."""
-    out = {}
-    for flag in TASK_FIELDS:
-        value, ok = saved, True
-        for p in FIELDS[flag].path:
-            ok = ok and isinstance(value, dict) and p in value
-            value = value.get(p) if ok else None
-        if ok and coerce(FIELDS[flag], value) != coerce(FIELDS[flag], FIELDS[flag].default):
-            out[flag] = coerce(FIELDS[flag], value)
-    return out
+    values = {flag: saved_value(saved, flag) for flag in TASK_FIELDS}
+    return {flag: v for flag, v in values.items() if v != coerce(FIELDS[flag], FIELDS[flag].default)}
 
 
 def model_shape(source) -> dict:

@@ -87,8 +87,7 @@ def test_without_a_pad_token_prompts_and_finished_outputs_are_padded_with_end_of
     (as HF ``generate`` does when the model sets no pad token), and prompts are padded with it."""
     from app.predict import Predictor
     from config import load_config
-    from data.tasks import pad_id, tokenize_prompts
-    from data.tasks import Example
+    from data.tasks import Example, pad_id, tokenize_prompts
     from graphs.graphs import Graphs
     from modelling import registry
 

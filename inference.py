@@ -42,7 +42,7 @@ def programs(g, n: int) -> tuple:
     family, opts = g.family, g.opts
     options = Options.of_config(g.cfg.inference)
     start = g.phase(lambda p, i, m: family.decode_start(family.decoding_params(p, opts), i, m, opts, n, S.TP)[0],
-                    (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, S.TP))  # logits: vocab over tp
+                    (g.decode_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, S.TP))  # logits: vocab over tp
     one = dataclasses.replace(options, max_new_tokens=1)
     return g.decode_phase(options, eos_id=-1), g.decode_phase(one, eos_id=-1), start
 

@@ -194,9 +194,9 @@ class Evaluator:
 
     def __call__(self, state, step: int) -> dict:
         stacked = self.executor.weights(state)  # the stacked weights, wherever they live
-        weights = self.predictor.weights  # (int8 when the run asked for it: --quantize int8)
-        params = (jax.device_put(stacked, self.predictor.graphs.param_shardings)
-                  if self.predictor.graphs.quantize == "none" else weights.place(stacked))
+        g = self.predictor.graphs  # decoding's layout, once (int8 when the run asked for it: --quantize int8)
+        params = (g.to_decoding(jax.device_put(stacked, g.param_shardings)) if g.quantize == "none"
+                  else self.predictor.weights.place(stacked))
         scores = {}
         for data, (examples, feats) in zip(self.sets, self.inputs):
             report = score(data.task, examples, self.predictor.predict(params, feats, self.tokenizer,

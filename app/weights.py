@@ -19,7 +19,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from config.carry import saved_value
 from config.fields import set_path
@@ -38,7 +38,8 @@ logger = logging.getLogger("flan_t5")
 
 
 def _key(path) -> tuple:
-    return tuple(str(getattr(k, "key", k)) for k in path)
+    """A tree path as a tuple of strings (dict keys; a list index as its number)."""
+    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 class Weights:
@@ -66,23 +67,10 @@ class Weights:
         return self.convert(params) if direct else self.place(params)
 
     def convert(self, params: dict) -> dict:
-        """Weights on the devices (any dtypes, the training layout) -> decoding's layout (``Graphs.
-        decode_shardings``): each weight in its decoding dtype, int8 where decoding quantizes it, in one program
-        (the whole model and its converted copy on the devices at once: ``place`` converts from host memory).
-        A tree already in decoding's dtypes comes back as it is."""
-        targets = self.graphs.abstract_decode_params()
-        same = jax.tree.structure(targets) == jax.tree.structure(params) and all(
-            x.dtype == t.dtype for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(targets)))
-        if same:
-            return params
-
-        def one(x, t):
-            if quant.is_int8(t):
-                return quant.quantize(x, t.n_in, t.lead, t.dtype)
-            return x.astype(t.dtype)
-
-        return jax.jit(lambda p: jax.tree.map(one, p, targets),
-                       out_shardings=jax.tree.map(lambda t: t.sharding, targets))(params)
+        """Weights on the devices in training's layout -> decoding's, in one program (``Graphs.to_decoding``); a tree
+        already in decoding's layout comes back as it is."""
+        g = self.graphs
+        return params if g.is_decoding_layout(params) else g.to_decoding(params)
 
     def merged_params(self, directory: str, step: int, saved: dict):
         """A LoRA checkpoint's adapters on their frozen base (which its meta names), merged: the weights decoded.
@@ -152,19 +140,32 @@ class Weights:
     # ------------------------------------------------------------------ placement in decoding's layout
 
     def place(self, host: dict, adapters: dict | None = None, lora_opts=None) -> dict:
-        """Host weights (numpy, or arrays in host memory) -> decoding's layout on the devices (``Graphs.
-        decode_shardings``): each weight in its decoding dtype, int8 where decoding quantizes it; a stacked weight
-        one layer at a time, merged first with its LoRA adapter (``adapters``: the adapters' tree on the devices)
-        where it has one."""
+        """Host weights (numpy, or arrays in host memory) in training's layout -> decoding's on the devices
+        (``Graphs.decode_shardings``): each weight in its decoding dtype, int8 where decoding quantizes it; a stacked
+        weight one layer at a time, merged first with its LoRA adapter (``adapters``: the adapters' tree on the
+        devices) where it has one; the decode stack's layers one tree per layer."""
         g = self.graphs
         targets = g.abstract_decode_params()
         flat, treedef = jax.tree_util.tree_flatten_with_path(targets, is_leaf=quant.is_int8)
         host_leaves = dict((_key(p), x) for p, x in jax.tree_util.tree_flatten_with_path(host)[0])
+        rows: dict = {}  # (stack, name) -> rows(i) of its host weight, for the decode stack's one tree per layer
         out = []
         for path, target in flat:
             key = _key(path)
-            pair = _adapter_pair(adapters, key)
-            out.append(self._place_weight(host_leaves[key], target, key, pair, lora_opts))
+            if key[0] == g.decode_stack and key[1] == "layers":  # (stack, "layers", i, name): layer i alone
+                i, name = int(key[2]), key[3:]
+                source = (key[0], "layers") + name
+                if source not in rows:
+                    rows[source] = _host_rows(host_leaves[source], _row_source_sharding(target))
+                row = rows[source](i)
+                pair = _adapter_pair(adapters, source)
+                if pair is not None:
+                    row = self._program("merge", target, lora_opts)(row, *(a[i: i + 1] for a in pair))
+                out.append(self._program("row", target, None)(row))
+                if i == len(targets[g.decode_stack]["layers"]) - 1:
+                    del rows[source]  # (its host copy, read shard by shard, is no longer needed)
+                continue
+            out.append(self._place_weight(host_leaves[key], target, key, _adapter_pair(adapters, key), lora_opts))
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def _place_weight(self, x, target, key: tuple, pair, lora_opts):
@@ -196,6 +197,8 @@ class Weights:
 
         if kind == "whole":
             fn = jax.jit(lambda w: convert(w, 0), out_shardings=shardings)
+        elif kind == "row":  # one layer [1, ...] as stored -> the layer's own weight in decoding's layout
+            fn = jax.jit(lambda w: convert(w[0], 0), out_shardings=shardings)
         elif kind == "zeros":
             fn = jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), target), out_shardings=shardings)
         elif kind == "write":
@@ -225,6 +228,13 @@ def _adapter_pair(adapters: dict | None, key: tuple):
     if name + lora.A not in layers:
         return None
     return layers[name + lora.A], layers[name + lora.B]
+
+
+def _row_source_sharding(target) -> NamedSharding:
+    """The sharding of a [1, ...] slice of the stacked weight a per-layer ``target`` comes from (its spec with the
+    unsharded layers axis in front)."""
+    sh = _device_sharding(target)
+    return NamedSharding(sh.mesh, P(None, *sh.spec))
 
 
 def _device_sharding(target):

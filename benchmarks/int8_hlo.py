@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
         def fn(params, ids, mask):
             return decoding.greedy(family, params, ids, mask, opts, a.output_length, S.TP)
 
-        prog = g.phase(fn, (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))
+        prog = g.phase(fn, (g.decode_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))
         rows = jax.ShapeDtypeStruct((a.batch, a.prompt_length), np.int32, sharding=g.row_sharding)
         return g, prog.lower(g.abstract_decode_params(), rows, rows).compile()
 

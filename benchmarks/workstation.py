@@ -107,7 +107,8 @@ def main(argv=None) -> dict:
     group = host_cgroup(a.host_gib)
     # the synthetic NLI task with MultiNLI's lengths and a tokenizer learnt from it (a GPU box reaches no hub); the
     # smoke run keeps its tiny preset's own data
-    data = ["--split", "validation"] + ([] if a.smoke else ["--dataset", "synthetic-mnli", "--tokenizer", "train"])
+    data = ["--split", "validation"] + ([] if a.smoke else ["--dataset", "synthetic-mnli", "--tokenizer", "train",
+                                                            "--hf_model", ""])  # (a random-init base: no hub)
     train = ["run_finetuning.py", "--config", a.preset, "--steps", str(3 if a.smoke else a.steps), "--save", save,
              "--checkpoint_steps", "0", *data] + (["--lora_rank", "4"] if a.smoke else [])
     report = {"preset": a.preset, "quantize": a.quantize, "device_cap": {"gib": a.device_gib, "mem_fraction": fraction,
@@ -117,8 +118,9 @@ def main(argv=None) -> dict:
     report["train"] = run(train, env, group, os.path.join(tmp, "train.log"))
     report["step_s"] = step_seconds(save, load_config("finetuning", a.preset).training.global_batch_size)
     if report["train"]["status"] == "ok":
-        val = ["run_validation.py", "--load", save, "--limit", str(a.limit), "--quantize", a.quantize, "--output",
-               os.path.join(tmp, "validation.json")]
+        one = [] if a.smoke else ["--data_parallel", "1", "--tensor_parallel", "1", "--micro_batch_size", "32"]
+        val = ["run_validation.py", "--load", save, "--limit", str(a.limit), "--quantize", a.quantize, *one,
+               "--output", os.path.join(tmp, "validation.json")]
         report["validate"] = run(val, env, group, os.path.join(tmp, "validate.log"))
         if report["validate"]["status"] == "ok":  # what it scored (on random-init weights: chance) and how fast
             v = json.load(open(os.path.join(tmp, "validation.json")))

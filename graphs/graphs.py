@@ -233,30 +233,76 @@ class Graphs:
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
     def compute_specs(self) -> dict:
-        """tp-only specs of the weights (after the RTS gather); a weight decoding keeps as int8 (``quantize``) has an
-        ``Int8`` of the specs of its values and of its scale (its output axes')."""
-        return self.decoding_tree(lambda spec, lay, path: lay.compute_spec,
-                                  lambda spec, lay, n_in, path: P(*_scale_axes(spec, lay.tp_spec, n_in)))
+        """tp-only specs of the weights (after the RTS gather), stacked as training holds them."""
+        return jax.tree.map(lambda l: l.compute_spec, self.layouts, is_leaf=S.is_layout)
+
+    # ------------------------------------------------------------------ decoding's layout of the weights
+    #
+    # Decoding reads its weights in a layout of its own: every weight whole on the devices of its tp group (no RTS),
+    # in the compute dtype (the family's float32 weights kept float32), int8 where ``quantize`` says
+    # (modelling/quant.py), and the layers of the stack that decodes token by token (the family's last) as one tree
+    # per layer: the decode step reads them one by one, and a program that sliced them out of a stacked array would
+    # copy them all (XXL: 5.8 GiB of int8 decoder weights, 11.5 GiB of bfloat16) before its loop.
+
+    def decode_specs(self) -> dict:
+        """The specs of decoding's weights: a weight kept as int8 has an ``Int8`` of its values' specs and its
+        scale's (its output axes'); the decode stack's layers one tree per layer."""
+        return self._decoding(lambda spec, lay, path: lay.compute_spec,
+                              lambda spec, lay, n_in, path: P(*_scale_axes(spec, lay.tp_spec, n_in)),
+                              lambda p: P(*tuple(p)[1:]))
 
     def decode_shardings(self, memory_kind: str | None = None) -> dict:
-        """Shardings of the weights decoding reads (``compute_specs``), on the devices or in ``memory_kind``."""
-        return jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=memory_kind), self.compute_specs())
+        """Shardings of decoding's weights (``decode_specs``), on the devices or in ``memory_kind``."""
+        return jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=memory_kind), self.decode_specs())
 
     def abstract_decode_params(self) -> dict:
-        """ShapeDtypeStructs of the weights as decoding holds them (app/weights.py): in the compute dtype (the
-        family's float32 weights kept float32), int8 values and float32 scales where quantized."""
+        """ShapeDtypeStructs of decoding's weights (app/weights.py places them), with their shardings."""
         def dtype(path):
             return np.float32 if self.family.keeps_f32(path[-1]) else self.opts.compute_dtype
 
-        shapes = self.decoding_tree(lambda spec, lay, path: jax.ShapeDtypeStruct(spec.shape, dtype(path)),
-                                    lambda spec, lay, n_in, path: jax.ShapeDtypeStruct(
-                                        _scale_axes(spec, spec.shape, n_in), np.float32))
-        values = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
-                              self.decode_shardings())
-        # the values of an int8 weight are int8
-        return jax.tree.map(lambda w: quant.Int8(jax.ShapeDtypeStruct(w.q.shape, np.int8, sharding=w.q.sharding),
-                                                 w.scale, w.dtype, w.n_out) if quant.is_int8(w) else w,
-                            values, is_leaf=quant.is_int8)
+        def values(spec, lay, path):
+            int8 = self._int8_inputs(spec, path) is not None
+            return jax.ShapeDtypeStruct(spec.shape, np.int8 if int8 else dtype(path))
+
+        shapes = self._decoding(values, lambda spec, lay, n_in, path: jax.ShapeDtypeStruct(
+            _scale_axes(spec, spec.shape, n_in), np.float32), lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                            self.decode_shardings())
+
+    @property
+    def decode_stack(self) -> str:
+        """The stack whose layers decoding keeps one tree per layer: the family's last (it decodes token by token)."""
+        return self.family.stacks[-1].name
+
+    def is_decoding_layout(self, params: dict) -> bool:
+        """Whether a weight tree is in decoding's layout (else training's: stacked, as a checkpoint holds it)."""
+        return isinstance(params[self.decode_stack]["layers"], (list, tuple))
+
+    def to_decoding(self, params: dict) -> dict:
+        """Weights on the devices in training's layout (any dtypes) -> decoding's (``decode_shardings``), in one
+        program: the whole model and its new copy on the devices at once (app/weights.py's ``place`` converts from
+        host memory a weight at a time)."""
+        targets, stack = self.abstract_decode_params(), self.decode_stack
+
+        def convert(x, t):
+            return quant.quantize(x, t.n_in, t.lead, t.dtype) if quant.is_int8(t) else x.astype(t.dtype)
+
+        def fn(p):
+            layers = p[stack]["layers"]
+            rows = [jax.tree.map(lambda w: w[i], layers) for i in range(len(targets[stack]["layers"]))]
+            p = {**p, stack: {**p[stack], "layers": rows}}
+            return jax.tree.map(convert, p, targets)
+
+        return jax.jit(fn, out_shardings=jax.tree.map(lambda t: t.sharding, targets))(params)
+
+    def _decoding(self, plain, scale, row) -> dict:
+        """``decoding_tree`` with the decode stack's stacked leaves split into one tree per layer (``row(leaf)``: a
+        stacked leaf's per-layer one)."""
+        tree, stack = self.decoding_tree(plain, scale), self.decode_stack
+        layers = tree[stack]["layers"]
+        n = jax.tree.leaves(self.specs[stack]["layers"], is_leaf=is_spec)[0].shape[0]
+        one = jax.tree.map(row, layers)
+        return {**tree, stack: {**tree[stack], "layers": [one] * n}}
 
     def _int8_inputs(self, spec, path: tuple):
         """How many input dims the weight at ``path`` has if decoding keeps it as int8, else None."""
@@ -285,8 +331,8 @@ class Graphs:
         return self._map_weights(build)
 
     def decode_phase(self, options: decoding.Options, eos_id: int = 1, pad_id: int = 0, seed: int = 0):
-        """The search ``options`` names (greedy, beam search, sampling: modelling/decoding.py): (gathered weights,
-        ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens]. Sampling draws from ``seed``, each row by its global
+        """The search ``options`` names (greedy, beam search, sampling: modelling/decoding.py): (weights in
+        decoding's layout, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens]. Sampling draws from ``seed``, each row by its global
         index, so the outputs are the same at any dp x tp."""
         opts, family = self.opts, self.family
 
@@ -295,9 +341,13 @@ class Graphs:
             return decoding.decode(family, p, ids, mask, opts, options, S.TP, eos_id, pad_id,
                                    jax.random.wrap_key_data(key_data), offset)
 
-        program = self.phase(fn, (self.compute_specs(), P(S.DP, None), P(S.DP, None), P()), P(S.DP, None))
+        program = self.phase(fn, (self.decode_specs(), P(S.DP, None), P(S.DP, None), P()), P(S.DP, None))
         key = jax.device_put(jax.random.key_data(jax.random.key(seed)), self.replicated)
-        return lambda p, ids, mask: program(p, ids, mask, key)
+
+        def run(p, ids, mask):  # (weights in training's layout, a test's: converted at each call)
+            return program(p if self.is_decoding_layout(p) else self.to_decoding(p), ids, mask, key)
+
+        return run
 
     def generate_phase(self, max_new_tokens: int, eos_id: int = 1, cached: bool = True, pad_id: int = 0):
         """Greedy decoding: (gathered weights, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens].

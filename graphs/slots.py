@@ -65,7 +65,7 @@ class SlotPrograms:
             return first, _stacked(cache)
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.compute_specs(), P(S.DP, S.TP), P(S.DP, None), P(S.DP, None),
+                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), P(S.DP, None), P(S.DP, None),
                                          P(S.DP), P(S.DP)),
                                out_specs=(P(S.DP), P(S.DP, S.TP)))
         return jax.jit(mapped, donate_argnums=1)
@@ -80,7 +80,7 @@ class SlotPrograms:
             return out, _stacked(cache)
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.compute_specs(), P(S.DP, S.TP), P(S.DP), P(S.DP), P(S.DP), P(S.DP)),
+                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), P(S.DP), P(S.DP), P(S.DP), P(S.DP)),
                                out_specs=(P(S.DP, None), P(S.DP, S.TP)))
         return jax.jit(mapped, donate_argnums=1)
 
@@ -93,7 +93,7 @@ class SlotPrograms:
             return _stacked(family.widen_cache(cache, ids.shape[1], width))
 
         ids = jax.ShapeDtypeStruct((self.slots, width), jnp.int32, sharding=self.rows2)
-        shapes = jax.eval_shape(self.g.phase(fresh, (self.g.compute_specs(), P(S.DP, None), P(S.DP, None)),
+        shapes = jax.eval_shape(self.g.phase(fresh, (self.g.decode_specs(), P(S.DP, None), P(S.DP, None)),
                                              P(S.DP, S.TP)), self.params, ids, ids)
         return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                        out_shardings=self.pieces)()
@@ -106,11 +106,11 @@ class SlotPrograms:
         return slot_lib.Sampling(a(jnp.float32), a(jnp.int32), a(jnp.float32), a(jnp.uint32))
 
     def compile(self, params) -> float:
-        """The weights in the compute dtype (cast once), the empty cache, and every program compiled -> seconds."""
+        """The weights in decoding's layout (Graphs.decode_shardings: as Predictor.load_params gives them, else
+        converted once), the empty cache, and every program compiled -> seconds."""
         t0 = time.perf_counter()
         g = self.g
-        self.params = jax.jit(lambda p: self.family.compute_params(p, self.opts), out_shardings=g.param_shardings)(
-            params)
+        self.params = params if g.is_decoding_layout(params) else g.to_decoding(params)  # (Predictor.load_params')
         self.cache = self._empty_cache()
         cache_abs = jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, self.pieces), self.cache)
         insert = self._insert_program()

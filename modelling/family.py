@@ -279,7 +279,8 @@ class Family(abc.ABC):
         """What ``decode_start`` and ``decode_step`` read, prepared once outside the decoding loop: the compute
         copy, and the last stack's layers sliced out of their stack (the decode step reads them one by one)."""
         p = self.compute_params(params, opts)
-        return p, layer_rows(p[self.stacks[-1].name]["layers"])
+        layers = p[self.stacks[-1].name]["layers"]  # (decoding's layout holds them one tree per layer already)
+        return p, list(layers) if isinstance(layers, (list, tuple)) else layer_rows(layers)
 
     @abc.abstractmethod
     def decode_start(self, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None) -> tuple:

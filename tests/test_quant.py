@@ -123,7 +123,7 @@ def _host_params(g: Graphs, seed: int = 0) -> dict:
 def _first_logits(g: Graphs, params, ids, mask) -> np.ndarray:
     family, opts = g.family, g.opts
     start = g.phase(lambda p, i, m: family.decode_start(family.decoding_params(p, opts), i, m, opts, 4, S.TP)[0],
-                    (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, S.TP))
+                    (g.decode_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, S.TP))
     return np.asarray(start(params, ids, mask))[:, : g.vocab_size]
 
 
@@ -171,8 +171,8 @@ def test_int8_decoding_is_float32_decoding_of_the_dequantized_weights(preset, tp
             assert not is8, key
     assert sum(kinds.values()) >= 2 * len(stacks)
     got = _first_logits(g8, int8, ids, mask)
-    ref = _first_logits(g32, g32.shard_params(_dequantized(g8, host)), ids, mask)
-    orig = _first_logits(g32, g32.shard_params(host), ids, mask)
+    ref = _first_logits(g32, g32.to_decoding(g32.shard_params(_dequantized(g8, host))), ids, mask)
+    orig = _first_logits(g32, Weights(g32).place(host), ids, mask)  # (decoding's layout, in float32)
     spread = orig.std()
     assert np.abs(got - ref).max() <= 1e-4 * spread, np.abs(got - ref).max() / spread
     rms, worst = np.sqrt(np.mean((got - orig) ** 2)) / spread, np.abs(got - orig).max() / spread

@@ -44,6 +44,10 @@ def extra_flags(p):
 def main(argv=None) -> str:
     setup_logging()
     args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    for flag in ("quantize", "stream_encoder"):
+        if flag in overrides:
+            raise FlanT5Error(f"--{flag} is how a model is decoded; run_export.py writes the weights as trained (the "
+                              f"checkpoint's dtype, never int8): drop --{flag}")
     from app.export import check_output
 
     check_output(args.output)
@@ -67,7 +71,8 @@ def main(argv=None) -> str:
               f"modules) in PEFT's format -> {args.output} (peft: PeftModel.from_pretrained(base, '{args.output}'), "
               f"base: {config['base_model_name_or_path']})", flush=True)
         return args.output
-    params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
+    params = predictor.weights.host_tree(predictor.load_params(directory, step, None if directory else
+                                                               cfg.data.hf_model))
     arch = export_model(params, cfg.model, tokenizer, predictor.family, args.output)
     what = f"{directory}/{step}" if directory else cfg.data.hf_model
     print(f"exported {what} as {arch} with its tokenizer -> {args.output} "

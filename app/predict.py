@@ -34,6 +34,7 @@ from data.tasks import Example, pad_id, tokenize_prompts, unknown_share
 from graphs.graphs import Graphs
 from graphs.sharding import fetch, put_global
 from modelling.decoding import Options
+from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
@@ -130,6 +131,40 @@ class Predictor:
                                for i in range(0, len(idx), self.batch_size)])
 
 
+def decoding_plan(cfg, rows: int, exact: bool = False):
+    """The memory plan (graphs/decode_plan.py) of decoding ``rows`` prompts of ``sequence_length`` tokens to
+    ``output_length`` new ones with this config's weights: a LoRA checkpoint's base counted in host memory while its
+    adapters are merged."""
+    from graphs.decode_plan import decode_plan
+
+    g = Graphs(cfg)
+    base = 0
+    load = cfg.checkpoint.load
+    if load:
+        directory, step = ckpt.resolve(load)[-1]
+        saved = ckpt.read_meta(directory, step)
+        if saved.get("lora_base"):
+            lg = Weights(g).lora_graphs(saved)
+            base = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(lg.abstract_base()))
+    return decode_plan(g, rows, cfg.model.sequence_length, cfg.inference.output_length, exact, base)
+
+
+def print_plan(cfg, rows: int, exact: bool = False):
+    """``decoding_plan`` printed, and checked against this machine's memory (a line saying what does not fit)."""
+    from graphs.decode_plan import format_plan
+    from graphs.plan import device_memory_limit, host_memory_limit, human_bytes
+
+    plan = decoding_plan(cfg, rows, exact)
+    print(format_plan(plan), flush=True)
+    dev, host = device_memory_limit(), host_memory_limit()
+    if dev and plan.device_peak > dev:
+        print(f"does not fit: a device has {human_bytes(dev)}: try --quantize int8, --stream_encoder, fewer rows "
+              "(--micro_batch_size) or --tensor_parallel", flush=True)
+    if host and plan.host_peak > host:
+        print(f"does not fit: this machine has {human_bytes(host)} of memory available", flush=True)
+    return plan
+
+
 def batch_rows(feats: dict, idx, batch_size: int) -> tuple:
     """(ids, mask) [batch_size, n] of rows ``idx`` of feats, right-padded to their longest prompt rounded up to a
     multiple of 8, the last batch filled by repeating its last row."""
@@ -185,7 +220,7 @@ def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, comp
     if compare_hf:
         from app.hf_generate import hf_generate  # torch, only for --compare_hf
 
-        host = jax.tree.map(np.asarray, params)
+        host = predictor.weights.host_tree(params)  # (training's layout; int8 weights dequantized: the same values)
         ids, mask = predictor.family.layout_prompts(feats["input_ids"], feats["attention_mask"])
         hf_tokens = hf_generate(predictor.cfg, predictor.family, host, ids, mask, tokenizer.eos_token_id,
                                 pad_id(tokenizer))

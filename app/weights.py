@@ -72,6 +72,19 @@ class Weights:
         g = self.graphs
         return params if g.is_decoding_layout(params) else g.to_decoding(params)
 
+    def host_tree(self, params: dict) -> dict:
+        """Weights in decoding's layout (or training's) -> numpy in training's layout (every stack's layers stacked),
+        int8 weights dequantized to float32 (q * scale): what an HF model of them (--compare_hf, an export) reads."""
+        def value(x):
+            return np.asarray(quant.dequantize(x)) if quant.is_int8(x) else np.asarray(x)
+
+        tree = jax.tree.map(value, params, is_leaf=quant.is_int8)
+        for stack, sub in tree.items():
+            if isinstance(sub, dict) and isinstance(sub.get("layers"), (list, tuple)):
+                rows = sub["layers"]
+                tree[stack] = {**sub, "layers": jax.tree.map(lambda *r: np.stack(r), *rows)}
+        return tree
+
     def merged_params(self, directory: str, step: int, saved: dict):
         """A LoRA checkpoint's adapters on their frozen base (which its meta names), merged: the weights decoded.
         A checkpoint trained phased (the presets whose base never fits a device beside anything else), or one decoded
@@ -152,7 +165,7 @@ class Weights:
         out = []
         for path, target in flat:
             key = _key(path)
-            if key[0] == g.decode_stack and key[1] == "layers":  # (stack, "layers", i, name): layer i alone
+            if key[0] in (g.decode_stack,) + g.prompt_stacks and key[1] == "layers":  # (stack, "layers", i, name)
                 i, name = int(key[2]), key[3:]
                 source = (key[0], "layers") + name
                 if source not in rows:
@@ -162,7 +175,7 @@ class Weights:
                 if pair is not None:
                     row = self._program("merge", target, lora_opts)(row, *(a[i: i + 1] for a in pair))
                 out.append(self._program("row", target, None)(row))
-                if i == len(targets[g.decode_stack]["layers"]) - 1:
+                if i == len(targets[key[0]]["layers"]) - 1:
                     del rows[source]  # (its host copy, read shard by shard, is no longer needed)
                 continue
             out.append(self._place_weight(host_leaves[key], target, key, _adapter_pair(adapters, key), lora_opts))

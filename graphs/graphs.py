@@ -25,6 +25,9 @@ from graphs.tree import TreeStructure
 from modelling import decoding, lora, quant, registry
 from modelling.family import ModelOptions, cast_params, leaf_name
 from modelling.params import ParamSpec, init_leaf, init_params, is_spec, zero_padded_vocab
+from utils.errors import ConfigError
+
+HOST = "pinned_host"  # (graphs/host_state.py's: the memory streamed weights wait in)
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,14 @@ class Graphs:
         self.phased = ex.phased
         # decoding's weights: int8 matmul weights when an eval config asks (modelling/quant.py); training never
         self.quantize = cfg.inference.quantize if cfg.model.eval else "none"
+        # ... and the stacks that read the prompt alone (T5's encoder) streamed from host memory a layer at a time
+        # (graphs/streaming.py) when an eval config asks
+        self.prompt_stacks = tuple(s.name for s in self.family.stacks[:-1]) \
+            if cfg.model.eval and cfg.inference.stream_encoder else ()
+        if cfg.model.eval and cfg.inference.stream_encoder and not self.prompt_stacks:
+            raise ConfigError(f"--stream_encoder streams an encoder's layers, and the {self.family.name} family has "
+                              "no encoder (every layer decodes token by token): drop --stream_encoder (--quantize "
+                              "int8 halves its weights' bytes)")
         self.shape_hint = partial(shape_hint, cfg)  # how to run a checkpoint of another shape (utils/checkpoint.py)
 
     # ------------------------------------------------------------------ weights
@@ -252,8 +263,16 @@ class Graphs:
                               lambda p: P(*tuple(p)[1:]))
 
     def decode_shardings(self, memory_kind: str | None = None) -> dict:
-        """Shardings of decoding's weights (``decode_specs``), on the devices or in ``memory_kind``."""
-        return jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=memory_kind), self.decode_specs())
+        """Shardings of decoding's weights (``decode_specs``), on the devices or in ``memory_kind``; a streamed
+        stack's layers (``prompt_stacks``) in host memory."""
+        tree = jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=memory_kind), self.decode_specs())
+        for s in self.prompt_stacks:
+            tree[s] = {**tree[s], "layers": jax.tree.map(lambda sh: sh.with_memory_kind(HOST), tree[s]["layers"])}
+        return tree
+
+    def resident(self, tree: dict) -> dict:
+        """A tree like decoding's weights without the streamed stacks' layers (what the decoding program reads)."""
+        return {**tree, **{s: {**tree[s], "layers": ()} for s in self.prompt_stacks}}
 
     def abstract_decode_params(self) -> dict:
         """ShapeDtypeStructs of decoding's weights (app/weights.py places them), with their shardings."""
@@ -288,21 +307,23 @@ class Graphs:
             return quant.quantize(x, t.n_in, t.lead, t.dtype) if quant.is_int8(t) else x.astype(t.dtype)
 
         def fn(p):
-            layers = p[stack]["layers"]
-            rows = [jax.tree.map(lambda w: w[i], layers) for i in range(len(targets[stack]["layers"]))]
-            p = {**p, stack: {**p[stack], "layers": rows}}
+            for s in (stack,) + self.prompt_stacks:
+                layers = p[s]["layers"]
+                p = {**p, s: {**p[s], "layers": [jax.tree.map(lambda w: w[i], layers)
+                                                   for i in range(len(targets[s]["layers"]))]}}
             return jax.tree.map(convert, p, targets)
 
         return jax.jit(fn, out_shardings=jax.tree.map(lambda t: t.sharding, targets))(params)
 
     def _decoding(self, plain, scale, row) -> dict:
-        """``decoding_tree`` with the decode stack's stacked leaves split into one tree per layer (``row(leaf)``: a
-        stacked leaf's per-layer one)."""
-        tree, stack = self.decoding_tree(plain, scale), self.decode_stack
-        layers = tree[stack]["layers"]
-        n = jax.tree.leaves(self.specs[stack]["layers"], is_leaf=is_spec)[0].shape[0]
-        one = jax.tree.map(row, layers)
-        return {**tree, stack: {**tree[stack], "layers": [one] * n}}
+        """``decoding_tree`` with the decode stack's (and the streamed stacks') stacked leaves split into one tree
+        per layer (``row(leaf)``: a stacked leaf's per-layer one)."""
+        tree = self.decoding_tree(plain, scale)
+        for stack in (self.decode_stack,) + self.prompt_stacks:
+            n = jax.tree.leaves(self.specs[stack]["layers"], is_leaf=is_spec)[0].shape[0]
+            one = jax.tree.map(row, tree[stack]["layers"])
+            tree = {**tree, stack: {**tree[stack], "layers": [one] * n}}
+        return tree
 
     def _int8_inputs(self, spec, path: tuple):
         """How many input dims the weight at ``path`` has if decoding keeps it as int8, else None."""
@@ -336,18 +357,30 @@ class Graphs:
         index, so the outputs are the same at any dp x tp."""
         opts, family = self.opts, self.family
 
-        def fn(p, ids, mask, key_data):
+        def fn(p, ids, mask, key_data, encoded=None):
             offset = jax.lax.axis_index(S.DP) * ids.shape[0]
             return decoding.decode(family, p, ids, mask, opts, options, S.TP, eos_id, pad_id,
-                                   jax.random.wrap_key_data(key_data), offset)
+                                   jax.random.wrap_key_data(key_data), offset, encoded)
 
-        program = self.phase(fn, (self.decode_specs(), P(S.DP, None), P(S.DP, None), P()), P(S.DP, None))
+        specs = (self.resident(self.decode_specs()), P(S.DP, None), P(S.DP, None), P())
         key = jax.device_put(jax.random.key_data(jax.random.key(seed)), self.replicated)
+        if not self.prompt_stacks:
+            program = self.phase(fn, specs, P(S.DP, None))
 
-        def run(p, ids, mask):  # (weights in training's layout, a test's: converted at each call)
-            return program(p if self.is_decoding_layout(p) else self.to_decoding(p), ids, mask, key)
+            def run(p, ids, mask):  # (weights in training's layout, a test's: converted at each call)
+                return program(p if self.is_decoding_layout(p) else self.to_decoding(p), ids, mask, key)
 
-        return run
+            return run
+        from graphs.streaming import PromptStream
+
+        stream = PromptStream(self)
+        program = self.phase(fn, specs + (P(S.DP, None, None),), P(S.DP, None))
+
+        def streamed(p, ids, mask):  # the encoder a layer at a time from host memory, then the decoding program
+            p = p if self.is_decoding_layout(p) else self.to_decoding(p)
+            return program(self.resident(p), ids, mask, key, stream(p, ids, mask))
+
+        return streamed
 
     def generate_phase(self, max_new_tokens: int, eos_id: int = 1, cached: bool = True, pad_id: int = 0):
         """Greedy decoding: (gathered weights, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens].

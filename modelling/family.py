@@ -287,6 +287,12 @@ class Family(abc.ABC):
         """Reads the prompts (the encoder, or a causal LM's prefill) -> (logits [b, Vl] of the first new token,
         cache: a tree whose every leaf has the batch as its leading axis). ``params``: ``decoding_params``'."""
 
+    def decode_start_encoded(self, params, encoded, attention_mask, opts, max_new_tokens: int, tp_axis=None) -> tuple:
+        """``decode_start`` from the output of the stacks that read the prompt and nothing else (T5's encoder; read
+        a layer at a time from host memory by graphs/streaming.py), float32 [b, k, d] -> (logits, cache). A family
+        whose every stack decodes token by token (a causal LM) has none."""
+        raise NotImplementedError(f"the {self.name} family has no stack that reads the prompt alone (an encoder)")
+
     @abc.abstractmethod
     def decode_step(self, params, token, i, cache, opts, tp_axis=None) -> tuple:
         """New token ``i`` (0-based) int [b] -> (logits [b, Vl] of the next, cache). ``i``: one index for the whole

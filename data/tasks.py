@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import string
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -310,6 +311,29 @@ def train_tokenizer(batches, vocab_size: int, out_dir: str, labels: Optional[tup
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(out_dir)
     return fast
+
+
+FRAGMENTED = 1.5  # tokens a word above which a learnt tokenizer that filled its vocabulary is said to split words
+
+
+def vocabulary_fit(tok, sample: list, vocab_size: int, cap: int = 1 << 15) -> Optional[str]:
+    """One line when a tokenizer learnt with ``vocab_size`` tokens filled them and still splits the words of
+    ``sample`` (texts of the data) into more than ``FRAGMENTED`` tokens each on average, which a model learns
+    poorly, naming the size that holds the sample's words whole (a BPE learnt from the sample with up to ``cap``
+    tokens, rounded up to a multiple of 128); else None. The model's vocabulary stays the config's: it is part of
+    the model's shape, which no data changes behind the user's back."""
+    words = sum(len(text.split()) for text in sample)
+    if len(tok) < vocab_size or not words:
+        return None
+    pieces = sum(len(ids) for ids in tok(sample, add_special_tokens=False)["input_ids"])
+    if pieces / words <= FRAGMENTED:
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        whole = len(train_tokenizer(lambda: [sample], cap, scratch))
+    need = "more than %d" % cap if whole >= cap else str(-(-whole // 128) * 128)
+    return (f"the learnt tokenizer filled --vocab_size {vocab_size} (the model's vocabulary) and splits the data's "
+            f"words into {pieces / words:.1f} tokens each on average, which a model learns poorly: {need} tokens "
+            f"hold them whole; pass --vocab_size {need.split()[-1]}")
 
 
 def load_tokenizer(name: str):

@@ -105,3 +105,49 @@ def test_limit_takes_the_first_rows_of_the_input_file(two_models, tmp_path, caps
     run_inference.main(["--load", a, "--input", rows, "--predictions", str(out), "--limit", "5"])
     assert [json.loads(x)["row"] for x in out.read_text().splitlines()] == [0, 1, 2, 3, 4]
     _fails(capsys, run_inference.main, ["--load", a, "--prompt", "x", "--limit", "2"], "drop --limit")
+
+
+# ------------------------------------------------------------------------------- 2. a learnt tokenizer's size
+
+def sort_rows(path, n=600, seed=0):
+    """The task nobody here wrote: sort three numbers (of 0-999: a thousand words)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = [[rng.randrange(1000) for _ in range(3)] for _ in range(n)]
+    path.write_text("".join(json.dumps({"numbers": " ".join(map(str, xs)), "sorted": " ".join(map(str, sorted(xs)))})
+                            + "\n" for xs in rows))
+    return str(path)
+
+
+def test_a_learnt_tokenizer_that_fills_a_small_vocabulary_says_so_with_the_size_that_holds_the_data(tmp_path,
+                                                                                                   caplog):
+    """The choice: the model's vocabulary stays the config's (part of the model's shape), and a tokenizer that fills
+    it while splitting the data's words finely says so in one line, at every run that uses it, with the size that
+    holds them whole, which then says nothing."""
+    from config import load_config
+    from data import cache, mixture
+
+    data = sort_rows(tmp_path / "sort.jsonl")
+
+    def learn(vocab):
+        cfg = load_config("finetuning", "tiny", {"dataset": data, "input_template": "sort: {numbers}",
+                                                 "target_column": "sorted", "labels": "none", "tokenizer": "train"})
+        req = cache.Request([mixture.tasks_of(cfg)[0].part(cfg)], "t5", "train", str(tmp_path / "c"),
+                            vocab_size=vocab)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="flan_t5"):
+            folder = cache.prepare(req)["tokenizer"]
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        return folder, said
+
+    folder, said = learn(128)
+    assert len(said) == 1 and "filled --vocab_size 128" in said[0], said
+    size = int(said[0].rsplit("--vocab_size ", 1)[1])
+    assert size % 128 == 0 and size > 128
+    assert learn(128) == (folder, said)  # the cached tokenizer: said again, nothing learnt again
+    bigger, quiet = learn(size)
+    from data.tasks import load_tokenizer
+
+    assert quiet == [] and len(load_tokenizer(bigger)) <= size
+    assert len(load_tokenizer(bigger)("sort: 5 712 48", add_special_tokens=False)["input_ids"]) == 4  # words whole

@@ -13,6 +13,7 @@ import tempfile
 from typing import Callable, Optional
 
 from app.entry import die
+from app.rundir import missing_chain, remove_if_empty
 from config.carry import model_shape, travelling
 from config.fields import _base_type, coerce, get_path
 from config.presets import config_from_mapping, load_config, preset_path, read_presets
@@ -196,9 +197,12 @@ def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:
     directory = os.path.abspath(path if is_dir else (os.path.dirname(path) or "."))
     if not is_dir and os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a directory: pass a file path")
+    made = missing_chain(directory)  # made for the check and removed after it: a refused run leaves no folder
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
             pass
     except OSError as e:
         raise ConfigError(f"{flag} {path} cannot be written ({e.strerror or e}): choose a path you can write to") from None
+    finally:
+        remove_if_empty(made)

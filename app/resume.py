@@ -220,6 +220,7 @@ class Saver:
         self.mgr = ckpt.manager(cfg.checkpoint.save) if cfg.checkpoint.save else None
         self.last = f"{cfg.checkpoint.load} step {start_step}" if start_step else None
         self.pending = None  # the step being written (asynchronously)
+        self.keep = set()  # steps pruning never deletes (the best --eval_every step's)
 
     def save(self, step: int, state) -> None:
         self.wait()  # the previous checkpoint complete (and older ones pruned) before the next starts
@@ -241,7 +242,8 @@ class Saver:
         self.mgr.wait_until_finished()
         if self.pending is not None:
             if is_main_process():
-                gone = ckpt.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep, keep=(self.pending,))
+                gone = ckpt.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep,
+                                  keep=(self.pending, *self.keep))
                 if gone:
                     logger.info("removed checkpoint step(s) %s of %s (--to_keep %d)", ", ".join(map(str, gone)),
                                 self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep)

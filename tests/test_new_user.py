@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -151,3 +152,76 @@ def test_a_learnt_tokenizer_that_fills_a_small_vocabulary_says_so_with_the_size_
 
     assert quiet == [] and len(load_tokenizer(bigger)) <= size
     assert len(load_tokenizer(bigger)("sort: 5 712 48", add_special_tokens=False)["input_ids"]) == 4  # words whole
+
+
+# -------------------------------------------------- 3. training rows scored as held-out ones, 8. empty directories
+
+def nli_file(path, n=200, seed=9):
+    from data.synthetic import generate_split
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in generate_split("train", n, seed=seed)))
+    return str(path)
+
+
+SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "8", "--micro_batch_size", "2",
+         "--warmup_steps", "0"]
+
+
+def test_eval_every_on_a_single_file_with_nothing_held_out_is_refused_and_leaves_no_directory(tmp_path, capsys,
+                                                                                              monkeypatch):
+    import run_finetuning
+
+    data = nli_file(tmp_path / "train.jsonl")
+    monkeypatch.chdir(tmp_path)  # (the fresh run directory goes under ./runs)
+    save = tmp_path / "ck"
+    _fails(capsys, run_finetuning.main, SMALL + ["--dataset", data, "--steps", "2", "--eval_every", "1",
+                                                 "--save", str(save)], "pass --holdout N to score N rows held out")
+    _fails(capsys, run_finetuning.main, SMALL + ["--dataset", data, "--steps", "2", "--eval_every", "1"],
+           "--eval_every would score rows the run trains on")
+    assert not save.exists() and not (tmp_path / "runs").exists()  # nothing of the refused runs is left
+    # --load of a directory that does not exist makes none
+    nope = tmp_path / "nope"
+    _fails(capsys, run_finetuning.main, SMALL + ["--load", str(nope), "--save", str(nope)], str(nope))
+    assert not nope.exists()
+
+
+def test_a_failed_run_s_lock_leaves_the_directories_it_made_and_nothing_else(tmp_path):
+    """The rule under item 8: a directory a run made goes when the run leaves nothing in it but its lock and an
+    empty metrics.jsonl; one it did not make, or with anything else in it, stays whole."""
+    from app.rundir import RunLock
+
+    made = tmp_path / "runs" / "tiny-1"
+    lock = RunLock(str(made))
+    (made / "metrics.jsonl").write_text("")
+    lock.release()
+    assert not (tmp_path / "runs").exists()
+    kept = tmp_path / "runs" / "tiny-2"
+    lock = RunLock(str(kept))
+    (kept / "metrics.jsonl").write_text('{"step": 1}\n')
+    lock.release()
+    assert (kept / "metrics.jsonl").exists()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    RunLock(str(theirs)).release()
+    assert theirs.exists()
+
+
+# ------------------------------------------------------------------------- 6. the best step is never deleted
+
+def test_the_best_step_is_kept_whatever_to_keep_says_and_named_without_if(tmp_path, caplog, monkeypatch):
+    import run_finetuning
+    from app import evaluate
+    from utils import checkpoint as ckpt
+
+    scripted = iter([0.5, 0.9, 0.9, 0.7])  # step 2 is the best (step 3 ties: the earliest is the best)
+    monkeypatch.setattr(evaluate.Predictor, "predict", lambda self, params, feats, tok, progress="": [""] * len(
+        feats["input_ids"]))
+    monkeypatch.setattr(evaluate, "score", lambda task, examples, outputs: {"scores": {"accuracy": next(scripted)}})
+    data = nli_file(tmp_path / "train.jsonl")
+    save = str(tmp_path / "ck")
+    with caplog.at_level("INFO", logger="flan_t5"):
+        run_finetuning.main(SMALL + ["--dataset", data, "--holdout", "16", "--eval_rows", "4", "--steps", "4",
+                                     "--eval_every", "1", "--checkpoint_steps", "1", "--to_keep", "1", "--save", save])
+    assert ckpt.saved_steps(save) == [2, 4]
+    assert re.search(r"the best held-out eval_accuracy: 0\.9000 at step 2 \(\S+/ck/2\)$", caplog.text, re.M), \
+        caplog.text[-500:]

@@ -126,6 +126,10 @@ def train(cfg, args, point, warm) -> None:
     from graphs.plan import check_fits, human_bytes
     from utils import checkpoint as ckpt
 
+    if cfg.training.eval_every:  # what it would score exists and is not the training rows (before reading any)
+        from data.mixture import check_evaluation
+
+        check_evaluation(cfg)
     executor = build_executor(cfg)
     for source in (point, warm):  # a checkpoint of another model shape fails here, before the data is read
         if source:

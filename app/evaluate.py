@@ -176,11 +176,6 @@ class Evaluator:
         self.predictor = Predictor(ecfg, Graphs(ecfg, mesh=executor.g.mesh))
         self.executor, self.tokenizer, self.mixed = executor, tokenizer, bool(cfg.mixture.tasks)
         self.sets, self.inputs = evaluation_sets(cfg), []
-        for data in self.sets:  # a single file is what the run trains on: its rows say nothing of unseen data
-            if data.single:
-                raise FlanT5Error(f"--eval_every would score rows the run trains on: {data.dataset} is a single file "
-                                  "and nothing is held out of it; pass --holdout N to score N rows held out of "
-                                  "training, or drop --eval_every")
         family = executor.g.family
         for data in self.sets:
             examples = data.examples[: cfg.training.eval_rows]

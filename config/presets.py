@@ -102,8 +102,8 @@ def resolve_mixture(cfg: Config) -> Config:
                                   f"{', '.join(presets)}, or give a mapping {{name: ..., dataset: ..., ...}}")
             entry = mixture_entry(config_from_mapping(presets[entry] or {}))
         else:
-            defaults = mixture_entry(Config())
-            defaults.update(dataset=None, name=None)
+            defaults = mixture_entry(Config())  # MNLI's task; the run's splits (--train_split, --split)
+            defaults.update(dataset=None, name=None, train_split=cfg.data.train_split, split=cfg.data.split)
             entry = {**defaults, **entry}
             for key in ("labels", "metrics", "holdout"):
                 ref = FIELDS[key]

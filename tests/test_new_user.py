@@ -225,3 +225,42 @@ def test_the_best_step_is_kept_whatever_to_keep_says_and_named_without_if(tmp_pa
     assert ckpt.saved_steps(save) == [2, 4]
     assert re.search(r"the best held-out eval_accuracy: 0\.9000 at step 2 \(\S+/ck/2\)$", caplog.text, re.M), \
         caplog.text[-500:]
+
+
+# ------------------------------------------------------------------------------------ 4. a mixture task's split
+
+def qa_dir(path, splits=("train", "validation")):
+    path.mkdir()
+    for split in splits:
+        (path / f"{split}.jsonl").write_text("".join(json.dumps({"question": f"what is {i} plus one ?",
+                                                                 "answer": str(i + 1)}) + "\n" for i in range(40)))
+    return str(path)
+
+
+QA_TASK = "{{name: qa, dataset: {}, input_column: question, target_column: answer, labels: none}}"
+
+
+def test_a_directory_of_splits_is_scored_on_its_validation_file_and_a_mixture_task_s_split_is_named_as_set(
+        tmp_path, capsys):
+    import run_finetuning
+    from config import load_config
+    from data import cache
+    from data.mixture import evaluation_sets, tasks_of
+
+    own = qa_dir(tmp_path / "qa")
+    cfg = load_config("finetuning", "tiny", {"mixture": ["tiny_headlines", QA_TASK.format(own)]})
+    qa = tasks_of(cfg)[1]
+    assert qa.split == "validation"  # not told: the directory's validation file
+    assert evaluation_sets(cfg)[1].what.endswith("validation.jsonl")
+    # --split reaches the mapping tasks that name none (it did not: the default was always MNLI's)
+    dev = qa_dir(tmp_path / "dev", ("train", "dev"))
+    cfg = load_config("finetuning", "tiny", {"mixture": ["tiny_headlines", QA_TASK.format(dev)], "split": "dev"})
+    assert tasks_of(cfg)[1].split == "dev" and evaluation_sets(cfg)[1].what.endswith("dev.jsonl")
+    # a split that is not there: the fix names the mapping key that works, before anything is read or tokenized
+    val = qa_dir(tmp_path / "val", ("train", "valid"))
+    argv = ["--config", "tiny", "--mixture", "tiny_headlines", QA_TASK.format(val), "--eval_every", "2",
+            "--steps", "2", "--tokenizer", "train", "--vocab_size", "256"]
+    before = dict(cache.BUILDS)
+    err = _fails(capsys, run_finetuning.main, argv, "in task qa's mapping")
+    assert "name one of its splits (train, valid) with split: NAME in task qa's mapping" in err, err
+    assert cache.BUILDS == before  # nothing read or tokenized first (it was, for 12-19 s)

@@ -80,7 +80,7 @@ def check_args(cfg, args) -> None:
 @entry
 def main(argv=None) -> None:
     setup_logging()
-    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags, resume=True)
     check_args(cfg, args)
     ensure_host_devices(cfg.devices)
     ensure_pinned_host_memory(cfg)

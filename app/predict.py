@@ -46,14 +46,15 @@ from utils.errors import FlanT5Error
 logger = logging.getLogger("flan_t5")
 
 
-def decoding_config(args, overrides: dict):
+def decoding_config(args, overrides: dict, purpose: str = "validate or decode"):
     """The inference preset, the model's own shape (explicit flags that contradict it are errors), the task the
     checkpoint was trained on (its data, template, labels, metrics, tokenizer, output length: flags change them),
-    the command line, and what decoding requires (eval mode, no RTS), validated once."""
+    the command line, and what decoding requires (eval mode, no RTS), validated once. ``purpose``: what the driver
+    does, as its error says it."""
     load, hf_model = overrides.get("load"), overrides.get("hf_model")
     if not load and not hf_model:
-        raise FlanT5Error("nothing to validate or decode: pass --load CKPT (a --save directory of run_finetuning.py) or "
-                          "--hf_model NAME")
+        raise FlanT5Error(f"nothing to {purpose}: pass --load CKPT (a --save directory of run_finetuning.py) or "
+                          "--hf_model NAME_OR_DIR")
     carried = carried_model(overrides, load, hf_model)
     if "dataset" in overrides or "split" in overrides:  # data named on the command line: its rows, not held-out ones
         carried["holdout"] = 0
@@ -62,10 +63,10 @@ def decoding_config(args, overrides: dict):
                        defaults=carried)
 
 
-def start_decoding(args, overrides: dict):
+def start_decoding(args, overrides: dict, purpose: str = "validate or decode"):
     """``decoding_config``, then this process's simulated devices and JAX's set-up from it (both before JAX starts a
     backend) -> the config: how every decoding driver starts."""
-    cfg = decoding_config(args, overrides)
+    cfg = decoding_config(args, overrides, purpose)
     ensure_host_devices(cfg.devices)
     setup_jax()
     return cfg

@@ -189,8 +189,9 @@ def read_file(path: str, cache_dir: Optional[str] = None, shown: Optional[str] =
     kind, shown = os.path.splitext(path)[1], shown or path
     if kind not in SUFFIXES:
         raise DataError(f"{shown}: unknown file type: use one of {', '.join(SUFFIXES)}")
-    if not _has_content(path):
-        raise DataError(f"{shown}: the file has no rows: give a file with the task's columns")
+    if not _has_content(path, header=kind in (".csv", ".tsv")):
+        raise DataError(f"{shown}: the file has no rows"
+                        + (" (a header alone)" if _has_content(path) else "") + ": give a file with the task's columns")
     kw = {}
     if kind in (".csv", ".tsv"):
         builder, kw = "csv", _delimited(path, "\t" if kind == ".tsv" else ",", shown)
@@ -211,11 +212,14 @@ def read_file(path: str, cache_dir: Optional[str] = None, shown: Optional[str] =
     return ds
 
 
-def _has_content(path: str) -> bool:
+def _has_content(path: str, header: bool = False) -> bool:
+    """Whether the file has a line that is not blank (after its first, a ``header``)."""
     with open(path, "rb") as f:
         for line in f:
             if line.strip():
-                return True
+                if not header:
+                    return True
+                header = False
     return False
 
 

@@ -13,6 +13,8 @@ continues ``INPUT target:`` with `` TARGET<|endoftext|>``.
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import math
 import os
@@ -165,8 +167,24 @@ class _Where:
 
     def missing(self, k: int, col: str):
         has = [str(c) for c, v in self.batch.items() if v[k] is not None] if self.batch else []
+        if self.batch and col in self.batch and self.null_in_file(k, col) is not False:  # a null: the row has it
+            raise DataError(f"{self(k)}: column '{col}' is null" + ("" if self.null_in_file(k, col) else
+                                                                    " (or absent from this row)")
+                            + f": give the {col}, or remove the row")
         raise DataError(f"{self(k)}: column '{col}' is missing: the task reads {', '.join(self.task.columns)}; the "
                         f"row has {', '.join(has) or 'no columns'}")
+
+    def null_in_file(self, k: int, col: str) -> Optional[bool]:
+        """Whether row k of a JSON-lines file names ``col`` with a null (Arrow reads a null and an absent key alike);
+        None where the file cannot tell (another format)."""
+        if self.first_line is None or not str(self.where).endswith(".jsonl") or not os.path.isfile(self.where):
+            return None
+        with open(self.where) as f:
+            line = next(itertools.islice(f, self.first_line + self.start + k - 1, None), "")
+        try:
+            return col in json.loads(line)
+        except ValueError:
+            return None
 
 
 def _as_text(value, col: str, at: _Where, k: int) -> str:

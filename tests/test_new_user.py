@@ -264,3 +264,171 @@ def test_a_directory_of_splits_is_scored_on_its_validation_file_and_a_mixture_ta
     err = _fails(capsys, run_finetuning.main, argv, "in task qa's mapping")
     assert "name one of its splits (train, valid) with split: NAME in task qa's mapping" in err, err
     assert cache.BUILDS == before  # nothing read or tokenized first (it was, for 12-19 s)
+
+
+# ------------------------------------------------------------------------------------- 5. resuming an own task
+
+def test_a_resume_takes_the_task_from_the_checkpoint_and_names_every_disagreement_at_once(tmp_path, capsys, caplog):
+    import run_finetuning
+    from data import cache
+    from utils import checkpoint as ckpt
+
+    own = qa_dir(tmp_path / "qa")
+    save = str(tmp_path / "ck")
+    task = ["--task_name", "qa", "--dataset", own, "--input_template", "question: {question}", "--target_column",
+            "answer", "--labels", "none", "--tokenizer", "train", "--vocab_size", "256",
+            "--decoder_sequence_length", "6"]
+    run_finetuning.main(SMALL + task + ["--steps", "2", "--save", save])
+    learnt = os.path.join(save, "tokenizer", "tokenizer.json")
+    stamp, built = os.stat(learnt).st_mtime_ns, dict(cache.BUILDS)
+    # none of the task's flags again (five attempts, one error each, before), nor --tokenizer train's relearning
+    with caplog.at_level("INFO", logger="flan_t5"):
+        run_finetuning.main(SMALL + ["--load", save, "--save", save, "--steps", "3", "--tokenizer", "train"])
+    assert ckpt.saved_steps(save)[-2:] == [2, 3] and "resuming with the tokenizer" in caplog.text
+    assert os.stat(learnt).st_mtime_ns == stamp and cache.BUILDS == built  # nothing learnt, read or tokenized again
+    meta = ckpt.read_meta(save, 3)["config"]
+    assert meta["task"]["input_template"] == "question: {question}" and meta["data"]["dataset"] == own
+    # flags that disagree: every one named in one line, the checkpoint untouched
+    other = qa_dir(tmp_path / "other")
+    err = _fails(capsys, run_finetuning.main, SMALL + ["--load", save, "--save", save, "--steps", "4", "--dataset",
+                                                       other, "--global_batch_size", "16", "--input_template",
+                                                       "q: {question}"], "--init_from")
+    for flag, ours, theirs in (("dataset", other, own), ("global_batch_size", "16", "8"),
+                               ("input_template", "q: {question}", "question: {question}")):
+        assert f"--{flag} {ours} (it was trained with --{flag} {theirs})" in err, err
+    assert ckpt.saved_steps(save)[-1] == 3
+
+
+# ---------------------------------------------------------------------- 9, 12. a header-only CSV, a null target
+
+def test_a_header_only_csv_and_a_null_target_are_named_as_what_they_are(tmp_path):
+    from data import sources
+    from data.sources import DataError
+    from data.tasks import Task
+    from types import SimpleNamespace
+
+    header = tmp_path / "rows.csv"
+    header.write_text("question,answer\n")
+    with pytest.raises(DataError, match=r"rows.csv: the file has no rows \(a header alone\): give a file"):
+        sources.read(str(header), "train")
+    task = Task(SimpleNamespace(name="qa", input_template=None, input_column="question", target_column="answer",
+                                labels=None, metrics=("exact_match",)))
+    null = tmp_path / "null.jsonl"
+    null.write_text('{"question": "a", "answer": "b"}\n{"question": "c", "answer": null}\n')
+    with pytest.raises(DataError, match=r"null.jsonl: row 1 \(line 2\): column 'answer' is null: give the answer"):
+        task.examples(sources.read(str(null), "train"))
+    absent = tmp_path / "absent.jsonl"
+    absent.write_text('{"question": "a", "answer": "b"}\n{"question": "c"}\n')
+    with pytest.raises(DataError, match=r"row 1 \(line 2\): column 'answer' is missing: .* the row has question"):
+        task.examples(sources.read(str(absent), "train"))
+    parquet = tmp_path / "null.parquet"
+    import pandas as pd
+
+    pd.DataFrame([{"question": "a", "answer": "b"}, {"question": "c", "answer": None}]).to_parquet(parquet)
+    with pytest.raises(DataError, match=r"row 1: column 'answer' is null \(or absent from this row\)"):
+        task.examples(sources.read(str(parquet), "train"))
+
+
+# ------------------------------------------------------------------------------ 10. a truncated checkpoint
+
+def test_a_truncated_checkpoint_s_error_ends_in_words_not_a_cut_internal_string(two_models, tmp_path, capsys):
+    import glob
+    import shutil
+
+    import run_validation
+
+    broken = str(tmp_path / "broken")
+    shutil.copytree(two_models[0], broken)
+    data = max((f for f in glob.glob(os.path.join(broken, "1", "params", "**", "*"), recursive=True)
+                if os.path.isfile(f)), key=os.path.getsize)
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    err = _fails(capsys, run_validation.main, ["--load", broken, "--limit", "2"], "is corrupt or incomplete")
+    assert "TensorStore details" not in err and "<bound method" not in err and "start afresh" in err, err
+    cause = err.split("corrupt or incomplete (", 1)[1].rsplit("); ", 1)[0]
+    assert "<" not in cause and (len(cause) < 170 or cause.endswith(" ...")), cause
+
+
+def test_the_cause_of_a_checkpoint_error_is_cut_at_a_word():
+    from utils.checkpoint import _cause
+
+    long = "Error reading " + "shard " * 60 + "[source locations='x.cc:1'] more"
+    assert _cause(Exception(long)).endswith("shard ...") and "source locations" not in _cause(Exception(long))
+    assert _cause(ValueError("a: b. See full TensorStore details: <bound method pyb")) == "a: b"
+    assert _cause(ValueError("")) == "ValueError"
+
+
+# -------------------------------------------------------------------------- 11. an own task's name
+
+def test_an_own_task_without_task_name_is_named_after_its_data_not_mnli():
+    from config import load_config
+
+    own = {"dataset": "/data/sort.csv", "input_template": "sort: {numbers}", "target_column": "sorted",
+           "labels": "none"}
+    assert load_config("finetuning", "tiny", own).task.name == "sort"
+    assert load_config("finetuning", "tiny", {**own, "task_name": "mine"}).task.name == "mine"
+    assert load_config("finetuning", "tiny", {"dataset": "/data/nli.jsonl"}).task.name == "mnli"  # MNLI's format
+    assert load_config("finetuning", "tiny", {**own, "dataset": "knkarthick/samsum"}).task.name == "samsum"
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "| `--task_name` |" in readme and "| `--task_name` |" in open(os.path.join(ROOT, "docs", "tasks.md")).read()
+
+
+# ------------------------------------------------------ 13. --split warnings, 17. the decoder's layers in the log
+
+def test_validating_a_single_file_warns_of_split_only_when_one_was_passed(two_models, tmp_path, caplog):
+    import run_validation
+
+    a, _, rows = two_models
+    labelled = tmp_path / "scored.jsonl"
+    labelled.write_text("".join(json.dumps({**json.loads(x), "label": 0}) + "\n" for x in open(rows)))
+    with caplog.at_level("INFO", logger="flan_t5"):
+        run_validation.main(["--load", a, "--dataset", str(labelled), "--limit", "2", "--output",
+                             str(tmp_path / "a.json")])
+    assert "does not apply" not in caplog.text and "validating on every row of" in caplog.text
+    assert re.search(r"model shape from the checkpoint .*decoder_layers=4\b", caplog.text)  # as many as layers
+    caplog.clear()
+    with caplog.at_level("INFO", logger="flan_t5"):
+        run_validation.main(["--load", a, "--dataset", str(labelled), "--split", "test", "--limit", "2", "--output",
+                             str(tmp_path / "b.json")])
+    assert "--split test does not apply" in caplog.text
+
+
+# ---------------------------------------------------------------------- 14. the decoding drivers without --load
+
+def test_export_and_server_without_a_model_say_what_they_would_do_and_export_s_help_is_short(capsys):
+    import run_export
+    import run_server
+
+    _fails(capsys, run_export.main, ["--output", "/tmp/never"], "nothing to export: pass --load CKPT")
+    _fails(capsys, run_server.main, [], "nothing to serve: pass --load CKPT")
+    with pytest.raises(SystemExit):
+        run_export.main(["--help"])
+    shown = capsys.readouterr().out
+    assert shown.startswith("usage: run_export.py (--load CKPT | --hf_model NAME_OR_DIR) --output DIR")
+    assert len(shown.splitlines()) < 60 and "--learning_rate" not in shown and "--load" in shown
+
+
+# ------------------------------------------------------------------ 15. PEFT's base path, 16. hf/ in .gitignore
+
+def test_a_peft_export_names_its_base_as_output_was_given_and_loads_after_its_folder_moves(tmp_path, monkeypatch):
+    import run_export
+    import run_finetuning
+
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)
+    run_finetuning.main(SMALL + ["--lora_rank", "2", "--steps", "1", "--save", "ck"])
+    run_export.main(["--load", "ck", "--output", "hf/lora", "--peft"])
+    config = json.load(open(project / "hf" / "lora" / "adapter_config.json"))
+    assert config["base_model_name_or_path"] == os.path.join("hf", "lora", "base")
+    moved = tmp_path / "moved"
+    os.rename(project, moved)
+    monkeypatch.chdir(moved)
+    peft = pytest.importorskip("peft")
+    model = peft.AutoPeftModelForSeq2SeqLM.from_pretrained("hf/lora")  # base and adapters, found where they moved
+    assert model.peft_config["default"].r == 2
+
+
+def test_the_export_folder_is_not_tracked_by_git():
+    for path in ("hf/lora/adapter_config.json", "hf/merged/model.safetensors", ".venv/bin/python"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0, path

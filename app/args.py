@@ -17,7 +17,7 @@ from app.rundir import missing_chain, remove_if_empty
 from config.carry import model_shape, saved_value, travelling
 from config.fields import _base_type, coerce, get_path
 from config.presets import config_from_mapping, load_config, preset_path, read_presets
-from config.schema import Config, FIELDS, MODEL_SHAPE, TASK_FIELDS, ipu_only_notices
+from config.schema import Config, FIELDS, MODEL_SHAPE, ipu_only_notices
 from utils.errors import ConfigError
 from modelling import registry
 from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
@@ -198,7 +198,7 @@ def parse_config(kind: str, description: str, default_preset: str, argv=None, ex
                  fixed: Optional[dict] = None, defaults: Optional[dict] = None, resume: bool = False):
     """Parses argv into (config, namespace of the non-config flags); a bad config raises ConfigError. With
     --hf_model, the model's shape and variant come from its config.json (``carried_model``); with ``resume`` and
-    --load, the model's shape, the task and the data order come from the checkpoint (``resumed_fields``)."""
+    --load, every field the checkpoint saved is a default (``resumed_fields``: a resume continues the run)."""
     args, overrides = parse_args(kind, description, default_preset, argv, extra)
     if resume and overrides.get("load"):
         carried, overrides = resumed_fields(overrides)
@@ -209,25 +209,23 @@ def parse_config(kind: str, description: str, default_preset: str, argv=None, ex
 
 
 def resumed_fields(overrides: dict) -> tuple:
-    """({flag: value} a --load resume takes from its checkpoint, as defaults: the model's shape (a flag that
-    contradicts it is an error, as in validation), the task it trained (TASK_FIELDS) and the data order (``RESUMED``),
-    each as the checkpoint saved it; the overrides, with ``--tokenizer train`` meaning the tokenizer that run
-    learnt). A flag that disagrees with the task or the data order is named by ``app.resume.resume_point``, all at
-    once."""
-    from app.resume import KEPT  # (orbax and the engine: --help need not pay for them)
-    from data.tasks import TRAINED
+    """({flag: value} a --load resume takes from its checkpoint, as defaults: every field its saved config holds (the
+    model's shape, where a flag that contradicts it is an error as in validation; the task; the data order; the
+    optimizer, schedule, layout and checkpointing), so that a resume continues the run as it was and a flag changes
+    only what it names; the overrides, with ``--tokenizer train`` meaning the tokenizer that run learnt). A flag that
+    changes the task or the data order is refused by ``app.resume.resume_point``, every one named at once."""
+    from data.tasks import TRAINED  # (the data library: --help need not pay for it)
     from utils import checkpoint as ckpt
 
     directory, step = ckpt.resolve(overrides["load"])[-1]
     saved = ckpt.read_meta(directory, step).get("config") or {}
     shape = carried_model({k: v for k, v in overrides.items() if k in MODEL_SHAPE}, load=overrides["load"])
-    flags = dict.fromkeys(TASK_FIELDS + tuple(flag for flag, _ in KEPT))
-    task = {flag: saved_value(saved, flag) for flag in flags if _saved(saved, flag)}
+    run = {flag: saved_value(saved, flag) for flag in FIELDS if flag not in ("load", "save") and _saved(saved, flag)}
     overrides = dict(overrides)
-    if overrides.get("tokenizer") == TRAINED and task.get("tokenizer", TRAINED) != TRAINED:
-        logger.info("--tokenizer train: resuming with the tokenizer %s learnt, %s", directory, task["tokenizer"])
+    if overrides.get("tokenizer") == TRAINED and run.get("tokenizer", TRAINED) != TRAINED:
+        logger.info("--tokenizer train: resuming with the tokenizer %s learnt, %s", directory, run["tokenizer"])
         del overrides["tokenizer"]
-    return {**shape, **task}, overrides
+    return {**run, **shape}, overrides
 
 
 def _saved(saved: dict, flag: str) -> bool:

@@ -70,7 +70,6 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", default=None, metavar="FILE", help="write it here (default: print it)")

@@ -225,6 +225,27 @@ def test_every_command_names_a_driver_flags_and_presets_that_exist():
     assert not problems, "\n".join(problems)
 
 
+def make_commands():
+    """(file:line, [tokens]) of every `make ...` command in the docs."""
+    for path in DOC_FILES:
+        text, name = open(path).read(), os.path.relpath(path, ROOT)
+        spans = [(start + i, line) for start, lines in code_blocks(text) for i, line in enumerate(lines)]
+        for where, line in spans + list(inline_spans(text)):
+            if line.startswith("make "):
+                yield f"{name}:{where}", shlex.split(line, comments=True)[1:]
+
+
+def test_every_make_command_names_targets_and_variables_the_makefile_has():
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    variables = set(re.findall(r"^(\w+) \?=", makefile, re.M))
+    found = list(make_commands())
+    assert {"quickstart", "test"} <= {t for _, args in found for t in args}
+    problems = [f"{where}: make {a}" for where, args in found for a in args if a != "..."
+                if (a.split("=")[0] not in variables if "=" in a else a not in targets)]
+    assert not problems, problems
+
+
 def test_every_copy_pasteable_command_parses_and_its_config_validates():
     """A code block's command parses whole with its driver's parser (values of the right type, nothing missing)
     and, for a driver of app/args.py, its preset with its flags is a valid config."""

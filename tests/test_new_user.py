@@ -213,7 +213,7 @@ def test_the_best_step_is_kept_whatever_to_keep_says_and_named_without_if(tmp_pa
     from app import evaluate
     from utils import checkpoint as ckpt
 
-    scripted = iter([0.5, 0.9, 0.9, 0.7])  # step 2 is the best (step 3 ties: the earliest is the best)
+    scripted = iter([0.5, 0.9, 0.9, 0.7, 0.6, 0.8])  # step 2 is the best (step 3 ties: the earliest is the best)
     monkeypatch.setattr(evaluate.Predictor, "predict", lambda self, params, feats, tok, progress="": [""] * len(
         feats["input_ids"]))
     monkeypatch.setattr(evaluate, "score", lambda task, examples, outputs: {"scores": {"accuracy": next(scripted)}})
@@ -225,6 +225,10 @@ def test_the_best_step_is_kept_whatever_to_keep_says_and_named_without_if(tmp_pa
     assert ckpt.saved_steps(save) == [2, 4]
     assert re.search(r"the best held-out eval_accuracy: 0\.9000 at step 2 \(\S+/ck/2\)$", caplog.text, re.M), \
         caplog.text[-500:]
+    # resumed, the run's best so far (from its metrics.jsonl) is kept too
+    run_finetuning.main(["--load", save, "--save", save, "--steps", "6", "--eval_every", "1", "--checkpoint_steps",
+                         "1", "--to_keep", "1"])
+    assert ckpt.saved_steps(save) == [2, 6]
 
 
 # ------------------------------------------------------------------------------------ 4. a mixture task's split
@@ -280,12 +284,12 @@ def test_a_resume_takes_the_task_from_the_checkpoint_and_names_every_disagreemen
             "--decoder_sequence_length", "6"]
     run_finetuning.main(SMALL + task + ["--steps", "2", "--save", save])
     learnt = os.path.join(save, "tokenizer", "tokenizer.json")
-    stamp, built = os.stat(learnt).st_mtime_ns, dict(cache.BUILDS)
+    stamp, built = os.stat(learnt).st_ctime_ns, dict(cache.BUILDS)
     # none of the task's flags again (five attempts, one error each, before), nor --tokenizer train's relearning
     with caplog.at_level("INFO", logger="flan_t5"):
         run_finetuning.main(SMALL + ["--load", save, "--save", save, "--steps", "3", "--tokenizer", "train"])
     assert ckpt.saved_steps(save)[-2:] == [2, 3] and "resuming with the tokenizer" in caplog.text
-    assert os.stat(learnt).st_mtime_ns == stamp and cache.BUILDS == built  # nothing learnt, read or tokenized again
+    assert os.stat(learnt).st_ctime_ns == stamp and cache.BUILDS == built  # nothing learnt, read or tokenized again
     meta = ckpt.read_meta(save, 3)["config"]
     assert meta["task"]["input_template"] == "question: {question}" and meta["data"]["dataset"] == own
     # flags that disagree: every one named in one line, the checkpoint untouched

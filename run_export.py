@@ -32,6 +32,11 @@ from utils.errors import FlanT5Error
 logger = logging.getLogger("flan_t5")
 
 
+# what an export reads of the config (every field is accepted, as by every driver; --help lists these)
+LISTED = ("load", "hf_model", "tokenizer", "tensor_parallel")
+USAGE = "run_export.py (--load CKPT | --hf_model NAME_OR_DIR) --output DIR [--peft] [--config PRESET] [--FIELD VALUE ...]"
+
+
 def extra_flags(p):
     p.add_argument("--output", required=True, metavar="DIR", help="the directory to write (new, or empty)")
     p.add_argument("--peft", action="store_true",
@@ -43,7 +48,8 @@ def extra_flags(p):
 @entry
 def main(argv=None) -> str:
     setup_logging()
-    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags, listed=LISTED,
+                                 usage=USAGE)
     for flag in ("quantize", "stream_encoder"):
         if flag in overrides:
             raise FlanT5Error(f"--{flag} is how a model is decoded; run_export.py writes the weights as trained (the "
@@ -53,7 +59,7 @@ def main(argv=None) -> str:
     check_output(args.output)
     from app.predict import start_decoding
 
-    cfg = start_decoding(args, overrides)
+    cfg = start_decoding(args, overrides, "export")
     if process_count() > 1:
         raise FlanT5Error("run_export.py runs in one process: start it without the launcher (it needs no more "
                           "devices than the checkpoint's tensor parallelism, simulated on a CPU)")

@@ -37,10 +37,12 @@ def evaluation_data(cfg, overrides: dict, load) -> list:
             raise FlanT5Error(f"{load} was trained on every row of {data.dataset} (a single file, nothing held out): "
                               "scoring its training rows says nothing of unseen data; pass --dataset FILE_OR_DIR "
                               "[--split S] to score other rows, or train with --holdout N")
-        if data.single:
+        if data.single and "split" in overrides:  # (a --split given; without one there is nothing to warn of)
             logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a "
                            "directory holding %s.jsonl to score a split)", data.dataset, cfg.data.split,
                            cfg.data.split)
+        elif data.single:
+            logger.info("validating on every row of %s (a single file)", data.dataset)
     return sets
 
 

@@ -26,6 +26,9 @@ from tqdm import tqdm
 from app.args import carried_model, make_config
 from app.runtime import ensure_host_devices, is_main_process, setup_jax
 from app.weights import Weights
+from graphs.state import fingerprint
+from config.fields import get_path
+from config.schema import FIELDS
 from data import sources
 from data.loader import length_buckets
 from data.sources import DataError
@@ -40,14 +43,15 @@ from utils.errors import FlanT5Error
 logger = logging.getLogger("flan_t5")
 
 
-def decoding_config(args, overrides: dict):
+def decoding_config(args, overrides: dict, purpose: str = "validate or decode"):
     """The inference preset, the model's own shape (explicit flags that contradict it are errors), the task the
     checkpoint was trained on (its data, template, labels, metrics, tokenizer, output length: flags change them),
-    the command line, and what decoding requires (eval mode, no RTS), validated once."""
+    the command line, and what decoding requires (eval mode, no RTS), validated once. ``purpose``: what the driver
+    does, as its error says it."""
     load, hf_model = overrides.get("load"), overrides.get("hf_model")
     if not load and not hf_model:
-        raise FlanT5Error("nothing to validate or decode: pass --load CKPT (a --save directory of run_finetuning.py) or "
-                          "--hf_model NAME")
+        raise FlanT5Error(f"nothing to {purpose}: pass --load CKPT (a --save directory of run_finetuning.py) or "
+                          "--hf_model NAME_OR_DIR")
     carried = carried_model(overrides, load, hf_model)
     if "dataset" in overrides or "split" in overrides:  # data named on the command line: its rows, not held-out ones
         carried["holdout"] = 0
@@ -56,10 +60,10 @@ def decoding_config(args, overrides: dict):
                        defaults=carried)
 
 
-def start_decoding(args, overrides: dict):
+def start_decoding(args, overrides: dict, purpose: str = "validate or decode"):
     """``decoding_config``, then this process's simulated devices and JAX's set-up from it (both before JAX starts a
     backend) -> the config: how every decoding driver starts."""
-    cfg = decoding_config(args, overrides)
+    cfg = decoding_config(args, overrides, purpose)
     ensure_host_devices(cfg.devices)
     setup_jax()
     return cfg
@@ -194,20 +198,23 @@ def prompt_features(examples: list, tokenizer, family, sequence_length: int, giv
     return feats, unknown
 
 
-def inference_inputs(prompts, input_file, limit: int, cfg, td) -> list:
-    """The examples run_inference.py decodes: prompt texts (as given), a file's rows, or the held-out examples of
-    the task ``td`` (data.mixture.TaskData: the first ``limit``)."""
+def inference_inputs(prompts, input_file, limit, cfg, td) -> list:
+    """The examples run_inference.py decodes: prompt texts (as given), a file's rows (the first ``limit``, or all),
+    or the held-out examples of the task ``td`` (data.mixture.TaskData: the first ``limit``, 4 by default)."""
     task = td.task
+    if limit is not None and limit < 1:
+        raise FlanT5Error(f"--limit {limit} must be at least 1")
     if prompts:
+        if limit is not None:
+            raise FlanT5Error("--limit applies to --input's rows or the task's held-out data, not to --prompt's texts: "
+                              "drop --limit (or pass fewer --prompt texts)")
         return [Example(t, "") for t in prompts]
     if input_file:
         if not os.path.exists(input_file):
             raise DataError(f"--input {input_file} does not exist: pass --input with an existing file of rows "
                             f"(jsonl, json, csv, tsv, parquet) holding the task's columns ({', '.join(task.fields)})")
-        return task.examples(sources.read(input_file, "", cfg.model.seed), targets=False)
-    if limit < 1:
-        raise FlanT5Error(f"--limit {limit} must be at least 1")
-    return evaluation_set(td, cfg).examples[:limit]
+        return task.examples(sources.read(input_file, "", cfg.model.seed), targets=False)[:limit]
+    return evaluation_set(td, cfg).examples[:4 if limit is None else limit]
 
 
 def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, compare_hf: bool = False) -> list:
@@ -231,11 +238,61 @@ def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, comp
             for e, o, h, a in zip(examples, ours, theirs or ours, agree or ours)]
 
 
-def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path: str) -> tuple:
+def written_by(cfg, directory, step, params) -> dict:
+    """What writes a predictions file, as its record (``record_path``) holds it: one key a line. A run where any of
+    them differs does not continue the file (``check_writer``): its rows would come from another model or setting."""
+    return {
+        "checkpoint": os.path.abspath(directory) if directory else None,
+        "step": step,
+        "hf_model": None if directory else cfg.data.hf_model,
+        "weights": fingerprint(params),  # a digest of the weights decoded (graphs/state.py)
+        "tokenizer": cfg.data.tokenizer,
+        "decoding": {r.flag: get_path(cfg, r.path) for r in FIELDS.values() if r.path[0] == "inference"},
+        # the weights' storage format when decoding reads a narrower one (None: as trained)
+        "quantization": None if cfg.inference.quantize == "none" else cfg.inference.quantize,
+    }
+
+
+def record_path(path: str) -> str:
+    """The record of what wrote the predictions file ``path``: ``NAME.meta.json`` beside ``NAME.jsonl``."""
+    return os.path.splitext(path)[0] + ".meta.json"
+
+
+def check_writer(path: str, writer: dict) -> None:
+    """Refuses (one line naming every difference and the flag that starts a new file) to continue the predictions
+    file ``path`` with other weights or settings than those its record says wrote it."""
+    record = record_path(path)
+    if not os.path.exists(record):
+        raise FlanT5Error(f"--predictions {path} exists with no record of what wrote it ({record} is missing): pass "
+                          "--predictions NEW.jsonl to start a new file (this one is left as it is)")
+    with open(record) as f:
+        before = json.load(f).get("written_by", {})
+    now = json.loads(json.dumps(writer))
+    differ = [f"{k} {before.get(k)!r} (now {now[k]!r})" for k in now if k != "decoding" and before.get(k) != now[k]]
+    old = before.get("decoding") or {}
+    differ += [f"--{k} {old.get(k)!r} (now {v!r})" for k, v in now["decoding"].items() if old.get(k) != v]
+    if differ:
+        raise FlanT5Error(f"--predictions {path} was written by other weights or settings: {'; '.join(differ)}: pass "
+                          "--predictions NEW.jsonl to start a new file (this one is left as it is)")
+
+
+def write_record(path: str, writer: dict) -> None:
+    tmp = record_path(path) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"predictions": os.path.basename(path), "written_by": writer}, f, indent=1)
+    os.replace(tmp, record_path(path))
+
+
+def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path: str, writer: dict) -> tuple:
     """Predictions of a file's rows appended to the JSONL ``path`` batch by batch, in the input's order
-    ({row, input, prediction[, reference]}); a file that already holds the first rows' predictions (an interrupted
-    run's) is continued after them. -> (the lines written, how many rows were done before)."""
+    ({row, input, prediction[, reference]}), with what wrote them (``writer``: ``written_by``) in its record; a file
+    that already holds the first rows' predictions (an interrupted run's) is continued after them, by the same
+    weights and settings only. -> (the lines written, how many rows were done before)."""
     done = finished_rows(path, examples)
+    if os.path.exists(path):
+        check_writer(path, writer)
+    elif is_main_process():
+        write_record(path, writer)
     if done:
         logger.info("%s holds the predictions of the first %d of %d rows: continuing after them", path, done,
                     len(examples))

@@ -1,9 +1,9 @@
-"""Every GPU figure the README reports, from one command, in priority order, within a time budget.
+"""Every GPU figure the docs report (docs/gpu_suite.md), from one command, in priority order, within a time budget.
 
     python3 benchmarks/suite.py --out benchmarks/results/h100            # a GPU box: every part, 25 min budget
     python3 benchmarks/suite.py --budget 900 --only xxl_1gpu,xl_mfu      # some parts
     python3 benchmarks/suite.py --smoke --out /tmp/suite                 # CPU, tiny shapes, under two minutes
-    python3 benchmarks/suite.py --summarize benchmarks/results/h100 --readme README.md   # tables from results
+    python3 benchmarks/suite.py --summarize benchmarks/results/h100/suite --readme docs/gpu_suite.md  # the table
 
 Parts, in priority order (each against its baseline, measured in the same run):
   xxl_1gpu        Flan-T5-XXL phased on one device, packed, encoder 512 / decoder 8: the preset's 16 rows and
@@ -683,7 +683,8 @@ def load_results(out_dir: str) -> list:
 
 
 def update_readme(readme: str, out_dir: str) -> None:
-    """Replaces the README's text between the suite markers with the summary of ``out_dir``'s results."""
+    """Replaces the text between the suite markers of ``readme`` (docs/gpu_suite.md) with the summary of
+    ``out_dir``'s results."""
     results = load_results(out_dir)
     text = write_summary(results, out_dir) if results else "No suite results yet.\n"
     src = open(readme).read()
@@ -704,7 +705,9 @@ def main(argv=None) -> list:
     p.add_argument("--only", default=None, help="comma-separated part names")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: every part runs, quickly")
     p.add_argument("--summarize", default=None, metavar="DIR", help="only rewrite DIR/summary.md from its JSONs")
-    p.add_argument("--readme", default=None, help="with --summarize: also rewrite this README's suite table")
+    p.add_argument("--readme", default=None, metavar="MARKDOWN",
+                   help="with --summarize: also rewrite the suite table between the markers of this Markdown file "
+                        "(docs/gpu_suite.md holds them)")
     p.add_argument("--jobs", type=int, default=None, help="parts run side by side (default: 1; 2 with --smoke)")
     p.add_argument("--imgs", action="store_true", help="with --summarize: also redraw the tracked figures in imgs/")
     a = p.parse_args(argv)

@@ -270,7 +270,8 @@ class Checkpoint:
 
     to_keep: int = spec(4, minimum=0, training=True)
     """Number of this run's checkpoints to keep: older steps are deleted once a newer one is complete (0: keep
-    all). Only this project's step folders are ever deleted; other folders in the directory are left alone."""
+    all), except the best --eval_every step's. Only this project's step folders are ever deleted; other folders in
+    the directory are left alone."""
 
     optim_state: bool = spec(True, training=True)
     """Include the optimizer state in checkpoints."""

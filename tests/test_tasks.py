@@ -214,7 +214,7 @@ def jax_leaves(tree):
 
 
 def test_the_readme_s_own_task_command_is_the_tiny_headlines_preset():
-    """README's "Your own task" says the tiny_headlines preset is `--config tiny` with its flags: they give the same
+    """docs/tasks.md says the tiny_headlines preset is `--config tiny` with its flags: they give the same
     config, field for field (the flags it named once left out the lengths, the learning rate and the steps)."""
     import re
     import shlex
@@ -223,7 +223,7 @@ def test_the_readme_s_own_task_command_is_the_tiny_headlines_preset():
     from config.fields import get_path
     from config.schema import FIELDS
 
-    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "tasks.md")).read()
     block = re.search(r"```bash\n(python3 run_finetuning\.py --config tiny --task_name headlines .*?)```", text, re.S)
     argv = shlex.split(block.group(1).replace("\\\n", " "))[2:]
     del argv[argv.index("--save"): argv.index("--save") + 2]

@@ -15,7 +15,6 @@ converted per call shows there too, as at least one layer's largest weight in th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys

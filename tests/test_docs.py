@@ -12,8 +12,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from unittest import mock
 
 import pytest

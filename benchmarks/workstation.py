@@ -95,6 +95,8 @@ def main(argv=None) -> dict:
     p.add_argument("--limit", type=int, default=64, help="validation examples")
     p.add_argument("--quantize", choices=("none", "int8"), default="none",
                    help="validate with int8 weights (what fits XXL's decoding in 22 GiB)")
+    p.add_argument("--stream_encoder", action="store_true",
+                   help="validate with the encoder's layers streamed from host memory (with int8: UL2 in 22 GiB)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (LoRA rank 4, 3 steps)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -111,7 +113,7 @@ def main(argv=None) -> dict:
                                                             "--hf_model", ""])  # (a random-init base: no hub)
     train = ["run_finetuning.py", "--config", a.preset, "--steps", str(3 if a.smoke else a.steps), "--save", save,
              "--checkpoint_steps", "0", *data] + (["--lora_rank", "4"] if a.smoke else [])
-    report = {"preset": a.preset, "quantize": a.quantize, "device_cap": {"gib": a.device_gib, "mem_fraction": fraction,
+    report = {"preset": a.preset, "quantize": a.quantize, "stream_encoder": a.stream_encoder, "device_cap": {"gib": a.device_gib, "mem_fraction": fraction,
                                                  "how": "XLA_PYTHON_CLIENT_MEM_FRACTION" if fraction else "none"},
               "host_cap": {"gib": a.host_gib, "how": "cgroup v2 memory.max" if group else
                            "none (no writable cgroup on this machine): peak RSS reported"}}
@@ -119,7 +121,8 @@ def main(argv=None) -> dict:
     report["step_s"] = step_seconds(save, load_config("finetuning", a.preset).training.global_batch_size)
     if report["train"]["status"] == "ok":
         one = [] if a.smoke else ["--data_parallel", "1", "--tensor_parallel", "1", "--micro_batch_size", "32"]
-        val = ["run_validation.py", "--load", save, "--limit", str(a.limit), "--quantize", a.quantize, *one,
+        stream = ["--stream_encoder", "true"] if a.stream_encoder else []
+        val = ["run_validation.py", "--load", save, "--limit", str(a.limit), "--quantize", a.quantize, *stream, *one,
                "--output", os.path.join(tmp, "validation.json")]
         report["validate"] = run(val, env, group, os.path.join(tmp, "validate.log"))
         if report["validate"]["status"] == "ok":  # what it scored (on random-init weights: chance) and how fast

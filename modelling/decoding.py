@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from modelling.tp import tp_index
+from modelling.tp import tp_index, trivial
 
 
 def greedy_token(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
@@ -33,9 +33,9 @@ def greedy_token(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     which reproduces argmax's lowest-index tie-break.
     """
     local_idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    local_max = jnp.max(logits, axis=-1)
-    if tp_axis is None:
+    if trivial(tp_axis):
         return local_idx
+    local_max = jnp.max(logits, axis=-1)
     offset = tp_index(tp_axis) * logits.shape[-1]
     maxes = lax.all_gather(local_max, tp_axis)  # [tp, b]
     idxs = lax.all_gather(local_idx + offset, tp_axis)
@@ -162,7 +162,7 @@ def decode(family, params: dict, input_ids, attention_mask, opts, options: Optio
 
 def gather_vocab(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     """Vocab-sharded logits [b, Vl] -> the whole vocabulary [b, V] on every tp device."""
-    return logits if tp_axis is None else lax.all_gather(logits, tp_axis, axis=logits.ndim - 1, tiled=True)
+    return logits if trivial(tp_axis) else lax.all_gather(logits, tp_axis, axis=logits.ndim - 1, tiled=True)
 
 
 # --------------------------------------------------------------------------- sampling

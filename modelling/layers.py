@@ -19,7 +19,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from modelling.quant import Int8, matmul as quant_matmul
-from modelling.tp import identical_grad_inputs, identical_inputs, share_of_sum, tp_index
+from modelling.tp import trivial, identical_grad_inputs, identical_inputs, share_of_sum, tp_index
 
 F32 = jnp.float32
 MASK_VALUE = -1e9  # exp(MASK_VALUE - max) is exactly 0 in float32
@@ -452,7 +452,7 @@ def _ce_forward(logits, labels, tp_axis):
     n = logits.shape[-1]
     start = tp_index(tp_axis) * n
     m = jnp.max(logits, axis=-1)
-    if tp_axis is not None:
+    if not trivial(tp_axis):
         m = lax.pmax(m, tp_axis)
     e = jnp.exp(logits - m[..., None])
     s = jnp.sum(e, axis=-1)
@@ -460,7 +460,7 @@ def _ce_forward(logits, labels, tp_axis):
     in_range = (local >= 0) & (local < n)
     tgt = jnp.take_along_axis(logits, jnp.clip(local, 0, n - 1)[..., None], axis=-1)[..., 0]
     tgt = jnp.where(in_range, tgt, 0.0)
-    if tp_axis is not None:
+    if not trivial(tp_axis):
         s = lax.psum(s, tp_axis)
         tgt = lax.psum(tgt, tp_axis)
     valid = labels != -100

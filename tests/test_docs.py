@@ -39,6 +39,8 @@ DRIVERS = {
     "benchmarks/serve.py": ("benchmarks.serve", {"--configs": "inference"}),
     "benchmarks/large_data.py": ("benchmarks.large_data", {}),
     "benchmarks/precision.py": ("benchmarks.precision", {"--config": "finetuning"}),
+    "benchmarks/int8_accuracy.py": ("benchmarks.int8_accuracy", {}),
+    "benchmarks/int8_hlo.py": ("benchmarks.int8_hlo", {"--config": "inference"}),
     "-m app.launch": ("app.launch", {}),
     "-m config.reference": ("config.reference", {}),
 }

@@ -202,3 +202,32 @@ def test_an_int8_model_holds_about_half_the_bytes_of_bfloat16():
     b8 = sum(quant.nbytes(x) for x in jax.tree.leaves(g8.abstract_decode_params(), is_leaf=quant.is_int8))
     b16 = sum(quant.nbytes(x) for x in jax.tree.leaves(g16.abstract_decode_params()))
     assert 0.5 < b8 / b16 < 0.53, b8 / b16  # the bfloat16 embedding and float32 scales and norms: a little over half
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
+def test_a_lora_checkpoint_is_merged_then_quantized_layer_by_layer(preset):
+    """Weights.place with adapters (a LoRA checkpoint's, its base in host memory): each layer merged with its
+    adapter, then quantized; the same int8 values as quantizing the merged model (float32 merges on the device and
+    in numpy may round a value across a grid point's half-way mark: at most one step, rarely)."""
+    from modelling import lora
+
+    g8 = _graphs(preset, 1, "int8")
+    host = _host_params(g8)
+    targets = {"tiny": ("q", "v", "wi_0", "wo"), "gptj_tiny": ("q", "v", "fc_in")}[preset]
+    lcfg = load_config("inference", preset, dict(eval=True, data_parallel=1, tensor_parallel=1, micro_batch_size=4,
+                                                  sequence_length=32, lora_rank=4, lora_targets=targets))
+    lg = Graphs(lcfg)
+    rng = np.random.default_rng(1)
+    adapters = jax.tree.map(lambda s: 0.05 * rng.standard_normal(s.shape).astype(np.float32), lg.specs,
+                            is_leaf=is_spec)
+    merged = lora.merged(host, adapters, lg.opts)  # (numpy: the reference)
+    got = Weights(g8).place(host, lg.shard_params(adapters), lg.opts)
+    want = Weights(g8).place(merged)
+    pairs = [(a, b) for a, b in zip(jax.tree.leaves(got, is_leaf=quant.is_int8),
+                                    jax.tree.leaves(want, is_leaf=quant.is_int8)) if quant.is_int8(a)]
+    q = np.concatenate([np.asarray(a.q).ravel().astype(np.int32) - np.asarray(b.q).ravel() for a, b in pairs])
+    assert np.abs(q).max() <= 1 and np.mean(q != 0) < 1e-3, (np.abs(q).max(), np.mean(q != 0))
+    unmerged = Weights(g8).place(host)  # (the adapters change what is placed: the test can tell)
+    assert any(not np.array_equal(np.asarray(a.q), np.asarray(b.q)) for a, b in zip(
+        jax.tree.leaves(got, is_leaf=quant.is_int8), jax.tree.leaves(unmerged, is_leaf=quant.is_int8))
+        if quant.is_int8(a))

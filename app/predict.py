@@ -35,7 +35,7 @@ from data.sources import DataError
 from data.mixture import evaluation_set
 from data.tasks import Example, pad_id, tokenize_prompts, unknown_share
 from graphs.graphs import Graphs
-from graphs.sharding import fetch, put_global
+from graphs.sharding import fetch
 from modelling.decoding import Options
 from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
@@ -123,8 +123,7 @@ class Predictor:
         """Generated texts of rows ``idx`` of feats (at most one batch), padded to their longest prompt (a multiple
         of 8: few compilations; no prompt is ever cut); ``tokens``: their token ids [len(idx), output_length]."""
         ids, mask = batch_rows(feats, idx, self.batch_size)
-        ids, mask = self.family.layout_prompts(ids, mask)
-        ids, mask = put_global(ids, self.graphs.row_sharding), put_global(mask, self.graphs.row_sharding)
+        ids, mask = self.family.layout_prompts(ids, mask)  # (numpy: the program places them, packed or not)
         out = fetch(self.generate(tokenizer)(params, ids, mask))[: len(idx)]
         return out if tokens else tokenizer.batch_decode(out, skip_special_tokens=True)
 

@@ -366,9 +366,17 @@ class Graphs:
         key = jax.device_put(jax.random.key_data(jax.random.key(seed)), self.replicated)
         if not self.prompt_stacks:
             program = self.phase(fn, specs, P(S.DP, None))
+            packed = self._packed_program(fn, specs) if family.packs_prompts else None
 
-            def run(p, ids, mask):  # (weights in training's layout, a test's: converted at each call)
-                return program(p if self.is_decoding_layout(p) else self.to_decoding(p), ids, mask, key)
+            def run(p, ids, mask):
+                """ids/mask [B, k]: on the devices, or numpy (then packed where that saves rows: ``pack``)."""
+                p = p if self.is_decoding_layout(p) else self.to_decoding(p)  # (a test's weights: each call)
+                if isinstance(ids, np.ndarray):
+                    pk = self.pack(ids, mask) if packed is not None else None
+                    if pk is not None:
+                        return packed(p, *pk, S.put_global(mask, self.row_sharding), key)
+                    ids, mask = S.put_global(ids, self.row_sharding), S.put_global(mask, self.row_sharding)
+                return program(p, ids, mask, key)
 
             return run
         from graphs.streaming import PromptStream
@@ -381,6 +389,45 @@ class Graphs:
             return program(self.resident(p), ids, mask, key, stream(p, ids, mask))
 
         return streamed
+
+    def pack(self, ids: np.ndarray, mask: np.ndarray):
+        """Prompts ids/mask [B, k] (numpy) packed for the encoder (modelling/rows.py's ``pack_prompts``), each
+        data-parallel group's rows apart, into rows k, 2k or 4k wide, whichever reads the fewest weighted
+        positions: a position costs the layer's matmuls, and a row's attention grows with its width (prompts of
+        65 to 119 tokens in rows of 128 pair with none: 8 rows; in rows of 256, 3). -> (ids, segments, positions,
+        where) on the devices, or None where packing would not save a tenth of the encoder's work."""
+        from modelling.rows import pack_prompts
+
+        m = self.cfg.model
+        inner = m.attention.heads * m.attention.d_kv
+        matmuls = 4 * m.hidden_size * inner + (3 if m.feed_forward_proj.startswith("gated") else 2) * \
+            m.hidden_size * m.d_ff
+        per_key = 2 * inner  # a position's scores and context against each key of its row
+
+        def cost(rows, width):
+            return rows * width * (matmuls + per_key * width)
+
+        k = ids.shape[1]
+        best, best_cost = None, 0.9 * cost(ids.shape[0], k)
+        for width in (k, 2 * k, 4 * k):
+            packed = pack_prompts(ids, mask, groups=self.dp, width=width)
+            if packed is not None and cost(packed[0].shape[0], width) < best_cost:
+                best, best_cost = packed, cost(packed[0].shape[0], width)
+        return None if best is None else tuple(S.put_global(x, self.row_sharding) for x in best)
+
+    def _packed_program(self, fn, specs):
+        """``fn`` (decode_phase's search) over prompts the encoder reads packed: (weights, packed ids, segments,
+        positions [dp * P, k], where [B, k], mask [B, k], key) -> tokens [B, n]."""
+        family, opts = self.family, self.opts
+
+        def packed(p, ids, segments, positions, where, mask, key_data):
+            enc = family.encode_packed(family.decoding_params(p, opts)[0], ids, segments, positions, opts, S.TP)
+            flat = enc.reshape(-1, enc.shape[-1])
+            flat = jnp.concatenate([flat, jnp.zeros((1, flat.shape[-1]), flat.dtype)])  # (padding reads zeros)
+            return fn(p, mask, mask, key_data, flat[where])
+
+        rows = P(S.DP, None)
+        return self.phase(packed, (specs[0], rows, rows, rows, rows, rows, specs[3]), rows)
 
     def generate_phase(self, max_new_tokens: int, eos_id: int = 1, cached: bool = True, pad_id: int = 0):
         """Greedy decoding: (gathered weights, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens].

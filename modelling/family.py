@@ -287,6 +287,14 @@ class Family(abc.ABC):
         """Reads the prompts (the encoder, or a causal LM's prefill) -> (logits [b, Vl] of the first new token,
         cache: a tree whose every leaf has the batch as its leading axis). ``params``: ``decoding_params``'."""
 
+    packs_prompts: bool = False  # its encoder reads prompts packed several to a row (``encode_packed``)
+
+    def encode_packed(self, params, ids, segments, positions, opts, tp_axis=None):
+        """The prompt stacks' output for prompts packed several to a row (modelling/rows.py's ``pack_prompts``):
+        ids/segments/positions [P, W] -> float32 [P, W, d]; ``params``: ``decoding_params``' compute copy. A family
+        that packs no prompts (``packs_prompts`` False) has none."""
+        raise NotImplementedError(f"the {self.name} family reads no packed prompts")
+
     def decode_start_encoded(self, params, encoded, attention_mask, opts, max_new_tokens: int, tp_axis=None) -> tuple:
         """``decode_start`` from the output of the stacks that read the prompt and nothing else (T5's encoder; read
         a layer at a time from host memory by graphs/streaming.py), float32 [b, k, d] -> (logits, cache). A family

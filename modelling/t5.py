@@ -666,6 +666,11 @@ class T5Family(Family):
 
     decode_start = staticmethod(decode_start)
     decode_start_encoded = staticmethod(decode_start_encoded)
+    packs_prompts = True
+
+    def encode_packed(self, params, ids, segments, positions, opts, tp_axis=None):
+        """The encoder over packed prompts (segment ids and per-prompt positions: training's packed rows)."""
+        return encode(params, ids, segments, opts, tp_axis, positions=positions)
     decode_step = staticmethod(decode_step)
     decode_uncached = staticmethod(decode_uncached)
     widen_cache = staticmethod(widen_cache)

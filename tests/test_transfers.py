@@ -135,3 +135,12 @@ def test_a_real_step_moves_what_the_plan_counts_and_reads_current_copies(preset,
             np.testing.assert_array_equal(np.asarray(c), np.asarray(jnp.asarray(m).astype(c.dtype)))
             checked += c.dtype == dt
     assert checked > 0
+
+
+@pytest.mark.parametrize("load,store,want", [(3e9, 1e9, 3.0), (1e9, 3e9, 3.0), (2e9, 2e9, 2.0), (0, 5e8, 0.5),
+                                             (0, 0, 0.0)])
+def test_a_full_duplex_link_waits_for_the_larger_direction(load, store, want):
+    """Guards ``max`` in ``link_seconds`` (loads and stores cross the link at once: their sum reported a link-bound
+    step 1.3-2x too long), and the bandwidth in GB/s: 3 GB each way at 1 GB/s is 3 s, at 52 GB/s 3/52 s."""
+    assert link_seconds(load, store, 1.0) == pytest.approx(want)
+    assert link_seconds(load, store, 52.0) == pytest.approx(want / 52)

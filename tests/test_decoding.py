@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from config.schema import T5Config
-from graphs.graphs import Graphs
 from modelling import decoding, registry
 from modelling.hf_mapping import params_from_hf_state_dict
-from tests.hf_utils import make_hf, options, random_batch
+from tests.hf_utils import hf_greedy as hf_generate, make_hf, options, random_batch
+from tests.hf_utils import sharded_greedy as sharded_generate
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +27,6 @@ def model():
 def generate(params, ids, mask, opts, n, eos_id=1):
     """Greedy decoding of the T5 family on one device."""
     return decoding.greedy(registry.get(opts.family), params, ids, mask, opts, n, eos_id=eos_id)
-
-
-def hf_generate(hf, batch, n, eos=1):
-    out = hf.generate(input_ids=torch.tensor(batch["input_ids"]), attention_mask=torch.tensor(batch["attention_mask"]),
-                      do_sample=False, num_beams=1, max_new_tokens=n, decoder_start_token_id=0, eos_token_id=eos,
-                      pad_token_id=0).numpy()[:, 1:]
-    return np.pad(out, ((0, 0), (0, n - out.shape[1])))  # HF stops when all rows are done
-
-
-def sharded_generate(m, params, batch, n, tp, eos=1, cached=True):
-    cfg = T5Config(model=m)
-    cfg.model.eval = True
-    cfg.execution.tensor_parallel, cfg.execution.rts = tp, False
-    g = Graphs(cfg.validate())
-    run = g.generate_phase(n, eos_id=eos, cached=cached)
-    host = jax.tree.map(np.asarray, params)
-    return np.asarray(run(g.shard_params(host), jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

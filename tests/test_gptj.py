@@ -23,45 +23,13 @@ from modelling import gptj, registry
 from modelling import layers
 from modelling.family import ModelOptions
 from modelling.rows import RowShape
-
-HF_KW = dict(vocab_size=98, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_inner=96,
-             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=1,
-             eos_token_id=1)
-L = 12  # sequence length of the test batches
-
-
-def max_rel(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(np.asarray(b))), 1e-30))
-
+from tests.helpers import max_rel
+from tests.hf_utils import GPTJ_KW as HF_KW, GPTJ_LENGTH as L, gptj_hf
+from tests.hf_utils import gptj_batch as padded_batch, gptj_config as cfg_for
 
 @pytest.fixture(scope="module")
 def hf_model():
-    """A random HF GPT-J whose biases and norms are not at their init (so each is checked)."""
-    torch.manual_seed(0)
-    hf = GPTJForCausalLM(GPTJConfig(**HF_KW)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return hf
-
-
-def cfg_for(hf, **overrides):
-    m = gptj.config_from_hf(hf.config.to_dict())
-    base = dict(layers=m.layers, hidden_size=m.hidden_size, d_ff=m.d_ff, heads=m.attention.heads,
-                d_kv=m.attention.d_kv, rotary_dim=m.attention.rotary_dim, vocab_size=m.embedding.vocab_size,
-                eps=m.eps, sequence_length=L, global_batch_size=4, micro_batch_size=2, data_parallel=1,
-                tensor_parallel=1, packing=False, warmup_steps=0, learning_rate=1e-3, recompute=True)
-    base.update(overrides)
-    return load_config("finetuning", "gptj_tiny", base)
-
-
-def padded_batch(seed=0, rows=4, vocab=98):
-    """Right-padded causal rows of different lengths: ids, mask, positions, next-token labels (-100 on padding)."""
-    rng = np.random.default_rng(seed)
-    lengths = [L, L - 3, L - 5, 5][:rows]
-    ex = Examples([rng.integers(2, vocab, n - 2) for n in lengths], [rng.integers(2, vocab, 2) for _ in lengths])
-    return causal_rows(ex, [[i] for i in range(rows)], L)
+    return gptj_hf()
 
 
 def hf_loss_and_grads(hf, batch):

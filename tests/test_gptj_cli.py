@@ -14,7 +14,7 @@ from transformers import GPTJConfig, GPTJForCausalLM
 import run_finetuning
 import run_validation
 from app.resume import initial_state, resume_point
-from tests.test_finetuning_cli import build, params_at
+from tests.helpers import build, params_at
 from utils import checkpoint as ckpt
 
 SMALL = ["--config", "gptj_tiny", "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "2",

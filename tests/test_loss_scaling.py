@@ -26,7 +26,7 @@ from data.generated import generated_batch
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from graphs.loss_scale import LossScale
-from tests.test_finetuning_cli import SMALL, params_at
+from tests.helpers import SMALL, params_at
 from utils import checkpoint as ckpt
 
 OVERFLOW = 2.0 ** 40  # a loss scale no float16 gradient survives (finite in float32)

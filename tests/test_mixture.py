@@ -21,7 +21,7 @@ from data.loader import BLOCK, TrainLoader
 from data.packing import Examples
 from modelling import registry
 from modelling.rows import RowShape
-from tests.test_finetuning_cli import params_at
+from tests.helpers import params_at
 from tests.env import run_optimized
 
 

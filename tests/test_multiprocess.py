@@ -21,7 +21,7 @@ from tests.env import child_env
 
 import run_finetuning
 import run_validation
-from tests.test_finetuning_cli import SMALL, params_at
+from tests.helpers import SMALL, params_at
 from utils import checkpoint as ckpt
 from app import runtime as cli
 from app.launch import launch

@@ -20,7 +20,7 @@ from graphs.graphs import Graphs
 from graphs.phased import PhasedExecutor
 from modelling import registry, t5
 from modelling.rows import RowShape
-from tests.test_parallel import leaves, max_rel
+from tests.helpers import leaves, max_rel
 from utils.errors import FlanT5Error
 
 
@@ -206,8 +206,8 @@ def test_greedy_decoding_of_a_packed_trained_model_matches_hf(tmp_path):
     import run_finetuning
     from data.mnli import load_rows, load_tokenizer, tokenize_inputs
     from modelling.hf_mapping import hf_config_dict, hf_state_dict_from_params
-    from tests.test_decoding import hf_generate, sharded_generate
-    from tests.test_finetuning_cli import SMALL, params_at
+    from tests.hf_utils import hf_greedy, sharded_greedy
+    from tests.helpers import SMALL, params_at
 
     save = str(tmp_path / "ck")
     run_finetuning.main(SMALL + ["--steps", "3", "--learning_rate", "3e-3", "--save", save,
@@ -223,6 +223,6 @@ def test_greedy_decoding_of_a_packed_trained_model_matches_hf(tmp_path):
     assert not [k for k in missing.missing_keys if "lm_head" not in k], missing
     rows = load_rows("synthetic", "validation_mismatched")[:6]
     feats = tokenize_inputs(rows, load_tokenizer("synthetic"), 32, registry.get("t5"))
-    ref = hf_generate(hf, feats, 4)
-    ours = sharded_generate(m, jax.tree.map(jnp.asarray, params), feats, 4, tp=2)
+    ref = hf_greedy(hf, feats, 4)
+    ours = sharded_greedy(m, jax.tree.map(jnp.asarray, params), feats, 4, tp=2)
     np.testing.assert_array_equal(ours, ref)

@@ -24,28 +24,10 @@ from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
 from modelling import registry, t5
 from data.generated import generated_batch
+from tests.helpers import fro_rel, leaves, max_rel, tiny
 
 SPLITS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (2, 4)]
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_dp2_tp2_shardings.json")
-
-
-def tiny(**overrides):
-    base = dict(global_batch_size=16, micro_batch_size=4, data_parallel=1, tensor_parallel=1, sequence_length=16,
-                warmup_steps=0, learning_rate=1e-3)
-    base.update(overrides)
-    return load_config("finetuning", "tiny", base)
-
-
-def leaves(tree):
-    return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-
-def max_rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def fro_rel(a, b):
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def fused(cfg):

@@ -17,7 +17,7 @@ from graphs.host_state import HOST
 from graphs.phased import DeviceOps, PhasedExecutor, PhaseMemory
 from graphs.memory import live_device_bytes
 from modelling import t5
-from tests.test_parallel import fro_rel, leaves, max_rel, tiny
+from tests.helpers import fro_rel, leaves, max_rel, tiny
 
 
 def _rng():

@@ -22,8 +22,7 @@ from config import load_config
 from data import sources
 from data.synthetic import generate_headlines
 from data.tasks import Task
-from tests.test_finetuning_cli import params_at
-from tests.test_robustness import _fails
+from tests.helpers import fails, params_at
 from utils import checkpoint as ckpt
 
 QA = {"task_name": "qa", "input_template": "question: {question} context: {context}", "target_column": "answer",
@@ -95,7 +94,7 @@ def test_a_bad_row_is_one_line_before_any_work(tmp_path, capsys, rows, flags, me
     save = tmp_path / "ck"
     argv = ["--config", "tiny", "--dataset", data, "--tokenizer", "train", "--save", str(save), "--steps", "2"]
     flags = [x for k, v in flags.items() for x in [f"--{k}", *(v if isinstance(v, list) else [v])]]
-    err = _fails(capsys, run_finetuning.main, argv + flags, message)
+    err = fails(capsys, run_finetuning.main, argv + flags, message)
     assert data in err
     assert not ckpt.saved_steps(str(save)) and not os.path.exists(save / "tokenizer")  # nothing learnt or trained
 

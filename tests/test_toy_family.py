@@ -17,8 +17,7 @@ import run_validation
 from config.schema import ModelConfig
 from modelling import decoding, registry
 from modelling.family import ModelOptions
-from tests.test_finetuning_cli import params_at
-from tests.test_parallel import fro_rel
+from tests.helpers import fro_rel, params_at
 from tests.toy_family import ToyLlama, hf_llama
 
 SHAPE = ["--family", "toy_llama", "--layers", "2", "--hidden_size", "32", "--d_ff", "64", "--heads", "4",

@@ -78,7 +78,8 @@ def test_output_length_cuts_generation(model):
 def test_batches_that_do_not_divide_the_split_score_every_sample_once(tmp_path):
     from app.predict import Predictor
     from config import load_config
-    from data.mnli import load_rows, load_tokenizer, tokenize_inputs
+    from data.tasks import load_tokenizer
+    from tests.mnli import load_rows, tokenize_inputs
 
     cfg = load_config("inference", "tiny", {"micro_batch_size": 4, "tensor_parallel": 2, "rts": False})
     v = Predictor(cfg)

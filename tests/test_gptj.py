@@ -159,7 +159,9 @@ def tiny_cfg(**overrides):
 
 
 def synthetic_batches(cfg, n=2):
-    from data.mnli import TrainLoader, load_rows, load_tokenizer, tokenize_examples
+    from data.loader import TrainLoader
+    from data.tasks import load_tokenizer
+    from tests.mnli import load_rows, tokenize_examples
 
     tok = load_tokenizer("synthetic")
     ex = tokenize_examples(load_rows("synthetic", "validation")[:200], tok, registry.get("gptj"))

@@ -103,7 +103,7 @@ def failing(cfg, executor, loader, state, step, *a, **kw):
             os.kill(os.getpid(), signal.SIGKILL)  # as kill -9, or the kernel's OOM killer
         if {bug}:
             raise KeyError("a bug at step 3")
-        from data.mnli import DataError
+        from data.sources import DataError
 
         raise DataError("data.jsonl: row 7: column 'label' is empty")
     return real(cfg, executor, loader, state, step, *a, **kw)

@@ -1,6 +1,6 @@
 """Tokenizers without a pad token (GPT-J's and GPT-2's have none; their config.json sets no pad_token_id): both
 families train, validate and decode with one, padding with the end-of-text token as Hugging Face ``generate`` does
-(``data.mnli.pad_id``), and our greedy outputs equal HF ``generate``'s. The benchmarks use generated token ids, no
+(``data.tasks.pad_id``), and our greedy outputs equal HF ``generate``'s. The benchmarks use generated token ids, no
 tokenizer, so no pad token enters them."""
 
 import json

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from config import load_config
-from data.mnli import TrainLoader
+from data.loader import TrainLoader
 from data.packing import Examples, FileRagged, Packer, batch_stats, pack_rows, pad_rows
 from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
@@ -204,7 +204,8 @@ def test_greedy_decoding_of_a_packed_trained_model_matches_hf(tmp_path):
     from transformers import T5Config as HFConfig, T5ForConditionalGeneration
 
     import run_finetuning
-    from data.mnli import load_rows, load_tokenizer, tokenize_inputs
+    from data.tasks import load_tokenizer
+    from tests.mnli import load_rows, tokenize_inputs
     from modelling.hf_mapping import hf_config_dict, hf_state_dict_from_params
     from tests.hf_utils import hf_greedy, sharded_greedy
     from tests.helpers import SMALL, params_at

@@ -142,7 +142,8 @@ def _csv(path, rows):
 
 
 def test_labels_as_class_names_and_blank_cells_named_by_row(tmp_path):
-    from data.mnli import DataError, load_rows
+    from data.sources import DataError
+    from tests.mnli import load_rows
 
     ok = _csv(tmp_path / "a.csv", [["the cat runs .", "the cat runs .", "entailment"],
                                    ["the dog eats .", "the dog eats now .", "Neutral"],
@@ -253,7 +254,7 @@ def test_every_driver_shares_the_entry_wrapper_and_the_error_base():
     import inference
     from benchmarks import hf_baseline
     from config import ConfigError
-    from data.mnli import DataError
+    from data.sources import DataError
     from graphs.plan import PlanError
     from graphs.sharding import DeviceCountError
     from modelling.hf_mapping import CheckpointError

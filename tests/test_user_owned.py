@@ -228,7 +228,8 @@ def test_resume_refuses_every_change_of_the_data_order(one_step, capsys, flag, v
 
 
 def test_malformed_lines_duplicated_columns_and_split_typos_are_named(tmp_path, capsys):
-    from data.mnli import DataError, load_rows
+    from data.sources import DataError
+    from tests.mnli import load_rows
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n{"premise": "a", "hypothesis": \n')
@@ -282,7 +283,8 @@ def test_own_words_train_offline_with_a_tokenizer_learnt_from_the_data(tmp_path)
 
 
 def test_no_network_is_one_line_at_once_naming_the_offline_choice(monkeypatch):
-    from data.mnli import DataError, load_tokenizer
+    from data.sources import DataError
+    from data.tasks import load_tokenizer
     from utils import hub
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

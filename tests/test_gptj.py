@@ -16,13 +16,13 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from config import load_config
-from data.packing import Examples, causal_packer, causal_rows, concat_rows
+from data.packing import Examples, causal_packer
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from modelling import gptj, registry
 from modelling import layers
 from modelling.family import ModelOptions
-from modelling.rows import RowShape
+from modelling.rows import RowShape, causal_rows, concat_rows
 from tests.helpers import max_rel
 from tests.hf_utils import GPTJ_KW as HF_KW, GPTJ_LENGTH as L, gptj_hf
 from tests.hf_utils import gptj_batch as padded_batch, gptj_config as cfg_for

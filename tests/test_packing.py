@@ -14,7 +14,8 @@ import pytest
 
 from config import load_config
 from data.loader import TrainLoader
-from data.packing import Examples, FileRagged, Packer, batch_stats, pack_rows, pad_rows
+from data.packing import Examples, FileRagged, Packer
+from modelling.rows import batch_stats, pack_rows, pad_rows
 from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
 from graphs.phased import PhasedExecutor

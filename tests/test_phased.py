@@ -12,7 +12,8 @@ import pytest
 
 from data.generated import generated_batch
 from graphs.fused import FusedExecutor
-from graphs.graphs import Graphs, TrainState
+from graphs.graphs import Graphs
+from graphs.state import TrainState
 from graphs.host_state import HOST
 from graphs.phased import DeviceOps, PhasedExecutor, PhaseMemory
 from graphs.memory import live_device_bytes

@@ -82,6 +82,13 @@ def time_decoding(params, ids, mask, gen, gen1, start, iterations: int) -> tuple
     return compile_s, start_t, first_t, gen_t, out
 
 
+def weight_bytes(params) -> int:
+    """Bytes of the weights as placed (every device's shards together)."""
+    import jax
+
+    return sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
+
+
 @entry
 def main(argv=None) -> dict:
     cfg, args = parse_config("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags,
@@ -94,11 +101,13 @@ def main(argv=None) -> dict:
     from graphs.graphs import Graphs
     from graphs.memory import peak_device_bytes
 
+    from app.weights import Weights
+
     g = Graphs(cfg)
     n = cfg.inference.output_length
     ids, mask = prompts(cfg, g)
-    compile_s, start_t, first_t, gen_t, out = time_decoding(g.init_params(), ids, mask, *programs(g, n),
-                                                            args.iterations)
+    params = Weights(g).convert(g.init_params())  # as decoding holds them: the compute dtype, or int8 (--quantize)
+    compile_s, start_t, first_t, gen_t, out = time_decoding(params, ids, mask, *programs(g, n), args.iterations)
     total, encoder, first = median(gen_t), median(start_t), median(first_t)
     per_token = (total - first) / (n - 1) if n > 1 else 0.0
     if per_token <= 0:  # below the timing noise (tiny models): the average over all tokens instead
@@ -107,6 +116,7 @@ def main(argv=None) -> dict:
     report = {
         **device_header(cfg, args.config), "family": cfg.model.family, "batch_size": b,
         "num_beams": cfg.inference.num_beams, "do_sample": cfg.inference.do_sample,
+        "quantize": cfg.inference.quantize, "weight_bytes": weight_bytes(params),
         "encoder_length": cfg.model.sequence_length, "output_length": n, "compile_s": compile_s,
         "encoder_s": encoder, "first_token_s": first, "generate_s": total, "decode_token_latency_s": per_token,
         "generated_tokens_per_s": out.size / total, "samples_per_s": b / total, "peak_device_bytes": peak_device_bytes(),

@@ -51,7 +51,7 @@ def export_peft(predictor, directory: str, step: int, tokenizer, output: str) ->
     if not saved.get("lora_base"):
         raise FlanT5Error(f"--peft exports LoRA adapters, but {directory or 'the model'} was not trained with "
                           "--lora_rank: drop --peft to export the whole model")
-    lg, adapters, _ = predictor.lora_parts(directory, step, saved, base=False)
+    lg, adapters, _ = predictor.weights.lora_parts(directory, step, saved, base=False)
     adapters = jax.tree.map(np.asarray, adapters)
     source = saved["lora_base"]["source"]
     os.makedirs(output, exist_ok=True)

@@ -25,9 +25,7 @@ from tqdm import tqdm
 
 from app.args import carried_model, make_config
 from app.runtime import ensure_host_devices, is_main_process, setup_jax
-from config.carry import saved_value
-from config.fields import set_path
-from config.schema import FIELDS
+from app.weights import Weights
 from data import sources
 from data.loader import length_buckets
 from data.sources import DataError
@@ -35,12 +33,7 @@ from data.mixture import evaluation_set
 from data.tasks import Example, pad_id, tokenize_prompts, unknown_share
 from graphs.graphs import Graphs
 from graphs.sharding import fetch, put_global
-from graphs.host_state import HOST
-from graphs.state import describe_base, device_base, fingerprint, fingerprint_rows, load_base
-from modelling import lora
 from modelling.decoding import Options
-from modelling.hf_mapping import load_hf_model
-from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
@@ -91,6 +84,7 @@ class Predictor:
         self.cfg, self.graphs = cfg, graphs or Graphs(cfg)
         self.family = self.graphs.family
         self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
+        self.weights = Weights(self.graphs)
         self._generate = None
 
     def generate(self, tokenizer):
@@ -104,85 +98,9 @@ class Predictor:
     # ------------------------------------------------------------------ weights
 
     def load_params(self, directory=None, step=None, hf_model=None):
-        """The weights decoded, on the devices: an HF model's, a checkpoint's, or a LoRA checkpoint's adapters merged
-        into the base they were trained on."""
-        g = self.graphs
-        if hf_model:
-            _, host = load_hf_model(hf_model, self.cfg.execution.tensor_parallel, expect=self.cfg.model)
-            return g.shard_params(host)
-        saved = ckpt.load_meta(directory, step)
-        if saved.get("lora_base"):
-            return self.merged_params(directory, step, saved)
-        params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(g.abstract_params(), g.param_shardings),
-                                 hint=g.shape_hint)
-        return params
-
-    def merged_params(self, directory: str, step: int, saved: dict):
-        """A LoRA checkpoint's adapters on their frozen base (which its meta names), merged: the weights decoded.
-        A checkpoint trained phased (the presets whose base never fits a device beside anything else) is merged from
-        host memory (``merged_from_host``): its device then holds the merged model alone, never the base beside it
-        (XXL: 20.7 GiB, not 41)."""
-        if saved_value(saved["config"], "phased"):
-            return self.merged_from_host(directory, step, saved)
-        return self.merged_on_device(directory, step, saved)
-
-    def merged_on_device(self, directory: str, step: int, saved: dict):
-        """``merged_params`` with the whole base placed on the devices and merged there in one program."""
-        lg, adapters, frozen = self.lora_parts(directory, step, saved)
-        merge = lambda b, a: lora.merged(b, a, lg.opts)  # noqa: E731
-        return jax.jit(merge, out_shardings=self.graphs.param_shardings)(frozen, adapters)
-
-    def merged_from_host(self, directory: str, step: int, saved: dict):
-        """``merged_params`` from the base in host memory: each adapted weight placed and merged on the devices in
-        turn (the same program as ``merged_on_device``'s for that weight, so the same values), then the rest placed.
-        The devices hold the merged weights so far and one weight's merge at a time."""
-        lg, adapters, _ = self.lora_parts(directory, step, saved, base=False)
-        base = load_base(lg, saved["lora_base"]["source"], HOST)  # (an HF model's: numpy, read tensor by tensor)
-        self.check_base(directory, step, saved, fingerprint_rows([[x] for x in jax.tree.leaves(base)]))
-        shardings, tree = self.graphs.param_shardings, dict(base)
-
-        def place(x, sharding):  # (numpy, an HF model's: each process places its devices' part)
-            return put_global(x, sharding) if isinstance(x, np.ndarray) else jax.device_put(x, sharding)
-
-        for stack, sub in adapters.items():  # the adapted weights first, while the devices hold little else
-            layers, sh = dict(base[stack]["layers"]), shardings[stack]["layers"]
-            for name in sorted(k[: -len(lora.A)] for k in sub["layers"] if k.endswith(lora.A)):
-                def merge(w, a, s=stack, n=name):
-                    return lora.merged({s: {"layers": {n: w}}}, {s: {"layers": a}}, lg.opts)[s]["layers"][n]
-
-                pair = {name + k: sub["layers"][name + k] for k in (lora.A, lora.B)}
-                layers[name] = jax.jit(merge, out_shardings=sh[name])(place(layers[name], sh[name]), pair)
-            tree[stack] = {**base[stack], "layers": layers}
-        return jax.tree.map(place, tree, shardings)  # (the merged ones are in place already)
-
-    def lora_graphs(self, saved: dict) -> Graphs:
-        """The Graphs of a LoRA checkpoint's run on these devices: its adapters' rank, alpha and targets."""
-        lcfg = copy.deepcopy(self.cfg)
-        for flag in ("lora_rank", "lora_alpha", "lora_targets"):
-            set_path(lcfg, FIELDS[flag].path, saved_value(saved["config"], flag))
-        return Graphs(lcfg, mesh=self.graphs.mesh)
-
-    @staticmethod
-    def check_base(directory: str, step: int, saved: dict, found: str) -> None:
-        """Refuses (one line) a base whose fingerprint is not the one the checkpoint's adapters were trained on."""
-        meta, source = saved["lora_base"], saved["lora_base"]["source"]
-        if found != meta["fingerprint"]:
-            raise FlanT5Error(f"{directory} step {step} holds adapters trained on other weights than "
-                              f"{describe_base(source)} as found now (fingerprint {meta['fingerprint']} != "
-                              f"{found}): restore that base")
-
-    def lora_parts(self, directory: str, step: int, saved: dict, base: bool = True) -> tuple:
-        """(the LoRA run's Graphs, its adapters, its frozen base on the devices or None) of a LoRA checkpoint: the
-        base found where the checkpoint's meta says, and refused (one line) when its fingerprint is not the one
-        trained on."""
-        lg = self.lora_graphs(saved)
-        adapters, _, _ = ckpt.load(directory, step, ckpt.abstract_like(lg.abstract_params(), lg.param_shardings),
-                                   hint=lg.shape_hint)
-        if not base:
-            return lg, adapters, None
-        frozen = device_base(lg, saved["lora_base"]["source"])
-        self.check_base(directory, step, saved, fingerprint(frozen))
-        return lg, adapters, frozen
+        """The weights decoded, on the devices (app/weights.py): an HF model's, a checkpoint's, or a LoRA
+        checkpoint's adapters merged into the base they were trained on; int8 with --quantize int8."""
+        return self.weights.load(directory, step, hf_model)
 
     # ------------------------------------------------------------------ decoding
 

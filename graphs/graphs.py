@@ -21,7 +21,7 @@ from config.carry import shape_hint
 from graphs import optim
 from graphs import sharding as S
 from graphs.tree import TreeStructure
-from modelling import decoding, lora, registry
+from modelling import decoding, lora, quant, registry
 from modelling.family import ModelOptions, cast_params, leaf_name
 from modelling.params import ParamSpec, init_leaf, init_params, is_spec, zero_padded_vocab
 
@@ -81,6 +81,8 @@ class Graphs:
                                  (ga, cfg.training.global_batch_size // ga),
                                  tuple(self.family.batch_lengths(cfg).items()))
         self.phased = ex.phased
+        # decoding's weights: int8 matmul weights when an eval config asks (modelling/quant.py); training never
+        self.quantize = cfg.inference.quantize if cfg.model.eval else "none"
         self.shape_hint = partial(shape_hint, cfg)  # how to run a checkpoint of another shape (utils/checkpoint.py)
 
     # ------------------------------------------------------------------ weights
@@ -230,8 +232,56 @@ class Graphs:
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
     def compute_specs(self) -> dict:
-        """tp-only specs of the weights (after the RTS gather)."""
-        return jax.tree.map(lambda l: l.compute_spec, self.layouts, is_leaf=S.is_layout)
+        """tp-only specs of the weights (after the RTS gather); a weight decoding keeps as int8 (``quantize``) has an
+        ``Int8`` of the specs of its values and of its scale (its output axes')."""
+        return self.decoding_tree(lambda spec, lay, path: lay.compute_spec,
+                                  lambda spec, lay, n_in, path: P(*_scale_axes(spec, lay.tp_spec, n_in)))
+
+    def decode_shardings(self, memory_kind: str | None = None) -> dict:
+        """Shardings of the weights decoding reads (``compute_specs``), on the devices or in ``memory_kind``."""
+        return jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=memory_kind), self.compute_specs())
+
+    def abstract_decode_params(self) -> dict:
+        """ShapeDtypeStructs of the weights as decoding holds them (app/weights.py): in the compute dtype (the
+        family's float32 weights kept float32), int8 values and float32 scales where quantized."""
+        def dtype(path):
+            return np.float32 if self.family.keeps_f32(path[-1]) else self.opts.compute_dtype
+
+        shapes = self.decoding_tree(lambda spec, lay, path: jax.ShapeDtypeStruct(spec.shape, dtype(path)),
+                                    lambda spec, lay, n_in, path: jax.ShapeDtypeStruct(
+                                        _scale_axes(spec, spec.shape, n_in), np.float32))
+        values = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                              self.decode_shardings())
+        # the values of an int8 weight are int8
+        return jax.tree.map(lambda w: quant.Int8(jax.ShapeDtypeStruct(w.q.shape, np.int8, sharding=w.q.sharding),
+                                                 w.scale, w.dtype, w.n_out) if quant.is_int8(w) else w,
+                            values, is_leaf=quant.is_int8)
+
+    def _int8_inputs(self, spec, path: tuple):
+        """How many input dims the weight at ``path`` has if decoding keeps it as int8, else None."""
+        if self.quantize != "int8" or not quant.quantizes(self.family, path):
+            return None
+        return quant.input_dims(spec.axes)
+
+    def _map_weights(self, fn) -> dict:
+        """fn(spec, layout, path) for every weight, as a tree like the weights'."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(self.specs, is_leaf=is_spec)
+        lays = jax.tree.leaves(self.layouts, is_leaf=S.is_layout)
+        out = [fn(spec, lay, tuple(str(getattr(k, "key", k)) for k in path)) for (path, spec), lay in zip(flat, lays)]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def decoding_tree(self, plain, scale) -> dict:
+        """A tree like decoding's weights: ``plain(spec, layout, path)`` for a weight kept as it is; for one kept as
+        int8 an ``Int8`` of ``plain``'s value for its values and ``scale(spec, layout, n_in, path)`` for its
+        scale."""
+        def build(spec, lay, path):
+            n_in = self._int8_inputs(spec, path)
+            if n_in is None:
+                return plain(spec, lay, path)
+            return quant.Int8(plain(spec, lay, path), scale(spec, lay, n_in, path), self.opts.compute_dtype,
+                              _n_out(spec, n_in))
+
+        return self._map_weights(build)
 
     def decode_phase(self, options: decoding.Options, eos_id: int = 1, pad_id: int = 0, seed: int = 0):
         """The search ``options`` names (greedy, beam search, sampling: modelling/decoding.py): (gathered weights,
@@ -258,3 +308,18 @@ class Graphs:
         return self.phase(lambda p, ids, mask: search(family, p, ids, mask, opts, max_new_tokens, S.TP, eos_id=eos_id,
                                                       pad_id=pad_id),
                           (self.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))
+
+
+def _lead(spec) -> int:
+    """1 for a stacked layer weight (its leading ``layers`` axis), else 0."""
+    return int(spec.axes[0] == "layers")
+
+
+def _n_out(spec, n_in: int) -> int:
+    return len(spec.shape) - _lead(spec) - n_in
+
+
+def _scale_axes(spec, per_dim: tuple, n_in: int) -> tuple:
+    """``per_dim`` (a weight's shape, or its per-dim mesh axes) without the weight's input dims: its scale's."""
+    lead = _lead(spec)
+    return tuple(per_dim[:lead]) + tuple(per_dim[lead + n_in:])

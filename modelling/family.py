@@ -36,6 +36,7 @@ import numpy as np
 
 from config.fields import get_path
 from config.schema import FIELDS
+from modelling.quant import is_int8
 from modelling.rows import RowFormat
 from utils.errors import CheckpointError, ConfigError
 
@@ -132,8 +133,10 @@ def leaf_name(path) -> str:
 
 
 def cast_params(params: dict, dtype, keeps_f32) -> dict:
-    """Casts the weights to the compute dtype, except those ``keeps_f32(name)`` keeps float32 (norms...)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: x if keeps_f32(leaf_name(p)) else x.astype(dtype), params)
+    """Casts the weights to the compute dtype, except those ``keeps_f32(name)`` keeps float32 (norms...) and int8
+    ones (modelling/quant.py: read in the compute dtype inside their matmuls)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if is_int8(x) or keeps_f32(leaf_name(p)) else x.astype(dtype), params, is_leaf=is_int8)
 
 
 def left_align(ids: np.ndarray, mask: np.ndarray) -> tuple:

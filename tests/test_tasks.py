@@ -145,6 +145,13 @@ def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, p
     assert report["scores"]["exact_match"] > least, report["scores"]  # measured: 0.97 (GPT-J, 120 steps)
     assert report["scores"]["rougeL"] > report["scores"]["exact_match"]
     assert len(report["generated"]) == len(report["references"]) == len(report["inputs"]) == 100
+    # bfloat16 decoding, and bfloat16 with int8 weights: within a point of each other
+    scores = {}
+    for q in ("none", "int8"):
+        run_validation.main(["--load", save, "--limit", "100", "--precision", "bfloat16", "--quantize", q,
+                             "--output", str(tmp_path / f"bf16_{q}.json")])
+        scores[q] = json.load(open(tmp_path / f"bf16_{q}.json"))["scores"]["exact_match"]
+    assert scores["none"] > least and abs(scores["int8"] - scores["none"]) <= 0.01, scores
     # beam search and sampling from the command line, scored the same way
     run_validation.main(["--load", save, "--limit", "32", "--num_beams", "3", "--output", str(tmp_path / "b.json")])
     run_validation.main(["--load", save, "--limit", "32", "--do_sample", "--top_k", "3", "--sampling_seed", "5",

@@ -21,7 +21,7 @@ SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "
          "--warmup_steps", "0"]
 
 __all__ = ["ROOT", "SMALL", "build", "fails", "fro_rel", "leaves", "max_rel", "params_at", "start", "tiny",
-           "wait_for_lines"]
+           "update_rel", "wait_for_lines"]
 
 
 def tiny(**overrides):
@@ -69,6 +69,15 @@ def max_rel(a, b) -> float:
 def fro_rel(a, b) -> float:
     """||a - b|| / ||b|| (Frobenius)."""
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def update_rel(new, ref, start) -> float:
+    """||new - ref|| / ||ref - start||: how far two runs' updates of a weight from ``start`` differ, relative to the
+    update. Relative to the weight it would hide an update error behind the weight's size; and unlike an
+    elementwise maximum it stays put where Adam, dividing by sqrt(v) + 1e-8, turns the summation-order noise of a
+    near-zero gradient (~1e-8) into a few per cent of the learning rate on one element."""
+    new, ref, start = (np.asarray(x, np.float64) for x in (new, ref, start))
+    return float(np.linalg.norm(new - ref) / max(np.linalg.norm(ref - start), 1e-30))
 
 
 def fails(capsys, main, argv, message, code=2) -> str:

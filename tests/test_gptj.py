@@ -23,7 +23,7 @@ from modelling import gptj, registry
 from modelling import layers
 from modelling.family import ModelOptions
 from modelling.rows import RowShape, causal_rows, concat_rows
-from tests.helpers import max_rel
+from tests.helpers import max_rel, update_rel
 from tests.hf_utils import GPTJ_KW as HF_KW, GPTJ_LENGTH as L, gptj_hf
 from tests.hf_utils import gptj_batch as padded_batch, gptj_config as cfg_for
 
@@ -191,13 +191,19 @@ def reference_run():
     return host, batches, losses, state
 
 
+# three AdamW steps' updates of each weight agree within 5e-4 of the update (measured: 9e-5 at most, fc_out, whose
+# worst element moves 3.6e-5 = 0.036 lr apart: Adam's amplification of a near-zero gradient, tests/helpers.py's
+# update_rel; the weights' own 1e-5 once sat within 1% of it and failed on another machine)
+UPDATES = 5e-4
+
+
 @pytest.mark.parametrize("dp,tp", [(2, 2), (1, 4)])
 def test_tp_dp_equal_one_device(reference_run, dp, tp):
     host, batches, losses, state = reference_run
     got, got_state = run_steps(tiny_cfg(data_parallel=dp, tensor_parallel=tp), batches, host)
     np.testing.assert_allclose(got, losses, rtol=2e-6)
-    for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(state.params)):
-        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b))
+    for a, b, h in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(state.params), jax.tree.leaves(host)):
+        assert update_rel(a, b, h) < UPDATES
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
@@ -208,8 +214,8 @@ def test_phased_equals_fused(reference_run, optimizer):
     got, got_state = run_steps(tiny_cfg(phased=True, data_parallel=2, tensor_parallel=2, optimizer=optimizer),
                                batches, host)
     np.testing.assert_allclose(got, fused_losses, rtol=2e-6)
-    for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(fused_state.params)):
-        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b))
+    for a, b, h in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(fused_state.params), jax.tree.leaves(host)):
+        assert update_rel(a, b, h) < UPDATES
 
 
 def test_packed_equals_unpacked_loss_and_gradients():

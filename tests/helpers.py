@@ -21,7 +21,7 @@ SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "
          "--warmup_steps", "0"]
 
 __all__ = ["ROOT", "SMALL", "build", "fails", "fro_rel", "leaves", "max_rel", "params_at", "start", "tiny",
-           "update_rel", "wait_for_lines"]
+           "update_rel", "wait_for_lines", "assert_trained_alike"]
 
 
 def tiny(**overrides):
@@ -78,6 +78,21 @@ def update_rel(new, ref, start) -> float:
     near-zero gradient (~1e-8) into a few per cent of the learning rate on one element."""
     new, ref, start = (np.asarray(x, np.float64) for x in (new, ref, start))
     return float(np.linalg.norm(new - ref) / max(np.linalg.norm(ref - start), 1e-30))
+
+
+def assert_trained_alike(a, b, lr: float, steps: int, what: str = "") -> None:
+    """Two runs' weights after ``steps`` Adam(W) steps of at most ``lr`` from the same start (another layout, other
+    processes): equal to float32 noise (rtol 1e-5, atol 1e-6) but for a few elements (at most 2, or 0.1% of a large
+    weight), and those within the steps' reach (2 lr a step). The few: Adam divides by sqrt(v) + 1e-8, so where a
+    gradient is near zero the summation-order noise of another layout (~1e-8) moves the update by up to lr
+    (measured: 0.7% and 3.6% of lr; a check of every element, or of the norm at 1e-5, failed by that on another
+    machine). A layout that computes something else moves many elements, or the loss (compared beside)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, what
+    d = np.abs(a - b)
+    off = d > 1e-5 * np.abs(b) + 1e-6
+    assert off.sum() <= max(2, 1e-3 * off.size), (what, int(off.sum()), off.size, float(d.max()))
+    assert d.max() <= 2 * lr * steps, (what, float(d.max()), lr)
 
 
 def fails(capsys, main, argv, message, code=2) -> str:

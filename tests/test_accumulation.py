@@ -72,6 +72,7 @@ def _cfg(**overrides):
     return load_config("finetuning", "tiny", base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unroll,recompute,dp,tp", [(False, True, 1, 1), (True, False, 2, 2)])
 def test_micro_batched_gradients_equal_the_whole_batch_gradient(unroll, recompute, dp, tp):
     """The fused step's loss and gradients, accumulated over 4 micro-batches in the GEMMs, equal plain

@@ -150,6 +150,7 @@ def _builds():
     return dict(cache.BUILDS)
 
 
+@pytest.mark.slow
 def test_a_large_source_is_built_by_a_process_of_its_own(tmp_path, monkeypatch):
     """Above APART_BYTES a separate process reads and tokenizes (the training process never maps the source): the
     same arrays as a build in this process, and its errors are this process's one line."""

@@ -29,6 +29,7 @@ def generate(params, ids, mask, opts, n, eos_id=1):
     return decoding.greedy(registry.get(opts.family), params, ids, mask, opts, n, eos_id=eos_id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_same_tokens_as_hf_generate(model, tp):
     hf, m, params, batch = model
@@ -37,6 +38,7 @@ def test_same_tokens_as_hf_generate(model, tp):
     np.testing.assert_array_equal(sharded_generate(m, params, batch, 6, tp), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cached_equals_uncached(model, tp):
     _, m, params, batch = model
@@ -44,6 +46,7 @@ def test_cached_equals_uncached(model, tp):
                                   sharded_generate(m, params, batch, 6, tp, cached=False))
 
 
+@pytest.mark.slow
 def test_eos_stops_a_sequence_and_pads_after_it(model):
     hf, m, params, batch = model
     free = np.asarray(generate(params, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]),
@@ -55,6 +58,7 @@ def test_eos_stops_a_sequence_and_pads_after_it(model):
     assert first <= 1 and np.all(ours[0, first + 1:] == 0)
 
 
+@pytest.mark.slow
 def test_eos_as_first_token_leaves_only_padding(model):
     _, m, params, batch = model
     opts = options(m)
@@ -75,6 +79,7 @@ def test_output_length_cuts_generation(model):
     np.testing.assert_array_equal(short, long[:, :3])
 
 
+@pytest.mark.slow
 def test_batches_that_do_not_divide_the_split_score_every_sample_once(tmp_path):
     from app.predict import Predictor
     from config import load_config
@@ -149,6 +154,7 @@ def _whole_model_logits(family, opts, params, ids, mask, tokens):
     return jnp.transpose(logits, (1, 0, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["1.1", "1.0", "ul2", "mt5", "umt5", "gptj"])
 def test_cached_logits_equal_the_whole_model_at_every_position(kind):
     """Decoding with the KV cache gives, at each of 16 positions, the logits of the whole model run on the whole

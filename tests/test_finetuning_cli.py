@@ -20,6 +20,8 @@ import run_validation
 from app.resume import initial_state, resume_point
 from utils import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # every test here runs a driver end to end (tests/test_trainer.py: the loop's own contracts)
+
 
 @pytest.mark.parametrize("extra", [
     ["--dropout_prob", "0.1", "--warmup_steps", "3"],  # the dropout RNG and the schedule resume exactly

@@ -45,6 +45,7 @@ def hf_loss_and_grads(hf, batch):
         {k: p.grad for k, p in hf.named_parameters()}, m)
 
 
+@pytest.mark.slow
 def test_forward_logits_equal_hf(hf_model):
     batch = padded_batch()
     _, logits, _ = hf_loss_and_grads(hf_model, batch)
@@ -56,6 +57,7 @@ def test_forward_logits_equal_hf(hf_model):
     assert max_rel(ours[valid][:, :98], logits[valid]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_loss_and_every_gradient_equal_hf(hf_model, tp):
     """The fused executor's loss and gradients (batch serialisation over 2 micro-batches, recompute) at tp 1, 2, 4:
@@ -95,6 +97,7 @@ def test_rotary_pairs_are_interleaved_and_partial():
                                                 b * np.cos(theta) + a * np.sin(theta)], rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_decoding_equals_hf_generate(tp):
     """Left-padded prompts of different lengths, greedy with a KV cache, early EOS and padding after it, at tp 1
@@ -197,6 +200,7 @@ def reference_run():
 UPDATES = 5e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp", [(2, 2), (1, 4)])
 def test_tp_dp_equal_one_device(reference_run, dp, tp):
     host, batches, losses, state = reference_run
@@ -206,6 +210,7 @@ def test_tp_dp_equal_one_device(reference_run, dp, tp):
         assert update_rel(a, b, h) < UPDATES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_phased_equals_fused(reference_run, optimizer):
     host, batches, losses, state = reference_run
@@ -218,6 +223,7 @@ def test_phased_equals_fused(reference_run, optimizer):
         assert update_rel(a, b, h) < UPDATES
 
 
+@pytest.mark.slow
 def test_packed_equals_unpacked_loss_and_gradients():
     """Segment-aware packing: the loss sum, its token count and every gradient equal those of the same examples
     one per row (attention and rotary positions restart in each segment)."""
@@ -276,6 +282,7 @@ def test_plan_of_gptj_1gpu_fits_one_box():
     assert 0 < p.device_peak <= 75 * GIB and 20 * GIB < p.host_peak <= 110 * GIB, p.format()
 
 
+@pytest.mark.slow
 def test_remat_policies_and_attention_serialisation_keep_loss_and_gradients():
     """recompute none / full / save_dots and attention serialisation in 4 query chunks: one loss and gradients."""
     base = tiny_cfg(global_batch_size=4, micro_batch_size=2)

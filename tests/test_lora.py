@@ -76,6 +76,7 @@ def our_loss_and_grads(cfg, base_host, adapters, batch):
     return float(loss), jax.tree.map(np.asarray, grads), ex
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_t5_loss_and_adapter_gradients_equal_peft(tp):
     hf, m = t5_model()
@@ -97,6 +98,7 @@ def test_t5_loss_and_adapter_gradients_equal_peft(tp):
         assert np.any(r != 0) and rel(ours[key], r) < TOL, key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gptj_loss_and_adapter_gradients_equal_peft(tp, hf_model):
     hf = hf_model
@@ -156,6 +158,7 @@ def test_bad_lora_settings_are_one_line(flags, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_training_changes_only_the_adapters(tmp_path):
     """Steps of the fused executor: the frozen base is bit-identical after them, the adapters moved; the checkpoint
     holds the adapters (and their optimizer state) alone."""
@@ -182,6 +185,7 @@ def test_training_changes_only_the_adapters(tmp_path):
     assert size < full / 4, (size, full)
 
 
+@pytest.mark.slow
 def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_transformers(tmp_path, capsys):
     """The drivers with --lora_rank on an HF base (a local directory) at tp 2: the checkpoint holds the adapters
     alone and names its base; resumed, the run gives the uninterrupted run's adapters; exported in PEFT's format the
@@ -238,6 +242,7 @@ def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_tran
           f"with --load {a}")
 
 
+@pytest.mark.slow
 def test_the_tiny_preset_with_lora_learns_the_synthetic_task(tmp_path):
     """The tiny preset (2 x 2 devices) on its random base, every layer weight adapted at rank 16: 150 steps take the
     synthetic NLI task well above chance (a third); measured 74.8% on these 500 samples (86.6% after 300 steps; at a
@@ -295,6 +300,7 @@ def _phased_and_fused(cfg, random_base: bool, steps=2):
     return dict(out, fs=fs, ps=ps, metrics=metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,flags", [
     # T5 at dp 2 x tp 2: self and cross attention, feed-forward (column- and row-parallel adapters), dropout in the
     # model and on the adapters, clipping that triggers; a base given as numpy weights
@@ -337,6 +343,7 @@ def test_phased_lora_equals_fused_and_streams_a_frozen_base(preset, flags):
                                                                       np.asarray(b, np.float32)) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path, capsys, monkeypatch):
     """The drivers with --phased true --lora_rank on a GPT-J HF base (a local directory, read tensor by tensor into
     bfloat16, placed row by row in host memory) at tp 2: 2 steps + resume equal 3 uninterrupted steps bit for bit,

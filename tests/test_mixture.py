@@ -167,6 +167,7 @@ def test_a_bad_mixture_is_one_line_naming_the_fix(flags, message):
         parse_config("finetuning", "", "tiny_mixture", flags)
 
 
+@pytest.mark.slow
 def test_the_tiny_mixture_learns_both_tasks_and_each_is_scored_and_named(tmp_path):
     """The tiny T5 on the synthetic NLI task and the headlines task at once (a tokenizer learnt from both): each task
     is scored with its own metrics during training and by validation with no task flag (the checkpoint carries the
@@ -198,6 +199,7 @@ GPTJ_MIXTURE = ["--config", "gptj_tiny", "--tokenizer", "train", "--global_batch
                 "target_column: summary, labels: none, split: validation}", "--mixture_rates", "1", "3"]
 
 
+@pytest.mark.slow
 def test_a_gptj_mixture_resumes_exactly_and_each_task_is_scored_by_name(tmp_path, caplog):
     """GPT-J on a one-off mixture (flags): stopped and resumed, its stream ends where the uninterrupted one does
     (each task's position; the weights then follow, as every resume test shows); --eval_every and validation name

@@ -55,6 +55,7 @@ def hf_model(family: str, vocab: int):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,preset,eos", [("gptj", "gptj_tiny", "<|endoftext|>"), ("t5", "tiny", "</s>")])
 def test_a_tokenizer_without_a_pad_token_trains_validates_and_decodes_as_hf(tmp_path, capsys, family, preset, eos):
     tok = tokenizer_without_pad(tmp_path / "tok", eos, t5=family == "t5")

@@ -112,6 +112,7 @@ def _pair(cfg_kw, ex, packed_rows, micro_unpacked, micro_packed, T=4, D=12):
     return cu, shape(bu, cu), cp, shape(bp, cp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp,targets", [(1, 1, "summaries"), (2, 2, "labels")])
 def test_packed_batch_gives_the_unpacked_loss_and_gradients(dp, tp, targets):
     """8 examples: one longer than half a row (20 of 32 tokens), and a row holding a single example; their targets
@@ -152,6 +153,7 @@ def _tiny_opts(**kw):
     return cfg, t5.ModelOptions.from_config(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "cudnn"])
 def test_no_token_attends_across_a_segment(monkeypatch, impl):
     """Perturbing one segment's encoder and decoder tokens leaves every other segment's logits unchanged
@@ -198,6 +200,7 @@ def test_packed_loader_is_deterministic_and_resumes_exactly():
     assert min(stats) > 8  # several examples to a row
 
 
+@pytest.mark.slow
 def test_greedy_decoding_of_a_packed_trained_model_matches_hf(tmp_path):
     """A model fine-tuned with packed rows, exported to Hugging Face: HF generate and our cached
     greedy decoding give the same tokens on validation prompts (tied head: transformers 5 ties it)."""

@@ -53,6 +53,7 @@ def reference():
     return host, batch, run(cfg, batch, host)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp", SPLITS[1:])
 def test_parallel_run_equals_single_device(reference, dp, tp):
     host, batch, (loss0, grads0, params0, last0) = reference
@@ -71,6 +72,7 @@ def test_parallel_run_equals_single_device(reference, dp, tp):
     assert moved == len(params0)  # every weight was updated by the two steps
 
 
+@pytest.mark.slow
 def test_batch_serialisation_equals_one_big_batch(reference):
     host, batch, (loss0, grads0, _, _) = reference  # micro_batch 8 x gradient_accumulation 2
     cfg = tiny(micro_batch_size=2)
@@ -86,6 +88,7 @@ def test_batch_serialisation_equals_one_big_batch(reference):
     assert abs(float(loss) - loss0) / loss0 < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks", [2, 4])
 def test_attention_serialisation_gives_same_loss_and_grads(reference, chunks):
     host, batch, (loss0, grads0, _, _) = reference
@@ -96,6 +99,7 @@ def test_attention_serialisation_gives_same_loss_and_grads(reference, chunks):
         assert max_rel(a, b) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", [False, True])
 def test_unrolled_layers_equal_the_scan(reference, recompute):
     host, batch, (loss0, grads0, _, _) = reference
@@ -136,6 +140,7 @@ def _bytes_per_device(g, tree):
     return max(per.values()), min(per.values())
 
 
+@pytest.mark.slow
 def test_rts_shrinks_weights_and_optimizer_state_per_device():
     dp, tp = 4, 2
     on = fused(tiny(data_parallel=dp, tensor_parallel=tp, micro_batch_size=2))

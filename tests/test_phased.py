@@ -20,6 +20,8 @@ from graphs.memory import live_device_bytes
 from modelling import t5
 from tests.helpers import fro_rel, leaves, max_rel, tiny
 
+pytestmark = pytest.mark.slow  # every test here compiles and runs phased and fused steps
+
 
 def _rng():
     return jax.random.key_data(jax.random.key(3))

@@ -32,6 +32,7 @@ def test_bad_learning_rates_are_refused_before_any_work(tmp_path, capsys, value,
     fails(capsys, run_finetuning.main, SMALL + ["--gradient_clipping", "inf"], "gradient_clipping=inf is not a finite")
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     """The loss and weights turn NaN in step 3 (as a too-high learning rate makes them): the run stops there
     with exit 3 and the step and causes named; checkpoints 1 and 2 stay, no checkpoint 3 is written."""
@@ -56,6 +57,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_the_step_and_resuming_gives_the_uninterrupted_weights(tmp_path):
     steps = ["--steps", "150", "--checkpoint_steps", "0"]  # no periodic checkpoint: only the signal saves
     stopped, whole = str(tmp_path / "stopped"), str(tmp_path / "whole")
@@ -77,6 +79,7 @@ def test_sigterm_saves_the_step_and_resuming_gives_the_uninterrupted_weights(tmp
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_step_and_exits_130_without_a_traceback(tmp_path):
     save = str(tmp_path / "ck")
     proc = start(["run_finetuning.py"] + SMALL + ["--steps", "150", "--save", save, "--checkpoint_steps", "0"])
@@ -90,6 +93,7 @@ def test_ctrl_c_saves_the_step_and_exits_130_without_a_traceback(tmp_path):
            f"--save {save}" in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_steps_at_or_below_the_checkpoint_and_periodic_saves(tmp_path, capsys, caplog):
     save = str(tmp_path / "ck")
     run_finetuning.main(SMALL + ["--steps", "20", "--save", save])
@@ -120,6 +124,7 @@ def test_unwritable_paths_fail_before_the_model_is_built(tmp_path, capsys, monke
           "--output")
 
 
+@pytest.mark.slow
 def test_limit_must_be_positive_and_never_replaces_the_full_report(tmp_path, capsys):
     save = str(tmp_path / "ck")
     run_finetuning.main(SMALL + ["--steps", "1", "--save", save])
@@ -168,6 +173,7 @@ def test_a_tokenizer_that_does_not_know_the_text_is_refused(tmp_path, capsys):
           "are unknown (<unk>) to tokenizer 'synthetic': the synthetic tokenizer knows only")
 
 
+@pytest.mark.slow
 def test_a_single_file_is_named_as_such_in_the_validation_report(tmp_path, capsys, caplog):
     from data import synthetic
 
@@ -184,6 +190,7 @@ def test_a_single_file_is_named_as_such_in_the_validation_report(tmp_path, capsy
     assert "a single file" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_shape_names_both_shapes_and_no_stray_traceback(tmp_path):
     save = str(tmp_path / "ck")
     run_finetuning.main(SMALL + ["--steps", "1", "--save", save])
@@ -196,6 +203,7 @@ def test_a_checkpoint_of_another_shape_names_both_shapes_and_no_stray_traceback(
     assert "Traceback" not in err and "Event loop is closed" not in err, err[-2000:]
 
 
+@pytest.mark.slow
 def test_validation_takes_the_model_shape_from_the_checkpoint_and_the_hf_config(tmp_path, capsys):
     from modelling.hf_mapping import save_hf_model
     from tests.hf_utils import make_hf
@@ -225,6 +233,7 @@ def test_wandb_without_a_login_is_one_line_before_any_work(tmp_path, capsys, mon
     assert not os.path.exists(tmp_path / "ck" / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_a_cluster_log_gets_progress_lines_and_a_readable_loss_curve(tmp_path):
     run_dir = str(tmp_path / "run")
     proc = start(["run_finetuning.py"] + SMALL + ["--steps", "8", "--run_dir", run_dir, "--log_every", "2"])

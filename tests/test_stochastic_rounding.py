@@ -93,6 +93,7 @@ def one_device_update():
     return params, grads, rng, jax.tree.map(np.asarray, new)
 
 
+@pytest.mark.slow
 def test_weights_are_16_bit_and_the_optimizer_state_float32(one_device_update):
     params, _, _, new = one_device_update
     assert params["encoder"]["layers"]["q"].dtype == jnp.bfloat16 and params["lm_head"].dtype == jnp.bfloat16
@@ -104,6 +105,7 @@ def test_weights_are_16_bit_and_the_optimizer_state_float32(one_device_update):
     assert moments and all(x.dtype == jnp.float32 for x in moments)
 
 
+@pytest.mark.slow
 def test_the_update_is_the_same_under_tp_x_dp_and_in_the_phased_executor(one_device_update):
     params, grads, rng, ref = one_device_update
     # Adam's first step moves each weight by about the learning rate (1e-4), below half the bfloat16 spacing of
@@ -160,6 +162,7 @@ def _moved(ex, params, grads, steps: int):
     return jax.tree.map(lambda x: np.asarray(x, np.float64), p)
 
 
+@pytest.mark.slow
 def test_over_many_steps_16_bit_weights_follow_the_float32_weights_without_bias():
     """The property a run with stochastic rounding needs, whatever the machine: its 16-bit master weights follow the
     float32 ones. Adam on constant gradients moves every weight by about the learning rate a step (1e-4), for most

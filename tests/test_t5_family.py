@@ -67,6 +67,7 @@ def executor_loss_and_grads(cfg, hf, batch):
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_loss_and_every_gradient_equal_hf(variant, tp):
     name, hf, m = variant
@@ -88,6 +89,7 @@ def test_loss_and_every_gradient_equal_hf(variant, tp):
         assert len(tables) == layers and all(not np.array_equal(tables[0], t) for t in tables[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ul2", "mt5", "umt5"])  # T5 v1.1 and v1.0: tests/test_phased.py
 def test_phased_equals_fused(name):
     """The phased executor's schedule for the new layouts (per-layer tables, a decoder deeper than the encoder)."""
@@ -110,6 +112,7 @@ def hf_generate(hf, batch, n):
     return np.pad(out, ((0, 0), (0, n - out.shape[1])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_decoding_equals_hf_generate(variant, tp):
     name, hf, m = variant

@@ -122,6 +122,7 @@ def test_metrics_are_the_libraries_own():
     assert report["references"] == ["positive", "negative"] and report["inputs"] == ["x", "y"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,steps,least", [("gptj_tiny_headlines", 120, 0.8)])
 def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, preset, steps, least):
     """Offline: a tokenizer learnt from the data, validation scores every half run, the best step named; then
@@ -172,6 +173,7 @@ def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, p
     assert all(r["prediction"] and r["input"].startswith("summarize: ") for r in again)
 
 
+@pytest.mark.slow
 def test_eval_every_changes_nothing_of_the_run_and_resumes_exactly(tmp_path):
     """The same weights with and without --eval_every, stopped and resumed with it (the evaluation reads no
     training data, draws no random number of the run's and changes no weight); the data is read and tokenized once

@@ -41,6 +41,7 @@ def _opts(m: ModelConfig) -> ModelOptions:
     return ModelOptions.from_config(cfg)
 
 
+@pytest.mark.slow
 def test_the_toy_family_is_transformers_llama(toy):
     """Forward logits of a padded batch and greedy decoding with the KV cache (left-padded prompts, grouped
     key/value heads, rotate-half positions counted over real tokens) equal LlamaForCausalLM's (float32)."""
@@ -67,6 +68,7 @@ def test_the_toy_family_is_transformers_llama(toy):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.slow
 def test_the_toy_family_trains_resumes_and_decodes_through_the_drivers(toy, tmp_path, capsys):
     """run_finetuning.py and run_validation.py, unchanged, with --family toy_llama: two steps at tp 1 equal two at
     tp 2; a run of 4 steps (saved at 2 and 4) resumed from its step 2 ends where it ended; validation greedy-decodes

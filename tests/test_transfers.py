@@ -103,6 +103,7 @@ class _Watched:
         ops.load, ops.run = watched_load, watched_run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,overrides", [
     ("tiny", dict(precision="bfloat16", data_parallel=2, tensor_parallel=2, micro_batch_size=2)),
     ("gptj_tiny", dict(precision="bfloat16", optimizer="adafactor", update_in_backward=True)),

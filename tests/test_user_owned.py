@@ -21,6 +21,7 @@ def train(save, steps, *extra):
     run_finetuning.main(SMALL + ["--steps", str(steps), "--save", save, *extra])
 
 
+@pytest.mark.slow
 def test_foreign_numbered_folders_survive_pruning(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     save = tmp_path / "ck"
@@ -42,6 +43,7 @@ def test_a_foreign_folder_a_step_would_overwrite_is_refused_before_work(tmp_path
     assert sorted(os.listdir(save)) == ["3"] and (save / "3" / "mine.txt").read_text() == "x"
 
 
+@pytest.mark.slow
 def test_rollback_is_refused_before_work_or_done_on_an_explicit_branch(tmp_path, capsys):
     save = str(tmp_path / "ck")
     train(save, 4, "--checkpoint_steps", "1", "--to_keep", "0")
@@ -64,6 +66,7 @@ def test_rollback_is_refused_before_work_or_done_on_an_explicit_branch(tmp_path,
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_incomplete_and_corrupt_steps_name_the_step_and_the_previous_complete_one(tmp_path, capsys, caplog):
     save = str(tmp_path / "ck")
     train(save, 3, "--checkpoint_steps", "1", "--to_keep", "0")
@@ -79,6 +82,7 @@ def test_incomplete_and_corrupt_steps_name_the_step_and_the_previous_complete_on
     assert "3 is incomplete" in caplog.text
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_directory_the_second_stops_at_once(tmp_path, capsys):
     save = str(tmp_path / "ck")
     proc = start(["run_finetuning.py"] + SMALL + ["--steps", "400", "--save", save, "--checkpoint_steps", "0"])
@@ -95,6 +99,7 @@ def test_two_runs_into_one_directory_the_second_stops_at_once(tmp_path, capsys):
         proc.communicate()
 
 
+@pytest.mark.slow
 def test_runs_without_save_get_their_own_directory_and_never_truncate_metrics(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     import glob
@@ -111,6 +116,7 @@ def test_runs_without_save_get_their_own_directory_and_never_truncate_metrics(tm
     assert open(os.path.join(finished, "metrics.jsonl")).read().count("\n") == 2
 
 
+@pytest.mark.slow
 def test_reports_of_two_datasets_with_one_stem_are_both_kept(tmp_path):
     save = str(tmp_path / "ck")
     train(save, 1)
@@ -127,6 +133,7 @@ def test_reports_of_two_datasets_with_one_stem_are_both_kept(tmp_path):
     assert (a["samples"], b["samples"]) == (6, 4) and a["dataset"].endswith(".jsonl") and b["dataset"].endswith(".csv")
 
 
+@pytest.mark.slow
 def test_validation_never_cuts_a_prompt(tmp_path):
     """A preset whose sequence_length is shorter than the prompts decodes exactly what the full prompts give."""
     save = str(tmp_path / "ck")
@@ -143,6 +150,7 @@ def test_device_iterations_other_than_one_is_refused(capsys):
     fails(capsys, run_finetuning.main, SMALL + ["--device_iterations", "4"], "--device_iterations 1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["start-up", "validation"])
 def test_a_signal_at_start_up_or_during_validation_exits_cleanly(tmp_path, when):
     """No segmentation fault, no traceback, exit 130; an earlier report stays intact."""
@@ -170,6 +178,7 @@ def test_a_signal_at_start_up_or_during_validation_exits_cleanly(tmp_path, when)
     assert not [f for f in os.listdir(save) if ".tmp" in f]
 
 
+@pytest.mark.slow
 def test_a_new_run_from_a_checkpoint_on_new_data_and_resume_keeps_the_data_order(tmp_path, capsys):
     """--init_from: step 0, fresh optimizer state, another dataset (resuming with --load on it was an IndexError
     traceback); --load with another dataset or batch size is refused before work, naming --init_from."""
@@ -248,6 +257,7 @@ def test_malformed_lines_duplicated_columns_and_split_typos_are_named(tmp_path, 
     fails(capsys, run_finetuning.main, SMALL + ["--steps", "1", "--sequence_length", "4"], "prompt template")
 
 
+@pytest.mark.slow
 def test_own_words_train_offline_with_a_tokenizer_learnt_from_the_data(tmp_path):
     """--tokenizer train: the tiny preset fine-tunes on sentences of words no shipped tokenizer knows (the
     synthetic tokenizer refused them as 100% unknown), with no download; validation uses the saved tokenizer."""
@@ -317,6 +327,7 @@ def test_no_network_for_a_hub_data_set_is_one_line_without_a_download_attempt(mo
     assert calls == [True] and "\n" not in str(e.value)  # the cache, offline; never the network
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_every_row_of_one_file_is_not_scored_on_them(tmp_path, capsys):
     """Trained on a single file with nothing held out: validation of the checkpoint refuses to score its own training
     rows (one line naming --dataset and --holdout); told another file, it scores that one and names it."""
@@ -333,6 +344,7 @@ def test_a_checkpoint_of_every_row_of_one_file_is_not_scored_on_them(tmp_path, c
     assert f"of {other}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_truncation_and_unknown_counts_are_in_the_first_metrics_line(tmp_path, caplog):
     """Cut examples and targets are counted in the first metrics line, and a run that cuts targets says in one line
     how many and the flags that keep them whole (a newcomer's own task on tiny trained on targets cut to 4 tokens
@@ -349,6 +361,7 @@ def test_truncation_and_unknown_counts_are_in_the_first_metrics_line(tmp_path, c
     assert "pass --decoder_sequence_length 2 to keep them whole" in line[0]
 
 
+@pytest.mark.slow
 def test_a_second_signal_during_the_save_stops_at_once_and_earlier_steps_stay_loadable(tmp_path):
     save = str(tmp_path / "ck")
     proc = start(["run_finetuning.py"] + SMALL + ["--steps", "300", "--save", save, "--checkpoint_steps", "2"])

@@ -105,6 +105,7 @@ def _eqns(jaxpr):
                     yield from _eqns(sub)
 
 
+@pytest.mark.slow
 def test_micro_batch_loop_neither_concatenates_nor_re_adds_stacked_gradients():
     """Unrolled layers: inside the loop over micro-batches no per-layer gradients are concatenated into
     the stacked [layers, ...] tree and no float32 stacked-gradient tree is added (both were ~25% of an

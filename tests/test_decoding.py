@@ -69,6 +69,7 @@ def test_eos_as_first_token_leaves_only_padding(model):
     np.testing.assert_array_equal(one[0], [first[0]] + [0] * 7)
 
 
+@pytest.mark.slow
 def test_output_length_cuts_generation(model):
     _, m, params, batch = model
     opts = options(m)

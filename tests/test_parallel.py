@@ -110,6 +110,7 @@ def test_unrolled_layers_equal_the_scan(reference, recompute):
         assert max_rel(a, b) < 1e-5
 
 
+@pytest.mark.slow
 def test_tp_replicas_hold_identical_activations(reference):
     host, batch, _ = reference
     cfg = tiny(tensor_parallel=4, micro_batch_size=8)
@@ -182,6 +183,7 @@ def test_too_few_devices_says_how_to_simulate_more():
         S.make_mesh(4, 4)
 
 
+@pytest.mark.slow
 def test_phase_library_composes_to_the_reference_model(reference):
     """PhaseBodies.loss (the fused executor's composition of the phase bodies) equals the pure model,
     loss and gradients, on one device; with recompute every layer's backward is block_backward (without,
@@ -215,6 +217,7 @@ def test_phase_library_composes_to_the_reference_model(reference):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_optimizer_phase_matches_the_fused_step(reference):
     host, batch, _ = reference
     f = fused(tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4))
@@ -227,6 +230,7 @@ def test_optimizer_phase_matches_the_fused_step(reference):
         assert max_rel(a, c) < 1e-6
 
 
+@pytest.mark.slow
 def test_adafactor_option_trains_under_tp_and_dp(reference):
     host, batch, (loss0, _, _, _) = reference
     f = fused(tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4, optimizer="adafactor"))
@@ -239,6 +243,7 @@ def test_adafactor_option_trains_under_tp_and_dp(reference):
     # (optax factors only dims >= 128, so the tiny model's state is not smaller than its weights)
 
 
+@pytest.mark.slow
 def test_remat_policies_give_the_same_loss_and_gradients_at_their_memory():
     """recompute false / true with remat_policy save_dots / full: equal loss and gradients; the compiled step's
     temporaries fall in that order (save_dots keeps the matmul outputs, recomputes the elementwise work)."""

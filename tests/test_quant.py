@@ -31,6 +31,7 @@ from modelling.params import is_spec
 # --------------------------------------------------------------------------- the scheme
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 6), min_size=2, max_size=4), st.integers(0, 2 ** 31 - 1), st.data())
 def test_each_value_is_the_nearest_point_of_its_channel_s_grid(shape, seed, data):

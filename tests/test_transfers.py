@@ -43,6 +43,7 @@ def _executor(preset: str, **overrides) -> PhasedExecutor:
     return PhasedExecutor(Graphs(load_config("finetuning", preset, {**base, **overrides})))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_step_moves_the_floor_of_its_layout(preset, layout):

@@ -215,6 +215,7 @@ def one_step(tmp_path_factory) -> str:
     return save
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,value", [
     ("dataset", "synthetic-mnli"), ("hub_config", "plain_text"), ("train_split", "validation"), ("holdout", "8"),
     ("global_batch_size", "16"), ("packing", "false"), ("causal_packing", "concat"), ("sequence_length", "24"),

@@ -195,6 +195,18 @@ class Evaluator:
         self.what = "mixture" if self.mixed else "held-out" if first == "heldout" else first
 
     def __call__(self, state, step: int) -> dict:
+        """The scores of the weights in ``state`` (a mixture's mean too), and the best step so far: the highest
+        score, the earliest of ties."""
+        scores = self.scores(state, step)
+        if self.mixed:
+            scores["eval_score"] = mixture_score(self.sets, scores)
+        if self.best is None or scores[self.key] > self.best[0]:
+            self.best = (scores[self.key], step)
+        return scores
+
+    def scores(self, state, step: int) -> dict:
+        """Each task's scores of the weights in ``state``, decoded on the run's devices: eval_METRIC (a mixture's
+        eval_TASK_METRIC)."""
         stacked = self.executor.weights(state)  # the stacked weights, wherever they live
         g = self.predictor.graphs  # decoding's layout, once (int8 when the run asked for it: --quantize int8)
         params = (g.to_decoding(jax.device_put(stacked, g.param_shardings)) if g.quantize == "none"
@@ -208,10 +220,6 @@ class Evaluator:
             logger.info("step %d: %s%s %s", step, f"{data.task.name} " if self.mixed else "",
                         "held-out" if data.name == "heldout" else data.name, headline(report["scores"]))
         del params
-        if self.mixed:
-            scores["eval_score"] = mixture_score(self.sets, scores)
-        if self.best is None or scores[self.key] > self.best[0]:
-            self.best = (scores[self.key], step)
         return scores
 
 

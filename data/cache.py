@@ -52,6 +52,7 @@ logger = logging.getLogger("flan_t5")
 TEXTS_VERSION, TOKENS_VERSION = 2, 1  # bumped when what a cache holds changes: older caches are then rebuilt
 APART_BYTES = 32 << 20  # a source larger than this is read and tokenized by a process of its own
 BATCH = 4096  # rows a map call reads at once
+WRITE_ROWS = 65536  # rows read from a map's output (or a texts cache) and written to the flat files at once
 BUILDS = {"texts": 0, "tokens": 0, "tokenizers": 0}  # caches built by this process (tests count them)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -179,7 +180,7 @@ def build_texts(part: Part, root: str, num_proc: Optional[int] = None) -> str:
         raise
     writer, n = _Writer(scratch, ("input", "target")), 0
     with open(os.path.join(scratch, "label.bin"), "wb") as labels:
-        for table in out.with_format("arrow").iter(batch_size=65536):
+        for table in out.with_format("arrow").iter(batch_size=WRITE_ROWS):
             writer.add("input", table.column("input"))
             writer.add("target", table.column("target"))
             table.column("label").to_numpy().astype(np.int32).tofile(labels)
@@ -293,7 +294,7 @@ def build_tokens(texts_dir: str, tokenizer, family, root: str, num_proc: Optiona
     ds = texts.dataset().with_format("arrow")
     out = _map(ds, encode, scratch, f"tokenizing {texts.meta['where']}", key, num_proc)
     writer, hists = _Writer(scratch, ("input", "target")), {"input": [], "target": [], "joint": []}
-    for table in out.with_format("arrow").iter(batch_size=65536):
+    for table in out.with_format("arrow").iter(batch_size=WRITE_ROWS):
         a, b = writer.add("input", table.column("input_ids")), writer.add("target", table.column("target_ids"))
         for name, lens in (("input", a), ("target", b), ("joint", a + b)):
             hists[name].append(np.bincount(lens))
@@ -394,11 +395,18 @@ def prepare(req: Request, apart: bool = False) -> dict:
     return out
 
 
+def tokenizer_key(req: Request, parts: list, texts: list, family: str) -> str:
+    """What a learnt tokenizer is learnt from: the texts caches, the vocabulary size, the family's text format, the
+    label words kept whole, and each part's held-out rows (their count and seed: held-out rows are scored, never
+    learnt from)."""
+    return _key("tokenizer", [os.path.basename(t) for t in texts], req.vocab_size, family, list(req.labels),
+                [(p.held, p.seed) for p in parts])
+
+
 def learn_tokenizer(req: Request, parts: list, texts: list, family) -> str:
     """The folder of a tokenizer learnt from the parts' training texts (their held-out rows left out: they are
     scored), cached by what it was learnt from."""
-    key = _key("tokenizer", [os.path.basename(t) for t in texts], req.vocab_size, family.name, list(req.labels),
-               [(p.held, p.seed) for p in parts])
+    key = tokenizer_key(req, parts, texts, family.name)
     final = os.path.join(req.root, "tokenizers", key)
     if _whole(final):
         if _read_meta(final).get("fit"):  # said again by every run that uses it
@@ -413,9 +421,9 @@ def learn_tokenizer(req: Request, parts: list, texts: list, family) -> str:
         for column, how in (("input", family.prompt), ("target", lambda t: t)):
             for s, k in zip(sets, kept):
                 table = s.arrow()
-                for a in range(0, len(s), 65536):
-                    chunk = table.column(column).slice(a, 65536).to_pylist()
-                    yield [how(t) for t, keep in zip(chunk, k[a: a + 65536]) if keep]
+                for a in range(0, len(s), WRITE_ROWS):
+                    chunk = table.column(column).slice(a, WRITE_ROWS).to_pylist()
+                    yield [how(t) for t, keep in zip(chunk, k[a: a + WRITE_ROWS]) if keep]
 
     def sample(each: int = 2000) -> list:  # the first texts of every task's inputs and targets
         return [how(t) for column, how in (("input", family.prompt), ("target", lambda t: t)) for s, k in

@@ -3,8 +3,8 @@
 ``Examples`` are ragged token ids (an input and a target per example): lists of arrays, ``Ragged`` arrays (one flat
 token array and its offsets) or ``FileRagged`` ones (the same, read from the token cache's files as examples are
 asked for: data/cache.py) that hold no Python object per example. ``Packer`` fills a fixed number of rows first-fit from a stream of examples, with the slots each example
-takes as its family's row format says (modelling/rows.py); the rows themselves are built by that format (the row
-builders are re-exported here: ``pad_rows``, ``pack_rows``, ``causal_rows``, ``concat_rows``, ``batch_stats``).
+takes as its family's row format says (modelling/rows.py); the rows themselves are built by that format
+(modelling/rows.py: ``pad_rows``, ``pack_rows``, ``causal_rows``, ``concat_rows``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from modelling.rows import (IGNORE, PAD, batch_stats, causal_rows, causal_tokens, concat_rows,  # noqa: F401
-                            pack_rows, pad_rows)
 from utils.errors import FlanT5Error
 
 

@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from config.carry import shape_hint
 from graphs import optim
 from graphs import sharding as S
-from graphs.state import TrainState  # noqa: F401  (the state's home is graphs/state.py; callers import it here too)
 from graphs.tree import TreeStructure
 from modelling import decoding, lora, quant, registry
 from modelling.family import ModelOptions, cast_params, leaf_name

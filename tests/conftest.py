@@ -52,3 +52,19 @@ if os.environ.get("FLAN_T5_TEST_CPU"):
         yield
         with open(os.environ["FLAN_T5_TEST_CPU"], "a") as f:
             f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu() - t0, 2)}) + "\n")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests (pyproject.toml's marker) are skipped, with the reason, where JAX sees no GPU."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    try:
+        present = bool(jax.devices("gpu"))
+    except RuntimeError:
+        present = False
+    if not present:
+        import pytest
+
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a GPU (marked gpu): JAX sees none here"))

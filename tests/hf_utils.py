@@ -1,4 +1,5 @@
-"""Randomly initialised Hugging Face models of the T5 family (no download) and their weights in our layout.
+"""Randomly initialised Hugging Face models (the T5 family, GPT-J; no download), their weights in our layout, the
+batches and configs several test modules compare them on, and HF's greedy decoding beside ours.
 
 Untied variants are untied for real: transformers >= 5 ties every T5-family head to the embedding whatever the
 config says, while the real Flan-T5, mT5, UMT5 and UL2 checkpoints carry their own ``lm_head``. ``make_hf`` gives
@@ -104,6 +105,112 @@ def hf_outputs(hf, batch: dict):
     out.loss.backward()
     grads = {k: p.grad.detach().numpy().copy() for k, p in hf.named_parameters() if p.grad is not None}
     return out.loss.item(), out.logits.detach().numpy(), grads
+
+
+# --------------------------------------------------------------------------- T5 v1.1 and GPT-J fixtures
+
+T5_ENC, T5_DEC = 11, 5  # encoder and decoder lengths of the T5 test batches
+
+
+def t5_with_norms_off_one(version: str, seed: int = 5, **overrides):
+    """(hf_model, our ModelConfig) of ``make_hf``, its norms moved away from 1 (so each norm's own gradient is
+    checked)."""
+    hf, m, _ = make_hf(version, seed=seed, **overrides)
+    with torch.no_grad():
+        for key, p in hf.named_parameters():
+            if key.endswith("layer_norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return hf, m
+
+
+def t5_training_config(m, **overrides):
+    """The tiny preset's config with model ``m``'s shape, 4 rows of T5_ENC/T5_DEC tokens, float32, one device."""
+    from config import load_config
+    from config.carry import model_shape
+    from config.schema import T5Config
+
+    base = dict(model_shape(T5Config(model=m)), sequence_length=T5_ENC, decoder_sequence_length=T5_DEC,
+                packing=False, global_batch_size=4, micro_batch_size=2, data_parallel=1, tensor_parallel=1,
+                warmup_steps=0, dropout_prob=0.0, precision="float32")
+    base.update(overrides)
+    return load_config("finetuning", "tiny", base)
+
+
+def t5_batch(vocab: int) -> dict:
+    """4 rows of ``random_batch`` with every decoder position attended."""
+    b = random_batch(vocab, 4, T5_ENC, T5_DEC, seed=1)
+    b["decoder_attention_mask"] = np.ones_like(b["decoder_input_ids"])
+    return b
+
+
+GPTJ_KW = dict(vocab_size=98, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_inner=96,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=1,
+               eos_token_id=1)
+GPTJ_LENGTH = 12  # sequence length of the GPT-J test batches
+
+
+def gptj_hf():
+    """A random HF GPT-J whose biases and norms are not at their init (so each is checked)."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    hf = GPTJForCausalLM(GPTJConfig(**GPTJ_KW)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return hf
+
+
+def gptj_config(hf, **overrides):
+    """The gptj_tiny preset's config with an HF GPT-J's shape, 4 rows of GPTJ_LENGTH tokens, one device."""
+    from config import load_config
+    from modelling import gptj
+
+    m = gptj.config_from_hf(hf.config.to_dict())
+    base = dict(layers=m.layers, hidden_size=m.hidden_size, d_ff=m.d_ff, heads=m.attention.heads,
+                d_kv=m.attention.d_kv, rotary_dim=m.attention.rotary_dim, vocab_size=m.embedding.vocab_size,
+                eps=m.eps, sequence_length=GPTJ_LENGTH, global_batch_size=4, micro_batch_size=2, data_parallel=1,
+                tensor_parallel=1, packing=False, warmup_steps=0, learning_rate=1e-3, recompute=True)
+    base.update(overrides)
+    return load_config("finetuning", "gptj_tiny", base)
+
+
+def gptj_batch(seed: int = 0, rows: int = 4, vocab: int = 98) -> dict:
+    """Right-padded causal rows of different lengths: ids, mask, positions, next-token labels (-100 on padding)."""
+    from data.packing import Examples
+    from modelling.rows import causal_rows
+
+    rng = np.random.default_rng(seed)
+    L = GPTJ_LENGTH
+    lengths = [L, L - 3, L - 5, 5][:rows]
+    ex = Examples([rng.integers(2, vocab, n - 2) for n in lengths], [rng.integers(2, vocab, 2) for _ in lengths])
+    return causal_rows(ex, [[i] for i in range(rows)], L)
+
+
+# --------------------------------------------------------------------------- greedy decoding, HF's and ours
+
+
+def hf_greedy(hf, batch: dict, n: int, eos: int = 1) -> np.ndarray:
+    """HF ``generate``'s greedy tokens of a T5 model [rows, n] (padded with 0 after every row is done)."""
+    out = hf.generate(input_ids=torch.tensor(batch["input_ids"]), attention_mask=torch.tensor(batch["attention_mask"]),
+                      do_sample=False, num_beams=1, max_new_tokens=n, decoder_start_token_id=0, eos_token_id=eos,
+                      pad_token_id=0).numpy()[:, 1:]
+    return np.pad(out, ((0, 0), (0, n - out.shape[1])))  # HF stops when all rows are done
+
+
+def sharded_greedy(m, params, batch: dict, n: int, tp: int, eos: int = 1, cached: bool = True) -> np.ndarray:
+    """Our greedy decoding of a T5 model ``m`` [rows, n] over ``tp`` devices (the decoding graphs' program)."""
+    from config.schema import T5Config
+    from graphs.graphs import Graphs
+
+    cfg = T5Config(model=m)
+    cfg.model.eval = True
+    cfg.execution.tensor_parallel, cfg.execution.rts = tp, False
+    g = Graphs(cfg.validate())
+    run = g.generate_phase(n, eos_id=eos, cached=cached)
+    host = jax.tree.map(np.asarray, params)
+    return np.asarray(run(g.shard_params(host), jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])))
 
 
 def rel_err(a, b) -> float:

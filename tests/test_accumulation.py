@@ -72,6 +72,7 @@ def _cfg(**overrides):
     return load_config("finetuning", "tiny", base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unroll,recompute,dp,tp", [(False, True, 1, 1), (True, False, 2, 2)])
 def test_micro_batched_gradients_equal_the_whole_batch_gradient(unroll, recompute, dp, tp):
     """The fused step's loss and gradients, accumulated over 4 micro-batches in the GEMMs, equal plain
@@ -104,6 +105,7 @@ def _eqns(jaxpr):
                     yield from _eqns(sub)
 
 
+@pytest.mark.slow
 def test_micro_batch_loop_neither_concatenates_nor_re_adds_stacked_gradients():
     """Unrolled layers: inside the loop over micro-batches no per-layer gradients are concatenated into
     the stacked [layers, ...] tree and no float32 stacked-gradient tree is added (both were ~25% of an

@@ -195,6 +195,14 @@ def long_functions(tree: dict) -> list:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= LONGEST]
 
 
+def imports_of_test_modules(tree: dict) -> list:
+    """A test module imported by another (or by a helper): what both need is a helper of its own (tests/helpers.py,
+    tests/hf_utils.py, a fixture), so that each test module can be read, run and changed alone."""
+    return [f"{f}:{line} ({m}) imports the test module {dep}: move what it needs into tests/helpers.py"
+            for m, (f, deps) in imports(tree).items() for dep, line, _ in deps
+            if dep.rpartition(".")[2].startswith("test_") and dep != m]
+
+
 def _family_facts() -> tuple:
     names = set(registry.names()) | set(registry.hf_model_types())
     keys = [set(f.batch_keys) for f in registry.FAMILIES.values()]
@@ -223,6 +231,15 @@ def test_no_driver_is_imported_by_anything(tree):
            expect="imports the driver run_validation")
     _bites(driver_imports, {"benchmarks/x.py": "import finetuning\n", "finetuning.py": ""},
            expect="benchmarks/x.py:1")
+
+
+def test_no_test_module_imports_another():
+    tests = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "tests").glob("*.py"))}
+    assert not imports_of_test_modules(tests), "\n".join(imports_of_test_modules(tests))
+    _bites(imports_of_test_modules, {"tests/test_a.py": "from tests.test_b import params_at\n", "tests/test_b.py": ""},
+           expect="tests/test_a.py:1")
+    _bites(imports_of_test_modules, {"tests/test_a.py": "def f():\n    from tests import test_b as B\n",
+                                 "tests/test_b.py": ""}, expect="imports the test module tests.test_b")
 
 
 def test_no_import_circles(tree):

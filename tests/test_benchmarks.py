@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 import finetuning
 import inference
@@ -31,6 +32,7 @@ def test_peak_table():
     assert peak_tflops("cpu") is None and peak_tflops("cpu", 1.5) == 1.5
 
 
+@pytest.mark.slow
 def test_finetuning_benchmark_writes_report(tmp_path):
     path = tmp_path / "ft.json"
     finetuning.main(["--config", "tiny", "--steps", "3", "--warmup_iterations", "1", "--sequence_length", "16",
@@ -42,6 +44,7 @@ def test_finetuning_benchmark_writes_report(tmp_path):
     assert r["global_batch_size"] == 32 and (r["data_parallel"], r["tensor_parallel"]) == (2, 2)
 
 
+@pytest.mark.slow
 def test_inference_benchmark_writes_report(tmp_path):
     path = tmp_path / "inf.json"
     inference.main(["--config", "tiny", "--iterations", "2", "--json", str(path)])
@@ -52,6 +55,7 @@ def test_inference_benchmark_writes_report(tmp_path):
     assert r["output_length"] == 5 and r["batch_size"] == 2
 
 
+@pytest.mark.slow
 def test_compare_reports_a_failed_run_and_keeps_the_other(tmp_path, capsys):
     from benchmarks import compare
 
@@ -70,6 +74,7 @@ def test_compare_reports_a_failed_run_and_keeps_the_other(tmp_path, capsys):
     assert saved["runs"]["HF eager"][0]["padding"] == "max_length"  # equal work: full rows on both sides
 
 
+@pytest.mark.slow
 def test_hf_baseline_under_torch_compile_trains_like_eager(tmp_path):
     """The compiled baseline (torch.compile, fused AdamW) computes the same losses as eager on the same data. The
     test compiles with the aot_eager backend: the same Dynamo capture and AOT autograd graphs as inductor, without

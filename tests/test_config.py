@@ -160,6 +160,7 @@ def test_cli_help_lists_every_field(capsys, kind):
     assert ("10% faster" in out) == (kind == "finetuning")  # a "%" in a doc (unroll_layers) once broke --help
 
 
+@pytest.mark.slow
 def test_the_pinned_host_pool_is_sized_from_the_plan_unless_set(monkeypatch):
     """A phased run's pinned host pool is its memory plan's host bytes +80% +2 GiB (computed before JAX starts, in
     a child process on JAX's CPU backend; measured: xxl_1gpu's process peaks at 1.78x its host plan, and +10% ran

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from data import synthetic
-from data.mnli import DataError, TrainLoader, load_rows, score, tokenize_training
+from data.loader import TrainLoader
+from data.sources import DataError
+from tests.mnli import load_rows, score, tokenize_training
 from modelling import registry
 from data.packing import Examples
 from modelling.rows import RowShape
@@ -148,6 +150,7 @@ def _builds():
     return dict(cache.BUILDS)
 
 
+@pytest.mark.slow
 def test_a_large_source_is_built_by_a_process_of_its_own(tmp_path, monkeypatch):
     """Above APART_BYTES a separate process reads and tokenizes (the training process never maps the source): the
     same arrays as a build in this process, and its errors are this process's one line."""
@@ -218,7 +221,7 @@ def test_the_computed_shuffle_is_a_permutation():
 def test_the_fast_batch_encoding_gives_the_tokenizer_s_own_ids(tmp_path):
     """The cache tokenizes through the Rust tokenizer directly (data.tasks.FastEncoder): the family's inputs and
     targets get the ids the transformers tokenizer gives them (the word-level one and a learnt BPE one)."""
-    from data.mnli import train_tokenizer
+    from tests.mnli import train_tokenizer
     from data.tasks import encoder_of
 
     rows = synthetic.generate_split("train", 64, seed=4)

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from config.schema import T5Config
-from graphs.graphs import Graphs
 from modelling import decoding, registry
 from modelling.hf_mapping import params_from_hf_state_dict
-from tests.hf_utils import make_hf, options, random_batch
+from tests.hf_utils import hf_greedy as hf_generate, make_hf, options, random_batch
+from tests.hf_utils import sharded_greedy as sharded_generate
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +29,7 @@ def generate(params, ids, mask, opts, n, eos_id=1):
     return decoding.greedy(registry.get(opts.family), params, ids, mask, opts, n, eos_id=eos_id)
 
 
-def hf_generate(hf, batch, n, eos=1):
-    out = hf.generate(input_ids=torch.tensor(batch["input_ids"]), attention_mask=torch.tensor(batch["attention_mask"]),
-                      do_sample=False, num_beams=1, max_new_tokens=n, decoder_start_token_id=0, eos_token_id=eos,
-                      pad_token_id=0).numpy()[:, 1:]
-    return np.pad(out, ((0, 0), (0, n - out.shape[1])))  # HF stops when all rows are done
-
-
-def sharded_generate(m, params, batch, n, tp, eos=1, cached=True):
-    cfg = T5Config(model=m)
-    cfg.model.eval = True
-    cfg.execution.tensor_parallel, cfg.execution.rts = tp, False
-    g = Graphs(cfg.validate())
-    run = g.generate_phase(n, eos_id=eos, cached=cached)
-    host = jax.tree.map(np.asarray, params)
-    return np.asarray(run(g.shard_params(host), jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])))
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_same_tokens_as_hf_generate(model, tp):
     hf, m, params, batch = model
@@ -55,6 +38,7 @@ def test_same_tokens_as_hf_generate(model, tp):
     np.testing.assert_array_equal(sharded_generate(m, params, batch, 6, tp), ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cached_equals_uncached(model, tp):
     _, m, params, batch = model
@@ -62,6 +46,7 @@ def test_cached_equals_uncached(model, tp):
                                   sharded_generate(m, params, batch, 6, tp, cached=False))
 
 
+@pytest.mark.slow
 def test_eos_stops_a_sequence_and_pads_after_it(model):
     hf, m, params, batch = model
     free = np.asarray(generate(params, jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"]),
@@ -73,6 +58,7 @@ def test_eos_stops_a_sequence_and_pads_after_it(model):
     assert first <= 1 and np.all(ours[0, first + 1:] == 0)
 
 
+@pytest.mark.slow
 def test_eos_as_first_token_leaves_only_padding(model):
     _, m, params, batch = model
     opts = options(m)
@@ -83,6 +69,7 @@ def test_eos_as_first_token_leaves_only_padding(model):
     np.testing.assert_array_equal(one[0], [first[0]] + [0] * 7)
 
 
+@pytest.mark.slow
 def test_output_length_cuts_generation(model):
     _, m, params, batch = model
     opts = options(m)
@@ -93,10 +80,12 @@ def test_output_length_cuts_generation(model):
     np.testing.assert_array_equal(short, long[:, :3])
 
 
+@pytest.mark.slow
 def test_batches_that_do_not_divide_the_split_score_every_sample_once(tmp_path):
     from app.predict import Predictor
     from config import load_config
-    from data.mnli import load_rows, load_tokenizer, tokenize_inputs
+    from data.tasks import load_tokenizer
+    from tests.mnli import load_rows, tokenize_inputs
 
     cfg = load_config("inference", "tiny", {"micro_batch_size": 4, "tensor_parallel": 2, "rts": False})
     v = Predictor(cfg)
@@ -166,6 +155,7 @@ def _whole_model_logits(family, opts, params, ids, mask, tokens):
     return jnp.transpose(logits, (1, 0, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["1.1", "1.0", "ul2", "mt5", "umt5", "gptj"])
 def test_cached_logits_equal_the_whole_model_at_every_position(kind):
     """Decoding with the KV cache gives, at each of 16 positions, the logits of the whole model run on the whole

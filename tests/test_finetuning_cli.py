@@ -13,35 +13,15 @@ import numpy as np
 import pytest
 
 from tests.env import child_env
+from tests.helpers import ROOT, SMALL, build, params_at
 
 import run_finetuning
 import run_validation
 from app.resume import initial_state, resume_point
-from app.train_data import training_data
 from utils import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # every test here runs a driver end to end (tests/test_trainer.py: the loop's own contracts)
 
-def build(cfg):
-    """(executor, training loader) of a config, as run_finetuning.py builds them."""
-    executor = run_finetuning.build_executor(cfg)
-    return executor, training_data(cfg, executor.g.family)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "8", "--micro_batch_size", "2",
-         "--warmup_steps", "0"]
-
-
-def params_at(directory, step):
-    """Weights of a checkpoint as numpy, restored on one device (whatever devices or processes wrote it)."""
-    import orbax.checkpoint as ocp
-
-    meta = ckpt.load_meta(directory, step)
-    saved = ocp.StandardCheckpointer().metadata(os.path.join(directory, str(step), "params")).item_metadata
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), saved)
-    mgr = ckpt.manager(directory, read_only=True)
-    restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
-    return meta, jax.tree.map(np.asarray, restored["params"])
 
 @pytest.mark.parametrize("extra", [
     ["--dropout_prob", "0.1", "--warmup_steps", "3"],  # the dropout RNG and the schedule resume exactly

@@ -16,52 +16,20 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from config import load_config
-from data.packing import Examples, causal_packer, causal_rows, concat_rows
+from data.packing import Examples, causal_packer
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from modelling import gptj, registry
 from modelling import layers
 from modelling.family import ModelOptions
-from modelling.rows import RowShape
-
-HF_KW = dict(vocab_size=98, n_positions=64, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_inner=96,
-             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=1,
-             eos_token_id=1)
-L = 12  # sequence length of the test batches
-
-
-def max_rel(a, b):
-    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(np.asarray(b))), 1e-30))
-
+from modelling.rows import RowShape, causal_rows, concat_rows
+from tests.helpers import max_rel, update_rel
+from tests.hf_utils import GPTJ_KW as HF_KW, GPTJ_LENGTH as L, gptj_hf
+from tests.hf_utils import gptj_batch as padded_batch, gptj_config as cfg_for
 
 @pytest.fixture(scope="module")
 def hf_model():
-    """A random HF GPT-J whose biases and norms are not at their init (so each is checked)."""
-    torch.manual_seed(0)
-    hf = GPTJForCausalLM(GPTJConfig(**HF_KW)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return hf
-
-
-def cfg_for(hf, **overrides):
-    m = gptj.config_from_hf(hf.config.to_dict())
-    base = dict(layers=m.layers, hidden_size=m.hidden_size, d_ff=m.d_ff, heads=m.attention.heads,
-                d_kv=m.attention.d_kv, rotary_dim=m.attention.rotary_dim, vocab_size=m.embedding.vocab_size,
-                eps=m.eps, sequence_length=L, global_batch_size=4, micro_batch_size=2, data_parallel=1,
-                tensor_parallel=1, packing=False, warmup_steps=0, learning_rate=1e-3, recompute=True)
-    base.update(overrides)
-    return load_config("finetuning", "gptj_tiny", base)
-
-
-def padded_batch(seed=0, rows=4, vocab=98):
-    """Right-padded causal rows of different lengths: ids, mask, positions, next-token labels (-100 on padding)."""
-    rng = np.random.default_rng(seed)
-    lengths = [L, L - 3, L - 5, 5][:rows]
-    ex = Examples([rng.integers(2, vocab, n - 2) for n in lengths], [rng.integers(2, vocab, 2) for _ in lengths])
-    return causal_rows(ex, [[i] for i in range(rows)], L)
+    return gptj_hf()
 
 
 def hf_loss_and_grads(hf, batch):
@@ -77,6 +45,7 @@ def hf_loss_and_grads(hf, batch):
         {k: p.grad for k, p in hf.named_parameters()}, m)
 
 
+@pytest.mark.slow
 def test_forward_logits_equal_hf(hf_model):
     batch = padded_batch()
     _, logits, _ = hf_loss_and_grads(hf_model, batch)
@@ -88,6 +57,7 @@ def test_forward_logits_equal_hf(hf_model):
     assert max_rel(ours[valid][:, :98], logits[valid]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_loss_and_every_gradient_equal_hf(hf_model, tp):
     """The fused executor's loss and gradients (batch serialisation over 2 micro-batches, recompute) at tp 1, 2, 4:
@@ -127,6 +97,7 @@ def test_rotary_pairs_are_interleaved_and_partial():
                                                 b * np.cos(theta) + a * np.sin(theta)], rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_decoding_equals_hf_generate(tp):
     """Left-padded prompts of different lengths, greedy with a KV cache, early EOS and padding after it, at tp 1
@@ -191,7 +162,9 @@ def tiny_cfg(**overrides):
 
 
 def synthetic_batches(cfg, n=2):
-    from data.mnli import TrainLoader, load_rows, load_tokenizer, tokenize_examples
+    from data.loader import TrainLoader
+    from data.tasks import load_tokenizer
+    from tests.mnli import load_rows, tokenize_examples
 
     tok = load_tokenizer("synthetic")
     ex = tokenize_examples(load_rows("synthetic", "validation")[:200], tok, registry.get("gptj"))
@@ -221,18 +194,23 @@ def reference_run():
     return host, batches, losses, state
 
 
+# three AdamW steps' updates of each weight agree within 5e-4 of the update (measured: 9e-5 at most, fc_out, whose
+# worst element moves 3.6e-5 = 0.036 lr apart: Adam's amplification of a near-zero gradient, tests/helpers.py's
+# update_rel; the weights' own 1e-5 once sat within 1% of it and failed on another machine)
+UPDATES = 5e-4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp", [(2, 2), (1, 4)])
 def test_tp_dp_equal_one_device(reference_run, dp, tp):
     host, batches, losses, state = reference_run
     got, got_state = run_steps(tiny_cfg(data_parallel=dp, tensor_parallel=tp), batches, host)
     np.testing.assert_allclose(got, losses, rtol=2e-6)
-    for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(state.params)):
-        # float32 sums in another order over tp, through 3 AdamW steps (which divide by the gradients' own size):
-        # 1.0045e-5 of the norm for one [2, 256, 64] weight on one 2-core x86 machine, under 1e-5 on another; a
-        # wrong sharding is off by a tenth or more
-        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 3e-5 * np.linalg.norm(np.asarray(b))
+    for a, b, h in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(state.params), jax.tree.leaves(host)):
+        assert update_rel(a, b, h) < UPDATES
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
 def test_phased_equals_fused(reference_run, optimizer):
     host, batches, losses, state = reference_run
@@ -241,10 +219,11 @@ def test_phased_equals_fused(reference_run, optimizer):
     got, got_state = run_steps(tiny_cfg(phased=True, data_parallel=2, tensor_parallel=2, optimizer=optimizer),
                                batches, host)
     np.testing.assert_allclose(got, fused_losses, rtol=2e-6)
-    for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(fused_state.params)):  # (as above: dp 2 x tp 2)
-        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 3e-5 * np.linalg.norm(np.asarray(b))
+    for a, b, h in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(fused_state.params), jax.tree.leaves(host)):
+        assert update_rel(a, b, h) < UPDATES
 
 
+@pytest.mark.slow
 def test_packed_equals_unpacked_loss_and_gradients():
     """Segment-aware packing: the loss sum, its token count and every gradient equal those of the same examples
     one per row (attention and rotary positions restart in each segment)."""
@@ -303,6 +282,7 @@ def test_plan_of_gptj_1gpu_fits_one_box():
     assert 0 < p.device_peak <= 75 * GIB and 20 * GIB < p.host_peak <= 110 * GIB, p.format()
 
 
+@pytest.mark.slow
 def test_remat_policies_and_attention_serialisation_keep_loss_and_gradients():
     """recompute none / full / save_dots and attention serialisation in 4 query chunks: one loss and gradients."""
     base = tiny_cfg(global_batch_size=4, micro_batch_size=2)

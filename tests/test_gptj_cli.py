@@ -14,11 +14,13 @@ from transformers import GPTJConfig, GPTJForCausalLM
 import run_finetuning
 import run_validation
 from app.resume import initial_state, resume_point
-from tests.test_finetuning_cli import build, params_at
+from tests.helpers import build, params_at
 from utils import checkpoint as ckpt
 
 SMALL = ["--config", "gptj_tiny", "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "2",
          "--warmup_steps", "3", "--dropout_prob", "0.1"]
+
+pytestmark = pytest.mark.slow  # every test here runs a driver end to end (tests/test_trainer.py: the loop's own contracts)
 
 
 def test_resume_with_dropout_and_warmup_equals_uninterrupted(tmp_path):

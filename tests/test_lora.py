@@ -24,8 +24,9 @@ from graphs.executor import make_executor  # noqa: E402
 from graphs.graphs import Graphs  # noqa: E402
 from modelling import lora, registry  # noqa: E402
 from modelling.hf_mapping import params_from_hf_state_dict  # noqa: E402
-from tests import test_gptj as G  # noqa: E402
-from tests import test_t5_family as T  # noqa: E402
+from tests.helpers import fails, fro_rel, params_at  # noqa: E402
+from tests.hf_utils import GPTJ_KW, gptj_batch, gptj_config, gptj_hf, t5_batch, t5_training_config  # noqa: E402
+from tests.hf_utils import t5_with_norms_off_one  # noqa: E402
 
 TOL = 1e-5
 T5_TARGETS = ["q", "v", "co", "wi_0", "wo"]  # column- and row-parallel, self and cross attention, feed-forward
@@ -39,7 +40,7 @@ def rel(a, b):
 
 @functools.lru_cache(maxsize=None)
 def t5_model():
-    return T.build("v1.1")[1:]
+    return t5_with_norms_off_one("1.1")
 
 
 def peft_model(hf, family, adapters, m, opts):
@@ -75,11 +76,12 @@ def our_loss_and_grads(cfg, base_host, adapters, batch):
     return float(loss), jax.tree.map(np.asarray, grads), ex
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_t5_loss_and_adapter_gradients_equal_peft(tp):
     hf, m = t5_model()
-    cfg = T.training_config(m, tensor_parallel=tp, lora_targets=T5_TARGETS, **LORA)
-    family, batch = registry.of_config(cfg), T.batch_of_rows(m.embedding.vocab_size)
+    cfg = t5_training_config(m, tensor_parallel=tp, lora_targets=T5_TARGETS, **LORA)
+    family, batch = registry.of_config(cfg), t5_batch(m.embedding.vocab_size)
     g = Graphs(cfg)
     adapters = random_adapters(g)
     model, _ = peft_model(hf, family, adapters, m, g.opts)
@@ -96,12 +98,13 @@ def test_t5_loss_and_adapter_gradients_equal_peft(tp):
         assert np.any(r != 0) and rel(ours[key], r) < TOL, key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gptj_loss_and_adapter_gradients_equal_peft(tp, hf_model):
     hf = hf_model
-    cfg = G.cfg_for(hf, tensor_parallel=tp, lora_targets=GPTJ_TARGETS, **LORA)
+    cfg = gptj_config(hf, tensor_parallel=tp, lora_targets=GPTJ_TARGETS, **LORA)
     family, m = registry.of_config(cfg), cfg.model
-    batch = G.padded_batch()
+    batch = gptj_batch()
     g = Graphs(cfg)
     adapters = random_adapters(g)
     model, _ = peft_model(hf, family, adapters, m, g.opts)
@@ -120,13 +123,15 @@ def test_gptj_loss_and_adapter_gradients_equal_peft(tp, hf_model):
         assert np.any(r != 0) and rel(ours[key], r) < TOL, key
 
 
-hf_model = G.hf_model
+@pytest.fixture(scope="module")
+def hf_model():
+    return gptj_hf()
 
 
 def test_merged_adapters_give_peft_merged_logits():
     """Our merge (W + alpha/r A B) equals PEFT's merge_and_unload, weight for weight."""
     hf, m = t5_model()
-    cfg = T.training_config(m, lora_targets=T5_TARGETS, **LORA)
+    cfg = t5_training_config(m, lora_targets=T5_TARGETS, **LORA)
     family, g = registry.of_config(cfg), Graphs(cfg)
     adapters = random_adapters(g)
     model, _ = peft_model(hf, family, adapters, m, g.opts)
@@ -149,21 +154,22 @@ def test_bad_lora_settings_are_one_line(flags, message):
 
     hf, m = t5_model()
     with pytest.raises(ConfigError) as e:
-        Graphs(T.training_config(m, **{**LORA, **flags}))
+        Graphs(t5_training_config(m, **{**LORA, **flags}))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_training_changes_only_the_adapters(tmp_path):
     """Steps of the fused executor: the frozen base is bit-identical after them, the adapters moved; the checkpoint
     holds the adapters (and their optimizer state) alone."""
     from utils import checkpoint as ckpt
 
     hf, m = t5_model()
-    cfg = T.training_config(m, **LORA)
+    cfg = t5_training_config(m, **LORA)
     ex = make_executor(Graphs(cfg))
     state = ex.init_state(params_from_hf_state_dict(hf.state_dict(), cfg.model, 1))
     before = jax.tree.map(np.asarray, ex.frozen)
-    batch = ex.g.shard_batch({k: v.reshape(2, 2, -1) for k, v in T.batch_of_rows(m.embedding.vocab_size).items()})
+    batch = ex.g.shard_batch({k: v.reshape(2, 2, -1) for k, v in t5_batch(m.embedding.vocab_size).items()})
     for _ in range(3):
         state, _ = ex.train_step(state, batch)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(ex.frozen)):
@@ -179,6 +185,7 @@ def test_training_changes_only_the_adapters(tmp_path):
     assert size < full / 4, (size, full)
 
 
+@pytest.mark.slow
 def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_transformers(tmp_path, capsys):
     """The drivers with --lora_rank on an HF base (a local directory) at tp 2: the checkpoint holds the adapters
     alone and names its base; resumed, the run gives the uninterrupted run's adapters; exported in PEFT's format the
@@ -190,7 +197,6 @@ def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_tran
     import run_validation
     from modelling.hf_mapping import save_hf_model
     from tests.hf_utils import from_pretrained, make_hf
-    from tests.test_finetuning_cli import params_at
     from transformers import T5ForConditionalGeneration
 
     hf, m, params = make_hf("1.1", seed=7)
@@ -215,7 +221,7 @@ def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_tran
     merged, adapters = str(tmp_path / "merged"), str(tmp_path / "peft")
     run_export.main(["--load", a, "--output", merged])
     run_export.main(["--load", a, "--output", adapters, "--peft"])
-    batch = {k: torch.tensor(v) for k, v in T.batch_of_rows(m.embedding.vocab_size).items()}
+    batch = {k: torch.tensor(v) for k, v in t5_batch(m.embedding.vocab_size).items()}
     with torch.no_grad():
         ours = from_pretrained(T5ForConditionalGeneration, merged)(**batch).logits.numpy()
         theirs = peft.PeftModel.from_pretrained(from_pretrained(T5ForConditionalGeneration, base), adapters)
@@ -228,15 +234,15 @@ def test_a_lora_run_saves_adapters_resumes_exactly_and_exports_for_peft_and_tran
     os.remove(os.path.join(base, "model.safetensors"))
     save_hf_model(jax.tree.map(np.asarray, other), m, base + "2")
     os.replace(os.path.join(base + "2", "model.safetensors"), os.path.join(base, "model.safetensors"))
-    from tests.test_robustness import _fails
 
-    _fails(capsys, run_validation.main, ["--load", a, "--limit", "6"], "holds adapters trained on other weights")
+    fails(capsys, run_validation.main, ["--load", a, "--limit", "6"], "holds adapters trained on other weights")
     # adapters alone are no --init_from: one line naming what to pass instead, before any work
-    _fails(capsys, run_finetuning.main, ["--config", "tiny", "--init_from", a, "--steps", "1"],
-           f"{a}/4 holds LoRA adapters alone, and --init_from starts from a checkpoint's whole weights: resume it "
-           f"with --load {a}")
+    fails(capsys, run_finetuning.main, ["--config", "tiny", "--init_from", a, "--steps", "1"],
+          f"{a}/4 holds LoRA adapters alone, and --init_from starts from a checkpoint's whole weights: resume it "
+          f"with --load {a}")
 
 
+@pytest.mark.slow
 def test_the_tiny_preset_with_lora_learns_the_synthetic_task(tmp_path):
     """The tiny preset (2 x 2 devices) on its random base, every layer weight adapted at rank 16: 150 steps take the
     synthetic NLI task well above chance (a third); measured 74.8% on these 500 samples (86.6% after 300 steps; at a
@@ -294,6 +300,7 @@ def _phased_and_fused(cfg, random_base: bool, steps=2):
     return dict(out, fs=fs, ps=ps, metrics=metrics)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,flags", [
     # T5 at dp 2 x tp 2: self and cross attention, feed-forward (column- and row-parallel adapters), dropout in the
     # model and on the adapters, clipping that triggers; a base given as numpy weights
@@ -310,7 +317,6 @@ def test_phased_lora_equals_fused_and_streams_a_frozen_base(preset, flags):
     taken between the steps; the base rows are bit-identical after the steps, and the merged weights it decodes with
     equal the fused ones."""
     from config.presets import load_config
-    from tests.test_parallel import fro_rel
 
     cfg = load_config("finetuning", preset, dict(global_batch_size=16, sequence_length=16, warmup_steps=0,
                                                  learning_rate=1e-3, precision="float32", **LORA, **flags))
@@ -337,6 +343,7 @@ def test_phased_lora_equals_fused_and_streams_a_frozen_base(preset, flags):
                                                                       np.asarray(b, np.float32)) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path, capsys, monkeypatch):
     """The drivers with --phased true --lora_rank on a GPT-J HF base (a local directory, read tensor by tensor into
     bfloat16, placed row by row in host memory) at tp 2: 2 steps + resume equal 3 uninterrupted steps bit for bit,
@@ -344,12 +351,11 @@ def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path,
     memory."""
     import run_finetuning
     import run_validation
-    from tests.test_finetuning_cli import params_at
     from transformers import GPTJConfig, GPTJForCausalLM
 
     torch.manual_seed(5)
     base = str(tmp_path / "base")
-    GPTJForCausalLM(GPTJConfig(**{**G.HF_KW, "vocab_size": 128})).save_pretrained(base)
+    GPTJForCausalLM(GPTJConfig(**{**GPTJ_KW, "vocab_size": 128})).save_pretrained(base)
     run = ["--config", "gptj_tiny", "--hf_model", base, "--lora_rank", "4", "--phased", "true", "--precision",
            "bfloat16", "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4",
            "--data_parallel", "1", "--tensor_parallel", "2", "--warmup_steps", "0", "--learning_rate", "1e-2"]
@@ -365,13 +371,14 @@ def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path,
     # validation merges a phased run's adapters a layer at a time from host memory: the base is never placed whole
     # on the devices, and the merged weights are the ones merging on the devices gives, bit for bit
     import app.predict
+    import app.weights
     from app.args import parse_args
     from utils import checkpoint as ckpt
 
     def whole_base(*a, **kw):
         raise AssertionError("the whole base placed on the devices")
 
-    monkeypatch.setattr(app.predict, "device_base", whole_base)
+    monkeypatch.setattr(app.weights, "device_base", whole_base)
     run_validation.main(["--load", a, "--limit", "6", "--micro_batch_size", "2"])
     assert "step 3: accuracy" in capsys.readouterr().out
     monkeypatch.undo()

@@ -26,7 +26,7 @@ from data.generated import generated_batch
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from graphs.loss_scale import LossScale
-from tests.test_finetuning_cli import SMALL, params_at
+from tests.helpers import SMALL, params_at
 from utils import checkpoint as ckpt
 
 OVERFLOW = 2.0 ** 40  # a loss scale no float16 gradient survives (finite in float32)
@@ -85,6 +85,7 @@ def _state_leaves(ex, state):
     return leaves(st.params), leaves(st.opt_state)
 
 
+@pytest.mark.slow
 def test_an_injected_overflow_skips_the_update_in_both_executors():
     """One step at a loss scale whose float16 gradients overflow: its norm is not finite and no weight or optimizer
     state moves (bit for bit); the next step, at 2**15, applies, and the phased executor (float16 gradients stored
@@ -121,6 +122,7 @@ def _metrics(path):
 F16 = SMALL + ["--precision", "float16", "--checkpoint_steps", "1", "--to_keep", "0"]
 
 
+@pytest.mark.slow
 def test_a_float16_run_skips_its_overflowing_steps_saves_nothing_of_them_and_resumes_its_scale(tmp_path):
     save = str(tmp_path / "ck")
     run_finetuning.main(F16 + ["--steps", "4", "--loss_scaling", str(2.0 ** 19), "--save", save])
@@ -145,6 +147,7 @@ def test_a_float16_run_skips_its_overflowing_steps_saves_nothing_of_them_and_res
     assert last["step"] == 5 and last["loss_scale"] == rows[-1]["loss_scale"] and last["skipped_steps"] == n
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_step_overflows_stops_after_max_skipped_steps(tmp_path, capsys):
     save = str(tmp_path / "ck")
     with pytest.raises(SystemExit) as e:
@@ -159,6 +162,7 @@ def test_a_run_whose_every_step_overflows_stops_after_max_skipped_steps(tmp_path
 # --------------------------------------------------------------------------- a model that overflows float16
 
 
+@pytest.mark.slow
 def test_feed_forward_activations_past_float16_range_survive_with_the_guard():
     """The tiny model with its feed-forward weights scaled up: the gated hidden activations and the residual
     stream pass 65504 (float16's largest value; measured in the float32 model), so a model that keeps either in

@@ -6,19 +6,22 @@ carries its mixture."""
 import json
 import logging
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import run_finetuning
 import run_validation
 from config import load_config
 from data import mixture
-from data.loader import TrainLoader
+from data.loader import BLOCK, TrainLoader
 from data.packing import Examples
 from modelling import registry
 from modelling.rows import RowShape
-from tests.test_finetuning_cli import params_at
+from tests.helpers import params_at
 from tests.env import run_optimized
 
 
@@ -58,6 +61,97 @@ def test_a_mixture_stream_is_deterministic_resumable_and_follows_its_rates():
     assert mixture.shares(["a", "b"], [20000, 300], [1.0, 3.0])["b"] == {"examples": 300, "rate": 3.0, "share": 0.75}
 
 
+# --------------------------------------------------------------------------- the stream's contracts, as properties
+
+PROPERTY = settings(max_examples=12, deadline=None)
+
+
+def _loader(sizes, rates, seed, rows=1, family="t5", packing=False, concat=False):
+    """A mixture of tasks of ``sizes`` numbered examples: task t's example i has input [1000 (t + 1) + i, eos]
+    (inputs of 2 to 5 tokens: the packer and a causal stream cut and hold some over)."""
+    tasks = [Examples([np.array([1000 * (t + 1) + i] * (1 + i % 4) + [1]) for i in range(n)],
+                      [np.array([5, 1]) for _ in range(n)]) for t, n in enumerate(sizes)]
+    shape = RowShape(8, 2, 4, packing=packing, concat=concat)
+    return TrainLoader(tasks, rows, 1, seed=seed, fmt=registry.get(family).rows, shape=shape, rates=rates)
+
+
+def _stream(loader, n):
+    """The next n global ids of the stream, and each one's task."""
+    it = loader._stream()
+    ids = np.fromiter((next(it) for _ in range(n)), np.int64, n)
+    return ids, np.searchsorted(loader.starts, ids, side="right") - 1
+
+
+_rates = st.lists(st.integers(1, 6), min_size=2, max_size=4)
+
+
+@PROPERTY
+@given(rates=_rates, seed=st.integers(0, 2 ** 32 - 1))
+def test_a_long_mixture_stream_follows_its_rates_and_no_two_blocks_draw_alike(rates, seed):
+    """Guards the block in the draw's seed (without it every BLOCK positions repeat one task sequence), and the
+    rates: over 8 blocks each task's share is its rate's, within 5 standard deviations."""
+    loader = _loader([50] * len(rates), rates, seed)
+    n = 8 * BLOCK
+    _, tasks = _stream(loader, n)
+    blocks = {tasks[b * BLOCK:(b + 1) * BLOCK].tobytes() for b in range(8)}
+    assert len(blocks) == 8
+    p = np.asarray(rates) / sum(rates)
+    share = np.bincount(tasks, minlength=len(rates)) / n
+    assert np.all(np.abs(share - p) < 5 * np.sqrt(p * (1 - p) / n)), (share, p)
+
+
+@PROPERTY
+@given(k=st.integers(2, 3), n=st.integers(10, 40), seed=st.integers(0, 2 ** 32 - 1))
+def test_equal_size_tasks_each_visit_their_examples_in_an_order_of_their_own(k, n, seed):
+    """Guards the task index in an epoch's order (without it equal-size tasks of a mixture visit their examples in
+    the same order): each task's epoch is a permutation of its examples, its own, and the next epoch another."""
+    loader = _loader([n] * k, [1] * k, seed)
+    ids, tasks = _stream(loader, 5 * n * k)
+    orders = [ids[tasks == t] - loader.starts[t] for t in range(k)]
+    assert all(len(o) >= 2 * n for o in orders)
+    for o in orders:
+        assert sorted(o[:n]) == sorted(o[n:2 * n]) == list(range(n)) and list(o[:n]) != list(o[n:2 * n])
+    firsts = {tuple(o[:n]) for o in orders}
+    assert len(firsts) == k
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(3, 30), min_size=1, max_size=3), seed=st.integers(0, 1000),
+       layout=st.sampled_from([("t5", False, False), ("t5", True, False), ("gptj", True, False),
+                               ("gptj", True, True)]),
+       rows=st.integers(1, 3), batches=st.integers(1, 12), data=st.data())
+def test_a_stream_resumed_at_any_batch_continues_as_the_uninterrupted_one(sizes, seed, layout, rows, batches, data):
+    """Resume at any position (one task or a mixture; padded, packed, or a causal LM's concatenated stream, whose
+    held-over examples and cut example travel in the state): the same batches as the run that never stopped."""
+    family, packing, concat = layout
+    rates = data.draw(st.lists(st.integers(1, 4), min_size=len(sizes), max_size=len(sizes)))
+    a = _loader(sizes, rates, seed, rows, family, packing, concat)
+    states, want = [], []
+    for _ in range(batches + 2):
+        states.append(json.loads(json.dumps(a.state())))
+        want.append(a.next_batch())
+    k = data.draw(st.integers(0, batches))
+    b = _loader(sizes, rates, seed, rows, family, packing, concat)
+    b.restore(states[k])
+    for w in want[k:]:
+        got = b.next_batch()
+        assert set(got) == set(w) and all(np.array_equal(got[key], w[key]) for key in w)
+    assert b.state() == a.state()
+
+
+def test_a_holdout_of_every_training_row_is_refused_and_one_less_is_not():
+    """Guards ``holdout >= n`` (with ``>`` a holdout of every row was accepted: a run of 0 training examples)."""
+    from data.sources import DataError
+
+    for n in (1, 5, 300):
+        with pytest.raises(DataError, match=f"--holdout {n} holds out every one of the {n} training examples of f"):
+            mixture.held_rows(SimpleNamespace(holdout=n), n, 0, "f")
+        with pytest.raises(DataError, match="pass a smaller --holdout"):
+            mixture.held_rows(SimpleNamespace(holdout=n + 1), n, 0, "f")
+        held = mixture.held_rows(SimpleNamespace(holdout=n - 1), n, 3, "f")
+        assert len(held) == len(set(held.tolist())) == n - 1 and list(held) == sorted(held) and np.all(held < n)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--mixture_rates", "1"], "give one rate (>= 0, not all 0) for each of the 2 mixture tasks"),
     (["--mixture", "tiny", "nope"], "mixture task 'nope' is not a preset of config/finetuning.yml"),
@@ -73,6 +167,7 @@ def test_a_bad_mixture_is_one_line_naming_the_fix(flags, message):
         parse_config("finetuning", "", "tiny_mixture", flags)
 
 
+@pytest.mark.slow
 def test_the_tiny_mixture_learns_both_tasks_and_each_is_scored_and_named(tmp_path):
     """The tiny T5 on the synthetic NLI task and the headlines task at once (a tokenizer learnt from both): each task
     is scored with its own metrics during training and by validation with no task flag (the checkpoint carries the
@@ -104,6 +199,7 @@ GPTJ_MIXTURE = ["--config", "gptj_tiny", "--tokenizer", "train", "--global_batch
                 "target_column: summary, labels: none, split: validation}", "--mixture_rates", "1", "3"]
 
 
+@pytest.mark.slow
 def test_a_gptj_mixture_resumes_exactly_and_each_task_is_scored_by_name(tmp_path, caplog):
     """GPT-J on a one-off mixture (flags): stopped and resumed, its stream ends where the uninterrupted one does
     (each task's position; the weights then follow, as every resume test shows); --eval_every and validation name

@@ -132,6 +132,7 @@ def _our_loss_and_grads(params, batch, opts):
     return jax.value_and_grad(loss)(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "version,heads,enc_len,dec_len",
     [("1.1", 6, 11, 5), ("1.0", 6, 11, 5), ("1.1", 5, 9, 13), ("1.0", 5, 13, 4)],
@@ -167,6 +168,7 @@ def test_bfloat16_mode_is_close_to_float32(v11):
     assert float(l16) != float(l32)  # the compute really ran in bfloat16
 
 
+@pytest.mark.slow
 def test_bfloat16_gradient_gemms_run_in_bfloat16(v11):
     """Mixed precision: every matmul of the bf16 backward takes bf16 operands (no f32 x f32
     GEMMs from differentiating float32-output dots), and the gradient stays close to f32."""
@@ -190,6 +192,7 @@ def test_bfloat16_gradient_gemms_run_in_bfloat16(v11):
         assert rel_err(a, np.asarray(b)) < 5e-2, path
 
 
+@pytest.mark.slow
 def test_fused_attention_path_equals_attend(v11, monkeypatch):
     """attention_impl=cudnn routes self-attention through jax.nn.dot_product_attention (scale 1,
     bias = relative positions + padding/causal mask). On CPU the same call runs with XLA's
@@ -219,6 +222,7 @@ def test_fused_attention_path_equals_attend(v11, monkeypatch):
         resolve_attention_impl("cudnn", "bfloat16", 0.0)
 
 
+@pytest.mark.slow
 def test_dropout_only_in_training(v11):
     _, m, params = v11
     batch = jax.tree.map(jnp.asarray, random_batch(m.embedding.vocab_size))

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 import run_inference
-from tests.test_robustness import _fails
+from tests.helpers import fails as _fails
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

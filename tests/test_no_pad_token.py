@@ -1,6 +1,6 @@
 """Tokenizers without a pad token (GPT-J's and GPT-2's have none; their config.json sets no pad_token_id): both
 families train, validate and decode with one, padding with the end-of-text token as Hugging Face ``generate`` does
-(``data.mnli.pad_id``), and our greedy outputs equal HF ``generate``'s. The benchmarks use generated token ids, no
+(``data.tasks.pad_id``), and our greedy outputs equal HF ``generate``'s. The benchmarks use generated token ids, no
 tokenizer, so no pad token enters them."""
 
 import json
@@ -55,6 +55,7 @@ def hf_model(family: str, vocab: int):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,preset,eos", [("gptj", "gptj_tiny", "<|endoftext|>"), ("t5", "tiny", "</s>")])
 def test_a_tokenizer_without_a_pad_token_trains_validates_and_decodes_as_hf(tmp_path, capsys, family, preset, eos):
     tok = tokenizer_without_pad(tmp_path / "tok", eos, t5=family == "t5")

@@ -5,6 +5,7 @@ import os
 import re
 
 import nbformat
+import pytest
 
 from tests.env import RUN_FAST
 
@@ -19,6 +20,7 @@ def test_the_committed_notebook_has_no_outputs():
     assert code and all(not c.outputs and c.execution_count is None for c in code)
 
 
+@pytest.mark.slow
 def test_the_notebook_runs_top_to_bottom(monkeypatch):
     """Its kernel trains 300 steps: compiled at -O1 (tests/env.py's ``RUN_FAST``), not with the tests' fast
     compilation, whose code steps 2-4x slower."""

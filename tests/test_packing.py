@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 
 from config import load_config
-from data.mnli import TrainLoader
-from data.packing import Examples, FileRagged, Packer, batch_stats, pack_rows, pad_rows
+from data.loader import TrainLoader
+from data.packing import Examples, FileRagged, Packer
+from modelling.rows import batch_stats, pack_rows, pad_rows
 from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
 from graphs.phased import PhasedExecutor
 from modelling import registry, t5
 from modelling.rows import RowShape
-from tests.test_parallel import leaves, max_rel
+from tests.helpers import leaves, max_rel
 from utils.errors import FlanT5Error
 
 
@@ -111,6 +112,7 @@ def _pair(cfg_kw, ex, packed_rows, micro_unpacked, micro_packed, T=4, D=12):
     return cu, shape(bu, cu), cp, shape(bp, cp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp,targets", [(1, 1, "summaries"), (2, 2, "labels")])
 def test_packed_batch_gives_the_unpacked_loss_and_gradients(dp, tp, targets):
     """8 examples: one longer than half a row (20 of 32 tokens), and a row holding a single example; their targets
@@ -151,6 +153,7 @@ def _tiny_opts(**kw):
     return cfg, t5.ModelOptions.from_config(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["xla", "cudnn"])
 def test_no_token_attends_across_a_segment(monkeypatch, impl):
     """Perturbing one segment's encoder and decoder tokens leaves every other segment's logits unchanged
@@ -197,6 +200,7 @@ def test_packed_loader_is_deterministic_and_resumes_exactly():
     assert min(stats) > 8  # several examples to a row
 
 
+@pytest.mark.slow
 def test_greedy_decoding_of_a_packed_trained_model_matches_hf(tmp_path):
     """A model fine-tuned with packed rows, exported to Hugging Face: HF generate and our cached
     greedy decoding give the same tokens on validation prompts (tied head: transformers 5 ties it)."""
@@ -204,10 +208,11 @@ def test_greedy_decoding_of_a_packed_trained_model_matches_hf(tmp_path):
     from transformers import T5Config as HFConfig, T5ForConditionalGeneration
 
     import run_finetuning
-    from data.mnli import load_rows, load_tokenizer, tokenize_inputs
+    from data.tasks import load_tokenizer
+    from tests.mnli import load_rows, tokenize_inputs
     from modelling.hf_mapping import hf_config_dict, hf_state_dict_from_params
-    from tests.test_decoding import hf_generate, sharded_generate
-    from tests.test_finetuning_cli import SMALL, params_at
+    from tests.hf_utils import hf_greedy, sharded_greedy
+    from tests.helpers import SMALL, params_at
 
     save = str(tmp_path / "ck")
     run_finetuning.main(SMALL + ["--steps", "3", "--learning_rate", "3e-3", "--save", save,
@@ -223,6 +228,6 @@ def test_greedy_decoding_of_a_packed_trained_model_matches_hf(tmp_path):
     assert not [k for k in missing.missing_keys if "lm_head" not in k], missing
     rows = load_rows("synthetic", "validation_mismatched")[:6]
     feats = tokenize_inputs(rows, load_tokenizer("synthetic"), 32, registry.get("t5"))
-    ref = hf_generate(hf, feats, 4)
-    ours = sharded_generate(m, jax.tree.map(jnp.asarray, params), feats, 4, tp=2)
+    ref = hf_greedy(hf, feats, 4)
+    ours = sharded_greedy(m, jax.tree.map(jnp.asarray, params), feats, 4, tp=2)
     np.testing.assert_array_equal(ours, ref)

@@ -24,28 +24,10 @@ from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
 from modelling import registry, t5
 from data.generated import generated_batch
+from tests.helpers import fro_rel, leaves, max_rel, tiny
 
 SPLITS = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (2, 4)]
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "tiny_dp2_tp2_shardings.json")
-
-
-def tiny(**overrides):
-    base = dict(global_batch_size=16, micro_batch_size=4, data_parallel=1, tensor_parallel=1, sequence_length=16,
-                warmup_steps=0, learning_rate=1e-3)
-    base.update(overrides)
-    return load_config("finetuning", "tiny", base)
-
-
-def leaves(tree):
-    return [np.asarray(x) for x in jax.tree.leaves(tree)]
-
-
-def max_rel(a, b):
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def fro_rel(a, b):
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def fused(cfg):
@@ -71,6 +53,7 @@ def reference():
     return host, batch, run(cfg, batch, host)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp,tp", SPLITS[1:])
 def test_parallel_run_equals_single_device(reference, dp, tp):
     host, batch, (loss0, grads0, params0, last0) = reference
@@ -89,6 +72,7 @@ def test_parallel_run_equals_single_device(reference, dp, tp):
     assert moved == len(params0)  # every weight was updated by the two steps
 
 
+@pytest.mark.slow
 def test_batch_serialisation_equals_one_big_batch(reference):
     host, batch, (loss0, grads0, _, _) = reference  # micro_batch 8 x gradient_accumulation 2
     cfg = tiny(micro_batch_size=2)
@@ -104,6 +88,7 @@ def test_batch_serialisation_equals_one_big_batch(reference):
     assert abs(float(loss) - loss0) / loss0 < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks", [2, 4])
 def test_attention_serialisation_gives_same_loss_and_grads(reference, chunks):
     host, batch, (loss0, grads0, _, _) = reference
@@ -114,6 +99,7 @@ def test_attention_serialisation_gives_same_loss_and_grads(reference, chunks):
         assert max_rel(a, b) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", [False, True])
 def test_unrolled_layers_equal_the_scan(reference, recompute):
     host, batch, (loss0, grads0, _, _) = reference
@@ -124,6 +110,7 @@ def test_unrolled_layers_equal_the_scan(reference, recompute):
         assert max_rel(a, b) < 1e-5
 
 
+@pytest.mark.slow
 def test_tp_replicas_hold_identical_activations(reference):
     host, batch, _ = reference
     cfg = tiny(tensor_parallel=4, micro_batch_size=8)
@@ -154,6 +141,7 @@ def _bytes_per_device(g, tree):
     return max(per.values()), min(per.values())
 
 
+@pytest.mark.slow
 def test_rts_shrinks_weights_and_optimizer_state_per_device():
     dp, tp = 4, 2
     on = fused(tiny(data_parallel=dp, tensor_parallel=tp, micro_batch_size=2))
@@ -195,6 +183,7 @@ def test_too_few_devices_says_how_to_simulate_more():
         S.make_mesh(4, 4)
 
 
+@pytest.mark.slow
 def test_phase_library_composes_to_the_reference_model(reference):
     """PhaseBodies.loss (the fused executor's composition of the phase bodies) equals the pure model,
     loss and gradients, on one device; with recompute every layer's backward is block_backward (without,
@@ -228,6 +217,7 @@ def test_phase_library_composes_to_the_reference_model(reference):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_optimizer_phase_matches_the_fused_step(reference):
     host, batch, _ = reference
     f = fused(tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4))
@@ -240,6 +230,7 @@ def test_optimizer_phase_matches_the_fused_step(reference):
         assert max_rel(a, c) < 1e-6
 
 
+@pytest.mark.slow
 def test_adafactor_option_trains_under_tp_and_dp(reference):
     host, batch, (loss0, _, _, _) = reference
     f = fused(tiny(data_parallel=2, tensor_parallel=2, micro_batch_size=4, optimizer="adafactor"))
@@ -252,6 +243,7 @@ def test_adafactor_option_trains_under_tp_and_dp(reference):
     # (optax factors only dims >= 128, so the tiny model's state is not smaller than its weights)
 
 
+@pytest.mark.slow
 def test_remat_policies_give_the_same_loss_and_gradients_at_their_memory():
     """recompute false / true with remat_policy save_dots / full: equal loss and gradients; the compiled step's
     temporaries fall in that order (save_dots keeps the matmul outputs, recomputes the elementwise work)."""

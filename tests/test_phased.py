@@ -12,12 +12,15 @@ import pytest
 
 from data.generated import generated_batch
 from graphs.fused import FusedExecutor
-from graphs.graphs import Graphs, TrainState
+from graphs.graphs import Graphs
+from graphs.state import TrainState
 from graphs.host_state import HOST
 from graphs.phased import DeviceOps, PhasedExecutor, PhaseMemory
 from graphs.memory import live_device_bytes
 from modelling import t5
-from tests.test_parallel import fro_rel, leaves, max_rel, tiny
+from tests.helpers import fro_rel, leaves, max_rel, tiny
+
+pytestmark = pytest.mark.slow  # every test here compiles and runs phased and fused steps
 
 
 def _rng():

@@ -21,6 +21,8 @@ from graphs.memory import live_device_bytes
 from graphs.plan import GIB, PlanError, plan
 from modelling.params import count_params
 
+pytestmark = pytest.mark.slow  # every test here compiles a step or plans a large model
+
 
 def _host_bytes():
     """Bytes of the distinct buffers in host memory (an array built from single-device arrays shares

@@ -31,6 +31,7 @@ from modelling.params import is_spec
 # --------------------------------------------------------------------------- the scheme
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 6), min_size=2, max_size=4), st.integers(0, 2 ** 31 - 1), st.data())
 def test_each_value_is_the_nearest_point_of_its_channel_s_grid(shape, seed, data):
@@ -152,6 +153,7 @@ def _dequantized(g8: Graphs, host: dict) -> dict:
                                                                   for p, _ in flat])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_int8_decoding_is_float32_decoding_of_the_dequantized_weights(preset, tp):
@@ -180,6 +182,7 @@ def test_int8_decoding_is_float32_decoding_of_the_dequantized_weights(preset, tp
     assert 0 < rms <= 0.03 and worst <= 0.1, (rms, worst)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
 def test_int8_greedy_tokens_are_the_same_at_tp_1_and_2(preset):
     outs = []

@@ -79,6 +79,7 @@ def ending_eos(name, hf, ids, mask, **kw) -> tuple:
     return ends[0] if ends else tried[0][1:]  # (a length penalty of 2 can prefer the unfinished beams throughout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("beams,length_penalty,early_stopping", [
     (2, 1.0, "false"), (4, 1.0, "false"), (4, 0.5, "true"), (4, 2.0, "never")])
 @pytest.mark.parametrize("tp", [1, 2])
@@ -92,6 +93,7 @@ def test_beam_search_gives_hf_generates_tokens(fixture, beams, length_penalty, e
     np.testing.assert_array_equal(got, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_one_beam_is_greedy(fixture, tp):
     name, hf, m, params, ids, mask = fixture
@@ -132,6 +134,7 @@ def test_our_draws_follow_the_warped_distribution():
     assert freq[p == 0].sum() == 0  # never a token the warpers removed
 
 
+@pytest.mark.slow
 def test_sampling_is_the_same_at_any_layout_and_top_k_one_is_greedy(fixture):
     name, hf, m, params, ids, mask = fixture
     options = Options(N, do_sample=True, temperature=1.5, top_k=0, top_p=0.95)

@@ -6,11 +6,8 @@
   executor's per-layer programs as in the fused step (the keys are per weight group and layer, the random bits
   partitionable): the same weights, but for the rare float32 update whose last bits another compilation changes.
 - Runs: the weights are stored 16-bit, the optimizer state float32; resume is exact (tests/test_finetuning_cli.py);
-  a tiny run reaches the float32 run's validation accuracy.
+  over many steps the 16-bit weights follow the float32 ones, without bias.
 """
-
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +18,7 @@ from config import ConfigError, load_config
 from graphs import optim
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
-import run_validation
-from tests.env import run_optimized
+from graphs.state import step_key
 
 N = 20000  # roundings averaged
 
@@ -97,6 +93,7 @@ def one_device_update():
     return params, grads, rng, jax.tree.map(np.asarray, new)
 
 
+@pytest.mark.slow
 def test_weights_are_16_bit_and_the_optimizer_state_float32(one_device_update):
     params, _, _, new = one_device_update
     assert params["encoder"]["layers"]["q"].dtype == jnp.bfloat16 and params["lm_head"].dtype == jnp.bfloat16
@@ -108,6 +105,7 @@ def test_weights_are_16_bit_and_the_optimizer_state_float32(one_device_update):
     assert moments and all(x.dtype == jnp.float32 for x in moments)
 
 
+@pytest.mark.slow
 def test_the_update_is_the_same_under_tp_x_dp_and_in_the_phased_executor(one_device_update):
     params, grads, rng, ref = one_device_update
     # Adam's first step moves each weight by about the learning rate (1e-4), below half the bfloat16 spacing of
@@ -153,21 +151,50 @@ def test_float32_precision_with_stochastic_rounding_is_refused():
         load_config("finetuning", "tiny", {"stochastic_rounding": True, "precision": "float32"})
 
 
-def test_a_tiny_run_with_16_bit_weights_reaches_the_float32_accuracy(tmp_path):
-    """The tiny preset on one device, 300 steps of 16 rows: float32 master weights against bfloat16 ones with
-    stochastic rounding (the compute is bfloat16 in both); validation accuracy on 500 samples of the synthetic split
-    within 3 points (measured 86.8% and 87.0%; at 32 rows 95.0/98.4%, for 1.7x the CPU time; at 2 layers and 2e-3,
-    93.6/92.8% in one run and 92.8/88.8% in another: too near the tolerance). Trained at -O1 (tests/env.py's
-    run_optimized)."""
-    acc = {}
-    for name, extra in (("f32", []), ("sr", ["--stochastic_rounding", "true"])):
-        save = str(tmp_path / name)
-        run_optimized("run_finetuning.py", ["--config", "tiny", "--steps", "300", "--global_batch_size", "16",
-                                            "--precision", "bfloat16", "--save",
-                                            save, "--checkpoint_steps", "0", "--data_parallel", "1",
-                                            "--tensor_parallel", "1", *extra])
-        run_validation.main(["--load", save, "--limit", "500"])  # (compiles more than it runs: in this process)
-        report = [f for f in os.listdir(save) if f.startswith("validation") and f.endswith(".json")]
-        acc[name] = json.load(open(os.path.join(save, report[0])))["accuracy"]
-    assert acc["f32"] > 0.8, acc
-    assert acc["sr"] >= acc["f32"] - 0.03, acc
+def _moved(ex, params, grads, steps: int):
+    """``steps`` optimizer phases of an executor from ``params`` with the same gradients, each with its step's key
+    (graphs/state.step_key, as a run draws them) -> the weights, float64."""
+    state = ex.init_state(params)
+    update, g = jax.jit(ex.update), _put(ex.g, grads)
+    p, opt = state.params, state.opt_state
+    for k in range(steps):
+        p, opt, _ = update(p, opt, g, step_key(3, k))
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), p)
+
+
+@pytest.mark.slow
+def test_over_many_steps_16_bit_weights_follow_the_float32_weights_without_bias():
+    """The property a run with stochastic rounding needs, whatever the machine: its 16-bit master weights follow the
+    float32 ones. Adam on constant gradients moves every weight by about the learning rate a step (1e-4), for most
+    weights (62%) less than half a bfloat16 spacing: round-to-nearest keeps those where they were. After 40 steps
+    of the fused optimizer phase (stochastic rounding keyed by each step's key) the weights' movements, signed by
+    the float32 movement's direction, differ from the float32 ones by r = sum((d_16 - d_32) sign(d_32)) /
+    sum(|d_32|): measured -0.0008 (with six other seeds of the step keys, -0.0024 to +0.0001: the rounding noise
+    averages out over 10^5 weights); the bound is 0.01. Round-to-nearest gives r = -0.72 (the updates lost), a
+    threshold drawn in bfloat16 (8 random bits) +0.037, rounding always towards the upper neighbour -0.36
+    (decreasing weights never move): each fails.
+
+    (This replaces a 300-step training run compared with float32 on accuracy, whose figures moved by several points
+    with the CPU's code generation: the same property, without the noise of an unconverged run.)"""
+    small = dict(layers=1, d_ff=128, learning_rate=1e-4)
+    sr = make_executor(Graphs(_cfg(1, 1, **small)))
+    f32 = make_executor(Graphs(_cfg(1, 1, stochastic_rounding=False, **small)))
+    start = jax.tree.map(np.asarray, sr.init_state().params)
+    grads = _gradients_like(start, 1)
+    steps = 40
+    a, b = _moved(sr, start, grads, steps), _moved(f32, start, grads, steps)
+    num = den = 0.0
+    lost = []
+    for w, x, y in zip(jax.tree.leaves(start), jax.tree.leaves(a), jax.tree.leaves(b)):
+        if w.dtype != jnp.bfloat16:  # (norms and tables stay float32)
+            continue
+        w = np.asarray(w, np.float64)
+        d16, d32 = x - w, y - w
+        num, den = num + np.sum((d16 - d32) * np.sign(d32)), den + np.sum(np.abs(d32))
+        lost.append((np.abs(d32) / steps < np.abs(w) * 2.0 ** -9).ravel())  # an update under half a spacing
+    lost = np.concatenate(lost)
+    assert lost.size > 50000 and lost.mean() > 0.5  # the regime where round-to-nearest loses the updates
+    assert den > 0.5 * steps * 1e-4 * lost.size  # the float32 weights moved by about the learning rate a step
+    r = num / den
+    print(f"r = {r:+.4f}, {lost.size} weights, {lost.mean():.0%} of them under half a spacing a step")
+    assert abs(r) < 0.01, r

@@ -27,6 +27,7 @@ def suite(*args, timeout=900):
 FIFTEEN = ["f15_xxl_1gpu", "f15_workstation", "f15_xl_mfu", "f15_decode", "f15_int8_fusion"]
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     """Every part, and the fifteen-minute plan's (in one invocation: a command both run is run once)."""
     out = tmp_path / "suite"
@@ -124,6 +125,7 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     assert "SMOKE RUN" in text
 
 
+@pytest.mark.slow
 def test_a_part_the_budget_cannot_hold_is_skipped_and_recorded(tmp_path):
     out = tmp_path / "suite"
     suite("--smoke", "--out", str(out), "--only", "decode", "--budget", "1")

@@ -17,16 +17,15 @@ import pytest
 import torch
 from transformers import T5ForConditionalGeneration, UMT5ForConditionalGeneration
 
-from config import load_config
-from config.carry import model_shape
 from config.schema import T5Config
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from modelling.hf_mapping import hf_state_dict_from_params, params_from_hf_state_dict, save_hf_model
-from tests.hf_utils import from_pretrained, make_hf, random_batch, rel_err
+from tests.hf_utils import T5_DEC, T5_ENC, from_pretrained, random_batch, rel_err, t5_with_norms_off_one
+from tests.hf_utils import t5_batch as batch_of_rows, t5_training_config as training_config
 
 TOL = 1e-5
-ENC, DEC = 11, 5  # encoder and decoder lengths of the test batches
+ENC, DEC = T5_ENC, T5_DEC  # encoder and decoder lengths of the test batches
 # variant -> make_hf overrides: mT5 gets an odd vocabulary (padded at tp 2) and 3 decoder layers over 2 encoder
 VARIANTS = {
     "v1.1": ("1.1", {}),
@@ -44,31 +43,12 @@ MODEL_CLASSES = {"1.1": T5ForConditionalGeneration, "1.0": T5ForConditionalGener
 @functools.lru_cache(maxsize=None)
 def build(name):
     version, overrides = VARIANTS[name]
-    hf, m, _ = make_hf(version, seed=5, **overrides)
-    with torch.no_grad():  # norms away from 1, so each norm's own gradient is checked
-        for key, p in hf.named_parameters():
-            if key.endswith("layer_norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return name, hf, m
+    return (name, *t5_with_norms_off_one(version, **overrides))
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request):
     return build(request.param)
-
-
-def training_config(m, **overrides):
-    base = dict(model_shape(T5Config(model=m)), sequence_length=ENC, decoder_sequence_length=DEC, packing=False,
-                global_batch_size=4, micro_batch_size=2, data_parallel=1, tensor_parallel=1, warmup_steps=0,
-                dropout_prob=0.0, precision="float32")
-    base.update(overrides)
-    return load_config("finetuning", "tiny", base)
-
-
-def batch_of_rows(vocab):
-    b = random_batch(vocab, 4, ENC, DEC, seed=1)
-    b["decoder_attention_mask"] = np.ones_like(b["decoder_input_ids"])
-    return b
 
 
 def hf_loss_and_grads(hf, batch):
@@ -87,6 +67,7 @@ def executor_loss_and_grads(cfg, hf, batch):
     return float(loss), jax.tree.map(np.asarray, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_loss_and_every_gradient_equal_hf(variant, tp):
     name, hf, m = variant
@@ -108,6 +89,7 @@ def test_loss_and_every_gradient_equal_hf(variant, tp):
         assert len(tables) == layers and all(not np.array_equal(tables[0], t) for t in tables[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ul2", "mt5", "umt5"])  # T5 v1.1 and v1.0: tests/test_phased.py
 def test_phased_equals_fused(name):
     """The phased executor's schedule for the new layouts (per-layer tables, a decoder deeper than the encoder)."""
@@ -130,6 +112,7 @@ def hf_generate(hf, batch, n):
     return np.pad(out, ((0, 0), (0, n - out.shape[1])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_decoding_equals_hf_generate(variant, tp):
     name, hf, m = variant

@@ -22,8 +22,7 @@ from config import load_config
 from data import sources
 from data.synthetic import generate_headlines
 from data.tasks import Task
-from tests.test_finetuning_cli import params_at
-from tests.test_robustness import _fails
+from tests.helpers import fails, params_at
 from utils import checkpoint as ckpt
 
 QA = {"task_name": "qa", "input_template": "question: {question} context: {context}", "target_column": "answer",
@@ -95,7 +94,7 @@ def test_a_bad_row_is_one_line_before_any_work(tmp_path, capsys, rows, flags, me
     save = tmp_path / "ck"
     argv = ["--config", "tiny", "--dataset", data, "--tokenizer", "train", "--save", str(save), "--steps", "2"]
     flags = [x for k, v in flags.items() for x in [f"--{k}", *(v if isinstance(v, list) else [v])]]
-    err = _fails(capsys, run_finetuning.main, argv + flags, message)
+    err = fails(capsys, run_finetuning.main, argv + flags, message)
     assert data in err
     assert not ckpt.saved_steps(str(save)) and not os.path.exists(save / "tokenizer")  # nothing learnt or trained
 
@@ -123,6 +122,7 @@ def test_metrics_are_the_libraries_own():
     assert report["references"] == ["positive", "negative"] and report["inputs"] == ["x", "y"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,steps,least", [("gptj_tiny_headlines", 120, 0.8)])
 def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, preset, steps, least):
     """Offline: a tokenizer learnt from the data, validation scores every half run, the best step named; then
@@ -173,6 +173,7 @@ def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, p
     assert all(r["prediction"] and r["input"].startswith("summarize: ") for r in again)
 
 
+@pytest.mark.slow
 def test_eval_every_changes_nothing_of_the_run_and_resumes_exactly(tmp_path):
     """The same weights with and without --eval_every, stopped and resumed with it (the evaluation reads no
     training data, draws no random number of the run's and changes no weight); the data is read and tokenized once

@@ -43,6 +43,7 @@ def _executor(preset: str, **overrides) -> PhasedExecutor:
     return PhasedExecutor(Graphs(load_config("finetuning", preset, {**base, **overrides})))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_step_moves_the_floor_of_its_layout(preset, layout):
@@ -103,6 +104,7 @@ class _Watched:
         ops.load, ops.run = watched_load, watched_run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,overrides", [
     ("tiny", dict(precision="bfloat16", data_parallel=2, tensor_parallel=2, micro_batch_size=2)),
     ("gptj_tiny", dict(precision="bfloat16", optimizer="adafactor", update_in_backward=True)),
@@ -135,3 +137,12 @@ def test_a_real_step_moves_what_the_plan_counts_and_reads_current_copies(preset,
             np.testing.assert_array_equal(np.asarray(c), np.asarray(jnp.asarray(m).astype(c.dtype)))
             checked += c.dtype == dt
     assert checked > 0
+
+
+@pytest.mark.parametrize("load,store,want", [(3e9, 1e9, 3.0), (1e9, 3e9, 3.0), (2e9, 2e9, 2.0), (0, 5e8, 0.5),
+                                             (0, 0, 0.0)])
+def test_a_full_duplex_link_waits_for_the_larger_direction(load, store, want):
+    """Guards ``max`` in ``link_seconds`` (loads and stores cross the link at once: their sum reported a link-bound
+    step 1.3-2x too long), and the bandwidth in GB/s: 3 GB each way at 1 GB/s is 3 s, at 52 GB/s 3/52 s."""
+    assert link_seconds(load, store, 1.0) == pytest.approx(want)
+    assert link_seconds(load, store, 52.0) == pytest.approx(want / 52)

@@ -13,8 +13,7 @@ import pytest
 
 import run_finetuning
 import run_validation
-from tests.test_finetuning_cli import SMALL, params_at
-from tests.test_robustness import _fails, _subprocess
+from tests.helpers import SMALL, fails, params_at, start, wait_for_lines
 from utils import checkpoint as ckpt
 
 
@@ -22,6 +21,7 @@ def train(save, steps, *extra):
     run_finetuning.main(SMALL + ["--steps", str(steps), "--save", save, *extra])
 
 
+@pytest.mark.slow
 def test_foreign_numbered_folders_survive_pruning(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     save = tmp_path / "ck"
@@ -38,17 +38,18 @@ def test_a_foreign_folder_a_step_would_overwrite_is_refused_before_work(tmp_path
     save = tmp_path / "ck"
     (save / "3").mkdir(parents=True)
     (save / "3" / "mine.txt").write_text("x")
-    _fails(capsys, run_finetuning.main, SMALL + ["--steps", "4", "--save", str(save), "--checkpoint_steps", "1"],
-           "not this project's checkpoints")
+    fails(capsys, run_finetuning.main, SMALL + ["--steps", "4", "--save", str(save), "--checkpoint_steps", "1"],
+          "not this project's checkpoints")
     assert sorted(os.listdir(save)) == ["3"] and (save / "3" / "mine.txt").read_text() == "x"
 
 
+@pytest.mark.slow
 def test_rollback_is_refused_before_work_or_done_on_an_explicit_branch(tmp_path, capsys):
     save = str(tmp_path / "ck")
     train(save, 4, "--checkpoint_steps", "1", "--to_keep", "0")
     before = {s: os.path.getmtime(os.path.join(save, str(s))) for s in ckpt.saved_steps(save)}
-    err = _fails(capsys, run_finetuning.main, SMALL + ["--steps", "4", "--load", f"{save}/2", "--save", save],
-                 "--discard_later_steps")
+    err = fails(capsys, run_finetuning.main, SMALL + ["--steps", "4", "--load", f"{save}/2", "--save", save],
+                "--discard_later_steps")
     assert "--save NEW_DIR" in err
     assert {s: os.path.getmtime(os.path.join(save, str(s))) for s in ckpt.saved_steps(save)} == before
     run_finetuning.main(SMALL + ["--steps", "4", "--load", f"{save}/2", "--save", save, "--discard_later_steps",
@@ -65,37 +66,40 @@ def test_rollback_is_refused_before_work_or_done_on_an_explicit_branch(tmp_path,
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_incomplete_and_corrupt_steps_name_the_step_and_the_previous_complete_one(tmp_path, capsys, caplog):
     save = str(tmp_path / "ck")
     train(save, 3, "--checkpoint_steps", "1", "--to_keep", "0")
     os.remove(os.path.join(save, "3", ckpt.COMMIT))  # a write that never finished
     assert ckpt.saved_steps(save) == [1, 2]
-    err = _fails(capsys, run_validation.main, ["--load", f"{save}/3", "--limit", "2"], "is incomplete")
+    err = fails(capsys, run_validation.main, ["--load", f"{save}/3", "--limit", "2"], "is incomplete")
     assert f"{save}/2" in err and "<bound method" not in err
     os.remove(os.path.join(save, "2", "meta", "metadata"))
-    err = _fails(capsys, run_validation.main, ["--load", f"{save}/2", "--limit", "2"], "has no meta/metadata")
+    err = fails(capsys, run_validation.main, ["--load", f"{save}/2", "--limit", "2"], "has no meta/metadata")
     assert f"{save}/1" in err
     run_validation.main(["--load", save, "--limit", "2"])  # the directory: its latest complete step, 1
     assert os.path.exists(os.path.join(save, "validation_step1_first2.json"))
     assert "3 is incomplete" in caplog.text
 
 
+@pytest.mark.slow
 def test_two_runs_into_one_directory_the_second_stops_at_once(tmp_path, capsys):
     save = str(tmp_path / "ck")
-    proc = _subprocess(["run_finetuning.py"] + SMALL + ["--steps", "400", "--save", save, "--checkpoint_steps", "0"])
+    proc = start(["run_finetuning.py"] + SMALL + ["--steps", "400", "--save", save, "--checkpoint_steps", "0"])
     try:
         deadline = time.time() + 240
         while not os.path.exists(os.path.join(save, "metrics.jsonl")) and time.time() < deadline:
             assert proc.poll() is None, proc.communicate()[1][-2000:]
             time.sleep(0.5)
         t0 = time.time()
-        err = _fails(capsys, run_finetuning.main, SMALL + ["--steps", "2", "--save", save], "is in use by another run")
+        err = fails(capsys, run_finetuning.main, SMALL + ["--steps", "2", "--save", save], "is in use by another run")
         assert f"pid {proc.pid}" in err and time.time() - t0 < 60
     finally:
         proc.kill()
         proc.communicate()
 
 
+@pytest.mark.slow
 def test_runs_without_save_get_their_own_directory_and_never_truncate_metrics(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     import glob
@@ -107,11 +111,12 @@ def test_runs_without_save_get_their_own_directory_and_never_truncate_metrics(tm
     lines = [open(os.path.join(d, "metrics.jsonl")).read().count("\n") for d in dirs]
     assert sorted(lines) == [1, 2]
     finished = max(dirs, key=lambda d: open(os.path.join(d, "metrics.jsonl")).read().count("\n"))
-    _fails(capsys, run_finetuning.main, SMALL + ["--steps", "1", "--run_dir", finished], "another run's metrics.jsonl")
-    _fails(capsys, run_finetuning.main, SMALL + ["--steps", "0", "--run_dir", finished], "--steps 0")
+    fails(capsys, run_finetuning.main, SMALL + ["--steps", "1", "--run_dir", finished], "another run's metrics.jsonl")
+    fails(capsys, run_finetuning.main, SMALL + ["--steps", "0", "--run_dir", finished], "--steps 0")
     assert open(os.path.join(finished, "metrics.jsonl")).read().count("\n") == 2
 
 
+@pytest.mark.slow
 def test_reports_of_two_datasets_with_one_stem_are_both_kept(tmp_path):
     save = str(tmp_path / "ck")
     train(save, 1)
@@ -128,6 +133,7 @@ def test_reports_of_two_datasets_with_one_stem_are_both_kept(tmp_path):
     assert (a["samples"], b["samples"]) == (6, 4) and a["dataset"].endswith(".jsonl") and b["dataset"].endswith(".csv")
 
 
+@pytest.mark.slow
 def test_validation_never_cuts_a_prompt(tmp_path):
     """A preset whose sequence_length is shorter than the prompts decodes exactly what the full prompts give."""
     save = str(tmp_path / "ck")
@@ -141,9 +147,10 @@ def test_validation_never_cuts_a_prompt(tmp_path):
 
 
 def test_device_iterations_other_than_one_is_refused(capsys):
-    _fails(capsys, run_finetuning.main, SMALL + ["--device_iterations", "4"], "--device_iterations 1")
+    fails(capsys, run_finetuning.main, SMALL + ["--device_iterations", "4"], "--device_iterations 1")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["start-up", "validation"])
 def test_a_signal_at_start_up_or_during_validation_exits_cleanly(tmp_path, when):
     """No segmentation fault, no traceback, exit 130; an earlier report stays intact."""
@@ -153,11 +160,11 @@ def test_a_signal_at_start_up_or_during_validation_exits_cleanly(tmp_path, when)
     with open(earlier, "w") as f:
         f.write('{"earlier": true}')
     if when == "start-up":
-        proc = _subprocess(["run_finetuning.py"] + SMALL + ["--steps", "50", "--save", str(tmp_path / "new")])
+        proc = start(["run_finetuning.py"] + SMALL + ["--steps", "50", "--save", str(tmp_path / "new")])
         time.sleep(1.5)
     else:
         # the whole synthetic split one prompt at a time: decoding lasts long past the signal
-        proc = _subprocess(["run_validation.py", "--load", save, "--micro_batch_size", "1"])
+        proc = start(["run_validation.py", "--load", save, "--micro_batch_size", "1"])
         deadline, buf = time.time() + 240, ""
         while "model shape from the checkpoint" not in buf and time.time() < deadline and proc.poll() is None:
             buf += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
@@ -171,6 +178,7 @@ def test_a_signal_at_start_up_or_during_validation_exits_cleanly(tmp_path, when)
     assert not [f for f in os.listdir(save) if ".tmp" in f]
 
 
+@pytest.mark.slow
 def test_a_new_run_from_a_checkpoint_on_new_data_and_resume_keeps_the_data_order(tmp_path, capsys):
     """--init_from: step 0, fresh optimizer state, another dataset (resuming with --load on it was an IndexError
     traceback); --load with another dataset or batch size is refused before work, naming --init_from."""
@@ -181,10 +189,10 @@ def test_a_new_run_from_a_checkpoint_on_new_data_and_resume_keeps_the_data_order
     new = tmp_path / "new"
     new.mkdir()
     (new / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in generate_split("train", 40, seed=5)))
-    err = _fails(capsys, run_finetuning.main, SMALL + ["--steps", "3", "--load", save, "--save", save, "--dataset",
+    err = fails(capsys, run_finetuning.main, SMALL + ["--steps", "3", "--load", save, "--save", save, "--dataset",
                                                        str(new)], "--init_from")
     assert "--dataset synthetic" in err
-    _fails(capsys, run_finetuning.main, SMALL + ["--steps", "3", "--load", save, "--save", save,
+    fails(capsys, run_finetuning.main, SMALL + ["--steps", "3", "--load", save, "--save", save,
                                                  "--global_batch_size", "16"], "--global_batch_size 8")
     warm = str(tmp_path / "warm")
     run_finetuning.main(SMALL + ["--steps", "2", "--init_from", save, "--save", warm, "--dataset", str(new),
@@ -207,6 +215,7 @@ def one_step(tmp_path_factory) -> str:
     return save
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,value", [
     ("dataset", "synthetic-mnli"), ("hub_config", "plain_text"), ("train_split", "validation"), ("holdout", "8"),
     ("global_batch_size", "16"), ("packing", "false"), ("causal_packing", "concat"), ("sequence_length", "24"),
@@ -222,14 +231,15 @@ def test_resume_refuses_every_change_of_the_data_order(one_step, capsys, flag, v
     assert {f for f, _ in DATA_ORDER} == set(ORDER_FLAGS)
     given = value.split() if flag in ("labels", "mixture") else [value]
     shown = "mnli headlines" if flag == "mixture" else value  # a mixture is named by its tasks' names
-    err = _fails(capsys, run_finetuning.main, SMALL + ["--steps", "2", "--load", one_step, "--save", one_step,
+    err = fails(capsys, run_finetuning.main, SMALL + ["--steps", "2", "--load", one_step, "--save", one_step,
                                                        f"--{flag}", *given], f"--{flag} {shown}")
     assert "it was trained with" in err and "--init_from" in err
     assert ckpt.saved_steps(one_step) == [1]  # nothing written
 
 
 def test_malformed_lines_duplicated_columns_and_split_typos_are_named(tmp_path, capsys):
-    from data.mnli import DataError, load_rows
+    from data.sources import DataError
+    from tests.mnli import load_rows
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"premise": "a", "hypothesis": "b", "label": 0}\n{"premise": "a", "hypothesis": \n')
@@ -245,9 +255,10 @@ def test_malformed_lines_duplicated_columns_and_split_typos_are_named(tmp_path, 
         load_rows(str(csv), "train")
     with pytest.raises(DataError, match=r"did you mean validation_mismatched"):
         load_rows("synthetic", "validaton_mismatched")
-    _fails(capsys, run_finetuning.main, SMALL + ["--steps", "1", "--sequence_length", "4"], "prompt template")
+    fails(capsys, run_finetuning.main, SMALL + ["--steps", "1", "--sequence_length", "4"], "prompt template")
 
 
+@pytest.mark.slow
 def test_own_words_train_offline_with_a_tokenizer_learnt_from_the_data(tmp_path):
     """--tokenizer train: the tiny preset fine-tunes on sentences of words no shipped tokenizer knows (the
     synthetic tokenizer refused them as 100% unknown), with no download; validation uses the saved tokenizer."""
@@ -283,7 +294,8 @@ def test_own_words_train_offline_with_a_tokenizer_learnt_from_the_data(tmp_path)
 
 
 def test_no_network_is_one_line_at_once_naming_the_offline_choice(monkeypatch):
-    from data.mnli import DataError, load_tokenizer
+    from data.sources import DataError
+    from data.tasks import load_tokenizer
     from utils import hub
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -316,6 +328,7 @@ def test_no_network_for_a_hub_data_set_is_one_line_without_a_download_attempt(mo
     assert calls == [True] and "\n" not in str(e.value)  # the cache, offline; never the network
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_every_row_of_one_file_is_not_scored_on_them(tmp_path, capsys):
     """Trained on a single file with nothing held out: validation of the checkpoint refuses to score its own training
     rows (one line naming --dataset and --holdout); told another file, it scores that one and names it."""
@@ -325,13 +338,14 @@ def test_a_checkpoint_of_every_row_of_one_file_is_not_scored_on_them(tmp_path, c
     data.write_text("".join(json.dumps(r) + "\n" for r in synthetic.generate_split("train", 64, seed=3)))
     save = str(tmp_path / "ck")
     train(save, 1, "--dataset", str(data))
-    _fails(capsys, run_validation.main, ["--load", save], "a single file, nothing held out")
+    fails(capsys, run_validation.main, ["--load", save], "a single file, nothing held out")
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps(r) + "\n" for r in synthetic.generate_split("validation", 8, seed=4)))
     run_validation.main(["--load", save, "--dataset", str(other)])
     assert f"of {other}" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_truncation_and_unknown_counts_are_in_the_first_metrics_line(tmp_path, caplog):
     """Cut examples and targets are counted in the first metrics line, and a run that cuts targets says in one line
     how many and the flags that keep them whole (a newcomer's own task on tiny trained on targets cut to 4 tokens
@@ -348,12 +362,12 @@ def test_truncation_and_unknown_counts_are_in_the_first_metrics_line(tmp_path, c
     assert "pass --decoder_sequence_length 2 to keep them whole" in line[0]
 
 
+@pytest.mark.slow
 def test_a_second_signal_during_the_save_stops_at_once_and_earlier_steps_stay_loadable(tmp_path):
     save = str(tmp_path / "ck")
-    proc = _subprocess(["run_finetuning.py"] + SMALL + ["--steps", "300", "--save", save, "--checkpoint_steps", "2"])
-    from tests.test_robustness import _wait_for_steps
+    proc = start(["run_finetuning.py"] + SMALL + ["--steps", "300", "--save", save, "--checkpoint_steps", "2"])
 
-    _wait_for_steps(os.path.join(save, "metrics.jsonl"), 5, proc)
+    wait_for_lines(os.path.join(save, "metrics.jsonl"), 5, proc)
     proc.send_signal(signal.SIGTERM)  # finish the step, then save it ...
     time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)  # ... and stop at once, mid-save

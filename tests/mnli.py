@@ -1,8 +1,9 @@
-"""MNLI, the original apps' task, as one task among others: its definition is the config's ``task`` defaults (the
-template ``mnli hypothesis: {hypothesis} premise: {premise}``, the label column mapped to entailment, neutral,
-contradiction, accuracy), and these helpers give its rows and reports in the shape the original's tools (and the
-notebook) use: rows {premise, hypothesis, label}, and the accuracy report with per-class counts. Everything here
-is the generic task code (data/tasks.py, data/sources.py, data/metrics.py) with MNLI's definition.
+"""MNLI, the original apps' task, as the tests read it: its definition is the config's ``task`` defaults (the template
+``mnli hypothesis: {hypothesis} premise: {premise}``, the label column mapped to entailment, neutral, contradiction,
+accuracy), and these helpers give its rows and reports in the original's shape: rows {premise, hypothesis, label},
+and the accuracy report with per-class counts. Everything here is the generic task code (data/tasks.py,
+data/sources.py, data/metrics.py) with MNLI's definition; the library itself never needs it (it lived in data/ and
+only tests used it).
 
 Prompt formats of the original apps. T5: encoder ``mnli hypothesis: {hypothesis} premise: {premise}``, target
 ``{class_label}``; the decoder input is the target shifted right behind a ``<pad>`` start token, and padded label
@@ -14,11 +15,9 @@ from __future__ import annotations
 
 from config.schema import Task as TaskSection
 from data import metrics, sources
-from data.loader import TrainLoader, length_buckets  # noqa: F401  (MNLI's tools batch with these)
-from data.packing import Examples, pad_rows
-from data.sources import DataError  # noqa: F401  (raised by these helpers)
-from data.tasks import (TRAINED, Example, Task, check_unknown_tokens, load_tokenizer, pad_id,  # noqa: F401
-                        parse_label, tokenize_prompts)
+from data.packing import Examples
+from modelling.rows import pad_rows
+from data.tasks import Example, Task, parse_label, tokenize_prompts
 from data.tasks import tokenize_examples as _tokenize
 from data.tasks import train_tokenizer as _train_tokenizer
 

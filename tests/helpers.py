@@ -1,0 +1,127 @@
+"""What several test modules share (no tests here): the tiny preset's small run, reading a checkpoint back,
+relative errors, a driver's one-line failure, a driver in a process of its own. HF models and the batches they are
+compared on are in tests/hf_utils.py; the environment of the processes tests start in tests/env.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from config import load_config
+from tests.env import ROOT, child_env
+
+# the tiny preset at a small shape: what most in-process driver tests run
+SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "8", "--micro_batch_size", "2",
+         "--warmup_steps", "0"]
+
+__all__ = ["ROOT", "SMALL", "build", "fails", "fro_rel", "leaves", "max_rel", "params_at", "start", "tiny",
+           "update_rel", "wait_for_lines", "assert_trained_alike"]
+
+
+def tiny(**overrides):
+    """The tiny preset's config at 16 tokens, 16 rows on one device (``overrides``: flat flags)."""
+    base = dict(global_batch_size=16, micro_batch_size=4, data_parallel=1, tensor_parallel=1, sequence_length=16,
+                warmup_steps=0, learning_rate=1e-3)
+    base.update(overrides)
+    return load_config("finetuning", "tiny", base)
+
+
+def build(cfg):
+    """(executor, training loader) of a config, as run_finetuning.py builds them."""
+    import run_finetuning
+    from app.train_data import training_data
+
+    executor = run_finetuning.build_executor(cfg)
+    return executor, training_data(cfg, executor.g.family)
+
+
+def params_at(directory, step):
+    """(meta, weights as numpy) of a checkpoint, restored on one device (whatever devices or processes wrote it)."""
+    import orbax.checkpoint as ocp
+
+    from utils import checkpoint as ckpt
+
+    meta = ckpt.load_meta(directory, step)
+    saved = ocp.StandardCheckpointer().metadata(os.path.join(directory, str(step), "params")).item_metadata
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), saved)
+    mgr = ckpt.manager(directory, read_only=True)
+    restored = mgr.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))
+    return meta, jax.tree.map(np.asarray, restored["params"])
+
+
+def leaves(tree) -> list:
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def max_rel(a, b) -> float:
+    """max |a - b| / max |b|."""
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def fro_rel(a, b) -> float:
+    """||a - b|| / ||b|| (Frobenius)."""
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def update_rel(new, ref, start) -> float:
+    """||new - ref|| / ||ref - start||: how far two runs' updates of a weight from ``start`` differ, relative to the
+    update. Relative to the weight it would hide an update error behind the weight's size; and unlike an
+    elementwise maximum it stays put where Adam, dividing by sqrt(v) + 1e-8, turns the summation-order noise of a
+    near-zero gradient (~1e-8) into a few per cent of the learning rate on one element."""
+    new, ref, start = (np.asarray(x, np.float64) for x in (new, ref, start))
+    return float(np.linalg.norm(new - ref) / max(np.linalg.norm(ref - start), 1e-30))
+
+
+def assert_trained_alike(a, b, lr: float, steps: int, what: str = "") -> None:
+    """Two runs' weights after ``steps`` Adam(W) steps of at most ``lr`` from the same start (another layout, other
+    processes): equal to float32 noise (rtol 1e-5, atol 1e-6) but for a few elements (at most 2, or 0.1% of a large
+    weight), and those within the steps' reach (2 lr a step). The few: Adam divides by sqrt(v) + 1e-8, so where a
+    gradient is near zero the summation-order noise of another layout (~1e-8) moves the update by up to lr
+    (measured: 0.7% and 3.6% of lr; a check of every element, or of the norm at 1e-5, failed by that on another
+    machine). A layout that computes something else moves many elements, or the loss (compared beside)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, what
+    d = np.abs(a - b)
+    off = d > 1e-5 * np.abs(b) + 1e-6
+    assert off.sum() <= max(2, 1e-3 * off.size), (what, int(off.sum()), off.size, float(d.max()))
+    assert d.max() <= 2 * lr * steps, (what, float(d.max()), lr)
+
+
+def fails(capsys, main, argv, message, code=2) -> str:
+    """A driver's ``main(argv)`` exits ``code`` with ``message`` in its last line of stderr, and no traceback ->
+    that line."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == code, e.value.code
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert err and message in err[-1], err[-3:]
+    assert not any("Traceback" in line for line in err)
+    return err[-1]
+
+
+def start(argv, devices=4, **kw) -> subprocess.Popen:
+    """``python3 ARGV`` from the repository root in a process of its own (``devices`` simulated), its output piped."""
+    env = child_env(devices, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable] + argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kw)
+
+
+def wait_for_lines(path, n, proc, timeout=300) -> None:
+    """Until the file ``path`` (a run's metrics.jsonl) holds ``n`` lines; a process that ends first fails the test
+    with its output's tail."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if os.path.exists(path) and sum(1 for _ in open(path)) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read()[-3000:])
+        time.sleep(0.2)
+    raise AssertionError("the run did not reach step %d" % n)

@@ -111,6 +111,7 @@ class CausalLM(Family):
 
     causal = True
     left_pad_prompts = True  # decoding continues each prompt from its last token: prompts are right-aligned
+    scores_prompts = True  # its logits at each prompt position are the next prompt token's
     rows = CausalRows()
     stacks = (STACK,)
     head_stream = HEAD
@@ -320,6 +321,12 @@ class CausalLM(Family):
         sequence run again. params: in the compute dtype."""
         ids = jnp.concatenate([input_ids, tokens.astype(input_ids.dtype)], axis=1)
         mask = jnp.concatenate([attention_mask.astype(jnp.int32), jnp.ones(tokens.shape, jnp.int32)], axis=1)
-        x = self.hidden(params, {"input_ids": ids, "attention_mask": mask, "positions": L.prompt_positions(mask)},
-                        opts, tp_axis)
-        return self.head_logits(params, x[:, -1:], opts, tp_axis)[:, 0]
+        return self.prompt_logits(params, ids, mask, opts, tp_axis)[:, -1]
+
+    def prompt_logits(self, params, input_ids, attention_mask, opts, tp_axis=None):
+        """Logits [b, k, Vl] of the token after each position of the left-padded prompts ids/mask [b, k] (params:
+        in the compute dtype), the whole sequence run at once."""
+        mask = attention_mask.astype(jnp.int32)
+        x = self.hidden(params, {"input_ids": input_ids, "attention_mask": mask,
+                                 "positions": L.prompt_positions(mask)}, opts, tp_axis)
+        return self.head_logits(params, x, opts, tp_axis)

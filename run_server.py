@@ -60,9 +60,10 @@ def extra_flags(p):
                    help="decoding steps per call of the slots' program (default 8: the host's work per call spread "
                         "over 8 tokens; 1: a token streamed at a time and joins at every step, at more host work "
                         "per token)")
-    s.add_argument("--min_join", type=int, default=1,
+    s.add_argument("--min_join", type=int, default=None,
                    help="free slots that wait (one decoding call at most) for others to free, so that waiting prompts "
-                        "join together (default 1: a free slot joins at once)")
+                        "join together in one insert (default: half the slots per dp shard, at most the widest join; "
+                        "1: a free slot joins at once)")
     s.add_argument("--max_logprobs", type=int, default=20,
                    help="the most likely tokens a request may ask to see beside each token (logprobs, top_logprobs; "
                         "default 20, as vLLM's)")

@@ -106,7 +106,7 @@ class SlotPrograms:
         family, opts, top = self.family, self.opts, self.top
 
         def fn(p, ids, mask):
-            return slot_lib.score_prompts(family, family.compute_params(p, opts), opts, ids, mask, top, S.TP)
+            return slot_lib.score_prompts(family, family.decoding_params(p, opts), opts, ids, mask, top, S.TP)
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
                                in_specs=(self.g.compute_specs(), P(S.DP, None), P(S.DP, None)),

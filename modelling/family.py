@@ -294,10 +294,10 @@ class Family(abc.ABC):
         """The reference: logits [b, Vl] after the prompts and the tokens generated so far (int [b, n]), by running
         the whole model again."""
 
-    def prompt_logits(self, params, input_ids, attention_mask, opts, tp_axis=None):
-        """Logits [b, k, Vl] at each prompt position (ids/mask [b, k] laid out for decoding; params: in the compute
-        dtype) of the token after it: a causal LM's score of its own prompt (``scores_prompts``). An encoder-decoder
-        reads its prompt with the encoder, which predicts no token of it: none."""
+    def prompt_logits(self, dp, input_ids, attention_mask, opts, tp_axis=None):
+        """Logits [b, k, Vl] at each prompt position (ids/mask [b, k] laid out for decoding; dp:
+        ``decoding_params``) of the token after it: a causal LM's score of its own prompt (``scores_prompts``). An
+        encoder-decoder reads its prompt with the encoder, which predicts no token of it: none."""
         raise NotImplementedError(f"the {self.name} family reads its prompt with an encoder: it gives no "
                                   "log-probabilities of the prompt's tokens")
 

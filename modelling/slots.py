@@ -171,8 +171,8 @@ def advance(family, dp, opts, cache, state: tuple, keep, steps: int, eos_id: int
     return out.T, scored, cache, (Rows(token, index, r.limit, alive), state[1])
 
 
-def score_prompts(family, p, opts, ids, mask, top: int, tp_axis=None) -> Scored:
+def score_prompts(family, dp, opts, ids, mask, top: int, tp_axis=None) -> Scored:
     """The prompts' own log-probabilities (a causal family's: each token given the ones before). ids/mask [n, k]
     laid out as the family decodes them -> Scored [n, k - 1]: column c holds token c + 1's."""
-    full = decoding.gather_vocab(family.prompt_logits(p, ids, mask, opts, tp_axis), tp_axis).astype(jnp.float32)
+    full = decoding.gather_vocab(family.prompt_logits(dp, ids, mask, opts, tp_axis), tp_axis).astype(jnp.float32)
     return score(full[:, :-1], ids[:, 1:], top)

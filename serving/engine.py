@@ -69,7 +69,7 @@ class ServeOptions:
     max_body_bytes: int
     model_id: str
     max_logprobs: int = 20  # the most likely tokens shown beside each token, at most
-    min_join: int = 1  # free slots that wait (a call at most) for a group before joining
+    min_join: int = 1  # free slots that wait (a call at most) for a group before joining (``default_min_join``)
     chat_template: Optional[str] = None  # --chat_template's text
 
     @classmethod
@@ -78,7 +78,7 @@ class ServeOptions:
         slots = args.slots or ex.micro_batch_size * ex.data_parallel
         local = slots // ex.data_parallel if slots % ex.data_parallel == 0 else slots
         widths = sorted(set(args.prompt_widths or powers_of_two(SMALLEST_WIDTH, cfg.model.sequence_length)))
-        joins = sorted({j for j in (args.join_sizes or powers_of_two(1, local)[::2]) if j <= local} | {local})
+        joins = sorted({j for j in args.join_sizes if j <= local} | {local}) if args.join_sizes else default_joins(local)
         for flag, value, low in (("--max_queue", args.max_queue, 0), ("--steps_per_call", args.steps_per_call, 1),
                                  ("--prompt_widths", min(widths), 1), ("--join_sizes", min(joins), 1),
                                  ("--max_prompt_chars", args.max_prompt_chars, 1),
@@ -91,7 +91,19 @@ class ServeOptions:
         return cls(slots, max(DEFAULT_QUEUE, 4 * slots) if args.max_queue is None else args.max_queue,
                    tuple(widths), tuple(joins), args.steps_per_call, cfg.inference.output_length,
                    args.max_prompt_chars or 64 * widths[-1], args.max_body_bytes, model_id, args.max_logprobs,
-                   args.min_join, read_template(args.chat_template))
+                   args.min_join or default_min_join(slots, slots // local * max(joins)), read_template(args.chat_template))
+
+
+def default_joins(local: int) -> list:
+    """Joining rows per dp shard compiled by default: 1, 4, 16 ... and the slots per shard."""
+    return sorted({j for j in powers_of_two(1, local)[::2] if j <= local} | {local})
+
+
+def default_min_join(slots: int, most: int) -> int:
+    """Half the slots, at most the most one insert takes: an insert of one prompt cost as much as 3 decoding steps of
+    8 slots on the development CPU, of 4 prompts hardly more, so free slots wait (a call at most) to join together
+    (docs/serving.md)."""
+    return max(1, min(slots // 2, most))
 
 
 def read_template(path: Optional[str]) -> Optional[str]:

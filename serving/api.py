@@ -150,13 +150,13 @@ def text(field: str, x, empty_ok: bool = True) -> str:
 
 
 def _depth(x, limit: int) -> bool:
-    """Whether a parsed JSON value nests deeper than ``limit`` arrays and objects."""
-    level = [x]
-    for _ in range(limit + 1):
-        level = [v for c in level if isinstance(c, (list, dict)) for v in (c.values() if isinstance(c, dict) else c)]
+    """Whether a parsed JSON value nests more than ``limit`` arrays and objects (the outermost counted)."""
+    level = [x] if isinstance(x, (list, dict)) else []
+    for _ in range(limit):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (list, dict))]
         if not level:
             return False
-    return True
+    return bool(level)
 
 
 def _json(raw: bytes) -> dict:

@@ -164,10 +164,12 @@ class Scheduler:
         self.b, self.max_queue, self.metrics = backend, max_queue, metrics
         self.min_join = max(1, min(min_join, backend.slots))
         self.running: list = [None] * backend.slots
-        self.waiting: deque = deque()
+        self.waiting: deque = deque()  # sequences waiting for a slot, in arrival order
+        self.scoring: deque = deque()  # sequences with no token to write (max_tokens 0): their prompts scored
         self.pending: deque = deque()  # _Calls dispatched, not yet read, in device order
         self.joining: list = []  # sequences out of the queue, not yet in a dispatched call
         self.held_seqs: set = set()
+        self.flagged: list = []  # sequences cancelled, finished or aborted since the last round
         self.cv = threading.Condition()
         self.admitting, self.stopping = True, False
         self.emit: Callable = lambda updates: None
@@ -176,6 +178,7 @@ class Scheduler:
         self.failure: Optional[Failed] = None
         self.failures = 0  # calls failed since the last one read
         self.deferred = 0  # calls the free slots waited for a group
+        self.max_wait = 1  # calls free slots wait for a group at most
 
     # ------------------------------------------------------------------ any thread
 
@@ -195,7 +198,8 @@ class Scheduler:
             held = len(self.held_seqs)
             if held + len(seqs) > self.b.slots + self.max_queue:
                 raise QueueFull(held, self.b.slots, self.max_queue)
-            self.waiting.extend(seqs)
+            self.waiting.extend(s for s in seqs if s.max_tokens > 0)
+            self.scoring.extend(s for s in seqs if s.max_tokens == 0)
             self.held_seqs.update(seqs)
             self.metrics.queue_depth.set(len(self.waiting))
             self.cv.notify()
@@ -204,6 +208,7 @@ class Scheduler:
         with self.cv:
             for s in seqs:
                 setattr(s, name, value)
+            self.flagged += seqs
             self.cv.notify()
 
     def cancel(self, seqs: list) -> None:
@@ -216,10 +221,8 @@ class Scheduler:
 
     def abort_all(self, error: SchedulerError) -> None:
         """Every held sequence ends with ``error`` before the next call (shutdown after its grace period)."""
-        with self.cv:
-            for s in self.held_seqs:
-                s.aborted = error
-            self.cv.notify()
+        with self.cv:  # (a reentrant lock: _flag takes it again)
+            self._flag(list(self.held_seqs), "aborted", error)
 
     def stop_admitting(self) -> None:
         with self.cv:
@@ -239,12 +242,12 @@ class Scheduler:
     # ------------------------------------------------------------------ the loop (the scheduler's thread)
 
     def _idle(self) -> bool:
-        return not self.waiting and not self.pending and all(s is None for s in self.running)
+        return not (self.waiting or self.scoring or self.pending) and all(s is None for s in self.running)
 
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self.stopping and self._idle() and not any(s.gone for s in self.held_seqs):
+                while not self.stopping and self._idle() and not self.flagged:
                     self.cv.wait()
                 if self.stopping:
                     return
@@ -275,7 +278,7 @@ class Scheduler:
             self.emit(updates)
 
     def _gauges(self) -> None:
-        self.metrics.queue_depth.set(len(self.waiting))
+        self.metrics.queue_depth.set(len(self.waiting) + len(self.scoring))
         self.metrics.running.set(sum(s is not None for s in self.running))
 
     def _end(self, s: Sequence, updates: list, reason: Optional[str], error: Optional[SchedulerError] = None,
@@ -293,28 +296,28 @@ class Scheduler:
     def _leave(self, updates: list) -> None:
         """Cancelled, finished and aborted sequences leave the queue and their slots."""
         with self.cv:
-            gone = [s for s in self.held_seqs if s.gone and not s.ended]
+            gone, self.flagged = [s for s in self.flagged if not s.ended], []
             for s in gone:
-                if s in self.waiting:
-                    self.waiting.remove(s)
+                for queue in (self.waiting, self.scoring):
+                    if s in queue:
+                        queue.remove(s)
         for s in gone:
             reason = "cancelled" if s.cancelled else "finished" if s.finished else "aborted"
             self._end(s, updates, reason, s.aborted if reason == "aborted" else None)
 
-    def _take_waiting(self, n: int, score_only: bool = False) -> list:
-        """Up to n waiting sequences (those with tokens to write, or those without), out of the queue; held in
-        ``joining`` until a dispatched call holds them."""
+    def _take_waiting(self, n: int, queue: Optional[deque] = None) -> list:
+        """Up to n sequences out of a queue (the waiting one by default), first come first; held in ``joining``
+        until a dispatched call holds them."""
+        queue = self.waiting if queue is None else queue
         with self.cv:
-            picked = [s for s in self.waiting if (s.max_tokens == 0) == score_only][:n]
-            for s in picked:
-                self.waiting.remove(s)
+            picked = [queue.popleft() for _ in range(min(n, len(queue)))]
         self.joining = picked
         return picked
 
     def _score_only(self) -> None:
         """Sequences with no new token to write: their prompts scored (a call per ``score_rows``), or nothing to do
         (ended at once, read with the next call)."""
-        seqs = self._take_waiting(len(self.waiting), score_only=True)
+        seqs = self._take_waiting(len(self.scoring), self.scoring)
         self._score([s for s in seqs if s.prompt_logprobs])
         self.pending.extend(_Call("none", None, [(0, s)]) for s in seqs if not s.prompt_logprobs)
         self.joining = []
@@ -340,12 +343,11 @@ class Scheduler:
         than ``min_join`` wait a call for others to free (not when nothing runs, or when every waiting one fits)."""
         free = self._free()
         room = sum(map(len, free))
-        with self.cv:
-            waiting = sum(s.max_tokens > 0 for s in self.waiting)
+        waiting = len(self.waiting)
         if not room or not waiting:
             return
         busy = any(s is not None for s in self.running)
-        if busy and room < min(self.min_join, waiting) and self.deferred < 1:
+        if busy and room < min(self.min_join, waiting) and self.deferred < self.max_wait:
             self.deferred += 1
             return
         self.deferred = 0
@@ -472,6 +474,7 @@ class Scheduler:
                                       f"({type(e).__name__}): restart the server", fatal=True)
                 rest = list(self.held_seqs)
                 self.waiting.clear()
+                self.scoring.clear()
             for s in rest:
                 self._end(s, updates, None, self.failure)
         self._gauges()

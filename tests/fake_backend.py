@@ -41,6 +41,7 @@ class FakeBackend:
         self.scores_prompts, self.score_rows = scores_prompts, self.joins[-1] * dp
         self.right_aligned = right_aligned
         self.calls: list = []
+        self.limits: list = []  # the limit each inserted row was given
         self.fail = None  # callable(kind) -> an exception to raise, or None
         self.gate = None  # threading.Event the reading of an advance waits for
         self.resets = 0
@@ -86,6 +87,7 @@ class FakeBackend:
             slot = d * self.local + rows[r]
             got = ids[r][mask[r] > 0].tolist()
             self.prompts[slot], self.index[slot], self.limit[slot] = got, 0, limit[r]
+            self.limits.append(int(limit[r]))
             first[r] = self.token(slot, 0)
             self.alive[slot] = first[r] != self.eos_id and limit[r] > 1
         return first, self._scored(first, np.zeros(len(rows), int))

@@ -83,6 +83,7 @@ def test_sequences_join_free_slots_and_leave_at_their_end():
     h.s.submit(seqs)
     h.run()
     assert sorted({s.slot for s in seqs}) == [0, 1, 2, 3]  # every slot used, some twice
+    assert sorted(h.b.limits) == sorted(lengths)  # the device stops each row where the host does
     for s, n in zip(seqs, lengths):
         tokens, reason = expected(s.ids, n)
         assert h.tokens(s) == tokens and h.end(s).reason == reason, (s.ids, n)
@@ -343,3 +344,24 @@ def test_logprobs_name_each_token_as_the_text_it_adds_with_offsets_into_the_echo
     for e in lps[2:]:  # each completion token's text starts at its offset in the echoed text
         assert event.text[e.offset:].startswith(e.token)
     assert event.cumulative_logprob == pytest.approx(-1.5)
+
+
+def test_a_character_split_over_tokens_is_sent_whole():
+    """A byte-level tokenizer splits "é" over two tokens: the first alone decodes to U+FFFD, which is never sent."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["the cat sleeps"], trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    words = tok("le café noir", add_special_tokens=False)["input_ids"]
+    assert "\ufffd" in tok.decode(words[:7])  # "le caf" and half of "é"
+    p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
+    seq = Sequence(words[:1], 100, out=Output(0, None, stream=True))
+    from serving.scheduler import Update
+
+    texts = [e.text for t in words for _, e in p.handle(Update(seq, [t]))]
+    texts += [e.text for _, e in p.handle(Update(seq, [], reason="length"))]
+    assert "".join(texts) == "le café noir" and not any("\ufffd" in t for t in texts)

@@ -206,6 +206,17 @@ def test_the_crash_of_a_top_k_past_int32_is_a_400_naming_the_field(server):
     server.serves()
 
 
+def test_json_nested_past_the_limit_is_refused_before_any_field_is_read():
+    limits = api.Limits(64, 16, 32, 2000, 12, 65536, 64, 5, True)
+
+    def body(levels: int) -> bytes:  # the body's object, then ``levels`` arrays inside it
+        return b'{"model": "fake", "prompt": "a", "x": ' + b"[" * levels + b"]" * levels + b"}"
+
+    for levels, words in ((api.MAX_DEPTH - 1, "unrecognized"), (api.MAX_DEPTH, f"deeper than {api.MAX_DEPTH}")):
+        with pytest.raises(api.ApiError, match=words):
+            api.parse_completion(body(levels), limits, MODEL)
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.sampled_from(api.COMPLETION_FIELDS + ("frobnicate",)),
                        st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),

@@ -74,15 +74,16 @@ class SlotPrograms:
         family, opts, width, n, eos, top = (self.family, self.opts, self.widths[-1], self.max_new_tokens,
                                             self.eos_id, self.top)
 
-        def fn(p, cache, state, ids, mask, rows, s, limit):
+        def fn(p, cache, state, ints, floats):
             dp = family.decoding_params(p, opts)
+            ids, mask, rows, s, limit = unpack_joiners(ints, floats)
             first, scored, cache, state = slot_lib.insert(family, dp, opts, _local(cache), state, ids, mask, rows, s,
                                                           limit, width, n, eos, top, S.TP)
             return first, scored, _stacked(cache), state
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
                                in_specs=(self.g.compute_specs(), P(S.DP, S.TP), self._state_specs(), P(S.DP, None),
-                                         P(S.DP, None), P(S.DP), slot_lib.Sampling(*(P(S.DP),) * 6), P(S.DP)),
+                                         P(S.DP, None)),
                                out_specs=(P(S.DP), self._scored_specs((S.DP,)), P(S.DP, S.TP), self._state_specs()))
         return jax.jit(mapped, donate_argnums=(1, 2))
 
@@ -105,11 +106,12 @@ class SlotPrograms:
     def _score_program(self):
         family, opts, top = self.family, self.opts, self.top
 
-        def fn(p, ids, mask):
+        def fn(p, ids_mask):
+            ids, mask = jnp.split(ids_mask, 2, axis=1)
             return slot_lib.score_prompts(family, family.decoding_params(p, opts), opts, ids, mask, top, S.TP)
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.compute_specs(), P(S.DP, None), P(S.DP, None)),
+                               in_specs=(self.g.compute_specs(), P(S.DP, None)),
                                out_specs=self._scored_specs((S.DP, None)))
         return jax.jit(mapped)
 
@@ -143,11 +145,6 @@ class SlotPrograms:
     def _abstract(self, shape, dtype, sharding):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    def _sampling_abstract(self, n: int) -> slot_lib.Sampling:
-        a = lambda dt: self._abstract((n,), dt, self.rows)  # noqa: E731
-        return slot_lib.Sampling(a(jnp.float32), a(jnp.int32), a(jnp.float32), a(jnp.uint32), a(jnp.uint32),
-                                 a(jnp.int32))
-
     def compile(self, params) -> float:
         """The weights in the compute dtype (cast once), the empty cache, and every program compiled -> seconds."""
         t0 = time.perf_counter()
@@ -161,17 +158,16 @@ class SlotPrograms:
         for width in self.widths:
             for j in self.joins:
                 n = j * g.dp
-                ids = self._abstract((n, width), jnp.int32, self.rows2)
-                vec = self._abstract((n,), jnp.int32, self.rows)
-                self._insert[(width, j)] = insert.lower(self.params, cache_abs, state_abs, ids, ids, vec,
-                                                        self._sampling_abstract(n), vec).compile()
+                ints = self._abstract((n, 2 * width + JOINER_INTS), jnp.int32, self.rows2)
+                floats = self._abstract((n, JOINER_FLOATS), jnp.float32, self.rows2)
+                self._insert[(width, j)] = insert.lower(self.params, cache_abs, state_abs, ints, floats).compile()
         keep = self._abstract((self.slots,), jnp.bool_, self.rows)
         self._advance = self._advance_program().lower(self.params, cache_abs, state_abs, keep).compile()
         if self.family.scores_prompts:
             score = self._score_program()
             for width in self.widths:
-                ids = self._abstract((self.score_rows, width), jnp.int32, self.rows2)
-                self._score[width] = score.lower(self.params, ids, ids).compile()
+                ids_mask = self._abstract((self.score_rows, 2 * width), jnp.int32, self.rows2)
+                self._score[width] = score.lower(self.params, ids_mask).compile()
         seconds = time.perf_counter() - t0
         logger.info("compiled %d slot programs in %.1f s (%d slots, prompt widths %s, joins %s, %d new tokens)",
                     len(self._insert) + 1 + len(self._score), seconds, self.slots, list(self.widths),
@@ -189,13 +185,12 @@ class SlotPrograms:
         """Joining prompts into the slots: ids/mask [dp * join, width] laid out for the family, the rows of each dp
         shard together; rows [dp * join]: each one's slot within its shard (``self.local``: a filler, dropped);
         sampling: their (temperature, top_k, drop_mass, seed, seed_hi, logprobs); limit: their most tokens ->
-        (their first tokens [dp * join], their Scored), on the device."""
-        put = lambda x, dt, sh=self.rows: S.put_global(np.asarray(x, dt), sh)  # noqa: E731
-        dtypes = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
-        s = slot_lib.Sampling(*(put(x, dt) for x, dt in zip(sampling, dtypes)))
+        (their first tokens [dp * join], their Scored), on the device. Two host-to-device copies, whatever the
+        joiners ask (``pack_joiners``: each copy costs the host about a millisecond on a CPU, as much as the rest of
+        the call)."""
+        ints, floats = pack_joiners(ids, mask, rows, sampling, limit)
         first, scored, self.cache, self.state = self._insert[(width, join)](
-            self.params, self.cache, self.state, put(ids, np.int32, self.rows2), put(mask, np.int32, self.rows2),
-            put(rows, np.int32), s, put(limit, np.int32))
+            self.params, self.cache, self.state, S.put_global(ints, self.rows2), S.put_global(floats, self.rows2))
         return first, scored
 
     def advance(self, keep) -> tuple:
@@ -210,10 +205,34 @@ class SlotPrograms:
     def score(self, width: int, ids, mask) -> slot_lib.Scored:
         """The prompts' own log-probabilities: ids/mask [score_rows, width] laid out for the family -> Scored
         [score_rows, width - 1] (column c: token c + 1's), on the device."""
-        put = lambda x: S.put_global(np.asarray(x, np.int32), self.rows2)  # noqa: E731
-        return self._score[width](self.params, put(ids), put(mask))
+        ids_mask = np.concatenate([np.asarray(ids, np.int32), np.asarray(mask, np.int32)], axis=1)
+        return self._score[width](self.params, S.put_global(ids_mask, self.rows2))
 
     @staticmethod
     def fetch(x):
         """A call's device arrays (any tree of them) -> numpy."""
         return jax.tree.map(S.fetch, x)
+
+
+JOINER_INTS, JOINER_FLOATS = 6, 2  # columns after ids and mask: rows, top_k, seed, seed_hi, logprobs, limit; and
+# temperature, drop_mass
+
+
+def pack_joiners(ids, mask, rows, sampling: tuple, limit) -> tuple:
+    """What an insert reads, in two arrays: int32 [n, 2 width + 6] (ids, mask, then rows, top_k, seed, seed_hi (the
+    seeds' bits), logprobs, limit) and float32 [n, 2] (temperature, drop_mass)."""
+    temperature, top_k, drop_mass, seed, seed_hi, logprobs = sampling
+    bits = lambda x: np.asarray(x, np.uint32).view(np.int32)  # noqa: E731
+    cols = [np.asarray(rows, np.int32), np.asarray(top_k, np.int32), bits(seed), bits(seed_hi),
+            np.asarray(logprobs, np.int32), np.asarray(limit, np.int32)]
+    ints = np.concatenate([np.asarray(ids, np.int32), np.asarray(mask, np.int32), np.stack(cols, 1)], axis=1)
+    return ints, np.stack([np.asarray(temperature, np.float32), np.asarray(drop_mass, np.float32)], 1)
+
+
+def unpack_joiners(ints, floats) -> tuple:
+    """``pack_joiners``' arrays (on the device) -> (ids, mask, rows, Sampling, limit)."""
+    width = (ints.shape[1] - JOINER_INTS) // 2
+    col = lambda i: ints[:, 2 * width + i]  # noqa: E731
+    u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731
+    s = slot_lib.Sampling(floats[:, 0], col(1), floats[:, 1], u32(col(2)), u32(col(3)), col(4))
+    return ints[:, :width], ints[:, width:2 * width], col(0), s, col(5)

@@ -10,7 +10,8 @@
                                                401, 404, 405, 408, 413, 415, 429, 499 (the client went away
                                                first), 500, 503)
     flan_t5_time_to_first_token_seconds        histogram: arrival to the first token
-    flan_t5_inter_token_latency_seconds        histogram: between two tokens of a sequence
+    flan_t5_inter_token_latency_seconds        histogram: between two decoding calls' tokens of a sequence (a call's
+                                               tokens come together: --steps_per_call of them)
     flan_t5_request_duration_seconds           histogram: arrival to the end
 """
 
@@ -35,8 +36,8 @@ class Metrics:
                                 registry=r)
         self.ttft = Histogram("flan_t5_time_to_first_token_seconds", "Arrival to the first generated token",
                               buckets=LATENCY, registry=r)
-        self.itl = Histogram("flan_t5_inter_token_latency_seconds", "Time between two tokens of a sequence",
-                             buckets=LATENCY, registry=r)
+        self.itl = Histogram("flan_t5_inter_token_latency_seconds",
+                             "Time between two decoding calls' tokens of a sequence", buckets=LATENCY, registry=r)
         self.duration = Histogram("flan_t5_request_duration_seconds", "Arrival to the end of a sequence",
                                   buckets=LATENCY, registry=r)
 

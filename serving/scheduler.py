@@ -168,6 +168,7 @@ class Scheduler:
         self.scoring: deque = deque()  # sequences with no token to write (max_tokens 0): their prompts scored
         self.pending: deque = deque()  # _Calls dispatched, not yet read, in device order
         self.joining: list = []  # sequences out of the queue, not yet in a dispatched call
+        self.cleared: set = set()  # slots whose sequence the host ended early: the device is told to stop them
         self.held_seqs: set = set()
         self.flagged: list = []  # sequences cancelled, finished or aborted since the last round
         self.cv = threading.Condition()
@@ -179,6 +180,7 @@ class Scheduler:
         self.failures = 0  # calls failed since the last one read
         self.deferred = 0  # calls the free slots waited for a group
         self.max_wait = 1  # calls free slots wait for a group at most
+        self.depth = 1  # decoding calls left in flight, unread, while the host works
 
     # ------------------------------------------------------------------ any thread
 
@@ -265,17 +267,21 @@ class Scheduler:
         self._join()
         running = [(slot, s) for slot, s in enumerate(self.running) if s is not None]
         if running:
-            keep = np.array([s is not None for s in self.running])
+            keep = np.array([slot not in self.cleared for slot in range(self.b.slots)])
             self.pending.append(_Call("advance", self.b.advance(keep), running))
             for slot, s in running:
                 s.dispatched = min(s.dispatched + self.b.steps, s.max_tokens)
                 if s.dispatched >= s.max_tokens:  # its last token is on its way: the slot is free for a joiner
                     self.running[slot] = None
-        while self.pending and (len(self.pending) > 1 or self.pending[-1].kind != "advance" or not running):
+        while self.pending and (not running or self._unread_advances() - (self.pending[0].kind == "advance")
+                                >= self.depth):  # every call but the newest ``depth`` advances
             self._read(self.pending.popleft(), updates)
         self._gauges()
         if updates:
             self.emit(updates)
+
+    def _unread_advances(self) -> int:
+        return sum(c.kind == "advance" for c in self.pending)
 
     def _gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.waiting) + len(self.scoring))
@@ -302,6 +308,8 @@ class Scheduler:
                     if s in queue:
                         queue.remove(s)
         for s in gone:
+            if s.slot is not None and self.running[s.slot] is s:  # still writing on the device: it stops there
+                self.cleared.add(s.slot)
             reason = "cancelled" if s.cancelled else "finished" if s.finished else "aborted"
             self._end(s, updates, reason, s.aborted if reason == "aborted" else None)
 
@@ -387,6 +395,7 @@ class Scheduler:
         ids, mask = b.layout(ids, mask)
         self.pending.append(_Call("insert", b.insert(width, join, ids, mask, rows, tuple(sampling), limit), placed))
         for _, s in placed:
+            self.cleared.discard(s.slot)
             s.dispatched = 1
             self.running[s.slot] = None if s.dispatched >= s.max_tokens else s
             self.metrics.prompt_tokens.inc(len(s.ids))
@@ -457,6 +466,7 @@ class Scheduler:
                 + self.joining)
         self.pending.clear()
         self.joining = []
+        self.cleared.clear()
         self.running = [None] * len(self.running)
         updates: list = []
         for s in held:

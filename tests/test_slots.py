@@ -96,3 +96,19 @@ def test_rows_decode_greedy_tokens_and_end_at_their_limit_eos_or_keep(model):
     out3, _, cache, state = advance(cache, state, jnp.asarray([True, False, False, False]), eos)
     assert out3[1].tolist() == [0] * STEPS and not bool(state[0].alive[1])  # a cleared by the host: pads
     assert out3[0].tolist() == [ref[2, 5], 0, 0, 0] and not bool(state[0].alive[0])  # c ends at its end-of-text
+
+
+def test_an_inserts_inputs_travel_in_two_arrays_and_come_back_whole():
+    """graphs/slots.py packs what an insert reads into one int32 and one float32 array (two host-to-device copies):
+    every field comes back as it went, seeds' 32 bits included."""
+    from graphs.slots import pack_joiners, unpack_joiners
+
+    ids, mask = np.arange(6).reshape(2, 3), np.array([[1, 1, 0], [1, 1, 1]])
+    sampling = ([0.5, 1.25], [3, 0], [0.25, 0.0], [2 ** 32 - 1, 7], [2 ** 31, 0], [-1, 4])
+    got = unpack_joiners(*map(jnp.asarray, pack_joiners(ids, mask, [0, 5], sampling, [9, 2])))
+    for a, b in zip(got[:3] + (got[4],), (ids, mask, [0, 5], [9, 2])):
+        assert np.asarray(a).tolist() == np.asarray(b).tolist()
+    dtypes = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
+    for field, want, dt in zip(S.Sampling.__dataclass_fields__, sampling, dtypes):
+        value = getattr(got[3], field)
+        assert value.dtype == dt and np.asarray(value).tolist() == np.asarray(want, dt).tolist(), field

@@ -61,7 +61,7 @@ def extra_flags(p):
                         "over 8 tokens; 1: a token streamed at a time and joins at every step, at more host work "
                         "per token)")
     s.add_argument("--min_join", type=int, default=None,
-                   help="free slots that wait (one decoding call at most) for others to free, so that waiting prompts "
+                   help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
                         "join together in one insert (default: half the slots per dp shard, at most the widest join; "
                         "1: a free slot joins at once)")
     s.add_argument("--max_logprobs", type=int, default=20,

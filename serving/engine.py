@@ -69,7 +69,7 @@ class ServeOptions:
     max_body_bytes: int
     model_id: str
     max_logprobs: int = 20  # the most likely tokens shown beside each token, at most
-    min_join: int = 1  # free slots that wait (a call at most) for a group before joining (``default_min_join``)
+    min_join: int = 1  # free slots that wait (two calls at most) for a group before joining
     chat_template: Optional[str] = None  # --chat_template's text
 
     @classmethod
@@ -101,7 +101,7 @@ def default_joins(local: int) -> list:
 
 def default_min_join(slots: int, most: int) -> int:
     """Half the slots, at most the most one insert takes: an insert of one prompt cost as much as 3 decoding steps of
-    8 slots on the development CPU, of 4 prompts hardly more, so free slots wait (a call at most) to join together
+    8 slots on the development CPU, of 4 prompts hardly more, so free slots wait (two calls at most) to join together
     (docs/serving.md)."""
     return max(1, min(slots // 2, most))
 

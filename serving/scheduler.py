@@ -34,6 +34,7 @@ import numpy as np
 
 logger = logging.getLogger("flan_t5")
 FATAL_AFTER = 3  # decoding calls failing in a row (none read in between) that stop the loop for good
+JOIN_WAIT = 2  # decoding calls free slots wait at most for others, to join in one insert
 SEED_BITS = 64
 
 
@@ -157,8 +158,8 @@ SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.in
 
 class Scheduler:
     """The slots, the queue and the thread between them (see the module docstring). At most ``slots + max_queue``
-    sequences are held; more is ``QueueFull``. ``min_join``: free slots that wait for a group (at most one call)
-    before they join, so that prompts join together rather than one insert each."""
+    sequences are held; more is ``QueueFull``. ``min_join``: free slots that wait for a group (at most
+    ``JOIN_WAIT`` calls) before they join, so that prompts join together rather than one insert each."""
 
     def __init__(self, backend: Backend, max_queue: int, metrics, min_join: int = 1):
         self.b, self.max_queue, self.metrics = backend, max_queue, metrics
@@ -179,7 +180,7 @@ class Scheduler:
         self.failure: Optional[Failed] = None
         self.failures = 0  # calls failed since the last one read
         self.deferred = 0  # calls the free slots waited for a group
-        self.max_wait = 1  # calls free slots wait for a group at most
+        self.max_wait = JOIN_WAIT
         self.depth = 1  # decoding calls left in flight, unread, while the host works
 
     # ------------------------------------------------------------------ any thread
@@ -348,7 +349,8 @@ class Scheduler:
 
     def _join(self) -> None:
         """Waiting sequences into free slots, in inserts of up to the widest join per dp shard. Fewer free slots
-        than ``min_join`` wait a call for others to free (not when nothing runs, or when every waiting one fits)."""
+        than ``min_join`` wait up to ``max_wait`` calls for others to free (not when nothing runs, or when every
+        waiting one fits)."""
         free = self._free()
         room = sum(map(len, free))
         waiting = len(self.waiting)

@@ -240,16 +240,20 @@ def test_drain_refuses_new_sequences_and_abort_ends_the_held_ones():
     assert all(h.end(s).reason == "aborted" and h.end(s).error is error for s in held)
 
 
-def test_free_slots_wait_one_call_for_a_group():
+def test_free_slots_wait_up_to_join_wait_calls_for_a_group():
+    from serving.scheduler import JOIN_WAIT
+
     h = Harness(slots=4, steps=2, min_join=2)
-    short, longs = h.seq("the cat", 3), [h.seq("a dog", 30) for _ in range(3)]
+    short, longs = h.seq("the cat", 3), [h.seq("a dog", 60) for _ in range(3)]
     h.s.submit([short] + longs)
     h.s._round()
     h.s.submit([h.seq("red bird", 4), h.seq("old man", 4)])
-    h.s._round()  # the short one's slot is free, alone: it waits a call for a second one
-    assert h.b.calls.count("insert") == 1
-    h.s._round()  # no second one frees: it joins anyway after one call
+    for _ in range(JOIN_WAIT):
+        h.s._round()  # the short one's slot is free, alone: it waits for a second one
+        assert h.b.calls.count("insert") == 1
+    h.s._round()  # no second one frees: it joins anyway
     assert h.b.calls.count("insert") == 2
+    assert h.b.limits == [3, 60, 60, 60, 4]  # one joined: the other still waits for a slot
 
 
 def test_logprobs_of_the_tokens_and_of_the_prompt():

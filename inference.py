@@ -42,44 +42,52 @@ def programs(g, n: int) -> tuple:
     family, opts = g.family, g.opts
     options = Options.of_config(g.cfg.inference)
     start = g.phase(lambda p, i, m: family.decode_start(family.decoding_params(p, opts), i, m, opts, n, S.TP)[0],
-                    (g.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, S.TP))  # logits: vocab over tp
+                    (g.decode_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, S.TP))  # logits: vocab over tp
     one = dataclasses.replace(options, max_new_tokens=1)
     return g.decode_phase(options, eos_id=-1), g.decode_phase(one, eos_id=-1), start
 
 
 def prompts(cfg, g) -> tuple:
-    """Generated prompts, one per row as validation decodes them (left-aligned for a family that says so), placed
-    on the devices."""
+    """Generated prompts, one per row as validation decodes them (left-aligned for a family that says so): numpy,
+    as the Predictor hands them to the decoding program (which packs an encoder's prompts where that saves rows)."""
     from data.generated import generated_batch
-    from graphs import sharding as S
 
     b = g.dp * cfg.execution.micro_batch_size
     data = generated_batch(cfg, seed=0, packing=False)
     L = cfg.model.sequence_length
     ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
-    ids, mask = g.family.layout_prompts(ids, mask)
-    return S.put_global(ids, g.row_sharding), S.put_global(mask, g.row_sharding)
+    return g.family.layout_prompts(ids, mask)
 
 
-def time_decoding(params, ids, mask, gen, gen1, start, iterations: int) -> tuple:
-    """(compile seconds, [prompt-reading seconds], [first-token seconds], [whole decoding seconds], tokens)."""
+def time_decoding(params, ids, mask, gen, gen1, start, iterations: int, g) -> tuple:
+    """(compile seconds, [prompt-reading seconds], [first-token seconds], [whole decoding seconds], tokens). The
+    prompt reading (``start``: the family's decode_start) reads them padded, as placed; the decodings as
+    validation reads them."""
     import jax
 
     from graphs import sharding as S
 
+    placed = S.put_global(ids, g.row_sharding), S.put_global(mask, g.row_sharding)
     t0 = time.perf_counter()
-    jax.block_until_ready((gen(params, ids, mask), start(params, ids, mask), gen1(params, ids, mask)))
+    jax.block_until_ready((gen(params, ids, mask), start(params, *placed), gen1(params, ids, mask)))
     compile_s = time.perf_counter() - t0
     start_t, first_t, gen_t = [], [], []
     for _ in range(iterations):
-        for times, fn in ((start_t, start), (first_t, gen1)):
+        for times, fn, args in ((start_t, start, placed), (first_t, gen1, (ids, mask))):
             t = time.perf_counter()
-            jax.block_until_ready(fn(params, ids, mask))
+            jax.block_until_ready(fn(params, *args))
             times.append(time.perf_counter() - t)
         t = time.perf_counter()
         out = S.fetch(gen(params, ids, mask))
         gen_t.append(time.perf_counter() - t)
     return compile_s, start_t, first_t, gen_t, out
+
+
+def weight_bytes(params) -> int:
+    """Bytes of the weights as placed (every device's shards together)."""
+    import jax
+
+    return sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards)
 
 
 @entry
@@ -94,11 +102,14 @@ def main(argv=None) -> dict:
     from graphs.graphs import Graphs
     from graphs.memory import peak_device_bytes
 
+    from app.weights import Weights
+
     g = Graphs(cfg)
     n = cfg.inference.output_length
     ids, mask = prompts(cfg, g)
-    compile_s, start_t, first_t, gen_t, out = time_decoding(g.init_params(), ids, mask, *programs(g, n),
-                                                            args.iterations)
+    params = Weights(g).convert(g.init_params())  # as decoding holds them: the compute dtype, or int8 (--quantize)
+    compile_s, start_t, first_t, gen_t, out = time_decoding(params, ids, mask, *programs(g, n), args.iterations, g)
+    packed = g.pack(ids, mask) if g.family.packs_prompts and not g.prompt_stacks else None
     total, encoder, first = median(gen_t), median(start_t), median(first_t)
     per_token = (total - first) / (n - 1) if n > 1 else 0.0
     if per_token <= 0:  # below the timing noise (tiny models): the average over all tokens instead
@@ -107,6 +118,9 @@ def main(argv=None) -> dict:
     report = {
         **device_header(cfg, args.config), "family": cfg.model.family, "batch_size": b,
         "num_beams": cfg.inference.num_beams, "do_sample": cfg.inference.do_sample,
+        "quantize": cfg.inference.quantize, "weight_bytes": weight_bytes(params),
+        "prompt_tokens": int((mask > 0).sum()), "encoder_rows": ids.shape[0] if packed is None else
+        int(packed[0].shape[0]),
         "encoder_length": cfg.model.sequence_length, "output_length": n, "compile_s": compile_s,
         "encoder_s": encoder, "first_token_s": first, "generate_s": total, "decode_token_latency_s": per_token,
         "generated_tokens_per_s": out.size / total, "samples_per_s": b / total, "peak_device_bytes": peak_device_bytes(),
@@ -115,7 +129,8 @@ def main(argv=None) -> dict:
         return report
     print(f"batch {b} | prompts read {encoder * 1e3:.1f} ms | first token {first * 1e3:.1f} ms | per-token decode "
           f"{per_token * 1e3:.2f} ms | {report['generated_tokens_per_s']:.0f} generated tokens/s | "
-          f"{report['samples_per_s']:.1f} samples/s | compile {compile_s:.1f} s")
+          f"{report['samples_per_s']:.1f} samples/s | encoder rows {report['encoder_rows']} of {b} (packed prompts) | "
+          f"compile {compile_s:.1f} s")
     write_json(args.json, report)
     return report
 

@@ -32,6 +32,11 @@ from utils.errors import FlanT5Error
 logger = logging.getLogger("flan_t5")
 
 
+# what an export reads of the config (every field is accepted, as by every driver; --help lists these)
+LISTED = ("load", "hf_model", "tokenizer", "tensor_parallel")
+USAGE = "run_export.py (--load CKPT | --hf_model NAME_OR_DIR) --output DIR [--peft] [--config PRESET] [--FIELD VALUE ...]"
+
+
 def extra_flags(p):
     p.add_argument("--output", required=True, metavar="DIR", help="the directory to write (new, or empty)")
     p.add_argument("--peft", action="store_true",
@@ -43,13 +48,18 @@ def extra_flags(p):
 @entry
 def main(argv=None) -> str:
     setup_logging()
-    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags, listed=LISTED,
+                                 usage=USAGE)
+    for flag in ("quantize", "stream_encoder"):
+        if flag in overrides:
+            raise FlanT5Error(f"--{flag} is how a model is decoded; run_export.py writes the weights as trained (the "
+                              f"checkpoint's dtype, never int8): drop --{flag}")
     from app.export import check_output
 
     check_output(args.output)
     from app.predict import start_decoding
 
-    cfg = start_decoding(args, overrides)
+    cfg = start_decoding(args, overrides, "export")
     if process_count() > 1:
         raise FlanT5Error("run_export.py runs in one process: start it without the launcher (it needs no more "
                           "devices than the checkpoint's tensor parallelism, simulated on a CPU)")
@@ -67,7 +77,8 @@ def main(argv=None) -> str:
               f"modules) in PEFT's format -> {args.output} (peft: PeftModel.from_pretrained(base, '{args.output}'), "
               f"base: {config['base_model_name_or_path']})", flush=True)
         return args.output
-    params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
+    params = predictor.weights.host_tree(predictor.load_params(directory, step, None if directory else
+                                                               cfg.data.hf_model))
     arch = export_model(params, cfg.model, tokenizer, predictor.family, args.output)
     what = f"{directory}/{step}" if directory else cfg.data.hf_model
     print(f"exported {what} as {arch} with its tokenizer -> {args.output} "

@@ -80,7 +80,7 @@ def check_args(cfg, args) -> None:
 @entry
 def main(argv=None) -> None:
     setup_logging()
-    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags, resume=True)
     check_args(cfg, args)
     ensure_host_devices(cfg.devices)
     ensure_pinned_host_memory(cfg)
@@ -126,6 +126,10 @@ def train(cfg, args, point, warm) -> None:
     from graphs.plan import check_fits, human_bytes
     from utils import checkpoint as ckpt
 
+    if cfg.training.eval_every:  # what it would score exists and is not the training rows (before reading any)
+        from data.mixture import check_evaluation
+
+        check_evaluation(cfg)
     executor = build_executor(cfg)
     for source in (point, warm):  # a checkpoint of another model shape fails here, before the data is read
         if source:

@@ -13,7 +13,9 @@ greedy unless --num_beams or --do_sample say otherwise.
 
 With --input the predictions go to a JSONL file (--predictions; default: beside the input, NAME.predictions.jsonl),
 one line a row in the input's order ({"row", "input", "prediction"} and "reference" where the row has a target),
-written batch by batch: an interrupted run keeps what it finished, and the same command continues after it.
+written batch by batch: an interrupted run keeps what it finished, and the same command continues after it. What
+wrote them (the checkpoint and step, a fingerprint of the weights, the tokenizer, every decoding option) is recorded
+beside it (NAME.meta.json): another model or setting does not continue the file, it names each difference.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def extra_flags(p):
                    help="a file of rows in the task's format (jsonl, json, csv, tsv, parquet) to predict")
     p.add_argument("--predictions", default=None, metavar="JSONL",
                    help="with --input: where the predictions go (default: INPUT's name + .predictions.jsonl)")
-    p.add_argument("--limit", type=int, default=4, help="examples taken from the task's held-out data (default 4)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="the first N rows: of --input's file (default: all), or of the task's held-out data "
+                        "(default 4)")
     p.add_argument("--compare_hf", action="store_true",
                    help="also decode with Hugging Face generate on the same weights and show whether they agree")
 
@@ -70,7 +74,8 @@ def main(argv=None) -> list:
     params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
     if args.input:
         path = args.predictions or os.path.splitext(args.input)[0] + ".predictions.jsonl"
-        out, done = predict.predict_file(predictor, params, examples, feats, tokenizer, path)
+        writer = predict.written_by(cfg, directory, step, params)
+        out, done = predict.predict_file(predictor, params, examples, feats, tokenizer, path, writer)
         if is_main_process():
             print(f"{len(examples) - done} predictions of {args.input} -> {path} ({len(examples)} rows in all)",
                   flush=True)

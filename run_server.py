@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
     from app.predict import start_decoding
 
-    cfg = start_decoding(args, overrides)
+    cfg = start_decoding(args, overrides, "serve")
     from serving.backend import build_engine
     from serving.engine import ServeOptions, check_exposure
     from serving.http import serve

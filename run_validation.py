@@ -47,6 +47,12 @@ def extra_flags(p):
     p.add_argument("--limit", type=_positive, default=None,
                    help="score only the first N samples (the report is then named ..._firstN.json: it never "
                         "replaces the full one)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory plan of decoding (device and host bytes: weights, KV cache of a batch of "
+                        "micro_batch_size x data_parallel prompts of sequence_length tokens and output_length new "
+                        "ones, activations; from shapes, nothing loaded) and exit")
+    p.add_argument("--plan_exact", action="store_true",
+                   help="with --plan: count the programs' temporaries as XLA compiles them for this backend")
 
 
 @entry
@@ -58,6 +64,11 @@ def main(argv=None) -> None:
     from app.predict import start_decoding
 
     cfg = start_decoding(args, overrides)
+    if args.plan or args.plan_exact:
+        from app.predict import print_plan
+
+        print_plan(cfg, cfg.execution.micro_batch_size * cfg.execution.data_parallel, exact=args.plan_exact)
+        return
     from app.evaluate import Validation
     from data.tasks import load_tokenizer
     from utils import checkpoint as ckpt

@@ -13,10 +13,11 @@ import tempfile
 from typing import Callable, Optional
 
 from app.entry import die
-from config.carry import model_shape, travelling
+from app.rundir import missing_chain, remove_if_empty
+from config.carry import model_shape, saved_value, travelling
 from config.fields import _base_type, coerce, get_path
 from config.presets import config_from_mapping, load_config, preset_path, read_presets
-from config.schema import Config, FIELDS, ipu_only_notices
+from config.schema import Config, FIELDS, MODEL_SHAPE, ipu_only_notices
 from utils.errors import ConfigError
 from modelling import registry
 from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
@@ -61,14 +62,17 @@ TRAINING_ONLY = tuple(flag for flag, ref in FIELDS.items() if ref.path[0] == "tr
 
 def build_parser(kind: str, description: str, default_preset: str,
                  extra: Optional[Callable[[argparse.ArgumentParser], None]] = None,
-                 argv: Optional[list] = None) -> argparse.ArgumentParser:
+                 argv: Optional[list] = None, listed: Optional[tuple] = None,
+                 usage: Optional[str] = None) -> argparse.ArgumentParser:
     """An argparse parser with --config and every config field as a flat override flag.
 
-    With ``--config NAME`` in argv, ``--help`` shows that preset's value of every field.
+    With ``--config NAME`` in argv, ``--help`` shows that preset's value of every field. ``listed``: the config
+    fields ``--help`` shows (a driver that reads few of them: the others are accepted, not listed); ``usage``: the
+    usage line, where argparse's cannot say it (one of two flags required).
     """
     presets = list(read_presets(preset_path(kind)))
     preset, values = _preset_values(kind, argv or [])
-    p = _Parser(description=description, allow_abbrev=False)
+    p = _Parser(description=description, allow_abbrev=False, usage=usage)
     p.add_argument("--config", default=default_preset, metavar="PRESET",
                    help=f"preset of config/{kind}.yml: {', '.join(presets)} (default: {default_preset})")
     if extra is not None:
@@ -83,7 +87,7 @@ def build_parser(kind: str, description: str, default_preset: str,
             shown = " ".join(str(v) for v in shown) if isinstance(shown, (list, tuple)) else shown
             doc += f" [{preset}: {shown}]"
         # decoding drivers accept the training fields (a shared preset may set them) but do not list them
-        hidden = kind == "inference" and flag in TRAINING_ONLY
+        hidden = (kind == "inference" and flag in TRAINING_ONLY) or (listed is not None and flag not in listed)
         kwargs = dict(dest=f"cfg__{flag}", default=argparse.SUPPRESS, help=argparse.SUPPRESS if hidden else doc)
         if typ is bool:
             group.add_argument(f"--{flag}", nargs="?", const="true", metavar="BOOL", **kwargs)
@@ -120,10 +124,11 @@ def join_negative_values(argv: list) -> list:
     return out
 
 
-def parse_args(kind: str, description: str, default_preset: str, argv=None, extra=None) -> tuple:
+def parse_args(kind: str, description: str, default_preset: str, argv=None, extra=None, listed=None,
+               usage=None) -> tuple:
     """(namespace of the non-config flags, {flag: value} of the config fields given on the command line)."""
     argv = join_negative_values(list(sys.argv[1:] if argv is None else argv))
-    parser = build_parser(kind, description, default_preset, extra, argv)
+    parser = build_parser(kind, description, default_preset, extra, argv, listed, usage)
     args = parser.parse_args(argv)
     overrides = {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__")}
     for k in list(vars(args)):
@@ -176,19 +181,61 @@ def carried_model(overrides: dict, load=None, hf_model=None) -> dict:
                               f"--{flag} (the model's shape comes from the {'checkpoint' if load else 'model'})")
     if carried:  # the fields the model's family reads (a GPT-J has no relative-position buckets)
         shown = registry.get(carried["family"]).shape_fields if carried.get("family") in registry.names() else carried
-        logger.info("model shape from the %s: %s", source, ", ".join(f"{k}={carried[k]}" for k in shown
+        logger.info("model shape from the %s: %s", source, ", ".join(f"{k}={shown_value(k, carried)}" for k in shown
                                                                     if k in carried))
     return {**task, **carried}
 
 
+def shown_value(flag: str, values: dict):
+    """A field's value as a log line says it: a count whose 0 means "as many as another field" as that count."""
+    zero_means = {"decoder_layers": "layers"}  # (config/schema.py: 0, as many as layers)
+    if values[flag] == 0 and values.get(zero_means.get(flag)):
+        return values[zero_means[flag]]
+    return values[flag]
+
+
 def parse_config(kind: str, description: str, default_preset: str, argv=None, extra=None,
-                 fixed: Optional[dict] = None, defaults: Optional[dict] = None):
+                 fixed: Optional[dict] = None, defaults: Optional[dict] = None, resume: bool = False):
     """Parses argv into (config, namespace of the non-config flags); a bad config raises ConfigError. With
-    --hf_model, the model's shape and variant come from its config.json (``carried_model``)."""
+    --hf_model, the model's shape and variant come from its config.json (``carried_model``); with ``resume`` and
+    --load, every field the checkpoint saved is a default (``resumed_fields``: a resume continues the run)."""
     args, overrides = parse_args(kind, description, default_preset, argv, extra)
-    if overrides.get("hf_model"):
+    if resume and overrides.get("load"):
+        carried, overrides = resumed_fields(overrides)
+        defaults = {**carried, **(defaults or {})}
+    elif overrides.get("hf_model"):
         defaults = {**carried_model(overrides, hf_model=overrides["hf_model"]), **(defaults or {})}
     return make_config(kind, args.config, overrides, fixed, defaults), args
+
+
+def resumed_fields(overrides: dict) -> tuple:
+    """({flag: value} a --load resume takes from its checkpoint, as defaults: every field its saved config holds (the
+    model's shape, where a flag that contradicts it is an error as in validation; the task; the data order; the
+    optimizer, schedule, layout and checkpointing), so that a resume continues the run as it was and a flag changes
+    only what it names; the overrides, with ``--tokenizer train`` meaning the tokenizer that run learnt). A flag that
+    changes the task or the data order is refused by ``app.resume.resume_point``, every one named at once."""
+    from data.tasks import TRAINED  # (the data library: --help need not pay for it)
+    from utils import checkpoint as ckpt
+
+    directory, step = ckpt.resolve(overrides["load"])[-1]
+    saved = ckpt.read_meta(directory, step).get("config") or {}
+    shape = carried_model({k: v for k, v in overrides.items() if k in MODEL_SHAPE}, load=overrides["load"])
+    run = {flag: saved_value(saved, flag) for flag in FIELDS if flag not in ("load", "save") and _saved(saved, flag)}
+    overrides = dict(overrides)
+    if overrides.get("tokenizer") == TRAINED and run.get("tokenizer", TRAINED) != TRAINED:
+        logger.info("--tokenizer train: resuming with the tokenizer %s learnt, %s", directory, run["tokenizer"])
+        del overrides["tokenizer"]
+    return {**run, **shape}, overrides
+
+
+def _saved(saved: dict, flag: str) -> bool:
+    """Whether a saved config holds the field (a checkpoint older than a field has nothing to say of it)."""
+    value = saved
+    for p in FIELDS[flag].path:
+        if not (isinstance(value, dict) and p in value):
+            return False
+        value = value[p]
+    return True
 
 
 def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:
@@ -196,9 +243,12 @@ def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:
     directory = os.path.abspath(path if is_dir else (os.path.dirname(path) or "."))
     if not is_dir and os.path.isdir(path):
         raise ConfigError(f"{flag} {path} is a directory: pass a file path")
+    made = missing_chain(directory)  # made for the check and removed after it: a refused run leaves no folder
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
             pass
     except OSError as e:
         raise ConfigError(f"{flag} {path} cannot be written ({e.strerror or e}): choose a path you can write to") from None
+    finally:
+        remove_if_empty(made)

@@ -18,6 +18,7 @@ from data.metrics import headline, primary, score
 from data.mixture import evaluation_sets
 from data.tasks import tokenize_prompts
 from graphs.graphs import Graphs
+from graphs.memory import peak_device_bytes
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
@@ -36,10 +37,12 @@ def evaluation_data(cfg, overrides: dict, load) -> list:
             raise FlanT5Error(f"{load} was trained on every row of {data.dataset} (a single file, nothing held out): "
                               "scoring its training rows says nothing of unseen data; pass --dataset FILE_OR_DIR "
                               "[--split S] to score other rows, or train with --holdout N")
-        if data.single:
+        if data.single and "split" in overrides:  # (a --split given; without one there is nothing to warn of)
             logger.warning("validating on every row of %s (a single file: --split %s does not apply; pass a "
                            "directory holding %s.jsonl to score a split)", data.dataset, cfg.data.split,
                            cfg.data.split)
+        elif data.single:
+            logger.info("validating on every row of %s (a single file)", data.dataset)
     return sets
 
 
@@ -57,10 +60,13 @@ def long_references(examples: list, tokenizer, family, output_length: int, what:
 
 
 def decoding_name(inference) -> str:
-    """The decoding a report holds, as its name and result line say it: greedy, beam4, or sample (with its seed)."""
+    """The decoding a report holds, as its name and result line say it: greedy, beam4, or sample (with its seed),
+    followed by the weights' quantization when there is one (greedy_int8, beam4_int8)."""
     if inference.do_sample:
-        return f"sample{inference.sampling_seed}"
-    return f"beam{inference.num_beams}" if inference.num_beams > 1 else "greedy"
+        name = f"sample{inference.sampling_seed}"
+    else:
+        name = f"beam{inference.num_beams}" if inference.num_beams > 1 else "greedy"
+    return name if inference.quantize == "none" else f"{name}_{inference.quantize}"
 
 
 def report_name(split: str, step=None, limit=None, decoding: str = "greedy", task: str | None = None) -> str:
@@ -153,6 +159,7 @@ class Validation:
                       limit=self.limit, prompt_tokens_unknown=unknown, longest_prompt=int(feats["attention_mask"]
                                                                                           .sum(1).max()),
                       checkpoint=directory or cfg.data.hf_model, decoding=asdict(cfg.inference), decoding_name=how,
+                      quantization=cfg.inference.quantize, peak_device_bytes=peak_device_bytes(),
                       seconds=time.perf_counter() - t0)
         name = report_name(data.name, step, self.limit, how, data.task.name if self.mixed else None)
         path = os.path.join(directory or "runs", name)
@@ -189,7 +196,9 @@ class Evaluator:
 
     def __call__(self, state, step: int) -> dict:
         stacked = self.executor.weights(state)  # the stacked weights, wherever they live
-        params = jax.device_put(stacked, self.predictor.graphs.param_shardings)
+        g = self.predictor.graphs  # decoding's layout, once (int8 when the run asked for it: --quantize int8)
+        params = (g.to_decoding(jax.device_put(stacked, g.param_shardings)) if g.quantize == "none"
+                  else self.predictor.weights.place(stacked))
         scores = {}
         for data, (examples, feats) in zip(self.sets, self.inputs):
             report = score(data.task, examples, self.predictor.predict(params, feats, self.tokenizer,

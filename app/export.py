@@ -45,20 +45,22 @@ def export_model(params, model_config, tokenizer, family, output: str) -> str:
 def export_peft(predictor, directory: str, step: int, tokenizer, output: str) -> dict:
     """A LoRA checkpoint's adapters in PEFT's format (modelling/lora.py names them) -> the adapter config. Its
     ``base_model_name_or_path`` is the base's HF name or directory; a base that is no HF model (a random init, a
-    checkpoint of ours: --init_from) is exported beside the adapters, into OUTPUT/base, and named by its absolute
-    path, so that ``AutoPeftModel...from_pretrained(OUTPUT)`` loads both."""
+    checkpoint of ours: --init_from) is exported beside the adapters, into OUTPUT/base, and named by that path as
+    --output was given (relative to the current directory when it was: as PEFT itself records a base loaded from a
+    local path), so that ``AutoPeftModel...from_pretrained(OUTPUT)`` loads both there, and wherever the folder
+    holding them moves with its contents (an absolute path broke on any move)."""
     saved = ckpt.load_meta(directory, step) if directory else {}
     if not saved.get("lora_base"):
         raise FlanT5Error(f"--peft exports LoRA adapters, but {directory or 'the model'} was not trained with "
                           "--lora_rank: drop --peft to export the whole model")
-    lg, adapters, _ = predictor.lora_parts(directory, step, saved, base=False)
+    lg, adapters, _ = predictor.weights.lora_parts(directory, step, saved, base=False)
     adapters = jax.tree.map(np.asarray, adapters)
     source = saved["lora_base"]["source"]
     os.makedirs(output, exist_ok=True)
     if "hf_model" in source:
         base = source["hf_model"]
     else:  # PEFT loads its base by name: write ours where it can find it
-        base = os.path.abspath(os.path.join(output, BASE_DIR))
+        base = os.path.normpath(os.path.join(output, BASE_DIR))
         frozen = device_base(lg, source)
         export_model(frozen, lg.cfg.model, tokenizer, lg.family, base)
         del frozen

@@ -25,8 +25,9 @@ from tqdm import tqdm
 
 from app.args import carried_model, make_config
 from app.runtime import ensure_host_devices, is_main_process, setup_jax
-from config.carry import saved_value
-from config.fields import set_path
+from app.weights import Weights
+from graphs.state import fingerprint
+from config.fields import get_path
 from config.schema import FIELDS
 from data import sources
 from data.loader import length_buckets
@@ -34,26 +35,23 @@ from data.sources import DataError
 from data.mixture import evaluation_set
 from data.tasks import Example, pad_id, tokenize_prompts, unknown_share
 from graphs.graphs import Graphs
-from graphs.sharding import fetch, put_global
-from graphs.host_state import HOST
-from graphs.state import describe_base, device_base, fingerprint, fingerprint_rows, load_base
-from modelling import lora
+from graphs.sharding import fetch
 from modelling.decoding import Options
-from modelling.hf_mapping import load_hf_model
 from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 
 
-def decoding_config(args, overrides: dict):
+def decoding_config(args, overrides: dict, purpose: str = "validate or decode"):
     """The inference preset, the model's own shape (explicit flags that contradict it are errors), the task the
     checkpoint was trained on (its data, template, labels, metrics, tokenizer, output length: flags change them),
-    the command line, and what decoding requires (eval mode, no RTS), validated once."""
+    the command line, and what decoding requires (eval mode, no RTS), validated once. ``purpose``: what the driver
+    does, as its error says it."""
     load, hf_model = overrides.get("load"), overrides.get("hf_model")
     if not load and not hf_model:
-        raise FlanT5Error("nothing to validate or decode: pass --load CKPT (a --save directory of run_finetuning.py) or "
-                          "--hf_model NAME")
+        raise FlanT5Error(f"nothing to {purpose}: pass --load CKPT (a --save directory of run_finetuning.py) or "
+                          "--hf_model NAME_OR_DIR")
     carried = carried_model(overrides, load, hf_model)
     if "dataset" in overrides or "split" in overrides:  # data named on the command line: its rows, not held-out ones
         carried["holdout"] = 0
@@ -62,10 +60,10 @@ def decoding_config(args, overrides: dict):
                        defaults=carried)
 
 
-def start_decoding(args, overrides: dict):
+def start_decoding(args, overrides: dict, purpose: str = "validate or decode"):
     """``decoding_config``, then this process's simulated devices and JAX's set-up from it (both before JAX starts a
     backend) -> the config: how every decoding driver starts."""
-    cfg = decoding_config(args, overrides)
+    cfg = decoding_config(args, overrides, purpose)
     ensure_host_devices(cfg.devices)
     setup_jax()
     return cfg
@@ -91,6 +89,7 @@ class Predictor:
         self.cfg, self.graphs = cfg, graphs or Graphs(cfg)
         self.family = self.graphs.family
         self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
+        self.weights = Weights(self.graphs)
         self._generate = None
 
     def generate(self, tokenizer):
@@ -104,85 +103,9 @@ class Predictor:
     # ------------------------------------------------------------------ weights
 
     def load_params(self, directory=None, step=None, hf_model=None):
-        """The weights decoded, on the devices: an HF model's, a checkpoint's, or a LoRA checkpoint's adapters merged
-        into the base they were trained on."""
-        g = self.graphs
-        if hf_model:
-            _, host = load_hf_model(hf_model, self.cfg.execution.tensor_parallel, expect=self.cfg.model)
-            return g.shard_params(host)
-        saved = ckpt.load_meta(directory, step)
-        if saved.get("lora_base"):
-            return self.merged_params(directory, step, saved)
-        params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(g.abstract_params(), g.param_shardings),
-                                 hint=g.shape_hint)
-        return params
-
-    def merged_params(self, directory: str, step: int, saved: dict):
-        """A LoRA checkpoint's adapters on their frozen base (which its meta names), merged: the weights decoded.
-        A checkpoint trained phased (the presets whose base never fits a device beside anything else) is merged from
-        host memory (``merged_from_host``): its device then holds the merged model alone, never the base beside it
-        (XXL: 20.7 GiB, not 41)."""
-        if saved_value(saved["config"], "phased"):
-            return self.merged_from_host(directory, step, saved)
-        return self.merged_on_device(directory, step, saved)
-
-    def merged_on_device(self, directory: str, step: int, saved: dict):
-        """``merged_params`` with the whole base placed on the devices and merged there in one program."""
-        lg, adapters, frozen = self.lora_parts(directory, step, saved)
-        merge = lambda b, a: lora.merged(b, a, lg.opts)  # noqa: E731
-        return jax.jit(merge, out_shardings=self.graphs.param_shardings)(frozen, adapters)
-
-    def merged_from_host(self, directory: str, step: int, saved: dict):
-        """``merged_params`` from the base in host memory: each adapted weight placed and merged on the devices in
-        turn (the same program as ``merged_on_device``'s for that weight, so the same values), then the rest placed.
-        The devices hold the merged weights so far and one weight's merge at a time."""
-        lg, adapters, _ = self.lora_parts(directory, step, saved, base=False)
-        base = load_base(lg, saved["lora_base"]["source"], HOST)  # (an HF model's: numpy, read tensor by tensor)
-        self.check_base(directory, step, saved, fingerprint_rows([[x] for x in jax.tree.leaves(base)]))
-        shardings, tree = self.graphs.param_shardings, dict(base)
-
-        def place(x, sharding):  # (numpy, an HF model's: each process places its devices' part)
-            return put_global(x, sharding) if isinstance(x, np.ndarray) else jax.device_put(x, sharding)
-
-        for stack, sub in adapters.items():  # the adapted weights first, while the devices hold little else
-            layers, sh = dict(base[stack]["layers"]), shardings[stack]["layers"]
-            for name in sorted(k[: -len(lora.A)] for k in sub["layers"] if k.endswith(lora.A)):
-                def merge(w, a, s=stack, n=name):
-                    return lora.merged({s: {"layers": {n: w}}}, {s: {"layers": a}}, lg.opts)[s]["layers"][n]
-
-                pair = {name + k: sub["layers"][name + k] for k in (lora.A, lora.B)}
-                layers[name] = jax.jit(merge, out_shardings=sh[name])(place(layers[name], sh[name]), pair)
-            tree[stack] = {**base[stack], "layers": layers}
-        return jax.tree.map(place, tree, shardings)  # (the merged ones are in place already)
-
-    def lora_graphs(self, saved: dict) -> Graphs:
-        """The Graphs of a LoRA checkpoint's run on these devices: its adapters' rank, alpha and targets."""
-        lcfg = copy.deepcopy(self.cfg)
-        for flag in ("lora_rank", "lora_alpha", "lora_targets"):
-            set_path(lcfg, FIELDS[flag].path, saved_value(saved["config"], flag))
-        return Graphs(lcfg, mesh=self.graphs.mesh)
-
-    @staticmethod
-    def check_base(directory: str, step: int, saved: dict, found: str) -> None:
-        """Refuses (one line) a base whose fingerprint is not the one the checkpoint's adapters were trained on."""
-        meta, source = saved["lora_base"], saved["lora_base"]["source"]
-        if found != meta["fingerprint"]:
-            raise FlanT5Error(f"{directory} step {step} holds adapters trained on other weights than "
-                              f"{describe_base(source)} as found now (fingerprint {meta['fingerprint']} != "
-                              f"{found}): restore that base")
-
-    def lora_parts(self, directory: str, step: int, saved: dict, base: bool = True) -> tuple:
-        """(the LoRA run's Graphs, its adapters, its frozen base on the devices or None) of a LoRA checkpoint: the
-        base found where the checkpoint's meta says, and refused (one line) when its fingerprint is not the one
-        trained on."""
-        lg = self.lora_graphs(saved)
-        adapters, _, _ = ckpt.load(directory, step, ckpt.abstract_like(lg.abstract_params(), lg.param_shardings),
-                                   hint=lg.shape_hint)
-        if not base:
-            return lg, adapters, None
-        frozen = device_base(lg, saved["lora_base"]["source"])
-        self.check_base(directory, step, saved, fingerprint(frozen))
-        return lg, adapters, frozen
+        """The weights decoded, on the devices (app/weights.py): an HF model's, a checkpoint's, or a LoRA
+        checkpoint's adapters merged into the base they were trained on; int8 with --quantize int8."""
+        return self.weights.load(directory, step, hf_model)
 
     # ------------------------------------------------------------------ decoding
 
@@ -200,8 +123,7 @@ class Predictor:
         """Generated texts of rows ``idx`` of feats (at most one batch), padded to their longest prompt (a multiple
         of 8: few compilations; no prompt is ever cut); ``tokens``: their token ids [len(idx), output_length]."""
         ids, mask = batch_rows(feats, idx, self.batch_size)
-        ids, mask = self.family.layout_prompts(ids, mask)
-        ids, mask = put_global(ids, self.graphs.row_sharding), put_global(mask, self.graphs.row_sharding)
+        ids, mask = self.family.layout_prompts(ids, mask)  # (numpy: the program places them, packed or not)
         out = fetch(self.generate(tokenizer)(params, ids, mask))[: len(idx)]
         return out if tokens else tokenizer.batch_decode(out, skip_special_tokens=True)
 
@@ -210,6 +132,40 @@ class Predictor:
         idx = np.arange(len(feats["input_ids"]))
         return np.concatenate([self.predict_batch(params, feats, idx[i: i + self.batch_size], tokenizer, tokens=True)
                                for i in range(0, len(idx), self.batch_size)])
+
+
+def decoding_plan(cfg, rows: int, exact: bool = False):
+    """The memory plan (graphs/decode_plan.py) of decoding ``rows`` prompts of ``sequence_length`` tokens to
+    ``output_length`` new ones with this config's weights: a LoRA checkpoint's base counted in host memory while its
+    adapters are merged."""
+    from graphs.decode_plan import decode_plan
+
+    g = Graphs(cfg)
+    base = 0
+    load = cfg.checkpoint.load
+    if load:
+        directory, step = ckpt.resolve(load)[-1]
+        saved = ckpt.read_meta(directory, step)
+        if saved.get("lora_base"):
+            lg = Weights(g).lora_graphs(saved)
+            base = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(lg.abstract_base()))
+    return decode_plan(g, rows, cfg.model.sequence_length, cfg.inference.output_length, exact, base)
+
+
+def print_plan(cfg, rows: int, exact: bool = False):
+    """``decoding_plan`` printed, and checked against this machine's memory (a line saying what does not fit)."""
+    from graphs.decode_plan import format_plan
+    from graphs.plan import device_memory_limit, host_memory_limit, human_bytes
+
+    plan = decoding_plan(cfg, rows, exact)
+    print(format_plan(plan), flush=True)
+    dev, host = device_memory_limit(), host_memory_limit()
+    if dev and plan.device_peak > dev:
+        print(f"does not fit: a device has {human_bytes(dev)}: try --quantize int8, --stream_encoder, fewer rows "
+              "(--micro_batch_size) or --tensor_parallel", flush=True)
+    if host and plan.host_peak > host:
+        print(f"does not fit: this machine has {human_bytes(host)} of memory available", flush=True)
+    return plan
 
 
 def batch_rows(feats: dict, idx, batch_size: int) -> tuple:
@@ -241,20 +197,23 @@ def prompt_features(examples: list, tokenizer, family, sequence_length: int, giv
     return feats, unknown
 
 
-def inference_inputs(prompts, input_file, limit: int, cfg, td) -> list:
-    """The examples run_inference.py decodes: prompt texts (as given), a file's rows, or the held-out examples of
-    the task ``td`` (data.mixture.TaskData: the first ``limit``)."""
+def inference_inputs(prompts, input_file, limit, cfg, td) -> list:
+    """The examples run_inference.py decodes: prompt texts (as given), a file's rows (the first ``limit``, or all),
+    or the held-out examples of the task ``td`` (data.mixture.TaskData: the first ``limit``, 4 by default)."""
     task = td.task
+    if limit is not None and limit < 1:
+        raise FlanT5Error(f"--limit {limit} must be at least 1")
     if prompts:
+        if limit is not None:
+            raise FlanT5Error("--limit applies to --input's rows or the task's held-out data, not to --prompt's texts: "
+                              "drop --limit (or pass fewer --prompt texts)")
         return [Example(t, "") for t in prompts]
     if input_file:
         if not os.path.exists(input_file):
             raise DataError(f"--input {input_file} does not exist: pass --input with an existing file of rows "
                             f"(jsonl, json, csv, tsv, parquet) holding the task's columns ({', '.join(task.fields)})")
-        return task.examples(sources.read(input_file, "", cfg.model.seed), targets=False)
-    if limit < 1:
-        raise FlanT5Error(f"--limit {limit} must be at least 1")
-    return evaluation_set(td, cfg).examples[:limit]
+        return task.examples(sources.read(input_file, "", cfg.model.seed), targets=False)[:limit]
+    return evaluation_set(td, cfg).examples[:4 if limit is None else limit]
 
 
 def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, compare_hf: bool = False) -> list:
@@ -267,7 +226,7 @@ def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, comp
     if compare_hf:
         from app.hf_generate import hf_generate  # torch, only for --compare_hf
 
-        host = jax.tree.map(np.asarray, params)
+        host = predictor.weights.host_tree(params)  # (training's layout; int8 weights dequantized: the same values)
         ids, mask = predictor.family.layout_prompts(feats["input_ids"], feats["attention_mask"])
         hf_tokens = hf_generate(predictor.cfg, predictor.family, host, ids, mask, tokenizer.eos_token_id,
                                 pad_id(tokenizer))
@@ -278,11 +237,61 @@ def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, comp
             for e, o, h, a in zip(examples, ours, theirs or ours, agree or ours)]
 
 
-def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path: str) -> tuple:
+def written_by(cfg, directory, step, params) -> dict:
+    """What writes a predictions file, as its record (``record_path``) holds it: one key a line. A run where any of
+    them differs does not continue the file (``check_writer``): its rows would come from another model or setting."""
+    return {
+        "checkpoint": os.path.abspath(directory) if directory else None,
+        "step": step,
+        "hf_model": None if directory else cfg.data.hf_model,
+        "weights": fingerprint(params),  # a digest of the weights decoded (graphs/state.py)
+        "tokenizer": cfg.data.tokenizer,
+        "decoding": {r.flag: get_path(cfg, r.path) for r in FIELDS.values() if r.path[0] == "inference"},
+        # the weights' storage format when decoding reads a narrower one (None: as trained)
+        "quantization": None if cfg.inference.quantize == "none" else cfg.inference.quantize,
+    }
+
+
+def record_path(path: str) -> str:
+    """The record of what wrote the predictions file ``path``: ``NAME.meta.json`` beside ``NAME.jsonl``."""
+    return os.path.splitext(path)[0] + ".meta.json"
+
+
+def check_writer(path: str, writer: dict) -> None:
+    """Refuses (one line naming every difference and the flag that starts a new file) to continue the predictions
+    file ``path`` with other weights or settings than those its record says wrote it."""
+    record = record_path(path)
+    if not os.path.exists(record):
+        raise FlanT5Error(f"--predictions {path} exists with no record of what wrote it ({record} is missing): pass "
+                          "--predictions NEW.jsonl to start a new file (this one is left as it is)")
+    with open(record) as f:
+        before = json.load(f).get("written_by", {})
+    now = json.loads(json.dumps(writer))
+    differ = [f"{k} {before.get(k)!r} (now {now[k]!r})" for k in now if k != "decoding" and before.get(k) != now[k]]
+    old = before.get("decoding") or {}
+    differ += [f"--{k} {old.get(k)!r} (now {v!r})" for k, v in now["decoding"].items() if old.get(k) != v]
+    if differ:
+        raise FlanT5Error(f"--predictions {path} was written by other weights or settings: {'; '.join(differ)}: pass "
+                          "--predictions NEW.jsonl to start a new file (this one is left as it is)")
+
+
+def write_record(path: str, writer: dict) -> None:
+    tmp = record_path(path) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"predictions": os.path.basename(path), "written_by": writer}, f, indent=1)
+    os.replace(tmp, record_path(path))
+
+
+def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path: str, writer: dict) -> tuple:
     """Predictions of a file's rows appended to the JSONL ``path`` batch by batch, in the input's order
-    ({row, input, prediction[, reference]}); a file that already holds the first rows' predictions (an interrupted
-    run's) is continued after them. -> (the lines written, how many rows were done before)."""
+    ({row, input, prediction[, reference]}), with what wrote them (``writer``: ``written_by``) in its record; a file
+    that already holds the first rows' predictions (an interrupted run's) is continued after them, by the same
+    weights and settings only. -> (the lines written, how many rows were done before)."""
     done = finished_rows(path, examples)
+    if os.path.exists(path):
+        check_writer(path, writer)
+    elif is_main_process():
+        write_record(path, writer)
     if done:
         logger.info("%s holds the predictions of the first %d of %d rows: continuing after them", path, done,
                     len(examples))

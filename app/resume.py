@@ -27,6 +27,8 @@ DATA_ORDER = (("dataset", ("data", "dataset")), ("hub_config", ("data", "hub_con
               ("input_column", ("task", "input_column")), ("target_column", ("task", "target_column")),
               ("labels", ("task", "labels")), ("mixture", ("mixture", "tasks")),
               ("mixture_rates", ("mixture", "rates")), ("mixture_cap", ("mixture", "cap")))
+# what else a resumed run keeps: the tokenizer (the embedding's rows are its ids)
+KEPT = DATA_ORDER + (("tokenizer", ("data", "tokenizer")),)
 
 
 def resume_point(cfg):
@@ -39,17 +41,20 @@ def resume_point(cfg):
         raise FlanT5Error(f"{directory} is at step {step} and --steps is {cfg.training.steps}: nothing to train; "
                           f"pass --steps greater than {step} to continue, or evaluate it with run_validation.py")
     saved = ckpt.read_meta(directory, step).get("config") or {}
-    for flag, (section, key) in DATA_ORDER:
+    differ = []
+    for flag, (section, key) in KEPT:
         if key not in saved.get(section, {}):  # a checkpoint older than the field: nothing to compare
             continue
         theirs, ours = saved[section][key], getattr(getattr(cfg, section), key)
         ours = list(ours) if isinstance(ours, tuple) else ours  # a saved tuple is a list
         if theirs != ours:  # (None against a value too: --hub_config where there was none is other data)
-            ours, theirs = _flag_value(ours), _flag_value(theirs)
-            raise FlanT5Error(f"resuming {directory}/{step} with --{flag} {ours}, but it was trained with --{flag} "
-                              f"{theirs}: its data order cannot continue; resume with --{flag} {theirs}, or start a "
-                              f"new run from its weights with --init_from {directory}/{step} (step 0, fresh optimizer "
-                              "state and schedule)")
+            differ.append((flag, _flag_value(ours), _flag_value(theirs)))
+    if differ:  # every one at once (a resume takes them from the checkpoint: only flags given can differ)
+        given = ", ".join(f"--{f} {ours} (it was trained with --{f} {theirs})" for f, ours, theirs in differ)
+        raise FlanT5Error(f"resuming {directory}/{step} with {given}: its data order cannot continue; drop "
+                          f"{'that flag' if len(differ) == 1 else 'those flags'} (a resume takes them from the "
+                          f"checkpoint), or start a new run from its weights with --init_from {directory}/{step} "
+                          "(step 0, fresh optimizer state and schedule)")
     return directory, step
 
 
@@ -220,6 +225,7 @@ class Saver:
         self.mgr = ckpt.manager(cfg.checkpoint.save) if cfg.checkpoint.save else None
         self.last = f"{cfg.checkpoint.load} step {start_step}" if start_step else None
         self.pending = None  # the step being written (asynchronously)
+        self.keep = set()  # steps pruning never deletes (the best --eval_every step's)
 
     def save(self, step: int, state) -> None:
         self.wait()  # the previous checkpoint complete (and older ones pruned) before the next starts
@@ -241,7 +247,8 @@ class Saver:
         self.mgr.wait_until_finished()
         if self.pending is not None:
             if is_main_process():
-                gone = ckpt.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep, keep=(self.pending,))
+                gone = ckpt.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep,
+                                  keep=(self.pending, *self.keep))
                 if gone:
                     logger.info("removed checkpoint step(s) %s of %s (--to_keep %d)", ", ".join(map(str, gone)),
                                 self.cfg.checkpoint.save, self.cfg.checkpoint.to_keep)

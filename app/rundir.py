@@ -40,10 +40,37 @@ def check_free(directory: str) -> None:
         os.close(fd)
 
 
+def missing_chain(directory: str) -> list:
+    """The folders ``os.makedirs(directory)`` would create, deepest first."""
+    chain, d = [], os.path.abspath(directory)
+    while not os.path.exists(d):
+        chain.append(d)
+        d = os.path.dirname(d)
+    return chain
+
+
+def remove_if_empty(chain: list, leftovers: tuple = ()) -> None:
+    """Removes the folders of ``chain`` (deepest first: those a run created) while they hold nothing but
+    ``leftovers`` (its own bookkeeping: the lock, an empty metrics.jsonl), the leftovers with them."""
+    for d in chain:
+        try:
+            names = os.listdir(d)
+            if any(n not in leftovers or (os.path.getsize(os.path.join(d, n)) and n != LOCK) for n in names):
+                return
+            for n in names:
+                os.remove(os.path.join(d, n))
+            os.rmdir(d)
+        except OSError:
+            return
+
+
 class RunLock:
-    """An exclusive lock on a directory, held until ``release`` or the process's end."""
+    """An exclusive lock on a directory, held until ``release`` or the process's end. A directory the lock made
+    that holds nothing of the run at release (a run that failed before writing: its lock, an empty metrics.jsonl)
+    is removed again, with the folders made for it."""
 
     def __init__(self, directory: str):
+        self.made = missing_chain(directory)
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, LOCK)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -64,6 +91,7 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+            remove_if_empty(self.made, (LOCK, "metrics.jsonl"))
 
 
 def fresh_run_dir(root: str, name: str) -> str:

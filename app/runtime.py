@@ -60,14 +60,31 @@ def _env_int(name: str) -> Optional[int]:
 
 
 POOL_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-POOL_MARGIN = 0.10  # of the plan, for what it does not see (the allocator's rounding and fragmentation)
+# The pool is a cap (pinned memory is taken as the run needs it), set above the plan by what the plan does not see:
+# the allocator's rounding and fragmentation, staging buffers, XLA's host-side copies. Measured on an H100 box
+# (2026-11-26, benchmarks/results/h100/fifteen): xxl_1gpu's host plan 65.7 GiB, its process's peak RSS 1.78x that;
+# a pool of the plan +10% +2 GiB (74 GiB) ran out of pinned memory in its first step, 110 GiB did not.
+POOL_MARGIN = 0.80  # of the plan
 POOL_SLACK_GIB = 2  # and a fixed slack for small plans (a pinned batch, staging buffers)
+POOL_RAM_SHARE = 0.9  # never more than this share of the machine's RAM (the plan's own check refuses what cannot fit)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def pool_gib(host_plan_bytes: int) -> int:
-    """The pinned host pool for a plan's host bytes: the plan, POOL_MARGIN of it more, and POOL_SLACK_GIB, in GiB."""
-    return max(math.ceil(host_plan_bytes * (1 + POOL_MARGIN) / 2 ** 30) + POOL_SLACK_GIB, 1)
+def pool_gib(host_plan_bytes: int, ram_bytes: Optional[int] = None) -> int:
+    """The pinned host pool for a plan's host bytes: the plan, POOL_MARGIN of it more, and POOL_SLACK_GIB, in GiB,
+    at most POOL_RAM_SHARE of ``ram_bytes`` (the machine's RAM when None) but never below the plan + 10% + 2 GiB."""
+    want = math.ceil(host_plan_bytes * (1 + POOL_MARGIN) / 2 ** 30) + POOL_SLACK_GIB
+    floor = math.ceil(host_plan_bytes * 1.1 / 2 ** 30) + POOL_SLACK_GIB
+    ram = ram_bytes if ram_bytes is not None else _ram_bytes()
+    cap = int(ram * POOL_RAM_SHARE / 2 ** 30) if ram else want
+    return max(min(want, cap), floor, 1)
+
+
+def _ram_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def gpu_plugin_installed() -> bool:
@@ -83,7 +100,7 @@ def gpu_plugin_installed() -> bool:
 def ensure_pinned_host_memory(cfg, force: bool = False) -> Optional[int]:
     """Phased execution keeps weights, optimizer state and activation rows in pinned host memory, which JAX's GPU
     client caps at 64 GB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise: set it to the run's memory plan
-    plus a stated margin (app/host_pool.py: the plan +10% +2 GiB), never to the machine's RAM, when the user has
+    plus a stated margin (``pool_gib``: the plan +80% +2 GiB, at most 90% of RAM), never to the machine's RAM, when the user has
     not set it. Must run before JAX starts; nothing to do without a GPU plugin (``force``: compute it anyway).
     -> the GiB set, or None."""
     if not cfg.execution.phased or POOL_VAR in os.environ or not (force or gpu_plugin_installed()):
@@ -97,7 +114,8 @@ def ensure_pinned_host_memory(cfg, force: bool = False) -> Optional[int]:
         return None
     gib = pool_gib(int(proc.stdout.strip().splitlines()[-1]))
     os.environ[POOL_VAR] = str(gib)
-    logger.info("pinned host memory pool: %d GiB (the plan's host bytes +10%% +2 GiB; set %s to change it)", gib,
+    logger.info("pinned host memory pool: %d GiB (the plan's host bytes +80%% +2 GiB, at most 90%% of RAM; set %s to "
+                "change it)", gib,
                 POOL_VAR)
     return gib
 

@@ -132,13 +132,15 @@ class Trainer:
     def __init__(self, cfg, executor, loader, start_step: int, scaler, run_dir: str, tracking: dict):
         primary = is_main_process()  # process 0 of a multi-process run writes the metrics and shows progress
         self.cfg, self.executor, self.loader, self.start, self.scaler = cfg, executor, loader, start_step, scaler
+        # (the evaluator first: a run it refuses has written nothing)
+        self.evaluator = Evaluator(cfg, executor, loader.tokenizer, None) if cfg.training.eval_every else None
         self.tracker = Tracker(run_dir, to_dict(cfg), tracking.get("wandb", False), tracking.get("wandb_name"),
                                resume_step=start_step, enabled=primary, name=tracking.get("name", "run"))
-        self.evaluator = None
-        if cfg.training.eval_every:
-            self.evaluator = Evaluator(cfg, executor, loader.tokenizer, None)
+        if self.evaluator:
             self.evaluator.best = best_logged(getattr(self.tracker, "path", None), self.evaluator.key)
         self.saver = Saver(cfg, executor, loader, start_step, scaler)
+        if self.evaluator and self.evaluator.best:  # a resumed run's best step so far is kept too
+            self.saver.keep = {self.evaluator.best[1]}
         self.progress = Progress(start_step, cfg.training.steps, primary, tracking.get("log_every"))
 
     def run(self, state) -> None:
@@ -152,6 +154,7 @@ class Trainer:
                     t_last, done = time.perf_counter(), step + 1
                     if self.evaluator and (done % cfg.training.eval_every == 0 or done == total):
                         record.update(self.evaluator(state, done))
+                        saver.keep = {self.evaluator.best[1]}  # --to_keep never deletes the best step's checkpoint
                         t_last = time.perf_counter()  # the evaluation's time is not the next step's
                     self.tracker.log(done, record)
                     self.progress.update(done, record.get("loss", math.nan), record["learning_rate"],
@@ -199,9 +202,17 @@ class Trainer:
             logger.info("saved %s/%d", cfg.checkpoint.save, total)
         if evaluator and evaluator.best:
             logger.info("the best %s %s: %.4f at step %d%s", evaluator.what, evaluator.key, *evaluator.best,
-                        f" ({cfg.checkpoint.save}/{evaluator.best[1]}, if kept)" if saver.mgr else "")
+                        best_checkpoint(cfg, evaluator.best[1]) if saver.mgr else "")
         self.tracker.close()
         logger.info("metrics and loss curve in %s", self.tracker.run_dir)
+
+
+def best_checkpoint(cfg, step: int) -> str:
+    """Where the best step's checkpoint is (the Saver keeps it whatever --to_keep says), or why there is none."""
+    if step in ckpt.saved_steps(cfg.checkpoint.save):
+        return f" ({cfg.checkpoint.save}/{step})"
+    return (f" (no checkpoint of step {step} was saved: --checkpoint_steps a multiple of --eval_every "
+            f"({cfg.training.eval_every}) saves each evaluated step)")
 
 
 def step_record(cfg, m: dict, stats: dict, lr: float, applied: bool, scale: float, scaler, seconds: float) -> dict:

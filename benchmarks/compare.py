@@ -75,6 +75,8 @@ def parse(argv=None):
     p.add_argument("--output_length", default=None, help="decoding: tokens generated (default: "
                    "--decoder_sequence_length)")
     p.add_argument("--decode_flags", default="", help="extra flags for both decoding runs, e.g. '--num_beams 4'")
+    p.add_argument("--int8", action="store_true", help="decoding: also ours with int8 weights (--quantize int8), "
+                   "against ours and HF")
     p.add_argument("--timeout", type=float, default=None, help="seconds per benchmark process")
     p.add_argument("--json", default=None, help="write the figures and every run's report here")
     return p.parse_args(argv)
@@ -108,7 +110,7 @@ def commands(a) -> tuple:
 
 def run_all(a, trainers: dict, gen: list) -> dict:
     """{run name: [report or None per repeat]}, the runs alternated ``--repeats`` times."""
-    runs = {k: [] for k in list(trainers) + ["ours_g", "theirs_g"]}
+    runs = {k: [] for k in list(trainers) + ["ours_g", "theirs_g", "int8_g"]}
     with tempfile.TemporaryDirectory() as d:
         for _ in range(a.repeats):
             if a.only != "decode":
@@ -119,6 +121,9 @@ def run_all(a, trainers: dict, gen: list) -> dict:
                 runs["ours_g"].append(run(["inference.py"] + gen, f"{d}/og.json", a.timeout))
                 runs["theirs_g"].append(run(["benchmarks/hf_baseline.py", "generate"] + gen, f"{d}/tg.json",
                                             a.timeout))
+                if a.int8:
+                    runs["int8_g"].append(run(["inference.py"] + gen + ["--quantize", "int8"], f"{d}/ig.json",
+                                              a.timeout))
     return runs
 
 
@@ -164,8 +169,15 @@ def training_figures(a, trainers: dict, runs: dict) -> dict:
 
 
 def decode_figures(runs: dict) -> dict:
-    """Ours against HF ``generate``: tokens/s, time to the first token, per-token latency; printed."""
+    """Ours against HF ``generate``: tokens/s, time to the first token, per-token latency; printed. With int8 runs,
+    their tokens/s against ours and HF's."""
     out = {}
+    i8, o, t = (_median(runs, n, "generated_tokens_per_s") for n in ("int8_g", "ours_g", "theirs_g"))
+    if i8 is not None:
+        out["int8_tokens_per_s"] = {"int8": i8, "over_ours": i8 / o if o else None, "over_hf": i8 / t if t else None,
+                                    "runs": len(runs["int8_g"])}
+        print(f"int8 weights: {i8:.4g} tokens/s | ours {'-' if o is None else f'{i8 / o:.2f}x'} | HF "
+              f"{'-' if t is None else f'{i8 / t:.2f}x'}")
     for name, key, higher_is_better in (("decode_tokens_per_s", "generated_tokens_per_s", True),
                                         ("first_token_s", "first_token_s", False),
                                         ("decode_token_latency_s", "decode_token_latency_s", False)):

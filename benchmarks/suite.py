@@ -1,9 +1,9 @@
-"""Every GPU figure the README reports, from one command, in priority order, within a time budget.
+"""Every GPU figure the docs report (docs/gpu_suite.md), from one command, in priority order, within a time budget.
 
     python3 benchmarks/suite.py --out benchmarks/results/h100            # a GPU box: every part, 25 min budget
     python3 benchmarks/suite.py --budget 900 --only xxl_1gpu,xl_mfu      # some parts
     python3 benchmarks/suite.py --smoke --out /tmp/suite                 # CPU, tiny shapes, under two minutes
-    python3 benchmarks/suite.py --summarize benchmarks/results/h100 --readme README.md   # tables from results
+    python3 benchmarks/suite.py --summarize benchmarks/results/h100/suite --readme docs/gpu_suite.md  # the table
 
 Parts, in priority order (each against its baseline, measured in the same run):
   xxl_1gpu        Flan-T5-XXL phased on one device, packed, encoder 512 / decoder 8: the preset's 16 rows and
@@ -127,15 +127,33 @@ def _smoke_commands() -> dict:
                                                     "--warmup_iterations", "1", "--sequence_length", "32",
                                                     "--global_batch_size", "8", "--micro_batch_size", "4", *one,
                                                     "--plan_exact", "--lora_rank", "4"))],
-        "workstation": [("xxl_lora_1gpu", ["benchmarks/workstation.py", "--preset", "tiny", "--smoke"])],
+        "workstation": [("xxl_lora_1gpu", ["benchmarks/workstation.py", "--preset", "tiny", "--smoke", "--quantize",
+                                           "int8"])],
+        # the fifteen-minute plan's runs (``FIFTEEN``) at the same tiny shapes
+        # (the same commands as the other parts' where the figures allow: a run of both is run once)
+        "f15_xxl": xxl,
+        "f15_workstation": ["benchmarks/workstation.py", "--preset", "tiny", "--smoke", "--quantize", "int8"],
+        "f15_xl": xl[0],
+        "f15_int8": ["inference.py", *_decode_args("tiny", "32", "float32", "4", "4"), "--quantize", "int8"],
+        "f15_hlo": ["benchmarks/int8_hlo.py", "--config", "tiny", "--batch", "4", "--prompt_length", "32",
+                    "--output_length", "4"],
         "serve": ["benchmarks/serve.py", "--configs", "tiny", "--requests", "6", "--slots", "2", "--min_new", "4",
                   "--max_new", "8", "--min_prompt", "3", "--max_prompt", "8", "--steps_per_call", "8", "--repeats",
                   "1", "--hf_requests", "2"],
     }
 
 
+def _decode_args(config, length, precision, batch, output_length) -> list:
+    """The flags benchmarks/compare.py gives inference.py for ``--config CONFIG --sequence_length LENGTH
+    --precision P --batch B --output_length N`` (its ``commands``): another run of ours at the same shape."""
+    return ["--config", config, "--sequence_length", length, "--precision", precision, "--micro_batch_size", batch,
+            "--output_length", output_length, "--tensor_parallel", "1"]
+
+
 PLAN_CHECK = ("xxl_1gpu", "xxl_lora_1gpu", "ul2_lora_1gpu", "gptj_1gpu", "gptj_lora_1gpu")
 LORA_1GPU = ("xxl_lora_1gpu", "ul2_lora_1gpu", "gptj_lora_1gpu")
+WORKSTATION_DECODING = {"xxl_lora_1gpu": ["--quantize", "int8"],
+                        "ul2_lora_1gpu": ["--quantize", "int8", "--stream_encoder"], "gptj_lora_1gpu": []}
 
 
 def _gpu_commands() -> dict:
@@ -174,7 +192,16 @@ def _gpu_commands() -> dict:
                      "compiled", "--only", "train"],
         "plan_check": [(p, _finetune(p, "--steps", "3", "--warmup_iterations", "1", "--lengths", "mnli",
                                      "--plan_exact")) for p in PLAN_CHECK],
-        "workstation": [(p, ["benchmarks/workstation.py", "--preset", p]) for p in LORA_1GPU],
+        # validated as each fits 22 GiB: int8 weights (XXL), and the encoder streamed from host memory (UL2)
+        "workstation": [(p, ["benchmarks/workstation.py", "--preset", p, *WORKSTATION_DECODING[p]]) for p in LORA_1GPU],
+        "f15_xxl": _finetune("xxl_1gpu", "--steps", "3", "--warmup_iterations", "1", "--lengths", "mnli",
+                             "--plan_exact"),
+        "f15_workstation": ["benchmarks/workstation.py", "--preset", "xxl_lora_1gpu", "--steps", "3", "--quantize",
+                            "int8"],
+        "f15_xl": xl[0],
+        "f15_int8": ["inference.py", *_decode_args("base", "512", "bfloat16", "64", "8"), "--quantize", "int8"],
+        "f15_hlo": ["benchmarks/int8_hlo.py", "--config", "xl", "--batch", "64", "--prompt_length", "512",
+                    "--output_length", "8"],
         "serve": ["benchmarks/serve.py", "--configs", "base", "xl", "--requests", "128", "--slots", "32",
                   "--steps_per_call", "1", "8", "--join_sizes", "4", "32", "--repeats", "2", "--hf_requests", "16",
                   "--model_flags=--tensor_parallel 1 --data_parallel 1"],
@@ -216,10 +243,36 @@ def parts(smoke: bool) -> list:
         Part("serve", "the server (continuous batching) against static batching and HF generate one by one, on "
              "Poisson arrivals of mixed lengths (base, xl)", 600, [Run("serve", c["serve"])], _serve_figures),
     ]
+    out += fifteen(c)
     if smoke:  # CPU seconds at tiny shapes: a tenth of the GPU estimates
         for q in out:
             q.estimate_s /= 10
     return out
+
+
+# The fifteen-minute plan (``--only fifteen``; bash benchmarks/lent_gpu.sh fifteen): what decides the open GPU claims,
+# in priority order, within 480 s of one command on a bare one-GPU machine (its compilations included). Its parts are
+# run only when named: a whole-suite run has the same measurements in its own parts.
+FIFTEEN = ("f15_xxl_1gpu", "f15_workstation", "f15_xl_mfu", "f15_decode", "f15_int8_fusion")
+
+
+def fifteen(c: dict) -> list:
+    """The fifteen-minute plan's parts (estimates from the 2026-11-25 H100 suite: xxl_1gpu rows16 194 s with 4
+    steps, lora16 69 s, xl mb8 73 s, decode base 49 s)."""
+    return [
+        Part("f15_xxl_1gpu", "(a) Flan-T5-XXL phased on one device at 16 rows: step time against the larger of its "
+             "compute and its link floor, the allocator's peak against the exact plan, host RSS against the host plan",
+             190, [Run("rows16", c["f15_xxl"])], _f15_xxl_figures),
+        Part("f15_workstation", "(b) xxl_lora_1gpu on a 22 GiB device with 60 GiB of host memory: 3 steps, then "
+             "validation of 64 rows with int8 weights", 150, [Run("xxl_lora_1gpu", c["f15_workstation"])],
+             _f15_workstation_figures),
+        Part("f15_xl_mfu", "(c) Flan-T5-XL fused on one device at micro-batch 8: MFU", 75,
+             [Run("mb8", c["f15_xl"])], _xl_figures),
+        Part("f15_decode", "(d) greedy decoding against HF generate (base), and ours with int8 weights", 60,
+             [Run("base", c["decode"][0][1]), Run("int8", c["f15_int8"], required=False)], _f15_decode_figures),
+        Part("f15_int8_fusion", "whether int8 decoding forms a dequantized copy of a weight per call (xl's greedy "
+             "program, optimized HLO)", 40, [Run("xl", c["f15_hlo"])], lambda r: r["xl"]),
+    ]
 
 
 # --------------------------------------------------------------------------- figures of each part
@@ -306,6 +359,28 @@ def _workstation_figures(reports: dict) -> dict:
                 **{f"{k}_peak_rss_bytes": (r.get(k) or {}).get("peak_rss_bytes") for k in ("train", "validate")},
                 **{f"{k}_status": (r.get(k) or {}).get("status") for k in ("train", "validate")}}
             for n, r in reports.items()}
+
+
+def _f15_xxl_figures(reports: dict) -> dict:
+    """xxl_1gpu's step figures with the plan's: over_bound, device_over_plan, host_rss_over_plan."""
+    return {"rows16": {**_xxl_figures(reports)["rows16"], **_plan_figures(reports)["rows16"]}}
+
+
+def _f15_workstation_figures(reports: dict) -> dict:
+    r = reports["xxl_lora_1gpu"]
+    return {**_workstation_figures(reports), "validation": r.get("validation"), "quantize": r.get("quantize")}
+
+
+def _f15_decode_figures(reports: dict) -> dict:
+    """Ours against HF generate, and ours with int8 weights against ours with the compute dtype's (the same shape:
+    compare.py's own run of inference.py)."""
+    out = _decode_figures({"base": reports["base"]})
+    ours = ((reports["base"].get("runs") or {}).get("ours_g") or [None])[0] or {}
+    int8 = reports.get("int8") or {}
+    if ours.get("generated_tokens_per_s") and int8.get("generated_tokens_per_s"):
+        out["int8_over_ours_tokens_per_s"] = int8["generated_tokens_per_s"] / ours["generated_tokens_per_s"]
+        out["weight_bytes"] = {"ours": ours.get("weight_bytes"), "int8": int8.get("weight_bytes")}
+    return out
 
 
 def _decode_figures(reports: dict) -> dict:
@@ -522,7 +597,24 @@ def summary_rows(results: list) -> list:
                     f"{_fmt((f.get('gradients_stored') or {}).get('median_step_s'), ' s')} with the gradients "
                     f"stored; {_host(x)}; losses decrease: "
                     f"{x.get('losses_decrease')}")
-        elif r["part"] == "xl_mfu" and f.get("best"):
+        elif r["part"] == "f15_xxl_1gpu" and f.get("rows16"):
+            x = f["rows16"]
+            head = (f"step {_fmt(x.get('median_step_s'), ' s')} ({_rows(x)}), {_fmt(x.get('over_bound'), 'x')} the "
+                    f"larger of compute and the link floor; device peak {_fmt(x.get('device_over_plan'), 'x')} the "
+                    f"exact plan; host RSS {_fmt(x.get('host_rss_over_plan'), 'x')} the host plan")
+        elif r["part"] == "f15_workstation" and f:
+            w, v = f.get("xxl_lora_1gpu") or {}, f.get("validation") or {}
+            head = (f"train {w.get('train_status')}, step {_fmt(min((w.get('step_s') or [None])[1:] or [None]), ' s')}"
+                    f"; validation ({f.get('quantize')}) {w.get('validate_status')}, device peak "
+                    f"{_gib(v, 'peak_device_bytes')}, {_fmt(v.get('seconds'), ' s')}")
+        elif r["part"] == "f15_decode" and f:
+            head = (f"ours / HF {_fmt(((f.get('base') or {}).get('decode_tokens_per_s') or {}).get('ratio'), 'x')} "
+                    f"tokens/s; int8 / ours {_fmt(f.get('int8_over_ours_tokens_per_s'), 'x')}")
+        elif r["part"] == "f15_int8_fusion" and f:
+            head = (f"{f.get('backend')}: a weight materialised per call: {f.get('weights_materialised')} "
+                    f"({len(f.get('materialised') or [])} arrays); temporaries {_gib(f, 'temp_bytes_int8')} with "
+                    f"int8, {_gib(f, 'temp_bytes_bf16_weights')} without")
+        elif r["part"] in ("xl_mfu", "f15_xl_mfu") and f.get("best"):
             b = f[f["best"]]
             head = f"{f['best']}: MFU {_mfu(b)}, {_fmt(b.get('samples_per_s'))} samples/s"
         elif r["part"] in ("vs_hf", "summaries") and f:
@@ -591,7 +683,8 @@ def load_results(out_dir: str) -> list:
 
 
 def update_readme(readme: str, out_dir: str) -> None:
-    """Replaces the README's text between the suite markers with the summary of ``out_dir``'s results."""
+    """Replaces the text between the suite markers of ``readme`` (docs/gpu_suite.md) with the summary of
+    ``out_dir``'s results."""
     results = load_results(out_dir)
     text = write_summary(results, out_dir) if results else "No suite results yet.\n"
     src = open(readme).read()
@@ -612,7 +705,9 @@ def main(argv=None) -> list:
     p.add_argument("--only", default=None, help="comma-separated part names")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: every part runs, quickly")
     p.add_argument("--summarize", default=None, metavar="DIR", help="only rewrite DIR/summary.md from its JSONs")
-    p.add_argument("--readme", default=None, help="with --summarize: also rewrite this README's suite table")
+    p.add_argument("--readme", default=None, metavar="MARKDOWN",
+                   help="with --summarize: also rewrite the suite table between the markers of this Markdown file "
+                        "(docs/gpu_suite.md holds them)")
     p.add_argument("--jobs", type=int, default=None, help="parts run side by side (default: 1; 2 with --smoke)")
     p.add_argument("--imgs", action="store_true", help="with --summarize: also redraw the tracked figures in imgs/")
     a = p.parse_args(argv)
@@ -634,12 +729,14 @@ def main(argv=None) -> list:
     env = {**environment(), "installs": installs, "smoke": a.smoke}
     chosen = parts(a.smoke)
     if a.only:
-        names = a.only.split(",")
+        names = [n for x in a.only.split(",") for n in (FIFTEEN if x == "fifteen" else (x,))]
         unknown = set(names) - {q.name for q in chosen}
         if unknown:
             raise SystemExit(f"unknown part(s) {', '.join(sorted(unknown))}: choose among "
                              f"{', '.join(q.name for q in chosen)}")
         chosen = [q for q in chosen if q.name in names]
+    else:  # every part, the fifteen-minute plan's aside (their measurements are the whole suite's)
+        chosen = [q for q in chosen if q.name not in FIFTEEN]
     results, lock = {}, threading.Lock()
 
     def one(part):

@@ -93,6 +93,10 @@ def main(argv=None) -> dict:
     p.add_argument("--device_gib", type=float, default=22.0)
     p.add_argument("--host_gib", type=float, default=60.0)
     p.add_argument("--limit", type=int, default=64, help="validation examples")
+    p.add_argument("--quantize", choices=("none", "int8"), default="none",
+                   help="validate with int8 weights (what fits XXL's decoding in 22 GiB)")
+    p.add_argument("--stream_encoder", action="store_true",
+                   help="validate with the encoder's layers streamed from host memory (with int8: UL2 in 22 GiB)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (LoRA rank 4, 3 steps)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
@@ -105,19 +109,26 @@ def main(argv=None) -> dict:
     group = host_cgroup(a.host_gib)
     # the synthetic NLI task with MultiNLI's lengths and a tokenizer learnt from it (a GPU box reaches no hub); the
     # smoke run keeps its tiny preset's own data
-    data = ["--split", "validation"] + ([] if a.smoke else ["--dataset", "synthetic-mnli", "--tokenizer", "train"])
+    data = ["--split", "validation"] + ([] if a.smoke else ["--dataset", "synthetic-mnli", "--tokenizer", "train",
+                                                            "--hf_model", ""])  # (a random-init base: no hub)
     train = ["run_finetuning.py", "--config", a.preset, "--steps", str(3 if a.smoke else a.steps), "--save", save,
              "--checkpoint_steps", "0", *data] + (["--lora_rank", "4"] if a.smoke else [])
-    report = {"preset": a.preset, "device_cap": {"gib": a.device_gib, "mem_fraction": fraction,
+    report = {"preset": a.preset, "quantize": a.quantize, "stream_encoder": a.stream_encoder, "device_cap": {"gib": a.device_gib, "mem_fraction": fraction,
                                                  "how": "XLA_PYTHON_CLIENT_MEM_FRACTION" if fraction else "none"},
               "host_cap": {"gib": a.host_gib, "how": "cgroup v2 memory.max" if group else
                            "none (no writable cgroup on this machine): peak RSS reported"}}
     report["train"] = run(train, env, group, os.path.join(tmp, "train.log"))
     report["step_s"] = step_seconds(save, load_config("finetuning", a.preset).training.global_batch_size)
     if report["train"]["status"] == "ok":
-        val = ["run_validation.py", "--load", save, "--limit", str(a.limit), "--output",
-               os.path.join(tmp, "validation.json")]
+        one = [] if a.smoke else ["--data_parallel", "1", "--tensor_parallel", "1", "--micro_batch_size", "32"]
+        stream = ["--stream_encoder", "true"] if a.stream_encoder else []
+        val = ["run_validation.py", "--load", save, "--limit", str(a.limit), "--quantize", a.quantize, *stream, *one,
+               "--output", os.path.join(tmp, "validation.json")]
         report["validate"] = run(val, env, group, os.path.join(tmp, "validate.log"))
+        if report["validate"]["status"] == "ok":  # what it scored (on random-init weights: chance) and how fast
+            v = json.load(open(os.path.join(tmp, "validation.json")))
+            report["validation"] = {k: v.get(k) for k in ("samples", "scores", "seconds", "quantization",
+                                                          "peak_device_bytes")}
     report["status"] = "ok" if all(report.get(k, {}).get("status") == "ok" for k in ("train", "validate")) else \
         next(report[k]["status"] for k in ("train", "validate") if k in report and report[k]["status"] != "ok")
     if group:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
 from dataclasses import fields
 from typing import Optional
@@ -13,7 +14,7 @@ from typing import Optional
 import yaml
 
 from config.fields import coerce, set_path
-from config.schema import FIELDS, Config
+from config.schema import FIELDS, Config, Task
 from utils.errors import ConfigError
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -76,7 +77,20 @@ def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) 
     cfg = config_from_mapping(presets[name] or {})
     apply_overrides(cfg, overrides or {})
     resolve_mixture(cfg)
+    name_own_task(cfg)
     return cfg.validate()
+
+
+def name_own_task(cfg: Config) -> Config:
+    """A task of one's own left with MNLI's name (no --task_name) is named after its data (qa.csv: qa), so that its
+    logs, metrics and reports never call it mnli; a task defined as MNLI's keeps the name, whatever file holds it."""
+    t, mnli = cfg.task, Task()
+    own = (t.input_template, t.input_column, t.target_column, t.labels) != \
+        (mnli.input_template, mnli.input_column, mnli.target_column, tuple(mnli.labels))
+    if t.name == mnli.name and own and cfg.data.dataset:
+        stem = os.path.splitext(os.path.basename(str(cfg.data.dataset).rstrip("/")))[0]
+        t.name = re.sub(r"[^\w-]+", "_", stem).strip("_") or "task"
+    return cfg
 
 
 def mixture_entry(cfg: Config) -> dict:
@@ -102,8 +116,8 @@ def resolve_mixture(cfg: Config) -> Config:
                                   f"{', '.join(presets)}, or give a mapping {{name: ..., dataset: ..., ...}}")
             entry = mixture_entry(config_from_mapping(presets[entry] or {}))
         else:
-            defaults = mixture_entry(Config())
-            defaults.update(dataset=None, name=None)
+            defaults = mixture_entry(Config())  # MNLI's task; the run's splits (--train_split, --split)
+            defaults.update(dataset=None, name=None, train_split=cfg.data.train_split, split=cfg.data.split)
             entry = {**defaults, **entry}
             for key in ("labels", "metrics", "holdout"):
                 ref = FIELDS[key]

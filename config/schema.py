@@ -270,7 +270,8 @@ class Checkpoint:
 
     to_keep: int = spec(4, minimum=0, training=True)
     """Number of this run's checkpoints to keep: older steps are deleted once a newer one is complete (0: keep
-    all). Only this project's step folders are ever deleted; other folders in the directory are left alone."""
+    all), except the best --eval_every step's. Only this project's step folders are ever deleted; other folders in
+    the directory are left alone."""
 
     optim_state: bool = spec(True, training=True)
     """Include the optimizer state in checkpoints."""
@@ -440,6 +441,17 @@ class Inference:
 
     sampling_seed: int = 0
     """Sampling: the seed of the draws (the same seed, the same outputs, at any dp x tp)."""
+
+    quantize: str = spec("none", choices=("none", "int8"))
+    """Decoding's weights: none (as trained, in the compute dtype) or int8 (every matmul weight and the LM head as
+    int8 with a float32 scale per output channel, absmax, converted inside the matmul: half the device bytes of
+    bfloat16 weights; modelling/quant.py). Training and its --eval_every decode as trained unless this is set."""
+
+    stream_encoder: bool = False
+    """Encoder-decoder models: the encoder's layers stay in host memory and are streamed to the device one at a
+    time for each batch of prompts (as phased training streams them), the decoder and the KV cache resident: a
+    device then holds the decoder's weights and one encoder layer. For models whose weights, with the KV cache, do
+    not fit a device (Flan-UL2 on 24 GB: --plan says)."""
 
 
 @dataclass

@@ -43,7 +43,7 @@ import pyarrow as pa
 from data.loader import holdout_indices
 from data.packing import Examples, FileRagged, Ragged
 from data.sources import DataError, Source
-from data.tasks import TRAINED, Example, Task, encoder_of, load_tokenizer, train_tokenizer
+from data.tasks import TRAINED, Example, Task, encoder_of, load_tokenizer, train_tokenizer, vocabulary_fit
 from modelling import registry
 from utils.errors import FlanT5Error
 
@@ -401,6 +401,8 @@ def learn_tokenizer(req: Request, parts: list, texts: list, family) -> str:
                [(p.held, p.seed) for p in parts])
     final = os.path.join(req.root, "tokenizers", key)
     if _whole(final):
+        if _read_meta(final).get("fit"):  # said again by every run that uses it
+            logger.warning(_read_meta(final)["fit"])
         return final
     sets = [TextSet(t) for t in texts]
     kept = [np.ones(len(s), bool) for s in sets]
@@ -415,12 +417,18 @@ def learn_tokenizer(req: Request, parts: list, texts: list, family) -> str:
                     chunk = table.column(column).slice(a, 65536).to_pylist()
                     yield [how(t) for t, keep in zip(chunk, k[a: a + 65536]) if keep]
 
+    def sample(each: int = 2000) -> list:  # the first texts of every task's inputs and targets
+        return [how(t) for column, how in (("input", family.prompt), ("target", lambda t: t)) for s, k in
+                zip(sets, kept) for t, keep in zip(s.arrow().column(column).slice(0, each).to_pylist(), k) if keep]
+
     scratch, t0 = _scratch(req.root, "tokenizers", key), time.perf_counter()
     tok = train_tokenizer(batches, req.vocab_size, scratch, tuple(req.labels))
-    n = int(sum(k.sum() for k in kept))
-    _write_meta(scratch, {"examples": n, "seconds": time.perf_counter() - t0})
+    n, fit = int(sum(k.sum() for k in kept)), vocabulary_fit(tok, sample(), req.vocab_size)
+    _write_meta(scratch, {"examples": n, "seconds": time.perf_counter() - t0, "fit": fit})
     logger.info("trained a %d-token tokenizer on %d examples of %s in %.1f s", len(tok), n,
                 ", ".join(s.meta["where"] for s in sets), time.perf_counter() - t0)
+    if fit:
+        logger.warning(fit)
     BUILDS["tokenizers"] += 1
     return _publish(scratch, final)
 

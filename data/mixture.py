@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
 
+from config.schema import FIELDS
 from data import cache, sources
 from data.loader import holdout_indices
 from data.sources import DataError
 from data.tasks import Task
+
+DEFAULT_SPLIT = FIELDS["split"].default  # MNLI's validation_mismatched
 
 
 @dataclass
@@ -32,6 +35,7 @@ class TaskData:
     train_split: str
     split: str
     holdout: int
+    how: str = "--split {}"  # how the user names its split: a flag, or a mixture task's mapping key (messages)
 
     @property
     def name(self) -> str:
@@ -40,7 +44,8 @@ class TaskData:
     def part(self, cfg, training: bool = True) -> cache.Part:
         """The cache part of its training split (or its validation split)."""
         src = sources.locate(self.dataset, self.train_split if training else self.split, cfg.model.seed,
-                             self.hub_config, cfg.data.cache_dir)
+                             self.hub_config, cfg.data.cache_dir, self.how.replace("split", "train_split", 1)
+                             if training else self.how)
         t = self.task
         return cache.Part(source=vars(src).copy(), task={"name": t.name, "input_template": t.template,
                                                          "input_column": t.input_column,
@@ -53,10 +58,41 @@ class TaskData:
 def tasks_of(cfg) -> list:
     """The run's tasks: the mixture's, or its one task."""
     if cfg.mixture.tasks:
-        return [TaskData(Task(SimpleNamespace(**e)), e["dataset"], e["hub_config"], e["train_split"], e["split"],
-                         e["holdout"]) for e in cfg.mixture.tasks]
+        return [TaskData(Task(SimpleNamespace(**e)), e["dataset"], e["hub_config"], e["train_split"],
+                         scored_split(e["dataset"], e["split"]), e["holdout"],
+                         f"split: {{}} in task {e['name']}'s mapping") for e in cfg.mixture.tasks]
     d = cfg.data
-    return [TaskData(Task.of_config(cfg), d.dataset, d.hub_config, d.train_split, d.split, d.holdout)]
+    return [TaskData(Task.of_config(cfg), d.dataset, d.hub_config, d.train_split, scored_split(d.dataset, d.split),
+                     d.holdout)]
+
+
+def scored_split(dataset: str, split: str) -> str:
+    """The split evaluation scores: ``split``; or where that is the default (MNLI's validation_mismatched) and a
+    local directory of splits has no such split but a ``validation`` one, ``validation`` (a directory of one's own
+    task is scored on its validation file without being told)."""
+    if split != DEFAULT_SPLIT or not dataset or not os.path.isdir(dataset):
+        return split
+    try:
+        sources.locate(dataset, split)
+    except DataError:
+        try:
+            sources.locate(dataset, "validation")
+        except DataError:
+            return split
+        return "validation"
+    return split
+
+
+def check_evaluation(cfg) -> None:
+    """Before any data is read (--eval_every): each task's evaluation rows exist, and are not the rows the run trains
+    on (a single file with nothing held out: its rows say nothing of unseen data)."""
+    for td in tasks_of(cfg):
+        if td.holdout:
+            continue
+        if td.part(cfg, training=False).located().single:
+            raise DataError(f"--eval_every would score rows the run trains on: {td.dataset} is a single file and "
+                            "nothing is held out of it; pass --holdout N to score N rows held out of training, or "
+                            "drop --eval_every")
 
 
 def inference_task(cfg, name: Optional[str] = None) -> TaskData:
@@ -125,7 +161,7 @@ def evaluation_set(td: TaskData, cfg) -> EvalSet:
         texts, held = held_out(td, cfg)
         return EvalSet(texts.examples(held), "heldout", f"the {len(held)} rows of {texts.meta['where']} held out of "
                        "training", td.dataset, task=td.task)
-    rows = sources.read(td.dataset, td.split, cfg.model.seed, td.hub_config, cfg.data.cache_dir)
+    rows = sources.read(td.dataset, td.split, cfg.model.seed, td.hub_config, cfg.data.cache_dir, td.how)
     examples = td.task.examples(rows)
     if rows.single:  # one file holds one set of rows, whatever --split says: name the file, not a split
         stem = os.path.splitext(os.path.basename(td.dataset))[0]

@@ -131,15 +131,16 @@ def generated(name: str) -> bool:
 
 
 def locate(dataset: str, split: str, seed: int = 0, hub_config: Optional[str] = None,
-           cache_dir: Optional[str] = None) -> Source:
-    """The source of ``split`` of ``dataset`` (see the module docstring), checked to exist; nothing is read."""
+           cache_dir: Optional[str] = None, how: str = "--split {}") -> Source:
+    """The source of ``split`` of ``dataset`` (see the module docstring), checked to exist; nothing is read. ``how``:
+    how the user names a split, for the messages (a flag, or a mixture task's mapping key)."""
     if generated(dataset):
-        return Source("generated", dataset, _split_of(split, synthetic.SPLIT_SIZES, dataset), f"{dataset}:{split}",
-                      seed=seed)
+        return Source("generated", dataset, _split_of(split, synthetic.SPLIT_SIZES, dataset, how),
+                      f"{dataset}:{split}", seed=seed)
     if os.path.isdir(dataset) and is_saved_dataset(dataset):
-        return _locate_saved(dataset, split)
+        return _locate_saved(dataset, split, how)
     if os.path.exists(dataset):
-        path = _local_file(dataset, split)
+        path = _local_file(dataset, split, how)
         first_line = 2 if path.endswith((".csv", ".tsv")) else 1 if path.endswith(".jsonl") else None
         return Source("file", os.path.abspath(path), split, path, first_line=first_line,
                       single=os.path.isfile(dataset), cache_dir=cache_dir)
@@ -152,18 +153,18 @@ def locate(dataset: str, split: str, seed: int = 0, hub_config: Optional[str] = 
 
 
 def read(dataset: str, split: str, seed: int = 0, hub_config: Optional[str] = None,
-         cache_dir: Optional[str] = None) -> Rows:
+         cache_dir: Optional[str] = None, how: str = "--split {}") -> Rows:
     """The rows of ``split`` of a source (see the module docstring)."""
-    src = locate(dataset, split, seed, hub_config, cache_dir)
+    src = locate(dataset, split, seed, hub_config, cache_dir, how)
     return Rows(src.load(), src.where, src.first_line, src.single)
 
 
-def _split_of(split: str, known, dataset: str) -> str:
+def _split_of(split: str, known, dataset: str, how: str = "--split {}") -> str:
     if split in known:
         return split
     close = difflib.get_close_matches(split, list(known), n=1)
     raise DataError(f"split {split!r} is not a split of {dataset}" + (f" (did you mean {close[0]}?)" if close else "")
-                    + f": choose one of {', '.join(known)} (--split)")
+                    + f": choose one of {', '.join(known)} ({how.format('NAME')})")
 
 
 # --------------------------------------------------------------------------- files
@@ -188,8 +189,9 @@ def read_file(path: str, cache_dir: Optional[str] = None, shown: Optional[str] =
     kind, shown = os.path.splitext(path)[1], shown or path
     if kind not in SUFFIXES:
         raise DataError(f"{shown}: unknown file type: use one of {', '.join(SUFFIXES)}")
-    if not _has_content(path):
-        raise DataError(f"{shown}: the file has no rows: give a file with the task's columns")
+    if not _has_content(path, header=kind in (".csv", ".tsv")):
+        raise DataError(f"{shown}: the file has no rows"
+                        + (" (a header alone)" if _has_content(path) else "") + ": give a file with the task's columns")
     kw = {}
     if kind in (".csv", ".tsv"):
         builder, kw = "csv", _delimited(path, "\t" if kind == ".tsv" else ",", shown)
@@ -210,11 +212,14 @@ def read_file(path: str, cache_dir: Optional[str] = None, shown: Optional[str] =
     return ds
 
 
-def _has_content(path: str) -> bool:
+def _has_content(path: str, header: bool = False) -> bool:
+    """Whether the file has a line that is not blank (after its first, a ``header``)."""
     with open(path, "rb") as f:
         for line in f:
             if line.strip():
-                return True
+                if not header:
+                    return True
+                header = False
     return False
 
 
@@ -257,7 +262,7 @@ def _find_bad_line(path: str, shown: str) -> None:
                                 f"{type(row).__name__}")
 
 
-def _local_file(path: str, split: str) -> str:
+def _local_file(path: str, split: str, how: str = "--split {}") -> str:
     if os.path.isfile(path):
         return path
     matches = sorted(f for f in glob.glob(os.path.join(path, f"{split}*")) if f.endswith(SUFFIXES))
@@ -266,8 +271,9 @@ def _local_file(path: str, split: str) -> str:
                         if f.endswith(SUFFIXES)})
         close = difflib.get_close_matches(split, names, n=1)
         raise DataError(f"{path} has no {split}.{{jsonl,json,parquet,csv,tsv}} file"
-                        + (f" (did you mean --split {close[0]}?)" if close else "")
-                        + ": add one, or pass the file itself")
+                        + (f" (did you mean {how.format(close[0])}?)" if close else "")
+                        + f": name one of its splits ({', '.join(names) or 'none'}) with {how.format('NAME')}, add "
+                        "the file, or pass a file itself")
     return matches[0]
 
 
@@ -279,14 +285,14 @@ def is_saved_dataset(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
 
 
-def _locate_saved(path: str, split: str) -> Source:
+def _locate_saved(path: str, split: str, how: str = "--split {}") -> Source:
     if os.path.isfile(os.path.join(path, "dataset_dict.json")):
         try:
             with open(os.path.join(path, "dataset_dict.json")) as f:
                 splits = json.load(f)["splits"]
         except (OSError, ValueError, KeyError) as e:
             raise DataError(f"{path}: cannot be read as a save_to_disk directory ({type(e).__name__}: {e})") from None
-        split = _split_of(split, splits, path)
+        split = _split_of(split, splits, path, how)
         return Source("saved", os.path.abspath(os.path.join(path, split)), split, f"{path}:{split}")
     return Source("saved", os.path.abspath(path), split, path, single=True)
 

@@ -13,10 +13,13 @@ continues ``INPUT target:`` with `` TARGET<|endoftext|>``.
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import math
 import os
 import string
+import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
@@ -164,8 +167,24 @@ class _Where:
 
     def missing(self, k: int, col: str):
         has = [str(c) for c, v in self.batch.items() if v[k] is not None] if self.batch else []
+        if self.batch and col in self.batch and self.null_in_file(k, col) is not False:  # a null: the row has it
+            raise DataError(f"{self(k)}: column '{col}' is null" + ("" if self.null_in_file(k, col) else
+                                                                    " (or absent from this row)")
+                            + f": give the {col}, or remove the row")
         raise DataError(f"{self(k)}: column '{col}' is missing: the task reads {', '.join(self.task.columns)}; the "
                         f"row has {', '.join(has) or 'no columns'}")
+
+    def null_in_file(self, k: int, col: str) -> Optional[bool]:
+        """Whether row k of a JSON-lines file names ``col`` with a null (Arrow reads a null and an absent key alike);
+        None where the file cannot tell (another format)."""
+        if self.first_line is None or not str(self.where).endswith(".jsonl") or not os.path.isfile(self.where):
+            return None
+        with open(self.where) as f:
+            line = next(itertools.islice(f, self.first_line + self.start + k - 1, None), "")
+        try:
+            return col in json.loads(line)
+        except ValueError:
+            return None
 
 
 def _as_text(value, col: str, at: _Where, k: int) -> str:
@@ -310,6 +329,29 @@ def train_tokenizer(batches, vocab_size: int, out_dir: str, labels: Optional[tup
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
     fast.save_pretrained(out_dir)
     return fast
+
+
+FRAGMENTED = 1.5  # tokens a word above which a learnt tokenizer that filled its vocabulary is said to split words
+
+
+def vocabulary_fit(tok, sample: list, vocab_size: int, cap: int = 1 << 15) -> Optional[str]:
+    """One line when a tokenizer learnt with ``vocab_size`` tokens filled them and still splits the words of
+    ``sample`` (texts of the data) into more than ``FRAGMENTED`` tokens each on average, which a model learns
+    poorly, naming the size that holds the sample's words whole (a BPE learnt from the sample with up to ``cap``
+    tokens, rounded up to a multiple of 128); else None. The model's vocabulary stays the config's: it is part of
+    the model's shape, which no data changes behind the user's back."""
+    words = sum(len(text.split()) for text in sample)
+    if len(tok) < vocab_size or not words:
+        return None
+    pieces = sum(len(ids) for ids in tok(sample, add_special_tokens=False)["input_ids"])
+    if pieces / words <= FRAGMENTED:
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        whole = len(train_tokenizer(lambda: [sample], cap, scratch))
+    need = "more than %d" % cap if whole >= cap else str(-(-whole // 128) * 128)
+    return (f"the learnt tokenizer filled --vocab_size {vocab_size} (the model's vocabulary) and splits the data's "
+            f"words into {pieces / words:.1f} tokens each on average, which a model learns poorly: {need} tokens "
+            f"hold them whole; pass --vocab_size {need.split()[-1]}")
 
 
 def load_tokenizer(name: str):

@@ -22,9 +22,12 @@ from graphs import optim
 from graphs import sharding as S
 from graphs.state import TrainState  # noqa: F401  (the state's home is graphs/state.py; callers import it here too)
 from graphs.tree import TreeStructure
-from modelling import decoding, lora, registry
+from modelling import decoding, lora, quant, registry
 from modelling.family import ModelOptions, cast_params, leaf_name
 from modelling.params import ParamSpec, init_leaf, init_params, is_spec, zero_padded_vocab
+from utils.errors import ConfigError
+
+HOST = "pinned_host"  # (graphs/host_state.py's: the memory streamed weights wait in)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,16 @@ class Graphs:
                                  (ga, cfg.training.global_batch_size // ga),
                                  tuple(self.family.batch_lengths(cfg).items()))
         self.phased = ex.phased
+        # decoding's weights: int8 matmul weights when an eval config asks (modelling/quant.py); training never
+        self.quantize = cfg.inference.quantize if cfg.model.eval else "none"
+        # ... and the stacks that read the prompt alone (T5's encoder) streamed from host memory a layer at a time
+        # (graphs/streaming.py) when an eval config asks
+        self.prompt_stacks = tuple(s.name for s in self.family.stacks[:-1]) \
+            if cfg.model.eval and cfg.inference.stream_encoder else ()
+        if cfg.model.eval and cfg.inference.stream_encoder and not self.prompt_stacks:
+            raise ConfigError(f"--stream_encoder streams an encoder's layers, and the {self.family.name} family has "
+                              "no encoder (every layer decodes token by token): drop --stream_encoder (--quantize "
+                              "int8 halves its weights' bytes)")
         self.shape_hint = partial(shape_hint, cfg)  # how to run a checkpoint of another shape (utils/checkpoint.py)
 
     # ------------------------------------------------------------------ weights
@@ -231,23 +244,190 @@ class Graphs:
         return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
     def compute_specs(self) -> dict:
-        """tp-only specs of the weights (after the RTS gather)."""
+        """tp-only specs of the weights (after the RTS gather), stacked as training holds them."""
         return jax.tree.map(lambda l: l.compute_spec, self.layouts, is_leaf=S.is_layout)
 
+    # ------------------------------------------------------------------ decoding's layout of the weights
+    #
+    # Decoding reads its weights in a layout of its own: every weight whole on the devices of its tp group (no RTS),
+    # in the compute dtype (the family's float32 weights kept float32), int8 where ``quantize`` says
+    # (modelling/quant.py), and the layers of the stack that decodes token by token (the family's last) as one tree
+    # per layer: the decode step reads them one by one, and a program that sliced them out of a stacked array would
+    # copy them all (XXL: 5.8 GiB of int8 decoder weights, 11.5 GiB of bfloat16) before its loop.
+
+    def decode_specs(self) -> dict:
+        """The specs of decoding's weights: a weight kept as int8 has an ``Int8`` of its values' specs and its
+        scale's (its output axes'); the decode stack's layers one tree per layer."""
+        return self._decoding(lambda spec, lay, path: lay.compute_spec,
+                              lambda spec, lay, n_in, path: P(*_scale_axes(spec, lay.tp_spec, n_in)),
+                              lambda p: P(*tuple(p)[1:]))
+
+    def decode_shardings(self, memory_kind: str | None = None) -> dict:
+        """Shardings of decoding's weights (``decode_specs``), on the devices or in ``memory_kind``; a streamed
+        stack's layers (``prompt_stacks``) in host memory."""
+        tree = jax.tree.map(lambda p: NamedSharding(self.mesh, p, memory_kind=memory_kind), self.decode_specs())
+        for s in self.prompt_stacks:
+            tree[s] = {**tree[s], "layers": jax.tree.map(lambda sh: sh.with_memory_kind(HOST), tree[s]["layers"])}
+        return tree
+
+    def resident(self, tree: dict) -> dict:
+        """A tree like decoding's weights without the streamed stacks' layers (what the decoding program reads)."""
+        return {**tree, **{s: {**tree[s], "layers": ()} for s in self.prompt_stacks}}
+
+    def abstract_decode_params(self) -> dict:
+        """ShapeDtypeStructs of decoding's weights (app/weights.py places them), with their shardings."""
+        def dtype(path):
+            return np.float32 if self.family.keeps_f32(path[-1]) else self.opts.compute_dtype
+
+        def values(spec, lay, path):
+            int8 = self._int8_inputs(spec, path) is not None
+            return jax.ShapeDtypeStruct(spec.shape, np.int8 if int8 else dtype(path))
+
+        shapes = self._decoding(values, lambda spec, lay, n_in, path: jax.ShapeDtypeStruct(
+            _scale_axes(spec, spec.shape, n_in), np.float32), lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
+        return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
+                            self.decode_shardings())
+
+    @property
+    def decode_stack(self) -> str:
+        """The stack whose layers decoding keeps one tree per layer: the family's last (it decodes token by token)."""
+        return self.family.stacks[-1].name
+
+    def is_decoding_layout(self, params: dict) -> bool:
+        """Whether a weight tree is in decoding's layout (else training's: stacked, as a checkpoint holds it)."""
+        return isinstance(params[self.decode_stack]["layers"], (list, tuple))
+
+    def to_decoding(self, params: dict) -> dict:
+        """Weights on the devices in training's layout (any dtypes) -> decoding's (``decode_shardings``), in one
+        program: the whole model and its new copy on the devices at once (app/weights.py's ``place`` converts from
+        host memory a weight at a time)."""
+        targets, stack = self.abstract_decode_params(), self.decode_stack
+
+        def convert(x, t):
+            return quant.quantize(x, t.n_in, t.lead, t.dtype) if quant.is_int8(t) else x.astype(t.dtype)
+
+        def fn(p):
+            for s in (stack,) + self.prompt_stacks:
+                layers = p[s]["layers"]
+                p = {**p, s: {**p[s], "layers": [jax.tree.map(lambda w: w[i], layers)
+                                                   for i in range(len(targets[s]["layers"]))]}}
+            return jax.tree.map(convert, p, targets)
+
+        return jax.jit(fn, out_shardings=jax.tree.map(lambda t: t.sharding, targets))(params)
+
+    def _decoding(self, plain, scale, row) -> dict:
+        """``decoding_tree`` with the decode stack's (and the streamed stacks') stacked leaves split into one tree
+        per layer (``row(leaf)``: a stacked leaf's per-layer one)."""
+        tree = self.decoding_tree(plain, scale)
+        for stack in (self.decode_stack,) + self.prompt_stacks:
+            n = jax.tree.leaves(self.specs[stack]["layers"], is_leaf=is_spec)[0].shape[0]
+            one = jax.tree.map(row, tree[stack]["layers"])
+            tree = {**tree, stack: {**tree[stack], "layers": [one] * n}}
+        return tree
+
+    def _int8_inputs(self, spec, path: tuple):
+        """How many input dims the weight at ``path`` has if decoding keeps it as int8, else None."""
+        if self.quantize != "int8" or not quant.quantizes(self.family, path):
+            return None
+        return quant.input_dims(spec.axes)
+
+    def _map_weights(self, fn) -> dict:
+        """fn(spec, layout, path) for every weight, as a tree like the weights'."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(self.specs, is_leaf=is_spec)
+        lays = jax.tree.leaves(self.layouts, is_leaf=S.is_layout)
+        out = [fn(spec, lay, tuple(str(getattr(k, "key", k)) for k in path)) for (path, spec), lay in zip(flat, lays)]
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def decoding_tree(self, plain, scale) -> dict:
+        """A tree like decoding's weights: ``plain(spec, layout, path)`` for a weight kept as it is; for one kept as
+        int8 an ``Int8`` of ``plain``'s value for its values and ``scale(spec, layout, n_in, path)`` for its
+        scale."""
+        def build(spec, lay, path):
+            n_in = self._int8_inputs(spec, path)
+            if n_in is None:
+                return plain(spec, lay, path)
+            return quant.Int8(plain(spec, lay, path), scale(spec, lay, n_in, path), self.opts.compute_dtype,
+                              _n_out(spec, n_in))
+
+        return self._map_weights(build)
+
     def decode_phase(self, options: decoding.Options, eos_id: int = 1, pad_id: int = 0, seed: int = 0):
-        """The search ``options`` names (greedy, beam search, sampling: modelling/decoding.py): (gathered weights,
-        ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens]. Sampling draws from ``seed``, each row by its global
+        """The search ``options`` names (greedy, beam search, sampling: modelling/decoding.py): (weights in
+        decoding's layout, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens]. Sampling draws from ``seed``, each row by its global
         index, so the outputs are the same at any dp x tp."""
         opts, family = self.opts, self.family
 
-        def fn(p, ids, mask, key_data):
+        def fn(p, ids, mask, key_data, encoded=None):
             offset = jax.lax.axis_index(S.DP) * ids.shape[0]
             return decoding.decode(family, p, ids, mask, opts, options, S.TP, eos_id, pad_id,
-                                   jax.random.wrap_key_data(key_data), offset)
+                                   jax.random.wrap_key_data(key_data), offset, encoded)
 
-        program = self.phase(fn, (self.compute_specs(), P(S.DP, None), P(S.DP, None), P()), P(S.DP, None))
+        specs = (self.resident(self.decode_specs()), P(S.DP, None), P(S.DP, None), P())
         key = jax.device_put(jax.random.key_data(jax.random.key(seed)), self.replicated)
-        return lambda p, ids, mask: program(p, ids, mask, key)
+        if not self.prompt_stacks:
+            program = self.phase(fn, specs, P(S.DP, None))
+            packed = self._packed_program(fn, specs) if family.packs_prompts else None
+
+            def run(p, ids, mask):
+                """ids/mask [B, k]: on the devices, or numpy (then packed where that saves rows: ``pack``)."""
+                p = p if self.is_decoding_layout(p) else self.to_decoding(p)  # (a test's weights: each call)
+                if isinstance(ids, np.ndarray):
+                    pk = self.pack(ids, mask) if packed is not None else None
+                    if pk is not None:
+                        return packed(p, *pk, S.put_global(mask, self.row_sharding), key)
+                    ids, mask = S.put_global(ids, self.row_sharding), S.put_global(mask, self.row_sharding)
+                return program(p, ids, mask, key)
+
+            return run
+        from graphs.streaming import PromptStream
+
+        stream = PromptStream(self)
+        program = self.phase(fn, specs + (P(S.DP, None, None),), P(S.DP, None))
+
+        def streamed(p, ids, mask):  # the encoder a layer at a time from host memory, then the decoding program
+            p = p if self.is_decoding_layout(p) else self.to_decoding(p)
+            return program(self.resident(p), ids, mask, key, stream(p, ids, mask))
+
+        return streamed
+
+    def pack(self, ids: np.ndarray, mask: np.ndarray):
+        """Prompts ids/mask [B, k] (numpy) packed for the encoder (modelling/rows.py's ``pack_prompts``), each
+        data-parallel group's rows apart, into rows k, 2k or 4k wide, whichever reads the fewest weighted
+        positions: a position costs the layer's matmuls, and a row's attention grows with its width (prompts of
+        65 to 119 tokens in rows of 128 pair with none: 8 rows; in rows of 256, 3). -> (ids, segments, positions,
+        where) on the devices, or None where packing would not save a tenth of the encoder's work."""
+        from modelling.rows import pack_prompts
+
+        m = self.cfg.model
+        inner = m.attention.heads * m.attention.d_kv
+        matmuls = 4 * m.hidden_size * inner + (3 if m.feed_forward_proj.startswith("gated") else 2) * \
+            m.hidden_size * m.d_ff
+        per_key = 2 * inner  # a position's scores and context against each key of its row
+
+        def cost(rows, width):
+            return rows * width * (matmuls + per_key * width)
+
+        k = ids.shape[1]
+        best, best_cost = None, 0.9 * cost(ids.shape[0], k)
+        for width in (k, 2 * k, 4 * k):
+            packed = pack_prompts(ids, mask, groups=self.dp, width=width)
+            if packed is not None and cost(packed[0].shape[0], width) < best_cost:
+                best, best_cost = packed, cost(packed[0].shape[0], width)
+        return None if best is None else tuple(S.put_global(x, self.row_sharding) for x in best)
+
+    def _packed_program(self, fn, specs):
+        """``fn`` (decode_phase's search) over prompts the encoder reads packed: (weights, packed ids, segments,
+        positions [dp * P, k], where [B, k], mask [B, k], key) -> tokens [B, n]."""
+        family, opts = self.family, self.opts
+
+        def packed(p, ids, segments, positions, where, mask, key_data):
+            enc = family.encode_packed(family.decoding_params(p, opts)[0], ids, segments, positions, opts, S.TP)
+            flat = enc.reshape(-1, enc.shape[-1])
+            flat = jnp.concatenate([flat, jnp.zeros((1, flat.shape[-1]), flat.dtype)])  # (padding reads zeros)
+            return fn(p, mask, mask, key_data, flat[where])
+
+        rows = P(S.DP, None)
+        return self.phase(packed, (specs[0], rows, rows, rows, rows, rows, specs[3]), rows)
 
     def generate_phase(self, max_new_tokens: int, eos_id: int = 1, cached: bool = True, pad_id: int = 0):
         """Greedy decoding: (gathered weights, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens].
@@ -259,3 +439,18 @@ class Graphs:
         return self.phase(lambda p, ids, mask: search(family, p, ids, mask, opts, max_new_tokens, S.TP, eos_id=eos_id,
                                                       pad_id=pad_id),
                           (self.compute_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, None))
+
+
+def _lead(spec) -> int:
+    """1 for a stacked layer weight (its leading ``layers`` axis), else 0."""
+    return int(spec.axes[0] == "layers")
+
+
+def _n_out(spec, n_in: int) -> int:
+    return len(spec.shape) - _lead(spec) - n_in
+
+
+def _scale_axes(spec, per_dim: tuple, n_in: int) -> tuple:
+    """``per_dim`` (a weight's shape, or its per-dim mesh axes) without the weight's input dims: its scale's."""
+    lead = _lead(spec)
+    return tuple(per_dim[:lead]) + tuple(per_dim[lead + n_in:])

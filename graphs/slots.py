@@ -82,7 +82,7 @@ class SlotPrograms:
             return first, scored, _stacked(cache), state
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.compute_specs(), P(S.DP, S.TP), self._state_specs(), P(S.DP, None),
+                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), self._state_specs(), P(S.DP, None),
                                          P(S.DP, None)),
                                out_specs=(P(S.DP), self._scored_specs((S.DP,)), P(S.DP, S.TP), self._state_specs()))
         return jax.jit(mapped, donate_argnums=(1, 2))
@@ -98,7 +98,7 @@ class SlotPrograms:
             return out, scored, _stacked(cache), state
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.compute_specs(), P(S.DP, S.TP), self._state_specs(), P(S.DP)),
+                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), self._state_specs(), P(S.DP)),
                                out_specs=(P(S.DP, None), self._scored_specs((S.DP, None)), P(S.DP, S.TP),
                                           self._state_specs()))
         return jax.jit(mapped, donate_argnums=(1, 2))
@@ -111,7 +111,7 @@ class SlotPrograms:
             return slot_lib.score_prompts(family, family.decoding_params(p, opts), opts, ids, mask, top, S.TP)
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.compute_specs(), P(S.DP, None)),
+                               in_specs=(self.g.decode_specs(), P(S.DP, None)),
                                out_specs=self._scored_specs((S.DP, None)))
         return jax.jit(mapped)
 
@@ -124,7 +124,7 @@ class SlotPrograms:
             return _stacked(family.widen_cache(cache, ids.shape[1], width))
 
         ids = jax.ShapeDtypeStruct((self.slots, width), jnp.int32, sharding=self.rows2)
-        shapes = jax.eval_shape(self.g.phase(fresh, (self.g.compute_specs(), P(S.DP, None), P(S.DP, None)),
+        shapes = jax.eval_shape(self.g.phase(fresh, (self.g.decode_specs(), P(S.DP, None), P(S.DP, None)),
                                              P(S.DP, S.TP)), self.params, ids, ids)
         return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                        out_shardings=self.pieces)()
@@ -146,11 +146,11 @@ class SlotPrograms:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def compile(self, params) -> float:
-        """The weights in the compute dtype (cast once), the empty cache, and every program compiled -> seconds."""
+        """The weights in decoding's layout (Graphs.decode_shardings: as Predictor.load_params gives them, else
+        converted once), the empty cache, and every program compiled -> seconds."""
         t0 = time.perf_counter()
         g = self.g
-        self.params = jax.jit(lambda p: self.family.compute_params(p, self.opts), out_shardings=g.param_shardings)(
-            params)
+        self.params = params if g.is_decoding_layout(params) else g.to_decoding(params)  # (Predictor.load_params')
         self.reset()
         cache_abs, state_abs = (jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, x.sharding), t)
                                 for t in (self.cache, self.state))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from modelling.tp import tp_index
+from modelling.tp import tp_index, trivial
 
 
 def greedy_token(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
@@ -33,9 +33,9 @@ def greedy_token(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     which reproduces argmax's lowest-index tie-break.
     """
     local_idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    local_max = jnp.max(logits, axis=-1)
-    if tp_axis is None:
+    if trivial(tp_axis):
         return local_idx
+    local_max = jnp.max(logits, axis=-1)
     offset = tp_index(tp_axis) * logits.shape[-1]
     maxes = lax.all_gather(local_max, tp_axis)  # [tp, b]
     idxs = lax.all_gather(local_idx + offset, tp_axis)
@@ -62,19 +62,29 @@ def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, sca
 
 
 def greedy(family, params: dict, input_ids: jax.Array, attention_mask: jax.Array, opts, max_new_tokens: int,
-           tp_axis: Optional[str] = None, eos_id: int = 1, pad_id: int = 0) -> jax.Array:
+           tp_axis: Optional[str] = None, eos_id: int = 1, pad_id: int = 0, encoded=None) -> jax.Array:
     """Greedy decoding with the KV cache. ids/mask [b, k] (left-padded for a family that says so) -> int32 tokens
-    [b, max_new_tokens]: each sequence stops at ``eos_id`` (kept) and is padded with ``pad_id`` after it."""
+    [b, max_new_tokens]: each sequence stops at ``eos_id`` (kept) and is padded with ``pad_id`` after it.
+    ``encoded``: the prompt stacks' output read already (``start``), then ``input_ids`` is not read."""
     return _one_beam(family, params, input_ids, attention_mask, opts, max_new_tokens, tp_axis, eos_id, pad_id,
-                     lambda logits, i: greedy_token(logits, tp_axis))
+                     lambda logits, i: greedy_token(logits, tp_axis), encoded)
+
+
+def start(family, dp, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis, encoded=None) -> tuple:
+    """(the first new token's logits, the cache): the family reads the prompts (``decode_start``), or, given the
+    output of its prompt stacks (``encoded``: T5's encoder streamed from host memory), the rest of them
+    (``decode_start_encoded``)."""
+    if encoded is None:
+        return family.decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis)
+    return family.decode_start_encoded(dp, encoded, attention_mask, opts, max_new_tokens, tp_axis)
 
 
 def _one_beam(family, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis, eos_id: int,
-              pad_id: int, choose) -> jax.Array:
+              pad_id: int, choose, encoded=None) -> jax.Array:
     """A search that follows one sequence per row: ``choose(logits [b, Vl], i) -> int32 [b]`` picks token i."""
     dp = family.decoding_params(params, opts)
-    logits, cache = family.decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis)
-    b = input_ids.shape[0]
+    logits, cache = start(family, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis, encoded)
+    b = attention_mask.shape[0]
     first = choose(logits, 0)
     out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
 
@@ -133,26 +143,26 @@ class Options:
 
 
 def decode(family, params: dict, input_ids, attention_mask, opts, options: Options, tp_axis=None, eos_id: int = 1,
-           pad_id: int = 0, key=None, row_offset=0) -> jax.Array:
+           pad_id: int = 0, key=None, row_offset=0, encoded=None) -> jax.Array:
     """The search ``options`` name -> int32 tokens [b, max_new_tokens] padded with ``pad_id`` after each EOS.
     ``key``: sampling's key (the same for every device); ``row_offset``: the global index of this device's first row
-    (each row's draws depend on its index, so the outputs are the same at any dp x tp)."""
+    (each row's draws depend on its index, so the outputs are the same at any dp x tp); ``encoded``: see ``start``."""
     n = options.max_new_tokens
     if options.num_beams > 1:
-        return beam_search(family, params, input_ids, attention_mask, opts, options, tp_axis, eos_id, pad_id)
+        return beam_search(family, params, input_ids, attention_mask, opts, options, tp_axis, eos_id, pad_id, encoded)
     if options.do_sample:
-        rows = row_offset + jnp.arange(input_ids.shape[0])
+        rows = row_offset + jnp.arange(attention_mask.shape[0])
 
         def choose(logits, i):
             return sample_token(warp(gather_vocab(logits, tp_axis), options), jax.random.fold_in(key, i), rows)
 
-        return _one_beam(family, params, input_ids, attention_mask, opts, n, tp_axis, eos_id, pad_id, choose)
-    return greedy(family, params, input_ids, attention_mask, opts, n, tp_axis, eos_id, pad_id)
+        return _one_beam(family, params, input_ids, attention_mask, opts, n, tp_axis, eos_id, pad_id, choose, encoded)
+    return greedy(family, params, input_ids, attention_mask, opts, n, tp_axis, eos_id, pad_id, encoded)
 
 
 def gather_vocab(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     """Vocab-sharded logits [b, Vl] -> the whole vocabulary [b, V] on every tp device."""
-    return logits if tp_axis is None else lax.all_gather(logits, tp_axis, axis=logits.ndim - 1, tiled=True)
+    return logits if trivial(tp_axis) else lax.all_gather(logits, tp_axis, axis=logits.ndim - 1, tiled=True)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -189,7 +199,7 @@ NEG = -1.0e9  # HF's "very large negative value" for beams and candidates that m
 
 
 def beam_search(family, params: dict, input_ids, attention_mask, opts, options: Options, tp_axis=None,
-                eos_id: int = 1, pad_id: int = 0) -> jax.Array:
+                eos_id: int = 1, pad_id: int = 0, encoded=None) -> jax.Array:
     """Beam search as HF's vectorised ``_beam_search`` (transformers 5) does it, one compiled loop: each step keeps
     the top 2 x num_beams continuations over all beams, the best num_beams that did not end continue, those of the
     top num_beams that ended (at EOS, or at max_new_tokens) join the finished hypotheses with their log-probability
@@ -197,8 +207,8 @@ def beam_search(family, params: dict, input_ids, attention_mask, opts, options: 
     [b, max_new_tokens]: the best finished hypothesis of each row, padded with ``pad_id`` after its EOS."""
     k, n = options.num_beams, options.max_new_tokens
     dp = family.decoding_params(params, opts)
-    logits, cache = family.decode_start(dp, input_ids, attention_mask, opts, n, tp_axis)
-    b = input_ids.shape[0]
+    logits, cache = start(family, dp, input_ids, attention_mask, opts, n, tp_axis, encoded)
+    b = attention_mask.shape[0]
     cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), cache)  # each row's prompt read once, then k beams
     logits = jnp.repeat(logits, k, axis=0)
     state = _BeamState.start(b, k, n, tp_axis)

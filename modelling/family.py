@@ -36,6 +36,7 @@ import numpy as np
 
 from config.fields import get_path
 from config.schema import FIELDS
+from modelling.quant import is_int8
 from modelling.rows import RowFormat
 from utils.errors import CheckpointError, ConfigError
 
@@ -132,8 +133,10 @@ def leaf_name(path) -> str:
 
 
 def cast_params(params: dict, dtype, keeps_f32) -> dict:
-    """Casts the weights to the compute dtype, except those ``keeps_f32(name)`` keeps float32 (norms...)."""
-    return jax.tree_util.tree_map_with_path(lambda p, x: x if keeps_f32(leaf_name(p)) else x.astype(dtype), params)
+    """Casts the weights to the compute dtype, except those ``keeps_f32(name)`` keeps float32 (norms...) and int8
+    ones (modelling/quant.py: read in the compute dtype inside their matmuls)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if is_int8(x) or keeps_f32(leaf_name(p)) else x.astype(dtype), params, is_leaf=is_int8)
 
 
 def left_align(ids: np.ndarray, mask: np.ndarray) -> tuple:
@@ -277,12 +280,27 @@ class Family(abc.ABC):
         """What ``decode_start`` and ``decode_step`` read, prepared once outside the decoding loop: the compute
         copy, and the last stack's layers sliced out of their stack (the decode step reads them one by one)."""
         p = self.compute_params(params, opts)
-        return p, layer_rows(p[self.stacks[-1].name]["layers"])
+        layers = p[self.stacks[-1].name]["layers"]  # (decoding's layout holds them one tree per layer already)
+        return p, list(layers) if isinstance(layers, (list, tuple)) else layer_rows(layers)
 
     @abc.abstractmethod
     def decode_start(self, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None) -> tuple:
         """Reads the prompts (the encoder, or a causal LM's prefill) -> (logits [b, Vl] of the first new token,
         cache: a tree whose every leaf has the batch as its leading axis). ``params``: ``decoding_params``'."""
+
+    packs_prompts: bool = False  # its encoder reads prompts packed several to a row (``encode_packed``)
+
+    def encode_packed(self, params, ids, segments, positions, opts, tp_axis=None):
+        """The prompt stacks' output for prompts packed several to a row (modelling/rows.py's ``pack_prompts``):
+        ids/segments/positions [P, W] -> float32 [P, W, d]; ``params``: ``decoding_params``' compute copy. A family
+        that packs no prompts (``packs_prompts`` False) has none."""
+        raise NotImplementedError(f"the {self.name} family reads no packed prompts")
+
+    def decode_start_encoded(self, params, encoded, attention_mask, opts, max_new_tokens: int, tp_axis=None) -> tuple:
+        """``decode_start`` from the output of the stacks that read the prompt and nothing else (T5's encoder; read
+        a layer at a time from host memory by graphs/streaming.py), float32 [b, k, d] -> (logits, cache). A family
+        whose every stack decodes token by token (a causal LM) has none."""
+        raise NotImplementedError(f"the {self.name} family has no stack that reads the prompt alone (an encoder)")
 
     @abc.abstractmethod
     def decode_step(self, params, token, i, cache, opts, tp_axis=None) -> tuple:

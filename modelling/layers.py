@@ -18,7 +18,8 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from modelling.tp import identical_grad_inputs, identical_inputs, share_of_sum, tp_index
+from modelling.quant import Int8, matmul as quant_matmul
+from modelling.tp import trivial, identical_grad_inputs, identical_inputs, share_of_sum, tp_index
 
 F32 = jnp.float32
 MASK_VALUE = -1e9  # exp(MASK_VALUE - max) is exactly 0 in float32
@@ -144,8 +145,12 @@ def dense(x: jax.Array, w, f32_out: bool = False) -> jax.Array:
     """x [n, i] @ w, w of any shape [i..., o...] read as the matrix [i, o] -> [n, o].
 
     The result is float32 (``f32_out``, accumulated in float32 as ``einsum_f32``) or in the weight's
-    dtype. ``w`` may be an ``Accumulating`` weight, whose gradient goes into its accumulator.
+    dtype. ``w`` may be an ``Accumulating`` weight, whose gradient goes into its accumulator, an ``Adapted`` one
+    (LoRA) or an ``Int8`` one (modelling/quant.py: decoding with int8 weights).
     """
+    if isinstance(w, Int8):  # weight-only int8 (decoding): converted inside the product, scaled per channel
+        out = quant_matmul(x, w)
+        return checkpoint_name(out if f32_out else out.astype(w.dtype), DENSE)
     if isinstance(w, Adapted):
         out = dense(x, w.w, f32_out)
         return (out.astype(F32) + w.delta(x.astype(w.dtype))).astype(out.dtype)
@@ -431,7 +436,8 @@ def lm_logits(x: jax.Array, w: jax.Array, tp_axis: Optional[str], vocab_size: in
     """
     x = identical_inputs(x, tp_axis)
     # a 2-D GEMM (see _in_proj); as a 3-D einsum XLA:CPU ran the decode step's head ~1.7x slower
-    logits = einsum_f32("nd,dv->nv", x.astype(w.dtype).reshape(-1, x.shape[-1]), w)
+    x2 = x.reshape(-1, x.shape[-1])
+    logits = quant_matmul(x2, w) if isinstance(w, Int8) else einsum_f32("nd,dv->nv", x2.astype(w.dtype), w)
     logits = logits.reshape(*x.shape[:-1], w.shape[1])
     if bias is not None:
         logits = logits + bias.astype(F32)
@@ -446,7 +452,7 @@ def _ce_forward(logits, labels, tp_axis):
     n = logits.shape[-1]
     start = tp_index(tp_axis) * n
     m = jnp.max(logits, axis=-1)
-    if tp_axis is not None:
+    if not trivial(tp_axis):
         m = lax.pmax(m, tp_axis)
     e = jnp.exp(logits - m[..., None])
     s = jnp.sum(e, axis=-1)
@@ -454,7 +460,7 @@ def _ce_forward(logits, labels, tp_axis):
     in_range = (local >= 0) & (local < n)
     tgt = jnp.take_along_axis(logits, jnp.clip(local, 0, n - 1)[..., None], axis=-1)[..., 0]
     tgt = jnp.where(in_range, tgt, 0.0)
-    if tp_axis is not None:
+    if not trivial(tp_axis):
         s = lax.psum(s, tp_axis)
         tgt = lax.psum(tgt, tp_axis)
     valid = labels != -100

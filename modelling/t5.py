@@ -381,10 +381,16 @@ def decoder_step(params, rows, token, pos, caches, cross, xbias, opts, tp_axis):
 def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None):
     """The encoder, the cross-attention keys/values and the decoder's first position (the start token,
     ``DECODER_START``) -> (logits [b, Vl] of the first new token, cache). dp: ``decoding_params``."""
+    enc = encode(dp[0], input_ids, attention_mask, opts, tp_axis)
+    return decode_start_encoded(dp, enc, attention_mask, opts, max_new_tokens, tp_axis)
+
+
+def decode_start_encoded(dp: tuple, enc, attention_mask, opts, max_new_tokens: int, tp_axis=None):
+    """``decode_start`` from the encoder's output enc float32 [b, k, d] (read elsewhere: the encoder streamed from
+    host memory, graphs/streaming.py) -> (logits [b, Vl] of the first new token, cache)."""
     p, rows = dp
-    enc = encode(p, input_ids, attention_mask, opts, tp_axis)
     cross = cross_kv(rows, enc.astype(opts.compute_dtype))
-    b = input_ids.shape[0]
+    b = enc.shape[0]
     _, h, _, kv = cross[0][0].shape
     cache = {"self": [(jnp.zeros((b, h, max_new_tokens, kv), opts.compute_dtype),) * 2 for _ in rows],
              "cross": cross, "cross_bias": L.padding_mask_bias(attention_mask)}
@@ -659,6 +665,12 @@ class T5Family(Family):
     # ------------------------------------------------------------------ decoding
 
     decode_start = staticmethod(decode_start)
+    decode_start_encoded = staticmethod(decode_start_encoded)
+    packs_prompts = True
+
+    def encode_packed(self, params, ids, segments, positions, opts, tp_axis=None):
+        """The encoder over packed prompts (segment ids and per-prompt positions: training's packed rows)."""
+        return encode(params, ids, segments, opts, tp_axis, positions=positions)
     decode_step = staticmethod(decode_step)
     decode_uncached = staticmethod(decode_uncached)
     widen_cache = staticmethod(widen_cache)

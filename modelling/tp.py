@@ -47,13 +47,19 @@ def _igi_bwd(axis, _, g):
 _identical_grad_inputs.defvjp(_igi_fwd, _igi_bwd)
 
 
+def trivial(tp_axis: Optional[str]) -> bool:
+    """Whether tp is one device: no axis, or an axis of size 1 (then every collective over it is the identity, and
+    left out: XLA:CPU ran each such all-reduce as an operation of its own, 25 a decoded token of Flan-T5-small)."""
+    return tp_axis is None or lax.axis_size(tp_axis) == 1
+
+
 def identical_inputs(x: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     """Megatron's ``f``: identity forward, all-reduce of the gradient over tp backward.
 
     Used where an activation identical on every tp replica enters a
     tp-sharded computation (column-parallel matmul).
     """
-    return x if tp_axis is None else _identical_inputs(x, tp_axis)
+    return x if trivial(tp_axis) else _identical_inputs(x, tp_axis)
 
 
 def identical_grad_inputs(x: jax.Array, tp_axis: Optional[str]) -> jax.Array:
@@ -62,12 +68,12 @@ def identical_grad_inputs(x: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     Used where partial sums of a row-parallel matmul become an activation
     identical on every tp replica.
     """
-    return x if tp_axis is None else _identical_grad_inputs(x, tp_axis)
+    return x if trivial(tp_axis) else _identical_grad_inputs(x, tp_axis)
 
 
 def tp_index(tp_axis: Optional[str]):
     """Index of this device along tp (0 on one device)."""
-    return 0 if tp_axis is None else lax.axis_index(tp_axis)
+    return 0 if trivial(tp_axis) else lax.axis_index(tp_axis)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -90,4 +96,4 @@ def share_of_sum(x: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     """A value identical on every tp replica, entering a sum over tp that a row-parallel matmul's partial sums go
     through (``identical_grad_inputs``): each replica adds its 1/tp share forward, and its gradient is the whole
     gradient backward, as the value's own (identical on every replica)."""
-    return x if tp_axis is None else _share_of_sum(x, tp_axis)
+    return x if trivial(tp_axis) else _share_of_sum(x, tp_axis)

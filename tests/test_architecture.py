@@ -34,7 +34,8 @@ DRIVERS = ("run_finetuning", "run_validation", "run_inference", "run_export", "r
 # Function-level imports of project modules are how the drivers defer JAX (and orbax) until the run's devices are
 # set up and keep --help fast; below the top floor they would hide circles. The exceptions, each with its reason:
 DEFERRED = {("app/args.py", "utils.checkpoint"): "orbax is slow to import: --help and config errors need not pay for it",
-            ("app/predict.py", "app.hf_generate"): "torch: imported only when HF generate's outputs are compared"}
+            ("app/predict.py", "app.hf_generate"): "torch: imported only when HF generate's outputs are compared",
+            ("app/args.py", "data.tasks"): "datasets is slow to import: read only when a resume resolves --tokenizer"}
 # A family's name outside modelling/: the config field's own default (the config cannot ask the registry: it sits
 # below modelling).
 NAMED = {("config/schema.py", "t5")}

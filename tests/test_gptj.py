@@ -227,7 +227,10 @@ def test_tp_dp_equal_one_device(reference_run, dp, tp):
     got, got_state = run_steps(tiny_cfg(data_parallel=dp, tensor_parallel=tp), batches, host)
     np.testing.assert_allclose(got, losses, rtol=2e-6)
     for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(state.params)):
-        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b))
+        # float32 sums in another order over tp, through 3 AdamW steps (which divide by the gradients' own size):
+        # 1.0045e-5 of the norm for one [2, 256, 64] weight on one 2-core x86 machine, under 1e-5 on another; a
+        # wrong sharding is off by a tenth or more
+        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 3e-5 * np.linalg.norm(np.asarray(b))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
@@ -238,8 +241,8 @@ def test_phased_equals_fused(reference_run, optimizer):
     got, got_state = run_steps(tiny_cfg(phased=True, data_parallel=2, tensor_parallel=2, optimizer=optimizer),
                                batches, host)
     np.testing.assert_allclose(got, fused_losses, rtol=2e-6)
-    for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(fused_state.params)):
-        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 1e-5 * np.linalg.norm(np.asarray(b))
+    for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(fused_state.params)):  # (as above: dp 2 x tp 2)
+        assert np.linalg.norm(np.asarray(a) - np.asarray(b)) <= 3e-5 * np.linalg.norm(np.asarray(b))
 
 
 def test_packed_equals_unpacked_loss_and_gradients():

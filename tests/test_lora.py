@@ -253,6 +253,11 @@ def test_the_tiny_preset_with_lora_learns_the_synthetic_task(tmp_path):
     run_validation.main(["--load", save, "--limit", "500"])  # (compiles more than it runs: in this process)
     report = json.load(open(os.path.join(save, "validation_step150_first500.json")))
     assert report["accuracy"] > 0.6, report["accuracy"]
+    # the adapters merged into their base, then every matmul weight quantized to int8 (tp 2): within a point
+    run_validation.main(["--load", save, "--limit", "500", "--quantize", "int8"])
+    int8 = json.load(open(os.path.join(save, "validation_step150_first500_greedy_int8.json")))
+    assert int8["quantization"] == "int8" and int8["decoding_name"] == "greedy_int8"
+    assert abs(int8["accuracy"] - report["accuracy"]) <= 0.01, (int8["accuracy"], report["accuracy"])
 
 
 def _phased_and_fused(cfg, random_base: bool, steps=2):
@@ -373,7 +378,7 @@ def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path,
     args, overrides = parse_args("inference", "", "tiny", ["--load", a, "--micro_batch_size", "2"])
     predictor = app.predict.Predictor(app.predict.decoding_config(args, overrides))
     saved = ckpt.load_meta(a, 3)
-    host, device = predictor.merged_from_host(a, 3, saved), predictor.merged_on_device(a, 3, saved)
+    host, device = predictor.weights.merged_from_host(a, 3, saved), predictor.weights.merged_on_device(a, 3, saved)
     assert jax.tree.structure(host) == jax.tree.structure(device)
     for x, y in zip(jax.tree.leaves(host), jax.tree.leaves(device)):
         assert x.sharding == y.sharding and x.dtype == y.dtype

@@ -9,6 +9,7 @@ count them; host: live arrays in host memory at each phase's start).
 import gc
 
 import jax
+import numpy as np
 import pytest
 
 from config import load_config
@@ -195,3 +196,83 @@ def test_a_task_with_longer_targets_is_planned_with_its_longer_decoder():
     for item in ("batch", "activations"):
         assert long.device_items[item] > short.device_items[item] * 1.5, (short.format(), long.format())
     assert long.device_peak > 2 * short.device_peak
+
+
+# --------------------------------------------------------------------------- decoding's plan (graphs/decode_plan.py)
+
+
+def _decode_graphs(preset, **kw):
+    from graphs import sharding as S
+
+    over = dict(eval=True, lora_rank=0, phased=False, rts=False, micro_batch_size=32, output_length=128,
+                data_parallel=1, tensor_parallel=1, **kw)
+    return Graphs(load_config("finetuning", preset, over), mesh=S.make_mesh(1, 1))
+
+
+@pytest.mark.parametrize("preset,fits,short", [
+    # XXL: int8 weights alone (its bfloat16 weights with the cache do not fit)
+    ("xxl_lora_1gpu", dict(quantize="int8"), dict()),
+    # UL2: int8 weights and the encoder streamed from host memory (int8 alone does not fit)
+    ("ul2_lora_1gpu", dict(quantize="int8", stream_encoder=True), dict(quantize="int8")),
+])
+def test_the_24_gb_lora_presets_decode_within_22_gib(preset, fits, short):
+    """What the workstation presets train in, they validate and serve in: 32 rows of sequence_length (512) prompts
+    and 128 new tokens within 22 GiB of device memory and 59 GiB of host memory (the frozen base held there while
+    the adapters are merged into it), from shapes (the largest activations estimated; --plan_exact counts XLA's
+    temporaries on the machine itself). Measured: XXL 18.3 GiB, UL2 20.6 GiB device, 44.5 GiB host."""
+    from graphs.decode_plan import decode_plan
+    from app.weights import Weights
+
+    g = _decode_graphs(preset, **fits)
+    base = Weights(g).lora_graphs({"config": {"lora": {"rank": 16, "alpha": 32}}})  # (the presets' adapters)
+    base_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(base.abstract_base()))
+    p = decode_plan(g, 32, g.cfg.model.sequence_length, 128, lora_base_bytes=base_bytes)
+    assert g.cfg.model.sequence_length == 512 and p.device_items["KV cache"] > 0
+    assert p.device_peak < 22 * GIB and p.host_peak < 59 * GIB, (p.device_peak / GIB, p.host_peak / GIB)
+    assert p.host_items["LoRA base (while merging)"] == base_bytes > 20 * GIB  # the bfloat16 base: 20.7 / 36.5 GiB
+    worse = decode_plan(_decode_graphs(preset, **short), 32, 512, 128)
+    assert worse.device_peak > 22 * GIB, worse.device_peak / GIB  # the option is what makes it fit
+
+
+@pytest.mark.parametrize("flags", [dict(quantize="int8", tensor_parallel=2), dict(quantize="int8", stream_encoder=True),
+                                   dict(family_preset="gptj_tiny")])
+def test_the_decode_plan_counts_what_decoding_places(flags):
+    """The plan's weights are the bytes Weights.place puts on a device (and, streamed, in host memory); its KV
+    cache the bytes of the cache decoding makes (the family's decode_start under shard_map, on a device)."""
+    from jax.sharding import PartitionSpec as P
+
+    from app.weights import Weights
+    from graphs import sharding as S
+    from graphs.decode_plan import cache_bytes, decode_plan
+    from modelling.params import is_spec
+
+    flags = dict(flags)
+    preset = flags.pop("family_preset", "tiny")
+    cfg = load_config("inference", preset, dict(eval=True, data_parallel=1, micro_batch_size=4, **flags))
+    g = Graphs(cfg)
+    rng = np.random.default_rng(0)
+    host = jax.tree.map(lambda s: (s.std or 1.0) * rng.standard_normal(s.shape).astype(np.float32), g.specs,
+                        is_leaf=is_spec)
+    params = Weights(g).place(host)
+    p = decode_plan(g, 4, 16, 6)
+    on_device = [x for x in jax.tree.leaves(params) if x.sharding.memory_kind != "pinned_host"]
+    assert p.device_items["weights"] == max(S.per_device_bytes(on_device).values())
+    if g.prompt_stacks:
+        host_bytes = sum(sh.data.nbytes for x in jax.tree.leaves(params) if x.sharding.memory_kind == "pinned_host"
+                         for sh in x.addressable_shards)  # (each device's copy of a replicated weight: a buffer)
+        assert p.host_items["streamed encoder layers"] == host_bytes > 0
+    if g.prompt_stacks:  # (the cache decoding makes from a streamed encoder's output has the same shapes)
+        g = Graphs(load_config("inference", preset, dict(eval=True, data_parallel=1, micro_batch_size=4,
+                                                         **{**flags, "stream_encoder": False})))
+    fam, opts = g.family, g.opts
+
+    def cache(prm, i, m):  # each device's cache, stacked on a new leading axis
+        return jax.tree.map(lambda x: x[None], fam.decode_start(fam.decoding_params(prm, opts), i, m, opts, 6, S.TP)[1])
+
+    ids = jax.ShapeDtypeStruct((4, 16), np.int32, sharding=g.row_sharding)
+    out = jax.eval_shape(jax.shard_map(cache, mesh=g.mesh, in_specs=(g.decode_specs(), P(S.DP, None), P(S.DP, None)),
+                                       out_specs=P((S.DP, S.TP)), check_vma=False), g.abstract_decode_params(), ids, ids)
+    one_device = sum(int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(out))
+    assert cache_bytes(g, 4, 16, 6) == one_device > 0 and p.device_items.get("KV cache", one_device) == one_device
+    assert p.device_peak == p.device_items["weights"] + max(
+        sum(v for k, v in p.device_items.items() if k != "weights"), 0)

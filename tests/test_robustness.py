@@ -207,24 +207,33 @@ def test_a_single_file_is_named_as_such_in_the_validation_report(tmp_path, capsy
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     save = str(tmp_path / "ck")
     run_finetuning.main(SMALL + ["--steps", "1", "--save", save])
-    run_validation.main(["--config", "tiny", "--load", save, "--dataset", str(path)])
+    with caplog.at_level("INFO", logger="flan_t5"):
+        run_validation.main(["--config", "tiny", "--load", save, "--dataset", str(path)])
     out = capsys.readouterr().out
     assert f"of the rows of {path}" in out and "samples of validation" not in out
     report = json.load(open(os.path.join(save, "validation_mydata_step1.json")))  # not validation_step1.json
     assert report["split"] == "mydata" and report["single_file"] and report["samples"] == 12
-    assert "a single file" in caplog.text
+    assert "a single file" in caplog.text and "does not apply" not in caplog.text  # (no --split was passed)
 
 
 def test_a_checkpoint_of_another_shape_names_both_shapes_and_no_stray_traceback(tmp_path):
     save = str(tmp_path / "ck")
     run_finetuning.main(SMALL + ["--steps", "1", "--save", save])
-    proc = _subprocess(["run_finetuning.py"] + SMALL + ["--load", save, "--steps", "3", "--hidden_size", "32",
+    # a new run from its weights (--init_from) in another shape: the weights' shapes and the flags that fit
+    proc = _subprocess(["run_finetuning.py"] + SMALL + ["--init_from", save, "--steps", "3", "--hidden_size", "32",
                                                         "--save", str(tmp_path / "other")])
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2
     last = err.strip().splitlines()[-1]
     assert "of shape (64,) but this run's model has (32,)" in last and "--hidden_size 64" in last, last
     assert "Traceback" not in err and "Event loop is closed" not in err, err[-2000:]
+    # a resume takes its shape from the checkpoint: a flag that contradicts it names both values
+    proc = _subprocess(["run_finetuning.py"] + SMALL + ["--load", save, "--steps", "3", "--hidden_size", "32",
+                                                        "--save", str(tmp_path / "other")])
+    _, err = proc.communicate(timeout=300)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "--hidden_size 32 contradicts the checkpoint" in last, last
+    assert "whose hidden_size is 64" in last and "Traceback" not in err
 
 
 def test_validation_takes_the_model_shape_from_the_checkpoint_and_the_hf_config(tmp_path, capsys):

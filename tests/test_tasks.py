@@ -146,6 +146,13 @@ def test_the_tiny_models_learn_a_free_text_task_of_their_own(tmp_path, caplog, p
     assert report["scores"]["exact_match"] > least, report["scores"]  # measured: 0.97 (GPT-J, 120 steps)
     assert report["scores"]["rougeL"] > report["scores"]["exact_match"]
     assert len(report["generated"]) == len(report["references"]) == len(report["inputs"]) == 100
+    # bfloat16 decoding, and bfloat16 with int8 weights: within a point of each other
+    scores = {}
+    for q in ("none", "int8"):
+        run_validation.main(["--load", save, "--limit", "100", "--precision", "bfloat16", "--quantize", q,
+                             "--output", str(tmp_path / f"bf16_{q}.json")])
+        scores[q] = json.load(open(tmp_path / f"bf16_{q}.json"))["scores"]["exact_match"]
+    assert scores["none"] > least and abs(scores["int8"] - scores["none"]) <= 0.01, scores
     # beam search and sampling from the command line, scored the same way
     run_validation.main(["--load", save, "--limit", "32", "--num_beams", "3", "--output", str(tmp_path / "b.json")])
     run_validation.main(["--load", save, "--limit", "32", "--do_sample", "--top_k", "3", "--sampling_seed", "5",
@@ -207,7 +214,7 @@ def jax_leaves(tree):
 
 
 def test_the_readme_s_own_task_command_is_the_tiny_headlines_preset():
-    """README's "Your own task" says the tiny_headlines preset is `--config tiny` with its flags: they give the same
+    """docs/tasks.md says the tiny_headlines preset is `--config tiny` with its flags: they give the same
     config, field for field (the flags it named once left out the lengths, the learning rate and the steps)."""
     import re
     import shlex
@@ -216,7 +223,7 @@ def test_the_readme_s_own_task_command_is_the_tiny_headlines_preset():
     from config.fields import get_path
     from config.schema import FIELDS
 
-    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")).read()
+    text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "tasks.md")).read()
     block = re.search(r"```bash\n(python3 run_finetuning\.py --config tiny --task_name headlines .*?)```", text, re.S)
     argv = shlex.split(block.group(1).replace("\\\n", " "))[2:]
     del argv[argv.index("--save"): argv.index("--save") + 2]

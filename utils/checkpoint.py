@@ -13,6 +13,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 from typing import Optional
 
@@ -215,7 +216,7 @@ def load(directory: str, step: int, params_target, opt_state_target=None, hint=N
     try:
         out = mgr.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # orbax/tensorstore raise many types for missing, corrupt or mismatched data
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        first = _cause(e)
         fix = _previous_complete(directory, step)
         if opt_state_target is not None and "opt_state" in str(e):
             fix += " (or pass --optim_state false if only its optimizer state is unreadable)"
@@ -224,6 +225,15 @@ def load(directory: str, step: int, params_target, opt_state_target=None, hint=N
     finally:
         mgr.close()  # its background threads end here, not at interpreter exit
     return out["params"], out.get("opt_state"), out["meta"]
+
+
+def _cause(e: BaseException, limit: int = 160) -> str:
+    """An error's first line without TensorStore's internals (source locations, specs, its "See full TensorStore
+    details" pointer to a Python object), cut at a word with an ellipsis, never inside one."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = re.split(r"\s*(?:\[source locations=|\[tensorstore_spec=|See full TensorStore details)", text)[0]
+    text = " ".join(text.split()).rstrip(" .:;,") or type(e).__name__
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0].rstrip(" .:;,") + " ..."
 
 
 def has_item(directory: str, step: int, item: str) -> bool:

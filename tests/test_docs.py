@@ -1,0 +1,349 @@
+"""The documentation against the code: every command shown in README.md and docs/ names a driver that exists, flags
+its parser knows and presets its preset file holds (the copy-pasteable ones parse whole, their values checked by the
+config); every driver flag and every preset is documented in docs/; docs/configuration.md is the config's own
+reference, regenerated; the README stays a front page; the make targets set up what is missing and run."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import os
+import re
+import shlex
+import shutil
+from unittest import mock
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC_FILES = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+
+# script (as a command names it) -> (module, {flag naming a preset: the preset file's kind})
+DRIVERS = {
+    "run_finetuning.py": ("run_finetuning", {"--config": "finetuning"}),
+    "run_validation.py": ("run_validation", {"--config": "inference"}),
+    "run_inference.py": ("run_inference", {"--config": "inference"}),
+    "run_export.py": ("run_export", {"--config": "inference"}),
+    "run_server.py": ("run_server", {"--config": "inference"}),
+    "finetuning.py": ("finetuning", {"--config": "finetuning"}),
+    "inference.py": ("inference", {"--config": "inference"}),
+    "benchmarks/compare.py": ("benchmarks.compare", {"--config": "finetuning", "--inference_config": "inference"}),
+    "benchmarks/suite.py": ("benchmarks.suite", {}),
+    "benchmarks/hf_baseline.py": ("benchmarks.hf_baseline", {"--config": "finetuning"}),
+    "benchmarks/phased_memory.py": ("benchmarks.phased_memory", {"--config": "finetuning"}),
+    "benchmarks/workstation.py": ("benchmarks.workstation", {"--preset": "finetuning"}),
+    "benchmarks/lora.py": ("benchmarks.lora", {"--config": "finetuning"}),
+    "benchmarks/attention.py": ("benchmarks.attention", {}),
+    "benchmarks/figures.py": ("benchmarks.figures", {}),
+    "benchmarks/serve.py": ("benchmarks.serve", {"--configs": "inference"}),
+    "benchmarks/large_data.py": ("benchmarks.large_data", {}),
+    "benchmarks/precision.py": ("benchmarks.precision", {"--config": "finetuning"}),
+    "benchmarks/int8_accuracy.py": ("benchmarks.int8_accuracy", {}),
+    "benchmarks/int8_hlo.py": ("benchmarks.int8_hlo", {"--config": "inference"}),
+    "-m app.launch": ("app.launch", {}),
+    "-m config.reference": ("config.reference", {}),
+}
+# the drivers whose parsers are app/args.py's: every config field a flag, resolved and validated by the config
+CONFIG_DRIVERS = {"run_finetuning.py": "finetuning", "finetuning.py": "finetuning", "run_validation.py": "inference",
+                  "run_inference.py": "inference", "run_export.py": "inference", "run_server.py": "inference",
+                  "inference.py": "inference"}
+OTHER_TOOLS = {"pip", "pytest", "jupyter", "make", "git", "bash", "venv", "nbconvert"}  # not ours to check
+INTERNAL = {"-m data.cache"}  # modules the drivers start themselves, named where the docs say so
+
+
+class _Captured(BaseException):
+    """Raised in place of parsing: the parser a driver's main built, caught before any work."""
+
+
+_PARSERS: dict = {}
+
+
+def parser_of(script: str) -> argparse.ArgumentParser:
+    """The argparse parser ``script``'s main builds, taken at its parse_args (nothing else of main runs)."""
+    if script not in _PARSERS:
+        module = importlib.import_module(DRIVERS[script][0])
+        got = []
+
+        def capture(self, args=None, namespace=None):
+            got.append(self)
+            raise _Captured
+
+        with mock.patch.object(argparse.ArgumentParser, "parse_args", capture):
+            try:
+                module.main(["train"] if script.endswith("hf_baseline.py") else [])
+            except _Captured:
+                pass
+        assert got, f"{script}'s main parsed no arguments"
+        _PARSERS[script] = got[-1]
+    return _PARSERS[script]
+
+
+def flags_of(parser) -> set:
+    return {o for a in parser._actions for o in a.option_strings if o.startswith("--")}
+
+
+def documented_flags(parser) -> set:
+    """The flags a user is told of: --help's (those it hides are internal)."""
+    return {o for a in parser._actions if a.help != argparse.SUPPRESS for o in a.option_strings
+            if o.startswith("--") and o != "--help"}
+
+
+def presets(kind: str) -> set:
+    from config.presets import preset_path, read_presets
+
+    return set(read_presets(preset_path(kind)))
+
+
+# ----------------------------------------------------------------------------------------------- reading the docs
+
+def code_blocks(text: str):
+    """(first line number, lines) of each fenced code block, continuation lines joined."""
+    for m in re.finditer(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M):
+        line = text[:m.start()].count("\n") + 2
+        yield line, m.group(1).replace("\\\n", " ").splitlines()
+
+
+def inline_spans(text: str):
+    """(line number, text) of each inline code span outside fenced blocks."""
+    outside = re.sub(r"^```[^\n]*\n.*?^```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S | re.M)
+    for m in re.finditer(r"`([^`\n]+)`", outside):
+        yield outside[:m.start()].count("\n") + 1, m.group(1)
+
+
+def split_command(line: str, variables: dict):
+    """A shell line -> [(script, [args])] for each python3 command of ours in it (joined by && or ;); env
+    assignments, prompts and `/usr/bin/time -v` in front are skipped, $VARS of the block expanded."""
+    for name, value in variables.items():
+        line = line.replace(f"${name}", value)
+    try:
+        tokens = shlex.split(line.lstrip("$ "), comments=True)
+    except ValueError:
+        return []
+    out, cmd = [], []
+    for t in tokens + ["&&"]:
+        if t in ("&&", ";", "||"):  # not |: a synopsis's alternatives (--load CKPT | --hf_model DIR)
+            out.append(cmd)
+            cmd = []
+        else:
+            cmd.append(t)
+    found = []
+    for cmd in out:
+        while cmd and (re.match(r"^[A-Z_][A-Z0-9_]*=", cmd[0]) or cmd[0] in ("/usr/bin/time", "-v", "time")):
+            cmd = cmd[1:]
+        if len(cmd) < 2 or cmd[0] not in ("python3", "python", "$(PY)", ".venv/bin/python"):
+            continue
+        if cmd[1] == "-m":
+            found.append((f"-m {cmd[2]}", cmd[3:]))
+        elif cmd[1] != "-c":
+            found.append((cmd[1], cmd[2:]))
+    return found
+
+
+def doc_commands():
+    """(file:line, script, args, whole) of every python3 command in the docs; whole: a copy-pasteable line of a
+    code block (else an inline synopsis such as `run_validation.py --load CKPT [--limit N]`)."""
+    for path in DOC_FILES:
+        text = open(path).read()
+        name = os.path.relpath(path, ROOT)
+        for start, lines in code_blocks(text):
+            variables = {}
+            for i, line in enumerate(lines):
+                m = re.match(r'^([A-Z_][A-Z0-9_]*)="([^"]*)"\s*$', line)
+                if m:
+                    variables[m.group(1)] = m.group(2)
+                for script, args in split_command(line, variables):
+                    yield f"{name}:{start + i}", script, args, True
+        for line, span in inline_spans(text):
+            for script, args in split_command(span.replace("\\|", "|"), {}):
+                yield f"{name}:{line}", script, args, False
+
+
+def flag_tokens(args: list):
+    """The --flags among a command's tokens (synopsis brackets stripped), stopping at `--` (what follows is passed
+    on to another script) and at a driver named inside it (the launcher's command)."""
+    for t in args:
+        t = t.strip("[]()")
+        if t == "--" or t.endswith(".py"):
+            return
+        if " " in t:  # a quoted value ("--num_beams 4" given to --decode_flags): another script's flags
+            continue
+        m = re.match(r"^(--[a-z][\w-]*)", t)
+        if m:
+            yield m.group(1)
+
+
+def preset_values(args: list, preset_flags: dict):
+    """(flag, value, kind) of each concrete preset named after a preset flag (placeholders like PRESET skipped)."""
+    for i, t in enumerate(args):
+        flag = t.strip("[]()").split("=")[0]
+        if flag in preset_flags:
+            values = [t.split("=", 1)[1]] if "=" in t else []
+            for v in args[i + 1:] if not values else []:
+                if v.startswith("-") or not re.match(r"^[a-z][\w.-]*$", v.strip("[]()")):
+                    break
+                values.append(v.strip("[]()"))
+                if flag != "--configs":
+                    break
+            for v in values:
+                yield flag, v, preset_flags[flag]
+
+
+# ---------------------------------------------------------------------------------------------------- the tests
+
+COMMANDS = list(doc_commands())
+
+
+def test_the_docs_show_commands_of_every_kind():
+    """The extraction reads what it should: commands in code blocks and inline, of many drivers (a reader that
+    found nothing would pass every check below)."""
+    scripts = {s for _, s, _, _ in COMMANDS}
+    assert {"run_finetuning.py", "run_validation.py", "run_inference.py", "run_server.py", "run_export.py",
+            "benchmarks/suite.py", "-m app.launch"} <= scripts
+    assert sum(whole for *_, whole in COMMANDS) > 40 and sum(not whole for *_, whole in COMMANDS) > 40
+
+
+def test_every_command_names_a_driver_flags_and_presets_that_exist():
+    problems = []
+    for where, script, args, _ in COMMANDS:
+        if script.startswith("-m ") and script.split()[1].split(".")[0] in OTHER_TOOLS:
+            continue
+        if script in INTERNAL:
+            assert importlib.util.find_spec(script.split()[1]), f"{where}: no module {script}"
+            continue
+        if script not in DRIVERS:
+            problems.append(f"{where}: {script} is no driver of this project")
+            continue
+        known = flags_of(parser_of(script))
+        problems += [f"{where}: {script} has no flag {f}" for f in flag_tokens(args) if f not in known]
+        problems += [f"{where}: {script} {flag} {v}: no such preset in config/{kind}.yml"
+                     for flag, v, kind in preset_values(args, DRIVERS[script][1]) if v not in presets(kind)]
+        if script == "-m app.launch" and any(a.endswith(".py") for a in args):  # the command it launches
+            i = next(i for i, a in enumerate(args) if a.endswith(".py"))
+            inner = flags_of(parser_of(args[i]))
+            problems += [f"{where}: {args[i]} has no flag {f}" for f in flag_tokens(args[i + 1:]) if f not in inner]
+    assert not problems, "\n".join(problems)
+
+
+def make_commands():
+    """(file:line, [tokens]) of every `make ...` command in the docs."""
+    for path in DOC_FILES:
+        text, name = open(path).read(), os.path.relpath(path, ROOT)
+        spans = [(start + i, line) for start, lines in code_blocks(text) for i, line in enumerate(lines)]
+        for where, line in spans + list(inline_spans(text)):
+            if line.startswith("make "):
+                yield f"{name}:{where}", shlex.split(line, comments=True)[1:]
+
+
+def test_every_make_command_names_targets_and_variables_the_makefile_has():
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    variables = set(re.findall(r"^(\w+) \?=", makefile, re.M))
+    found = list(make_commands())
+    assert {"quickstart", "test"} <= {t for _, args in found for t in args}
+    problems = [f"{where}: make {a}" for where, args in found for a in args if a != "..."
+                if (a.split("=")[0] not in variables if "=" in a else a not in targets)]
+    assert not problems, problems
+
+
+def test_every_copy_pasteable_command_parses_and_its_config_validates():
+    """A code block's command parses whole with its driver's parser (values of the right type, nothing missing)
+    and, for a driver of app/args.py, its preset with its flags is a valid config."""
+    from app.args import join_negative_values, make_config
+
+    problems = []
+    for where, script, args, whole in COMMANDS:
+        if not whole or script not in DRIVERS or script == "-m app.launch":
+            continue
+        argv = args[1:] if script.endswith("hf_baseline.py") else args
+        argv = argv[:argv.index("--")] if "--" in argv else argv
+        try:
+            ns = parser_of(script).parse_args(join_negative_values(argv))
+        except SystemExit:
+            problems.append(f"{where}: {script} {shlex.join(args)} does not parse")
+            continue
+        if script in CONFIG_DRIVERS:
+            overrides = {k[len("cfg__"):]: v for k, v in vars(ns).items() if k.startswith("cfg__")}
+            try:
+                make_config(CONFIG_DRIVERS[script], ns.config, overrides)
+            except Exception as e:  # noqa: BLE001 -- any config error is the finding
+                problems.append(f"{where}: {script} {shlex.join(args)}: {e}")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_driver_flag_and_every_preset_is_documented_in_docs():
+    """The reverse: every flag of every driver and every preset of either file is in docs/: a config field in
+    docs/configuration.md (generated from the config's docs), a driver's own flag in a command of that driver
+    shown in docs/ (docs/commands.md's synopses), a preset by name in the written pages."""
+    from config.schema import FIELDS
+
+    docs = {p: open(p).read() for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))}
+    written = "\n".join(t for p, t in docs.items() if not p.endswith("configuration.md"))
+    reference = docs[os.path.join(ROOT, "docs", "configuration.md")]
+    config_flags = {f"--{f}" for f in FIELDS}
+    shown = {}
+    for where, script, args, _ in COMMANDS:
+        if where.startswith("docs"):
+            shown.setdefault(script, set()).update(flag_tokens(args))
+    missing = []
+    for script in DRIVERS:
+        for flag in sorted(documented_flags(parser_of(script))):
+            if flag in config_flags and (script in CONFIG_DRIVERS or script.endswith("hf_baseline.py")):
+                if not re.search(re.escape(f"`{flag}`"), reference):
+                    missing.append(f"{script} {flag} (docs/configuration.md)")
+            elif flag not in shown.get(script, ()):
+                missing.append(f"{script} {flag}")
+    for kind in ("finetuning", "inference"):
+        missing += [f"preset {p} of config/{kind}.yml" for p in sorted(presets(kind)) if f"`{p}`" not in written]
+    assert not missing, "not in docs/: " + ", ".join(missing)
+
+
+def test_docs_configuration_is_the_config_s_own_reference():
+    """docs/configuration.md is what `python3 -m config.reference` writes from config/schema.py now: a field added,
+    renamed or redocumented without regenerating it fails here."""
+    from config.reference import markdown
+
+    assert open(os.path.join(ROOT, "docs", "configuration.md")).read() == markdown(), \
+        "docs/configuration.md is stale: python3 -m config.reference --output docs/configuration.md"
+
+
+def test_the_readme_is_a_front_page_that_links_every_doc():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert len(readme.splitlines()) <= 300
+    for path in glob.glob(os.path.join(ROOT, "docs", "*.md")):
+        assert f"](docs/{os.path.basename(path)})" in readme, f"README.md does not link {path}"
+    links = re.findall(r"\]\(((?:docs|benchmarks|imgs)/[^)#]+)", readme)
+    for path in glob.glob(os.path.join(ROOT, "docs", "*.md")):
+        links += [os.path.join("docs", l) for l in re.findall(r"\]\(([^)#:]+\.md)", open(path).read())]
+    assert [l for l in links if not os.path.exists(os.path.join(ROOT, os.path.normpath(l)))] == []
+
+
+def test_the_gpu_suite_table_lives_between_its_markers_in_docs_and_is_current(tmp_path):
+    """The suite's --readme rewrites docs/gpu_suite.md's table between its markers; regenerated from the committed
+    results, it equals the committed page (no other file holds the markers)."""
+    from benchmarks import suite
+
+    page = os.path.join(ROOT, "docs", "gpu_suite.md")
+    holders = [p for p in DOC_FILES if suite.BEGIN in open(p).read()]
+    assert holders == [page]
+    results = tmp_path / "suite"
+    shutil.copytree(os.path.join(ROOT, "benchmarks", "results", "h100", "suite"), results)
+    copy = tmp_path / "gpu_suite.md"
+    shutil.copy(page, copy)
+    suite.update_readme(str(copy), str(results))
+    fresh = copy.read_text().replace(os.path.relpath(str(results), suite.ROOT), "benchmarks/results/h100/suite")
+    fresh = fresh.replace(os.path.relpath(str(copy), suite.ROOT), "docs/gpu_suite.md")
+    assert fresh == open(page).read()
+
+
+# a parse that reads a flag that is not the driver's own, or a preset that is gone, must fail the checks above
+def test_the_checks_catch_a_wrong_flag_and_a_wrong_preset():
+    (where, script, args, _), = [c for c in COMMANDS if c[1] == "run_validation.py" and c[3]][:1]
+    known = flags_of(parser_of(script))
+    assert "--nmu_beams" not in known and "--num_beams" in known
+    assert list(flag_tokens(["--load", "x", "[--nmu_beams", "4]"])) == ["--load", "--nmu_beams"]
+    assert list(preset_values(["--config", "tinyy", "--steps", "3"], {"--config": "finetuning"})) == \
+        [("--config", "tinyy", "finetuning")] and "tinyy" not in presets("finetuning")
+    assert list(preset_values(["--config", "PRESET"], {"--config": "finetuning"})) == []  # a placeholder
+    with pytest.raises(SystemExit):
+        parser_of("run_validation.py").parse_args(["--load", "x", "--nmu_beams", "4"])

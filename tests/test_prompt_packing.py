@@ -1,0 +1,90 @@
+"""Prompts packed for the encoder while decoding (modelling/rows.py's ``pack_prompts``, Graphs.pack): every prompt
+token read once, in its own segment with its own positions, each data-parallel group apart; and decoding packed
+prompts gives the tokens decoding them padded gives, for every search, at dp x tp."""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from app.weights import Weights
+from config import load_config
+from graphs import sharding as S
+from graphs.graphs import Graphs
+from modelling.decoding import Options
+from modelling.params import is_spec
+from modelling.rows import pack_prompts
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from([1, 2, 4]), st.integers(4, 24), st.sampled_from([1, 2]))
+def test_every_prompt_token_is_read_once_in_a_segment_of_its_own(data, groups, k, widen):
+    per = data.draw(st.integers(1, 5))
+    lengths = data.draw(st.lists(st.integers(1, k), min_size=groups * per, max_size=groups * per))
+    b, width = len(lengths), k * widen
+    mask = (np.arange(k)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+    ids = (np.arange(b * k).reshape(b, k) + 1) * mask  # every token its own id
+    out = pack_prompts(ids, mask, groups=groups, width=width)
+    if out is None:  # nothing saved: each group needs as many rows as it has prompts
+        return
+    pids, segs, pos, where = out
+    p = pids.shape[0] // groups
+    assert p < per and pids.shape == segs.shape == pos.shape == (groups * p, width) and where.shape == (b, k)
+    for r in range(b):
+        g, n = r // per, lengths[r]
+        flat = where[r, :n]
+        assert (where[r, n:] == p * width).all()  # padding reads the zero row
+        assert ((flat >= 0) & (flat < p * width)).all()  # within its group's rows
+        rows, cols = g * p + flat // width, flat % width
+        np.testing.assert_array_equal(pids[rows, cols], ids[r, :n])  # its tokens, in order
+        np.testing.assert_array_equal(pos[rows, cols], np.arange(n))  # positions restart
+        assert len(set(rows)) == 1 and (segs[rows, cols] == segs[rows[0], cols[0]]).all() and segs[rows[0], cols[0]] > 0
+        others = (segs[rows[0]] == segs[rows[0], cols[0]]).sum()
+        assert others == n  # no other prompt in its segment
+    assert (pids != 0).sum() == sum(lengths)  # every token once, nothing else
+
+
+def _decode(dp, tp, options, lengths, packed: bool, quantize="none"):
+    k = 32
+    cfg = load_config("inference", "tiny", dict(eval=True, data_parallel=dp, tensor_parallel=tp,
+                                                micro_batch_size=len(lengths) // dp, quantize=quantize,
+                                                sequence_length=k))
+    g = Graphs(cfg)
+    rng = np.random.default_rng(0)
+    host = jax.tree.map(lambda s: (s.std or 0.0) * rng.standard_normal(s.shape).astype(np.float32)
+                        + (0.0 if s.std else 1.0), g.specs, is_leaf=is_spec)
+    params = Weights(g).place(host)
+    mask = (np.arange(k)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+    ids = rng.integers(2, 128, mask.shape).astype(np.int32) * mask
+    if packed:
+        assert g.pack(ids, mask) is not None  # (the batch does pack)
+    run = g.decode_phase(options, seed=2)
+    if packed:
+        return np.asarray(run(params, ids, mask))  # numpy: the program packs them
+    return np.asarray(run(params, S.put_global(ids, g.row_sharding), S.put_global(mask, g.row_sharding)))
+
+
+@pytest.mark.parametrize("dp,tp,options,quantize", [
+    (1, 1, Options(6), "none"),
+    (2, 2, Options(6, num_beams=3), "int8"),
+    (2, 1, Options(6, do_sample=True, top_k=4), "none"),
+])
+def test_packed_prompts_decode_the_tokens_padded_ones_do(dp, tp, options, quantize):
+    lengths = [30, 5, 26, 3, 20, 9, 7, 11] * dp  # short prompts beside long ones: fewer rows packed
+    assert _decode(dp, tp, options, lengths, True, quantize).tolist() == \
+        _decode(dp, tp, options, lengths, False, quantize).tolist()
+
+
+def test_the_packing_width_is_the_cheapest():
+    """Prompts that pair with none in rows of their own width (all longer than half of it) pack into rows twice as
+    wide: 8 rows of 128 become 3 of 256 for MultiNLI-like lengths; prompts all of one length are not packed."""
+    g = Graphs(load_config("inference", "small", dict(eval=True, data_parallel=1, tensor_parallel=1,
+                                                      micro_batch_size=8, sequence_length=128)),
+               mesh=S.make_mesh(1, 1))
+    lengths = np.array([119, 105, 97, 81, 84, 66, 68, 65])
+    mask = (np.arange(128)[None] < lengths[:, None]).astype(np.int32)
+    assert pack_prompts(mask, mask, width=128) is None
+    ids, segs, pos, where = g.pack(mask, mask)
+    assert ids.shape == (3, 256)
+    full = np.ones((8, 128), np.int32)
+    assert g.pack(full, full) is None

@@ -5,8 +5,8 @@
     FLAN_T5_API_KEY=secret python3 run_server.py --load ckpt/gptj --host 0.0.0.0 --port 8080
 
 Then any OpenAI client: ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret").completions.create(
-model=..., prompt=..., max_tokens=32, temperature=0)``. Endpoints: POST /v1/completions, GET /v1/models, GET
-/health, GET /metrics (Prometheus). The weights (a checkpoint, LoRA adapters merged into their base, or an HF
+model=..., prompt=..., max_tokens=32, temperature=0)``. Endpoints: POST /v1/completions, POST /v1/chat/completions,
+GET /v1/models, GET /health, GET /metrics (Prometheus); docs/serving.md is the reference. The weights (a checkpoint, LoRA adapters merged into their base, or an HF
 model), the tokenizer and the output length come from the checkpoint as run_inference.py takes them; prompts are
 read as given (as ``run_inference.py --prompt``), and greedy decoding (temperature 0) gives its tokens.
 
@@ -48,7 +48,8 @@ def extra_flags(p):
     s.add_argument("--slots", type=int, default=None,
                    help="decoding slots: requests decoded at once (default: micro_batch_size * data_parallel)")
     s.add_argument("--max_queue", type=int, default=None,
-                   help="requests that may wait for a slot; more get 429 (default: 4 x slots)")
+                   help="sequences that may wait for a slot; more get 429 with Retry-After, which the openai client "
+                        "retries (default: 256, or 4 x slots where more)")
     s.add_argument("--prompt_widths", type=int, nargs="+", default=None, metavar="N",
                    help="prompt widths compiled (a prompt is padded to the first that holds it; the widest is the "
                         "longest prompt taken); default: 16, 32, ... up to sequence_length")
@@ -59,6 +60,22 @@ def extra_flags(p):
                    help="decoding steps per call of the slots' program (default 8: the host's work per call spread "
                         "over 8 tokens; 1: a token streamed at a time and joins at every step, at more host work "
                         "per token)")
+    s.add_argument("--min_join", type=int, default=None,
+                   help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
+                        "join together in one insert (default: half the slots per dp shard, at most the widest join; "
+                        "1: a free slot joins at once)")
+    s.add_argument("--max_logprobs", type=int, default=20,
+                   help="the most likely tokens a request may ask to see beside each token (logprobs, top_logprobs; "
+                        "default 20, as vLLM's)")
+    s.add_argument("--chat_template", default=None, metavar="FILE",
+                   help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's, else the last "
+                        "message with the earlier ones as 'Role: text' lines before it)")
+    s.add_argument("--header_timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's head before it is closed")
+    s.add_argument("--body_timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive (408 past it)")
+    s.add_argument("--max_connections", type=int, default=1024,
+                   help="open connections at most (uvicorn answers 503 past it)")
     s.add_argument("--grace_period", type=float, default=30.0,
                    help="seconds a SIGTERM leaves the held requests to finish before they end with an error")
     s.add_argument("--max_body_bytes", type=int, default=1 << 20, help="the largest request body (413 past it)")
@@ -73,16 +90,18 @@ def main(argv=None) -> None:
     from app.predict import start_decoding
 
     cfg = start_decoding(args, overrides, "serve")
-    from serving.engine import Engine, ServeOptions, check_exposure
+    from serving.backend import build_engine
+    from serving.engine import ServeOptions, check_exposure
     from serving.http import serve
 
     api_key = args.api_key or os.environ.get(KEY_VARIABLE) or None
     exposed = check_exposure(args.host, api_key)
     if exposed:
         logger.warning(exposed)
-    engine = Engine.build(cfg, ServeOptions.of(args, cfg))
+    engine = build_engine(cfg, ServeOptions.of(args, cfg))
     serve(engine, args.host, args.port, api_key, args.grace_period,
-          lambda host, port: print(engine.describe(host, port), flush=True))
+          lambda host, port: print(engine.describe(host, port), flush=True), args.header_timeout, args.body_timeout,
+          max_connections=args.max_connections)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ with a load generator as light as can be (one connection per request, HTTP/1.1 o
 machine: the server's figures carry its HTTP layer and its clients' work, static batching's carry neither.
 ``--model_flags`` given several times runs every preset once per value (another shape of the same preset).
 
+``--profile``: where a decoding call's time goes on the host instead: the server's engine in this process (no HTTP),
+the same requests submitted at once, its parts timed (dispatching the decoding and insert calls, waiting for the
+device, the scheduler's own bookkeeping, the output thread's work), beside the device's time per call alone (calls
+back to back, every slot decoding).
+
 Reported per method: generated tokens/s (the tokens each request asked for, up to its end-of-text, over the time
 from the first arrival to the last answer), time to the first token and inter-token latency (p50, p99; a static
 batch and HF generate give a request's tokens all at once, at its end), request latency, and the share of requests
@@ -75,7 +80,8 @@ def parse(argv):
                    help="config flags of every method, e.g. --model_flags='--tensor_parallel 1'; given again, "
                         "every preset runs once per value (another shape: --model_flags='--hidden_size 256')")
     p.add_argument("--json", default=None)
-    p.add_argument("--method", choices=("checkpoint", "static", "hf"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help="where a decoding call's time goes on the host (above)")
+    p.add_argument("--method", choices=("checkpoint", "static", "hf", "profile"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
@@ -236,14 +242,126 @@ def run_hf(a, extra: list) -> dict:
     return {**summarize(reqs, arrivals, ends, outputs, [e - r for e, r in zip(ends, arrivals)]), "device": device}
 
 
+# --------------------------------------------------------------------------- where a call's time goes
+
+
+class _Timed:
+    """Wall seconds and calls of methods, wrapped in place."""
+
+    def __init__(self):
+        self.seconds, self.calls = {}, {}
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kw)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t0
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        setattr(obj, name, timed)
+
+
+def profile_engine(a, steps: int, extra: list) -> dict:
+    """The server's engine on the workload, in this process: its parts' host time per decoding call."""
+    import threading
+
+    from serving.backend import build_engine
+    from serving.engine import ServeOptions, default_joins, default_min_join
+    from serving.output import Output
+    from serving.scheduler import Sequence
+
+    reqs = json.load(open(a.workload))
+    cfg, _, _, _ = decoding_setup(a, extra, {"output_length": a.max_new})
+    local = a.slots // cfg.execution.data_parallel
+    joins = tuple(a.join_sizes or default_joins(local))
+    widths = server_widths(reqs)
+    options = ServeOptions(a.slots, len(reqs), widths, joins, steps, a.max_new, 1 << 20, 1 << 20, "profile",
+                           min_join=default_min_join(a.slots, a.slots // local * max(joins)))
+    engine = build_engine(cfg, options)
+    device = device_seconds(engine, widths, joins, local)
+    t = _Timed()
+    for name in ("insert", "advance", "fetch"):
+        t.wrap(engine.backend, name, name)
+    t.wrap(engine.scheduler, "_round", "round")
+    t.wrap(engine.output, "handle", "output")
+    done, left = threading.Event(), [len(reqs)]
+
+    def deliver(events):
+        left[0] -= sum(1 for _, ev in events if ev.finish_reason or ev.error)
+        if left[0] <= 0:
+            done.set()
+
+    engine.start(deliver)
+    seqs = [Sequence(engine.tokenize(r["prompt"]), r["max_tokens"], 0.0, out=Output(0, None, stream=True))
+            for r in reqs]
+    t0 = time.perf_counter()
+    engine.submit(seqs)
+    done.wait()
+    wall = time.perf_counter() - t0
+    engine.stop()
+    n = t.calls["advance"]
+    s = {k: 1000 * v / n for k, v in t.seconds.items()}
+    return {"steps_per_call": steps, "decoding_calls": n, "inserts": t.calls.get("insert", 0),
+            "tokens_per_s": sum(x.count for x in seqs) / wall, "wall_s": wall,
+            "host_ms_per_decoding_call": {
+                "dispatching the decoding call": s["advance"], "dispatching inserts": s.get("insert", 0.0),
+                "waiting for the device (reading)": s["fetch"],
+                "scheduler bookkeeping": s["round"] - s["advance"] - s.get("insert", 0.0) - s["fetch"],
+                "output thread (text, events)": s.get("output", 0.0)},
+            "device_ms_per_call_alone": device}
+
+
+def device_seconds(engine, widths: tuple, joins: tuple, local: int, calls: int = 20) -> dict:
+    """Milliseconds of a decoding call (every slot decoding) and of an insert of each join size, back to back."""
+    import numpy as np
+
+    b = engine.backend
+    out = {}
+    for j in joins:
+        n = j * b.dp
+        ids, mask = b.layout(np.full((n, widths[0]), 3, np.int32), np.ones((n, widths[0]), np.int32))
+        sampling = tuple(np.zeros(n, dt) for dt in (np.float32, np.int32, np.float32, np.uint32, np.uint32)) + (
+            np.full(n, -1, np.int32),)
+        rows = np.tile(np.arange(j), b.dp)
+        b.fetch(b.insert(widths[0], j, ids, mask, rows, sampling, np.full(n, 1 << 20, np.int32))[0])
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            last = b.insert(widths[0], j, ids, mask, rows, sampling, np.full(n, 1 << 20, np.int32))[0]
+        b.fetch(last)
+        out[f"insert of {j} prompt(s) a shard"] = 1000 * (time.perf_counter() - t0) / calls
+    keep = np.ones(b.slots, bool)
+    b.fetch(b.advance(keep)[0])
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        last = b.advance(keep)[0]
+    b.fetch(last)
+    out[f"decoding call ({b.steps} steps, {b.slots} slots)"] = 1000 * (time.perf_counter() - t0) / calls
+    b.reset()
+    return out
+
+
+def run_profile(a, extra: list) -> dict:
+    return {f"server_{k}step": profile_engine(a, k, extra) for k in a.steps_per_call}
+
+
 # --------------------------------------------------------------------------- the server, over HTTP
 
 
-def start_server(a, steps: int, ckpt: str, reqs: list, extra: list) -> tuple:
-    """run_server.py on a free port with every program compiled -> (process, base url)."""
+def server_widths(reqs: list) -> tuple:
+    """The prompt widths a server compiles for the requests: 16, 32, ... up to their longest."""
     widths, longest = [16], max(len(r["prompt"].split()) for r in reqs) + 2  # + T5's end-of-text, slack
     while widths[-1] < longest:
         widths.append(widths[-1] * 2)
+    return tuple(widths)
+
+
+def start_server(a, steps: int, ckpt: str, reqs: list, extra: list) -> tuple:
+    """run_server.py on a free port with every program compiled -> (process, base url, model id)."""
+    widths = server_widths(reqs)
     cmd = [sys.executable, "run_server.py", "--load", ckpt, "--port", "0", "--slots", str(a.slots), "--max_queue",
            str(len(reqs)), "--output_length", str(a.max_new), "--prompt_widths", *map(str, widths),
            "--steps_per_call", str(steps), *extra]
@@ -252,7 +370,7 @@ def start_server(a, steps: int, ckpt: str, reqs: list, extra: list) -> tuple:
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **SHARED_DEVICE}, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("serving "):
-            return proc, line.split(" on ")[1].split()[0]
+            return proc, line.split(" on ")[1].split()[0], line.split()[1]
     raise SystemExit(f"the server did not start: {' '.join(cmd)} (exit {proc.wait()})")
 
 
@@ -284,11 +402,11 @@ async def _post_stream(host: str, port: int, body: dict):
         writer.close()
 
 
-async def _one(url: str, r: dict, t0: float) -> dict:
+async def _one(url: str, model: str, r: dict, t0: float) -> dict:
     await asyncio.sleep(max(t0 + r["arrival"] - time.perf_counter(), 0))
     host, port = url.split("//")[1].rsplit(":", 1)
     sent, times, tokens = time.perf_counter(), [], []
-    body = {"prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0, "stream": True,
+    body = {"model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0, "stream": True,
             "return_token_ids": True}
     async for event in _post_stream(host, int(port), body):
         ids = event["choices"][0].get("token_ids") or []
@@ -298,16 +416,16 @@ async def _one(url: str, r: dict, t0: float) -> dict:
     return {"sent": sent - t0, "times": [t - t0 for t in times], "tokens": tokens}
 
 
-async def _drive(url: str, reqs: list) -> list:
+async def _drive(url: str, model: str, reqs: list) -> list:
     """The requests sent at their arrival times (after two untimed ones)."""
     for r in reqs[:2]:
-        await _one(url, {**r, "arrival": 0.0}, time.perf_counter())
+        await _one(url, model, {**r, "arrival": 0.0}, time.perf_counter())
     t0 = time.perf_counter()
-    return await asyncio.gather(*[_one(url, r, t0) for r in reqs])
+    return await asyncio.gather(*[_one(url, model, r, t0) for r in reqs])
 
 
-def server_run(url: str, reqs: list) -> dict:
-    got = asyncio.run(_drive(url, reqs))
+def server_run(url: str, model: str, reqs: list) -> dict:
+    got = asyncio.run(_drive(url, model, reqs))
     return summarize(reqs, [g["sent"] for g in got], [g["times"][-1] for g in got], [g["tokens"] for g in got],
                      [g["times"][0] - g["sent"] for g in got], [g["times"] for g in got])
 
@@ -342,9 +460,9 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
     try:
         for r in range(a.repeats):
             for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                runs[name].append(run_static_once() if name == "static" else server_run(servers[name][2], reqs))
+                runs[name].append(run_static_once() if name == "static" else server_run(*servers[name][2:], reqs))
     finally:
-        for _, proc, _ in servers.values():
+        for _, proc, _, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
         static.stdin.close()
@@ -353,7 +471,7 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
                   # each round's server / static: runs next to each other in time, the ratio a slow spell spares
                   "over_static_per_round": [x["tokens_per_s"] / y["tokens_per_s"]
                                             for x, y in zip(runs[name], runs["static"])]}
-           for name, (k, _, _) in servers.items()}
+           for name, (k, _, _, _) in servers.items()}
     out["static"] = median_run(runs["static"])
     return out
 
@@ -368,7 +486,8 @@ SHARED_DEVICE = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 def _method_cmd(a, name: str, config: str, ckpt: str, work: str, flags: str, out: str) -> list:
     cmd = [sys.executable, os.path.join("benchmarks", "serve.py"), "--method", name, "--config", config, "--ckpt",
            ckpt, "--workload", work, "--json", out, "--slots", str(a.slots), "--max_new", str(a.max_new),
-           "--seed", str(a.seed), f"--model_flags={flags}"]
+           "--seed", str(a.seed), f"--model_flags={flags}", "--steps_per_call", *map(str, a.steps_per_call)]
+    cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
     return cmd + (["--hf_requests", str(a.hf_requests)] if a.hf_requests else [])
 
 
@@ -392,6 +511,8 @@ def one_model(a, config: str, flags: str, tmp: str) -> dict:
     with open(work, "w") as f:
         json.dump(reqs, f)
     method(a, "checkpoint", config, ckpt, work, flags, tmp)
+    if a.profile:
+        return method(a, "profile", config, ckpt, work, flags, tmp)
     servers = [f"server_{k}step" for k in a.steps_per_call]
     out = interleaved(a, config, ckpt, work, flags, reqs)
     out["hf"] = method(a, "hf", config, ckpt, work, flags, tmp)
@@ -412,7 +533,7 @@ def main(argv=None) -> dict:
     a = parse(own)
     variants = a.model_flags or [""]
     if a.method:
-        report = {"checkpoint": make_checkpoint, "static": run_static, "hf": run_hf}[a.method](
+        report = {"checkpoint": make_checkpoint, "static": run_static, "hf": run_hf, "profile": run_profile}[a.method](
             a, shlex.split(variants[0]))
         write_json(a.json, report)
         return report
@@ -427,6 +548,10 @@ def main(argv=None) -> dict:
             name = f"{config} {flags}".strip()
             report["models"][name] = m = one_model(a, config, flags, tmp)
             m["model_flags"] = flags
+            if a.profile:
+                print(f"{name}: {json.dumps(m)}", flush=True)
+                write_json(a.json, report)
+                continue
             print(f"{name}: " + ", ".join(f"{k} {m[k]['tokens_per_s']:.0f} tokens/s (TTFT p50 "
                                              f"{m[k]['ttft_s']['p50']:.3f} s, p99 {m[k]['ttft_s']['p99']:.3f} s)"
                                              for k in m if k not in ("ratios", "model_flags"))

@@ -111,6 +111,7 @@ class CausalLM(Family):
 
     causal = True
     left_pad_prompts = True  # decoding continues each prompt from its last token: prompts are right-aligned
+    scores_prompts = True  # its logits at each prompt position are the next prompt token's
     rows = CausalRows()
     stacks = (STACK,)
     head_stream = HEAD
@@ -275,21 +276,28 @@ class CausalLM(Family):
 
     def decode_start(self, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None):
         """The prefill of left-padded prompts ids/mask [b, k] -> (logits [b, Vl] of the first new token, cache)."""
-        p, rows = dp
         b, k = input_ids.shape
         mask = attention_mask.astype(jnp.int32)
-        positions = L.prompt_positions(mask)
-        sin, cos = self.rotary(positions, opts)
+        x, caches = self._prefill(dp, input_ids, mask, opts, max_new_tokens, tp_axis)
+        cache = {"kv": caches,  # keys: the prompt's real tokens, then the generated ones as they come
+                 "key_ok": jnp.concatenate([mask > 0, jnp.zeros((b, max_new_tokens), bool)], axis=1),
+                 "next_pos": L.prompt_positions(mask)[:, -1] + 1, "start": jnp.full((b,), k, jnp.int32)}
+        return self.head_logits(dp[0], x[:, -1:], opts, tp_axis)[:, 0], cache
+
+    def _prefill(self, dp, input_ids, attention_mask, opts, room: int, tp_axis=None) -> tuple:
+        """Every layer on left-padded prompts -> (x float32 [b, k, d] before the final norm, each layer's cache
+        with ``room`` columns for new tokens)."""
+        p, rows = dp
+        k = input_ids.shape[1]
+        mask = attention_mask.astype(jnp.int32)
+        sin, cos = self.rotary(L.prompt_positions(mask), opts)
         bias = L.causal_mask_bias(k, k) + jnp.where(mask[:, None, None, :] > 0, 0.0, L.MASK_VALUE)
         x, caches = self.embeddings(p["shared"], input_ids, opts, tp_axis), []
         for lp in rows:
-            attn = Prefill(bias, sin, cos, self.rotate, max_new_tokens)
+            attn = Prefill(bias, sin, cos, self.rotate, room)
             x = self.layer(lp, x, attn, opts, tp_axis)
             caches.append(attn.kv)
-        cache = {"kv": caches,  # keys: the prompt's real tokens, then the generated ones as they come
-                 "key_ok": jnp.concatenate([mask > 0, jnp.zeros((b, max_new_tokens), bool)], axis=1),
-                 "next_pos": positions[:, -1] + 1, "start": jnp.full((b,), k, jnp.int32)}
-        return self.head_logits(p, x[:, -1:], opts, tp_axis)[:, 0], cache
+        return x, caches
 
     def decode_step(self, dp, token, i, cache, opts, tp_axis=None):
         """New token i (one index for the batch, or int [b]: one per row, serving's slots each at its own position
@@ -323,3 +331,9 @@ class CausalLM(Family):
         x = self.hidden(params, {"input_ids": ids, "attention_mask": mask, "positions": L.prompt_positions(mask)},
                         opts, tp_axis)
         return self.head_logits(params, x[:, -1:], opts, tp_axis)[:, 0]
+
+    def prompt_logits(self, dp, input_ids, attention_mask, opts, tp_axis=None):
+        """Logits [b, k, Vl] of the token after each position of the left-padded prompts ids/mask [b, k], as the
+        prefill reads them (dp: ``decoding_params``)."""
+        x, _ = self._prefill(dp, input_ids, attention_mask, opts, 1, tp_axis)
+        return self.head_logits(dp[0], x, opts, tp_axis)

@@ -181,6 +181,7 @@ class Family(abc.ABC):
     hf_model_types: tuple = ()  # the ``model_type`` values of HF config.json files it loads
     causal: bool  # one causal stack: a prompt and its target are one sequence (else an encoder-decoder)
     left_pad_prompts: bool = False  # decoding continues each prompt from its last token: prompts right-aligned
+    scores_prompts: bool = False  # ``prompt_logits`` gives its prompt's own log-probabilities (a causal LM's)
     stacks: tuple  # its Stacks, in forward order
     head_stream: int  # the dropout stream of the head
     batch_keys: tuple  # the keys of a training batch it reads
@@ -310,6 +311,13 @@ class Family(abc.ABC):
     def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
         """The reference: logits [b, Vl] after the prompts and the tokens generated so far (int [b, n]), by running
         the whole model again."""
+
+    def prompt_logits(self, dp, input_ids, attention_mask, opts, tp_axis=None):
+        """Logits [b, k, Vl] at each prompt position (ids/mask [b, k] laid out for decoding; dp:
+        ``decoding_params``) of the token after it: a causal LM's score of its own prompt (``scores_prompts``). An
+        encoder-decoder reads its prompt with the encoder, which predicts no token of it: none."""
+        raise NotImplementedError(f"the {self.name} family reads its prompt with an encoder: it gives no "
+                                  "log-probabilities of the prompt's tokens")
 
     def widen_cache(self, cache, prompt_width: int, width: int):
         """``decode_start``'s cache of prompts ``prompt_width`` wide, given room for prompts ``width`` wide (the

@@ -6,9 +6,18 @@ GPT-J's prefill), widens their cache to the slots' widest prompt (``Family.widen
 rows; ``advance`` moves every row a few tokens on (``decode_step`` with a per-row index). Rows come and go between
 calls, so a short request never waits for a long one (JetStream's ``insert`` + ``generate``).
 
-Each row samples with its own parameters (``Sampling``: temperature 0 is greedy; HF's warpers in HF's order, as
+Where each row is (``Rows``: its last token, that token's index, its limit, whether it still writes) and how it
+samples (``Sampling``) live on the device beside the cache: ``insert`` writes them for the joining rows and
+``advance`` carries them from call to call, so the host dispatches the next call without reading the last one's
+tokens (the host's work then overlaps the device's). A row ends on the device (its end-of-text token, its limit);
+the host ends one early (a client gone, a stop string) by clearing its ``keep`` flag.
+
+Each row samples with its own parameters (temperature 0 is greedy; HF's warpers in HF's order, as
 modelling/decoding.py's ``warp`` for one row) and its own key: token n of a request is drawn with
-``fold_in(key(seed), n)``, so a seeded request gives the same tokens whatever else runs beside it.
+``fold_in(fold_in(key(seed), seed_hi), n)`` (a 64-bit seed), so a seeded request gives the same tokens whatever else
+runs beside it. A row that asks for log-probabilities (``Sampling.logprobs`` >= 0) gets, for each token, the
+model's own log-probability of it (log-softmax of the float32 logits, before temperature and top-k/top-p, as vLLM
+returns them) and the ``top`` most likely tokens with theirs.
 """
 
 from __future__ import annotations
@@ -30,7 +39,30 @@ class Sampling:
     temperature: jax.Array  # float32: 0 picks the most likely token (greedy), else the scores are divided by it
     top_k: jax.Array  # int32: keep the k most likely tokens (0: all)
     drop_mass: jax.Array  # float32: top-p's 1 - top_p (as HF computes it, in float64 on the host); 0: off
-    seed: jax.Array  # uint32: the row's key is key(seed), folded with the token index
+    seed: jax.Array  # uint32: the low half of the row's 64-bit seed
+    seed_hi: jax.Array  # uint32: its high half
+    logprobs: jax.Array  # int32: -1 no log-probabilities; k >= 0: the token's and the k best (the top computed)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Rows:
+    """Where each row is, [b] each: what ``advance`` carries from one call to the next."""
+
+    token: jax.Array  # int32: its last token
+    index: jax.Array  # int32: that token's index in the row's output
+    limit: jax.Array  # int32: the most tokens it may write
+    alive: jax.Array  # bool: it still writes (not ended by its end-of-text token or its limit)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Scored:
+    """Log-probabilities of chosen tokens, [...] each (zeros where no row asked for them)."""
+
+    logprob: jax.Array  # float32 [...]: the chosen token's
+    top_ids: jax.Array  # int32 [..., top]: the most likely tokens, most likely first
+    top_logprobs: jax.Array  # float32 [..., top]: theirs
 
 
 def warp_rows(scores: jax.Array, s: Sampling) -> jax.Array:
@@ -55,46 +87,92 @@ def warp_rows(scores: jax.Array, s: Sampling) -> jax.Array:
     return lax.cond(jnp.any(s.drop_mass > 0), top_p, lambda x: x, scores)
 
 
-def choose(logits: jax.Array, s: Sampling, index: jax.Array, tp_axis) -> jax.Array:
+def score(full: jax.Array, token: jax.Array, top: int) -> Scored:
+    """The model's log-probabilities: full float32 logits [..., V], token int [...] -> its log-probability and the
+    ``top`` most likely tokens' (log-softmax over the whole vocabulary; padded columns are masked by the head)."""
+    lsm = jax.nn.log_softmax(full, axis=-1)
+    vals, ids = lax.top_k(lsm, top)
+    return Scored(jnp.take_along_axis(lsm, token[..., None].astype(jnp.int32), axis=-1)[..., 0], ids.astype(jnp.int32),
+                  vals)
+
+
+def no_scores(shape: tuple, top: int) -> Scored:
+    return Scored(jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (top,), jnp.int32),
+                  jnp.zeros(shape + (top,), jnp.float32))
+
+
+def choose(logits: jax.Array, s: Sampling, index: jax.Array, tp_axis, top: int) -> tuple:
     """Each row's next token: the most likely one where its temperature is 0, else drawn from its warped scores
-    with ``fold_in(key(seed), index)``. logits vocab-sharded [b, Vl], index int32 [b] (the token's index in its
-    request's output) -> int32 [b], the same on every tp device."""
+    with its key folded with ``index``; and its log-probabilities where the row asks (``Scored``, ``top`` best).
+    logits vocab-sharded [b, Vl], index int32 [b] (the token's index in its request's output) -> (int32 [b],
+    Scored [b]), the same on every tp device."""
     full = decoding.gather_vocab(logits, tp_axis).astype(jnp.float32)
     greedy = jnp.argmax(full, axis=-1).astype(jnp.int32)
 
     def sampled():
-        keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(s.seed, index)
+        def key(seed, hi, i):
+            return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), hi), i)
+
+        keys = jax.vmap(key)(s.seed, s.seed_hi, index)
         drawn = jax.vmap(jax.random.categorical)(keys, warp_rows(full, s)).astype(jnp.int32)
         return jnp.where(s.temperature > 0, drawn, greedy)
 
-    return lax.cond(jnp.any(s.temperature > 0), sampled, lambda: greedy)
+    token = lax.cond(jnp.any(s.temperature > 0), sampled, lambda: greedy)
+    scored = lax.cond(jnp.any(s.logprobs >= 0), lambda: score(full, token, top),
+                      lambda: no_scores(token.shape, top))
+    return token, scored
 
 
-def insert(family, dp, opts, cache, ids, mask, rows, s: Sampling, width: int, max_new_tokens: int, tp_axis=None):
+def _set(x, rows, v):
+    return x.at[rows].set(v.astype(x.dtype), mode="drop")
+
+
+def insert(family, dp, opts, cache, state: tuple, ids, mask, rows, s: Sampling, limit, width: int,
+           max_new_tokens: int, eos_id: int, top: int, tp_axis=None):
     """Joining prompts into free rows of the slots' cache. ids/mask [j, k] (laid out as the family decodes them),
-    rows int32 [j]: the cache row each joins (a row past the cache's: a filler, dropped), s: their sampling ->
-    (their first tokens int32 [j], cache). ``width``: the widest prompt the cache holds; ``max_new_tokens``: the
-    most tokens a row writes."""
+    rows int32 [j]: the cache row each joins (a row past the cache's: a filler, dropped), s: their sampling,
+    limit int32 [j]: their most tokens; state: (Rows, Sampling) of every row -> (their first tokens int32 [j], their
+    Scored [j], cache, state). ``width``: the widest prompt the cache holds; ``max_new_tokens``: the most tokens a row
+    writes."""
     logits, new = family.decode_start(dp, ids, mask, opts, max_new_tokens, tp_axis)
     new = family.widen_cache(new, ids.shape[1], width)
-    first = choose(logits, s, jnp.zeros(ids.shape[0], jnp.int32), tp_axis)
-    cache = jax.tree.map(lambda c, n: c.at[rows].set(n.astype(c.dtype), mode="drop"), cache, new)
-    return first, cache
+    first, scored = choose(logits, s, jnp.zeros(ids.shape[0], jnp.int32), tp_axis, top)
+    cache = jax.tree.map(lambda c, n: _set(c, rows, n), cache, new)
+    r, all_s = state
+    r = Rows(_set(r.token, rows, first), _set(r.index, rows, jnp.zeros_like(first)), _set(r.limit, rows, limit),
+             _set(r.alive, rows, (first != eos_id) & (limit > 1)))
+    all_s = jax.tree.map(lambda a, v: _set(a, rows, v), all_s, s)
+    return first, scored, cache, (r, all_s)
 
 
-def advance(family, dp, opts, cache, token, index, limit, s: Sampling, steps: int, eos_id: int, pad_id: int,
+def advance(family, dp, opts, cache, state: tuple, keep, steps: int, eos_id: int, pad_id: int, top: int,
             tp_axis=None):
-    """``steps`` decoding steps of every row. token int32 [b]: each row's last token, ``index`` [b] its index in the
-    row's output, ``limit`` [b] the most tokens the row may write (0: an empty row) -> (int32 [b, steps]: the next
-    tokens, ``pad_id`` once a row wrote its end-of-text token or its limit, cache)."""
+    """``steps`` decoding steps of every row. state: (Rows, Sampling) of every row; keep bool [b]: the rows the host
+    still holds (a row it cleared ends now) -> (int32 [b, steps]: the next tokens, ``pad_id`` once a row ended,
+    Scored [b, steps], cache, state)."""
+    r, s = state
+    live = r.alive & keep
+    # the rows that no longer write ask for nothing (a sampled or scored row gone leaves greedy rows greedy)
+    s = Sampling(jnp.where(live, s.temperature, 0.0), jnp.where(live, s.top_k, 0), jnp.where(live, s.drop_mass, 0.0),
+                 s.seed, s.seed_hi, jnp.where(live, s.logprobs, -1))
 
     def body(carry, _):
-        token, index, cache, done = carry
+        token, index, cache, alive = carry
         logits, cache = family.decode_step(dp, token, index, cache, opts, tp_axis)
-        nxt = jnp.where(done, pad_id, choose(logits, s, index + 1, tp_axis))
-        ended = done | (nxt == eos_id) | (index + 2 >= limit)
-        return (nxt, jnp.where(ended, index, index + 1), cache, ended), nxt
+        nxt, scored = choose(logits, s, index + 1, tp_axis, top)
+        nxt = jnp.where(alive, nxt, pad_id)
+        ended = (nxt == eos_id) | (index + 2 >= r.limit)
+        carry = (jnp.where(alive, nxt, token), jnp.where(alive, index + 1, index), cache, alive & ~ended)
+        return carry, (nxt, scored)
 
-    init = (token, index, cache, index + 1 >= limit)
-    (_, _, cache, _), out = lax.scan(body, init, None, length=steps)
-    return out.T, cache
+    init = (r.token, r.index, cache, live)
+    (token, index, cache, alive), (out, scored) = lax.scan(body, init, None, length=steps)
+    scored = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), scored)
+    return out.T, scored, cache, (Rows(token, index, r.limit, alive), state[1])
+
+
+def score_prompts(family, dp, opts, ids, mask, top: int, tp_axis=None) -> Scored:
+    """The prompts' own log-probabilities (a causal family's: each token given the ones before). ids/mask [n, k]
+    laid out as the family decodes them -> Scored [n, k - 1]: column c holds token c + 1's."""
+    full = decoding.gather_vocab(family.prompt_logits(dp, ids, mask, opts, tp_axis), tp_axis).astype(jnp.float32)
+    return score(full[:, :-1], ids[:, 1:], top)

@@ -1,13 +1,20 @@
-"""The OpenAI completions API as data: a request body checked into a ``Completion`` (every problem one
-``ApiError`` naming the field and its limit, in OpenAI's error body), and the response bodies. No model here: the
-limits come from the engine.
+"""OpenAI's completions and chat completions APIs as data: a request body checked into a ``Request`` (every problem
+one ``ApiError`` naming the field and its limit, in OpenAI's error body), and the response bodies. No model here:
+the limits come from the engine.
 
-Fields (OpenAI's ``/v1/completions``): ``model``, ``prompt`` (a string or a list of strings), ``max_tokens``,
-``temperature`` (0: greedy), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``n`` (1), ``stream``,
-``stream_options`` (``include_usage``); OpenAI's other fields are accepted at their defaults (``echo`` false,
-``logprobs`` null, ``best_of`` 1, penalties 0, no ``logit_bias``, no ``suffix``, any ``user``) and refused
-otherwise. Extensions, as vLLM names them: ``top_k`` (0 or -1: off) and ``return_token_ids`` (each choice carries
-its ``token_ids``, and ``prompt_token_ids``). Any other field is refused, as OpenAI refuses it.
+Nothing a client sends reaches the scheduler unchecked: the body's size, its JSON nesting (at most ``MAX_DEPTH``
+levels), every field's type and range (integers in their bounds: ``top_k`` at most the vocabulary, ``seed`` 64
+bits, ``logprobs`` at most the server's ``--max_logprobs``, ``n`` and ``best_of`` at most ``MAX_N``), every text
+(no unpaired surrogate, no NUL character), and unknown fields (refused, as OpenAI refuses them).
+
+``/v1/completions``: ``model``, ``prompt`` (a string, a list of strings, a list of token ids, or a list of such
+lists), ``max_tokens`` (0 only with ``echo``: the prompt scored, nothing generated), ``temperature`` (0: greedy),
+``top_p``, ``seed``, ``stop`` (a string or up to 4), ``n``, ``best_of``, ``logprobs`` (0 to --max_logprobs),
+``echo``, ``stream``, ``stream_options`` (``include_usage``), ``user``; OpenAI's penalties, ``logit_bias`` and
+``suffix`` only at their defaults. ``/v1/chat/completions``: ``messages`` instead of ``prompt``,
+``max_completion_tokens`` (or ``max_tokens``), ``logprobs`` true/false with ``top_logprobs``; tools and response
+formats only at their defaults. Extensions, as vLLM names them: ``top_k`` (0 or -1: off) and ``return_token_ids``
+(each choice carries its ``token_ids``, and ``prompt_token_ids``).
 """
 
 from __future__ import annotations
@@ -18,10 +25,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 MAX_STOPS = 4
-SEED_LIMIT = 2 ** 32
-# OpenAI's fields this server does not implement, with the one value each may take (the default)
-UNSUPPORTED = {"echo": (False,), "logprobs": (None,), "best_of": (None, 1), "suffix": (None,),
-               "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {})}
+MAX_N = 16  # choices (n) and candidates (best_of) of one prompt
+MAX_DEPTH = 16  # nesting of a request body's JSON (arrays and objects)
+SEED_LOW, SEED_HIGH = -2 ** 63, 2 ** 64 - 1  # OpenAI's int64, and every unsigned 64-bit seed
+ROLES = ("system", "developer", "user", "assistant")
+# OpenAI's fields this server does not implement, with the values each may take (its defaults)
+UNSUPPORTED = {"suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "logit_bias": (None, {})}
+CHAT_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k != "suffix"}, "tools": (None, []),
+                    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+                    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False)}
 
 
 class ApiError(Exception):
@@ -33,8 +46,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
 
     def body(self) -> dict:
-        kind = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable_error"}.get(self.status, "invalid_request_error")
+        kind = {401: "authentication_error", 429: "rate_limit_error", 503: "service_unavailable_error"}.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return error_body(self.message, kind, self.param, self.code)
 
 
@@ -50,45 +63,54 @@ class Limits:
     default_max_tokens: int  # max_tokens when a request names none (the checkpoint's output length)
     max_prompt_tokens: int  # the longest prompt, in tokens (the widest prompt the slots hold)
     max_prompt_chars: int  # the longest prompt, in characters, before it is tokenized (413 past it)
-    max_prompts: int  # prompts in one request (413 past it)
+    max_prompts: int  # sequences in one request: prompts x best_of (413 past it)
     max_body_bytes: int  # a request body (413 past it)
+    vocab_size: int  # token ids below it; top_k at most it
+    max_logprobs: int  # logprobs / top_logprobs at most it
+    scores_prompts: bool  # echo with logprobs: the model scores its prompt (a causal model; T5 reads it encoded)
 
 
 @dataclass(frozen=True)
-class Completion:
-    """A checked completions request."""
+class Request:
+    """A checked completions or chat request. ``prompts``: strings or tuples of token ids (completions);
+    ``messages``: ({role, content}, ...) with the content text (chat)."""
 
+    chat: bool
     prompts: tuple
+    messages: tuple
     max_tokens: int
     temperature: float
     top_p: float
     top_k: int
     seed: Optional[int]
     stop: tuple
+    n: int
+    best_of: int
+    logprobs: Optional[int]  # the k best shown beside each token; None: no log-probabilities
+    echo: bool
     stream: bool
     include_usage: bool
     return_token_ids: bool
 
 
-def _bad(field: str, message: str) -> ApiError:
-    return ApiError(400, f"{field} {message}", param=field, code="invalid_value")
+def _bad(field: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"{field} {message}", param=field, code=code)
+
+
+def _show(x) -> str:
+    return json.dumps(x)[:100]
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
-    return (_is_int(x) or isinstance(x, float)) and math.isfinite(x)
-
-
-def _int(body: dict, field: str, default, low: int, high: Optional[int] = None) -> int:
+def _int(body: dict, field: str, default, low: int, high: int) -> int:
     x = body.get(field)
     if x is None:
         return default
-    if not _is_int(x) or x < low or (high is not None and x > high):
-        span = f"from {low} to {high}" if high is not None else f"of at least {low}"
-        raise _bad(field, f"must be an integer {span} (got {json.dumps(x)})")
+    if not _is_int(x) or not low <= x <= high:
+        raise _bad(field, f"must be an integer from {low} to {high} (got {_show(x)})")
     return x
 
 
@@ -96,49 +118,10 @@ def _number(body: dict, field: str, default: float, low: float, high: float, low
     x = body.get(field)
     if x is None:
         return default
-    if not _is_number(x) or x > high or x < low or (low_open and x == low):
-        span = f"in ({low}, {high}]" if low_open else f"in [{low}, {high}]"
-        raise _bad(field, f"must be a number {span} (got {json.dumps(x)})")
+    ok = (_is_int(x) or isinstance(x, float)) and math.isfinite(x) and low <= x <= high and not (low_open and x == low)
+    if not ok:
+        raise _bad(field, f"must be a number in {'(' if low_open else '['}{low}, {high}] (got {_show(x)})")
     return float(x)
-
-
-def _prompts(body: dict, limits: Limits) -> tuple:
-    if "prompt" not in body:
-        raise ApiError(400, "prompt is required: a string or a list of strings", param="prompt",
-                       code="missing_required_parameter")
-    prompt = body["prompt"]
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise _bad("prompt", "must be a string or a non-empty list of strings (token id lists are not taken)")
-    if len(prompts) > limits.max_prompts:
-        raise ApiError(413, f"prompt holds {len(prompts)} prompts: at most {limits.max_prompts} in one request",
-                       param="prompt", code="too_many_prompts")
-    for p in prompts:
-        if len(p) > limits.max_prompt_chars:
-            raise ApiError(413, f"prompt of {len(p)} characters: at most {limits.max_prompt_chars}",
-                           param="prompt", code="prompt_too_large")
-    return tuple(prompts)
-
-
-def _stop(body: dict) -> tuple:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
-            or not all(isinstance(s, str) and s for s in stops)):
-        raise _bad("stop", f"must be a non-empty string or a list of at most {MAX_STOPS} of them "
-                           f"(got {json.dumps(stop)[:100]})")
-    return tuple(stops)
-
-
-def _unsupported(body: dict) -> None:
-    for field, allowed in UNSUPPORTED.items():
-        if field in body and body[field] not in allowed:
-            raise ApiError(400, f"{field}={json.dumps(body[field])[:100]} is not supported by this server (leave it "
-                                f"out, or pass {json.dumps(allowed[-1])})", param=field, code="unsupported_value")
-    if "user" in body and not isinstance(body["user"], str):
-        raise _bad("user", "must be a string")
 
 
 def _flag(body: dict, field: str) -> bool:
@@ -146,8 +129,124 @@ def _flag(body: dict, field: str) -> bool:
     if x is None:
         return False
     if not isinstance(x, bool):
-        raise _bad(field, f"must be true or false (got {json.dumps(x)[:100]})")
+        raise _bad(field, f"must be true or false (got {_show(x)})")
     return x
+
+
+def text(field: str, x, empty_ok: bool = True) -> str:
+    """A text field checked: a string of valid Unicode (no unpaired surrogate: it has no UTF-8 form) without NUL."""
+    if not isinstance(x, str):
+        raise _bad(field, f"must be a string (got {_show(x)})")
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(field, "holds an unpaired surrogate (\\ud800-\\udfff alone): send valid Unicode",
+                   "invalid_text") from None
+    if "\x00" in x:
+        raise _bad(field, "holds a NUL character (\\u0000)", "invalid_text")
+    if not empty_ok and not x:
+        raise _bad(field, "must not be empty")
+    return x
+
+
+def _depth(x, limit: int) -> bool:
+    """Whether a parsed JSON value nests more than ``limit`` arrays and objects (the outermost counted)."""
+    level = [x] if isinstance(x, (list, dict)) else []
+    for _ in range(limit):
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (list, dict))]
+        if not level:
+            return False
+    return bool(level)
+
+
+def _json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    if _depth(body, MAX_DEPTH):
+        raise ApiError(400, f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+    return body
+
+
+def _same(x, a) -> bool:
+    """JSON equality: true is not 1, 0.0 is 0."""
+    if isinstance(a, bool) or a is None:
+        return x is a
+    if _is_int(a):
+        return (_is_int(x) or isinstance(x, float)) and x == a
+    return x == a
+
+
+def _fields(body: dict, fields: tuple, unsupported: dict, model_id: str) -> None:
+    unknown = sorted(set(body) - set(fields) - set(unsupported))
+    if unknown:
+        raise ApiError(400, f"unrecognized request argument supplied: {', '.join(map(repr, unknown))[:200]}",
+                       param=unknown[0][:100], code="unknown_parameter")
+    if body.get("model") is None:
+        raise ApiError(400, "model is required: the id GET /v1/models lists", param="model",
+                       code="missing_required_parameter")
+    model = text("model", body["model"])
+    if model != model_id:
+        raise ApiError(404, f"the model {_show(model)} does not exist: this server serves {model_id!r}",
+                       param="model", code="model_not_found")
+    for field, allowed in unsupported.items():
+        if field in body and not any(_same(body[field], a) for a in allowed):
+            raise ApiError(400, f"{field}={_show(body[field])} is not supported by this server (leave it out, or "
+                                f"pass {json.dumps(allowed[-1])})", param=field, code="unsupported_value")
+    if body.get("user") is not None:
+        text("user", body["user"])
+
+
+def _prompts(body: dict, limits: Limits) -> tuple:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids -> (str | (int, ...), ...)."""
+    if "prompt" not in body:
+        raise ApiError(400, "prompt is required: a string, a list of strings, a list of token ids or a list of "
+                            "such lists", param="prompt", code="missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)):
+        items = [p]
+    elif isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p)):
+        items = p
+    else:
+        raise _bad("prompt", "must be a string, a non-empty list of strings, a list of token ids, or a list of "
+                             f"such lists, not a mixture (got {_show(p)})")
+    if len(items) > limits.max_prompts:
+        raise ApiError(413, f"prompt holds {len(items)} prompts: at most {limits.max_prompts} in one request",
+                       param="prompt", code="too_many_prompts")
+    return tuple(_prompt(x, limits) for x in items)
+
+
+def _prompt(x, limits: Limits):
+    if isinstance(x, str):
+        text("prompt", x)
+        if len(x) > limits.max_prompt_chars:
+            raise ApiError(413, f"prompt of {len(x)} characters: at most {limits.max_prompt_chars}", param="prompt",
+                           code="prompt_too_large")
+        if not x.strip():
+            raise _bad("prompt", "is empty (or only whitespace): give the model some text to read", "empty_prompt")
+        return x
+    if not x or not all(_is_int(t) and 0 <= t < limits.vocab_size for t in x):
+        raise _bad("prompt", f"token id lists must be non-empty lists of integers from 0 to {limits.vocab_size - 1}"
+                             f" (got {_show(x)})")
+    if len(x) > limits.max_prompt_tokens:
+        raise _bad("prompt", f"is {len(x)} tokens long: this server reads at most {limits.max_prompt_tokens} (the "
+                             "widest of --prompt_widths)", "context_length_exceeded")
+    return tuple(x)
+
+
+def _stop(body: dict) -> tuple:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOPS:
+        raise _bad("stop", f"must be a non-empty string or a list of at most {MAX_STOPS} of them (got {_show(stop)})")
+    return tuple(text("stop", s, empty_ok=False) for s in stops)
 
 
 def _stream_options(body: dict, stream: bool) -> bool:
@@ -161,39 +260,101 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return _flag(opts, "include_usage")
 
 
-FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-          "stream_options", "return_token_ids", "user") + tuple(UNSUPPORTED)
+def _choices(body: dict, stream: bool) -> tuple:
+    """(n, best_of): best_of candidates a prompt, the n most likely returned."""
+    n = _int(body, "n", 1, 1, MAX_N)
+    best_of = _int(body, "best_of", n, n, MAX_N) if body.get("best_of") is not None else n
+    if best_of > n and stream:
+        raise _bad("best_of", "cannot be used with stream=true: the candidates are ranked at their end")
+    return n, best_of
 
 
-def parse_completion(raw: bytes, limits: Limits, model_id: str) -> Completion:
-    """A request body -> the checked request, or ApiError (400: malformed JSON, an unknown field, a value of the
-    wrong type or out of range; 404: another model; 413: a prompt or a list of prompts past the limits)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    unknown = sorted(set(body) - set(FIELDS))
-    if unknown:
-        raise ApiError(400, f"unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0],
-                       code="unknown_parameter")
-    model = body.get("model")
-    if model is not None and model != model_id:
-        raise ApiError(404, f"the model {json.dumps(model)[:100]} does not exist: this server serves {model_id!r}",
-                       param="model", code="model_not_found")
-    _unsupported(body)
-    _int(body, "n", 1, 1, 1)
+COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
+          "return_token_ids", "user", "logprobs")
+COMPLETION_FIELDS = COMMON + ("prompt", "best_of", "echo")
+CHAT_FIELDS = COMMON + ("messages", "max_completion_tokens", "top_logprobs")
+
+
+def _sampling(body: dict, limits: Limits, max_tokens: int, logprobs, echo: bool, chat: bool, prompts: tuple,
+              messages: tuple) -> Request:
     stream = _flag(body, "stream")
-    return Completion(
-        prompts=_prompts(body, limits),
-        max_tokens=_int(body, "max_tokens", limits.default_max_tokens, 1, limits.max_tokens),
+    n, best_of = _choices(body, stream)
+    sequences = len(prompts or [messages]) * best_of
+    if sequences > limits.max_prompts:
+        raise ApiError(413, f"the request asks for {sequences} sequences (prompts x best_of): at most "
+                            f"{limits.max_prompts} in one request", param="best_of" if best_of > 1 else "prompt",
+                       code="too_many_prompts")
+    seed = _int(body, "seed", None, SEED_LOW, SEED_HIGH)
+    return Request(
+        chat=chat, prompts=prompts, messages=messages, max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=_int(body, "top_k", 0, -1),
-        seed=_int(body, "seed", None, 0, SEED_LIMIT - 1),
-        stop=_stop(body), stream=stream, include_usage=_stream_options(body, stream),
-        return_token_ids=_flag(body, "return_token_ids"))
+        top_k=_int(body, "top_k", 0, -1, limits.vocab_size), seed=None if seed is None else seed % 2 ** 64,
+        stop=_stop(body), n=n, best_of=best_of, logprobs=logprobs, echo=echo, stream=stream,
+        include_usage=_stream_options(body, stream), return_token_ids=_flag(body, "return_token_ids"))
+
+
+def parse_completion(raw: bytes, limits: Limits, model_id: str) -> Request:
+    """A /v1/completions body -> the checked request, or ApiError (400: malformed JSON, an unknown field, a value of
+    the wrong type or out of range; 404: another model; 413: past the size limits)."""
+    body = _json(raw)
+    _fields(body, COMPLETION_FIELDS, UNSUPPORTED, model_id)
+    echo = _flag(body, "echo")
+    logprobs = _int(body, "logprobs", None, 0, limits.max_logprobs)
+    if echo and logprobs is not None and not limits.scores_prompts:
+        raise _bad("echo", "with logprobs is not available for this model: its prompt is read by the encoder, which "
+                           "gives no log-probabilities of the prompt's tokens (echo alone returns the prompt's text)",
+                   "unsupported_value")
+    max_tokens = _int(body, "max_tokens", limits.default_max_tokens, 0 if echo else 1, limits.max_tokens)
+    return _sampling(body, limits, max_tokens, logprobs, echo, False, _prompts(body, limits), ())
+
+
+def _content(i: int, content) -> str:
+    field = f"messages[{i}].content"
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or set(part) - {"type", "text"}:
+                raise _bad(field, 'parts must be {"type": "text", "text": ...} (this model reads text only)')
+            parts.append(text(field, part.get("text")))
+        return "".join(parts)
+    return text(field, content)
+
+
+def _messages(body: dict, limits: Limits) -> tuple:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "messages is required: a non-empty list of {role, content}", param="messages",
+                       code="missing_required_parameter" if msgs is None else "invalid_value")
+    if len(msgs) > 256:
+        raise ApiError(413, f"messages holds {len(msgs)} messages: at most 256", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or set(m) - {"role", "content", "name"}:
+            raise _bad(f"messages[{i}]", f"must be an object with a role ({', '.join(ROLES)}), a content and "
+                                         f"optionally a name (got {_show(m)})")
+        if m.get("name") is not None:
+            text(f"messages[{i}].name", m["name"])
+        out.append({"role": m["role"], "content": _content(i, m.get("content"))})
+    chars = sum(len(m["content"]) for m in out)
+    if chars > limits.max_prompt_chars:
+        raise ApiError(413, f"messages hold {chars} characters: at most {limits.max_prompt_chars}",
+                       param="messages", code="prompt_too_large")
+    return tuple(out)
+
+
+def parse_chat(raw: bytes, limits: Limits, model_id: str) -> Request:
+    """A /v1/chat/completions body -> the checked request, or ApiError (as parse_completion)."""
+    body = _json(raw)
+    _fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED, model_id)
+    messages = _messages(body, limits)
+    wants = _flag(body, "logprobs")
+    top = _int(body, "top_logprobs", None, 0, limits.max_logprobs)
+    if top is not None and not wants:
+        raise _bad("top_logprobs", "is only taken with logprobs=true")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, field, limits.default_max_tokens, 1, limits.max_tokens)
+    return _sampling(body, limits, max_tokens, (top or 0) if wants else None, False, True, (), messages)
 
 
 # --------------------------------------------------------------------------- response bodies
@@ -204,9 +365,49 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice(index: int, text: str, finish_reason: Optional[str], token_ids: Optional[list] = None,
-           prompt_ids: Optional[list] = None) -> dict:
-    c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_logprobs(entries: Optional[list]) -> Optional[dict]:
+    """TokenLogprobs (serving/output.py) as the legacy API shows them: each token's top_logprobs the k best and the
+    token itself (up to k + 1 entries; the prompt's first token: null)."""
+    if entries is None:
+        return None
+    tops = []
+    for e in entries:
+        if e.top is None:
+            tops.append(None)
+            continue
+        top = {}
+        for t, lp in e.top:
+            top.setdefault(t, lp)
+        top.setdefault(e.token, e.logprob)
+        tops.append(top)
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops, "text_offset": [e.offset for e in entries]}
+
+
+def _utf8(t: str) -> list:
+    return list(t.encode("utf-8", "replace"))
+
+
+def chat_logprobs(entries: Optional[list]) -> Optional[dict]:
+    """TokenLogprobs as the chat API shows them: {content: [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    if entries is None:
+        return None
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": _utf8(e.token),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": _utf8(t)} for t, lp in e.top or []]}
+                        for e in entries]}
+
+
+def choice(req: Request, index: int, text_: str, finish_reason: Optional[str], logprobs: Optional[list],
+           token_ids: Optional[list] = None, prompt_ids: Optional[list] = None, delta: Optional[bool] = None) -> dict:
+    """One choice of a completion (``delta``: of a chat chunk, True on its first)."""
+    if not req.chat:
+        c = {"index": index, "text": text_, "logprobs": completion_logprobs(logprobs), "finish_reason": finish_reason}
+    elif delta is None:
+        c = {"index": index, "message": {"role": "assistant", "content": text_}, "logprobs": chat_logprobs(logprobs),
+             "finish_reason": finish_reason}
+    else:
+        d = {"role": "assistant", "content": text_} if delta else ({"content": text_} if text_ else {})
+        c = {"index": index, "delta": d, "logprobs": chat_logprobs(logprobs), "finish_reason": finish_reason}
     if token_ids is not None:
         c["token_ids"] = token_ids
     if prompt_ids is not None:
@@ -214,8 +415,10 @@ def choice(index: int, text: str, finish_reason: Optional[str], token_ids: Optio
     return c
 
 
-def completion(rid: str, created: int, model: str, choices: list, use: Optional[dict]) -> dict:
-    body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+def completion(req: Request, rid: str, created: int, model: str, choices: list, use: Optional[dict],
+               chunk: bool = False) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if req.chat else "text_completion"
+    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
     if use is not None:
         body["usage"] = use
     return body

@@ -1,13 +1,20 @@
-"""The model behind the server: a checkpoint's (or an HF model's) weights, its tokenizer and prompt format, and the
-slots' compiled programs (graphs/slots.py), as the scheduler (serving/scheduler.py) and the HTTP layer
-(serving/http.py) ask for them. Built once, everything compiled before the first request.
+"""The model behind the server, as the HTTP layer (serving/http.py) uses it: ``submit``, ``cancel``, ``drain``,
+``abort``; its tokenizer, chat template and limits. Below it, the scheduler (serving/scheduler.py) drives a
+``Backend`` (serving/backend.py's ``SlotBackend``: a checkpoint's, or an HF model's, compiled slot programs; the
+tests' fake) and the output processor (serving/output.py) turns its tokens into text. No JAX here.
 
-    engine = Engine.build(cfg, ServeOptions.of(args, cfg))     # run_server.py
+    engine = backend.build_engine(cfg, ServeOptions.of(args, cfg))     # run_server.py: everything compiled
 
 What a request may ask (serving/api.py's Limits): prompts as given (the whole text the model reads, as
-``run_inference.py --prompt`` reads it: T5 ends it with its end-of-text token, GPT-J continues it) of at most the
-widest prompt width compiled, and at most ``--output_length`` new tokens (the checkpoint's task's by default, as
-``run_inference.py`` takes it), which is also a request's default ``max_tokens``.
+``run_inference.py --prompt`` reads it: T5 ends it with its end-of-text token, GPT-J continues it; a list of token
+ids is read as it is) of at most the widest prompt width compiled, and at most ``--output_length`` new tokens (the
+checkpoint's task's by default, as ``run_inference.py`` takes it), which is also a request's default
+``max_tokens``.
+
+Chat: the messages become one prompt through a chat template (Jinja, as ``apply_chat_template`` reads it):
+``--chat_template FILE``, else the tokenizer's own, else ``DEFAULT_CHAT_TEMPLATE`` (for instruction-tuned models
+without one, as Flan-T5: the last message is the prompt, the earlier turns before it as ``Role: text`` lines; a single
+user message is read exactly as the same text sent to /v1/completions).
 """
 
 from __future__ import annotations
@@ -16,19 +23,28 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
-from app.predict import Predictor
-from data.tasks import load_tokenizer, pad_id
-from graphs.slots import SlotPrograms
-from serving.api import ApiError, Limits
+from serving.api import Limits
 from serving.metrics import Metrics
-from serving.scheduler import Scheduler
-from utils import checkpoint as ckpt
+from serving.output import OutputProcessor
+from serving.scheduler import Scheduler, SchedulerError
 from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
 SMALLEST_WIDTH = 16
+DEFAULT_QUEUE = 256  # sequences waiting for a slot (at least; 4 x slots where more): a burst waits, not a 429
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for m in messages[:-1] %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor -%}"
+    "{{ messages[-1]['content'] }}")
+
+
+class PromptError(Exception):
+    """A prompt the model cannot read (the HTTP layer answers 400): the field, why, OpenAI's error code."""
+
+    def __init__(self, field: str, message: str, code: str = "invalid_value"):
+        super().__init__(f"{field} {message}")
+        self.field, self.code = field, code
 
 
 def powers_of_two(low: int, high: int) -> list:
@@ -44,7 +60,7 @@ class ServeOptions:
     """How the server runs (run_server.py's flags, resolved against the config)."""
 
     slots: int  # decoding slots (rows decoded together)
-    max_queue: int  # requests waiting for a slot beyond the slots (429 past it)
+    max_queue: int  # sequences waiting for a slot beyond the slots (429 past it)
     widths: tuple  # prompt widths compiled, ascending: a prompt is padded to the first that holds it
     joins: tuple  # joining rows per dp shard compiled, ascending
     steps: int  # decoding steps per call of the slots' program
@@ -52,6 +68,9 @@ class ServeOptions:
     max_prompt_chars: int
     max_body_bytes: int
     model_id: str
+    max_logprobs: int = 20  # the most likely tokens shown beside each token, at most
+    min_join: int = 1  # free slots that wait (two calls at most) for a group before joining
+    chat_template: Optional[str] = None  # --chat_template's text
 
     @classmethod
     def of(cls, args, cfg) -> "ServeOptions":
@@ -59,74 +78,127 @@ class ServeOptions:
         slots = args.slots or ex.micro_batch_size * ex.data_parallel
         local = slots // ex.data_parallel if slots % ex.data_parallel == 0 else slots
         widths = sorted(set(args.prompt_widths or powers_of_two(SMALLEST_WIDTH, cfg.model.sequence_length)))
-        joins = sorted({j for j in (args.join_sizes or powers_of_two(1, local)[::2]) if j <= local} | {local})
+        joins = sorted({j for j in args.join_sizes if j <= local} | {local}) if args.join_sizes else default_joins(local)
         for flag, value, low in (("--max_queue", args.max_queue, 0), ("--steps_per_call", args.steps_per_call, 1),
                                  ("--prompt_widths", min(widths), 1), ("--join_sizes", min(joins), 1),
                                  ("--max_prompt_chars", args.max_prompt_chars, 1),
-                                 ("--max_body_bytes", args.max_body_bytes, 1024)):
+                                 ("--max_body_bytes", args.max_body_bytes, 1024),
+                                 ("--max_logprobs", args.max_logprobs, 0), ("--min_join", args.min_join, 1)):
             if value is not None and value < low:
                 raise ConfigError(f"{flag} {value} must be at least {low}")
         load = cfg.checkpoint.load
         model_id = args.model_name or (os.path.basename(os.path.normpath(load)) if load else cfg.data.hf_model)
-        return cls(slots, slots * 4 if args.max_queue is None else args.max_queue, tuple(widths), tuple(joins),
-                   args.steps_per_call, cfg.inference.output_length, args.max_prompt_chars or 64 * widths[-1],
-                   args.max_body_bytes, model_id)
+        return cls(slots, max(DEFAULT_QUEUE, 4 * slots) if args.max_queue is None else args.max_queue,
+                   tuple(widths), tuple(joins), args.steps_per_call, cfg.inference.output_length,
+                   args.max_prompt_chars or 64 * widths[-1], args.max_body_bytes, model_id, args.max_logprobs,
+                   args.min_join or default_min_join(slots, slots // local * max(joins)), read_template(args.chat_template))
 
 
-class Backend:
-    """The scheduler's view of the slots (serving/scheduler.py's module docstring names what it asks)."""
+def default_joins(local: int) -> list:
+    """Joining rows per dp shard compiled by default: 1, 4, 16 ... and the slots per shard."""
+    return sorted({j for j in powers_of_two(1, local)[::2] if j <= local} | {local})
 
-    def __init__(self, programs: SlotPrograms, family, tokenizer):
-        self.p, self.family, self.tokenizer = programs, family, tokenizer
-        self.slots, self.local, self.dp = programs.slots, programs.local, programs.g.dp
-        self.widths, self.joins = programs.widths, programs.joins
-        self.eos_id, self.pad_id = programs.eos_id, programs.pad_id
-        self.insert, self.advance, self.set_sampling = programs.insert, programs.advance, programs.set_sampling
 
-    def layout(self, ids, mask) -> tuple:
-        return self.family.layout_prompts(ids, mask)
+def default_min_join(slots: int, most: int) -> int:
+    """Half the slots, at most the most one insert takes: an insert of one prompt cost as much as 3 decoding steps of
+    8 slots on the development CPU, of 4 prompts hardly more, so free slots wait (two calls at most) to join together
+    (docs/serving.md)."""
+    return max(1, min(slots // 2, most))
 
-    def decode(self, tokens: list) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+def read_template(path: Optional[str]) -> Optional[str]:
+    if path is None:
+        return None
+    if not os.path.isfile(path):
+        raise ConfigError(f"--chat_template {path} is not a file: pass a Jinja chat template file (as a tokenizer's "
+                          "chat_template, which apply_chat_template reads)")
+    with open(path) as f:
+        return f.read()
 
 
 class Engine:
-    """The model served: its tokenizer, limits, metrics and the scheduler over its slots."""
+    """The model served (see the module docstring): ``encode(texts) -> ids`` reads prompts as the model does."""
 
-    def __init__(self, family, tokenizer, options: ServeOptions, programs: SlotPrograms):
-        self.family, self.tokenizer, self.options = family, tokenizer, options
+    def __init__(self, backend, tokenizer, encode: Callable, options: ServeOptions):
+        self.backend, self.tokenizer, self.encode, self.options = backend, tokenizer, encode, options
         self.model_id, self.created = options.model_id, int(time.time())
         self.limits = Limits(max_tokens=options.max_new_tokens, default_max_tokens=options.max_new_tokens,
-                             max_prompt_tokens=options.widths[-1], max_prompt_chars=options.max_prompt_chars,
-                             max_prompts=options.slots + options.max_queue, max_body_bytes=options.max_body_bytes)
+                             max_prompt_tokens=backend.widths[-1], max_prompt_chars=options.max_prompt_chars,
+                             max_prompts=options.slots + options.max_queue, max_body_bytes=options.max_body_bytes,
+                             vocab_size=backend.vocab_size,
+                             max_logprobs=min(options.max_logprobs, backend.top),
+                             scores_prompts=backend.scores_prompts)
+        self.chat_template = options.chat_template or getattr(tokenizer, "chat_template", None) or None
         self.metrics = Metrics(options.slots)
-        self.scheduler = Scheduler(Backend(programs, family, tokenizer), options.max_queue, self.metrics)
+        self.scheduler = Scheduler(backend, options.max_queue, self.metrics, options.min_join)
+        self.output = OutputProcessor(tokenizer, self.metrics, self.scheduler.finish)
 
-    @classmethod
-    def build(cls, cfg, options: ServeOptions, params=None) -> "Engine":
-        """The weights the config names (a checkpoint, LoRA adapters merged into their base, or an HF model; or
-        ``params``), the tokenizer, and every program compiled."""
-        predictor = Predictor(cfg)
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if params is None:
-            directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
-            params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
-        programs = SlotPrograms(predictor.graphs, options.slots, options.widths, options.joins,
-                                options.max_new_tokens, options.steps, tokenizer.eos_token_id, pad_id(tokenizer))
-        programs.compile(params)
-        return cls(predictor.family, tokenizer, options, programs)
+    # ------------------------------------------------------------------ prompts
 
-    def tokenize(self, text: str) -> list:
-        """A prompt's token ids as the model reads a prompt given whole; ApiError 400 for an empty one or one past
-        the widest prompt compiled."""
-        ids = self.family.encode_inputs(self.tokenizer, [text])[0]
+    def tokenize(self, prompt) -> list:
+        """A prompt's token ids as the model reads a prompt given whole (a text), or as given (token ids);
+        PromptError for one past the widest prompt compiled."""
+        ids = list(prompt) if isinstance(prompt, tuple) else self.encode([prompt])[0]
         if not ids:
-            raise ApiError(400, "prompt has no tokens: give it some text", param="prompt", code="empty_prompt")
+            raise PromptError("prompt", "has no tokens: give it some text", "empty_prompt")
         if len(ids) > self.limits.max_prompt_tokens:
-            raise ApiError(400, f"prompt is {len(ids)} tokens long: this server reads at most "
-                                f"{self.limits.max_prompt_tokens} (the widest of --prompt_widths)", param="prompt",
-                           code="context_length_exceeded")
+            raise PromptError("prompt", f"is {len(ids)} tokens long: this server reads at most "
+                                        f"{self.limits.max_prompt_tokens} (the widest of --prompt_widths)",
+                              "context_length_exceeded")
         return list(ids)
+
+    def prompt_text(self, prompt) -> str:
+        """What a prompt says: the text as given, or its token ids decoded."""
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt), skip_special_tokens=True)
+
+    def render_chat(self, messages: tuple) -> str:
+        """Chat messages -> the one prompt the model reads (the chat template: see the module docstring)."""
+        if self.chat_template is None and messages[-1]["role"] != "user":
+            raise PromptError("messages", "must end with a user message: the model answers it (this model has no "
+                                          "chat template; pass --chat_template FILE for another format)")
+        try:
+            out = self.tokenizer.apply_chat_template(list(messages), chat_template=self.chat_template or
+                                                     DEFAULT_CHAT_TEMPLATE, tokenize=False,
+                                                     add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 (a template's own raise_exception, or one that fails on these messages)
+            raise PromptError("messages", f"could not be rendered by the chat template: {str(e)[:200]}") from None
+        if not out.strip():
+            raise PromptError("messages", "render an empty prompt: give the model some text", "empty_prompt")
+        return out
+
+    # ------------------------------------------------------------------ the scheduler, as the HTTP layer uses it
+
+    def start(self, deliver: Callable, on_fatal: Callable = lambda error: None) -> None:
+        """The output thread (``deliver([(sink, Event)])`` from it) and the decoding thread."""
+        self.output.start(deliver)
+        self.scheduler.start(self.output.put, on_fatal)
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+        self.output.stop()
+
+    def submit(self, seqs: list) -> None:
+        """Queues a request's sequences (scheduler.Sequence, each with its output.Output), all or none; raises the
+        scheduler's QueueFull, ShuttingDown or Failed."""
+        self.scheduler.submit(seqs)
+
+    def cancel(self, seqs: list) -> None:
+        self.scheduler.cancel(seqs)
+
+    def drain(self) -> None:
+        """No new requests (ShuttingDown); the held ones go on."""
+        self.scheduler.stop_admitting()
+
+    def abort(self, error: SchedulerError) -> None:
+        """Every held sequence ends with ``error``."""
+        self.scheduler.abort_all(error)
+
+    def held(self) -> int:
+        return self.scheduler.held()
+
+    @property
+    def healthy(self) -> bool:
+        return self.scheduler.admitting and self.scheduler.failure is None
 
     def describe(self, host: str, port: int) -> str:
         o = self.options

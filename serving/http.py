@@ -1,19 +1,26 @@
-"""The HTTP layer: OpenAI's completions API on FastAPI (Starlette) served by uvicorn. It knows nothing of models:
-it checks requests (serving/api.py), asks the engine to tokenize and to submit, and streams what the scheduler's
-events say.
+"""The HTTP layer: OpenAI's completions and chat completions APIs on FastAPI (Starlette) served by uvicorn. It knows
+nothing of models: it checks requests (serving/api.py), asks the engine (serving/engine.py) to tokenize, submit,
+cancel and drain, streams what the output side's events say, and maps every error to a status code (here alone).
 
 FastAPI + uvicorn: the maintained ASGI stack that vLLM's and TGI's OpenAI front ends use, with server-sent events
-(Starlette's StreamingResponse, which notices a client that goes away), a lifespan for the scheduler's thread, and
+(Starlette's StreamingResponse, which notices a client that goes away), a lifespan for the engine's threads, and
 uvicorn's graceful shutdown, on which SIGTERM's drain is built (``Server``).
 
-    GET  /health           200 when serving, 503 while shutting down (no key needed)
-    GET  /v1/models        the model served
-    GET  /metrics          Prometheus text (serving/metrics.py)
-    POST /v1/completions   string or list prompt, max_tokens, temperature (0: greedy), top_p, top_k, seed, stop,
-                           n=1, stream (SSE, then ``data: [DONE]``), usage
+    GET  /health                 200 when serving, 503 while shutting down (no key needed)
+    GET  /v1/models              the model served
+    GET  /metrics                Prometheus text (serving/metrics.py)
+    POST /v1/completions         serving/api.py's fields; SSE with stream (then ``data: [DONE]``)
+    POST /v1/chat/completions    the same, from chat messages through the chat template
 
-The engine answers ``model_id``, ``created``, ``limits`` (api.Limits), ``tokenize(text) -> ids`` (ApiError 400 for a
-prompt past the limit), ``scheduler`` (serving/scheduler.py) and ``metrics``.
+Status codes: 400 a bad field (``param`` names it), 401 no or a wrong key, 404 another model or path, 405 another
+method, 408 a body that did not arrive in time, 413 past a size limit, 415 a body that is not JSON, 429 the queue
+full (``Retry-After``), 500 a decoding call that failed (the requests it held; the server goes on), 503 shutting
+down. Every response with a status of 400 or more is counted in ``flan_t5_rejected_requests_total{status}``.
+
+Connections: a connection that has not sent a whole request head within ``header_timeout`` seconds is closed, a body
+that has not arrived within ``body_timeout`` is a 408, an idle keep-alive connection is closed after
+``keep_alive`` seconds, and past ``max_connections`` open connections uvicorn answers 503: slow or idle clients
+cannot hold the server's file handles.
 
 Who may call: with an API key every path but /health needs ``Authorization: Bearer KEY`` (401 otherwise; the key
 compared in constant time, through SHA-256 so that not even its length shows, and never logged).
@@ -35,31 +42,80 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from serving import api
-from serving.scheduler import Sequence
+from serving.engine import PromptError
+from serving.output import Output
+from serving.scheduler import Failed, QueueFull, Sequence, ShuttingDown
 
 logger = logging.getLogger("flan_t5")
 OPEN_PATHS = ("/health",)
 POLL = 0.25  # seconds between checks that a client still waits for a whole completion
+RETRY_AFTER = 1  # seconds a 429 asks the client to wait
 
 
 def _digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key if isinstance(key, bytes) else key.encode()).digest()
 
 
+def to_api_error(e: Exception) -> api.ApiError:
+    """Any error of the layers below as the status and body a client gets."""
+    if isinstance(e, api.ApiError):
+        return e
+    if isinstance(e, PromptError):
+        return api.ApiError(400, str(e), param=e.field, code=e.code)
+    if isinstance(e, QueueFull):
+        return api.ApiError(429, f"{e}: the queue absorbs bursts up to --max_queue sequences; retry after "
+                                 f"{RETRY_AFTER} s", code="queue_full", headers={"Retry-After": str(RETRY_AFTER)})
+    if isinstance(e, ShuttingDown):
+        return api.ApiError(503, str(e), code="shutting_down")
+    if isinstance(e, Failed):
+        return api.ApiError(503 if e.fatal else 500, str(e), code="server_error")
+    return api.ApiError(500, f"internal error ({type(e).__name__})", code="server_error")
+
+
+class StatusCounter:
+    """ASGI middleware, the outermost: counts every response of status 400 or more by status, and answers an
+    exception nothing else caught with a JSON 500 (logged once), never a dropped connection."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def counted(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] >= 400:
+                    self.metrics.rejected.labels(str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("a request failed")
+            if not started:
+                error = to_api_error(e)
+                await JSONResponse(error.body(), status_code=error.status)(scope, receive, counted)
+
+
 class BearerAuth:
     """ASGI middleware: every path but OPEN_PATHS needs ``Authorization: Bearer KEY``."""
 
-    def __init__(self, app, key: str, metrics):
-        self.app, self.digest, self.metrics = app, _digest(key), metrics
+    def __init__(self, app, key: str):
+        self.app, self.digest = app, _digest(key)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(_digest(token.strip()), self.digest)):
-                self.metrics.rejected.labels("401").inc()
                 error = api.ApiError(401, "a valid API key is needed: pass the header Authorization: Bearer KEY",
                                      code="invalid_api_key")
                 response = JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -71,34 +127,73 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) as soon as it is known to pass ``limit`` bytes."""
+class _Gone(Exception):
+    """The client went away while sending its body."""
+
+
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """A JSON body, refused (413) as soon as it is known to pass ``limit`` bytes, (408) when it has not arrived in
+    ``timeout`` seconds, (415) when it is not declared JSON."""
+    kind = request.headers.get("content-type", "")
+    if kind.split(";")[0].strip().lower() != "application/json":
+        raise api.ApiError(415, f"the body must be JSON, sent with Content-Type: application/json (got "
+                                f"{kind[:60]!r})", code="unsupported_media_type")
     length = request.headers.get("content-length")
     too_big = api.ApiError(413, f"the request body is larger than {limit} bytes (--max_body_bytes)",
                            code="body_too_large")
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_big
     chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > limit:
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise api.ApiError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
+    except ClientDisconnect:
+        client = request.client
+        logger.info("a client (%s) went away while sending its request (%d bytes read)",
+                    f"{client.host}:{client.port}" if client else "?", n)
+        raise _Gone() from None
     return b"".join(chunks)
 
 
-class _Reply:
-    """One completions request in flight: its sequences, the queue their events arrive on, its id."""
+def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
+    """The seed of a prompt's j-th candidate: the request's for the first (n=1 is the request alone), then a 64-bit
+    mix of (seed, j) (SplitMix64's finalizer), so that each choice is reproducible on its own."""
+    if seed is None or j == 0:
+        return seed
+    z = (seed + j * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
 
-    def __init__(self, engine, req: api.Completion, prompt_ids: list):
-        self.engine, self.req, self.prompt_ids = engine, req, prompt_ids
+
+class _Reply:
+    """One request in flight: its sequences (each prompt's best_of candidates), the queue their events arrive on."""
+
+    def __init__(self, engine, req: api.Request, prompts: list):
+        self.engine, self.req = engine, req
+        self.prompt_ids = [ids for ids, _ in prompts]
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.seqs = [Sequence(ids, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop,
-                              req.stream, i, self.queue) for i, ids in enumerate(prompt_ids)]
-        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        self.texts, self.token_ids = [""] * len(self.seqs), [[] for _ in self.seqs]
-        self.reasons: list = [None] * len(self.seqs)
-        self.counts = [0] * len(self.seqs)
+        ranked = req.best_of > req.n
+        wants = req.logprobs if req.logprobs is not None else (0 if ranked else None)
+        self.seqs = []
+        for i, (ids, text) in enumerate(prompts):
+            for j in range(req.best_of):
+                out = Output(i * req.best_of + j, self.queue, req.stop, req.stream, req.logprobs,
+                             text if req.echo else None, ids if req.echo and req.logprobs is not None else None)
+                self.seqs.append(Sequence(ids, req.max_tokens, req.temperature, req.top_p, req.top_k,
+                                          choice_seed(req.seed, j), wants, out.echo_ids is not None, out))
+        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        n = len(self.seqs)
+        self.texts, self.token_ids, self.logprobs = [""] * n, [[] for _ in range(n)], [None] * n
+        self.reasons: list = [None] * n
+        self.counts, self.cumulative = [0] * n, [0.0] * n
 
     def pending(self) -> int:
         return sum(r is None for r in self.reasons)
@@ -106,101 +201,133 @@ class _Reply:
     def take(self, ev) -> None:
         if ev.error is not None:
             raise ev.error
-        self.texts[ev.index] += ev.text
-        self.token_ids[ev.index] += ev.token_ids
-        self.counts[ev.index] = ev.completion_tokens
+        i = ev.index
+        self.texts[i] += ev.text
+        self.token_ids[i] += ev.token_ids
+        if ev.logprobs is not None:
+            self.logprobs[i] = (self.logprobs[i] or []) + ev.logprobs
+        self.counts[i], self.cumulative[i] = ev.completion_tokens, ev.cumulative_logprob
         if ev.finish_reason:
-            self.reasons[ev.index] = ev.finish_reason
+            self.reasons[i] = ev.finish_reason
 
-    def usage(self) -> dict:
-        return api.usage(sum(map(len, self.prompt_ids)), sum(self.counts))
+    def chosen(self) -> list:
+        """The sequences answered, in choice order: each prompt's n most likely candidates (all of them without
+        best_of)."""
+        req, out = self.req, []
+        for p in range(len(self.prompt_ids)):
+            group = list(range(p * req.best_of, (p + 1) * req.best_of))
+            if req.best_of > req.n:
+                group = sorted(group, key=lambda i: -self.cumulative[i])[:req.n]
+            out += group
+        return out
+
+    def usage(self, seqs: list) -> dict:
+        return api.usage(sum(map(len, self.prompt_ids)), sum(self.counts[i] for i in seqs))
+
+    def _ids(self, i: int) -> tuple:
+        return (self.token_ids[i], self.prompt_ids[i // self.req.best_of]) if self.req.return_token_ids else (None,
+                                                                                                            None)
 
     def body(self) -> dict:
-        ids = self.req.return_token_ids
-        choices = [api.choice(i, self.texts[i], self.reasons[i], self.token_ids[i] if ids else None,
-                              self.prompt_ids[i] if ids else None) for i in range(len(self.seqs))]
-        return api.completion(self.id, self.created, self.engine.model_id, choices, self.usage())
+        chosen = self.chosen()
+        choices = [api.choice(self.req, k, self.texts[i], self.reasons[i], self.logprobs[i], *self._ids(i))
+                   for k, i in enumerate(chosen)]
+        return api.completion(self.req, self.id, self.created, self.engine.model_id, choices, self.usage(chosen))
 
     def chunk(self, ev) -> dict:
-        ids = self.req.return_token_ids
-        first = ids and self.counts[ev.index] == 0
-        c = api.choice(ev.index, ev.text, ev.finish_reason, ev.token_ids if ids else None,
-                       self.prompt_ids[ev.index] if first else None)
-        return api.completion(self.id, self.created, self.engine.model_id, [c], None)
+        first = self.counts[ev.index] == 0 and not self.texts[ev.index]
+        ids, prompt = self._ids(ev.index)
+        c = api.choice(self.req, ev.index, ev.text, ev.finish_reason, ev.logprobs, ev.token_ids if ids is not None
+                       else None, prompt if first else None, delta=first if self.req.chat else None)
+        return api.completion(self.req, self.id, self.created, self.engine.model_id, [c], None, chunk=True)
 
 
-async def _whole(request: Request, reply: _Reply) -> JSONResponse:
-    """A completion answered at its end; a client that goes away cancels it (its slots freed at the next step)."""
+async def _whole(request: Request, reply: _Reply) -> Response:
+    """A completion answered at its end; a client that goes away cancels it (its slots freed before the next
+    call)."""
     while reply.pending():
         try:
             ev = await asyncio.wait_for(reply.queue.get(), POLL)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                reply.engine.scheduler.cancel(reply.seqs)
+                reply.engine.cancel(reply.seqs)
                 return Response(status_code=499)
             continue
         try:
             reply.take(ev)
-        except api.ApiError:
-            reply.engine.scheduler.cancel(reply.seqs)
+        except Exception:
+            reply.engine.cancel(reply.seqs)
             raise
     return JSONResponse(reply.body())
 
 
 async def _stream(reply: _Reply):
-    """Server-sent events: a chunk per sequence per step with new text, the last with its finish_reason, the usage
-    (stream_options.include_usage), ``[DONE]``. A client that goes away cancels the stream (Starlette), and with
-    it the sequences."""
+    """Server-sent events: a chunk per sequence with something new, the last with its finish_reason, the usage
+    (stream_options.include_usage), ``[DONE]``; an error as an error event. A client that goes away cancels the
+    stream (Starlette), and with it the sequences."""
     try:
         while reply.pending():
             ev = await reply.queue.get()
             if ev.error is not None:
-                yield _sse(ev.error.body())
+                yield _sse(to_api_error(ev.error).body())
                 break
             body = reply.chunk(ev)
             reply.take(ev)
-            if ev.text or ev.finish_reason or (reply.req.return_token_ids and ev.token_ids):
-                yield _sse(body)
+            yield _sse(body)
         else:
             if reply.req.include_usage:
-                yield _sse({**api.completion(reply.id, reply.created, reply.engine.model_id, [], None),
-                            "usage": reply.usage()})
+                yield _sse({**api.completion(reply.req, reply.id, reply.created, reply.engine.model_id, [], None,
+                                             chunk=True), "usage": reply.usage(list(range(len(reply.seqs))))})
         yield "data: [DONE]\n\n"
     finally:
         if reply.pending():
-            reply.engine.scheduler.cancel(reply.seqs)
+            reply.engine.cancel(reply.seqs)
 
 
-def make_app(engine, api_key: Optional[str] = None) -> FastAPI:
+def make_app(engine, api_key: Optional[str] = None, body_timeout: float = 30.0, on_fatal=lambda error: None):
     """The ASGI application over ``engine`` (see the module docstring)."""
 
     @asynccontextmanager
     async def lifespan(app):
         loop = asyncio.get_running_loop()
 
-        def route(batch):
-            for sink, ev in batch:
+        def route(events):
+            for sink, ev in events:
                 sink.put_nowait(ev)
 
-        engine.scheduler.start(lambda batch: loop.call_soon_threadsafe(route, batch))
+        engine.start(lambda events: loop.call_soon_threadsafe(route, events), on_fatal)
         yield
-        engine.scheduler.stop()
+        engine.stop()
 
     app = FastAPI(title="flan-t5 server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = engine.metrics
+    _error_handlers(app)
+    _info_routes(app, engine)
+    _completion_routes(app, engine, body_timeout)
+    if api_key:
+        app.add_middleware(BearerAuth, key=api_key)
+    app.add_middleware(StatusCounter, metrics=engine.metrics)
+    return app
 
+
+def _error_handlers(app) -> None:
     @app.exception_handler(api.ApiError)
     async def refused(request, e: api.ApiError):
-        metrics.rejected.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
-        return JSONResponse(api.error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
+        return JSONResponse(api.error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
 
+    @app.exception_handler(_Gone)
+    async def gone(request, e):
+        return Response(status_code=499)
+
+
+def _info_routes(app, engine) -> None:
     @app.get("/health")
     async def health():
-        if not engine.scheduler.admitting or engine.scheduler.failure is not None:
+        if not engine.healthy:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
@@ -210,53 +337,98 @@ def make_app(engine, api_key: Optional[str] = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = api.parse_completion(await _read_body(request, engine.limits.max_body_bytes), engine.limits,
-                                   engine.model_id)
-        reply = _Reply(engine, req, [engine.tokenize(p) for p in req.prompts])
-        engine.scheduler.submit(reply.seqs)
+
+def _completion_routes(app, engine, body_timeout: float) -> None:
+    async def answer(request: Request, req: api.Request, prompts: list):
+        reply = _Reply(engine, req, prompts)
+        try:
+            engine.submit(reply.seqs)
+        except Exception as e:  # the scheduler's refusals, as statuses
+            raise to_api_error(e) from None
         if req.stream:
             return StreamingResponse(_stream(reply), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _whole(request, reply)
 
-    if api_key:
-        app.add_middleware(BearerAuth, key=api_key, metrics=metrics)
-    return app
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        raw = await _read_body(request, engine.limits.max_body_bytes, body_timeout)
+        req = api.parse_completion(raw, engine.limits, engine.model_id)
+        try:
+            prompts = [(engine.tokenize(p), engine.prompt_text(p) if req.echo else None) for p in req.prompts]
+        except PromptError as e:
+            raise to_api_error(e) from None
+        return await answer(request, req, prompts)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        raw = await _read_body(request, engine.limits.max_body_bytes, body_timeout)
+        req = api.parse_chat(raw, engine.limits, engine.model_id)
+        try:
+            text = engine.render_chat(req.messages)
+            prompts = [(engine.tokenize(text), text)]
+        except PromptError as e:
+            raise to_api_error(e) from None
+        return await answer(request, req, prompts)
+
+
+def header_timeout_protocol(timeout: float):
+    """uvicorn's HTTP protocol, closing a connection that has not sent a whole request head within ``timeout``
+    seconds of opening (uvicorn's keep-alive timeout only starts after a first response)."""
+
+    class Protocol(AutoHTTPProtocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.header_timer = self.loop.call_later(timeout, self.header_timeout)
+
+        def header_timeout(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            self.header_timer.cancel()
+            super().connection_lost(exc)
+
+    return Protocol
 
 
 class Server(uvicorn.Server):
     """uvicorn, with SIGTERM (or Ctrl-C) as a drain: no new requests (503), the held ones finished, those still held
     after ``grace`` seconds ended with an error, then the process exits normally (exit 0). A second signal ends
-    the held requests at once. The line saying where it serves is printed once it listens."""
+    the held requests at once. The line saying where it serves is printed once it listens. A decoding loop that
+    stopped for good (``fatal``) stops the server too, for a non-zero exit."""
 
     def __init__(self, config: uvicorn.Config, engine, grace: float, banner):
         super().__init__(config)
         self.engine, self.grace, self.banner = engine, grace, banner
         self.deadline: Optional[float] = None
         self.aborted = False
+        self.fatal: Optional[Exception] = None
 
     def handle_exit(self, sig, frame) -> None:  # not re-raised at the end, as uvicorn's own is: the exit is clean
         if self.deadline is None:
-            self.engine.scheduler.stop_admitting()
+            self.engine.drain()
             self.deadline = time.monotonic() + self.grace
             logger.info("signal %d: no new requests; finishing the %d held (grace period %g s)", sig,
-                        self.engine.scheduler.held(), self.grace)
+                        self.engine.held(), self.grace)
         else:
             self.deadline = time.monotonic()
         if time.monotonic() >= self.deadline:  # no grace: the held requests end at the next decoding call, not tick
             self._abort()
 
+    def stop_fatally(self, error: Exception) -> None:
+        """The decoding loop's ``on_fatal`` (from its thread): the server stops, the process exits non-zero."""
+        self.fatal = error
+        self.should_exit = True
+
     def _abort(self) -> None:
         """Every request still held ends with an error (once)."""
-        held = self.engine.scheduler.held()
+        held = self.engine.held()
         if held and not self.aborted:
             logger.warning("grace period over: ending the %d requests still held with an error", held)
-            self.engine.scheduler.abort_all(api.ApiError(
-                503, "the server shut down before this request finished", code="shutting_down"))
+            self.engine.abort(ShuttingDown("the server shut down before this request finished"))
             self.aborted = True
 
     async def startup(self, sockets=None) -> None:
@@ -269,15 +441,25 @@ class Server(uvicorn.Server):
         if self.deadline is not None:
             if time.monotonic() >= self.deadline:
                 self._abort()
-            if not self.engine.scheduler.held():
+            if not self.engine.held():
                 self.should_exit = True
         return await super().on_tick(counter)
 
 
-def serve(engine, host: str, port: int, api_key: Optional[str], grace: float, banner) -> None:
-    """Serves ``engine`` until a signal (see ``Server``); ``banner(host, port)`` once it listens."""
+def serve(engine, host: str, port: int, api_key: Optional[str], grace: float, banner, header_timeout: float = 10.0,
+          body_timeout: float = 30.0, keep_alive: int = 30, max_connections: Optional[int] = 1024) -> None:
+    """Serves ``engine`` until a signal (see ``Server``); ``banner(host, port)`` once it listens. SystemExit(1) when
+    the decoding loop stopped for good."""
+    holder: list = []
+    app = make_app(engine, api_key, body_timeout, on_fatal=lambda error: holder[0].stop_fatally(error))
     # keep-alive 30 s (uvicorn's 5): pooled client connections (the openai client's) are closed under them less
     # often, the race where a request starts on a connection the server is closing
-    config = uvicorn.Config(make_app(engine, api_key), host=host, port=port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=10, timeout_keep_alive=30, lifespan="on")
-    Server(config, engine, grace, banner).run()
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=10, timeout_keep_alive=keep_alive, lifespan="on",
+                            http=header_timeout_protocol(header_timeout), limit_concurrency=max_connections)
+    server = Server(config, engine, grace, banner)
+    holder.append(server)
+    server.run()
+    if server.fatal is not None:
+        logger.error("%s", server.fatal)
+        raise SystemExit(1)

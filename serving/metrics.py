@@ -5,9 +5,13 @@
     flan_t5_generated_tokens_total             tokens generated
     flan_t5_prompt_tokens_total                prompt tokens read
     flan_t5_requests_total{outcome}            sequences ended: stop, length, cancelled (client gone), aborted
-    flan_t5_rejected_requests_total{status}    requests refused: 400, 401, 404, 413, 429, 503
+                                               (shutdown), error (a decoding call failed)
+    flan_t5_rejected_requests_total{status}    responses of status 400 or more, by status (every refusal: 400,
+                                               401, 404, 405, 408, 413, 415, 429, 499 (the client went away
+                                               first), 500, 503)
     flan_t5_time_to_first_token_seconds        histogram: arrival to the first token
-    flan_t5_inter_token_latency_seconds        histogram: between two tokens of a sequence
+    flan_t5_inter_token_latency_seconds        histogram: between two decoding calls' tokens of a sequence (a call's
+                                               tokens come together: --steps_per_call of them)
     flan_t5_request_duration_seconds           histogram: arrival to the end
 """
 
@@ -28,12 +32,12 @@ class Metrics:
         self.generated = Counter("flan_t5_generated_tokens", "Tokens generated", registry=r)
         self.prompt_tokens = Counter("flan_t5_prompt_tokens", "Prompt tokens read", registry=r)
         self.requests = Counter("flan_t5_requests", "Sequences ended, by outcome", ["outcome"], registry=r)
-        self.rejected = Counter("flan_t5_rejected_requests", "Requests refused, by HTTP status", ["status"],
+        self.rejected = Counter("flan_t5_rejected_requests", "Responses of status 400 or more, by status", ["status"],
                                 registry=r)
         self.ttft = Histogram("flan_t5_time_to_first_token_seconds", "Arrival to the first generated token",
                               buckets=LATENCY, registry=r)
-        self.itl = Histogram("flan_t5_inter_token_latency_seconds", "Time between two tokens of a sequence",
-                             buckets=LATENCY, registry=r)
+        self.itl = Histogram("flan_t5_inter_token_latency_seconds",
+                             "Time between two decoding calls' tokens of a sequence", buckets=LATENCY, registry=r)
         self.duration = Histogram("flan_t5_request_duration_seconds", "Arrival to the end of a sequence",
                                   buckets=LATENCY, registry=r)
 

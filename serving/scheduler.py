@@ -1,19 +1,23 @@
-"""Continuous batching: a fixed number of decoding slots, requests joining and leaving between steps.
+"""Continuous batching: a fixed number of decoding slots, sequences joining and leaving between decoding calls.
 
-One thread drives the slots (JetStream's orchestrator, vLLM's scheduler, one step at a time): while slots are free
-and requests wait, the waiting ones join (their prompts read into free slots in one ``insert`` per prompt width and
-group size); then every running slot advances ``steps`` tokens (one ``advance``); a request that ends (its
-end-of-text token, its ``max_tokens``, a stop string), is cancelled (its client went away) or aborted (shutdown)
-leaves its slot at once, for the next waiting one. The HTTP layer only submits and reads events.
+One thread drives the slots (JetStream's orchestrator, vLLM's scheduler, a call at a time), in token ids only: while
+slots are free and sequences wait, the waiting ones join (their prompts read into free slots, one ``insert`` per
+group); then every running slot advances ``steps`` tokens (one ``advance``). The device carries each slot's
+position, so the thread dispatches call N + 1 before it reads call N's tokens: the host's work (reading,
+bookkeeping, joins) overlaps the device's (vLLM's async scheduling). A sequence ends on its end-of-text token or its
+``max_tokens`` (the device stops it too), when the output side says a stop string ended it (``finish``), when its
+client goes away (``cancel``) or at shutdown (``abort``); its slot is free for the next waiting one at once.
 
-The backend (serving/engine.py's, over graphs/slots.py) answers:
-``slots``, ``local`` (slots per dp shard), ``dp``, ``widths`` (prompt widths compiled, ascending), ``joins``
-(joining rows per dp shard compiled, ascending), ``eos_id``, ``pad_id``, ``layout(ids, mask)``,
-``insert(width, join, ids, mask, rows, sampling) -> first tokens``, ``set_sampling(temperature, top_k, drop_mass,
-seed)``, ``advance(token, index, limit) -> tokens [slots, steps]`` and ``decode(token ids) -> text``.
+What the scheduler reads and produces are token ids and log-probabilities; text, stop strings and the shapes the
+API answers in are the output side's (serving/output.py), off this thread: every call's tokens go to ``emit`` as
+``Update``s, in order.
 
-Events go to each sequence's ``sink`` (whatever the HTTP layer gave) through ``deliver([(sink, Event), ...])``,
-called once per step from this thread.
+Failures stay inside: an exception in a call ends every sequence that call held (joining or running) with an
+``Update`` carrying the error, the backend is reset, and the loop goes on for the queued ones. Only a backend that
+cannot be reset, or calls failing ``FATAL_AFTER`` times in a row, stop the loop for good: every held sequence then
+ends with the error, ``submit`` raises ``Failed``, and ``on_fatal`` is called (the server exits non-zero, for its
+supervisor to restart it). The scheduler raises its own exceptions (``QueueFull``, ``ShuttingDown``, ``Failed``);
+the HTTP layer maps them to status codes.
 """
 
 from __future__ import annotations
@@ -24,122 +28,212 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
-from serving.api import ApiError
-
 logger = logging.getLogger("flan_t5")
+FATAL_AFTER = 3  # decoding calls failing in a row (none read in between) that stop the loop for good
+JOIN_WAIT = 2  # decoding calls free slots wait at most for others, to join in one insert
+SEED_BITS = 64
 
 
-@dataclass
-class Event:
-    """What a sequence did since its last event: new text (and its token ids); at its end, why it ended
-    (``finish_reason``: "stop" or "length") or the error that ended it (``error``: an ApiError)."""
+class SchedulerError(Exception):
+    """What the scheduler refuses or ends a sequence with (the HTTP layer maps each kind to a status)."""
 
-    index: int  # the sequence's choice index in its request
-    text: str = ""
-    token_ids: list = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    error: Optional[ApiError] = None
-    completion_tokens: int = 0
+
+class QueueFull(SchedulerError):
+    def __init__(self, held: int, slots: int, max_queue: int):
+        super().__init__(f"the server holds {held} sequences ({slots} slots and a queue of {max_queue}): retry "
+                         "later")
+        self.held, self.slots, self.max_queue = held, slots, max_queue
+
+
+class ShuttingDown(SchedulerError):
+    pass
+
+
+class Failed(SchedulerError):
+    """A decoding call failed: the sequences it held end with it; ``fatal``: the loop stopped for good."""
+
+    def __init__(self, message: str, fatal: bool = False):
+        super().__init__(message)
+        self.fatal = fatal
+
+
+class Backend(Protocol):
+    """The slots as the scheduler drives them (serving/engine.py's over graphs/slots.py; the tests' fake). Calls
+    return handles that ``fetch`` turns into numpy: insert -> (first tokens [n], Scored [n]); advance -> (tokens
+    [slots, steps], Scored [slots, steps]); score -> Scored [n, width - 1], where Scored is (logprob, top_ids,
+    top_logprobs) as modelling/slots.py's."""
+
+    slots: int  # decoding rows
+    local: int  # rows per dp shard
+    dp: int
+    widths: tuple  # prompt widths compiled, ascending
+    joins: tuple  # joining rows per dp shard compiled, ascending
+    steps: int  # tokens per advance
+    eos_id: int
+    pad_id: int
+    vocab_size: int  # token ids below it
+    top: int  # the most likely tokens' log-probabilities each call gives
+    scores_prompts: bool  # ``score`` exists (a causal model)
+    score_rows: int  # prompts one ``score`` reads
+
+    def layout(self, ids: np.ndarray, mask: np.ndarray) -> tuple: ...
+
+    def insert(self, width: int, join: int, ids, mask, rows, sampling: tuple, limit) -> Any: ...
+
+    def advance(self, keep: np.ndarray) -> Any: ...
+
+    def score(self, width: int, ids, mask) -> Any: ...
+
+    def fetch(self, handle: Any) -> Any: ...
+
+    def reset(self) -> None: ...
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One prompt's generation: what it asks for, and where it is."""
+    """One sequence to generate: its prompt's ids, what it asks for, and where it is. ``out``: whatever the output
+    side keeps with it (the scheduler passes it along)."""
 
-    ids: list  # the prompt's token ids
-    max_tokens: int
+    ids: list
+    max_tokens: int  # 0: no new token (its prompt scored, or echoed)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: Optional[int] = None
-    stop: tuple = ()
-    stream: bool = False
-    index: int = 0
-    sink: Any = None
-    # state (the scheduler's thread writes it; ``cancel`` and ``abort`` only set the flags)
-    tokens: list = field(default_factory=list)
-    sent_text: str = ""  # the text delivered so far
-    sent_ids: int = 0  # the tokens delivered so far
+    seed: Optional[int] = None  # 0 .. 2**64 - 1
+    logprobs: Optional[int] = None  # the k best tokens' log-probabilities beside each token's (None: none)
+    prompt_logprobs: bool = False  # the prompt's own log-probabilities (a causal model's)
+    out: Any = None
+    arrival: float = field(default_factory=time.perf_counter)
+    # state: the scheduler's thread writes it; ``cancel``, ``finish`` and ``abort`` only set their flags
+    count: int = 0  # tokens read
+    dispatched: int = 0  # tokens the calls dispatched so far give at most
     slot: Optional[int] = None
     cancelled: bool = False
-    aborted: Optional[ApiError] = None
-    done: bool = False
-    arrival: float = field(default_factory=time.perf_counter)
-    last: float = 0.0  # when its last token came
+    finished: bool = False
+    aborted: Optional[SchedulerError] = None
+    ended: bool = False
 
     def sampling(self) -> tuple:
-        """(temperature, top_k, drop_mass, seed) as the slots read them: top-p's 1 - top_p in float64 (as HF)."""
-        seed = self.seed if self.seed is not None else secrets.randbits(32)
-        return self.temperature, max(self.top_k, 0), 1.0 - self.top_p if self.top_p < 1.0 else 0.0, seed
+        """(temperature, top_k, drop_mass, seed low, seed high, logprobs) as the slots read them: top-p's 1 - top_p
+        in float64 (as HF); a random seed when none is given."""
+        seed = self.seed if self.seed is not None else secrets.randbits(SEED_BITS)
+        return (self.temperature, max(self.top_k, 0), 1.0 - self.top_p if self.top_p < 1.0 else 0.0,
+                seed & 0xFFFFFFFF, seed >> 32, -1 if self.logprobs is None else self.logprobs)
+
+    @property
+    def gone(self) -> bool:
+        return self.cancelled or self.finished or self.aborted is not None
+
+
+@dataclass
+class Update:
+    """What a sequence did in one call: new tokens (with their Scored rows where it asked for log-probabilities),
+    its prompt's scores, and at its end why (``reason``: "stop" at its end-of-text token, "length", "cancelled",
+    "finished" (the output side ended it), "aborted") or the error that ended it."""
+
+    seq: Sequence
+    tokens: list = field(default_factory=list)
+    scored: Any = None  # (logprob [n], top_ids [n, top], top_logprobs [n, top]) of the tokens
+    prompt_scored: Any = None  # the same of the prompt's tokens 1..: [len(ids) - 1]
+    reason: Optional[str] = None
+    error: Optional[SchedulerError] = None
+
+
+@dataclass
+class _Call:
+    """A dispatched call not yet read: its kind, handle, and the sequences of its rows."""
+
+    kind: str  # "insert", "advance", "score"
+    handle: Any
+    rows: list  # [(row of the output, sequence)]
+    mask: Any = None  # a score call's prompt mask, as laid out: where each prompt's tokens are
+
+
+SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
 
 
 class Scheduler:
     """The slots, the queue and the thread between them (see the module docstring). At most ``slots + max_queue``
-    sequences are held; more is a 429."""
+    sequences are held; more is ``QueueFull``. ``min_join``: free slots that wait for a group (at most
+    ``JOIN_WAIT`` calls) before they join, so that prompts join together rather than one insert each."""
 
-    def __init__(self, backend, max_queue: int, metrics, retry_after: int = 1):
-        self.b, self.max_queue, self.metrics, self.retry_after = backend, max_queue, metrics, retry_after
-        n = backend.slots
-        self.running: list = [None] * n
-        self.waiting: deque = deque()
-        self.token, self.index, self.limit = (np.zeros(n, np.int32) for _ in range(3))
-        self.sampling = [np.zeros(n, np.float32), np.zeros(n, np.int32), np.zeros(n, np.float32),
-                         np.zeros(n, np.uint32)]
+    def __init__(self, backend: Backend, max_queue: int, metrics, min_join: int = 1):
+        self.b, self.max_queue, self.metrics = backend, max_queue, metrics
+        self.min_join = max(1, min(min_join, backend.slots))
+        self.running: list = [None] * backend.slots
+        self.waiting: deque = deque()  # sequences waiting for a slot, in arrival order
+        self.scoring: deque = deque()  # sequences with no token to write (max_tokens 0): their prompts scored
+        self.pending: deque = deque()  # _Calls dispatched, not yet read, in device order
+        self.joining: list = []  # sequences out of the queue, not yet in a dispatched call
+        self.cleared: set = set()  # slots whose sequence the host ended early: the device is told to stop them
+        self.held_seqs: set = set()
+        self.flagged: list = []  # sequences cancelled, finished or aborted since the last round
         self.cv = threading.Condition()
         self.admitting, self.stopping = True, False
-        self.deliver: Callable = lambda batch: None
+        self.emit: Callable = lambda updates: None
+        self.on_fatal: Callable = lambda error: None
         self.thread: Optional[threading.Thread] = None
-        self.failure: Optional[BaseException] = None
+        self.failure: Optional[Failed] = None
+        self.failures = 0  # calls failed since the last one read
+        self.deferred = 0  # calls the free slots waited for a group
+        self.max_wait = JOIN_WAIT
+        self.depth = 1  # decoding calls left in flight, unread, while the host works
 
-    # ------------------------------------------------------------------ the HTTP side (any thread)
+    # ------------------------------------------------------------------ any thread
 
-    def start(self, deliver: Callable) -> None:
-        self.deliver = deliver
+    def start(self, emit: Callable, on_fatal: Callable = lambda error: None) -> None:
+        self.emit, self.on_fatal = emit, on_fatal
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self.thread.start()
 
     def submit(self, seqs: list) -> None:
-        """Queues a request's sequences, all or none: 503 when the server stops, 429 when it holds too many."""
+        """Queues a request's sequences, all or none: Failed when the loop stopped, ShuttingDown when the server
+        stops, QueueFull when it would hold more than its slots and queue."""
         with self.cv:
             if self.failure is not None:
-                raise ApiError(503, f"the decoding loop failed ({type(self.failure).__name__}): restart the server",
-                               code="server_error")
+                raise self.failure
             if not self.admitting:
-                raise ApiError(503, "the server is shutting down: no new requests", code="shutting_down")
-            held = len(self.waiting) + sum(s is not None for s in self.running)
+                raise ShuttingDown("the server is shutting down: no new requests")
+            held = len(self.held_seqs)
             if held + len(seqs) > self.b.slots + self.max_queue:
-                raise ApiError(429, f"the server holds {held} requests ({self.b.slots} slots, a queue of "
-                                    f"{self.max_queue}): retry after {self.retry_after} s", code="queue_full",
-                               headers={"Retry-After": str(self.retry_after)})
-            self.waiting.extend(seqs)
+                raise QueueFull(held, self.b.slots, self.max_queue)
+            self.waiting.extend(s for s in seqs if s.max_tokens > 0)
+            self.scoring.extend(s for s in seqs if s.max_tokens == 0)
+            self.held_seqs.update(seqs)
             self.metrics.queue_depth.set(len(self.waiting))
             self.cv.notify()
 
-    def cancel(self, seqs: list) -> None:
-        """The client went away: its sequences leave their slots at the next step."""
+    def _flag(self, seqs: list, name: str, value=True) -> None:
         with self.cv:
             for s in seqs:
-                s.cancelled = True
+                setattr(s, name, value)
+            self.flagged += seqs
             self.cv.notify()
+
+    def cancel(self, seqs: list) -> None:
+        """Their client went away: they leave their slots before the next call."""
+        self._flag(seqs, "cancelled")
+
+    def finish(self, seqs: list) -> None:
+        """The output side ended them (a stop string): they leave their slots before the next call."""
+        self._flag(seqs, "finished")
+
+    def abort_all(self, error: SchedulerError) -> None:
+        """Every held sequence ends with ``error`` before the next call (shutdown after its grace period)."""
+        with self.cv:  # (a reentrant lock: _flag takes it again)
+            self._flag(list(self.held_seqs), "aborted", error)
 
     def stop_admitting(self) -> None:
         with self.cv:
             self.admitting = False
 
-    def abort_all(self, error: ApiError) -> None:
-        """Every held sequence ends with ``error`` at the next step (shutdown after its grace period)."""
-        with self.cv:
-            for s in list(self.waiting) + [s for s in self.running if s is not None]:
-                s.aborted = error
-            self.cv.notify()
-
     def held(self) -> int:
         with self.cv:
-            return len(self.waiting) + sum(s is not None for s in self.running)
+            return len(self.held_seqs)
 
     def stop(self) -> None:
         with self.cv:
@@ -150,155 +244,258 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the loop (the scheduler's thread)
 
+    def _idle(self) -> bool:
+        return not (self.waiting or self.scoring or self.pending) and all(s is None for s in self.running)
+
     def _loop(self) -> None:
-        try:
-            while True:
-                with self.cv:
-                    while not self.stopping and not self.waiting and all(s is None for s in self.running):
-                        self.cv.wait()
-                    if self.stopping:
-                        return
-                events: list = []
-                self._leave(events)
-                while self._join(events):
-                    pass
-                if any(s is not None for s in self.running):
-                    self._advance(events)
-                self._gauges()
-                if events:
-                    self.deliver(events)
-        except BaseException as e:  # a failed program: every held request gets an error, new ones a 503
-            logger.exception("the decoding loop failed")
+        while True:
             with self.cv:
-                self.failure = e
-            error = ApiError(500, f"decoding failed ({type(e).__name__}: {str(e)[:200]})", code="server_error")
-            with self.cv:
-                held = [s for s in list(self.waiting) + self.running if s is not None]
-                self.waiting.clear()
-                self.running = [None] * len(self.running)
-            self.deliver([(s.sink, Event(s.index, error=error)) for s in held])
+                while not self.stopping and self._idle() and not self.flagged:
+                    self.cv.wait()
+                if self.stopping:
+                    return
+            try:
+                self._round()
+            except Exception as e:  # noqa: BLE001 (whatever a call raised: its sequences answered, the loop goes on)
+                if not self._recover(e):
+                    return
+
+    def _round(self) -> None:
+        """One round: leavers out, joiners in, an advance dispatched, every call but the newest advance read."""
+        updates: list = []
+        self._leave(updates)
+        self._score_only()
+        self._join()
+        running = [(slot, s) for slot, s in enumerate(self.running) if s is not None]
+        if running:
+            keep = np.array([slot not in self.cleared for slot in range(self.b.slots)])
+            self.pending.append(_Call("advance", self.b.advance(keep), running))
+            for slot, s in running:
+                s.dispatched = min(s.dispatched + self.b.steps, s.max_tokens)
+                if s.dispatched >= s.max_tokens:  # its last token is on its way: the slot is free for a joiner
+                    self.running[slot] = None
+        while self.pending and (not running or self._unread_advances() - (self.pending[0].kind == "advance")
+                                >= self.depth):  # every call but the newest ``depth`` advances
+            self._read(self.pending.popleft(), updates)
+        self._gauges()
+        if updates:
+            self.emit(updates)
+
+    def _unread_advances(self) -> int:
+        return sum(c.kind == "advance" for c in self.pending)
 
     def _gauges(self) -> None:
-        self.metrics.queue_depth.set(len(self.waiting))
+        self.metrics.queue_depth.set(len(self.waiting) + len(self.scoring))
         self.metrics.running.set(sum(s is not None for s in self.running))
 
-    def _leave(self, events: list) -> None:
-        """Cancelled and aborted sequences leave the queue and their slots."""
+    def _end(self, s: Sequence, updates: list, reason: Optional[str], error: Optional[SchedulerError] = None,
+             **kw) -> None:
+        """A sequence's last update: its slot freed, no longer held."""
+        if s.ended:
+            return
+        s.ended = True
+        if s.slot is not None and self.running[s.slot] is s:
+            self.running[s.slot] = None
         with self.cv:
-            gone = [s for s in self.waiting if s.cancelled or s.aborted]
-            for s in gone:
-                self.waiting.remove(s)
-        for s in gone + [s for s in self.running if s is not None and (s.cancelled or s.aborted)]:
-            self._end(s, events, "cancelled" if s.aborted is None else "aborted", error=s.aborted)
+            self.held_seqs.discard(s)
+        updates.append(Update(s, reason=reason, error=error, **kw))
 
-    def _join(self, events: list) -> bool:
-        """Waiting sequences into free slots, one insert (a prompt width, a number of rows per dp shard) -> whether
-        any joined."""
-        b = self.b
-        free = [[s for s in range(d * b.local, (d + 1) * b.local) if self.running[s] is None] for d in range(b.dp)]
+    def _leave(self, updates: list) -> None:
+        """Cancelled, finished and aborted sequences leave the queue and their slots."""
         with self.cv:
-            room = min(sum(map(len, free)), b.dp * b.joins[-1])
-            joining = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        if not joining:
-            return False
+            gone, self.flagged = [s for s in self.flagged if not s.ended], []
+            for s in gone:
+                for queue in (self.waiting, self.scoring):
+                    if s in queue:
+                        queue.remove(s)
+        for s in gone:
+            if s.slot is not None and self.running[s.slot] is s:  # still writing on the device: it stops there
+                self.cleared.add(s.slot)
+            reason = "cancelled" if s.cancelled else "finished" if s.finished else "aborted"
+            self._end(s, updates, reason, s.aborted if reason == "aborted" else None)
+
+    def _take_waiting(self, n: int, queue: Optional[deque] = None) -> list:
+        """Up to n sequences out of a queue (the waiting one by default), first come first; held in ``joining``
+        until a dispatched call holds them."""
+        queue = self.waiting if queue is None else queue
+        with self.cv:
+            picked = [queue.popleft() for _ in range(min(n, len(queue)))]
+        self.joining = picked
+        return picked
+
+    def _score_only(self) -> None:
+        """Sequences with no new token to write: their prompts scored (a call per ``score_rows``), or nothing to do
+        (ended at once, read with the next call)."""
+        seqs = self._take_waiting(len(self.scoring), self.scoring)
+        self._score([s for s in seqs if s.prompt_logprobs])
+        self.pending.extend(_Call("none", None, [(0, s)]) for s in seqs if not s.prompt_logprobs)
+        self.joining = []
+
+    def _score(self, seqs: list) -> None:
+        b = self.b
+        for i in range(0, len(seqs), b.score_rows):
+            group = seqs[i:i + b.score_rows]
+            width = next(w for w in b.widths if w >= max(len(s.ids) for s in group))
+            ids = np.full((b.score_rows, width), b.pad_id, np.int32)
+            mask = np.zeros((b.score_rows, width), np.int32)
+            for r, s in enumerate(group):
+                ids[r, :len(s.ids)], mask[r, :len(s.ids)] = s.ids, 1
+            ids, mask = b.layout(ids, mask)
+            self.pending.append(_Call("score", b.score(width, ids, mask), list(enumerate(group)), mask))
+
+    def _free(self) -> list:
+        b = self.b
+        return [[s for s in range(d * b.local, (d + 1) * b.local) if self.running[s] is None] for d in range(b.dp)]
+
+    def _join(self) -> None:
+        """Waiting sequences into free slots, in inserts of up to the widest join per dp shard. Fewer free slots
+        than ``min_join`` wait up to ``max_wait`` calls for others to free (not when nothing runs, or when every
+        waiting one fits)."""
+        free = self._free()
+        room = sum(map(len, free))
+        waiting = len(self.waiting)
+        if not room or not waiting:
+            return
+        busy = any(s is not None for s in self.running)
+        if busy and room < min(self.min_join, waiting) and self.deferred < self.max_wait:
+            self.deferred += 1
+            return
+        self.deferred = 0
+        while room:
+            joining = self._take_waiting(min(room, self.b.dp * self.b.joins[-1]))
+            if not joining:
+                return
+            self._insert(joining, free)
+            self.joining = []
+            free = self._free()
+            room = sum(map(len, free))
+
+    def _insert(self, joining: list, free: list) -> None:
+        b = self.b
         per_shard = [[] for _ in range(b.dp)]  # the sequences each shard takes, its freest first
         for s in joining:
             d = max(range(b.dp), key=lambda d: len(free[d]) - len(per_shard[d]))
             per_shard[d].append(s)
         join = next(j for j in b.joins if j >= max(map(len, per_shard)))
-        longest = max(len(s.ids) for s in joining)
-        width = next(w for w in b.widths if w >= longest)
-        ids = np.full((b.dp * join, width), b.pad_id, np.int32)
-        mask = np.zeros((b.dp * join, width), np.int32)
-        rows = np.full(b.dp * join, b.local, np.int32)  # fillers: a row past the shard's, dropped
-        sampling = [np.zeros(b.dp * join, a.dtype) for a in self.sampling]
+        width = next(w for w in b.widths if w >= max(len(s.ids) for s in joining))
+        n = b.dp * join
+        ids, mask = np.full((n, width), b.pad_id, np.int32), np.zeros((n, width), np.int32)
+        rows, limit = np.full(n, b.local, np.int32), np.zeros(n, np.int32)  # fillers: a row past the shard's
+        sampling = [np.zeros(n, dt) for dt in SAMPLING_DTYPES]
+        placed = []
         for d, group in enumerate(per_shard):
             for j, s in enumerate(group):
                 r, s.slot = d * join + j, free[d][j]
-                ids[r, :len(s.ids)], mask[r, :len(s.ids)], rows[r] = s.ids, 1, s.slot - d * b.local
+                ids[r, :len(s.ids)], mask[r, :len(s.ids)] = s.ids, 1
+                rows[r], limit[r] = s.slot - d * b.local, s.max_tokens
                 for a, v in zip(sampling, s.sampling()):
                     a[r] = v
+                placed.append((r, s))
+        scored = [s for _, s in placed if s.prompt_logprobs]
+        if scored:
+            self._score(scored)
         ids, mask = b.layout(ids, mask)
-        first = b.insert(width, join, ids, mask, rows, sampling)
-        now = time.perf_counter()
-        for d, group in enumerate(per_shard):
-            for j, s in enumerate(group):
-                self.running[s.slot] = s
-                for a, v in zip(self.sampling, sampling):
-                    a[s.slot] = v[d * join + j]
-                self.metrics.ttft.observe(now - s.arrival)
-                self.metrics.prompt_tokens.inc(len(s.ids))
-                s.last = now
-                self._take(s, [int(first[d * join + j])], now, events)
-        b.set_sampling(*self.sampling)
-        return True
+        self.pending.append(_Call("insert", b.insert(width, join, ids, mask, rows, tuple(sampling), limit), placed))
+        for _, s in placed:
+            self.cleared.discard(s.slot)
+            s.dispatched = 1
+            self.running[s.slot] = None if s.dispatched >= s.max_tokens else s
+            self.metrics.prompt_tokens.inc(len(s.ids))
 
-    def _advance(self, events: list) -> None:
-        for s, seq in enumerate(self.running):
-            if seq is None:
-                self.token[s], self.index[s], self.limit[s] = self.b.pad_id, 0, 0
-            else:
-                self.token[s], self.index[s], self.limit[s] = seq.tokens[-1], len(seq.tokens) - 1, seq.max_tokens
-        out = self.b.advance(self.token, self.index, self.limit)
-        now = time.perf_counter()
-        for s, seq in enumerate(self.running):
-            if seq is not None:
-                self._take(seq, out[s].tolist(), now, events)
+    # ------------------------------------------------------------------ reading a call's results
 
-    def _take(self, s: Sequence, tokens: list, now: float, events: list) -> None:
-        """A sequence's new tokens (up to its end), its text, and its end."""
-        reason, taken = None, 0
-        for t in tokens:
-            if s.tokens:  # the time since the previous token (0 for the tokens of one multi-step call after the first)
-                self.metrics.itl.observe(now - s.last)
-            s.tokens.append(t)
-            s.last, taken = now, taken + 1
+    def _read(self, call: _Call, updates: list) -> None:
+        if call.kind == "none":
+            self._end(call.rows[0][1], updates, "length")
+            return
+        if call.kind == "score":
+            self._read_scores(call, updates)
+            return
+        tokens, scored = call.handle
+        tokens = np.asarray(self.b.fetch(tokens))
+        self.failures = 0
+        if any(s.logprobs is not None for _, s in call.rows):
+            scored = _fields(self.b.fetch(scored))
+            if call.kind == "insert":  # one token a row: as an advance of one step
+                scored = tuple(x[:, None] for x in scored)
+        if call.kind == "insert":
+            tokens = tokens[:, None]
+        for r, s in call.rows:
+            if not s.ended and not s.gone:
+                self._take(s, tokens[r].tolist(), r, scored, updates)
+
+    def _read_scores(self, call: _Call, updates: list) -> None:
+        """A score call's results: each prompt's tokens 1.. (where its mask says they were laid out; column c of the
+        results scores the token at c + 1)."""
+        scored = _fields(self.b.fetch(call.handle))
+        self.failures = 0
+        for r, s in call.rows:
+            if s.ended or s.gone:
+                continue
+            cols = np.nonzero(call.mask[r])[0][1:] - 1
+            updates.append(Update(s, prompt_scored=tuple(np.asarray(x[r][cols]) for x in scored)))
+            if s.max_tokens == 0:
+                self._end(s, updates, "length")
+
+    def _take(self, s: Sequence, row: list, r: int, scored, updates: list) -> None:
+        """A sequence's new tokens of a call (up to its end), and its end."""
+        taken, reason = [], None
+        for t in row:
+            taken.append(t)
+            s.count += 1
             if t == self.b.eos_id:
                 reason = "stop"
-            elif len(s.tokens) >= s.max_tokens:
+            elif s.count >= s.max_tokens:
                 reason = "length"
             if reason:
                 break
-        self.metrics.generated.inc(taken)
-        if s.stream or s.stop or reason:
-            text, stopped = self._text(s, final=reason is not None)
-            reason = "stop" if stopped else reason
-            if reason:
-                self._end(s, events, reason, text=text)
-            elif text or s.sent_ids < len(s.tokens):
-                events.append((s.sink, self._delta(s, text, False)))
-                s.sent_text += text
+        self.metrics.generated.inc(len(taken))
+        rows = tuple(x[r][:len(taken)] for x in scored) if s.logprobs is not None else None
+        if reason:
+            self._end(s, updates, reason, tokens=taken, scored=rows)
+        else:
+            updates.append(Update(s, taken, rows))
 
-    def _text(self, s: Sequence, final: bool) -> tuple:
-        """(the text not yet delivered that can be, whether a stop string ended the sequence). Text that could
-        still become a stop string, or an unfinished character, waits for the next tokens."""
-        text = self.b.decode(s.tokens)
-        # text delivered never holds a whole stop string, nor its start: a stop string begins after it
-        hits = [at for at in (text.find(x, len(s.sent_text)) for x in s.stop) if at >= 0]
-        if hits:
-            return text[len(s.sent_text):min(hits)], True
-        end = len(text)
-        if not final:
-            end -= max((len(x) - 1 for x in s.stop), default=0)
-            while end > len(s.sent_text) and text[end - 1] == "\ufffd":
-                end -= 1
-        return text[len(s.sent_text):max(end, len(s.sent_text))], False
+    # ------------------------------------------------------------------ failures
 
-    def _delta(self, s: Sequence, text: str, final: bool) -> Event:
-        ids = s.tokens[s.sent_ids:]
-        s.sent_ids = len(s.tokens)
-        return Event(s.index, text, ids, completion_tokens=len(s.tokens))
+    def _recover(self, e: BaseException) -> bool:
+        """A call failed: the sequences of the calls in flight and in the slots end with the error, the backend is
+        reset -> whether the loop goes on (not after FATAL_AFTER failures in a row, or a failed reset)."""
+        logger.exception("a decoding call failed")
+        self.failures += 1
+        error = Failed(f"decoding failed ({type(e).__name__}: {str(e)[:200]})")
+        held = ([s for c in self.pending for _, s in c.rows] + [s for s in self.running if s is not None]
+                + self.joining)
+        self.pending.clear()
+        self.joining = []
+        self.cleared.clear()
+        self.running = [None] * len(self.running)
+        updates: list = []
+        for s in held:
+            self._end(s, updates, None, error)
+        fatal = self.failures >= FATAL_AFTER
+        if not fatal:
+            try:
+                self.b.reset()
+            except Exception:  # noqa: BLE001
+                logger.exception("the slots could not be reset")
+                fatal = True
+        if fatal:
+            with self.cv:
+                self.failure = Failed(f"the decoding loop stopped after {self.failures} failed call(s) "
+                                      f"({type(e).__name__}): restart the server", fatal=True)
+                rest = list(self.held_seqs)
+                self.waiting.clear()
+                self.scoring.clear()
+            for s in rest:
+                self._end(s, updates, None, self.failure)
+        self._gauges()
+        self.emit(updates)
+        if fatal:
+            self.on_fatal(self.failure)
+        return not fatal
 
-    def _end(self, s: Sequence, events: list, reason: str, text: str = "", error: Optional[ApiError] = None):
-        """A sequence leaves: its last event (its rest of text and why it ended, or its error), its slot freed."""
-        if s.slot is not None and self.running[s.slot] is s:
-            self.running[s.slot] = None
-        s.done = True
-        self.metrics.requests.labels(reason).inc()
-        self.metrics.duration.observe(time.perf_counter() - s.arrival)
-        if reason == "cancelled":
-            return
-        event = self._delta(s, text, True)
-        event.finish_reason, event.error = (reason, None) if error is None else (None, error)
-        s.sent_text += text
-        events.append((s.sink, event))
+
+def _fields(scored) -> tuple:
+    """(logprob, top_ids, top_logprobs) of a Scored (modelling/slots.py's, or any object with those fields)."""
+    return scored.logprob, scored.top_ids, scored.top_logprobs

@@ -1,0 +1,43 @@
+"""The scheduler's Backend over a model's compiled slot programs (graphs/slots.py), and the engine built on it.
+
+    engine = build_engine(cfg, ServeOptions.of(args, cfg))     # run_server.py
+
+The weights the config names (a checkpoint, LoRA adapters merged into their base, or an HF model), its tokenizer,
+and every program compiled before the server listens.
+"""
+
+from __future__ import annotations
+
+from app.predict import Predictor
+from data.tasks import load_tokenizer, pad_id
+from graphs.slots import SlotPrograms
+from serving.engine import Engine, ServeOptions
+from utils import checkpoint as ckpt
+
+
+class SlotBackend:
+    """The scheduler's Backend (serving/scheduler.py) over the compiled slot programs (graphs/slots.py)."""
+
+    def __init__(self, programs: SlotPrograms, family):
+        p = programs
+        self.slots, self.local, self.dp, self.widths, self.joins = p.slots, p.local, p.g.dp, p.widths, p.joins
+        self.steps, self.eos_id, self.pad_id, self.top = p.steps, p.eos_id, p.pad_id, p.top
+        self.scores_prompts, self.score_rows = family.scores_prompts, p.score_rows
+        self.vocab_size = p.opts.vocab_size
+        self.layout = family.layout_prompts
+        self.insert, self.advance, self.score, self.fetch, self.reset = p.insert, p.advance, p.score, p.fetch, p.reset
+
+
+def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
+    """The engine over the weights the config names (or ``params``), every program compiled."""
+    predictor = Predictor(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if params is None:
+        directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
+        params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
+    programs = SlotPrograms(predictor.graphs, options.slots, options.widths, options.joins, options.max_new_tokens,
+                            options.steps, tokenizer.eos_token_id, pad_id(tokenizer), options.max_logprobs)
+    programs.compile(params)
+    family = predictor.family
+    return Engine(SlotBackend(programs, family), tokenizer, lambda texts: family.encode_inputs(tokenizer, texts),
+                  options)

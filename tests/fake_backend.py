@@ -1,0 +1,128 @@
+"""A fake of the scheduler's Backend (serving/scheduler.py): the slot programs' contract in numpy, no JAX, with a
+model whose outputs a test knows in advance.
+
+The model: a row's token i is its prompt's token i (cycled): a prompt holding the end-of-text id ends there, a prompt
+of words repeats them. A token's log-probability is ``logprob(token, i)``, its top candidates the token and the ones
+after it; a prompt's token is scored ``logprob(token, the token before it)``. Rows hold their state as the device does
+(modelling/slots.py's Rows): ``insert`` writes the joining rows (a row past the shard's: dropped), ``advance`` moves
+every row that is alive and kept, ends rows at their end-of-text or limit and pads after, so the scheduler's
+bookkeeping is checked against the same rules. A test can make a call raise (``fail``), hold the reading of calls
+(``gate``: a threading.Event the scheduler's fetch waits on), and read the calls made (``calls``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from modelling.family import left_align
+
+
+@dataclass
+class Scored:
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+def logprob(token, i) -> np.ndarray:
+    return -((np.asarray(token) * 7 + np.asarray(i) * 3) % 11 + 1) / 8.0
+
+
+class FakeBackend:
+    def __init__(self, slots: int = 4, dp: int = 1, widths=(8, 16), joins=(1, 2, 4), steps: int = 2,
+                 eos_id: int = 1, pad_id: int = 0, vocab: int = 64, top: int = 4, scores_prompts: bool = True,
+                 right_aligned: bool = False):
+        self.slots, self.dp, self.local = slots, dp, slots // dp
+        self.widths, self.joins = tuple(widths), tuple(j for j in joins if j <= self.local)
+        self.steps, self.eos_id, self.pad_id, self.vocab_size, self.top = steps, eos_id, pad_id, vocab, top
+        self.scores_prompts, self.score_rows = scores_prompts, self.joins[-1] * dp
+        self.right_aligned = right_aligned
+        self.calls: list = []
+        self.limits: list = []  # the limit each inserted row was given
+        self.fail = None  # callable(kind) -> an exception to raise, or None
+        self.gate = None  # threading.Event the reading of an advance waits for
+        self.resets = 0
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.resets += 1
+        self.prompts = [[] for _ in range(self.slots)]
+        self.index = np.zeros(self.slots, int)
+        self.limit = np.zeros(self.slots, int)
+        self.alive = np.zeros(self.slots, bool)
+
+    def layout(self, ids, mask):
+        return left_align(ids, mask) if self.right_aligned else (ids, mask)
+
+    def _check(self, kind: str):
+        self.calls.append(kind)
+        if self.fail is not None:
+            e = self.fail(kind)
+            if e is not None:
+                raise e
+
+    def token(self, slot: int, i: int) -> int:
+        p = self.prompts[slot]
+        return p[i % len(p)]
+
+    def _scored(self, tokens: np.ndarray, i: np.ndarray) -> Scored:
+        """The token first among its candidates (the next ids), each 0.25 less likely than the one before."""
+        lp = logprob(tokens, i)
+        return Scored(lp, (tokens[..., None] + np.arange(self.top)) % self.vocab_size,
+                      lp[..., None] - 0.25 * np.arange(self.top))
+
+    def insert(self, width, join, ids, mask, rows, sampling, limit):
+        self._check("insert")
+        assert (width, join) in [(w, j) for w in self.widths for j in self.joins], (width, join)
+        assert ids.shape == (self.dp * join, width)
+        first = np.full(len(rows), self.pad_id)
+        for r in range(len(rows)):
+            if rows[r] >= self.local:  # a filler
+                continue
+            d = r // join
+            slot = d * self.local + rows[r]
+            got = ids[r][mask[r] > 0].tolist()
+            self.prompts[slot], self.index[slot], self.limit[slot] = got, 0, limit[r]
+            self.limits.append(int(limit[r]))
+            first[r] = self.token(slot, 0)
+            self.alive[slot] = first[r] != self.eos_id and limit[r] > 1
+        return first, self._scored(first, np.zeros(len(rows), int))
+
+    def advance(self, keep):
+        self._check("advance")
+        out = np.full((self.slots, self.steps), self.pad_id)
+        alive = self.alive & np.asarray(keep)
+        idx = np.zeros((self.slots, self.steps), int)
+        for s in range(self.slots):
+            for k in range(self.steps):
+                if not alive[s]:
+                    break
+                self.index[s] += 1
+                out[s, k], idx[s, k] = self.token(s, self.index[s]), self.index[s]
+                if out[s, k] == self.eos_id or self.index[s] + 1 >= self.limit[s]:
+                    alive[s] = False
+        self.alive = alive
+        return _Pending(out, self.gate), self._scored(out, idx)
+
+    def score(self, width, ids, mask):
+        self._check("score")
+        assert ids.shape == (self.score_rows, width)
+        return self._scored(ids[:, 1:], ids[:, :-1])  # each token scored given the one before it
+
+    def fetch(self, handle):
+        if isinstance(handle, _Pending):  # an advance's tokens: read once the gate is open
+            if handle.gate is not None:
+                assert handle.gate.wait(60), "the test never opened the gate"
+            self.calls.append("read")
+            return handle.out
+        return handle
+
+
+@dataclass
+class _Pending:
+    out: np.ndarray
+    gate: object

@@ -1,0 +1,371 @@
+"""The scheduler (serving/scheduler.py) and the output processor (serving/output.py) driven with a fake backend
+(tests/fake_backend.py: the slot programs' contract in numpy, no JAX): joins, leaves, cancels, max_tokens, the
+end-of-text token, the queue bound, a backend that raises (once, and for good), drain and abort, the call after
+next dispatched before a call is read, prompts scored, and the output side's text: stop strings across token
+boundaries, streamed pieces that add up to the whole text, log-probabilities and their offsets, echo.
+
+Most tests drive the scheduler a round at a time (``_round``) from the test's thread, so every interleaving is the
+test's choice; a few run its thread.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from data.synthetic import make_tokenizer
+from serving.metrics import Metrics
+from serving.output import Output, OutputProcessor
+from serving.scheduler import FATAL_AFTER, Failed, QueueFull, Scheduler, Sequence, ShuttingDown
+from tests.fake_backend import FakeBackend, logprob
+
+TOK = make_tokenizer()
+EOS = TOK.eos_token_id
+
+
+def ids(text: str) -> list:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+class Harness:
+    """A scheduler over a fake backend, its updates collected, driven a round at a time."""
+
+    def __init__(self, max_queue: int = 8, min_join: int = 1, **backend):
+        self.b = FakeBackend(**backend)
+        self.metrics = Metrics(self.b.slots)
+        self.s = Scheduler(self.b, max_queue, self.metrics, min_join)
+        self.updates: list = []
+        self.s.emit = self.updates.extend
+        self.keeps: list = []
+        advance = self.b.advance
+        self.b.advance = lambda keep: (self.keeps.append(np.array(keep)), advance(keep))[1]
+
+    def seq(self, prompt, max_tokens: int = 8, **kw) -> Sequence:
+        return Sequence(prompt if isinstance(prompt, list) else ids(prompt), max_tokens, **kw)
+
+    def run(self, rounds: int = 200) -> int:
+        """Rounds until nothing is held -> how many."""
+        for n in range(rounds):
+            if not self.s.held_seqs and not self.s.pending:
+                return n
+            self.s._round()
+        raise AssertionError("the scheduler never emptied")
+
+    def of(self, seq) -> list:
+        return [u for u in self.updates if u.seq is seq]
+
+    def tokens(self, seq) -> list:
+        return [t for u in self.of(seq) for t in u.tokens]
+
+    def end(self, seq):
+        ends = [u for u in self.of(seq) if u.reason or u.error]
+        assert len(ends) == 1, ends  # every sequence ends exactly once
+        return ends[0]
+
+
+def expected(prompt: list, max_tokens: int) -> tuple:
+    """The fake model's output for a prompt: its tokens cycled, up to the end-of-text or max_tokens."""
+    out = []
+    while len(out) < max_tokens:
+        out.append(prompt[len(out) % len(prompt)])
+        if out[-1] == EOS:
+            return out, "stop"
+    return out, "length"
+
+
+def test_sequences_join_free_slots_and_leave_at_their_end():
+    h = Harness(slots=4, steps=2)
+    prompts = ["the cat sleeps", "a dog", "the bird runs in the park", "red", "old man . </s> in", "the child"]
+    lengths = [5, 9, 3, 1, 12, 6]
+    seqs = [h.seq(p, n) for p, n in zip(prompts, lengths)]
+    h.s.submit(seqs)
+    h.run()
+    assert sorted({s.slot for s in seqs}) == [0, 1, 2, 3]  # every slot used, some twice
+    assert sorted(h.b.limits) == sorted(lengths)  # the device stops each row where the host does
+    for s, n in zip(seqs, lengths):
+        tokens, reason = expected(s.ids, n)
+        assert h.tokens(s) == tokens and h.end(s).reason == reason, (s.ids, n)
+    assert h.end(seqs[4]).reason == "stop" and h.tokens(seqs[4])[-1] == EOS  # its end-of-text token, kept
+    assert h.s.held() == 0 and all(s is None for s in h.s.running)
+    assert h.metrics.generated._value.get() == sum(len(h.tokens(s)) for s in seqs)
+
+
+def test_a_sequence_of_one_token_never_advances():
+    h = Harness(slots=2, steps=4)
+    one = h.seq("the cat", 1)
+    h.s.submit([one])
+    h.run()
+    assert h.tokens(one) == ids("the") and h.end(one).reason == "length"
+    assert "advance" not in h.b.calls
+
+
+def test_the_next_call_is_dispatched_before_the_last_is_read_and_a_slot_ending_by_length_is_refilled_at_once():
+    h = Harness(slots=1, steps=2)
+    first, second = h.seq("the cat sleeps", 3), h.seq("a dog runs", 3)
+    h.s.submit([first, second])
+    h.s._round()  # first joins (1 token) and advances (2 more: its last): its slot is free before that is read
+    assert h.b.calls == ["insert", "advance"] and h.s.running == [None] and h.tokens(first) == ids("the")
+    h.s._round()  # second joins the freed slot; the first's advance is read after that insert's dispatch
+    assert h.b.calls == ["insert", "advance", "insert", "advance", "read"]
+    assert h.tokens(first) == ids("the cat sleeps") and h.end(first).reason == "length"
+    h.run()
+    assert h.tokens(second) == ids("a dog runs")
+
+
+def test_a_cancelled_sequence_leaves_its_slot_and_gets_no_more_tokens():
+    h = Harness(slots=2, steps=2)
+    long, other = h.seq("the cat sleeps", 40), h.seq("a dog", 40)
+    queued = h.seq("red bird", 4)
+    h.s.submit([long, other, queued])
+    h.s._round()
+    h.s._round()
+    before = len(h.tokens(long))
+    h.s.cancel([long, queued])
+    h.s._round()
+    assert h.end(long).reason == "cancelled" and h.end(queued).reason == "cancelled"
+    assert not h.keeps[-1][long.slot]  # the device is told at the next call
+    h.s.cancel([other])
+    h.run()
+    assert len(h.tokens(long)) == before and not h.tokens(queued)  # the queued one never joined
+    assert sum(c == "insert" for c in h.b.calls) == 1
+
+
+def test_the_queue_bound_is_all_or_none():
+    h = Harness(slots=2, max_queue=3)
+    h.s.submit([h.seq("the cat", 30) for _ in range(4)])
+    with pytest.raises(QueueFull) as e:
+        h.s.submit([h.seq("a dog", 2), h.seq("a dog", 2)])  # 4 + 2 > 2 slots + 3 queued: none of them
+    assert e.value.held == 4 and h.s.held() == 4
+    h.s.submit([h.seq("a dog", 2)])  # 5 fits
+    with pytest.raises(QueueFull):
+        h.s.submit([h.seq("a dog", 2)])
+    h.run()
+    h.s.submit([h.seq("a dog", 2) for _ in range(5)])  # the slots and the queue free again
+
+
+def test_a_backend_that_raises_fails_the_calls_sequences_and_the_loop_goes_on():
+    h = Harness(slots=2, steps=2)
+    running = [h.seq("the cat", 20), h.seq("a dog", 20)]
+    queued = h.seq("red bird", 5)
+    h.s.submit(running + [queued])
+    h.s._round()
+    h.b.fail = lambda kind: OverflowError("int too big") if kind == "advance" else None
+    with pytest.raises(OverflowError):
+        h.s._round()
+    # the loop's handler: what _loop does with an exception
+    assert h.s._recover(OverflowError("int too big"))
+    h.b.fail = None
+    for s in running:
+        assert isinstance(h.end(s).error, Failed) and "OverflowError" in str(h.end(s).error)
+    assert h.b.resets == 2 and h.s.failure is None  # reset once (beside its construction), and it goes on
+    h.run()
+    assert h.tokens(queued) == expected(queued.ids, 5)[0] and h.end(queued).reason == "length"
+
+
+def test_a_failing_insert_fails_its_joiners_only():
+    h = Harness(slots=4, steps=2, joins=(1,))
+    a = h.seq("the cat", 20)
+    h.s.submit([a])
+    h.s._round()
+    b = h.seq("a dog", 6)
+    h.s.submit([b])
+    h.b.fail = lambda kind: RuntimeError("bad insert") if kind == "insert" else None
+    with pytest.raises(RuntimeError):
+        h.s._round()
+    h.s._recover(RuntimeError("bad insert"))
+    h.b.fail = None
+    assert isinstance(h.end(b).error, Failed)
+    assert isinstance(h.end(a).error, Failed)  # its device state was lost with the reset
+    c = h.seq("red bird", 3)
+    h.s.submit([c])
+    h.run()
+    assert h.tokens(c) == expected(c.ids, 3)[0]
+
+
+def test_calls_failing_again_and_again_stop_the_loop_for_good():
+    h = Harness(slots=2)
+    fatal = []
+    h.s.on_fatal = fatal.append
+    h.b.fail = lambda kind: RuntimeError("device lost")
+    queued = [h.seq("the cat", 5) for _ in range(8)]
+    h.s.submit(queued)
+    goes_on = []
+    for _ in range(FATAL_AFTER):
+        with pytest.raises(RuntimeError):
+            h.s._round()
+        goes_on.append(h.s._recover(RuntimeError("device lost")))
+    assert goes_on == [True] * (FATAL_AFTER - 1) + [False]
+    assert fatal and fatal[0].fatal
+    for s in queued:  # every held one answered
+        assert isinstance(h.end(s).error, Failed)
+    with pytest.raises(Failed) as e:
+        h.s.submit([h.seq("a dog", 2)])
+    assert e.value.fatal and "restart" in str(e.value)
+
+
+def test_the_thread_answers_every_sequence_when_a_call_raises():
+    """The loop itself (its thread): a failing call ends the sequences it held with an error, the rest finish."""
+    h = Harness(slots=2, steps=1)
+    boom = threading.Event()
+    h.b.fail = lambda kind: (boom.set(), ValueError("boom"))[1] if kind == "advance" and not boom.is_set() else None
+    done = threading.Event()
+    seqs = [h.seq("the cat sleeps", 6) for _ in range(5)]
+
+    def emit(updates):
+        h.updates.extend(updates)
+        if sum(1 for u in h.updates if u.reason or u.error) == len(seqs):
+            done.set()
+
+    h.s.start(emit)
+    h.s.submit(seqs)
+    assert done.wait(30)
+    h.s.stop()
+    errors = [s for s in seqs if h.end(s).error is not None]
+    assert len(errors) == 2 and all(h.end(s).reason == "length" for s in seqs if s not in errors)
+
+
+def test_drain_refuses_new_sequences_and_abort_ends_the_held_ones():
+    h = Harness(slots=1)
+    held = [h.seq("the cat", 30), h.seq("a dog", 30)]
+    h.s.submit(held)
+    h.s._round()
+    h.s.stop_admitting()
+    with pytest.raises(ShuttingDown):
+        h.s.submit([h.seq("red", 2)])
+    error = ShuttingDown("bye")
+    h.s.abort_all(error)
+    h.run()
+    assert all(h.end(s).reason == "aborted" and h.end(s).error is error for s in held)
+
+
+def test_free_slots_wait_up_to_join_wait_calls_for_a_group():
+    from serving.scheduler import JOIN_WAIT
+
+    h = Harness(slots=4, steps=2, min_join=2)
+    short, longs = h.seq("the cat", 3), [h.seq("a dog", 60) for _ in range(3)]
+    h.s.submit([short] + longs)
+    h.s._round()
+    h.s.submit([h.seq("red bird", 4), h.seq("old man", 4)])
+    for _ in range(JOIN_WAIT):
+        h.s._round()  # the short one's slot is free, alone: it waits for a second one
+        assert h.b.calls.count("insert") == 1
+    h.s._round()  # no second one frees: it joins anyway
+    assert h.b.calls.count("insert") == 2
+    assert h.b.limits == [3, 60, 60, 60, 4]  # one joined: the other still waits for a slot
+
+
+def test_logprobs_of_the_tokens_and_of_the_prompt():
+    for right_aligned in (False, True):
+        h = Harness(slots=2, steps=3, right_aligned=right_aligned)
+        s = h.seq("the cat sleeps in", 7, logprobs=2, prompt_logprobs=True)
+        score_only = h.seq("a dog runs", 0, prompt_logprobs=True)
+        h.s.submit([s, score_only])
+        h.run()
+        tokens = h.tokens(s)
+        lps = np.concatenate([u.scored[0] for u in h.of(s) if u.tokens])
+        np.testing.assert_allclose(lps, logprob(np.array(tokens), np.arange(len(tokens))))
+        for seq in (s, score_only):
+            (scored,) = [u.prompt_scored for u in h.of(seq) if u.prompt_scored is not None]
+            np.testing.assert_allclose(scored[0], logprob(np.array(seq.ids[1:]), np.array(seq.ids[:-1])))
+        assert h.end(score_only).reason == "length" and not h.tokens(score_only)
+        assert h.b.calls.count("insert") == 1  # the score-only sequence took no slot
+
+
+# --------------------------------------------------------------------------- the output side
+
+
+class Out:
+    """An output processor over the synthetic tokenizer, its events and the sequences it finished collected."""
+
+    def __init__(self):
+        self.finished: list = []
+        self.p = OutputProcessor(TOK, Metrics(1), self.finished.extend)
+
+    def feed(self, seq: Sequence, chunks: list, reason: str, scored=None) -> list:
+        from serving.scheduler import Update
+
+        events = []
+        for i, c in enumerate(chunks):
+            last = i == len(chunks) - 1
+            events += [e for _, e in self.p.handle(Update(seq, c, scored(c) if scored else None,
+                                                          reason=reason if last else None))]
+            if seq in self.finished:
+                break
+        return events
+
+
+def sequence(text: str, stream: bool, stop=(), logprobs=None, echo=None, echo_ids=None) -> Sequence:
+    return Sequence(ids("x"), 100, out=Output(0, None, stop, stream, logprobs, echo, echo_ids))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stop_string_across_tokens_ends_the_text_before_it(stream):
+    words = ids("the cat sleeps in the park the dog runs")
+    out = Out()
+    s = sequence("", stream, stop=("t sle", "dog"))
+    events = out.feed(s, [words[:2], words[2:4], words[4:]], "length")
+    text = "".join(e.text for e in events)
+    assert text == "the ca" and events[-1].finish_reason == "stop"
+    assert events[-1].completion_tokens == 3  # up to "sleeps", whose text completed the stop string
+    assert out.finished == [s]  # the scheduler is told to free the slot
+    assert [len(e.token_ids) for e in events][-1] >= 1 and sum(len(e.token_ids) for e in events) == 3
+
+
+def test_streamed_pieces_add_up_to_the_whole_text_and_hold_back_a_stop_strings_start():
+    words = ids("the cat sleeps in the park")
+    out = Out()
+    s = sequence("", True, stop=("park .",))
+    events = out.feed(s, [[w] for w in words], "length")
+    assert "".join(e.text for e in events) == TOK.decode(words)
+    sent = ""
+    for e in events[:-1]:
+        sent += e.text
+        assert not sent.endswith("par") and "park" not in sent  # the stop's start waits
+    whole = Out().feed(sequence("", False), [[w] for w in words], "length")
+    assert len(whole) == 1 and whole[0].text == TOK.decode(words)  # a whole completion: one event, at its end
+
+
+def test_logprobs_name_each_token_as_the_text_it_adds_with_offsets_into_the_echoed_text():
+    words = ids("the cat sleeps")
+    out = Out()
+    prompt = ids("a dog")
+    s = sequence("", False, logprobs=2, echo="a dog", echo_ids=prompt)
+
+    def scored(chunk):
+        lp = np.array([-0.5] * len(chunk))
+        return lp, np.array([[t, t + 1, t + 2] for t in chunk]), np.array([[-0.5, -1.0, -2.0]] * len(chunk))
+
+    s.out.prompt_scored = (np.array([-3.0]), np.array([[prompt[1], 9, 10]]), np.array([[-3.0, -4.0, -5.0]]))
+    (event,) = out.feed(s, [words], "length", scored)
+    assert event.text == "a dog" + "the cat sleeps"
+    lps = event.logprobs
+    assert [e.token for e in lps] == ["a", " dog", "the", " cat", " sleeps"]
+    assert [e.logprob for e in lps] == [None, -3.0, -0.5, -0.5, -0.5]
+    assert lps[0].top is None and len(lps[1].top) == 2 and lps[2].top == [("the", -0.5), ("a", -1.0)]
+    assert [e.offset for e in lps] == [0, 1, 5, 8, 12]
+    for e in lps[2:]:  # each completion token's text starts at its offset in the echoed text
+        assert event.text[e.offset:].startswith(e.token)
+    assert event.cumulative_logprob == pytest.approx(-1.5)
+
+
+def test_a_character_split_over_tokens_is_sent_whole():
+    """A byte-level tokenizer splits "é" over two tokens: the first alone decodes to U+FFFD, which is never sent."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["the cat sleeps"], trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    words = tok("le café noir", add_special_tokens=False)["input_ids"]
+    assert "\ufffd" in tok.decode(words[:7])  # "le caf" and half of "é"
+    p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
+    seq = Sequence(words[:1], 100, out=Output(0, None, stream=True))
+    from serving.scheduler import Update
+
+    texts = [e.text for t in words for _, e in p.handle(Update(seq, [t]))]
+    texts += [e.text for _, e in p.handle(Update(seq, [], reason="length"))]
+    assert "".join(texts) == "le café noir" and not any("\ufffd" in t for t in texts)

@@ -1,0 +1,504 @@
+"""The HTTP layer (serving/http.py, serving/api.py) over the fake backend (tests/fake_backend.py), in this process:
+nothing a client sends stops the server (a fuzz corpus of malformed bodies, headers and connections: never a 5xx,
+never a hang, a normal request served after each), every refusal counted by status, the OpenAI shapes (logprobs,
+echo, n and best_of, token-id prompts, chat, streaming) as the openai client reads them, 429 past the queue and the
+client's own retry of it, a client that goes away mid-body or mid-stream, a decoding call that fails, drain.
+
+The fake model's outputs are known in advance (each row repeats its prompt), so each test states what a client gets;
+the real models' numbers are tests/test_server.py's. No JAX, no compilation: the whole file takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from typing import Optional
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from hypothesis import given, settings, strategies as st
+
+from data.synthetic import make_tokenizer
+from serving import api
+from serving.engine import Engine, ServeOptions
+from serving.http import Server, header_timeout_protocol, make_app
+from tests.fake_backend import FakeBackend, logprob
+
+TOK = make_tokenizer()
+KEY = "fake-key"
+MODEL = "fake"
+WAIT = 30
+
+
+def encode(texts: list) -> list:
+    return TOK(list(texts), add_special_tokens=True)["input_ids"]  # as T5 reads a prompt: its end-of-text last
+
+
+def words(text: str) -> list:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+class FakeServer:
+    """serving/http.py's Server over an Engine over the fake backend, on a free port, in a thread of this process."""
+
+    def __init__(self, max_queue: int = 8, scores_prompts: bool = True, right_aligned: bool = True, **kw):
+        self.backend = FakeBackend(slots=4, widths=(16, 32), joins=(1, 2, 4), steps=2, vocab=64, top=5,
+                                   scores_prompts=scores_prompts, right_aligned=right_aligned)
+        options = ServeOptions(slots=4, max_queue=max_queue, widths=(16, 32), joins=(1, 2, 4), steps=2,
+                               max_new_tokens=kw.pop("max_new_tokens", 64), max_prompt_chars=2000,
+                               max_body_bytes=65536, model_id=MODEL, max_logprobs=5)
+        self.engine = Engine(self.backend, TOK, encode, options)
+        app = make_app(self.engine, KEY, body_timeout=kw.pop("body_timeout", 5.0),
+                       on_fatal=lambda e: self.server.stop_fatally(e))
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+                                http=header_timeout_protocol(kw.pop("header_timeout", 5.0)), timeout_keep_alive=5)
+        self.server = Server(config, self.engine, kw.pop("grace", 30.0), self._listening)
+        self.url = None
+        self.http = httpx.Client(timeout=WAIT)  # one client: making one per request costs its TLS set-up each time
+        self.up = threading.Event()
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        assert self.up.wait(WAIT), "the server did not start"
+
+    def _listening(self, host, port):
+        self.host, self.port, self.url = host, port, f"http://{host}:{port}"
+        self.up.set()
+
+    def client(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, timeout=WAIT, **{"max_retries": 0, **kw})
+
+    def post(self, body, path: str = "/v1/completions", headers: Optional[dict] = None, **kw) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+        return self.http.post(self.url + path, content=content, headers=h, **kw)
+
+    def metric(self, name: str) -> float:
+        text = self.engine.metrics.text().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    def serves(self) -> None:
+        """A normal request is answered as the fake model answers it."""
+        r = self.post({"model": MODEL, "prompt": "the cat", "max_tokens": 5})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "the cat", r.text  # its prompt, then its end-of-text
+
+    def wait_for(self, check, what: str) -> None:
+        deadline = time.monotonic() + WAIT
+        while not check():
+            assert time.monotonic() < deadline, f"{what} within {WAIT} s"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(WAIT)
+        self.http.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = FakeServer()
+    yield s
+    s.stop()
+
+
+def fake_completion(prompt_ids: list, max_tokens: int) -> tuple:
+    out = []
+    while len(out) < max_tokens:
+        out.append(prompt_ids[len(out) % len(prompt_ids)])
+        if out[-1] == TOK.eos_token_id:
+            return out, "stop"
+    return out, "length"
+
+
+# --------------------------------------------------------------------------- nothing a client sends stops it
+
+BIG = [2 ** 31, 2 ** 63, 2 ** 64, 10 ** 30, -2 ** 63 - 1]
+BAD_VALUES = {
+    "max_tokens": ["5", 0, -1, 65, 1.5, True, [5]] + BIG,
+    "temperature": ["hot", -0.1, 2.5, True, [1]] + BIG,
+    "top_p": [0, -1, 1.01, "1", False],
+    "top_k": [-2, 65, 1.5, "3", True] + BIG,
+    "seed": [1.5, "7", True, [1], 2 ** 64, -2 ** 63 - 1, 10 ** 30],
+    "n": [0, 17, 2.0, "2", True] + BIG,
+    "best_of": [0, 17, "x", 2 ** 31],
+    "logprobs": [-1, 6, "2", True, 1.5] + BIG,
+    "echo": ["yes", 1, "true"],
+    "stop": ["", [""], ["a"] * 5, [1], {"a": 1}, "\x00", "\ud800", [["a"]]],
+    "stream": ["yes", 1],
+    "stream_options": [{"include_usage": True}, {"x": 1}],
+    "prompt": [7, [], [[]], [1.5], [-1], [64], [[1, 2], "a"], [True], {"a": 1}, "", "   ", "\ud800", "a\x00b",
+               "\udc00 x", [["a"]], list(range(40))],
+    "user": [1, "\ud83d"],
+    "model": ["gpt-4", 1, "\ud800", ""],
+    "frobnicate": [1],
+    "presence_penalty": [0.5, "0"],
+    "logit_bias": [{"1": 5}],
+    "suffix": ["x"],
+}
+BAD_RAW = [
+    b"", b"{", b"{not json", b"[1, 2]", b"null", b"7", b'"a"', b"\xff\xfe", b'{"prompt": "a", "prompt": }',
+    b'{"model": "fake", "prompt": "a", "max_tokens": 1e999}', b'{"model": "fake", "prompt": NaN}',
+    b'{"model": "fake", "prompt": "a", "temperature": NaN}', b'{"model": "fake", "prompt": "a", "top_p": Infinity}',
+    b'{"model": "fake", "prompt": "\\ud800"}', b'{"model": "fake", "prompt": "a\\u0000"}',
+    b"[" * 5000 + b"]" * 5000, b'{"a":' * 3000 + b"1" + b"}" * 3000,
+    b'{"model": "fake", "prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}",
+    b'{"model": "fake", "prompt": "a", "max_tokens": 99999999999999999999999999999999}',
+    b'{"model": "fake"}',
+]
+BAD_CHAT = [
+    {"messages": []}, {"messages": "hi"}, {"messages": [{"role": "user"}]}, {"messages": [{"role": "bot", "content": "a"}]},
+    {"messages": [{"role": "user", "content": 1}]}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+    {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+    {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 9},
+    {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+    {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+    {"messages": [{"role": "assistant", "content": "a"}]},
+    {"messages": [{"role": "user", "content": "\ud800"}]},
+    {"messages": [{"role": "user", "content": "   "}]},
+    {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0},
+]
+
+
+def corpus() -> list:
+    """(body, path, headers) of malformed requests."""
+    out = [({"model": MODEL, "prompt": "the cat", field: v}, "/v1/completions", {})
+           for field, values in BAD_VALUES.items() for v in values]
+    out += [(raw, "/v1/completions", {}) for raw in BAD_RAW]
+    out += [({"model": MODEL, **c}, "/v1/chat/completions", {}) for c in BAD_CHAT]
+    ok = {"model": MODEL, "prompt": "the cat"}
+    out += [(ok, "/v1/completions", {"Content-Type": "text/plain"}),
+            (ok, "/v1/completions", {"Content-Type": "application/x-www-form-urlencoded"}),
+            (ok, "/v1/completions", {"Content-Type": ""}), (ok, "/v1/nothing", {}), (ok, "/v1/models", {}),
+            ({"prompt": "the cat"}, "/v1/completions", {}),
+            ({"model": MODEL, "prompt": "the cat", "echo": True, "max_tokens": 0, "n": 2, "best_of": 3,
+              "stream": True}, "/v1/completions", {}),
+            ({"model": MODEL, "prompt": ["a"] * 13}, "/v1/completions", {})]  # 13 > 4 slots + 8 queued
+    return out
+
+
+def test_no_malformed_request_gets_a_5xx_or_a_hang_and_the_server_serves_after_each(server):
+    cases = corpus()
+    assert len(cases) >= 80
+    statuses = {}
+    for body, path, headers in cases:
+        r = server.post(body, path, headers)  # a hang is httpx's timeout: an error here
+        assert 400 <= r.status_code < 500, (body, path, headers, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error["message"] and "\n" not in error["message"], error
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+        server.serves()
+    assert set(statuses) >= {400, 404, 405, 413, 415}
+    for status, n in statuses.items():  # every refusal counted by its status (the key check's too)
+        assert server.metric(f'flan_t5_rejected_requests_total{{status="{status}"}}') >= n
+
+
+def test_the_crash_of_a_top_k_past_int32_is_a_400_naming_the_field(server):
+    r = server.post({"model": MODEL, "prompt": "the cat", "top_k": 2 ** 31})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+    assert "from -1 to 64" in r.json()["error"]["message"]
+    server.serves()
+
+
+def test_json_nested_past_the_limit_is_refused_before_any_field_is_read():
+    limits = api.Limits(64, 16, 32, 2000, 12, 65536, 64, 5, True)
+
+    def body(levels: int) -> bytes:  # the body's object, then ``levels`` arrays inside it
+        return b'{"model": "fake", "prompt": "a", "x": ' + b"[" * levels + b"]" * levels + b"}"
+
+    for levels, words in ((api.MAX_DEPTH - 1, "unrecognized"), (api.MAX_DEPTH, f"deeper than {api.MAX_DEPTH}")):
+        with pytest.raises(api.ApiError, match=words):
+            api.parse_completion(body(levels), limits, MODEL)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(api.COMPLETION_FIELDS + ("frobnicate",)),
+                       st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=5), c,
+                                                                                        max_size=3), max_leaves=8)))
+def test_any_json_body_is_a_checked_request_or_an_api_error(body):
+    """Whatever the fields hold: a 4xx naming a field, or a request whose every value is within the limits."""
+    limits = api.Limits(max_tokens=64, default_max_tokens=16, max_prompt_tokens=32, max_prompt_chars=2000,
+                        max_prompts=12, max_body_bytes=65536, vocab_size=64, max_logprobs=5, scores_prompts=True)
+    try:
+        raw = json.dumps({"model": MODEL, **body}).encode()
+    except ValueError:
+        return
+    try:
+        req = api.parse_completion(raw, limits, MODEL)
+    except api.ApiError as e:
+        assert 400 <= e.status < 500 and e.message
+        return
+    assert 0 <= req.max_tokens <= 64 and 0.0 <= req.temperature <= 2.0 and 0.0 < req.top_p <= 1.0
+    assert -1 <= req.top_k <= 64 and (req.seed is None or 0 <= req.seed < 2 ** 64)
+    assert 1 <= req.n <= req.best_of <= api.MAX_N and len(req.prompts) * req.best_of <= 12
+    assert req.logprobs is None or 0 <= req.logprobs <= 5
+    for p in req.prompts:
+        assert (isinstance(p, str) and p.strip() and "\x00" not in p) or all(0 <= t < 64 for t in p)
+    assert all(math.isfinite(x) for x in (req.temperature, req.top_p))
+
+
+def test_idle_and_slow_connections_are_closed_and_a_body_cut_short_is_one_line(caplog):
+    caplog.set_level(logging.INFO, logger="flan_t5")
+    s = FakeServer(header_timeout=0.5, body_timeout=0.5)
+    try:
+        idle = socket.create_connection((s.host, s.port))
+        slow = socket.create_connection((s.host, s.port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # a head never finished
+        for sock in (idle, slow):
+            sock.settimeout(WAIT)
+            assert sock.recv(100) == b""  # closed by the server
+        late = socket.create_connection((s.host, s.port))  # a body that never comes: 408
+        late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                     b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        late.settimeout(WAIT)
+        assert b" 408 " in late.recv(1000).split(b"\r\n")[0]
+        gone = socket.create_connection((s.host, s.port))  # a client that leaves mid-body
+        gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                     b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
+        gone.close()
+        s.wait_for(lambda: any("went away while sending" in r.message for r in caplog.records), "the line")
+        lines = [r for r in caplog.records if "went away" in r.message]
+        assert len(lines) == 1 and lines[0].levelname == "INFO" and not lines[0].exc_info
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        s.serves()
+    finally:
+        s.stop()
+
+
+# --------------------------------------------------------------------------- the API as clients use it
+
+
+def test_completions_with_logprobs_echo_and_token_id_prompts(server):
+    client = server.client()
+    prompt = words("the cat sleeps")  # no end-of-text: it repeats to max_tokens
+    r = client.completions.create(model=MODEL, prompt=[prompt, words("a dog")], max_tokens=5, logprobs=2,
+                                  echo=True, extra_body={"return_token_ids": True})
+    for c, p in zip(r.choices, [prompt, words("a dog")]):
+        tokens, reason = fake_completion(p, 5)
+        prompt_text = TOK.decode(p)
+        assert c.token_ids == tokens and c.finish_reason == reason
+        assert c.text == prompt_text + TOK.decode(tokens)  # the prompt's text, then the completion's
+        lp = c.logprobs
+        assert lp.tokens[:len(p)] == [TOK.decode(p[:i + 1])[len(TOK.decode(p[:i])):] for i in range(len(p))]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+        np.testing.assert_allclose(lp.token_logprobs[1:len(p)], logprob(np.array(p[1:]), np.array(p[:-1])))
+        np.testing.assert_allclose(lp.token_logprobs[len(p):], logprob(np.array(tokens), np.arange(len(tokens))))
+        for i, top in enumerate(lp.top_logprobs[len(p):]):  # the chosen token and the 2 best (here: the same one)
+            assert len(top) == 2 and lp.tokens[len(p) + i] in top
+        for tok_text, offset in zip(lp.tokens, lp.text_offset):
+            assert c.text[offset:].startswith(tok_text)
+    assert r.usage.prompt_tokens == 3 + 2 and r.usage.completion_tokens == 10
+    scored = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    (c,) = scored.choices  # max_tokens 0: the prompt scored, nothing generated
+    assert c.text == TOK.decode(prompt) and c.finish_reason == "length" and len(c.logprobs.tokens) == 3
+    assert [list(t) for t in c.logprobs.top_logprobs[1:]] == [[x] for x in c.logprobs.tokens[1:]]
+    assert scored.usage.completion_tokens == 0
+
+
+def test_echo_with_logprobs_on_a_model_that_does_not_score_its_prompt_is_a_400_naming_why():
+    s = FakeServer(scores_prompts=False)
+    try:
+        r = s.post({"model": MODEL, "prompt": "the cat", "echo": True, "logprobs": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo" and "encoder" in r.text
+        echoed = s.post({"model": MODEL, "prompt": "the cat", "echo": True, "max_tokens": 0}).json()
+        assert echoed["choices"][0]["text"] == "the cat"
+    finally:
+        s.stop()
+
+
+def test_n_and_best_of_and_a_seed_per_choice(server):
+    client = server.client()
+    r = client.completions.create(model=MODEL, prompt=["the cat", "a dog runs"], n=3, max_tokens=4, seed=5)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == ["the cat"] * 3 + ["a dog runs"] * 3
+    seqs = []
+    submit = server.engine.submit
+    server.engine.submit = lambda s: (seqs.extend(s), submit(s))[1]
+    try:
+        best = client.completions.create(model=MODEL, prompt=words("the cat sleeps"), n=2, best_of=4, max_tokens=3,
+                                         seed=5)
+    finally:
+        server.engine.submit = submit
+    assert len(seqs) == 4 and seqs[0].seed == 5 and len({s.seed for s in seqs}) == 4  # its own seed each
+    assert all(s.logprobs == 0 for s in seqs)  # ranked by their log-probabilities, not shown
+    assert len(best.choices) == 2 and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 6
+
+
+def test_chat_renders_the_messages_and_answers_in_the_chat_shape(server):
+    client = server.client()
+    one = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the cat"}],
+                                         max_tokens=8, logprobs=True, top_logprobs=2)
+    plain = server.post({"model": MODEL, "prompt": "the cat", "max_tokens": 8}).json()
+    assert one.object == "chat.completion" and one.choices[0].message.role == "assistant"
+    assert one.choices[0].message.content == plain["choices"][0]["text"]  # one user message: its text, as given
+    content = one.choices[0].logprobs.content
+    assert [c.token for c in content] == ["the", " cat", "</s>"] and len(content[0].top_logprobs) == 2
+    assert content[0].bytes == list(b"the")
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a dog"},
+             {"role": "assistant", "content": "runs"}, {"role": "user", "content": [{"type": "text", "text": "the"},
+                                                                                   {"type": "text", "text": " cat"}]}]
+    rendered = server.engine.render_chat(tuple(turns[:3]) + ({"role": "user", "content": "the cat"},))
+    assert rendered == "System: be brief\nUser: a dog\nAssistant: runs\nthe cat"  # the default template
+    many = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=30)
+    assert many.choices[0].message.content == TOK.decode(encode([rendered])[0], skip_special_tokens=True)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=turns[-1:], max_tokens=8, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "the cat"
+    assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
+
+
+def test_a_chat_template_file_renders_the_messages(tmp_path):
+    s = FakeServer()
+    try:
+        s.engine.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}in"
+        r = s.client().chat.completions.create(model=MODEL, max_tokens=30, messages=[
+            {"role": "user", "content": "the"}, {"role": "assistant", "content": "cat"}])
+        assert r.choices[0].message.content == "the cat in"
+    finally:
+        s.stop()
+
+
+def test_streaming_with_logprobs_and_stop_strings(server):
+    client = server.client()
+    prompt = words("the cat sleeps in the park")
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True, logprobs=1,
+                                            stop=["in the p"]))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text == "the cat sleeps " and chunks[-1].choices[0].finish_reason == "stop"
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens[:3] == ["the", " cat", " sleeps"]
+
+
+# --------------------------------------------------------------------------- load, clients that leave, failures
+
+
+def test_a_full_queue_is_a_429_that_the_openai_client_retries():
+    s = FakeServer(max_queue=2)
+    try:
+        gate = threading.Event()
+        s.backend.gate = gate  # no decoding call is read until the test says
+        client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
+        stream = client.send(client.build_request("POST", s.url + "/v1/completions", json={
+            "model": MODEL, "prompt": [words("the cat")] * 6, "max_tokens": 64, "stream": True}), stream=True)
+        assert stream.status_code == 200  # 6 sequences held: 4 slots, 2 queued
+        r = s.post({"model": MODEL, "prompt": "a dog", "max_tokens": 2})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+        assert r.headers["retry-after"] == "1" and "--max_queue" in r.json()["error"]["message"]
+        retried = []
+        threading.Timer(0.3, gate.set).start()  # the slots free while the client waits to retry
+
+        def hook(request):
+            retried.append(request)
+
+        patient = s.client(max_retries=5, http_client=httpx.Client(event_hooks={"request": [hook]}, timeout=WAIT))
+        answer = patient.completions.create(model=MODEL, prompt="a dog", max_tokens=2)
+        assert answer.choices[0].text == "a dog" and len(retried) >= 2  # refused, waited, retried, served
+        stream.close()
+        client.close()
+        assert s.metric('flan_t5_rejected_requests_total{status="429"}') >= 2
+    finally:
+        s.stop()
+
+
+def test_a_client_that_goes_away_frees_its_slots(server):
+    gate = threading.Event()
+    server.backend.gate = gate  # the calls' tokens are not read until the clients are gone: none can finish first
+    try:
+        cancelled = server.metric('flan_t5_requests_total{outcome="cancelled"}')
+        clients = []
+        for _ in range(2):
+            client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
+            response = client.send(client.build_request("POST", server.url + "/v1/completions", json={
+                "model": MODEL, "prompt": [words("the cat")] * 2, "max_tokens": 64, "stream": True}), stream=True)
+            assert response.status_code == 200
+            clients.append((client, response))
+        server.wait_for(lambda: len(server.engine.scheduler.held_seqs) == 4, "4 sequences held")
+        for client, response in clients:
+            response.close()
+            client.close()
+        server.wait_for(lambda: all(s.cancelled for s in server.engine.scheduler.held_seqs), "every one cancelled")
+    finally:
+        gate.set()
+        server.backend.gate = None
+    server.wait_for(lambda: server.metric('flan_t5_requests_total{outcome="cancelled"}') - cancelled == 4,
+                    "4 sequences ended as cancelled")
+    assert server.engine.held() == 0 and all(s is None for s in server.engine.scheduler.running)
+    long = words("the cat")
+    assert server.metric("flan_t5_running_slots") == 0
+    with_whole = server.post({"model": MODEL, "prompt": [long] * 4, "max_tokens": 6}).json()
+    assert [c["text"] for c in with_whole["choices"]] == ["the cat the cat the cat"] * 4  # the slots serve others
+
+
+def test_a_failing_decoding_call_answers_every_request_it_held_and_the_server_goes_on(server):
+    boom = threading.Event()
+
+    def fail(kind):
+        if kind == "advance" and not boom.is_set():
+            boom.set()
+            return OverflowError("Python int too large to convert to C int")
+        return None
+
+    server.backend.fail = fail
+    try:
+        r = server.post({"model": MODEL, "prompt": [words("the cat")] * 6, "max_tokens": 40})
+    finally:
+        server.backend.fail = None
+    assert r.status_code == 500 and "OverflowError" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["type"] == "server_error"
+    assert server.metric('flan_t5_requests_total{outcome="error"}') >= 4
+    server.serves()
+    assert httpx.get(server.url + "/health", timeout=WAIT).json() == {"status": "ok"}
+
+
+def test_a_loop_that_fails_for_good_stops_the_server():
+    s = FakeServer()
+    s.backend.fail = lambda kind: RuntimeError("device lost")
+    for _ in range(3):
+        r = s.post({"model": MODEL, "prompt": "the cat", "max_tokens": 4})
+        assert r.status_code in (500, 503), r.text
+    s.thread.join(WAIT)
+    assert not s.thread.is_alive() and s.server.fatal is not None  # serve() exits 1 on it
+
+
+def test_drain_finishes_the_held_requests_and_refuses_new_ones():
+    s = FakeServer(grace=30)
+    try:
+        gate = threading.Event()
+        s.backend.gate = gate
+        client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
+        stream = client.send(client.build_request("POST", s.url + "/v1/completions", json={
+            "model": MODEL, "prompt": words("the cat"), "max_tokens": 9, "stream": True}), stream=True)
+        s.wait_for(lambda: s.engine.held() == 1, "the request held")
+        s.server.handle_exit(15, None)
+        refused = s.post({"model": MODEL, "prompt": "a", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(s.url + "/health", timeout=WAIT).status_code == 503
+        gate.set()
+        events = [json.loads(x[6:]) for x in stream.iter_lines() if x.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == " ".join((["the", "cat"] * 5)[:9])
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        client.close()
+        s.thread.join(WAIT)
+        assert not s.thread.is_alive() and s.server.fatal is None
+    finally:
+        s.stop()
+
+
+def test_an_unexpected_error_is_a_json_500_never_a_dropped_connection(server):
+    render = server.engine.render_chat
+    server.engine.render_chat = lambda m: 1 / 0
+    try:
+        r = server.post({"model": MODEL, "messages": [{"role": "user", "content": "a"}]}, "/v1/chat/completions")
+    finally:
+        server.engine.render_chat = render
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert server.metric('flan_t5_rejected_requests_total{status="500"}') >= 1

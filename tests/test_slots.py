@@ -1,0 +1,114 @@
+"""The slots' per-device programs (modelling/slots.py) on a small random GPT-J, one device: what the scheduler
+(serving/scheduler.py) and its fake (tests/fake_backend.py) count on. Rows inserted into free slots decode greedy
+decoding's tokens; the device carries each row's position from call to call; a row ends at its limit, at the
+end-of-text token, or when the host clears its ``keep`` flag, and writes ``pad_id`` after; a row left alone is not
+disturbed by others joining; each row's log-probabilities are the log-softmax of the model's own logits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from modelling import decoding, gptj, registry, slots as S
+from modelling.family import ModelOptions
+
+SLOTS, WIDTH, NEW, STEPS, TOP = 4, 8, 12, 4, 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    from config.schema import Config
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(4)
+    hf = GPTJForCausalLM(GPTJConfig(vocab_size=96, n_positions=64, n_embd=48, n_layer=2, n_head=4, rotary_dim=8,
+                                    n_inner=96, bos_token_id=1, eos_token_id=1, tie_word_embeddings=False))
+    with torch.no_grad():  # larger embeddings: the random model's greedy tokens vary (no token repeated at once)
+        hf.transformer.wte.weight.mul_(4.0)
+    m = gptj.config_from_hf(hf.config.to_dict())
+    opts = ModelOptions.from_config(Config(model=m))
+    family = registry.get("gptj")
+    params = jax.tree.map(jnp.asarray, gptj.params_from_hf(hf.state_dict(), m))
+    dp = family.decoding_params(params, opts)
+
+    def insert(cache, state, ids, mask, rows, s, limit, eos):
+        return S.insert(family, dp, opts, cache, state, ids, mask, rows, s, limit, WIDTH, NEW, eos, TOP)
+
+    def advance(cache, state, keep, eos):
+        return S.advance(family, dp, opts, cache, state, keep, STEPS, eos, 0, TOP)
+
+    def empty():
+        ids = jnp.zeros((SLOTS, WIDTH), jnp.int32)
+        _, cache = family.decode_start(dp, ids, ids, opts, NEW)
+        cache = jax.tree.map(jnp.zeros_like, family.widen_cache(cache, WIDTH, WIDTH))
+        z = jnp.zeros(SLOTS, jnp.int32)
+        rows = S.Rows(z, z, z, jnp.zeros(SLOTS, bool))
+        return cache, (rows, S.Sampling(z.astype(jnp.float32), z, z.astype(jnp.float32), z.astype(jnp.uint32),
+                                        z.astype(jnp.uint32), z - 1))
+
+    return (family, opts, params, jax.jit(insert, static_argnums=7), jax.jit(advance, static_argnums=3), empty)
+
+
+def prompts(family, lengths: list, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+    ids, mask = np.zeros((len(lengths), WIDTH), np.int32), np.zeros((len(lengths), WIDTH), np.int32)
+    for r, n in enumerate(lengths):
+        ids[r, :n], mask[r, :n] = rng.integers(2, 96, n), 1
+    return family.layout_prompts(ids, mask)
+
+
+def sampling(n: int, logprobs: int = -1) -> S.Sampling:
+    z = jnp.zeros(n, jnp.int32)
+    return S.Sampling(z.astype(jnp.float32), z, z.astype(jnp.float32), z.astype(jnp.uint32), z.astype(jnp.uint32),
+                      z + logprobs)
+
+
+def test_rows_decode_greedy_tokens_and_end_at_their_limit_eos_or_keep(model):
+    family, opts, params, insert, advance, empty = model
+    ids, mask = prompts(family, [5, 3, 7], seed=0)
+    ref = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, NEW, eos_id=-1))
+    eos = int(ref[2, 5])  # row c's sixth greedy token, taken as the end-of-text: it ends there
+    assert eos not in ref[0].tolist() and eos not in ref[1, :3].tolist() and eos not in ref[2, :5].tolist()
+    cache, state = empty()
+    # rows a (limit 12) and b (limit 3) join slots 1 and 3; a filler row (slot index 4: past the cache) is dropped
+    first, scored, cache, state = insert(cache, state, jnp.asarray(ids[[0, 1, 0]]), jnp.asarray(mask[[0, 1, 0]]),
+                                         jnp.asarray([1, 3, SLOTS]), sampling(3, 2), jnp.asarray([NEW, 3, NEW]), eos)
+    assert first[:2].tolist() == ref[:2, 0].tolist()
+    keep = jnp.asarray([False, True, False, True])
+    out1, _, cache, state = advance(cache, state, keep, eos)
+    assert out1[1].tolist() == ref[0, 1:5].tolist()
+    assert out1[3].tolist() == ref[1, 1:3].tolist() + [0, 0]  # its limit of 3 tokens: then pads
+    assert out1[0].tolist() == out1[2].tolist() == [0] * STEPS  # empty slots write nothing
+    # row c joins slot 0 while a goes on, untouched (two fillers: one insert shape compiled)
+    first_c, _, cache, state = insert(cache, state, jnp.asarray(ids[[2, 2, 2]]), jnp.asarray(mask[[2, 2, 2]]),
+                                      jnp.asarray([0, SLOTS, SLOTS]), sampling(3), jnp.asarray([NEW] * 3), eos)
+    keep = jnp.asarray([True, True, False, False])
+    out2, scored, cache, state = advance(cache, state, keep, eos)
+    assert out2[1].tolist() == ref[0, 5:9].tolist() and int(first_c[0]) == ref[2, 0]
+    assert out2[0].tolist() == ref[2, 1:5].tolist()
+    # a's log-probabilities (it asked for 2): the chosen (greedy) token is the most likely
+    np.testing.assert_allclose(scored.logprob[1], scored.top_logprobs[1, :, 0], rtol=1e-6)
+    assert scored.top_ids[1, :, 0].tolist() == out2[1].tolist() and (scored.logprob[1] < 0).all()
+    out3, _, cache, state = advance(cache, state, jnp.asarray([True, False, False, False]), eos)
+    assert out3[1].tolist() == [0] * STEPS and not bool(state[0].alive[1])  # a cleared by the host: pads
+    assert out3[0].tolist() == [ref[2, 5], 0, 0, 0] and not bool(state[0].alive[0])  # c ends at its end-of-text
+
+
+def test_an_inserts_inputs_travel_in_two_arrays_and_come_back_whole():
+    """graphs/slots.py packs what an insert reads into one int32 and one float32 array (two host-to-device copies):
+    every field comes back as it went, seeds' 32 bits included."""
+    from graphs.slots import pack_joiners, unpack_joiners
+
+    ids, mask = np.arange(6).reshape(2, 3), np.array([[1, 1, 0], [1, 1, 1]])
+    sampling = ([0.5, 1.25], [3, 0], [0.25, 0.0], [2 ** 32 - 1, 7], [2 ** 31, 0], [-1, 4])
+    got = unpack_joiners(*map(jnp.asarray, pack_joiners(ids, mask, [0, 5], sampling, [9, 2])))
+    for a, b in zip(got[:3] + (got[4],), (ids, mask, [0, 5], [9, 2])):
+        assert np.asarray(a).tolist() == np.asarray(b).tolist()
+    dtypes = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
+    for field, want, dt in zip(S.Sampling.__dataclass_fields__, sampling, dtypes):
+        value = getattr(got[3], field)
+        assert value.dtype == dt and np.asarray(value).tolist() == np.asarray(want, dt).tolist(), field

@@ -26,16 +26,18 @@ from tqdm import tqdm
 from app.args import carried_model, make_config
 from app.runtime import ensure_host_devices, is_main_process, setup_jax
 from app.weights import Weights
-from graphs.state import fingerprint
 from config.fields import get_path
 from config.schema import FIELDS
 from data import sources
 from data.loader import length_buckets
-from data.sources import DataError
 from data.mixture import evaluation_set
+from data.sources import DataError
 from data.tasks import Example, pad_id, tokenize_prompts, unknown_share
+from graphs.decode_plan import decode_plan, format_plan
 from graphs.graphs import Graphs
+from graphs.plan import device_memory_limit, host_memory_limit, human_bytes
 from graphs.sharding import fetch
+from graphs.state import fingerprint
 from modelling.decoding import Options
 from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
@@ -138,8 +140,6 @@ def decoding_plan(cfg, rows: int, exact: bool = False):
     """The memory plan (graphs/decode_plan.py) of decoding ``rows`` prompts of ``sequence_length`` tokens to
     ``output_length`` new ones with this config's weights: a LoRA checkpoint's base counted in host memory while its
     adapters are merged."""
-    from graphs.decode_plan import decode_plan
-
     g = Graphs(cfg)
     base = 0
     load = cfg.checkpoint.load
@@ -154,9 +154,6 @@ def decoding_plan(cfg, rows: int, exact: bool = False):
 
 def print_plan(cfg, rows: int, exact: bool = False):
     """``decoding_plan`` printed, and checked against this machine's memory (a line saying what does not fit)."""
-    from graphs.decode_plan import format_plan
-    from graphs.plan import device_memory_limit, host_memory_limit, human_bytes
-
     plan = decoding_plan(cfg, rows, exact)
     print(format_plan(plan), flush=True)
     dev, host = device_memory_limit(), host_memory_limit()

@@ -43,6 +43,7 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 import sys
 import tempfile
 import time
@@ -267,8 +268,6 @@ class _Timed:
 
 def profile_engine(a, steps: int, extra: list) -> dict:
     """The server's engine on the workload, in this process: its parts' host time per decoding call."""
-    import threading
-
     from serving.backend import build_engine
     from serving.engine import ServeOptions, default_joins, default_min_join
     from serving.output import Output

@@ -576,68 +576,81 @@ def _mfu(x: dict) -> str:
     return _fmt(x.get("mfu")) if x.get("mfu") is not None else "- (no peak FLOP/s known for this device)"
 
 
+def _memory_head(part: str, f: dict) -> str:
+    """The headline figures of a one-GPU memory part ("" for any other part)."""
+    head = ""
+    if part == "xxl_1gpu" and f.get("rows16"):
+        x = f["rows16"]
+        big = f.get("rows128") or {}
+        head = (f"step {_fmt(x['median_step_s'], ' s')} ({_rows(x)}), "
+                f"{_fmt(big.get('median_step_s'), ' s')} ({_rows(big)}); device "
+                f"{_gib(x, 'peak_device_bytes', 'device_bytes_estimate')} (plan {_gib(x, 'plan_device_bytes')}), "
+                f"{_host(x)}; transfer wait "
+                f"{_fmt(x.get('transfer_wait_s'), ' s')}; with LoRA "
+                f"{_fmt((f.get('lora16') or {}).get('median_step_s'), ' s')} "
+                f"({_fmt(f.get('lora_over_full_step_s'), 'x')} of the full step)")
+    elif part == "ul2_1gpu" and f.get("in_backward"):
+        x = f["in_backward"]
+        head = (f"step {_fmt(x['median_step_s'], ' s')} updated in the backward, "
+                f"{_fmt((f.get('gradients_stored') or {}).get('median_step_s'), ' s')} with the gradients "
+                f"stored; {_host(x)}; losses decrease: "
+                f"{x.get('losses_decrease')}")
+    elif part == "f15_xxl_1gpu" and f.get("rows16"):
+        x = f["rows16"]
+        head = (f"step {_fmt(x.get('median_step_s'), ' s')} ({_rows(x)}), {_fmt(x.get('over_bound'), 'x')} the "
+                f"larger of compute and the link floor; device peak {_fmt(x.get('device_over_plan'), 'x')} the "
+                f"exact plan; host RSS {_fmt(x.get('host_rss_over_plan'), 'x')} the host plan")
+    elif part == "f15_workstation" and f:
+        w, v = f.get("xxl_lora_1gpu") or {}, f.get("validation") or {}
+        head = (f"train {w.get('train_status')}, step {_fmt(min((w.get('step_s') or [None])[1:] or [None]), ' s')}"
+                f"; validation ({f.get('quantize')}) {w.get('validate_status')}, device peak "
+                f"{_gib(v, 'peak_device_bytes')}, {_fmt(v.get('seconds'), ' s')}")
+    return head
+
+
+def _other_head(part: str, f: dict) -> str:
+    """The headline figures of every other part ("" where it has none)."""
+    head = ""
+    if part == "f15_decode" and f:
+        head = (f"ours / HF {_fmt(((f.get('base') or {}).get('decode_tokens_per_s') or {}).get('ratio'), 'x')} "
+                f"tokens/s; int8 / ours {_fmt(f.get('int8_over_ours_tokens_per_s'), 'x')}")
+    elif part == "f15_int8_fusion" and f:
+        head = (f"{f.get('backend')}: a weight materialised per call: {f.get('weights_materialised')} "
+                f"({len(f.get('materialised') or [])} arrays); temporaries {_gib(f, 'temp_bytes_int8')} with "
+                f"int8, {_gib(f, 'temp_bytes_bf16_weights')} without")
+    elif part in ("xl_mfu", "f15_xl_mfu") and f.get("best"):
+        b = f[f["best"]]
+        head = f"{f['best']}: MFU {_mfu(b)}, {_fmt(b.get('samples_per_s'))} samples/s"
+    elif part in ("vs_hf", "summaries") and f:
+        head = "; ".join(f"{k} {_fmt(v, 'x')}" for n in f.values() for k, v in (n.get("ratios") or {}).items())
+    elif part == "xl_phased" and f:
+        head = f"phased / fused samples/s {_fmt(f.get('phased_over_fused_samples_per_s'))}"
+    elif part in ("decode", "beams") and f:
+        head = "; ".join(f"{n}: {_fmt((v.get('decode_tokens_per_s') or {}).get('ratio'), 'x')} tokens/s"
+                         for n, v in f.items())
+    elif part == "gptj_6B" and f:
+        g = f.get("gptj_1gpu") or {}
+        ratios = ((f.get("vs_hf") or {}).get("ratios") or {})
+        head = f"step {_fmt(g.get('median_step_s'), ' s')}, MFU {_mfu(g)}; " + "; ".join(
+            f"{k} {_fmt(v, 'x')}" for k, v in ratios.items())
+    elif part == "plan_check" and f:
+        head = "; ".join(f"{n}: device {_fmt(v.get('device_over_plan'), 'x')} of the plan, host RSS "
+                         f"{_fmt(v.get('host_rss_over_plan'), 'x')}" for n, v in f.items())
+    elif part == "workstation" and f:
+        head = "; ".join(f"{n}: {v['status']}, step {_fmt(min(v['step_s'][1:] or v['step_s'] or [None]), ' s')}"
+                         for n, v in f.items())
+    elif part == "serve" and f:
+        head = "; ".join(f"{model}: " + ", ".join(f"{k} {_fmt(v, 'x')}" for k, v in m["ratios"].items())
+                         for model, m in f.items() if isinstance(m, dict) and "ratios" in m)
+    return head
+
+
 def summary_rows(results: list) -> list:
     """(part, status, headline figures, baseline) rows of the summary table."""
     rows = []
     for r in results:
-        f, head = r.get("figures") or {}, ""
-        if r["part"] == "xxl_1gpu" and f.get("rows16"):
-            x = f["rows16"]
-            big = f.get("rows128") or {}
-            head = (f"step {_fmt(x['median_step_s'], ' s')} ({_rows(x)}), "
-                    f"{_fmt(big.get('median_step_s'), ' s')} ({_rows(big)}); device "
-                    f"{_gib(x, 'peak_device_bytes', 'device_bytes_estimate')} (plan {_gib(x, 'plan_device_bytes')}), "
-                    f"{_host(x)}; transfer wait "
-                    f"{_fmt(x.get('transfer_wait_s'), ' s')}; with LoRA "
-                    f"{_fmt((f.get('lora16') or {}).get('median_step_s'), ' s')} "
-                    f"({_fmt(f.get('lora_over_full_step_s'), 'x')} of the full step)")
-        elif r["part"] == "ul2_1gpu" and f.get("in_backward"):
-            x = f["in_backward"]
-            head = (f"step {_fmt(x['median_step_s'], ' s')} updated in the backward, "
-                    f"{_fmt((f.get('gradients_stored') or {}).get('median_step_s'), ' s')} with the gradients "
-                    f"stored; {_host(x)}; losses decrease: "
-                    f"{x.get('losses_decrease')}")
-        elif r["part"] == "f15_xxl_1gpu" and f.get("rows16"):
-            x = f["rows16"]
-            head = (f"step {_fmt(x.get('median_step_s'), ' s')} ({_rows(x)}), {_fmt(x.get('over_bound'), 'x')} the "
-                    f"larger of compute and the link floor; device peak {_fmt(x.get('device_over_plan'), 'x')} the "
-                    f"exact plan; host RSS {_fmt(x.get('host_rss_over_plan'), 'x')} the host plan")
-        elif r["part"] == "f15_workstation" and f:
-            w, v = f.get("xxl_lora_1gpu") or {}, f.get("validation") or {}
-            head = (f"train {w.get('train_status')}, step {_fmt(min((w.get('step_s') or [None])[1:] or [None]), ' s')}"
-                    f"; validation ({f.get('quantize')}) {w.get('validate_status')}, device peak "
-                    f"{_gib(v, 'peak_device_bytes')}, {_fmt(v.get('seconds'), ' s')}")
-        elif r["part"] == "f15_decode" and f:
-            head = (f"ours / HF {_fmt(((f.get('base') or {}).get('decode_tokens_per_s') or {}).get('ratio'), 'x')} "
-                    f"tokens/s; int8 / ours {_fmt(f.get('int8_over_ours_tokens_per_s'), 'x')}")
-        elif r["part"] == "f15_int8_fusion" and f:
-            head = (f"{f.get('backend')}: a weight materialised per call: {f.get('weights_materialised')} "
-                    f"({len(f.get('materialised') or [])} arrays); temporaries {_gib(f, 'temp_bytes_int8')} with "
-                    f"int8, {_gib(f, 'temp_bytes_bf16_weights')} without")
-        elif r["part"] in ("xl_mfu", "f15_xl_mfu") and f.get("best"):
-            b = f[f["best"]]
-            head = f"{f['best']}: MFU {_mfu(b)}, {_fmt(b.get('samples_per_s'))} samples/s"
-        elif r["part"] in ("vs_hf", "summaries") and f:
-            head = "; ".join(f"{k} {_fmt(v, 'x')}" for n in f.values() for k, v in (n.get("ratios") or {}).items())
-        elif r["part"] == "xl_phased" and f:
-            head = f"phased / fused samples/s {_fmt(f.get('phased_over_fused_samples_per_s'))}"
-        elif r["part"] in ("decode", "beams") and f:
-            head = "; ".join(f"{n}: {_fmt((v.get('decode_tokens_per_s') or {}).get('ratio'), 'x')} tokens/s"
-                             for n, v in f.items())
-        elif r["part"] == "gptj_6B" and f:
-            g = f.get("gptj_1gpu") or {}
-            ratios = ((f.get("vs_hf") or {}).get("ratios") or {})
-            head = f"step {_fmt(g.get('median_step_s'), ' s')}, MFU {_mfu(g)}; " + "; ".join(
-                f"{k} {_fmt(v, 'x')}" for k, v in ratios.items())
-        elif r["part"] == "plan_check" and f:
-            head = "; ".join(f"{n}: device {_fmt(v.get('device_over_plan'), 'x')} of the plan, host RSS "
-                             f"{_fmt(v.get('host_rss_over_plan'), 'x')}" for n, v in f.items())
-        elif r["part"] == "workstation" and f:
-            head = "; ".join(f"{n}: {v['status']}, step {_fmt(min(v['step_s'][1:] or v['step_s'] or [None]), ' s')}"
-                             for n, v in f.items())
-        elif r["part"] == "serve" and f:
-            head = "; ".join(f"{model}: " + ", ".join(f"{k} {_fmt(v, 'x')}" for k, v in m["ratios"].items())
-                             for model, m in f.items() if isinstance(m, dict) and "ratios" in m)
+        f = r.get("figures") or {}
+        head = _memory_head(r["part"], f) or _other_head(r["part"], f)
         if (r.get("env") or {}).get("smoke") and head:
             head = "smoke (tiny shapes on CPU; not the part's figures): " + head
         rows.append((r["part"], r["status"] + (f" ({r['reason']})" if r.get("reason") else ""), head or "-"))
@@ -697,6 +710,19 @@ def update_readme(readme: str, out_dir: str) -> None:
                 f"--readme {os.path.relpath(readme, ROOT)}`)\n\n{text}{END}{tail}")
 
 
+def chosen_parts(available: list, only: str | None) -> list:
+    """The parts ``--only`` names (``fifteen``: the fifteen-minute plan's), in the suite's order; without it every
+    part but the fifteen-minute plan's (their measurements are the whole suite's)."""
+    if not only:
+        return [q for q in available if q.name not in FIFTEEN]
+    names = [n for x in only.split(",") for n in (FIFTEEN if x == "fifteen" else (x,))]
+    unknown = set(names) - {q.name for q in available}
+    if unknown:
+        raise SystemExit(f"unknown part(s) {', '.join(sorted(unknown))}: choose among "
+                         f"{', '.join(q.name for q in available)}")
+    return [q for q in available if q.name in names]
+
+
 def main(argv=None) -> list:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="results folder (default: benchmarks/results/suite, or with "
@@ -727,16 +753,7 @@ def main(argv=None) -> list:
     t_start = time.perf_counter()
     installs = ensure_packages()
     env = {**environment(), "installs": installs, "smoke": a.smoke}
-    chosen = parts(a.smoke)
-    if a.only:
-        names = [n for x in a.only.split(",") for n in (FIFTEEN if x == "fifteen" else (x,))]
-        unknown = set(names) - {q.name for q in chosen}
-        if unknown:
-            raise SystemExit(f"unknown part(s) {', '.join(sorted(unknown))}: choose among "
-                             f"{', '.join(q.name for q in chosen)}")
-        chosen = [q for q in chosen if q.name in names]
-    else:  # every part, the fifteen-minute plan's aside (their measurements are the whole suite's)
-        chosen = [q for q in chosen if q.name not in FIFTEEN]
+    chosen = chosen_parts(parts(a.smoke), a.only)
     results, lock = {}, threading.Lock()
 
     def one(part):

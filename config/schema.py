@@ -445,7 +445,7 @@ class Inference:
     quantize: str = spec("none", choices=("none", "int8"))
     """Decoding's weights: none (as trained, in the compute dtype) or int8 (every matmul weight and the LM head as
     int8 with a float32 scale per output channel, absmax, converted inside the matmul: half the device bytes of
-    bfloat16 weights; modelling/quant.py). Training and its --eval_every decode as trained unless this is set."""
+    bfloat16 weights; modelling/quant.py). The evaluations during training decode as trained unless this is set."""
 
     stream_encoder: bool = False
     """Encoder-decoder models: the encoder's layers stay in host memory and are streamed to the device one at a

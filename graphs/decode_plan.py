@@ -17,10 +17,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from graphs import sharding as S
-from graphs.plan import HOST_KINDS, MemoryPlan
+from graphs.plan import HOST_KINDS, MemoryPlan, human_bytes
 from graphs.sharding import shard_bytes
-from graphs.streaming import chunk_rows
-from modelling import quant
+from graphs.streaming import PromptStream, chunk_rows
+from modelling import decoding, quant
 
 
 def _on_device(x) -> bool:
@@ -50,7 +50,7 @@ def cache_bytes(g, rows: int, prompt_length: int, output_length: int) -> int:
     ids = jax.ShapeDtypeStruct((b, prompt_length), np.int32)
     fam, opts = g.family, g.opts
     if g.prompt_stacks:
-        enc = jax.ShapeDtypeStruct((b, prompt_length, g.cfg.model.hidden_size), np.float32)
+        enc = jax.ShapeDtypeStruct((b, prompt_length, g.opts.hidden_size), np.float32)
         fn = lambda p, e, m: fam.decode_start_encoded(fam.decoding_params(p, opts), e, m, opts, output_length)[1]  # noqa
         cache = jax.eval_shape(fn, params, enc, ids)
     else:
@@ -65,13 +65,13 @@ def activation_bytes(g, rows: int, prompt_length: int) -> int:
     the rows it reads at once (all of them; a streamed encoder's ``chunk_rows``): the attention scores and
     probabilities [rows, heads, prompt, prompt] float32, q, k, v and the attention's output, and the feed-forward's
     [rows x prompt, d_ff] twice (gated) and its product, in the compute dtype."""
-    m, tp = g.cfg.model, g.tp
+    m, tp = g.opts, g.tp
     b = max(rows // g.dp, 1)
     at_once = chunk_rows(b) if g.prompt_stacks else b
     tokens = at_once * prompt_length
     dt = np.dtype(g.opts.compute_dtype).itemsize
-    heads = -(-m.attention.heads // tp)
-    inner = heads * m.attention.d_kv
+    heads = -(-m.heads // tp)
+    inner = heads * m.d_kv
     scores = 2 * at_once * heads * prompt_length * prompt_length * 4
     layer = scores + 4 * tokens * inner * dt + 3 * tokens * (-(-m.d_ff // tp)) * dt
     return 2 * b * prompt_length * m.hidden_size * 4 + layer
@@ -80,8 +80,6 @@ def activation_bytes(g, rows: int, prompt_length: int) -> int:
 def exact_temporaries(g, rows: int, prompt_length: int, output_length: int) -> dict:
     """XLA's count of the temporaries of decoding's programs (greedy decoding of ``rows`` prompts; with a streamed
     encoder, its layer program too), each compiled from shapes: {program: bytes}."""
-    from modelling import decoding
-
     fam, opts = g.family, g.opts
     params = g.resident(g.abstract_decode_params())
     ids = jax.ShapeDtypeStruct((rows, prompt_length), np.int32, sharding=g.row_sharding)
@@ -93,10 +91,8 @@ def exact_temporaries(g, rows: int, prompt_length: int, output_length: int) -> d
     args = [params, ids, ids]
     out = {}
     if g.prompt_stacks:
-        from graphs.streaming import PromptStream
-
         stream = PromptStream(g)
-        enc = jax.ShapeDtypeStruct((rows, prompt_length, g.cfg.model.hidden_size), np.float32,
+        enc = jax.ShapeDtypeStruct((rows, prompt_length, g.opts.hidden_size), np.float32,
                                    sharding=jax.sharding.NamedSharding(g.mesh, P(S.DP, None, None)))
         specs.append(P(S.DP, None, None))
         args.append(enc)
@@ -121,7 +117,8 @@ def decode_plan(g, rows: int, prompt_length: int, output_length: int, exact: boo
     the cache is made from, and the step's logits); the first phase's buffers are freed before the cache is made."""
     weights = g.abstract_decode_params()
     b = max(rows // g.dp, 1)
-    enc_out = b * prompt_length * g.cfg.model.hidden_size * 4 if not g.family.causal else 0
+    # an encoder's output, which the cross-attention's cache is made from (a stack with an output the next reads)
+    enc_out = b * prompt_length * g.opts.hidden_size * 4 if any(s.output for s in g.family.stacks) else 0
     prompt = {}
     if g.prompt_stacks:
         layer = weights[g.prompt_stacks[0]]["layers"][0]
@@ -166,8 +163,6 @@ def weight_bytes(g) -> dict:
 
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as --plan prints it."""
-    from graphs.plan import human_bytes
-
     def items(d):
         return ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v)
 

@@ -15,15 +15,18 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from config.carry import shape_hint
 from graphs import optim
 from graphs import sharding as S
+from graphs.streaming import PromptStream
 from graphs.tree import TreeStructure
 from modelling import decoding, lora, quant, registry
 from modelling.family import ModelOptions, cast_params, leaf_name
 from modelling.params import ParamSpec, init_leaf, init_params, is_spec, zero_padded_vocab
+from modelling.rows import pack_prompts
 from utils.errors import ConfigError
 
 HOST = "pinned_host"  # (graphs/host_state.py's: the memory streamed weights wait in)
@@ -378,8 +381,6 @@ class Graphs:
                 return program(p, ids, mask, key)
 
             return run
-        from graphs.streaming import PromptStream
-
         stream = PromptStream(self)
         program = self.phase(fn, specs + (P(S.DP, None, None),), P(S.DP, None))
 
@@ -395,8 +396,6 @@ class Graphs:
         positions: a position costs the layer's matmuls, and a row's attention grows with its width (prompts of
         65 to 119 tokens in rows of 128 pair with none: 8 rows; in rows of 256, 3). -> (ids, segments, positions,
         where) on the devices, or None where packing would not save a tenth of the encoder's work."""
-        from modelling.rows import pack_prompts
-
         m = self.cfg.model
         inner = m.attention.heads * m.attention.d_kv
         matmuls = 4 * m.hidden_size * inner + (3 if m.feed_forward_proj.startswith("gated") else 2) * \

@@ -217,7 +217,7 @@ def run_hf(a, extra: list) -> dict:
     reqs = json.load(open(a.workload))[:a.hf_requests]
     cfg, predictor, tok, params = decoding_setup(a, extra, {"output_length": a.max_new})
     family = predictor.family
-    model = hf_model_of(cfg, family, jax.tree.map(np.asarray, params))
+    model = hf_model_of(cfg, family, predictor.weights.host_tree(params))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":  # one request at a time of a small model: more threads only wait for each other (a 2-core
         torch.set_num_threads(1)  # machine shared with other work ran 70x slower with 2)

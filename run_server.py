@@ -81,6 +81,13 @@ def extra_flags(p):
     s.add_argument("--max_body_bytes", type=int, default=1 << 20, help="the largest request body (413 past it)")
     s.add_argument("--max_prompt_chars", type=int, default=None,
                    help="the longest prompt in characters (413 past it; default 64 x the widest prompt width)")
+    s.add_argument("--plan", action="store_true",
+                   help="print the memory plan of serving (device and host bytes: the weights, the KV cache of --slots "
+                        "rows of the widest prompt width and output_length new tokens, activations; from shapes, "
+                        "nothing loaded) and exit")
+    s.add_argument("--plan_exact", action="store_true",
+                   help="with --plan: count decoding's temporaries as XLA compiles them for this backend (a batch of "
+                        "--slots rows)")
 
 
 @entry
@@ -94,11 +101,18 @@ def main(argv=None) -> None:
     from serving.engine import ServeOptions, check_exposure
     from serving.http import serve
 
+    options = ServeOptions.of(args, cfg)
+    if args.plan or args.plan_exact:
+        from app.predict import print_plan
+
+        print_plan(cfg, options.slots, exact=args.plan_exact, prompt_length=options.widths[-1])
+        return
+
     api_key = args.api_key or os.environ.get(KEY_VARIABLE) or None
     exposed = check_exposure(args.host, api_key)
     if exposed:
         logger.warning(exposed)
-    engine = build_engine(cfg, ServeOptions.of(args, cfg))
+    engine = build_engine(cfg, options)
     serve(engine, args.host, args.port, api_key, args.grace_period,
           lambda host, port: print(engine.describe(host, port), flush=True), args.header_timeout, args.body_timeout,
           max_connections=args.max_connections)

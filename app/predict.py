@@ -136,10 +136,10 @@ class Predictor:
                                for i in range(0, len(idx), self.batch_size)])
 
 
-def decoding_plan(cfg, rows: int, exact: bool = False):
-    """The memory plan (graphs/decode_plan.py) of decoding ``rows`` prompts of ``sequence_length`` tokens to
-    ``output_length`` new ones with this config's weights: a LoRA checkpoint's base counted in host memory while its
-    adapters are merged."""
+def decoding_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = None):
+    """The memory plan (graphs/decode_plan.py) of decoding ``rows`` prompts of ``prompt_length`` tokens (default
+    ``sequence_length``) to ``output_length`` new ones with this config's weights: a LoRA checkpoint's base counted
+    in host memory while its adapters are merged."""
     g = Graphs(cfg)
     base = 0
     load = cfg.checkpoint.load
@@ -149,12 +149,12 @@ def decoding_plan(cfg, rows: int, exact: bool = False):
         if saved.get("lora_base"):
             lg = Weights(g).lora_graphs(saved)
             base = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(lg.abstract_base()))
-    return decode_plan(g, rows, cfg.model.sequence_length, cfg.inference.output_length, exact, base)
+    return decode_plan(g, rows, prompt_length or cfg.model.sequence_length, cfg.inference.output_length, exact, base)
 
 
-def print_plan(cfg, rows: int, exact: bool = False):
+def print_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = None):
     """``decoding_plan`` printed, and checked against this machine's memory (a line saying what does not fit)."""
-    plan = decoding_plan(cfg, rows, exact)
+    plan = decoding_plan(cfg, rows, exact, prompt_length)
     print(format_plan(plan), flush=True)
     dev, host = device_memory_limit(), host_memory_limit()
     if dev and plan.device_peak > dev:

@@ -141,6 +141,10 @@ def decode_plan(g, rows: int, prompt_length: int, output_length: int, exact: boo
         decode = {"KV cache": cache_bytes(g, rows, prompt_length, output_length), "encoder output": enc_out,
                   "logits": logits}
     phase, peak = max((("reading the prompts", prompt), ("decoding", decode)), key=lambda kv: sum(kv[1].values()))
+    other, rest = ("decoding", decode) if phase == "reading the prompts" else ("reading the prompts", prompt)
+    if sum(rest.values()):
+        notes.insert(0, f"{other} (beside the weights): " + ", ".join(
+            f"{k} {human_bytes(v)}" for k, v in sorted(rest.items(), key=lambda kv: -kv[1]) if v))
     items = {"weights": _bytes(weights, _on_device), **peak}
     host = {"streamed encoder layers": _host_bytes(weights)} if g.prompt_stacks else {}
     loading = dict(host)

@@ -74,6 +74,10 @@ class ServeOptions:
 
     @classmethod
     def of(cls, args, cfg) -> "ServeOptions":
+        if cfg.inference.stream_encoder:
+            raise ConfigError("--stream_encoder reads the encoder from host memory a batch of prompts at a time "
+                              "(run_validation.py, run_inference.py); the server keeps every weight on the devices: "
+                              "leave it out (--quantize int8 halves the weights' bytes)")
         ex = cfg.execution
         slots = args.slots or ex.micro_batch_size * ex.data_parallel
         local = slots // ex.data_parallel if slots % ex.data_parallel == 0 else slots

@@ -278,3 +278,46 @@ def test_the_decode_plan_counts_what_decoding_places(flags):
     assert cache_bytes(g, 4, 16, 6) == one_device > 0 and p.device_items.get("KV cache", one_device) == one_device
     assert p.device_peak == p.device_items["weights"] + max(
         sum(v for k, v in p.device_items.items() if k != "weights"), 0)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
+def test_the_server_s_plan_counts_the_slots_cache(preset):
+    """run_server.py --plan: the KV cache of --slots rows of the widest prompt width and output_length new tokens is
+    the cache the slots hold (graphs/slots.py's, each device's piece), for both families."""
+    from app.predict import decoding_plan
+    from graphs.decode_plan import cache_bytes, format_plan
+    from graphs.plan import human_bytes
+    from graphs.slots import SlotPrograms
+
+    cfg = load_config("inference", preset, dict(eval=True, data_parallel=2, tensor_parallel=2, output_length=12))
+    g = Graphs(cfg)
+    slots = SlotPrograms(g, 4, (8, 16), (1, 2), cfg.inference.output_length, 4, eos_id=1, pad_id=0)
+    slots.params = g.abstract_decode_params()
+    cache = slots._empty_cache()
+    one_device = sum(s.data.nbytes for x in jax.tree.leaves(cache) for s in x.addressable_shards
+                     if s.device == jax.devices()[0])
+    assert cache_bytes(g, 4, 16, cfg.inference.output_length) == one_device > 0
+    assert cache_bytes(g, 4, 8, cfg.inference.output_length) < one_device  # the width counted
+    # the plan counts it whichever phase is the peak, and prints it
+    plan = decoding_plan(cfg, 4, prompt_length=16)
+    assert f"KV cache {human_bytes(one_device)}" in format_plan(plan)
+
+
+def test_the_server_prints_its_plan_and_refuses_a_streamed_encoder(tmp_path, capsys):
+    """run_server.py --plan prints serving's plan for --slots and exits without loading anything; --stream_encoder
+    (which the server cannot serve: its slots read prompts with weights on the devices) is one line, exit 2."""
+    import run_server
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    hf = str(tmp_path / "hf")
+    T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16,
+                                        decoder_start_token_id=0)).save_pretrained(hf)
+    run_server.main(["--hf_model", hf, "--slots", "6", "--plan", "--data_parallel", "1", "--tensor_parallel", "1"])
+    out = capsys.readouterr().out
+    assert "KV cache" in out and "weights" in out
+    with pytest.raises(SystemExit) as e:
+        run_server.main(["--hf_model", hf, "--stream_encoder", "--plan", "--data_parallel", "1",
+                         "--tensor_parallel", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "the server keeps every weight on the devices" in err[-1] and not any("Traceback" in x for x in err)

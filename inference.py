@@ -52,7 +52,7 @@ def prompts(cfg, g) -> tuple:
     as the Predictor hands them to the decoding program (which packs an encoder's prompts where that saves rows)."""
     from data.generated import generated_batch
 
-    b = g.dp * cfg.execution.micro_batch_size
+    b = cfg.execution.rows_per_micro_batch
     data = generated_batch(cfg, seed=0, packing=False)
     L = cfg.model.sequence_length
     ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]

@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     if args.plan or args.plan_exact:
         from app.predict import print_plan
 
-        print_plan(cfg, cfg.execution.micro_batch_size * cfg.execution.data_parallel, exact=args.plan_exact)
+        print_plan(cfg, cfg.execution.rows_per_micro_batch, exact=args.plan_exact)
         return
     from app.evaluate import Validation
     from data.tasks import load_tokenizer

@@ -90,7 +90,7 @@ class Predictor:
                              "to gather per call); build it with decoding_config")
         self.cfg, self.graphs = cfg, graphs or Graphs(cfg)
         self.family = self.graphs.family
-        self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
+        self.batch_size = cfg.execution.rows_per_micro_batch
         self.weights = Weights(self.graphs)
         self._generate = None
 

@@ -144,7 +144,7 @@ def generate(cfg, args) -> dict:
     model, dev, _ = hf_model(cfg)
     model.eval()
     n = cfg.inference.output_length
-    b = cfg.execution.micro_batch_size * cfg.execution.data_parallel
+    b = cfg.execution.rows_per_micro_batch
     data = generated_batch(cfg, packing=False)  # one prompt per row
     L = cfg.model.sequence_length
     ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]

@@ -209,7 +209,6 @@ def static_once(reqs: list, decode, b: int, eos: int) -> dict:
 
 def run_hf(a, extra: list) -> dict:
     """HF generate, one request at a time in arrival order, on a virtual clock."""
-    import jax
     import torch
 
     from app.hf_generate import hf_model_of

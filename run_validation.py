@@ -22,9 +22,8 @@ import argparse
 import logging
 import sys
 
-from app.args import ensure_writable, parse_args
+from app.args import command_line, ensure_writable
 from app.entry import entry
-from app.logs import setup_logging
 
 logger = logging.getLogger("flan_t5")
 
@@ -57,8 +56,7 @@ def extra_flags(p):
 
 @entry
 def main(argv=None) -> None:
-    setup_logging()
-    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    args, overrides = command_line("inference", __doc__, argv, extra_flags)
     if args.output:
         ensure_writable(args.output, "--output", is_dir=False)
     from app.predict import start_decoding

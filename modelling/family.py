@@ -28,7 +28,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,45 @@ class Stack:
     cross: bool = False  # its layers attend to the previous stack's output (T5's decoder)
     output: Optional[str] = None  # its final-norm weight, whose output the next stack reads (T5's encoder)
     output_stream: int = 0  # dropout stream of that output
+
+
+# --------------------------------------------------------------------------- the Hugging Face mapping
+
+
+def _unmapped(what: str) -> Callable:
+    """A mapping function a family leaves unset: asked, it says in one line that there is no HF model to ``what``."""
+    def unmapped(*args, **kwargs):
+        raise CheckpointError(f"this model family has no Hugging Face model to {what}: train it from a random init "
+                              "(no --hf_model) and keep its checkpoints in this project's format")
+
+    return unmapped
+
+
+@dataclass(frozen=True, eq=False)
+class HFMapping:
+    """A family's Hugging Face mapping, one object (``Family.hf``), next to the layers it maps: the config.json and
+    the state dict both ways. What a family leaves unset, asked, says in one line that it has no HF model for it."""
+
+    model_types: tuple = ()
+    """The ``model_type`` values of the HF config.json files it reads (the registry's HF model types)."""
+
+    model_config: Callable = _unmapped("read a config.json of")
+    """(hf: config.json as a dict) -> our ModelConfig."""
+
+    config_dict: Callable = _unmapped("write a config.json for")
+    """(m: ModelConfig) -> the HF config.json (dict, ``architectures`` first)."""
+
+    params: Callable = _unmapped("load weights from")
+    """(sd, m, tensor_parallel=1, dtype=None) -> our tree from an HF state dict (numpy arrays or torch tensors):
+    float32, or with ``dtype`` the weights the family does not keep float32 in it, each cast as it is read
+    (hf_weights.kept_as)."""
+
+    state_dict: Callable = _unmapped("export weights to")
+    """(params, m) -> an HF state dict (numpy float32) of our tree; padded vocabulary stripped."""
+
+    layer_keys: Callable = _unmapped("name the layer weights of (PEFT's format)")
+    """(stack, i, m) -> {our weight name: HF state-dict key} of layer ``i`` of stack ``stack`` (modelling/lora.py names
+    PEFT's adapters by them)."""
 
 
 # --------------------------------------------------------------------------- the model's options
@@ -172,13 +211,13 @@ class Family(abc.ABC):
                      both executors), and forward, the reference composition
     its text         prompt, encode_inputs, encode_targets, layout_prompts
     its decoding     decoding_params, decode_start, decode_step, decode_uncached, widen_cache, reorder_beams
-    Hugging Face     hf_model_types, model_config_from_hf, hf_config_dict, params_from_hf, hf_state_dict,
-                     hf_layer_keys, hf_generate_kwargs, hf_new_tokens: a family without an HF model says so (one
-                     line) when asked for one
+    Hugging Face     hf (its ``HFMapping``: model types, config.json and state dict both ways, layer keys; a
+                     family without an HF model says so, one line, when asked for one), hf_train_inputs,
+                     hf_generate_kwargs, hf_new_tokens
     """
 
     name: str  # its ``model.family`` value
-    hf_model_types: tuple = ()  # the ``model_type`` values of HF config.json files it loads
+    hf: HFMapping = HFMapping()  # its Hugging Face mapping (none by default)
     causal: bool  # one causal stack: a prompt and its target are one sequence (else an encoder-decoder)
     left_pad_prompts: bool = False  # decoding continues each prompt from its last token: prompts right-aligned
     scores_prompts: bool = False  # ``prompt_logits`` gives its prompt's own log-probabilities (a causal LM's)
@@ -334,32 +373,6 @@ class Family(abc.ABC):
         return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
 
     # ------------------------------------------------------------------ Hugging Face
-
-    def _no_hf(self, what: str):
-        raise CheckpointError(f"the {self.name} family has no Hugging Face model to {what}: train it from a random "
-                              "init (no --hf_model) and keep its checkpoints in this project's format")
-
-    def model_config_from_hf(self, hf: dict):
-        """Our ModelConfig from an HF config.json (dict form)."""
-        self._no_hf("read a config.json of")
-
-    def hf_config_dict(self, m) -> dict:
-        """The HF config.json of our ModelConfig (``architectures`` first)."""
-        self._no_hf("write a config.json for")
-
-    def params_from_hf(self, sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
-        """Our tree from an HF state dict (numpy arrays or torch tensors): float32, or with ``dtype`` the weights
-        not kept float32 (``keeps_f32``) in it, each cast as it is read (hf_weights.kept_as)."""
-        self._no_hf("load weights from")
-
-    def hf_state_dict(self, params: dict, m) -> dict:
-        """An HF state dict (numpy float32) from our tree; padded vocabulary stripped."""
-        self._no_hf("export weights to")
-
-    def hf_layer_keys(self, stack: str, i: int, m) -> dict:
-        """{our weight name: HF state-dict key} of layer ``i`` of stack ``stack`` (modelling/lora.py names PEFT's
-        adapters by them)."""
-        self._no_hf("name the layer weights of (PEFT's format)")
 
     @abc.abstractmethod
     def hf_train_inputs(self, rows: dict, trim: bool = False) -> dict:

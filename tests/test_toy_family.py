@@ -46,8 +46,8 @@ def test_the_toy_family_is_transformers_llama(toy):
     """Forward logits of a padded batch and greedy decoding with the KV cache (left-padded prompts, grouped
     key/value heads, rotate-half positions counted over real tokens) equal LlamaForCausalLM's (float32)."""
     hf = hf_llama()
-    m = toy.model_config_from_hf(hf.config.to_dict())
-    params = jax.tree.map(jnp.asarray, toy.params_from_hf(hf.state_dict(), m))
+    m = toy.hf.model_config(hf.config.to_dict())
+    params = jax.tree.map(jnp.asarray, toy.hf.params(hf.state_dict(), m))
     opts = _opts(m)
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 96, (3, 9)).astype(np.int32)

@@ -39,8 +39,8 @@ def hf_generate(cfg, family, host_params, ids, mask, eos: int, pad: int):
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=n,
                              eos_token_id=eos, pad_token_id=pad, **hf_decoding(cfg.inference),
-                             **family.hf_generate_kwargs())
-    out = family.hf_new_tokens(out.numpy(), ids.shape[1])
+                             **family.hf.generate_kwargs)
+    out = family.hf.new_tokens(out.numpy(), ids.shape[1])
     out = np.pad(out, ((0, 0), (0, n - out.shape[1])), constant_values=pad)
     ended = np.cumsum(out == eos, axis=1) - (out == eos) > 0  # HF's beam search fills after EOS with EOS
     return np.where(ended, pad, out)

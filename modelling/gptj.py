@@ -25,6 +25,7 @@ Parameter tree (modelling/family.py's common top level): ``shared``, ``lm_head``
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -35,7 +36,7 @@ from config.schema import ModelConfig
 from modelling import family as fam
 from modelling import layers as L
 from modelling.causal import CausalLM, sharded_rng
-from modelling.family import HFMapping, ModelOptions
+from modelling.family import ModelOptions
 from modelling.hf_weights import kept_as, state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
 from modelling.tp import identical_grad_inputs, identical_inputs
@@ -213,8 +214,9 @@ class GPTJFamily(CausalLM):
     LayerNorm with biases and a head with a bias; what differs from the base is written here."""
 
     name = "gptj"
-    hf = HFMapping(model_types=("gptj",), model_config=config_from_hf, config_dict=hf_config_dict,
-                   params=params_from_hf, state_dict=hf_state_dict, layer_keys=hf_layer_keys)
+    hf = dataclasses.replace(CausalLM.hf, model_types=("gptj",), model_config=config_from_hf,
+                             config_dict=hf_config_dict, params=params_from_hf, state_dict=hf_state_dict,
+                             layer_keys=hf_layer_keys)
     rotate = staticmethod(L.rotate_every_two)
     dense = DENSE
     head_weights = ("final_norm", "final_norm_bias")

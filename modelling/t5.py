@@ -563,6 +563,32 @@ def hf_state_dict(params: dict, m) -> dict:
     return sd
 
 
+def hf_train_inputs(rows: dict, trim: bool = False) -> dict:
+    """The encoder's rows and the decoder's (its inputs and labels) as HF trains on them, each cut to its longest
+    with ``trim``."""
+    out = {k: rows[k] for k in ("input_ids", "attention_mask", "decoder_input_ids", "labels")}
+    if trim:  # DataCollatorForSeq2Seq's default: pad to the longest row
+        n, t = int(out["attention_mask"].sum(1).max()), int((out["labels"] != -100).sum(1).max())
+        out = {k: (v[:, :n] if k in ("input_ids", "attention_mask") else v[:, :t]) for k, v in out.items()}
+    return out
+
+
+def hf_nonpad_tokens(hf_inputs: dict) -> int:
+    """The encoder's real tokens and the decoder's."""
+    return int(hf_inputs["attention_mask"].sum()) + int((hf_inputs["labels"] != -100).sum())
+
+
+def hf_new_tokens(out: np.ndarray, prompt_width: int) -> np.ndarray:
+    """HF ``generate``'s output of an encoder-decoder starts with the decoder's start token: the columns after it."""
+    return out[:, 1:]
+
+
+HF = HFMapping(model_types=("t5", "mt5"), model_config=config_from_hf, config_dict=hf_config_dict,
+               params=params_from_hf, state_dict=hf_state_dict, layer_keys=hf_layer_keys, train_inputs=hf_train_inputs,
+               nonpad_tokens=hf_nonpad_tokens, new_tokens=hf_new_tokens,
+               generate_kwargs={"decoder_start_token_id": DECODER_START})
+
+
 # --------------------------------------------------------------------------- the family
 
 
@@ -594,8 +620,7 @@ class T5Family(Family):
     """T5 v1.0 / v1.1 / Flan-T5 / mT5 / UL2: an encoder and a causal decoder with cross-attention."""
 
     name = "t5"
-    hf = HFMapping(model_types=("t5", "mt5"), model_config=config_from_hf, config_dict=hf_config_dict,
-                   params=params_from_hf, state_dict=hf_state_dict, layer_keys=hf_layer_keys)
+    hf = HF
     causal = False
     rows = Seq2SeqRows()
     lora_targets = ("q", "v", "cq", "cv")  # PEFT's T5 default ("q", "v") matches the cross-attention's too
@@ -681,23 +706,6 @@ class T5Family(Family):
         mask are the prompt's, the same for each of its beams (moving them was most of a beam step's memory
         traffic at encoder lengths above the new tokens')."""
         return {**cache, "self": jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache["self"])}
-
-    # ------------------------------------------------------------------ Hugging Face
-
-    def hf_generate_kwargs(self) -> dict:
-        return {"decoder_start_token_id": 0}
-
-    def hf_train_inputs(self, rows: dict, trim: bool = False) -> dict:
-        """The encoder's rows and the decoder's (its inputs and labels), each cut to its longest with ``trim``."""
-        out = {k: rows[k] for k in ("input_ids", "attention_mask", "decoder_input_ids", "labels")}
-        if trim:  # DataCollatorForSeq2Seq's default: pad to the longest row
-            n, t = int(out["attention_mask"].sum(1).max()), int((out["labels"] != -100).sum(1).max())
-            out = {k: (v[:, :n] if k in ("input_ids", "attention_mask") else v[:, :t]) for k, v in out.items()}
-        return out
-
-    def nonpad_tokens(self, hf_inputs: dict) -> int:
-        """The encoder's real tokens and the decoder's."""
-        return int(hf_inputs["attention_mask"].sum()) + int((hf_inputs["labels"] != -100).sum())
 
 
 class UMT5Family(T5Family):

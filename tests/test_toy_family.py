@@ -18,11 +18,23 @@ from config.schema import ModelConfig
 from modelling import decoding, registry
 from modelling.family import ModelOptions
 from tests.helpers import assert_trained_alike, params_at
-from tests.toy_family import ToyLlama, hf_llama
+from tests.toy_family import ToyLlama
 
 SHAPE = ["--family", "toy_llama", "--layers", "2", "--hidden_size", "32", "--d_ff", "64", "--heads", "4",
          "--kv_heads", "2", "--d_kv", "8", "--vocab_size", "128", "--sequence_length", "48",
          "--global_batch_size", "8", "--micro_batch_size", "4", "--learning_rate", "3e-3", "--warmup_steps", "0"]
+
+
+def hf_llama(vocab: int = 96, seed: int = 0):
+    """A random LlamaForCausalLM of the toy's shape (float32): 2 layers, 4 query heads over 2 key/value heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+                         max_position_embeddings=128, bos_token_id=1, eos_token_id=1, pad_token_id=0,
+                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")

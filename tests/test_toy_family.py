@@ -17,8 +17,10 @@ import run_validation
 from config.schema import ModelConfig
 from modelling import decoding, registry
 from modelling.family import ModelOptions
+from modelling.hf_mapping import hf_config_dict, hf_state_dict_from_params
 from tests.helpers import assert_trained_alike, params_at
 from tests.toy_family import ToyLlama
+from utils.errors import CheckpointError
 
 SHAPE = ["--family", "toy_llama", "--layers", "2", "--hidden_size", "32", "--d_ff", "64", "--heads", "4",
          "--kv_heads", "2", "--d_kv", "8", "--vocab_size", "128", "--sequence_length", "48",
@@ -103,3 +105,14 @@ def test_the_toy_family_trains_resumes_and_decodes_through_the_drivers(toy, tmp_
     assert "accuracy" in capsys.readouterr().out
     assert reports[1]["generated"] == reports[2]["generated"] and any(reports[1]["generated"])
     assert reports[1]["samples"] == 12 and os.path.isdir(os.path.join(resumed, "4"))
+
+
+def test_what_a_family_leaves_out_of_its_hf_mapping_is_one_line_when_asked(toy):
+    """The toy maps LlamaForCausalLM's config and weights one way only: an export asks for what it left unset, and
+    gets the CheckpointError (one line, exit 2 from a driver) that names what cannot be done, not a TypeError."""
+    m = ModelConfig(family=toy.name)
+    with pytest.raises(CheckpointError, match="no Hugging Face model to write a config.json for"):
+        hf_config_dict(m)
+    with pytest.raises(CheckpointError, match="no Hugging Face model to export weights to"):
+        hf_state_dict_from_params({}, m)
+    assert registry.hf_model_types()["llama"] == toy.name  # what it did set reaches the registry

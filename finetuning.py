@@ -24,9 +24,9 @@ if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) i
 
 import time
 
-from app.args import parse_config
+from app.args import command_line, config_of
 from app.entry import die, entry
-from app.runtime import ensure_host_devices, ensure_pinned_host_memory, is_main_process, setup_jax
+from app.runtime import is_main_process, start_devices
 
 
 def extra_flags(p):
@@ -174,13 +174,11 @@ def print_report(report: dict, cfg) -> None:
 
 @entry
 def main(argv=None) -> dict:
-    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags,
-                             defaults={"steps": 10})  # a benchmark's default; --steps for more
+    args, overrides = command_line("finetuning", __doc__, argv, extra_flags, logs=False)
+    cfg = config_of("finetuning", args, overrides, defaults={"steps": 10})  # a benchmark's default; --steps for more
     if cfg.training.steps <= args.warmup_iterations:
         die(f"steps={cfg.training.steps} must exceed --warmup_iterations={args.warmup_iterations}: pass a larger --steps")
-    ensure_host_devices(cfg.devices)
-    ensure_pinned_host_memory(cfg)
-    setup_jax()
+    start_devices(cfg, pinned=True)
     primary = is_main_process()
 
     from data.generated import generated_batch

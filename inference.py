@@ -19,9 +19,9 @@ if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) i
 import dataclasses
 import time
 
-from app.args import parse_config
+from app.args import command_line, config_of
 from app.entry import die, entry
-from app.runtime import ensure_host_devices, is_main_process, setup_jax
+from app.runtime import is_main_process, start_devices
 
 
 def extra_flags(p):
@@ -52,7 +52,7 @@ def prompts(cfg, g) -> tuple:
     as the Predictor hands them to the decoding program (which packs an encoder's prompts where that saves rows)."""
     from data.generated import generated_batch
 
-    b = g.dp * cfg.execution.micro_batch_size
+    b = cfg.execution.rows_per_micro_batch
     data = generated_batch(cfg, seed=0, packing=False)
     L = cfg.model.sequence_length
     ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
@@ -92,12 +92,11 @@ def weight_bytes(params) -> int:
 
 @entry
 def main(argv=None) -> dict:
-    cfg, args = parse_config("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags,
-                             fixed={"eval": True, "rts": False})
+    args, overrides = command_line("inference", __doc__, argv, extra_flags, logs=False)
+    cfg = config_of("inference", args, overrides, fixed={"eval": True, "rts": False})
     if args.iterations < 1:
         die(f"--iterations={args.iterations} must be at least 1")
-    ensure_host_devices(cfg.devices)
-    setup_jax()
+    start_devices(cfg)
     from app.bench import device_header, median, write_json
     from graphs.graphs import Graphs
     from graphs.memory import peak_device_bytes

@@ -23,9 +23,8 @@ if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) i
 import logging
 import sys
 
-from app.args import parse_args
+from app.args import command_line
 from app.entry import entry
-from app.logs import setup_logging
 from app.runtime import process_count
 from utils.errors import FlanT5Error
 
@@ -47,9 +46,7 @@ def extra_flags(p):
 
 @entry
 def main(argv=None) -> str:
-    setup_logging()
-    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags, listed=LISTED,
-                                 usage=USAGE)
+    args, overrides = command_line("inference", __doc__, argv, extra_flags, listed=LISTED, usage=USAGE)
     for flag in ("quantize", "stream_encoder"):
         if flag in overrides:
             raise FlanT5Error(f"--{flag} is how a model is decoded; run_export.py writes the weights as trained (the "

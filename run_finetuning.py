@@ -23,10 +23,9 @@ import logging
 import os
 import sys
 
-from app.args import ensure_writable, parse_config
+from app.args import command_line, config_of, ensure_writable
 from app.entry import entry
-from app.logs import setup_logging
-from app.runtime import ensure_host_devices, ensure_pinned_host_memory, setup_jax
+from app.runtime import start_devices
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
@@ -79,12 +78,10 @@ def check_args(cfg, args) -> None:
 
 @entry
 def main(argv=None) -> None:
-    setup_logging()
-    cfg, args = parse_config("finetuning", __doc__.splitlines()[0], "tiny", argv, extra_flags, resume=True)
+    args, overrides = command_line("finetuning", __doc__, argv, extra_flags)
+    cfg = config_of("finetuning", args, overrides, resume=True)
     check_args(cfg, args)
-    ensure_host_devices(cfg.devices)
-    ensure_pinned_host_memory(cfg)
-    setup_jax()
+    start_devices(cfg, pinned=True)
     if args.plan:
         from graphs.plan import plan
 

@@ -29,9 +29,8 @@ import logging
 import os
 import sys
 
-from app.args import parse_args
+from app.args import command_line
 from app.entry import entry
-from app.logs import setup_logging
 from app.runtime import is_main_process
 
 logger = logging.getLogger("flan_t5")
@@ -53,8 +52,7 @@ def extra_flags(p):
 
 @entry
 def main(argv=None) -> list:
-    setup_logging()
-    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    args, overrides = command_line("inference", __doc__, argv, extra_flags)
     from app.predict import start_decoding
 
     cfg = start_decoding(args, overrides)

@@ -27,9 +27,8 @@ import logging
 import os
 import sys
 
-from app.args import parse_args
+from app.args import command_line
 from app.entry import entry
-from app.logs import setup_logging
 
 logger = logging.getLogger("flan_t5")
 KEY_VARIABLE = "FLAN_T5_API_KEY"
@@ -92,8 +91,7 @@ def extra_flags(p):
 
 @entry
 def main(argv=None) -> None:
-    setup_logging()
-    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    args, overrides = command_line("inference", __doc__, argv, extra_flags)
     from app.predict import start_decoding
 
     cfg = start_decoding(args, overrides, "serve")

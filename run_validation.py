@@ -22,9 +22,8 @@ import argparse
 import logging
 import sys
 
-from app.args import ensure_writable, parse_args
+from app.args import command_line, ensure_writable
 from app.entry import entry
-from app.logs import setup_logging
 
 logger = logging.getLogger("flan_t5")
 
@@ -57,8 +56,7 @@ def extra_flags(p):
 
 @entry
 def main(argv=None) -> None:
-    setup_logging()
-    args, overrides = parse_args("inference", __doc__.splitlines()[0], "tiny", argv, extra_flags)
+    args, overrides = command_line("inference", __doc__, argv, extra_flags)
     if args.output:
         ensure_writable(args.output, "--output", is_dir=False)
     from app.predict import start_decoding
@@ -67,7 +65,7 @@ def main(argv=None) -> None:
     if args.plan or args.plan_exact:
         from app.predict import print_plan
 
-        print_plan(cfg, cfg.execution.micro_batch_size * cfg.execution.data_parallel, exact=args.plan_exact)
+        print_plan(cfg, cfg.execution.rows_per_micro_batch, exact=args.plan_exact)
         return
     from app.evaluate import Validation
     from data.tasks import load_tokenizer

@@ -13,6 +13,7 @@ import tempfile
 from typing import Callable, Optional
 
 from app.entry import die
+from app.logs import setup_logging
 from app.rundir import missing_chain, remove_if_empty
 from config.carry import model_shape, saved_value, travelling
 from config.fields import _base_type, coerce, get_path
@@ -137,6 +138,21 @@ def parse_args(kind: str, description: str, default_preset: str, argv=None, extr
     return args, overrides
 
 
+DEFAULT_PRESET = "tiny"  # every driver's preset where --config names none
+
+
+def command_line(kind: str, doc: str, argv=None, extra=None, logs: bool = True, **how) -> tuple:
+    """How every driver starts: the log format set (``logs``: the benchmarks print a report of their own and leave
+    logging as Python has it), then the command line parsed, described by the first line of the driver's docstring
+    ``doc``, with the preset ``tiny`` where --config names none -> (args, overrides) as ``parse_args`` (``how``: its
+    ``listed``, ``usage``). The driver then resolves its config (``config_of``, or ``app.predict.start_decoding``)
+    and starts its devices (``app.runtime.start_devices``); ``app.entry.entry`` around its ``main`` turns errors into
+    one line and an exit code."""
+    if logs:
+        setup_logging()
+    return parse_args(kind, doc.splitlines()[0], DEFAULT_PRESET, argv, extra, **how)
+
+
 def make_config(kind: str, preset: str, overrides: dict, fixed: Optional[dict] = None,
                 defaults: Optional[dict] = None):
     """The config resolved once, at the edge: preset, then ``defaults`` (a driver's own, where the command line says
@@ -196,16 +212,23 @@ def shown_value(flag: str, values: dict):
 
 def parse_config(kind: str, description: str, default_preset: str, argv=None, extra=None,
                  fixed: Optional[dict] = None, defaults: Optional[dict] = None, resume: bool = False):
-    """Parses argv into (config, namespace of the non-config flags); a bad config raises ConfigError. With
-    --hf_model, the model's shape and variant come from its config.json (``carried_model``); with ``resume`` and
-    --load, every field the checkpoint saved is a default (``resumed_fields``: a resume continues the run)."""
+    """Parses argv into (config, namespace of the non-config flags): ``parse_args``, then ``config_of``."""
     args, overrides = parse_args(kind, description, default_preset, argv, extra)
+    return config_of(kind, args, overrides, fixed, defaults, resume), args
+
+
+def config_of(kind: str, args, overrides: dict, fixed: Optional[dict] = None, defaults: Optional[dict] = None,
+              resume: bool = False):
+    """The config of a parsed command line (``args.config``'s preset, the ``overrides``); a bad config raises
+    ConfigError. With --hf_model, the model's shape and variant come from its config.json (``carried_model``); with
+    ``resume`` and --load, every field the checkpoint saved is a default (``resumed_fields``: a resume continues the
+    run)."""
     if resume and overrides.get("load"):
         carried, overrides = resumed_fields(overrides)
         defaults = {**carried, **(defaults or {})}
     elif overrides.get("hf_model"):
         defaults = {**carried_model(overrides, hf_model=overrides["hf_model"]), **(defaults or {})}
-    return make_config(kind, args.config, overrides, fixed, defaults), args
+    return make_config(kind, args.config, overrides, fixed, defaults)
 
 
 def resumed_fields(overrides: dict) -> tuple:

@@ -39,7 +39,7 @@ def export_model(params, model_config, tokenizer, family, output: str) -> str:
     """Weights (any memory, stacked) with their tokenizer as an HF model directory -> its architecture's name."""
     save_hf_model(jax.tree.map(np.asarray, params), model_config, output, special_tokens(tokenizer))
     tokenizer.save_pretrained(output)
-    return family.hf_config_dict(model_config)["architectures"][0]
+    return family.hf.config_dict(model_config)["architectures"][0]
 
 
 def export_peft(predictor, directory: str, step: int, tokenizer, output: str) -> dict:

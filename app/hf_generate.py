@@ -17,10 +17,10 @@ def hf_decoding(inference) -> dict:
 
 def hf_model_of(cfg, family, host_params):
     """The HF model (transformers' class of the family's export) holding our weights (numpy, stacked layout)."""
-    kw = family.hf_config_dict(cfg.model)
+    kw = family.hf.config_dict(cfg.model)
     arch = kw.pop("architectures")[0]
     model = getattr(transformers, arch)(transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)).eval()
-    sd = {k: torch.tensor(np.asarray(v)) for k, v in family.hf_state_dict(host_params, cfg.model).items()}
+    sd = {k: torch.tensor(np.asarray(v)) for k, v in family.hf.state_dict(host_params, cfg.model).items()}
     if "lm_head.weight" in sd and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         # transformers 5 ties T5's head to the embedding whatever the config says; Flan-T5's are separate, so
         # the head gets its own tensor before loading (loading into tied tensors would overwrite the embedding)
@@ -39,8 +39,8 @@ def hf_generate(cfg, family, host_params, ids, mask, eos: int, pad: int):
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=n,
                              eos_token_id=eos, pad_token_id=pad, **hf_decoding(cfg.inference),
-                             **family.hf_generate_kwargs())
-    out = family.hf_new_tokens(out.numpy(), ids.shape[1])
+                             **family.hf.generate_kwargs)
+    out = family.hf.new_tokens(out.numpy(), ids.shape[1])
     out = np.pad(out, ((0, 0), (0, n - out.shape[1])), constant_values=pad)
     ended = np.cumsum(out == eos, axis=1) - (out == eos) > 0  # HF's beam search fills after EOS with EOS
     return np.where(ended, pad, out)

@@ -24,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from app.args import carried_model, make_config
-from app.runtime import ensure_host_devices, is_main_process, setup_jax
+from app.runtime import is_main_process, start_devices
 from app.weights import Weights
 from config.fields import get_path
 from config.schema import FIELDS
@@ -66,8 +66,7 @@ def start_decoding(args, overrides: dict, purpose: str = "validate or decode"):
     """``decoding_config``, then this process's simulated devices and JAX's set-up from it (both before JAX starts a
     backend) -> the config: how every decoding driver starts."""
     cfg = decoding_config(args, overrides, purpose)
-    ensure_host_devices(cfg.devices)
-    setup_jax()
+    start_devices(cfg)
     return cfg
 
 
@@ -90,7 +89,7 @@ class Predictor:
                              "to gather per call); build it with decoding_config")
         self.cfg, self.graphs = cfg, graphs or Graphs(cfg)
         self.family = self.graphs.family
-        self.batch_size = cfg.execution.micro_batch_size * cfg.execution.data_parallel
+        self.batch_size = cfg.execution.rows_per_micro_batch
         self.weights = Weights(self.graphs)
         self._generate = None
 

@@ -36,6 +36,16 @@ def ensure_host_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local}".strip()
 
 
+def start_devices(cfg, pinned: bool = False) -> None:
+    """This process's devices from the config, before JAX starts a backend: the CPU's simulated devices
+    (``ensure_host_devices``), with ``pinned`` phased training's pinned host pool (``ensure_pinned_host_memory``),
+    then JAX's multi-process start and compilation cache (``setup_jax``). Every driver's second step."""
+    ensure_host_devices(cfg.devices)
+    if pinned:
+        ensure_pinned_host_memory(cfg)
+    setup_jax()
+
+
 def process_count_from_env() -> int:
     """The number of processes this run will have, read before JAX starts: JAX_NUM_PROCESSES, or
     under FLAN_T5_DISTRIBUTED=1 the scheduler's count (SLURM_NTASKS, OMPI_COMM_WORLD_SIZE); else 1."""

@@ -27,7 +27,7 @@ def training_data(cfg, family, run_dir: str | None = None) -> TrainLoader:
     """The training loader of the run's tasks (each task's training split, less the rows held out: --holdout), read
     and checked before anything is compiled. With ``--tokenizer train`` the tokenizer is learnt from the training
     texts and saved to RUN_DIR/tokenizer, which the config (and so every checkpoint) then names."""
-    tasks = mixture.tasks_of(cfg)
+    tasks = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture)
     req = cache.Request([td.part(cfg) for td in tasks], family.name, cfg.data.tokenizer, cache_root(cfg.data.cache_dir),
                         vocab_size=cfg.model.embedding.vocab_size, num_proc=cfg.data.num_proc,
                         labels=tuple(dict.fromkeys(w for td in tasks for w in td.task.labels or ())))
@@ -70,7 +70,7 @@ def training_loader(cfg, tasks: list, sets: list, streams: list, tokenizer, fami
     report = report_lengths(cfg, tasks, sets, tokenizer, family, shape)
     rates = None
     if len(tasks) > 1:
-        rates = mixture.rates(cfg, [s.size for s in streams])
+        rates = mixture.rates(cfg.mixture, [s.size for s in streams])
         report["mixture"] = mixture.shares([t.name for t in tasks], [s.size for s in streams], rates)
         logger.info("mixing %s", "; ".join(f"{n}: {m['examples']} examples, rate {m['rate']:g} ({m['share']:.1%} of "
                                            "the examples)" for n, m in report["mixture"].items()))

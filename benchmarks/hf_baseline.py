@@ -79,7 +79,7 @@ def micro_batches(cfg, args, dev, seed: int) -> list:
     out = []
     for i in range(host["labels"].shape[0]):
         # HF's own batch of our padded rows (the family says which); "longest": the collator's default padding
-        mb = family.hf_train_inputs({k: v[i] for k, v in host.items()}, trim=args.padding == "longest")
+        mb = family.hf.train_inputs({k: v[i] for k, v in host.items()}, trim=args.padding == "longest")
         out.append({k: torch.tensor(np.ascontiguousarray(v), dtype=torch.long, device=dev) for k, v in mb.items()})
     return out
 
@@ -126,7 +126,7 @@ def train(cfg, args) -> dict:
     step_s = median(times)
     samples = cfg.training.global_batch_size
     family = registry.of_config(cfg)
-    tokens = sum(family.nonpad_tokens({k: v.cpu().numpy() for k, v in mb.items()}) for b in batches for mb in b) / 2
+    tokens = sum(family.hf.nonpad_tokens({k: v.cpu().numpy() for k, v in mb.items()}) for b in batches for mb in b) / 2
     return {"framework": "transformers+torch" + (" (torch.compile)" if args.compile else " (eager)"), "device": dev,
             "compiled": args.compile, "compile_backend": args.compile_backend if args.compile else None,
             "optimizer": optimizer, "precision_policy": str(dtype).replace("torch.", ""),
@@ -144,12 +144,12 @@ def generate(cfg, args) -> dict:
     model, dev, _ = hf_model(cfg)
     model.eval()
     n = cfg.inference.output_length
-    b = cfg.execution.micro_batch_size * cfg.execution.data_parallel
+    b = cfg.execution.rows_per_micro_batch
     data = generated_batch(cfg, packing=False)  # one prompt per row
     L = cfg.model.sequence_length
     ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
     family = registry.of_config(cfg)
-    extra = family.hf_generate_kwargs()
+    extra = family.hf.generate_kwargs
     ids, mask = family.layout_prompts(ids, mask)
     ids = torch.tensor(ids, dtype=torch.long, device=dev)
     mask = torch.tensor(mask, dtype=torch.long, device=dev)

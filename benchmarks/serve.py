@@ -209,7 +209,6 @@ def static_once(reqs: list, decode, b: int, eos: int) -> dict:
 
 def run_hf(a, extra: list) -> dict:
     """HF generate, one request at a time in arrival order, on a virtual clock."""
-    import jax
     import torch
 
     from app.hf_generate import hf_model_of
@@ -230,14 +229,14 @@ def run_hf(a, extra: list) -> dict:
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=r["max_tokens"],
                                  do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-                                 if tok.pad_token_id is not None else tok.eos_token_id, **family.hf_generate_kwargs())
+                                 if tok.pad_token_id is not None else tok.eos_token_id, **family.hf.generate_kwargs)
         if device == "cuda":
             torch.cuda.synchronize()
         if k == 0:
             continue
         clock = max(clock, r["arrival"]) + time.perf_counter() - t0
         ends.append(clock)
-        outputs.append(useful(family.hf_new_tokens(out.cpu().numpy(), ids.shape[1])[0], r["max_tokens"],
+        outputs.append(useful(family.hf.new_tokens(out.cpu().numpy(), ids.shape[1])[0], r["max_tokens"],
                               tok.eos_token_id))
     arrivals = [r["arrival"] for r in reqs]
     return {**summarize(reqs, arrivals, ends, outputs, [e - r for e, r in zip(ends, arrivals)]), "device": device}

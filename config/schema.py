@@ -253,6 +253,12 @@ class Execution:
     clipped), in the fused executor too, so that both still agree. Not with dynamic loss scaling: a step that
     overflows could no longer be skipped whole."""
 
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Rows of one micro-batch over all replicas: micro_batch_size * data_parallel (a training micro-batch, a
+        batch of validation's prompts, the serving slots' default)."""
+        return self.micro_batch_size * self.data_parallel
+
 
 @dataclass
 class Checkpoint:
@@ -471,8 +477,7 @@ class Config:
     @property
     def gradient_accumulation(self) -> int:
         """Micro-batches accumulated per optimizer step on each replica."""
-        denom = self.execution.data_parallel * self.execution.micro_batch_size
-        return self.training.global_batch_size // denom
+        return self.training.global_batch_size // self.execution.rows_per_micro_batch
 
     @property
     def decoder_row_length(self) -> int:
@@ -553,7 +558,7 @@ def _check_parallelism(cfg: Config) -> None:
         if value % tp:
             raise ConfigError(f"{name}={value} is not divisible by tensor_parallel={tp}: choose --tensor_parallel "
                               f"among the divisors of {value}")
-    denom = ex.data_parallel * ex.micro_batch_size
+    denom = ex.rows_per_micro_batch
     if not m.eval and cfg.training.global_batch_size % denom:
         raise ConfigError(f"global_batch_size={cfg.training.global_batch_size} is not divisible by data_parallel * "
                           f"micro_batch_size = {ex.data_parallel} * {ex.micro_batch_size}: set --global_batch_size to "

@@ -79,7 +79,7 @@ def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None, decod
     """
     rng = np.random.default_rng(seed)
     ga = max(cfg.gradient_accumulation, 1)
-    rows = ga * cfg.execution.data_parallel * cfg.execution.micro_batch_size
+    rows = ga * cfg.execution.rows_per_micro_batch
     L = encoder_length or cfg.model.sequence_length
     T = decoder_length or cfg.model.decoder_sequence_length
     V = cfg.model.embedding.vocab_size

@@ -55,15 +55,15 @@ class TaskData:
                           held=self.holdout if training else 0, seed=cfg.model.seed)
 
 
-def tasks_of(cfg) -> list:
-    """The run's tasks: the mixture's, or its one task."""
-    if cfg.mixture.tasks:
+def tasks_of(task, data, mixture) -> list:
+    """The run's tasks, from the config's sections that say them: the ``mixture``'s tasks, or its one ``task`` over
+    the ``data`` section's source."""
+    if mixture.tasks:
         return [TaskData(Task(SimpleNamespace(**e)), e["dataset"], e["hub_config"], e["train_split"],
                          scored_split(e["dataset"], e["split"]), e["holdout"],
-                         f"split: {{}} in task {e['name']}'s mapping") for e in cfg.mixture.tasks]
-    d = cfg.data
-    return [TaskData(Task.of_config(cfg), d.dataset, d.hub_config, d.train_split, scored_split(d.dataset, d.split),
-                     d.holdout)]
+                         f"split: {{}} in task {e['name']}'s mapping") for e in mixture.tasks]
+    return [TaskData(Task(task), data.dataset, data.hub_config, data.train_split,
+                     scored_split(data.dataset, data.split), data.holdout)]
 
 
 def scored_split(dataset: str, split: str) -> str:
@@ -86,7 +86,7 @@ def scored_split(dataset: str, split: str) -> str:
 def check_evaluation(cfg) -> None:
     """Before any data is read (--eval_every): each task's evaluation rows exist, and are not the rows the run trains
     on (a single file with nothing held out: its rows say nothing of unseen data)."""
-    for td in tasks_of(cfg):
+    for td in tasks_of(cfg.task, cfg.data, cfg.mixture):
         if td.holdout:
             continue
         if td.part(cfg, training=False).located().single:
@@ -98,7 +98,7 @@ def check_evaluation(cfg) -> None:
 def inference_task(cfg, name: Optional[str] = None) -> TaskData:
     """The task run_inference.py predicts: the run's one task, or a mixture's task named ``name`` (its first
     without one)."""
-    tasks = tasks_of(cfg)
+    tasks = tasks_of(cfg.task, cfg.data, cfg.mixture)
     if name is None:
         return tasks[0]
     for td in tasks:
@@ -107,11 +107,12 @@ def inference_task(cfg, name: Optional[str] = None) -> TaskData:
     raise DataError(f"--task_name {name} is not a task of the mixture: choose one of {', '.join(t.name for t in tasks)}")
 
 
-def rates(cfg, sizes: list) -> list:
-    """Each task's rate: the mixture's own, else examples-proportional (capped at mixture_cap)."""
-    if cfg.mixture.rates:
-        return [float(r) for r in cfg.mixture.rates]
-    cap = cfg.mixture.cap
+def rates(mixture, sizes: list) -> list:
+    """Each task's rate (``mixture``: the config's mixture section): its own, else examples-proportional to the
+    tasks' ``sizes`` (capped at mixture_cap)."""
+    if mixture.rates:
+        return [float(r) for r in mixture.rates]
+    cap = mixture.cap
     return [float(min(n, cap) if cap else n) for n in sizes]
 
 
@@ -171,4 +172,4 @@ def evaluation_set(td: TaskData, cfg) -> EvalSet:
 
 def evaluation_sets(cfg) -> list:
     """Every task's evaluation set (one for a single task)."""
-    return [evaluation_set(td, cfg) for td in tasks_of(cfg)]
+    return [evaluation_set(td, cfg) for td in tasks_of(cfg.task, cfg.data, cfg.mixture)]

@@ -70,10 +70,6 @@ class Task:
         self.metrics = tuple(section.metrics) or (("accuracy",) if self.labels else ("exact_match", "rouge"))
         self._format = "{0}" if self.input_column else _positional(self.template, self.fields)
 
-    @classmethod
-    def of_config(cls, cfg) -> "Task":
-        return cls(cfg.task)
-
     @property
     def columns(self) -> list:
         """The columns a row must have: the input's, then the target's."""

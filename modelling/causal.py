@@ -12,7 +12,7 @@ one sequence (``prompt`` + `` TARGET<|endoftext|>``, the loss on the next token)
                                 which applies the rotary embedding, the mask and (in decoding) the cache
     final_norm(dec, x, opts)    the stack's output norm, from the decoder's non-layer weights
     rotate                      its rotary embedding: layers.rotate_every_two (GPT-J) or rotate_half (LLaMA)
-    dense, head_weights, shape_fields, name (and hf_* where it maps to a Hugging Face model)
+    dense, head_weights, shape_fields, name (and hf, where it maps to a Hugging Face model)
 
 and inherits the rest: embeddings, attention context, head and loss, the reference forward, the text format,
 greedy / beam / sampling decoding's start and step (also one position per row, for serving's slots), FLOPs, the
@@ -32,7 +32,7 @@ import numpy as np
 from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L
-from modelling.family import Family, Stack
+from modelling.family import Family, HFMapping, Stack
 from modelling.rows import CausalRows
 from modelling.tp import tp_index
 from utils.errors import ConfigError
@@ -106,8 +106,23 @@ class CachedStep:
                                       scale=q.shape[-1] ** -0.5)
 
 
+def hf_train_inputs(rows: dict, trim: bool = False) -> dict:
+    """A causal LM's padded rows as HF trains on them: the row's own tokens (HF shifts the labels itself), -100 on
+    padding; ``trim``: cut to the longest row."""
+    ids, mask = rows["input_ids"], rows["attention_mask"]
+    out = {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100)}
+    n = int(mask.sum(1).max()) if trim else ids.shape[1]
+    return {k: v[:, :n] for k, v in out.items()}
+
+
+def hf_new_tokens(out: np.ndarray, prompt_width: int) -> np.ndarray:
+    """HF ``generate``'s output of a causal LM continues its prompt: the columns after it."""
+    return out[:, prompt_width:]
+
+
 class CausalLM(Family):
-    """A decoder-only language model (see the module docstring): a family subclasses it and writes what differs."""
+    """A decoder-only language model (see the module docstring): a family subclasses it and writes what differs;
+    its HF mapping (``hf``) starts from this base's, ``dataclasses.replace(CausalLM.hf, model_types=..., ...)``."""
 
     causal = True
     left_pad_prompts = True  # decoding continues each prompt from its last token: prompts are right-aligned
@@ -122,6 +137,7 @@ class CausalLM(Family):
     head_bias: bool = False  # the LM head has a bias (``lm_head_bias``)
     lora_targets = ("q", "v")
     residual_outputs = ("o",)
+    hf = HFMapping(train_inputs=hf_train_inputs, new_tokens=hf_new_tokens)  # what every causal LM's HF model shares
 
     # ------------------------------------------------------------------ what a family writes
 
@@ -260,13 +276,6 @@ class CausalLM(Family):
             return []
         ids = tokenizer([" " + t for t in texts], add_special_tokens=False)["input_ids"]
         return [x + [tokenizer.eos_token_id] for x in ids]
-
-    def hf_train_inputs(self, rows: dict, trim: bool = False) -> dict:
-        """The row's own tokens (HF shifts the labels itself), -100 on padding."""
-        ids, mask = rows["input_ids"], rows["attention_mask"]
-        out = {"input_ids": ids, "attention_mask": mask, "labels": np.where(mask > 0, ids, -100)}
-        n = int(mask.sum(1).max()) if trim else ids.shape[1]
-        return {k: v[:, :n] for k, v in out.items()}
 
     # ------------------------------------------------------------------ decoding with a KV cache
     #

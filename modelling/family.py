@@ -16,7 +16,8 @@ The family answers for
   ``prompt``);
 - decoding: ``decode_start`` and ``decode_step`` over a KV cache, which modelling/decoding.py's searches
   (greedy, beam search, sampling) drive without knowing the model;
-- its config checks (``validate_config``), FLOPs per sample and its Hugging Face mapping.
+- its config checks (``validate_config``), FLOPs per sample and its Hugging Face mapping (``hf``: one
+  ``HFMapping`` object).
 
 The parameter tree of every family has the same top level: ``shared`` (the token embedding), the
 head weights, and one subtree per stack holding ``layers`` (stacked on a leading axis) and the
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,67 @@ class Stack:
     cross: bool = False  # its layers attend to the previous stack's output (T5's decoder)
     output: Optional[str] = None  # its final-norm weight, whose output the next stack reads (T5's encoder)
     output_stream: int = 0  # dropout stream of that output
+
+
+# --------------------------------------------------------------------------- the Hugging Face mapping
+
+
+def attention_tokens(hf_inputs: dict) -> int:
+    """The tokens of an HF training batch that are not padding (its attention mask's): what a step reads."""
+    return int(hf_inputs["attention_mask"].sum())
+
+
+def _unmapped(what: str) -> Callable:
+    """A mapping function a family leaves unset: asked, it says in one line that there is no HF model to ``what``."""
+    def unmapped(*args, **kwargs):
+        raise CheckpointError(f"this model family has no Hugging Face model to {what}: train it from a random init "
+                              "(no --hf_model) and keep its checkpoints in this project's format")
+
+    return unmapped
+
+
+@dataclass(frozen=True, eq=False)
+class HFMapping:
+    """A family's Hugging Face mapping, one object (``Family.hf``), next to the layers it maps: the config.json and
+    the state dict both ways, and what the tests and the benchmarks need to set HF's model beside ours (its training
+    batch, ``generate``'s arguments and output). What a family leaves unset, asked, says in one line that it has no
+    HF model for it."""
+
+    model_types: tuple = ()
+    """The ``model_type`` values of the HF config.json files it reads (the registry's HF model types)."""
+
+    model_config: Callable = _unmapped("read a config.json of")
+    """(hf: config.json as a dict) -> our ModelConfig."""
+
+    config_dict: Callable = _unmapped("write a config.json for")
+    """(m: ModelConfig) -> the HF config.json (dict, ``architectures`` first)."""
+
+    params: Callable = _unmapped("load weights from")
+    """(sd, m, tensor_parallel=1, dtype=None) -> our tree from an HF state dict (numpy arrays or torch tensors):
+    float32, or with ``dtype`` the weights the family does not keep float32 in it, each cast as it is read
+    (hf_weights.kept_as)."""
+
+    state_dict: Callable = _unmapped("export weights to")
+    """(params, m) -> an HF state dict (numpy float32) of our tree; padded vocabulary stripped."""
+
+    layer_keys: Callable = _unmapped("name the layer weights of (PEFT's format)")
+    """(stack, i, m) -> {our weight name: HF state-dict key} of layer ``i`` of stack ``stack`` (modelling/lora.py names
+    PEFT's adapters by them)."""
+
+    train_inputs: Callable = _unmapped("train beside")
+    """(rows, trim=False) -> padded training rows of ours (one example a row: {batch key: int [n, len]}) as HF's model
+    takes them in training ({input_ids, attention_mask, labels, ...}); ``trim``: cut to the longest row (HF's
+    collators' default padding). A kind's base gives it (modelling/causal.py, modelling/t5.py)."""
+
+    nonpad_tokens: Callable = attention_tokens
+    """(hf_inputs) -> the tokens of an HF training batch that are not padding (what a step reads and predicts)."""
+
+    new_tokens: Callable = _unmapped("generate with")
+    """(out [b, n], prompt_width) -> the new tokens of HF ``generate``'s output for prompts ``prompt_width`` wide: a
+    causal LM's output continues its prompt; an encoder-decoder's starts with the decoder's start token."""
+
+    generate_kwargs: dict = field(default_factory=dict)
+    """What HF ``generate`` needs beside the ids to decode as the family's ``decode_start`` does."""
 
 
 # --------------------------------------------------------------------------- the model's options
@@ -169,16 +231,17 @@ class Family(abc.ABC):
                      validate_config, forward_flops
     its weights      param_specs, keeps_f32, decays, is_dense, head_paths, lora_targets, residual_outputs
     its bodies       embeddings, context, block, stack_output, head_loss (graphs/phases.py composes them for
-                     both executors), and forward, the reference composition
+                     both executors); optional: forward, the reference composition the parity tests read
     its text         prompt, encode_inputs, encode_targets, layout_prompts
-    its decoding     decoding_params, decode_start, decode_step, decode_uncached, widen_cache, reorder_beams
-    Hugging Face     hf_model_types, model_config_from_hf, hf_config_dict, params_from_hf, hf_state_dict,
-                     hf_layer_keys, hf_generate_kwargs, hf_new_tokens: a family without an HF model says so (one
-                     line) when asked for one
+    its decoding     decoding_params, decode_start, decode_step, widen_cache, reorder_beams; optional:
+                     decode_uncached, the reference the tests hold the cached decoding to
+    Hugging Face     hf, its ``HFMapping`` (model types, config.json and state dict both ways, layer keys, HF's
+                     training batch and ``generate`` beside ours); a family without an HF model says so, one line,
+                     when asked for one
     """
 
     name: str  # its ``model.family`` value
-    hf_model_types: tuple = ()  # the ``model_type`` values of HF config.json files it loads
+    hf: HFMapping = HFMapping()  # its Hugging Face mapping (none by default)
     causal: bool  # one causal stack: a prompt and its target are one sequence (else an encoder-decoder)
     left_pad_prompts: bool = False  # decoding continues each prompt from its last token: prompts right-aligned
     scores_prompts: bool = False  # ``prompt_logits`` gives its prompt's own log-probabilities (a causal LM's)
@@ -251,9 +314,10 @@ class Family(abc.ABC):
     def head_loss(self, head_p, x, labels, opts, tp_axis, rng=None):
         """Final norm + LM head + vocab-sharded cross entropy, summed over the tokens (labels -100 ignored)."""
 
-    @abc.abstractmethod
     def forward(self, params: dict, batch: dict, opts, tp_axis=None, rng=None):
-        """The whole model on a batch -> float32 logits [b, l, Vl] (this device's vocab slice)."""
+        """The whole model on a batch -> float32 logits [b, l, Vl] (this device's vocab slice): the reference
+        composition the parity tests hold a family to (nothing in a run reads it)."""
+        raise NotImplementedError(f"the {self.name} family has no reference forward")
 
     # ------------------------------------------------------------------ its text
 
@@ -307,10 +371,11 @@ class Family(abc.ABC):
         """New token ``i`` (0-based) int [b] -> (logits [b, Vl] of the next, cache). ``i``: one index for the whole
         batch, or int [b], one per row (serving's slots, each at its own position)."""
 
-    @abc.abstractmethod
     def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
         """The reference: logits [b, Vl] after the prompts and the tokens generated so far (int [b, n]), by running
-        the whole model again."""
+        the whole model again (modelling/decoding.py's ``greedy_uncached``, which the tests hold the cached decoding
+        to; nothing in a run reads it)."""
+        raise NotImplementedError(f"the {self.name} family has no uncached reference decoding")
 
     def prompt_logits(self, dp, input_ids, attention_mask, opts, tp_axis=None):
         """Logits [b, k, Vl] at each prompt position (ids/mask [b, k] laid out for decoding; dp:
@@ -332,53 +397,6 @@ class Family(abc.ABC):
         a family whose cache holds parts that are equal for all beams of a prompt (T5's cross-attention keys) leaves
         those where they are."""
         return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache)
-
-    # ------------------------------------------------------------------ Hugging Face
-
-    def _no_hf(self, what: str):
-        raise CheckpointError(f"the {self.name} family has no Hugging Face model to {what}: train it from a random "
-                              "init (no --hf_model) and keep its checkpoints in this project's format")
-
-    def model_config_from_hf(self, hf: dict):
-        """Our ModelConfig from an HF config.json (dict form)."""
-        self._no_hf("read a config.json of")
-
-    def hf_config_dict(self, m) -> dict:
-        """The HF config.json of our ModelConfig (``architectures`` first)."""
-        self._no_hf("write a config.json for")
-
-    def params_from_hf(self, sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
-        """Our tree from an HF state dict (numpy arrays or torch tensors): float32, or with ``dtype`` the weights
-        not kept float32 (``keeps_f32``) in it, each cast as it is read (hf_weights.kept_as)."""
-        self._no_hf("load weights from")
-
-    def hf_state_dict(self, params: dict, m) -> dict:
-        """An HF state dict (numpy float32) from our tree; padded vocabulary stripped."""
-        self._no_hf("export weights to")
-
-    def hf_layer_keys(self, stack: str, i: int, m) -> dict:
-        """{our weight name: HF state-dict key} of layer ``i`` of stack ``stack`` (modelling/lora.py names PEFT's
-        adapters by them)."""
-        self._no_hf("name the layer weights of (PEFT's format)")
-
-    @abc.abstractmethod
-    def hf_train_inputs(self, rows: dict, trim: bool = False) -> dict:
-        """Padded training rows of ours (one example a row: {batch key: int [n, len]}) as HF's model takes them in
-        training ({input_ids, attention_mask, labels, ...}); ``trim``: cut to the longest row (HF's collators'
-        default padding)."""
-
-    def nonpad_tokens(self, hf_inputs: dict) -> int:
-        """The tokens of an HF training batch that are not padding (what a step reads and predicts)."""
-        return int(hf_inputs["attention_mask"].sum())
-
-    def hf_generate_kwargs(self) -> dict:
-        """What HF ``generate`` needs beside the ids to decode as this family's ``decode_start`` does."""
-        return {}
-
-    def hf_new_tokens(self, out: np.ndarray, prompt_width: int) -> np.ndarray:
-        """The new tokens of HF ``generate``'s output [b, n] for prompts ``prompt_width`` tokens wide: a causal LM's
-        output continues its prompt; an encoder-decoder's starts with the decoder's start token."""
-        return out[:, prompt_width:] if self.causal else out[:, 1:]
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"

@@ -25,6 +25,7 @@ Parameter tree (modelling/family.py's common top level): ``shared``, ``lm_head``
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -148,7 +149,8 @@ def hf_config_dict(m) -> dict:
     }
 
 
-def _layer_keys(i: int) -> dict:
+def hf_layer_keys(stack: str, i: int, m) -> dict:
+    """{our weight name: HF key} of layer i (GPT-J has one stack)."""
     s = f"transformer.h.{i}"
     return {"norm": f"{s}.ln_1.weight", "norm_bias": f"{s}.ln_1.bias", "q": f"{s}.attn.q_proj.weight",
             "k": f"{s}.attn.k_proj.weight", "v": f"{s}.attn.v_proj.weight", "o": f"{s}.attn.out_proj.weight",
@@ -170,7 +172,7 @@ def params_from_hf(sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
             return w.T.reshape(h, kv, w.shape[0])
         return w.T if name in ("fc_in", "fc_out") else w
 
-    per_layer = [_layer_keys(i) for i in range(m.layers)]
+    per_layer = [hf_layer_keys("decoder", i, m) for i in range(m.layers)]
     layers = {n: np.stack([cast(n, ours(n, get(keys[n]))) for keys in per_layer]) for n in per_layer[0]}
     return {
         "shared": cast("shared", pad(get("transformer.wte.weight"), 0)),
@@ -199,7 +201,7 @@ def hf_state_dict(params: dict, m) -> dict:
           "lm_head.weight": np.ascontiguousarray(g(params["lm_head"])[:, :V].T),
           "lm_head.bias": g(params["lm_head_bias"])[:V]}
     for i in range(m.layers):
-        for name, key in _layer_keys(i).items():
+        for name, key in hf_layer_keys("decoder", i, m).items():
             sd[key] = np.ascontiguousarray(theirs(name, g(dec["layers"][name][i])))
     return sd
 
@@ -212,7 +214,9 @@ class GPTJFamily(CausalLM):
     LayerNorm with biases and a head with a bias; what differs from the base is written here."""
 
     name = "gptj"
-    hf_model_types = ("gptj",)
+    hf = dataclasses.replace(CausalLM.hf, model_types=("gptj",), model_config=config_from_hf,
+                             config_dict=hf_config_dict, params=params_from_hf, state_dict=hf_state_dict,
+                             layer_keys=hf_layer_keys)
     rotate = staticmethod(L.rotate_every_two)
     dense = DENSE
     head_weights = ("final_norm", "final_norm_bias")
@@ -234,13 +238,3 @@ class GPTJFamily(CausalLM):
                               f"pass --d_kv {m.hidden_size // a.heads}")
         if a.kv_heads not in (0, a.heads):
             raise ConfigError(f"kv_heads={a.kv_heads}: GPT-J's keys and values have every head: pass --kv_heads 0")
-
-    # ------------------------------------------------------------------ Hugging Face
-
-    model_config_from_hf = staticmethod(config_from_hf)
-    hf_config_dict = staticmethod(hf_config_dict)
-    params_from_hf = staticmethod(params_from_hf)
-    hf_state_dict = staticmethod(hf_state_dict)
-
-    def hf_layer_keys(self, stack: str, i: int, m) -> dict:
-        return _layer_keys(i)

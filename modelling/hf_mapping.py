@@ -28,23 +28,23 @@ def family_of_hf(hf: Mapping) -> str:
 
 def model_config_from_hf(hf: Mapping) -> ModelConfig:
     """Our ModelConfig from an HF config of any supported family (dict form)."""
-    return registry.of_hf_config(hf).model_config_from_hf(hf)
+    return registry.of_hf_config(hf).hf.model_config(hf)
 
 
 def hf_config_dict(m: ModelConfig) -> dict:
     """The HF config dict (config.json) of our ModelConfig, for its family."""
-    return registry.get(m.family).hf_config_dict(m)
+    return registry.get(m.family).hf.config_dict(m)
 
 
 def params_from_hf_state_dict(sd: Mapping, m: ModelConfig, tensor_parallel: int = 1, dtype=None) -> dict:
     """Our parameter tree from an HF state dict (numpy arrays or torch tensors), by m's family: float32, or with
     ``dtype`` every weight its family does not keep in float32 cast to it as it is read."""
-    return registry.get(m.family).params_from_hf(sd, m, tensor_parallel, dtype)
+    return registry.get(m.family).hf.params(sd, m, tensor_parallel, dtype)
 
 
 def hf_state_dict_from_params(params: dict, m: ModelConfig) -> dict:
     """An HF state dict (numpy float32) from our parameter tree, by m's family; padded vocab is stripped."""
-    return registry.get(m.family).hf_state_dict(params, m)
+    return registry.get(m.family).hf.state_dict(params, m)
 
 
 class SafetensorsDir(Mapping):

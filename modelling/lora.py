@@ -148,7 +148,7 @@ def _modules(family, adapters: dict, m) -> list:
         names = [k[: -len(A)] for k in sub["layers"] if k.endswith(A)]
         n = next(iter(sub["layers"].values())).shape[0]
         for i in range(n):
-            keys = family.hf_layer_keys(stack, i, m)
+            keys = family.hf.layer_keys(stack, i, m)
             out += [(stack, i, name, keys[name][: -len(".weight")]) for name in names]
     return out
 

@@ -37,8 +37,8 @@ def checked(cfg) -> Family:
 
 
 def hf_model_types() -> dict:
-    """{HF config.json ``model_type``: our family name}, from every family's ``hf_model_types``."""
-    return {t: f.name for f in FAMILIES.values() for t in f.hf_model_types}
+    """{HF config.json ``model_type``: our family name}, from every family's HF mapping (``Family.hf``)."""
+    return {t: f.name for f in FAMILIES.values() for t in f.hf.model_types}
 
 
 def of_hf_config(hf: Mapping) -> Family:

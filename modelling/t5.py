@@ -22,7 +22,7 @@ from config.schema import ModelConfig
 from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L
-from modelling.family import Family, ModelOptions, Stack
+from modelling.family import Family, HFMapping, ModelOptions, Stack
 from modelling.hf_weights import kept_as, state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
 from modelling.rows import Seq2SeqRows
@@ -482,9 +482,9 @@ def _relpos_key(stack: str, i: int = 0) -> str:
     return f"{stack}.block.{i}.layer.0.SelfAttention.relative_attention_bias.weight"
 
 
-def _layer_keys(i: int, decoder: bool, m) -> dict:
-    """Our per-layer name -> HF name, for layer i of a stack."""
-    stack = "decoder" if decoder else "encoder"
+def hf_layer_keys(stack: str, i: int, m) -> dict:
+    """Our per-layer name -> HF name, for layer i of a stack ("encoder" or "decoder")."""
+    decoder = stack == "decoder"
     s = f"{stack}.block.{i}.layer"
     keys = {"attn_norm": f"{s}.0.layer_norm.weight"}
     keys.update({k: f"{s}.0.SelfAttention.{k}.weight" for k in _ATTN})
@@ -533,7 +533,7 @@ def params_from_hf(sd: Mapping, m, tensor_parallel: int = 1, dtype=None) -> dict
     params = {"shared": cast("shared", pad_rows(get(shared_key), 0))}
     for stack in ("encoder", "decoder"):
         dec = stack == "decoder"
-        per_layer = [_layer_keys(i, dec, m) for i in range(m.decoder_depth if dec else m.layers)]
+        per_layer = [hf_layer_keys(stack, i, m) for i in range(m.decoder_depth if dec else m.layers)]
         layers = {name: np.stack([cast(name, _to_ours(name, get(keys[name]), h, kv)) for keys in per_layer])
                   for name in per_layer[0]}
         own = {} if m.family == "umt5" else {"relpos": get(_relpos_key(stack))}
@@ -554,13 +554,39 @@ def hf_state_dict(params: dict, m) -> dict:
     for stack in ("encoder", "decoder"):
         p, dec = params[stack], stack == "decoder"
         for i in range(m.decoder_depth if dec else m.layers):
-            for name, key in _layer_keys(i, dec, m).items():
+            for name, key in hf_layer_keys(stack, i, m).items():
                 sd[key] = np.ascontiguousarray(_to_hf(name, g(p["layers"][name][i])))
         if "relpos" in p:
             sd[_relpos_key(stack)] = g(p["relpos"])
         sd[f"{stack}.final_layer_norm.weight"] = g(p["final_norm"])
     sd["lm_head.weight"] = np.ascontiguousarray(g(params["lm_head"])[:, :V].T) if "lm_head" in params else shared
     return sd
+
+
+def hf_train_inputs(rows: dict, trim: bool = False) -> dict:
+    """The encoder's rows and the decoder's (its inputs and labels) as HF trains on them, each cut to its longest
+    with ``trim``."""
+    out = {k: rows[k] for k in ("input_ids", "attention_mask", "decoder_input_ids", "labels")}
+    if trim:  # DataCollatorForSeq2Seq's default: pad to the longest row
+        n, t = int(out["attention_mask"].sum(1).max()), int((out["labels"] != -100).sum(1).max())
+        out = {k: (v[:, :n] if k in ("input_ids", "attention_mask") else v[:, :t]) for k, v in out.items()}
+    return out
+
+
+def hf_nonpad_tokens(hf_inputs: dict) -> int:
+    """The encoder's real tokens and the decoder's."""
+    return int(hf_inputs["attention_mask"].sum()) + int((hf_inputs["labels"] != -100).sum())
+
+
+def hf_new_tokens(out: np.ndarray, prompt_width: int) -> np.ndarray:
+    """HF ``generate``'s output of an encoder-decoder starts with the decoder's start token: the columns after it."""
+    return out[:, 1:]
+
+
+HF = HFMapping(model_types=("t5", "mt5"), model_config=config_from_hf, config_dict=hf_config_dict,
+               params=params_from_hf, state_dict=hf_state_dict, layer_keys=hf_layer_keys, train_inputs=hf_train_inputs,
+               nonpad_tokens=hf_nonpad_tokens, new_tokens=hf_new_tokens,
+               generate_kwargs={"decoder_start_token_id": DECODER_START})
 
 
 # --------------------------------------------------------------------------- the family
@@ -594,7 +620,7 @@ class T5Family(Family):
     """T5 v1.0 / v1.1 / Flan-T5 / mT5 / UL2: an encoder and a causal decoder with cross-attention."""
 
     name = "t5"
-    hf_model_types = ("t5", "mt5")
+    hf = HF
     causal = False
     rows = Seq2SeqRows()
     lora_targets = ("q", "v", "cq", "cv")  # PEFT's T5 default ("q", "v") matches the cross-attention's too
@@ -681,36 +707,11 @@ class T5Family(Family):
         traffic at encoder lengths above the new tokens')."""
         return {**cache, "self": jax.tree.map(lambda x: jnp.take(x, rows, axis=0), cache["self"])}
 
-    # ------------------------------------------------------------------ Hugging Face
-
-    model_config_from_hf = staticmethod(config_from_hf)
-    hf_config_dict = staticmethod(hf_config_dict)
-    params_from_hf = staticmethod(params_from_hf)
-    hf_state_dict = staticmethod(hf_state_dict)
-
-    def hf_layer_keys(self, stack: str, i: int, m) -> dict:
-        return _layer_keys(i, stack == "decoder", m)
-
-    def hf_generate_kwargs(self) -> dict:
-        return {"decoder_start_token_id": 0}
-
-    def hf_train_inputs(self, rows: dict, trim: bool = False) -> dict:
-        """The encoder's rows and the decoder's (its inputs and labels), each cut to its longest with ``trim``."""
-        out = {k: rows[k] for k in ("input_ids", "attention_mask", "decoder_input_ids", "labels")}
-        if trim:  # DataCollatorForSeq2Seq's default: pad to the longest row
-            n, t = int(out["attention_mask"].sum(1).max()), int((out["labels"] != -100).sum(1).max())
-            out = {k: (v[:, :n] if k in ("input_ids", "attention_mask") else v[:, :t]) for k, v in out.items()}
-        return out
-
-    def nonpad_tokens(self, hf_inputs: dict) -> int:
-        """The encoder's real tokens and the decoder's."""
-        return int(hf_inputs["attention_mask"].sum()) + int((hf_inputs["labels"] != -100).sum())
-
 
 class UMT5Family(T5Family):
     """UMT5: T5 v1.1 with a relative-position table in every layer's self-attention (``relpos`` among the layer
     weights) instead of one per stack; the stacks' attention context then has no weights of its own."""
 
     name = "umt5"
-    hf_model_types = ("umt5",)
+    hf = dataclasses.replace(T5Family.hf, model_types=("umt5",))
     stacks = (dataclasses.replace(ENCODER, context=()), dataclasses.replace(DECODER, context=()))

@@ -79,7 +79,7 @@ class ServeOptions:
                               "(run_validation.py, run_inference.py); the server keeps every weight on the devices: "
                               "leave it out (--quantize int8 halves the weights' bytes)")
         ex = cfg.execution
-        slots = args.slots or ex.micro_batch_size * ex.data_parallel
+        slots = args.slots or ex.rows_per_micro_batch
         local = slots // ex.data_parallel if slots % ex.data_parallel == 0 else slots
         widths = sorted(set(args.prompt_widths or powers_of_two(SMALLEST_WIDTH, cfg.model.sequence_length)))
         joins = sorted({j for j in args.join_sizes if j <= local} | {local}) if args.join_sizes else default_joins(local)

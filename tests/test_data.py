@@ -159,7 +159,7 @@ def test_a_large_source_is_built_by_a_process_of_its_own(tmp_path, monkeypatch):
 
     data = write_jsonl(tmp_path / "train.jsonl", synthetic.generate_split("train", 50, seed=2))
     cfg = __import__("config").load_config("finetuning", "tiny", {"dataset": data, "cache_dir": str(tmp_path / "c")})
-    part = mixture.tasks_of(cfg)[0].part(cfg)
+    part = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture)[0].part(cfg)
     req = cache.Request([part], "t5", "synthetic", cache_root(cfg.data.cache_dir))
     monkeypatch.setattr(cache, "APART_BYTES", 0)
     apart = cache.run(req)
@@ -170,7 +170,8 @@ def test_a_large_source_is_built_by_a_process_of_its_own(tmp_path, monkeypatch):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"premise": "a", "hypothesis": "b", "label": 0}, {"premise": "a"}])
     cfg.data.dataset = bad
     with pytest.raises(DataError, match=r"bad.jsonl: row 1 \(line 2\): column 'hypothesis' is missing"):
-        cache.run(cache.Request([mixture.tasks_of(cfg)[0].part(cfg)], "t5", "synthetic", str(tmp_path / "c")))
+        part = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture)[0].part(cfg)
+        cache.run(cache.Request([part], "t5", "synthetic", str(tmp_path / "c")))
 
 
 def _rss_mib() -> float:
@@ -248,7 +249,8 @@ def test_the_held_out_rows_are_exactly_n_and_never_trained_on(tmp_path, n, held)
     loader = training_data(cfg, registry.get("t5"), run_dir=str(tmp_path / "run"))
     stream = loader.tasks[0]
     trained = [int(stream.index(j)) for j in range(stream.size)]
-    scored = [int(e.target[1:]) for e in evaluation_set(tasks_of(cfg)[0], cfg).examples]
+    td = tasks_of(cfg.task, cfg.data, cfg.mixture)[0]
+    scored = [int(e.target[1:]) for e in evaluation_set(td, cfg).examples]
     assert len(scored) == len(set(scored)) == held
     assert len(trained) == len(set(trained)) == n - held
     assert not set(scored) & set(trained) and set(scored) | set(trained) == set(range(n))

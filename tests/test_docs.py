@@ -271,6 +271,15 @@ def test_every_copy_pasteable_command_parses_and_its_config_validates():
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("script", sorted(CONFIG_DRIVERS))
+def test_each_driver_describes_itself_by_its_docstring_and_starts_from_the_tiny_preset(script):
+    """The prologue the seven drivers share (app.args.command_line): --help opens with the first line of the driver's
+    docstring, and --config, not given, names the tiny preset."""
+    parser = parser_of(script)
+    assert parser.description == importlib.import_module(DRIVERS[script][0]).__doc__.splitlines()[0]
+    assert parser.get_default("config") == "tiny"
+
+
 def test_every_driver_flag_and_every_preset_is_documented_in_docs():
     """The reverse: every flag of every driver and every preset of either file is in docs/: a config field in
     docs/configuration.md (generated from the config's docs), a driver's own flag in a command of that driver

@@ -114,7 +114,7 @@ def test_gptj_loss_and_adapter_gradients_equal_peft(tp, hf_model):
     out.loss.backward()
     theirs = {k.replace(".default.weight", ".weight"): p.grad.numpy() for k, p in model.named_parameters()
               if p.requires_grad}
-    base = registry.get("gptj").params_from_hf(hf.state_dict(), m, tp)
+    base = registry.get("gptj").hf.params(hf.state_dict(), m, tp)
     loss, grads, _ = our_loss_and_grads(cfg, base, adapters, batch)
     assert abs(loss - out.loss.item()) <= TOL * out.loss.item()
     ours = lora.peft_state_dict(family, grads, m)
@@ -137,7 +137,7 @@ def test_merged_adapters_give_peft_merged_logits():
     model, _ = peft_model(hf, family, adapters, m, g.opts)
     theirs = {k: v.numpy() for k, v in model.merge_and_unload().state_dict().items()}
     base = params_from_hf_state_dict(hf.state_dict(), cfg.model, 1)
-    ours = family.hf_state_dict(lora.merged(base, adapters, g.opts), cfg.model)
+    ours = family.hf.state_dict(lora.merged(base, adapters, g.opts), cfg.model)
     adapted = {module + ".weight" for *_, module in lora._modules(family, adapters, m)}
     for key, r in theirs.items():
         if key in ours:

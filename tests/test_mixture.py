@@ -55,9 +55,9 @@ def test_a_mixture_stream_is_deterministic_resumable_and_follows_its_rates():
     assert not np.array_equal(c.next_batch()["input_ids"], batches[0]["input_ids"])
     # examples-proportional with T5's cap K, and explicit rates
     cfg = load_config("finetuning", "tiny_mixture", {"mixture_cap": 500})
-    assert mixture.rates(cfg, [20000, 300]) == [500.0, 300.0]
+    assert mixture.rates(cfg.mixture, [20000, 300]) == [500.0, 300.0]
     cfg = load_config("finetuning", "tiny_mixture", {"mixture_rates": [1, 3]})
-    assert mixture.rates(cfg, [20000, 300]) == [1.0, 3.0]
+    assert mixture.rates(cfg.mixture, [20000, 300]) == [1.0, 3.0]
     assert mixture.shares(["a", "b"], [20000, 300], [1.0, 3.0])["b"] == {"examples": 300, "rate": 3.0, "share": 0.75}
 
 

@@ -17,12 +17,26 @@ import run_validation
 from config.schema import ModelConfig
 from modelling import decoding, registry
 from modelling.family import ModelOptions
+from modelling.hf_mapping import hf_config_dict, hf_state_dict_from_params
 from tests.helpers import assert_trained_alike, params_at
-from tests.toy_family import ToyLlama, hf_llama
+from tests.toy_family import ToyLlama
+from utils.errors import CheckpointError
 
 SHAPE = ["--family", "toy_llama", "--layers", "2", "--hidden_size", "32", "--d_ff", "64", "--heads", "4",
          "--kv_heads", "2", "--d_kv", "8", "--vocab_size", "128", "--sequence_length", "48",
          "--global_batch_size", "8", "--micro_batch_size", "4", "--learning_rate", "3e-3", "--warmup_steps", "0"]
+
+
+def hf_llama(vocab: int = 96, seed: int = 0):
+    """A random LlamaForCausalLM of the toy's shape (float32): 2 layers, 4 query heads over 2 key/value heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
+                         max_position_embeddings=128, bos_token_id=1, eos_token_id=1, pad_token_id=0,
+                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +60,8 @@ def test_the_toy_family_is_transformers_llama(toy):
     """Forward logits of a padded batch and greedy decoding with the KV cache (left-padded prompts, grouped
     key/value heads, rotate-half positions counted over real tokens) equal LlamaForCausalLM's (float32)."""
     hf = hf_llama()
-    m = toy.model_config_from_hf(hf.config.to_dict())
-    params = jax.tree.map(jnp.asarray, toy.params_from_hf(hf.state_dict(), m))
+    m = toy.hf.model_config(hf.config.to_dict())
+    params = jax.tree.map(jnp.asarray, toy.hf.params(hf.state_dict(), m))
     opts = _opts(m)
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 96, (3, 9)).astype(np.int32)
@@ -91,3 +105,14 @@ def test_the_toy_family_trains_resumes_and_decodes_through_the_drivers(toy, tmp_
     assert "accuracy" in capsys.readouterr().out
     assert reports[1]["generated"] == reports[2]["generated"] and any(reports[1]["generated"])
     assert reports[1]["samples"] == 12 and os.path.isdir(os.path.join(resumed, "4"))
+
+
+def test_what_a_family_leaves_out_of_its_hf_mapping_is_one_line_when_asked(toy):
+    """The toy maps LlamaForCausalLM's config and weights one way only: an export asks for what it left unset, and
+    gets the CheckpointError (one line, exit 2 from a driver) that names what cannot be done, not a TypeError."""
+    m = ModelConfig(family=toy.name)
+    with pytest.raises(CheckpointError, match="no Hugging Face model to write a config.json for"):
+        hf_config_dict(m)
+    with pytest.raises(CheckpointError, match="no Hugging Face model to export weights to"):
+        hf_state_dict_from_params({}, m)
+    assert registry.hf_model_types()["llama"] == toy.name  # what it did set reaches the registry

@@ -4,10 +4,13 @@ heads than query heads; no biases). Everything else (embeddings, attention conte
 decoding with a KV cache, serving slots, FLOPs, config checks) is modelling/causal.py's. Registering it is one line:
 ``registry.FAMILIES[ToyLlama.name] = ToyLlama()``.
 
-Its Hugging Face mapping (LlamaForCausalLM) is here too, so the test can hold it to transformers' numbers.
+Its Hugging Face mapping (LlamaForCausalLM's config and weights, read) is here too, so the test can hold it to
+transformers' numbers.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -16,6 +19,7 @@ from config.schema import ModelConfig
 from modelling import family as fam
 from modelling import layers as L
 from modelling.causal import CausalLM, sharded_rng
+from modelling.hf_weights import state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
 from modelling.tp import identical_grad_inputs, identical_inputs
 
@@ -60,11 +64,44 @@ def layer(p: dict, x, attn, opts, tp_axis, rng=None):
     return x + swiglu(p, L.rms_norm(x, p["mlp_norm"], opts.eps).astype(dt), tp_axis, rate, fam.rng(rng, FF_OUT))
 
 
+# --------------------------------------------------------------------------- Hugging Face: LlamaForCausalLM
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    m = ModelConfig(family="toy_llama", layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+                    d_ff=hf["intermediate_size"], eps=hf["rms_norm_eps"])
+    m.attention.heads, m.attention.kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
+    m.attention.d_kv = hf["hidden_size"] // hf["num_attention_heads"]
+    m.attention.rotary_positional_embeddings_base = float(hf.get("rope_theta", 10000.0))
+    m.embedding.vocab_size = hf["vocab_size"]
+    return m
+
+
+def params_from_hf(sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
+    """HF Linear weights are [out, in]: q/k/v [d, heads, kv] = W.T.reshape, o [h, kv, d], the MLP's W.T."""
+    get, pad, kv = state_dict_reader(sd, "LLaMA"), vocab_padder(m, tensor_parallel), m.attention.d_kv
+
+    def one(i):
+        w = lambda name: get(f"model.layers.{i}.{name}.weight")  # noqa: E731
+        return {"attn_norm": w("input_layernorm"), "mlp_norm": w("post_attention_layernorm"),
+                "q": w("self_attn.q_proj").T.reshape(m.hidden_size, -1, kv),
+                "k": w("self_attn.k_proj").T.reshape(m.hidden_size, -1, kv),
+                "v": w("self_attn.v_proj").T.reshape(m.hidden_size, -1, kv),
+                "o": w("self_attn.o_proj").T.reshape(-1, kv, m.hidden_size),
+                "gate": w("mlp.gate_proj").T, "up": w("mlp.up_proj").T, "down": w("mlp.down_proj").T}
+
+    rows = [one(i) for i in range(m.layers)]
+    return {"shared": pad(get("model.embed_tokens.weight"), 0),
+            "decoder": {"layers": {k: np.stack([r[k] for r in rows]) for k in rows[0]},
+                        "final_norm": get("model.norm.weight")},
+            "lm_head": pad(get("lm_head.weight").T, 1)}
+
+
 class ToyLlama(CausalLM):
     """The third family: what differs from modelling/causal.py's decoder-only base, and nothing else."""
 
     name = "toy_llama"
-    hf_model_types = ("llama",)
+    hf = dataclasses.replace(CausalLM.hf, model_types=("llama",), model_config=config_from_hf, params=params_from_hf)
     rotate = staticmethod(L.rotate_half)
     dense = ("q", "k", "v", "o", "gate", "up", "down")
     residual_outputs = ("o", "down")
@@ -75,50 +112,3 @@ class ToyLlama(CausalLM):
 
     def final_norm(self, dec, x, opts):
         return L.rms_norm(x, dec["final_norm"], opts.eps)
-
-    # ------------------------------------------------------------------ Hugging Face: LlamaForCausalLM
-
-    def model_config_from_hf(self, hf: dict) -> ModelConfig:
-        m = ModelConfig(family=self.name, layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-                        d_ff=hf["intermediate_size"], eps=hf["rms_norm_eps"])
-        m.attention.heads, m.attention.kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]
-        m.attention.d_kv = hf["hidden_size"] // hf["num_attention_heads"]
-        m.attention.rotary_positional_embeddings_base = float(hf.get("rope_theta", 10000.0))
-        m.embedding.vocab_size = hf["vocab_size"]
-        return m
-
-    def params_from_hf(self, sd, m, tensor_parallel: int = 1, dtype=None) -> dict:
-        """HF Linear weights are [out, in]: q/k/v [d, heads, kv] = W.T.reshape, o [h, kv, d], the MLP's W.T."""
-        get = lambda k: np.asarray(sd[k].detach().numpy() if hasattr(sd[k], "detach") else sd[k], np.float32)  # noqa
-        V, kv = padded_vocab(m.embedding.vocab_size, tensor_parallel), m.attention.d_kv
-        pad = lambda w, axis: np.pad(w, [(0, V - w.shape[axis]) if a == axis else (0, 0) for a in range(w.ndim)])  # noqa
-
-        def one(i):
-            s = f"model.layers.{i}"
-            w = lambda name: get(f"{s}.{name}.weight")  # noqa: E731
-            return {"attn_norm": w("input_layernorm"), "mlp_norm": w("post_attention_layernorm"),
-                    "q": w("self_attn.q_proj").T.reshape(m.hidden_size, -1, kv),
-                    "k": w("self_attn.k_proj").T.reshape(m.hidden_size, -1, kv),
-                    "v": w("self_attn.v_proj").T.reshape(m.hidden_size, -1, kv),
-                    "o": w("self_attn.o_proj").T.reshape(-1, kv, m.hidden_size),
-                    "gate": w("mlp.gate_proj").T, "up": w("mlp.up_proj").T, "down": w("mlp.down_proj").T}
-
-        rows = [one(i) for i in range(m.layers)]
-        return {"shared": pad(get("model.embed_tokens.weight"), 0),
-                "decoder": {"layers": {k: np.stack([r[k] for r in rows]) for k in rows[0]},
-                            "final_norm": get("model.norm.weight")},
-                "lm_head": pad(get("lm_head.weight").T, 1)}
-
-
-def hf_llama(vocab: int = 96, seed: int = 0):
-    """A random LlamaForCausalLM of the toy's shape (float32): 2 layers, 4 query heads over 2 key/value heads."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
-                         max_position_embeddings=128, bos_token_id=1, eos_token_id=1, pad_token_id=0,
-                         tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
-    return LlamaForCausalLM(config).eval()
-

@@ -236,6 +236,15 @@ def test_the_24_gb_lora_presets_decode_within_22_gib(preset, fits, short):
     assert worse.device_peak > 22 * GIB, worse.device_peak / GIB  # the option is what makes it fit
 
 
+def test_ul2_lora_1gpu_is_served_with_int8_weights_within_22_gib_at_8_slots():
+    """The server keeps every weight on the device (no streamed encoder): UL2's int8 weights and the KV cache of 8
+    slots of 512-token prompts and 128 new tokens within 22 GiB (measured from shapes: 21.0 GiB), 16 slots not."""
+    from graphs.decode_plan import decode_plan
+
+    assert decode_plan(_decode_graphs("ul2_lora_1gpu", quantize="int8"), 8, 512, 128).device_peak < 22 * GIB
+    assert decode_plan(_decode_graphs("ul2_lora_1gpu", quantize="int8"), 16, 512, 128).device_peak > 22 * GIB
+
+
 @pytest.mark.parametrize("flags", [dict(quantize="int8", tensor_parallel=2), dict(quantize="int8", stream_encoder=True),
                                    dict(family_preset="gptj_tiny")])
 def test_the_decode_plan_counts_what_decoding_places(flags):

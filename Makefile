@@ -1,6 +1,7 @@
 # Two commands on a fresh machine (docs/install.md):
 #   make quickstart   set up .venv if missing, then train and validate the tiny presets, offline
-#   make test         set up .venv if missing, then run the test suite (CI's .ci/run calls this)
+#   make test         set up .venv if missing, then run the test suite but its long tests (CI's .ci/run calls this)
+#   make test-all     the same with the long tests (tests/long.txt)
 # The virtual environment sees what this Python already has (--system-site-packages) and installs only what the
 # requirements add; .venv/.installed remembers it until a requirements file changes.
 
@@ -10,11 +11,12 @@ PY := $(VENV)/bin/python
 # make quickstart STEPS=200: shorter runs; VALIDATE="--limit 100": fewer validation samples
 STEPS ?=
 VALIDATE ?=
-# make test TESTS="tests/test_config.py -x": a part of the suite
-TESTS ?= -n 2 --dist loadfile tests
+# make test TESTS="tests/test_config.py -x": a part of the suite. CI's `make test` leaves out the long tests
+# (tests/long.txt: its 20 minutes); `make test-all` runs every test
+TESTS ?= -m "not long" -n 2 --dist loadfile tests
 OFFLINE := JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 
-.PHONY: venv quickstart test clean-venv
+.PHONY: venv quickstart test test-all clean-venv
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -37,6 +39,9 @@ quickstart: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(OFFLINE) $(PY) -m pytest -q -ra --durations=15 $(TESTS)
+
+test-all: $(VENV)/.installed
+	$(OFFLINE) $(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile tests
 
 clean-venv:
 	rm -rf $(VENV)

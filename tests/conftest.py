@@ -28,6 +28,7 @@ if "FLAN_T5_CACHE" not in os.environ:
     os.environ["FLAN_T5_CACHE"] = os.path.join(os.environ["JAX_COMPILATION_CACHE_DIR"], "data")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
@@ -39,8 +40,6 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 if os.environ.get("FLAN_T5_TEST_CPU"):
     import json  # noqa: E402
     import resource  # noqa: E402
-
-    import pytest  # noqa: E402
 
     def _cpu() -> float:
         own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -54,8 +53,22 @@ if os.environ.get("FLAN_T5_TEST_CPU"):
             f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu() - t0, 2)}) + "\n")
 
 
+LONG = os.path.join(os.path.dirname(__file__), "long.txt")
+
+
+def long_tests() -> set:
+    """The test ids tests/long.txt lists (its comment says what they are and why CI leaves them out)."""
+    with open(LONG) as f:
+        return {line.rsplit(maxsplit=1)[0] for line in f if line.strip() and not line.startswith("#")}
+
+
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests (pyproject.toml's marker) are skipped, with the reason, where JAX sees no GPU."""
+    """The tests of tests/long.txt are marked ``long`` (CI's `make test` runs ``-m "not long"``; `make test-all`
+    runs them too); ``gpu`` tests (pyproject.toml's marker) are skipped, with the reason, where JAX sees no GPU."""
+    listed = long_tests()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.long)
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return
@@ -64,7 +77,5 @@ def pytest_collection_modifyitems(config, items):
     except RuntimeError:
         present = False
     if not present:
-        import pytest
-
         for item in gpu:
             item.add_marker(pytest.mark.skip(reason="needs a GPU (marked gpu): JAX sees none here"))

@@ -356,3 +356,29 @@ def test_the_checks_catch_a_wrong_flag_and_a_wrong_preset():
     assert list(preset_values(["--config", "PRESET"], {"--config": "finetuning"})) == []  # a placeholder
     with pytest.raises(SystemExit):
         parser_of("run_validation.py").parse_args(["--load", "x", "--nmu_beams", "4"])
+
+
+def test_every_long_test_named_exists_and_ci_leaves_out_the_long_ones():
+    """tests/long.txt names tests that exist (a renamed test would silently rejoin CI), with their parameters where
+    the test is parametrized; the Makefile's `make test` (CI's) leaves out the `long` marker and `make test-all`
+    does not."""
+    import ast
+
+    from tests.conftest import long_tests
+
+    listed = long_tests()
+    assert len(listed) > 20
+    for test_id in listed:
+        path, _, name = test_id.partition("::")
+        base, _, params = name.partition("[")
+        tree = ast.parse(open(os.path.join(ROOT, path)).read())
+        funcs = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+        assert base in funcs, f"tests/long.txt names {test_id}, which does not exist"
+        parametrized = any(isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "parametrize"
+                           for d in funcs[base].decorator_list)
+        assert bool(params) == parametrized, f"{test_id}: name its parameters exactly when it has some"
+    make = open(os.path.join(ROOT, "Makefile")).read()
+    assert re.search(r'^TESTS \?= -m "not long" ', make, re.M)
+    assert re.search(r"^test-all:.*\n\t.*pytest(?!.*not long).*tests$", make, re.M)
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert 'pytest -q -ra --durations=15 -m "not long" -n 2 --dist loadfile tests' in readme

@@ -61,8 +61,8 @@ def extra_flags(p):
                         "per token)")
     s.add_argument("--min_join", type=int, default=None,
                    help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
-                        "join together in one insert (default: half the slots per dp shard, at most the widest join; "
-                        "1: a free slot joins at once)")
+                        "join together in one insert (default: half the slots, at most the rows one insert takes: "
+                        "data_parallel x the widest join; 1: a free slot joins at once)")
     s.add_argument("--max_logprobs", type=int, default=20,
                    help="the most likely tokens a request may ask to see beside each token (logprobs, top_logprobs; "
                         "default 20, as vLLM's)")

@@ -386,6 +386,8 @@ class Graphs:
 
         def streamed(p, ids, mask):  # the encoder a layer at a time from host memory, then the decoding program
             p = p if self.is_decoding_layout(p) else self.to_decoding(p)
+            if isinstance(ids, np.ndarray):  # (placed as the batch's rows: each process holds its own)
+                ids, mask = S.put_global(ids, self.row_sharding), S.put_global(mask, self.row_sharding)
             return program(self.resident(p), ids, mask, key, stream(p, ids, mask))
 
         return streamed

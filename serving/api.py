@@ -118,7 +118,8 @@ def _number(body: dict, field: str, default: float, low: float, high: float, low
     x = body.get(field)
     if x is None:
         return default
-    ok = (_is_int(x) or isinstance(x, float)) and math.isfinite(x) and low <= x <= high and not (low_open and x == low)
+    # (the range first: math.isfinite raises OverflowError on an integer past a float's range, as JSON may send)
+    ok = (_is_int(x) or isinstance(x, float)) and low <= x <= high and math.isfinite(x) and not (low_open and x == low)
     if not ok:
         raise _bad(field, f"must be a number in {'(' if low_open else '['}{low}, {high}] (got {_show(x)})")
     return float(x)

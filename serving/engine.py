@@ -79,6 +79,11 @@ class ServeOptions:
                               "(run_validation.py, run_inference.py); the server keeps every weight on the devices: "
                               "leave it out (--quantize int8 halves the weights' bytes)")
         ex = cfg.execution
+        for flag, value, low in (("--slots", args.slots, 1), ("--header_timeout", args.header_timeout, 0.1),
+                                 ("--body_timeout", args.body_timeout, 0.1),
+                                 ("--max_connections", args.max_connections, 1)):
+            if value is not None and value < low:
+                raise ConfigError(f"{flag} {value} must be at least {low}")
         slots = args.slots or ex.rows_per_micro_batch
         local = slots // ex.data_parallel if slots % ex.data_parallel == 0 else slots
         widths = sorted(set(args.prompt_widths or powers_of_two(SMALLEST_WIDTH, cfg.model.sequence_length)))

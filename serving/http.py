@@ -144,14 +144,18 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_big
     chunks, n = [], 0
+
+    async def read() -> None:
+        nonlocal n
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_big
+            chunks.append(chunk)
+
     try:
-        async with asyncio.timeout(timeout):
-            async for chunk in request.stream():
-                n += len(chunk)
-                if n > limit:
-                    raise too_big
-                chunks.append(chunk)
-    except TimeoutError:
+        await asyncio.wait_for(read(), timeout)  # (asyncio.timeout would need Python 3.11)
+    except asyncio.TimeoutError:
         raise api.ApiError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
     except ClientDisconnect:
         client = request.client

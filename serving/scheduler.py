@@ -263,23 +263,25 @@ class Scheduler:
     def _round(self) -> None:
         """One round: leavers out, joiners in, an advance dispatched, every call but the newest advance read."""
         updates: list = []
-        self._leave(updates)
-        self._score_only()
-        self._join()
-        running = [(slot, s) for slot, s in enumerate(self.running) if s is not None]
-        if running:
-            keep = np.array([slot not in self.cleared for slot in range(self.b.slots)])
-            self.pending.append(_Call("advance", self.b.advance(keep), running))
-            for slot, s in running:
-                s.dispatched = min(s.dispatched + self.b.steps, s.max_tokens)
-                if s.dispatched >= s.max_tokens:  # its last token is on its way: the slot is free for a joiner
-                    self.running[slot] = None
-        while self.pending and (not running or self._unread_advances() - (self.pending[0].kind == "advance")
-                                >= self.depth):  # every call but the newest ``depth`` advances
-            self._read(self.pending.popleft(), updates)
-        self._gauges()
-        if updates:
-            self.emit(updates)
+        try:
+            self._leave(updates)
+            self._score_only()
+            self._join()
+            running = [(slot, s) for slot, s in enumerate(self.running) if s is not None]
+            if running:
+                keep = np.array([slot not in self.cleared for slot in range(self.b.slots)])
+                self.pending.append(_Call("advance", self.b.advance(keep), running))
+                for slot, s in running:
+                    s.dispatched = min(s.dispatched + self.b.steps, s.max_tokens)
+                    if s.dispatched >= s.max_tokens:  # its last token is on its way: the slot is free for a joiner
+                        self.running[slot] = None
+            while self.pending and (not running or self._unread_advances() - (self.pending[0].kind == "advance")
+                                    >= self.depth):  # every call but the newest ``depth`` advances
+                self._read(self.pending.popleft(), updates)
+            self._gauges()
+        finally:  # what the round already decided is sent, even when a call raises after it (then _recover)
+            if updates:
+                self.emit(updates)
 
     def _unread_advances(self) -> int:
         return sum(c.kind == "advance" for c in self.pending)
@@ -466,6 +468,12 @@ class Scheduler:
         error = Failed(f"decoding failed ({type(e).__name__}: {str(e)[:200]})")
         held = ([s for c in self.pending for _, s in c.rows] + [s for s in self.running if s is not None]
                 + self.joining)
+        # and every other held one but the queued: the rows of the call whose reading raised (an advance with their
+        # last tokens, whose slots were freed when it was dispatched; a one-token insert; a score)
+        with self.cv:
+            queued = {id(s) for s in self.waiting} | {id(s) for s in self.scoring}
+            listed = {id(s) for s in held}
+            held += [s for s in self.held_seqs if id(s) not in queued and id(s) not in listed]
         self.pending.clear()
         self.joining = []
         self.cleared.clear()

@@ -369,3 +369,55 @@ def test_a_character_split_over_tokens_is_sent_whole():
     texts = [e.text for t in words for _, e in p.handle(Update(seq, [t]))]
     texts += [e.text for _, e in p.handle(Update(seq, [], reason="length"))]
     assert "".join(texts) == "le café noir" and not any("\ufffd" in t for t in texts)
+
+
+@pytest.mark.parametrize("kind", ["insert", "advance", "read", "score"])
+@pytest.mark.parametrize("nth", range(5))
+def test_whichever_call_fails_every_sequence_ends_exactly_once_and_the_rest_finish(kind, nth):
+    """A call raising where it is dispatched or where its tokens are read (a device error surfaces at the read):
+    every sequence held ends exactly once, the failed ones with the error, and none is left held (a row whose last
+    tokens were in flight, its slot already freed, once stayed held forever: its client never answered). What a
+    round decided before the failure (a sequence that ended) is sent too."""
+    h = Harness(slots=2, steps=2, joins=(1, 2))
+    seqs = [h.seq(p, n) for p, n in (("the cat", 3), ("a dog", 1), ("red bird", 6), ("the cat sleeps", 4),
+                                      ("a", 2), ("bird", 5))]
+    seqs.append(h.seq("a dog runs", 0, prompt_logprobs=True))
+    count = [0]
+
+    def fail(k):
+        if k == kind:
+            count[0] += 1
+            if count[0] == nth + 1:
+                return RuntimeError("boom")
+        return None
+
+    h.b.fail = fail
+    h.s.submit(seqs)
+    for _ in range(200):
+        if not h.s.held_seqs and not h.s.pending:
+            break
+        try:
+            h.s._round()
+        except RuntimeError:
+            assert h.s._recover(RuntimeError("boom"))
+    assert not h.s.held_seqs and not h.s.pending
+    ends = [h.end(s) for s in seqs]  # (exactly one each)
+    for s, e in zip(seqs, ends):
+        if e.error is None and s.max_tokens:
+            assert h.tokens(s) == expected(s.ids, s.max_tokens)[0]
+
+
+def test_a_sequence_ended_in_a_round_whose_call_then_fails_is_still_answered():
+    """A cancelled sequence leaves at the start of a round; the round's advance then raises: the cancelled one's
+    end is sent (it was lost with the round's updates once: its client never answered), the others fail."""
+    h = Harness(slots=2, steps=2)
+    a, b = h.seq("the cat sleeps", 40), h.seq("a dog", 40)
+    h.s.submit([a, b])
+    h.s._round()
+    h.s.cancel([a])
+    h.b.fail = lambda kind: RuntimeError("boom") if kind == "advance" else None
+    with pytest.raises(RuntimeError):
+        h.s._round()
+    h.s._recover(RuntimeError("boom"))
+    assert h.end(a).reason == "cancelled" and isinstance(h.end(b).error, Failed)
+    assert not h.s.held_seqs

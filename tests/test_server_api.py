@@ -119,11 +119,11 @@ def fake_completion(prompt_ids: list, max_tokens: int) -> tuple:
 
 # --------------------------------------------------------------------------- nothing a client sends stops it
 
-BIG = [2 ** 31, 2 ** 63, 2 ** 64, 10 ** 30, -2 ** 63 - 1]
+BIG = [2 ** 31, 2 ** 63, 2 ** 64, 10 ** 30, -2 ** 63 - 1, 10 ** 400, -10 ** 400]  # (10 ** 400: past a float)
 BAD_VALUES = {
     "max_tokens": ["5", 0, -1, 65, 1.5, True, [5]] + BIG,
     "temperature": ["hot", -0.1, 2.5, True, [1]] + BIG,
-    "top_p": [0, -1, 1.01, "1", False],
+    "top_p": [0, -1, 1.01, "1", False, 10 ** 400],
     "top_k": [-2, 65, 1.5, "3", True] + BIG,
     "seed": [1.5, "7", True, [1], 2 ** 64, -2 ** 63 - 1, 10 ** 30],
     "n": [0, 17, 2.0, "2", True] + BIG,
@@ -354,6 +354,28 @@ def test_chat_renders_the_messages_and_answers_in_the_chat_shape(server):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "the cat"
     assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
+
+
+@pytest.mark.parametrize("flag,value", [("slots", -1), ("slots", 0), ("header_timeout", 0.0),
+                                        ("body_timeout", -1.0), ("max_connections", 0), ("max_queue", -1),
+                                        ("min_join", 0)])
+def test_a_server_flag_out_of_its_range_is_one_line_naming_it(flag, value):
+    """A flag that would make the server refuse everything (no connection, every body a 408, every request a 503)
+    is refused at start-up, naming the flag, not served quietly."""
+    import argparse
+
+    import run_server
+    from config import load_config
+    from utils.errors import ConfigError
+
+    p = argparse.ArgumentParser()
+    run_server.extra_flags(p)
+    args = p.parse_args([])
+    setattr(args, flag, value)
+    cfg = load_config("inference", "tiny", {"eval": True})
+    with pytest.raises(ConfigError) as e:
+        ServeOptions.of(args, cfg)
+    assert str(e.value).startswith(f"--{flag} {value} must be at least")
 
 
 def test_a_chat_template_file_renders_the_messages(tmp_path):

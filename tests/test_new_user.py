@@ -50,6 +50,7 @@ def two_models(tmp_path_factory):
 
 # ------------------------------------------------------------------------------------------ 1. predictions files
 
+@pytest.mark.slow
 def test_a_predictions_file_records_what_wrote_it_and_other_settings_do_not_continue_it(two_models, tmp_path,
                                                                                         capsys):
     a, b, rows = two_models
@@ -208,6 +209,7 @@ def test_a_failed_run_s_lock_leaves_the_directories_it_made_and_nothing_else(tmp
 
 # ------------------------------------------------------------------------- 6. the best step is never deleted
 
+@pytest.mark.slow
 def test_the_best_step_is_kept_whatever_to_keep_says_and_named_without_if(tmp_path, caplog, monkeypatch):
     import run_finetuning
     from app import evaluate
@@ -273,6 +275,7 @@ def test_a_directory_of_splits_is_scored_on_its_validation_file_and_a_mixture_ta
 
 # ------------------------------------------------------------------------------------- 5. resuming an own task
 
+@pytest.mark.slow
 def test_a_resume_takes_the_task_from_the_checkpoint_and_names_every_disagreement_at_once(tmp_path, capsys, caplog):
     import run_finetuning
     from data import cache
@@ -415,6 +418,7 @@ def test_export_and_server_without_a_model_say_what_they_would_do_and_export_s_h
 
 # ------------------------------------------------------------------ 15. PEFT's base path, 16. hf/ in .gitignore
 
+@pytest.mark.slow
 def test_a_peft_export_names_its_base_as_output_was_given_and_loads_after_its_folder_moves(tmp_path, monkeypatch):
     import run_export
     import run_finetuning

@@ -69,6 +69,7 @@ def _decode(dp, tp, options, lengths, packed: bool, quantize="none"):
     (2, 2, Options(6, num_beams=3), "int8"),
     (2, 1, Options(6, do_sample=True, top_k=4), "none"),
 ])
+@pytest.mark.slow
 def test_packed_prompts_decode_the_tokens_padded_ones_do(dp, tp, options, quantize):
     lengths = [30, 5, 26, 3, 20, 9, 7, 11] * dp  # short prompts beside long ones: fewer rows packed
     assert _decode(dp, tp, options, lengths, True, quantize).tolist() == \

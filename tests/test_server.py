@@ -42,6 +42,8 @@ from graphs.graphs import Graphs
 from modelling import decoding, slots
 from utils import checkpoint as ckpt
 
+pytestmark = pytest.mark.slow  # (a server process per family, each compiling its programs)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key-42"
 OUTPUT = 40  # run_inference's output length in the parity test: the longest max_tokens asked for there

@@ -16,6 +16,8 @@ import torch
 from modelling import decoding, gptj, registry, slots as S
 from modelling.family import ModelOptions
 
+pytestmark = pytest.mark.slow  # (a GPT-J compiled: its programs at every call shape)
+
 SLOTS, WIDTH, NEW, STEPS, TOP = 4, 8, 12, 4, 3
 
 

@@ -47,6 +47,7 @@ def _tokens(tp: int, quantize: str, stream: bool, options: Options, rows: int = 
     (1, "int8", Options(6, num_beams=3)),  # beam search reads the streamed encoder's output too
     (2, "int8", Options(6, do_sample=True, top_k=5)),
 ])
+@pytest.mark.slow
 def test_a_streamed_encoder_decodes_the_same_tokens_as_a_resident_one(tp, quantize, options):
     assert 16 // chunk_rows(16) > 1 and CHUNK_ROWS < 16  # (the layer program reads the rows in pieces)
     resident = _tokens(tp, quantize, False, options)

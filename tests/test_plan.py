@@ -321,9 +321,11 @@ def test_the_server_prints_its_plan_and_refuses_a_streamed_encoder(tmp_path, cap
     hf = str(tmp_path / "hf")
     T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16,
                                         decoder_start_token_id=0)).save_pretrained(hf)
-    run_server.main(["--hf_model", hf, "--slots", "6", "--plan", "--data_parallel", "1", "--tensor_parallel", "1"])
+    run_server.main(["--hf_model", hf, "--slots", "6", "--prompt_widths", "8", "16", "--plan", "--data_parallel", "1",
+                     "--tensor_parallel", "1"])
     out = capsys.readouterr().out
     assert "KV cache" in out and "weights" in out
+    assert "6 rows, prompts of 16 tokens" in out  # --slots rows of the widest prompt width the server compiles
     with pytest.raises(SystemExit) as e:
         run_server.main(["--hf_model", hf, "--stream_encoder", "--plan", "--data_parallel", "1",
                          "--tensor_parallel", "1"])

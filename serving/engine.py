@@ -79,16 +79,14 @@ class ServeOptions:
                               "(run_validation.py, run_inference.py); the server keeps every weight on the devices: "
                               "leave it out (--quantize int8 halves the weights' bytes)")
         ex = cfg.execution
-        for flag, value, low in (("--slots", args.slots, 1), ("--header_timeout", args.header_timeout, 0.1),
-                                 ("--body_timeout", args.body_timeout, 0.1),
-                                 ("--max_connections", args.max_connections, 1)):
-            if value is not None and value < low:
-                raise ConfigError(f"{flag} {value} must be at least {low}")
         slots = args.slots or ex.rows_per_micro_batch
         local = slots // ex.data_parallel if slots % ex.data_parallel == 0 else slots
         widths = sorted(set(args.prompt_widths or powers_of_two(SMALLEST_WIDTH, cfg.model.sequence_length)))
         joins = sorted({j for j in args.join_sizes if j <= local} | {local}) if args.join_sizes else default_joins(local)
-        for flag, value, low in (("--max_queue", args.max_queue, 0), ("--steps_per_call", args.steps_per_call, 1),
+        for flag, value, low in (("--slots", args.slots, 1), ("--header_timeout", args.header_timeout, 0.1),
+                                 ("--body_timeout", args.body_timeout, 0.1),
+                                 ("--max_connections", args.max_connections, 1),
+                                 ("--max_queue", args.max_queue, 0), ("--steps_per_call", args.steps_per_call, 1),
                                  ("--prompt_widths", min(widths), 1), ("--join_sizes", min(joins), 1),
                                  ("--max_prompt_chars", args.max_prompt_chars, 1),
                                  ("--max_body_bytes", args.max_body_bytes, 1024),

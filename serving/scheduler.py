@@ -466,14 +466,12 @@ class Scheduler:
         logger.exception("a decoding call failed")
         self.failures += 1
         error = Failed(f"decoding failed ({type(e).__name__}: {str(e)[:200]})")
-        held = ([s for c in self.pending for _, s in c.rows] + [s for s in self.running if s is not None]
-                + self.joining)
-        # and every other held one but the queued: the rows of the call whose reading raised (an advance with their
-        # last tokens, whose slots were freed when it was dispatched; a one-token insert; a score)
+        # every held sequence but the queued ones (which go on): those in the slots, joining, in a call in flight,
+        # and the rows of the call whose reading raised (an advance with their last tokens, whose slots were freed
+        # when it was dispatched; a one-token insert; a score)
         with self.cv:
             queued = {id(s) for s in self.waiting} | {id(s) for s in self.scoring}
-            listed = {id(s) for s in held}
-            held += [s for s in self.held_seqs if id(s) not in queued and id(s) not in listed]
+            held = sorted((s for s in self.held_seqs if id(s) not in queued), key=lambda s: s.arrival)
         self.pending.clear()
         self.joining = []
         self.cleared.clear()

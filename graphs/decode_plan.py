@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from graphs import sharding as S
-from graphs.plan import HOST_KINDS, MemoryPlan, human_bytes
+from graphs.plan import HOST_KINDS, MemoryPlan, format_items, human_bytes
 from graphs.sharding import shard_bytes
 from graphs.streaming import PromptStream, chunk_rows
 from modelling import decoding, quant
@@ -143,8 +143,7 @@ def decode_plan(g, rows: int, prompt_length: int, output_length: int, exact: boo
     phase, peak = max((("reading the prompts", prompt), ("decoding", decode)), key=lambda kv: sum(kv[1].values()))
     other, rest = ("decoding", decode) if phase == "reading the prompts" else ("reading the prompts", prompt)
     if sum(rest.values()):
-        notes.insert(0, f"{other} (beside the weights): " + ", ".join(
-            f"{k} {human_bytes(v)}" for k, v in sorted(rest.items(), key=lambda kv: -kv[1]) if v))
+        notes.insert(0, f"{other} (beside the weights): {format_items(rest)}")
     items = {"weights": _bytes(weights, _on_device), **peak}
     host = {"streamed encoder layers": _host_bytes(weights)} if g.prompt_stacks else {}
     loading = dict(host)
@@ -167,14 +166,11 @@ def weight_bytes(g) -> dict:
 
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as --plan prints it."""
-    def items(d):
-        return ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v)
-
     how = "XLA's count of program temporaries" if plan.exact else "activations estimated from shapes: --plan_exact " \
                                                                   "counts XLA's temporaries"
     lines = [f"memory plan ({plan.executor}; {how}):",
              f"  device: {human_bytes(plan.device_peak)} per device at its peak ({plan.device_phase}): "
-             f"{items(plan.device_items)}",
+             f"{format_items(plan.device_items)}",
              f"  host:   {human_bytes(plan.host_peak)} per process at its peak ({plan.host_phase}): "
-             f"{items(plan.host_items) or 'nothing'}"]
+             f"{format_items(plan.host_items) or 'nothing'}"]
     return "\n".join(lines + [f"  {n}" for n in plan.notes])

@@ -47,6 +47,11 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def format_items(items: dict) -> str:
+    """{name: bytes} as a plan prints it: "name 1.5 GiB, ...", the largest first, the empty left out."""
+    return ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(items.items(), key=lambda kv: -kv[1]) if v)
+
+
 class PlanError(FlanT5Error, RuntimeError):
     """A run that will not fit; the message names what does not fit and what to change."""
 
@@ -187,15 +192,12 @@ class MemoryPlan:
     transfer_floor: dict | None = None  # phased: the least a step of its layout moves (graphs/transfers.py's floor)
 
     def format(self) -> str:
-        def items(d):
-            return ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v)
-
         how = "XLA's count of program temporaries" if self.exact else "program temporaries not counted: --plan counts them"
         lines = [f"memory plan ({self.executor} executor, {how}):",
                  f"  device: {human_bytes(self.device_peak)} per device at its peak ({self.device_phase}): "
-                 f"{items(self.device_items)}",
+                 f"{format_items(self.device_items)}",
                  f"  host:   {human_bytes(self.host_peak)} per process at its peak ({self.host_phase}): "
-                 f"{items(self.host_items) or 'nothing'}"]
+                 f"{format_items(self.host_items) or 'nothing'}"]
         if self.transfers and self.transfer_floor:
             lines.append(format_bytes_table(self.transfers, self.transfer_floor, LINK_GB_PER_S))
         return "\n".join(lines + [f"  {n}" for n in self.notes])
@@ -237,8 +239,7 @@ class MemoryPlan:
             if not phased and state <= host_limit:
                 knobs = ["fewer or shorter examples"]
             raise PlanError(f"the run needs {human_bytes(self.host_peak)} of host memory ({self.host_phase}: "
-                            + ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(self.host_items.items(),
-                                                                                 key=lambda kv: -kv[1]) if v)
+                            + format_items(self.host_items)
                             + f") but {human_bytes(host_limit)} is available: try {', '.join(knobs)}")
 
 

@@ -355,40 +355,43 @@ class Graphs:
 
     def decode_phase(self, options: decoding.Options, eos_id: int = 1, pad_id: int = 0, seed: int = 0):
         """The search ``options`` names (greedy, beam search, sampling: modelling/decoding.py): (weights in
-        decoding's layout, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens]. Sampling draws from ``seed``, each row by its global
-        index, so the outputs are the same at any dp x tp."""
+        decoding's layout, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens]. Sampling draws from ``seed``, each
+        row by its global index, so the outputs are the same at any dp x tp. Programs: the search (one per prompt
+        width k), and where prompts are packed (``pack``) the encoder over them apart (one per packed shape)."""
         opts, family = self.opts, self.family
 
-        def fn(p, ids, mask, key_data, encoded=None):
+        def search(p, ids, mask, key_data, encoded=None):
             offset = jax.lax.axis_index(S.DP) * ids.shape[0]
             return decoding.decode(family, p, ids, mask, opts, options, S.TP, eos_id, pad_id,
                                    jax.random.wrap_key_data(key_data), offset, encoded)
 
         specs = (self.resident(self.decode_specs()), P(S.DP, None), P(S.DP, None), P())
         key = jax.device_put(jax.random.key_data(jax.random.key(seed)), self.replicated)
+        # the search from the prompt stacks' output (streamed, or read packed): a program apart from the encoder's, so
+        # that a new packed shape compiles the encoder alone, never the search's loop
+        from_encoded = self.phase(search, specs + (P(S.DP, None, None),), P(S.DP, None))
         if not self.prompt_stacks:
-            program = self.phase(fn, specs, P(S.DP, None))
-            packed = self._packed_program(fn, specs) if family.packs_prompts else None
+            program = self.phase(search, specs, P(S.DP, None))
+            encode = self._packed_encoder(specs[0]) if family.packs_prompts else None
 
             def run(p, ids, mask):
                 """ids/mask [B, k]: on the devices, or numpy (then packed where that saves rows: ``pack``)."""
                 p = p if self.is_decoding_layout(p) else self.to_decoding(p)  # (a test's weights: each call)
                 if isinstance(ids, np.ndarray):
-                    pk = self.pack(ids, mask) if packed is not None else None
-                    if pk is not None:
-                        return packed(p, *pk, S.put_global(mask, self.row_sharding), key)
+                    pk = self.pack(ids, mask) if encode is not None else None
                     ids, mask = S.put_global(ids, self.row_sharding), S.put_global(mask, self.row_sharding)
+                    if pk is not None:
+                        return from_encoded(p, ids, mask, key, encode(p, *pk))
                 return program(p, ids, mask, key)
 
             return run
         stream = PromptStream(self)
-        program = self.phase(fn, specs + (P(S.DP, None, None),), P(S.DP, None))
 
         def streamed(p, ids, mask):  # the encoder a layer at a time from host memory, then the decoding program
             p = p if self.is_decoding_layout(p) else self.to_decoding(p)
             if isinstance(ids, np.ndarray):  # (placed as the batch's rows: each process holds its own)
                 ids, mask = S.put_global(ids, self.row_sharding), S.put_global(mask, self.row_sharding)
-            return program(self.resident(p), ids, mask, key, stream(p, ids, mask))
+            return from_encoded(self.resident(p), ids, mask, key, stream(p, ids, mask))
 
         return streamed
 
@@ -397,7 +400,8 @@ class Graphs:
         data-parallel group's rows apart, into rows k, 2k or 4k wide, whichever reads the fewest weighted
         positions: a position costs the layer's matmuls, and a row's attention grows with its width (prompts of
         65 to 119 tokens in rows of 128 pair with none: 8 rows; in rows of 256, 3). -> (ids, segments, positions,
-        where) on the devices, or None where packing would not save a tenth of the encoder's work."""
+        where) on the devices, or None where packing would not save a tenth of the encoder's work. A group's packed
+        rows are a multiple of an eighth of its rows, rounded up: at most 7 shapes (encoder programs) a width."""
         m = self.cfg.model
         inner = m.attention.heads * m.attention.d_kv
         matmuls = 4 * m.hidden_size * inner + (3 if m.feed_forward_proj.startswith("gated") else 2) * \
@@ -410,24 +414,24 @@ class Graphs:
         k = ids.shape[1]
         best, best_cost = None, 0.9 * cost(ids.shape[0], k)
         for width in (k, 2 * k, 4 * k):
-            packed = pack_prompts(ids, mask, groups=self.dp, width=width)
+            packed = pack_prompts(ids, mask, groups=self.dp, width=width, multiple=-(-ids.shape[0] // self.dp // 8))
             if packed is not None and cost(packed[0].shape[0], width) < best_cost:
                 best, best_cost = packed, cost(packed[0].shape[0], width)
         return None if best is None else tuple(S.put_global(x, self.row_sharding) for x in best)
 
-    def _packed_program(self, fn, specs):
-        """``fn`` (decode_phase's search) over prompts the encoder reads packed: (weights, packed ids, segments,
-        positions [dp * P, k], where [B, k], mask [B, k], key) -> tokens [B, n]."""
+    def _packed_encoder(self, weight_specs):
+        """The encoder over prompts packed by ``pack``: (weights, packed ids, segments, positions [dp * P, W], where
+        [B, k]) -> its output at each prompt position, float32 [B, k, d] (zeros at padding), as the search reads it."""
         family, opts = self.family, self.opts
 
-        def packed(p, ids, segments, positions, where, mask, key_data):
+        def encode(p, ids, segments, positions, where):
             enc = family.encode_packed(family.decoding_params(p, opts)[0], ids, segments, positions, opts, S.TP)
             flat = enc.reshape(-1, enc.shape[-1])
             flat = jnp.concatenate([flat, jnp.zeros((1, flat.shape[-1]), flat.dtype)])  # (padding reads zeros)
-            return fn(p, mask, mask, key_data, flat[where])
+            return flat[where]
 
         rows = P(S.DP, None)
-        return self.phase(packed, (specs[0], rows, rows, rows, rows, rows, specs[3]), rows)
+        return self.phase(encode, (weight_specs, rows, rows, rows, rows), P(S.DP, None, None))
 
     def generate_phase(self, max_new_tokens: int, eos_id: int = 1, cached: bool = True, pad_id: int = 0):
         """Greedy decoding: (gathered weights, ids [B, k], mask [B, k]) -> tokens [B, max_new_tokens].

@@ -342,14 +342,16 @@ def concat_rows(examples, stream, pending: tuple, n_rows: int, sequence_length: 
 # --------------------------------------------------------------------------- prompts packed for decoding
 
 
-def pack_prompts(ids: np.ndarray, mask: np.ndarray, groups: int = 1, width: int | None = None):
+def pack_prompts(ids: np.ndarray, mask: np.ndarray, groups: int = 1, width: int | None = None, multiple: int = 1):
     """Right-padded prompt rows ids/mask [B, k] packed into fewer rows ``width`` wide (default k), for an encoder to read
     without its padding (decoding's first and largest cost: a batch of mixed lengths spends a third of the encoder
     on padding at MultiNLI-like lengths). The B rows come in ``groups`` equal groups (a device's share of the
     batch under data parallelism), each packed on its own by first-fit decreasing. -> None when packing saves no
     row, else (ids, segments, positions) [groups * P, width] (segment ids from 1, positions restarting at 0 in each
     prompt; zeros where nothing is packed) and ``where`` int32 [B, k]: for each prompt position, its index in its
-    group's packed rows flattened (P * W), or P * W for padding (a row of zeros the reader appends)."""
+    group's packed rows flattened (P * W), or P * W for padding (a row of zeros the reader appends). ``multiple``: P
+    rounded up to a multiple of it (rows of nothing after the packed ones), so that batches of any lengths take few
+    shapes: each is a program compiled."""
     b, k = ids.shape
     w = width or k  # the packed rows' width (a prompt's positions beyond k are never written)
     per = b // groups
@@ -367,7 +369,7 @@ def pack_prompts(ids: np.ndarray, mask: np.ndarray, groups: int = 1, width: int 
             free[j] -= lengths[r]
         bins_of.append(place)
         counts.append(len(free))
-    p = max(counts)
+    p = -(-max(counts) // multiple) * multiple
     if p >= per:
         return None
     out = {k: np.zeros((groups * p, w), np.int32) for k in ("ids", "segments", "positions")}

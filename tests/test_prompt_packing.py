@@ -2,6 +2,8 @@
 token read once, in its own segment with its own positions, each data-parallel group apart; and decoding packed
 prompts gives the tokens decoding them padded gives, for every search, at dp x tp."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -17,19 +19,21 @@ from modelling.rows import pack_prompts
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.data(), st.sampled_from([1, 2, 4]), st.integers(4, 24), st.sampled_from([1, 2]))
-def test_every_prompt_token_is_read_once_in_a_segment_of_its_own(data, groups, k, widen):
-    per = data.draw(st.integers(1, 5))
+@given(st.data(), st.sampled_from([1, 2, 4]), st.integers(4, 24), st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]))
+def test_every_prompt_token_is_read_once_in_a_segment_of_its_own(data, groups, k, widen, multiple):
+    per = data.draw(st.integers(1, 7))
     lengths = data.draw(st.lists(st.integers(1, k), min_size=groups * per, max_size=groups * per))
     b, width = len(lengths), k * widen
     mask = (np.arange(k)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
     ids = (np.arange(b * k).reshape(b, k) + 1) * mask  # every token its own id
-    out = pack_prompts(ids, mask, groups=groups, width=width)
-    if out is None:  # nothing saved: each group needs as many rows as it has prompts
+    out = pack_prompts(ids, mask, groups=groups, width=width, multiple=multiple)
+    if out is None:  # nothing saved: a group needs as many rows as it has prompts (rounded up to the multiple)
         return
+    fewest = max(-(-sum(lengths[g * per: (g + 1) * per]) // width) for g in range(groups))  # no packing does better
     pids, segs, pos, where = out
     p = pids.shape[0] // groups
     assert p < per and pids.shape == segs.shape == pos.shape == (groups * p, width) and where.shape == (b, k)
+    assert p % multiple == 0 and p >= fewest  # (few shapes: each one a program compiled)
     for r in range(b):
         g, n = r // per, lengths[r]
         flat = where[r, :n]
@@ -89,3 +93,51 @@ def test_the_packing_width_is_the_cheapest():
     assert ids.shape == (3, 256)
     full = np.ones((8, 128), np.int32)
     assert g.pack(full, full) is None
+
+
+def test_a_new_packed_shape_compiles_the_encoder_alone(caplog):
+    """Batches whose prompts pack into different numbers of rows are different programs: the encoder over the packed
+    rows is compiled for each, the search (the decoding loop: seconds to compile) once per prompt width."""
+    cfg = load_config("inference", "tiny", dict(eval=True, data_parallel=1, tensor_parallel=1, micro_batch_size=8,
+                                                sequence_length=32))
+    g = Graphs(cfg)
+    rng = np.random.default_rng(0)
+    host = jax.tree.map(lambda s: (s.std or 0.0) * rng.standard_normal(s.shape).astype(np.float32)
+                        + (0.0 if s.std else 1.0), g.specs, is_leaf=is_spec)
+    params, run = Weights(g).place(host), g.decode_phase(Options(3))
+    shapes = []
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="jax"):
+            for lengths in ([30, 5, 26, 3, 20, 9, 7, 11], [4] * 6 + [30] * 2, [30] * 6 + [2] * 2, [3] * 8):
+                mask = (np.arange(32)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+                ids = rng.integers(2, 128, mask.shape).astype(np.int32) * mask
+                shapes.append(g.pack(ids, mask)[0].shape)
+                run(params, ids, mask)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert len(set(shapes)) == 4  # (four packed shapes: (4, 32), (3, 32), (6, 32), (1, 32))
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation")]
+    assert sum("jit(encode)" in m for m in compiled) == 4
+    assert sum("jit(search)" in m for m in compiled) == 1
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_group_s_packed_rows_are_a_multiple_of_an_eighth_of_its_rows(dp):
+    """16 rows a group: packed into an even number of rows (where first-fit needs an odd one, one row of nothing
+    after them)."""
+    b, k = 16 * dp, 32
+    g = Graphs(load_config("inference", "tiny", dict(eval=True, data_parallel=dp, tensor_parallel=1,
+                                                     micro_batch_size=16, sequence_length=k)))
+    rng, odd = np.random.default_rng(0), 0
+    for _ in range(20):
+        lengths = rng.integers(1, k + 1, b)
+        mask = (np.arange(k)[None] < lengths[:, None]).astype(np.int32)
+        packed = g.pack(mask, mask)
+        if packed is None:
+            continue
+        rows, width = packed[0].shape
+        first_fit = pack_prompts(mask, mask, groups=dp, width=width)[0].shape[0] // dp
+        assert rows // dp == first_fit + first_fit % 2  # (rounded up to the next even number, no further)
+        odd += first_fit % 2  # (where rounding did work)
+    assert odd > 0

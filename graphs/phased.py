@@ -50,25 +50,22 @@ reused by every layer. Numerically the result equals the fused executor (tests/t
 from __future__ import annotations
 
 import copy
-import math
-import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from graphs import sharding as S
-from graphs.host_state import (HOST, ActivationBuffer, PhasedState, from_rows, row_sharding, rows_taken, to_host,
-                               to_rows)
-from graphs.memory import live_device_bytes, program_bytes
+from graphs import phased_reports
+from graphs.host_state import ActivationBuffer, PhasedState, row_sharding
+from graphs.phase_ops import DeviceOps, prefetch, serial_collectives
 from graphs.phase_programs import PhasePrograms
+from graphs.phased_state import PhasedStates
 from graphs.phases import context_weights, stack_meta
-from graphs.plan import MemoryPlan, PlanOps
-from graphs.sharding import shard_bytes
-from graphs.state import (TrainState, base_record, fingerprint_rows, load_base, restore_base, restore_train_state,
-                          step_key)
-from graphs.transfers import Transfers, floor, tree_bytes, weight_costs
+from graphs.plan import MemoryPlan
+from graphs.state import step_key
 from graphs.tree import flat_paths, from_flat
 from modelling import lora
 from modelling.family import leaf_name
@@ -76,29 +73,44 @@ from modelling.family import leaf_name
 F32 = jnp.float32
 
 
-def prefetch(n: int, load, reverse: bool = False):
-    """Yields (j, load(j)) for j over range(n) (or reversed), loading j+1 before the caller runs j."""
-    order = list(reversed(range(n))) if reverse else list(range(n))
-    if not order:
-        return
-    nxt = load(order[0])
-    for k, j in enumerate(order):
-        cur = nxt
-        if k + 1 < len(order):
-            nxt = load(order[k + 1])
-        yield j, cur
+@dataclass
+class _Step:
+    """What one step's forward and backward phases share: the state, the batch and each stack's metadata, the
+    weights the forward loaded (``w``: the embedding, each stack's context weights and output norm), the step's key
+    and loss scale, and what the backward gathers: the non-layer gradients by weight path (``g_flat``), each
+    layer's sum of squares, the layers' gradients stored in host memory, or each layer updated in their place
+    (``update_layer``)."""
+
+    ps: PhasedState
+    batch: dict
+    meta: dict
+    rng_data: Any
+    scale: Any
+    update_layer: Optional[Callable] = None
+    w: dict = field(default_factory=dict)
+    g_flat: dict = field(default_factory=dict)
+    sumsq: list = field(default_factory=list)
+    layer_grads: dict = field(default_factory=dict)
 
 
-def serial_collectives(mesh) -> bool:
-    """Several processes on CPUs (gloo collectives): XLA:CPU may run two dispatched programs at once, and two
-    programs' collectives can then pair up across processes in different orders and hang. There, each program with
-    collectives finishes before the next is dispatched. GPUs and TPUs run the programs in dispatch order on one
-    stream, so nothing waits there."""
-    return jax.process_count() > 1 and mesh.devices.flat[0].platform == "cpu"
+@dataclass
+class _Update:
+    """What a step's optimizer phases share: the gradient norm to clip with, the key, the loss scale, the norm
+    given to a layer's update as its clip (``update_in_backward``: the previous step's; else None) and the updated
+    layers, their optimizer states and compute copies ({"layers"|"opt"|"copy": {stack: [tree]}})."""
+
+    g_norm: Any
+    rng_data: Any
+    scale: Any
+    clip_norm: Any
+    new: dict
 
 
-class PhasedExecutor:
-    """Runs a training step phase by phase with host-resident weights, optimizer state and activations.
+class PhasedExecutor(PhasedStates):
+    """Runs a training step phase by phase with host-resident weights, optimizer state and activations. Its jobs
+    apart: the state's lifecycle and LoRA's frozen base (``PhasedStates``, graphs/phased_state.py), the step's
+    schedule (here: each step's phases share a ``_Step``, its optimizer phases an ``_Update``), and its plan and
+    reports (graphs/phased_reports.py).
 
     ``ops``: what the schedule runs on: ``DeviceOps`` (arrays; the default), ``TimingOps`` (each transfer and
     program waited for and timed), or graphs/plan.py's ``PlanOps`` (placeholders: the memory plan)."""
@@ -154,152 +166,6 @@ class PhasedExecutor:
         other.ops = ops
         return other
 
-    # ------------------------------------------------------------------ state
-
-    def init_params(self, seed: int | None = None) -> dict:
-        """The fused executor's random weights (same values; LoRA: the adapters'), created one weight at a time
-        into host memory."""
-        g = self.g
-        return g.init_weights(g.specs, S.with_memory_kind(g.param_shardings, HOST), g.master_dtype_of, seed)
-
-    def set_base(self, params=None) -> None:
-        """LoRA: the frozen base weights, into host memory: None (the family's random init, one weight at a time),
-        host (numpy) weights, or arrays in the full model's stacked layout (any memory; cast to the frozen dtypes
-        when they are not in them)."""
-        g = self.g
-        if params is None:
-            params = g.init_base(memory_kind=HOST)
-        elif any(x.dtype != a.dtype for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(g.abstract_base()))):
-            params = (g.shard_base(params, HOST) if not isinstance(jax.tree.leaves(params)[0], jax.Array)
-                      else jax.jit(g.frozen, out_shardings=g.base_shardings)(params))
-        # the layers row by row, each stacked leaf let go as soon as its rows exist (numpy leaves in the frozen dtypes
-        # placed straight from the host): when the caller keeps no reference to the tree it gives (the driver's
-        # load_base), the base passes through host memory about once
-        params = {k: dict(v) if isinstance(v, dict) else v for k, v in params.items()}  # (the caller's tree intact)
-        rest = g.model_tree.split_rest(params)
-        self.frozen_rest = jax.tree.map(lambda x, s: S.put_global(x, s.with_memory_kind(HOST)) if isinstance(
-            x, np.ndarray) else jax.device_put(x, s.with_memory_kind(HOST)), rest, self.read_rest_dev)
-        self.frozen_layers = {}
-        for s in self.stacks:
-            leaves, treedef = jax.tree.flatten(params[s.name]["layers"])
-            params[s.name]["layers"] = None
-            shardings = treedef.flatten_up_to(g.base_shardings[s.name]["layers"])
-            per_leaf = rows_taken(leaves, shardings)
-            self.frozen_layers[s.name] = [jax.tree.unflatten(treedef, [rows[i] for rows in per_leaf])
-                                          for i in range(self.depth[s.name])]
-
-    def base_fingerprint(self) -> str:
-        """LoRA: graphs/state.py's ``fingerprint`` of the frozen base, read row by row from host memory."""
-        rows = {s: jax.tree.map(lambda *r: _Rows(r), *self.frozen_layers[s]) for s in self.frozen_layers}
-        tree = self.g.model_tree.with_layers(jax.tree.map(lambda x: _Rows([x]), self.frozen_rest), rows)
-        return fingerprint_rows([r.rows for r in jax.tree.leaves(tree)])
-
-    def use_base(self, source: dict) -> None:
-        """LoRA: the frozen base a ``base_source`` names (graphs/state.py) in host memory, and ``base``, its record."""
-        self.set_base(load_base(self.g, source, HOST))
-        self.base = base_record(source, self.base_fingerprint())
-
-    def _weights(self, params) -> tuple:
-        """Stacked weights (any memory) -> (rest in host memory, {stack: [rows in host memory]})."""
-        g = self.g
-        rest = to_host(self.tree.split_rest(params), self.rest_dev)
-        layers = {s: to_rows(params[s]["layers"], g.param_shardings[s]["layers"]) for s in self.tree.stacks}
-        return rest, layers
-
-    def init_state(self, params=None) -> PhasedState:
-        """Host-resident state with a fresh optimizer state. params: stacked weights (numpy on the host, or
-        arrays in any memory), or None for the random init. LoRA: params are the base's (None: the base already
-        set, or the random init), and the trained weights new adapters."""
-        if self.lora:
-            if params is not None or self.frozen_layers is None:
-                self.set_base(params)
-            params = None
-        return self._fresh_state(self.init_params() if params is None else params)
-
-    def _fresh_state(self, params) -> PhasedState:
-        """The state of trained weights (stacked: numpy, or arrays in any memory) with a fresh optimizer state."""
-        if not isinstance(jax.tree.leaves(params)[0], jax.Array):
-            params = self.g.shard_params(params, HOST)
-        rest, layers = self._weights(params)
-        updater = self.g.updater
-
-        def init(tree, dev, host):
-            return jax.jit(lambda t: updater.init_group(t),
-                           out_shardings=S.with_memory_kind(host, HOST))(self.ops.load(tree, dev))
-
-        groups, dev = self.tree.rest_groups(rest), self.tree.rest_groups(self.rest_dev)
-        opt_rest = {k: init(groups[k], dev[k], self.opt_dev[k]) for k in groups}
-        opt_layers = {s: [init(lp, self.row_dev[s], self.opt_row_dev[s]) for lp in layers[s]] for s in layers}
-        return self._with_copies(PhasedState(0, rest, layers, opt_rest, opt_layers))
-
-    def from_train_state(self, state: TrainState) -> PhasedState:
-        """A stacked TrainState (a checkpoint's layout, any memory) -> the host-resident per-layer state."""
-        rest, layers = self._weights(state.params)
-        opt_rest = {k: to_host(state.opt_state[k], self.opt_dev[k]) for k in self.opt_dev}
-        opt_layers = {s: to_rows(state.opt_state[s], self.opt_stacked[s]) for s in self.tree.stacks}
-        return self._with_copies(PhasedState(int(state.step), rest, layers, opt_rest, opt_layers))
-
-    def _with_copies(self, ps: PhasedState) -> PhasedState:
-        """The state with the compute copies of its weights made (one weight group at a time through the devices),
-        where copies are kept (``copy``)."""
-        if not self.copy:
-            return ps
-        ops, make = self.ops, self.programs.copy_program()
-
-        def copied(tree, dev, copy_dev):
-            return ops.store(make(ops.load(tree, dev, label="master weights")), copy_dev, label="compute copy")
-
-        ps.copy_rest = copied(ps.rest, self.rest_dev, self.copy_rest_dev)
-        ps.copy_layers = {s: [copied(lp, self.row_dev[s], self.copy_row_dev[s]) for lp in ps.layers[s]]
-                          for s in self.tree.stacks}
-        return ps
-
-    def restore(self, directory: str, step: int, optim_state: bool = True):
-        """(state, meta) of a checkpoint, restored straight into host memory (LoRA: its adapters; the base is
-        ``set_base``'s)."""
-        state, meta = restore_train_state(self.g, directory, step, optim_state, HOST)
-        if state.opt_state is None:  # saved without optimizer state: start it afresh
-            ps = self._fresh_state(state.params)
-            ps.step = int(state.step)
-            return ps, meta
-        return self.from_train_state(state), meta
-
-    def warm_start(self, directory: str, step: int) -> PhasedState:
-        """A new run's host-resident state from a checkpoint's weights: step 0 and a fresh optimizer state (LoRA: new
-        adapters on the checkpoint's weights, frozen)."""
-        if self.lora:
-            return self.init_state(restore_base(self.g, directory, step, HOST))
-        return self.init_state(restore_train_state(self.g, directory, step, False, HOST)[0].params)
-
-    def weights(self, ps: PhasedState) -> dict:
-        """The model's weights, stacked, in host memory (as a decoding program reads them, once placed); LoRA: the
-        adapters merged into the base, one layer at a time on the device."""
-        if not self.lora:
-            return self.to_checkpoint(ps).params
-        g, ops = self.g, self.ops
-        layers = {}
-        for s in self.stacks:
-            rows = []
-            for j in range(self.depth[s.name]):
-                lp = self._load_layer(ps, s.name, j)
-                merged = self.programs.merged_row(s.name)(lp) if s.name in ps.layers else lp
-                rows.append(ops.store(merged, self.base_row_dev[s.name], label="weights"))
-            layers[s.name] = from_rows(rows, S.with_memory_kind(g.base_shardings[s.name]["layers"], HOST))
-        return g.model_tree.with_layers(self.frozen_rest, layers)
-
-    def to_checkpoint(self, ps: PhasedState) -> TrainState:
-        """Host-resident state -> a stacked TrainState in host memory (what checkpoints hold)."""
-        g = self.g
-        host = S.with_memory_kind(g.param_shardings, HOST)
-        layers = {s: from_rows(ps.layers[s], host[s]["layers"]) for s in self.tree.stacks}
-        params = self.tree.with_layers(ps.rest, layers)
-        opt = dict(ps.opt)
-        for s in self.tree.stacks:
-            opt[s] = from_rows(ps.opt_layers[s], S.with_memory_kind(self.opt_stacked[s], HOST))
-        step = jax.device_put(jnp.asarray(ps.step, jnp.int32), g.replicated)
-        return TrainState(step, params, opt)
-
-
     # ------------------------------------------------------------------ the step
 
     def loss_and_grads(self, ps: PhasedState, batch: dict, rng_data=None, loss_scale=None):
@@ -322,37 +188,36 @@ class PhasedExecutor:
         (``execution.update_in_backward``); the layer gradients returned are then None."""
         ops = self.ops
         ops.moved.phase = "forward"
-        meta = {s.name: stack_meta(s, batch) for s in self.stacks}
+        st = _Step(ps, batch, {s.name: stack_meta(s, batch) for s in self.stacks}, rng_data, scale, update_layer)
         # what the forward reads: the frozen base (LoRA), else the compute copies of the weights
         rest = self.frozen_rest if self.lora else self._compute(ps.rest, ps.copy_rest)
         rest_dev, label = self.read_rest_dev, "frozen base weights" if self.lora else "weights"
-        w = {"shared": ops.load(rest["shared"], rest_dev["shared"], label=label),
-             "ctx": {s.name: ops.load(context_weights(s, rest[s.name]), context_weights(s, rest_dev[s.name]),
-                                      label=label) for s in self.stacks},
-             "out": {s.name: ops.load(rest[s.name][s.output], rest_dev[s.name][s.output], label=label)
-                     for s in self.stacks if s.output}}
-        rows, x, enc_out = self._forward(ps, batch, meta, w, rng_data)
+        st.w = {"shared": ops.load(rest["shared"], rest_dev["shared"], label=label),
+                "ctx": {s.name: ops.load(context_weights(s, rest[s.name]), context_weights(s, rest_dev[s.name]),
+                                         label=label) for s in self.stacks},
+                "out": {s.name: ops.load(rest[s.name][s.output], rest_dev[s.name][s.output], label=label)
+                        for s in self.stacks if s.output}}
+        rows, x, enc_out = self._forward(st)
         ops.moved.phase = "head"
-        hp = self._head_weights(rest, w, label)
+        hp = self._head_weights(rest, st.w, label)
         loss, g_head, dy = ops.run("head", self.programs.head(), hp, x, batch["labels"], rng_data, scale)
         del hp, x
         ops.moved.phase = "backward"
-        g_flat = dict(zip(flat_paths(g_head), jax.tree.leaves(g_head)))  # {weight path: gradient} of the rest
+        st.g_flat = dict(zip(flat_paths(g_head), jax.tree.leaves(g_head)))  # {weight path: gradient} of the rest
         del g_head
-        sumsq, layer_grads = [], {s: [None] * self.depth[s] for s in self.tree.stacks}
+        st.layer_grads = {s: [None] * self.depth[s] for s in self.tree.stacks}
         carry = {"dy": dy}  # the gradient flowing back, handed from phase to phase (no frame keeps an old one alive)
         del dy
         for stack in reversed(self.stacks):
-            self._backward(ps, stack, batch, meta, w, rows[stack.name], carry, enc_out, rng_data, g_flat, sumsq,
-                           layer_grads, update_layer)
+            self._backward(st, stack, rows[stack.name], carry, enc_out)
             if stack.cross:
                 enc_out = None
-        del w
-        g_rest = from_flat(ps.rest, g_flat)  # the trained rest tree's structure
+        st.w = None
+        g_rest = from_flat(ps.rest, st.g_flat)  # the trained rest tree's structure
         if jax.tree.leaves(g_rest):  # (LoRA's adapters have no weights outside the layers)
-            sumsq.append(ops.run("sum_of_squares", self.programs.rest_sum_of_squares(), g_rest))
-        g_norm = ops.run("global_norm", self.programs.global_norm, sumsq, scale)
-        return loss, g_rest, layer_grads, g_norm
+            st.sumsq.append(ops.run("sum_of_squares", self.programs.rest_sum_of_squares(), g_rest))
+        g_norm = ops.run("global_norm", self.programs.global_norm, st.sumsq, scale)
+        return loss, g_rest, st.layer_grads, g_norm
 
     def _head_weights(self, rest, w: dict, label: str) -> dict:
         """The head phase's weights on the devices: those the forward loaded already (a head tied to the embedding
@@ -367,10 +232,11 @@ class PhasedExecutor:
             [_leaf_at(host, p) for p in load], [_leaf_at(dev, p) for p in load], label=label))))
         return from_flat(host, {p: on_device[p] if p in on_device else loaded[p] for p in paths})
 
-    def _forward(self, ps, batch, meta, w, rng_data) -> tuple:
+    def _forward(self, st: _Step) -> tuple:
         """Every stack forward, storing each layer's input row -> (activation buffers, the last stack's output,
         the output the cross-attending stack reads)."""
         ops, prog, depth = self.ops, self.programs, self.depth
+        ps, batch, meta, w, rng_data = st.ps, st.batch, st.meta, st.w, st.rng_data
         rows = {s.name: ActivationBuffer(s.buffer, depth[s.name] + (1 if s.output else 0)) for s in self.stacks}
         enc_out = x = None  # the output of a stack that the next one attends to
         for stack in self.stacks:
@@ -390,13 +256,15 @@ class PhasedExecutor:
                                   rng_data)
         return rows, x, enc_out
 
-    def _backward(self, ps, stack, batch, meta, w, buf, carry, enc_out, rng_data, g_flat, sumsq, layer_grads,
-                  update_layer) -> None:
-        """One stack backward, its layers in reverse. ``carry``: {"dy": the gradient of the stack's output (its
-        last layer's, or for a stack with an output norm that norm's), "d_enc": the gradient of the output a
-        cross-attending stack read, summed over its layers on the device}; the non-layer gradients are added into
-        ``g_flat``, the layers' stored (or each layer updated: ``update_layer``)."""
+    def _backward(self, st: _Step, stack, buf, carry, enc_out) -> None:
+        """One stack backward, its layers in reverse, from its activation rows ``buf``. ``carry``: {"dy": the
+        gradient of the stack's output (its last layer's, or for a stack with an output norm that norm's), "d_enc":
+        the gradient of the output a cross-attending stack read, summed over its layers on the device}; the
+        non-layer gradients are added into ``st.g_flat``, the layers' stored (or each layer updated:
+        ``st.update_layer``)."""
         ops, prog, name = self.ops, self.programs, stack.name
+        ps, batch, meta, w, rng_data, g_flat = st.ps, st.batch, st.meta, st.w, st.rng_data, st.g_flat
+        sumsq, layer_grads, update_layer = st.sumsq, st.layer_grads, st.update_layer
         depth, keys = self.depth[name], tuple(sorted(meta[name]))
 
         def add_grad(path, g):
@@ -483,6 +351,7 @@ class PhasedExecutor:
         self.ops.moved.reset()
         # the updated layers: {stack: [weights]}, their optimizer states and compute copies
         new = {k: {s: [None] * self.depth[s] for s in self.tree.stacks} for k in ("layers", "opt", "copy")}
+        in_step = _Update(stale, rng_data, scale, stale, new)  # (each layer clipped with the previous step's norm)
 
         def update_layer(s, j, p, gr, ss):
             """Layer j of stack s, right after its backward: its weights are on the device already. (The step's norm
@@ -492,7 +361,7 @@ class PhasedExecutor:
             ps.layers[s][j] = ps.opt_layers[s][j] = None
             if ps.copy_layers is not None:
                 ps.copy_layers[s][j] = None
-            self._update_layer(s, j, p, st, gr, stale, rng_data, scale, stale, new)
+            self._update_layer(in_step, s, j, p, st, gr)
 
         loss, g_rest, layer_grads, g_norm = self._forward_backward(ps, batch, rng_data, scale,
                                                                    update_layer if in_backward else None)
@@ -503,16 +372,17 @@ class PhasedExecutor:
             return PhasedState(ps.step + 1, ps.rest, ps.layers, ps.opt, ps.opt_layers, ps.copy_rest,
                                ps.copy_layers), metrics
         self.ops.moved.phase = "optimizer"
-        new_rest, new_opt, new_copy = self._update_rest(ps, g_rest, g_norm, rng_data, scale, stale)
+        u = _Update(g_norm, rng_data, scale, None, new)
+        new_rest, new_opt, new_copy = self._update_rest(ps, g_rest, u, stale)
         del g_rest
         if not in_backward:
-            self._update_layers(ps, layer_grads, g_norm, rng_data, scale, new)
+            self._update_layers(ps, layer_grads, u)
         return PhasedState(ps.step + 1, new_rest, new["layers"], new_opt, new["opt"], new_copy,
                            new["copy"] if self.copy else None), metrics
 
-    def _update_rest(self, ps, g_rest, g_norm, rng_data, scale, stale) -> tuple:
-        """The optimizer phases of the embedding, the LM head and the small rest -> (rest weights, their states,
-        their compute copies or None)."""
+    def _update_rest(self, ps, g_rest, u: _Update, stale) -> tuple:
+        """The optimizer phases of the embedding, the LM head and the small rest (clipped with ``u.g_norm``, the
+        norm under ``update_in_backward`` ``stale``) -> (rest weights, their states, their compute copies or None)."""
         ops, tree = self.ops, self.tree
         params_g, grads_g, dev = tree.rest_groups(ps.rest), tree.rest_groups(g_rest), tree.rest_groups(self.rest_dev)
         copy_dev = tree.rest_groups(self.copy_rest_dev)
@@ -527,7 +397,7 @@ class PhasedExecutor:
             out = ops.run("optimizer", self.programs.optimizer(name),
                           ops.load(params_g.pop(name), dev[name], copy=True, label="master weights"),
                           ops.load(ps.opt[name], self.opt_dev[name], copy=True, label="optimizer state"),
-                          grads_g.pop(name), g_norm, rng_data, scale, None, stale)
+                          grads_g.pop(name), u.g_norm, u.rng_data, u.scale, None, stale)
             ps.opt[name] = None
             new_params[name] = ops.store(out[0], dev[name], label="master weights")
             new_opt[name] = ops.store(out[1], self.opt_dev[name], label="optimizer state")
@@ -537,7 +407,7 @@ class PhasedExecutor:
         copies = tree.rest_from_groups(new_copy) if self.copy else None
         return tree.rest_from_groups(new_params), new_opt, copies
 
-    def _update_layers(self, ps, layer_grads, g_norm, rng_data, scale, new: dict) -> None:
+    def _update_layers(self, ps, layer_grads, u: _Update) -> None:
         """The optimizer phases of the layers, one at a time: master weights, state and gradients loaded, the next
         layer's prefetched."""
         ops = self.ops
@@ -553,216 +423,40 @@ class PhasedExecutor:
                 return out
 
             for j, (p, st, gr) in prefetch(self.depth[s], load):
-                self._update_layer(s, j, p, st, gr, g_norm, rng_data, scale, None, new)
+                self._update_layer(u, s, j, p, st, gr)
                 del p, st, gr
 
-    def _update_layer(self, s, j, p, st, gr, g_norm, rng_data, scale, clip_norm, new: dict) -> None:
-        """Layer j of stack s updated; its master, state (and compute copy) stored into ``new``."""
-        update = self.programs.optimizer(s, layer=True)
-        args = (p, st, gr, g_norm, rng_data, scale, j) + ((clip_norm,) if clip_norm is not None else ())
+    def _update_layer(self, u: _Update, s, j, p, st, gr) -> None:
+        """Layer j of stack s updated from its weights ``p``, optimizer state ``st`` and gradients ``gr``; its
+        master, state (and compute copy) stored into ``u.new``."""
+        update, new = self.programs.optimizer(s, layer=True), u.new
+        args = (p, st, gr, u.g_norm, u.rng_data, u.scale, j) + ((u.clip_norm,) if u.clip_norm is not None else ())
         out = self.ops.run("optimizer", update, *args)
         new["layers"][s][j] = self.ops.store(out[0], self.row_dev[s], label="master weights")
         new["opt"][s][j] = self.ops.store(out[1], self.opt_row_dev[s], label="optimizer state")
         if self.copy:
             new["copy"][s][j] = self.ops.store(out[2], self.copy_row_dev[s], label="compute copy")
 
-    # ------------------------------------------------------------------ plans and reports
+    # ------------------------------------------------------------------ plans and reports (graphs/phased_reports.py)
 
     def plan(self, exact: bool = False) -> MemoryPlan:
-        """The memory plan (graphs/plan.py): this step's own schedule run once on placeholders (``PlanOps``)."""
-        g, ops = self.g, PlanOps(exact)
-        host = lambda sh: S.with_memory_kind(sh, HOST)  # noqa: E731
-        params = g.abstract_params()
-        rest = ops.abstract(self.tree.split_rest(params), host(self.rest_dev), "master weights")
-        layers, opt_layers = {}, {}
-        for s in g.tree.stacks:
-            row = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params[s]["layers"])
-            layers[s] = [ops.abstract(row, host(self.row_dev[s]), "master weights") for _ in range(self.depth[s])]
-            opt_row = jax.eval_shape(g.updater.init_group, row)
-            opt_layers[s] = [ops.abstract(opt_row, host(self.opt_row_dev[s]), "optimizer state")
-                             for _ in range(self.depth[s])]
-        opt = {k: ops.abstract(jax.eval_shape(g.updater.init_group, grp), host(self.opt_dev[k]), "optimizer state")
-               for k, grp in g.tree.rest_groups(self.tree.split_rest(params)).items()}
-        state = PhasedState(0, rest, layers, opt, opt_layers)
-        if self.copy:  # the compute copies, beside their masters
-            copy_of = lambda tree, sh: ops.abstract(jax.eval_shape(self.programs.compute_copy, tree), host(sh),  # noqa
-                                                    "compute copy")
-            state.copy_rest = copy_of(self.tree.split_rest(params), self.copy_rest_dev)
-            state.copy_layers = {s: [copy_of(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                                                          params[s]["layers"]), self.copy_row_dev[s])
-                                     for _ in range(self.depth[s])] for s in g.tree.stacks}
-        ex = self.with_ops(ops)
-        if self.lora:  # the frozen base in host memory, read by the forward and backward, never written
-            base = g.abstract_base()
-            ex.frozen_rest = ops.abstract(g.model_tree.split_rest(base), host(self.read_rest_dev), "frozen base weights")
-            ex.frozen_layers = {}
-            for s in self.stacks:
-                row = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), base[s.name]["layers"])
-                ex.frozen_layers[s.name] = [ops.abstract(row, host(self.base_row_dev[s.name]), "frozen base weights")
-                                            for _ in range(self.depth[s.name])]
-        batch = {k: ops.new(b.shape, b.dtype, b.sharding, "batch") for k, b in g.abstract_batch().items()}
-        rng = ops.new((2,), jnp.uint32, g.replicated, "batch")
-        new_state, _ = ex.train_step(state, batch, rng)
-        del state, new_state
-        out = ops.plan("phased")
-        out.transfer_floor = self.transfer_floor()
-        return out
+        """The memory plan (graphs/plan.py): this step's own schedule run once on placeholders."""
+        return phased_reports.plan(self, exact)
 
     def transfer_floor(self) -> dict:
-        """What one step of this state layout must move over the host link, per device (graphs/transfers.py's
-        ``floor``), from shapes alone."""
-        g, programs = self.g, self.programs
-        params = g.abstract_params()
-        row = lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)  # noqa: E731
-        grad = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, programs.grad_dtype), t)  # noqa: E731
-
-        def costs(tree, dev, opt_dev, copy_dev):
-            master = tree_bytes(tree, dev)
-            state = tree_bytes(jax.eval_shape(g.updater.init_group, tree), opt_dev)
-            copy = jax.eval_shape(programs.compute_copy, tree) if self.copy else None
-            compute = tree_bytes(self._compute(tree, copy), dev)
-            return weight_costs(master, compute, state, tree_bytes(grad(tree), dev),
-                                tree_bytes(copy, copy_dev) if self.copy else 0)
-
-        layers = [c for s in self.tree.stacks  # (a stack's layers are alike: counted once, repeated)
-                  for c in [costs(jax.tree.map(row, params[s]["layers"]), self.row_dev[s], self.opt_row_dev[s],
-                                  self.copy_row_dev[s])] * self.depth[s]]
-        groups = self.tree.rest_groups(self.tree.split_rest(params))
-        dev, copy_dev = self.tree.rest_groups(self.rest_dev), self.tree.rest_groups(self.copy_rest_dev)
-        rest = [costs(groups[k], dev[k], self.opt_dev[k], copy_dev[k]) for k in groups if jax.tree.leaves(groups[k])]
-        frozen_layers = frozen_rest = 0
-        if self.lora:
-            base = g.abstract_base()
-            frozen_layers = sum(self.depth[s.name] * tree_bytes(jax.tree.map(row, base[s.name]["layers"]),
-                                                                 self.base_row_dev[s.name]) for s in self.stacks)
-            frozen_rest = tree_bytes(g.model_tree.split_rest(base), self.read_rest_dev)
-        batch, d = g.abstract_batch(), g.opts.hidden_size
-        acts = sum((self.depth[s.name] + (1 if s.output else 0))
-                   * shard_bytes(batch[s.ids].shape + (d,), F32, self.act_dev) for s in self.stacks)
-        return floor(layers, rest, frozen_layers, frozen_rest, acts, g.steps.update_in_backward)
+        """What one step of this state layout must move over the host link, per device, from shapes alone."""
+        return phased_reports.transfer_floor(self)
 
     def memory_report(self, state: PhasedState, batch: dict) -> tuple:
-        """(state after one more step, device bytes at the step's peak, {phase: bytes}): one step with every phase
-        program's live arrays, temporaries and outputs recorded (``PhaseMemory``)."""
-        memory = PhaseMemory()
-        state, _ = self.with_ops(DeviceOps(serial_collectives(self.mesh), memory)).train_step(state, batch)
-        return state, memory.peak, memory.by_phase
+        """(state after one more step, device bytes at the step's peak, {phase: bytes})."""
+        return phased_reports.memory_report(self, state, batch)
 
     def timing_report(self, state: PhasedState, batch: dict) -> tuple:
-        """(state after one more step, {load_s, store_s, compute_s, serial_step_s}): one step in which every
-        transfer and every phase program is waited for on its own and timed, so their sums say what the step
-        spends on transfers and on compute (the real step overlaps them; its time minus compute_s is about what
-        it waits on transfers)."""
-        ops = TimingOps(serial_collectives(self.mesh))
-        t0 = time.perf_counter()
-        state, metrics = self.with_ops(ops).train_step(state, batch)
-        jax.block_until_ready(metrics["loss"])
-        return state, dict(ops.seconds, serial_step_s=time.perf_counter() - t0)
+        """(state after one more step, {load_s, store_s, compute_s, serial_step_s})."""
+        return phased_reports.timing_report(self, state, batch)
 
 
 def _leaf_at(tree: dict, path: tuple):
     for k in path:
         tree = tree[k]
     return tree
-
-
-class _Rows:
-    """A stacked weight given as its rows (not a pytree: a leaf of the tree it is placed in)."""
-
-    def __init__(self, rows):
-        self.rows = list(rows)
-
-
-class DeviceOps:
-    """The schedule's operations on real arrays (graphs/plan.py's PlanOps runs the same schedule on placeholders to
-    plan its memory). ``serial``: wait for each program (``serial_collectives``); ``memory``: a PhaseMemory that
-    records each program's device bytes.
-
-    The host never runs more than one program ahead of the devices: a load waits for the last program dispatched to
-    finish (``pending``) before it allocates its arrays. JAX dispatches asynchronously, and a schedule left to run
-    ahead would have loaded layer after layer while the device still computed the first: their buffers all alive at
-    once, the device's peak far above the plan's (one layer computing, the next arriving). The load of layer j + 1
-    still runs beside layer j's program, which is dispatched right after it."""
-
-    def __init__(self, serial: bool = False, memory=None):
-        self.serial, self.memory = serial, memory
-        self.moved = Transfers()  # what the schedule moves over the host link (graphs/transfers.py)
-        self.pending = None  # an output of the last program dispatched: ready once the program has run
-
-    def wait_for_last_program(self) -> None:
-        if self.pending is not None:
-            jax.block_until_ready(self.pending)
-            self.pending = None
-
-    def load(self, tree, shardings, copy: bool = False, label: str = ""):
-        """Remote buffer -> device: one transfer per weight (RTS shards stay shards), once the last program
-        dispatched has run (see the class docstring).
-
-        ``copy``: never alias the host buffer (on CPU host and device memory are one RAM), so the
-        loaded arrays can be donated to the program that updates them.
-        """
-        self.wait_for_last_program()
-        self.moved.add("load", label, tree, shardings)
-        return jax.device_put(tree, shardings, may_alias=False if copy else None)
-
-    def store(self, tree, shardings, label: str = ""):
-        self.moved.add("store", label, tree, shardings)
-        return jax.device_put(tree, S.with_memory_kind(shardings, HOST))
-
-    def zeros(self, shape, dtype, sharding, label: str = ""):
-        return jnp.zeros(shape, dtype, device=sharding)
-
-    def is_finite(self, x) -> bool:
-        """Whether a (replicated) scalar on the devices is finite: waits for it."""
-        return math.isfinite(float(jax.device_get(x)))
-
-    def run(self, name, program, *args, label: str = ""):
-        if self.memory is not None:
-            self.memory.record(name, program, args)
-        out = program(*args)
-        arrays = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
-        # the smallest output stands for the program: every output of one execution is ready at once
-        self.pending = min(arrays, key=lambda x: x.size) if arrays else None
-        return jax.block_until_ready(out) if self.serial else out
-
-
-class TimingOps(DeviceOps):
-    """DeviceOps that wait for each transfer and program and add up their seconds (``timing_report``)."""
-
-    def __init__(self, serial: bool = False):
-        super().__init__(serial)
-        self.seconds = {"load_s": 0.0, "store_s": 0.0, "compute_s": 0.0}
-
-    def _timed(self, key, fn, *args, **kw):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(fn(*args, **kw))
-        self.seconds[key] += time.perf_counter() - t0
-        return out
-
-    def load(self, tree, shardings, copy: bool = False, label: str = ""):
-        return self._timed("load_s", super().load, tree, shardings, copy, label)
-
-    def store(self, tree, shardings, label: str = ""):
-        return self._timed("store_s", super().store, tree, shardings, label)
-
-    def run(self, name, program, *args, label: str = ""):
-        return self._timed("compute_s", super().run, name, program, *args, label=label)
-
-
-class PhaseMemory:
-    """Device bytes per phase: live device arrays when the phase starts plus the compiled program's
-    temporaries and outputs (XLA's memory analysis), on the busiest device; the maximum over a step
-    is the step's peak. Works on every backend, CPU included (where no allocator statistics exist)."""
-
-    def __init__(self):
-        self.peak = 0
-        self.by_phase: dict = {}
-        self._analysis: dict = {}
-
-    def record(self, name, program, args):
-        key = (name, id(program))
-        if key not in self._analysis:
-            self._analysis[key] = program.lower(*args).compile().memory_analysis()
-        total = program_bytes(self._analysis[key], max(live_device_bytes().values() or [0]))
-        self.by_phase[name] = max(self.by_phase.get(name, 0), total)
-        self.peak = max(self.peak, total)

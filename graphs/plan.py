@@ -115,7 +115,7 @@ def _is_placeholder(x) -> bool:
 
 
 class PlanOps:
-    """The phased schedule's operations on placeholders (graphs/phased.py's DeviceOps on arrays)."""
+    """The phased schedule's operations on placeholders (graphs/phase_ops.py's DeviceOps on arrays)."""
 
     def __init__(self, exact: bool = False):
         self.ledger, self.exact = Ledger(), exact

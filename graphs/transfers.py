@@ -3,7 +3,7 @@
 ``Transfers`` counts the bytes each load (host -> device) and store (device -> host) of the phased schedule moves,
 per device (each accelerator has its own link), by phase (forward, head, backward, optimizer) and by what moved
 (weights in the compute dtype, master weights, optimizer state, weight gradients, activation rows, the frozen base).
-The schedule's own operations count as they move (graphs/phased.py's DeviceOps, and graphs/plan.py's PlanOps, which
+The schedule's own operations count as they move (graphs/phase_ops.py's DeviceOps, and graphs/plan.py's PlanOps, which
 runs the same schedule on placeholders: the count of a step is known from shapes alone, before any allocation).
 
 ``floor`` is what one step of a layout must move: each weight read once for the forward and once for the backward

@@ -15,7 +15,8 @@ from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
 from graphs.state import TrainState
 from graphs.host_state import HOST
-from graphs.phased import DeviceOps, PhasedExecutor, PhaseMemory
+from graphs.phase_ops import DeviceOps, PhaseMemory
+from graphs.phased import PhasedExecutor
 from graphs.memory import live_device_bytes
 from modelling import t5
 from tests.helpers import fro_rel, leaves, max_rel, tiny

@@ -16,7 +16,7 @@ from config import load_config
 from data.generated import generated_batch
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
-from graphs.phased import DeviceOps, PhaseMemory
+from graphs.phase_ops import DeviceOps, PhaseMemory
 from graphs.memory import live_device_bytes
 from graphs.plan import GIB, PlanError, plan
 from modelling.params import count_params

@@ -209,7 +209,7 @@ def inference_inputs(prompts, input_file, limit, cfg, td) -> list:
             raise DataError(f"--input {input_file} does not exist: pass --input with an existing file of rows "
                             f"(jsonl, json, csv, tsv, parquet) holding the task's columns ({', '.join(task.fields)})")
         return task.examples(sources.read(input_file, "", cfg.model.seed), targets=False)[:limit]
-    return evaluation_set(td, cfg).examples[:4 if limit is None else limit]
+    return evaluation_set(td).examples[:4 if limit is None else limit]
 
 
 def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, compare_hf: bool = False) -> list:

@@ -27,8 +27,8 @@ def training_data(cfg, family, run_dir: str | None = None) -> TrainLoader:
     """The training loader of the run's tasks (each task's training split, less the rows held out: --holdout), read
     and checked before anything is compiled. With ``--tokenizer train`` the tokenizer is learnt from the training
     texts and saved to RUN_DIR/tokenizer, which the config (and so every checkpoint) then names."""
-    tasks = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture)
-    req = cache.Request([td.part(cfg) for td in tasks], family.name, cfg.data.tokenizer, cache_root(cfg.data.cache_dir),
+    tasks = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)
+    req = cache.Request([td.part() for td in tasks], family.name, cfg.data.tokenizer, cache_root(cfg.data.cache_dir),
                         vocab_size=cfg.model.embedding.vocab_size, num_proc=cfg.data.num_proc,
                         labels=tuple(dict.fromkeys(w for td in tasks for w in td.task.labels or ())))
     built = json.loads(agree("data", lambda: json.dumps(cache.run(req))))  # process 0 builds, the others map it

@@ -27,7 +27,8 @@ DEFAULT_SPLIT = FIELDS["split"].default  # MNLI's validation_mismatched
 class TaskData:
     """One task of a run and where its rows come from: ``task`` (data.tasks.Task), ``dataset``, ``hub_config``,
     ``train_split``, ``split`` (what evaluation scores when nothing is held out), ``holdout`` (rows of the training
-    split held out of training, which evaluation then scores)."""
+    split held out of training, which evaluation then scores), the run's ``seed`` (which rows are held out; a
+    local directory's shuffle) and ``cache_dir`` (the data section's)."""
 
     task: Task
     dataset: str
@@ -35,16 +36,18 @@ class TaskData:
     train_split: str
     split: str
     holdout: int
+    seed: int
+    cache_dir: Optional[str]
     how: str = "--split {}"  # how the user names its split: a flag, or a mixture task's mapping key (messages)
 
     @property
     def name(self) -> str:
         return self.task.name
 
-    def part(self, cfg, training: bool = True) -> cache.Part:
+    def part(self, training: bool = True) -> cache.Part:
         """The cache part of its training split (or its validation split)."""
-        src = sources.locate(self.dataset, self.train_split if training else self.split, cfg.model.seed,
-                             self.hub_config, cfg.data.cache_dir, self.how.replace("split", "train_split", 1)
+        src = sources.locate(self.dataset, self.train_split if training else self.split, self.seed,
+                             self.hub_config, self.cache_dir, self.how.replace("split", "train_split", 1)
                              if training else self.how)
         t = self.task
         return cache.Part(source=vars(src).copy(), task={"name": t.name, "input_template": t.template,
@@ -52,18 +55,18 @@ class TaskData:
                                                          "target_column": t.target_column,
                                                          "labels": list(t.labels) if t.labels else None,
                                                          "metrics": list(t.metrics)},
-                          held=self.holdout if training else 0, seed=cfg.model.seed)
+                          held=self.holdout if training else 0, seed=self.seed)
 
 
-def tasks_of(task, data, mixture) -> list:
+def tasks_of(task, data, mixture, seed: int) -> list:
     """The run's tasks, from the config's sections that say them: the ``mixture``'s tasks, or its one ``task`` over
-    the ``data`` section's source."""
+    the ``data`` section's source; ``seed``: the run's (the model section's)."""
     if mixture.tasks:
         return [TaskData(Task(SimpleNamespace(**e)), e["dataset"], e["hub_config"], e["train_split"],
-                         scored_split(e["dataset"], e["split"]), e["holdout"],
+                         scored_split(e["dataset"], e["split"]), e["holdout"], seed, data.cache_dir,
                          f"split: {{}} in task {e['name']}'s mapping") for e in mixture.tasks]
     return [TaskData(Task(task), data.dataset, data.hub_config, data.train_split,
-                     scored_split(data.dataset, data.split), data.holdout)]
+                     scored_split(data.dataset, data.split), data.holdout, seed, data.cache_dir)]
 
 
 def scored_split(dataset: str, split: str) -> str:
@@ -83,28 +86,28 @@ def scored_split(dataset: str, split: str) -> str:
     return split
 
 
-def check_evaluation(cfg) -> None:
+def check_evaluation(tasks: list) -> None:
     """Before any data is read (--eval_every): each task's evaluation rows exist, and are not the rows the run trains
     on (a single file with nothing held out: its rows say nothing of unseen data)."""
-    for td in tasks_of(cfg.task, cfg.data, cfg.mixture):
+    for td in tasks:
         if td.holdout:
             continue
-        if td.part(cfg, training=False).located().single:
+        if td.part(training=False).located().single:
             raise DataError(f"--eval_every would score rows the run trains on: {td.dataset} is a single file and "
                             "nothing is held out of it; pass --holdout N to score N rows held out of training, or "
                             "drop --eval_every")
 
 
-def inference_task(cfg, name: Optional[str] = None) -> TaskData:
-    """The task run_inference.py predicts: the run's one task, or a mixture's task named ``name`` (its first
-    without one)."""
-    tasks = tasks_of(cfg.task, cfg.data, cfg.mixture)
+def inference_task(tasks: list, name: Optional[str] = None) -> TaskData:
+    """The task run_inference.py predicts of the run's ``tasks``: its one task, or a mixture's task named ``name``
+    (its first without one)."""
     if name is None:
         return tasks[0]
     for td in tasks:
         if td.name == name:
             return td
-    raise DataError(f"--task_name {name} is not a task of the mixture: choose one of {', '.join(t.name for t in tasks)}")
+    raise DataError(f"--task_name {name} is not a task of the mixture: choose one of "
+                    f"{', '.join(t.name for t in tasks)}")
 
 
 def rates(mixture, sizes: list) -> list:
@@ -147,22 +150,21 @@ def held_rows(td: TaskData, n: int, seed: int, where: str):
     return holdout_indices(n, td.holdout, seed)
 
 
-def held_out(td: TaskData, cfg) -> tuple:
+def held_out(td: TaskData) -> tuple:
     """(the texts cache of a task's training split, the sorted indices held out of training)."""
-    req = cache.Request([td.part(cfg)], family="", tokenizer="", root=sources.cache_root(cfg.data.cache_dir),
-                        tokens=False)
+    req = cache.Request([td.part()], family="", tokenizer="", root=sources.cache_root(td.cache_dir), tokens=False)
     texts = cache.TextSet(cache.run(req)["texts"][0])
-    return texts, held_rows(td, len(texts), cfg.model.seed, texts.meta["where"])
+    return texts, held_rows(td, len(texts), td.seed, texts.meta["where"])
 
 
-def evaluation_set(td: TaskData, cfg) -> EvalSet:
+def evaluation_set(td: TaskData) -> EvalSet:
     """The examples a task's evaluation scores: the rows held out of training (``holdout``), else its split
     (``split``); a single file is scored whole, whatever the split."""
     if td.holdout:
-        texts, held = held_out(td, cfg)
+        texts, held = held_out(td)
         return EvalSet(texts.examples(held), "heldout", f"the {len(held)} rows of {texts.meta['where']} held out of "
                        "training", td.dataset, task=td.task)
-    rows = sources.read(td.dataset, td.split, cfg.model.seed, td.hub_config, cfg.data.cache_dir, td.how)
+    rows = sources.read(td.dataset, td.split, td.seed, td.hub_config, td.cache_dir, td.how)
     examples = td.task.examples(rows)
     if rows.single:  # one file holds one set of rows, whatever --split says: name the file, not a split
         stem = os.path.splitext(os.path.basename(td.dataset))[0]
@@ -170,6 +172,6 @@ def evaluation_set(td: TaskData, cfg) -> EvalSet:
     return EvalSet(examples, td.split, f"{rows.where}", td.dataset, task=td.task)
 
 
-def evaluation_sets(cfg) -> list:
+def evaluation_sets(tasks: list) -> list:
     """Every task's evaluation set (one for a single task)."""
-    return [evaluation_set(td, cfg) for td in tasks_of(cfg.task, cfg.data, cfg.mixture)]
+    return [evaluation_set(td) for td in tasks]

@@ -159,7 +159,7 @@ def test_a_large_source_is_built_by_a_process_of_its_own(tmp_path, monkeypatch):
 
     data = write_jsonl(tmp_path / "train.jsonl", synthetic.generate_split("train", 50, seed=2))
     cfg = __import__("config").load_config("finetuning", "tiny", {"dataset": data, "cache_dir": str(tmp_path / "c")})
-    part = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture)[0].part(cfg)
+    part = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)[0].part()
     req = cache.Request([part], "t5", "synthetic", cache_root(cfg.data.cache_dir))
     monkeypatch.setattr(cache, "APART_BYTES", 0)
     apart = cache.run(req)
@@ -170,7 +170,7 @@ def test_a_large_source_is_built_by_a_process_of_its_own(tmp_path, monkeypatch):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"premise": "a", "hypothesis": "b", "label": 0}, {"premise": "a"}])
     cfg.data.dataset = bad
     with pytest.raises(DataError, match=r"bad.jsonl: row 1 \(line 2\): column 'hypothesis' is missing"):
-        part = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture)[0].part(cfg)
+        part = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)[0].part()
         cache.run(cache.Request([part], "t5", "synthetic", str(tmp_path / "c")))
 
 
@@ -249,11 +249,37 @@ def test_the_held_out_rows_are_exactly_n_and_never_trained_on(tmp_path, n, held)
     loader = training_data(cfg, registry.get("t5"), run_dir=str(tmp_path / "run"))
     stream = loader.tasks[0]
     trained = [int(stream.index(j)) for j in range(stream.size)]
-    td = tasks_of(cfg.task, cfg.data, cfg.mixture)[0]
-    scored = [int(e.target[1:]) for e in evaluation_set(td, cfg).examples]
+    td = tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)[0]
+    scored = [int(e.target[1:]) for e in evaluation_set(td).examples]
     assert len(scored) == len(set(scored)) == held
     assert len(trained) == len(set(trained)) == n - held
     assert not set(scored) & set(trained) and set(scored) | set(trained) == set(range(n))
     # and the stream reads those rows' tokens: the target at a trained index is that row's target
     j = trained[len(trained) // 2]
     assert loader.tokenizer.decode(stream.examples.targets[j], skip_special_tokens=True).replace(" ", "") == f"r{j}"
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_the_rows_held_out_follow_the_run_s_seed_for_a_task_alone_or_in_a_mixture(tmp_path, mixed):
+    """Which rows --holdout keeps out is drawn from the run's seed (--seed), for a mixture's task as for a task
+    alone: seeds 1 and 2 hold out holdout_indices(n, N, seed) each, and different rows."""
+    from config import load_config
+    from data.loader import holdout_indices
+    from data.mixture import held_out, tasks_of
+
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"question": f"q {i}", "answer": f"a{i}"} for i in range(60)])
+    held = {}
+    for seed in (1, 2):
+        if mixed:
+            task = (f"{{name: qa, dataset: {data}, input_column: question, target_column: answer, labels: none, "
+                    "holdout: 7}")
+            over = {"mixture": ["tiny_headlines", task]}
+        else:
+            over = {"dataset": data, "input_template": "{question}", "target_column": "answer", "labels": None,
+                    "holdout": 7}
+        cfg = load_config("finetuning", "tiny", {**over, "seed": seed, "cache_dir": str(tmp_path / "cache")})
+        td = tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)[-1]
+        assert td.part().seed == seed
+        held[seed] = list(held_out(td)[1])
+        assert held[seed] == list(holdout_indices(60, 7, seed))
+    assert held[1] != held[2]

@@ -135,7 +135,7 @@ def test_a_learnt_tokenizer_that_fills_a_small_vocabulary_says_so_with_the_size_
     def learn(vocab):
         cfg = load_config("finetuning", "tiny", {"dataset": data, "input_template": "sort: {numbers}",
                                                  "target_column": "sorted", "labels": "none", "tokenizer": "train"})
-        part = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture)[0].part(cfg)
+        part = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)[0].part()
         req = cache.Request([part], "t5", "train", str(tmp_path / "c"), vocab_size=vocab)
         caplog.clear()
         with caplog.at_level("INFO", logger="flan_t5"):
@@ -255,14 +255,14 @@ def test_a_directory_of_splits_is_scored_on_its_validation_file_and_a_mixture_ta
 
     own = qa_dir(tmp_path / "qa")
     cfg = load_config("finetuning", "tiny", {"mixture": ["tiny_headlines", QA_TASK.format(own)]})
-    qa = tasks_of(cfg.task, cfg.data, cfg.mixture)[1]
+    qa = tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)[1]
     assert qa.split == "validation"  # not told: the directory's validation file
-    assert evaluation_sets(cfg)[1].what.endswith("validation.jsonl")
+    assert evaluation_sets([qa])[0].what.endswith("validation.jsonl")
     # --split reaches the mapping tasks that name none (it did not: the default was always MNLI's)
     dev = qa_dir(tmp_path / "dev", ("train", "dev"))
     cfg = load_config("finetuning", "tiny", {"mixture": ["tiny_headlines", QA_TASK.format(dev)], "split": "dev"})
-    assert tasks_of(cfg.task, cfg.data, cfg.mixture)[1].split == "dev"
-    assert evaluation_sets(cfg)[1].what.endswith("dev.jsonl")
+    assert tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)[1].split == "dev"
+    assert evaluation_sets(tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed))[1].what.endswith("dev.jsonl")
     # a split that is not there: the fix names the mapping key that works, before anything is read or tokenized
     val = qa_dir(tmp_path / "val", ("train", "valid"))
     argv = ["--config", "tiny", "--mixture", "tiny_headlines", QA_TASK.format(val), "--eval_every", "2",

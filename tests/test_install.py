@@ -38,6 +38,7 @@ def make(repo: str, *args: str, timeout: float = 900) -> str:
     return out
 
 
+@pytest.mark.slow  # (both drivers trained and validated on a fresh clone: 83 s)
 def test_make_quickstart_and_make_test_on_a_fresh_clone(tmp_path):
     base = subprocess.run([getattr(sys, "_base_executable", sys.executable), "-c", "import jax, transformers"],
                           capture_output=True)

@@ -360,8 +360,8 @@ def test_the_checks_catch_a_wrong_flag_and_a_wrong_preset():
 
 def test_every_long_test_named_exists_and_ci_leaves_out_the_long_ones():
     """tests/long.txt names tests that exist (a renamed test would silently rejoin CI), with their parameters where
-    the test is parametrized; the Makefile's `make test` (CI's) leaves out the `long` marker and `make test-all`
-    does not."""
+    the test is parametrized; CI's .ci/run runs the README's command, which leaves out the `long` marker as the
+    Makefile's `make test` does, and `make test-all` does not."""
     import ast
 
     from tests.conftest import long_tests
@@ -381,4 +381,6 @@ def test_every_long_test_named_exists_and_ci_leaves_out_the_long_ones():
     assert re.search(r'^TESTS \?= -m "not long" ', make, re.M)
     assert re.search(r"^test-all:.*\n\t.*pytest(?!.*not long).*tests$", make, re.M)
     readme = open(os.path.join(ROOT, "README.md")).read()
-    assert 'pytest -q -ra --durations=15 -m "not long" -n 2 --dist loadfile tests' in readme
+    command = 'pytest -q -ra --durations=15 -m "not long" -n 2 --dist loadfile tests'
+    assert command in readme
+    assert f"python3 -m {command}" in open(os.path.join(ROOT, ".ci", "run")).read()  # CI runs the README's command

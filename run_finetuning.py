@@ -124,9 +124,10 @@ def train(cfg, args, point, warm) -> None:
     from utils import checkpoint as ckpt
 
     if cfg.training.eval_every:  # what it would score exists and is not the training rows (before reading any)
-        from data.mixture import check_evaluation, tasks_of
+        from app.train_data import run_tasks
+        from data.mixture import check_evaluation
 
-        check_evaluation(tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed))
+        check_evaluation(run_tasks(cfg))
     executor = build_executor(cfg)
     for source in (point, warm):  # a checkpoint of another model shape fails here, before the data is read
         if source:

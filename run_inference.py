@@ -57,13 +57,13 @@ def main(argv=None) -> list:
 
     cfg = start_decoding(args, overrides)
     from app import predict
-    from data.mixture import inference_task, tasks_of
+    from app.train_data import run_tasks
+    from data.mixture import inference_task
     from data.tasks import load_tokenizer
     from utils import checkpoint as ckpt
 
     # a mixture's checkpoint predicts with the task --task_name names (its first without the flag)
-    td = inference_task(tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed),
-                        overrides.get("task_name") if cfg.mixture.tasks else None)
+    td = inference_task(run_tasks(cfg), overrides.get("task_name") if cfg.mixture.tasks else None)
     examples = predict.inference_inputs(args.prompt, args.input, args.limit, cfg, td)
     predictor = predict.Predictor(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)

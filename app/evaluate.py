@@ -14,8 +14,9 @@ import jax
 
 from app.predict import Predictor, decoding_graphs_config, prompt_features
 from app.runtime import is_main_process
+from app.train_data import run_tasks
 from data.metrics import headline, primary, score
-from data.mixture import evaluation_sets, tasks_of
+from data.mixture import evaluation_sets
 from data.tasks import tokenize_prompts
 from graphs.graphs import Graphs
 from graphs.memory import peak_device_bytes
@@ -31,7 +32,7 @@ def evaluation_data(cfg, overrides: dict, load) -> list:
         raise FlanT5Error("a mixture's checkpoint scores each of its tasks on its own data: drop --dataset / --split, "
                           "or pass --mixture none with the task's flags (--dataset, --input_template ...) to score "
                           "one data set")
-    sets = evaluation_sets(tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed))
+    sets = evaluation_sets(run_tasks(cfg))
     for data in sets:
         if data.single and load and "dataset" not in overrides:
             raise FlanT5Error(f"{load} was trained on every row of {data.dataset} (a single file, nothing held out): "
@@ -182,7 +183,7 @@ class Evaluator:
         ecfg = decoding_graphs_config(cfg)
         self.predictor = Predictor(ecfg, Graphs(ecfg, mesh=executor.g.mesh))
         self.executor, self.tokenizer, self.mixed = executor, tokenizer, bool(cfg.mixture.tasks)
-        self.sets, self.inputs = evaluation_sets(tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)), []
+        self.sets, self.inputs = evaluation_sets(run_tasks(cfg)), []
         family = executor.g.family
         for data in self.sets:
             examples = data.examples[: cfg.training.eval_rows]

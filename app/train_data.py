@@ -23,11 +23,17 @@ from utils.errors import FlanT5Error
 logger = logging.getLogger("flan_t5")
 
 
+def run_tasks(cfg) -> list:
+    """The run's tasks (data/mixture.py's TaskData), from the config's task, data and mixture sections and its seed:
+    the one place a run names them, so that training and evaluation hold out the same rows."""
+    return mixture.tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)
+
+
 def training_data(cfg, family, run_dir: str | None = None) -> TrainLoader:
     """The training loader of the run's tasks (each task's training split, less the rows held out: --holdout), read
     and checked before anything is compiled. With ``--tokenizer train`` the tokenizer is learnt from the training
     texts and saved to RUN_DIR/tokenizer, which the config (and so every checkpoint) then names."""
-    tasks = mixture.tasks_of(cfg.task, cfg.data, cfg.mixture, cfg.model.seed)
+    tasks = run_tasks(cfg)
     req = cache.Request([td.part() for td in tasks], family.name, cfg.data.tokenizer, cache_root(cfg.data.cache_dir),
                         vocab_size=cfg.model.embedding.vocab_size, num_proc=cfg.data.num_proc,
                         labels=tuple(dict.fromkeys(w for td in tasks for w in td.task.labels or ())))

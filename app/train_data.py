@@ -42,7 +42,7 @@ def training_data(cfg, family, run_dir: str | None = None) -> TrainLoader:
     sets = [cache.TokenSet(path) for path in built["tokens"]]
     streams = []
     for td, tokens in zip(tasks, sets):
-        held = mixture.held_rows(td, len(tokens), cfg.model.seed, tokens.meta["where"])
+        held = mixture.held_rows(td, len(tokens), tokens.meta["where"])
         if len(held):
             logger.info("%d rows of %s held out of training (--holdout): --eval_every and validation score them",
                         len(held), tokens.meta["where"])

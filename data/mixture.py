@@ -141,20 +141,20 @@ class EvalSet:
     task: Optional[Task] = None
 
 
-def held_rows(td: TaskData, n: int, seed: int, where: str):
-    """The sorted indices of the rows of a task's ``n`` training examples held out of training (--holdout): what
-    training leaves out and evaluation scores; an error when that is every one of them."""
+def held_rows(td: TaskData, n: int, where: str):
+    """The sorted indices of the rows of a task's ``n`` training examples held out of training (--holdout, drawn
+    from the run's seed): what training leaves out and evaluation scores; an error when that is every one of them."""
     if td.holdout >= n:
         raise DataError(f"--holdout {td.holdout} holds out every one of the {n} training examples of {where}: pass a "
                         "smaller --holdout")
-    return holdout_indices(n, td.holdout, seed)
+    return holdout_indices(n, td.holdout, td.seed)
 
 
 def held_out(td: TaskData) -> tuple:
     """(the texts cache of a task's training split, the sorted indices held out of training)."""
     req = cache.Request([td.part()], family="", tokenizer="", root=sources.cache_root(td.cache_dir), tokens=False)
     texts = cache.TextSet(cache.run(req)["texts"][0])
-    return texts, held_rows(td, len(texts), td.seed, texts.meta["where"])
+    return texts, held_rows(td, len(texts), texts.meta["where"])
 
 
 def evaluation_set(td: TaskData) -> EvalSet:

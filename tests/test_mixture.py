@@ -145,10 +145,10 @@ def test_a_holdout_of_every_training_row_is_refused_and_one_less_is_not():
 
     for n in (1, 5, 300):
         with pytest.raises(DataError, match=f"--holdout {n} holds out every one of the {n} training examples of f"):
-            mixture.held_rows(SimpleNamespace(holdout=n), n, 0, "f")
+            mixture.held_rows(SimpleNamespace(holdout=n, seed=0), n, "f")
         with pytest.raises(DataError, match="pass a smaller --holdout"):
-            mixture.held_rows(SimpleNamespace(holdout=n + 1), n, 0, "f")
-        held = mixture.held_rows(SimpleNamespace(holdout=n - 1), n, 3, "f")
+            mixture.held_rows(SimpleNamespace(holdout=n + 1, seed=0), n, "f")
+        held = mixture.held_rows(SimpleNamespace(holdout=n - 1, seed=3), n, "f")
         assert len(held) == len(set(held.tolist())) == n - 1 and list(held) == sorted(held) and np.all(held < n)
 
 

@@ -30,7 +30,7 @@ def spec(default=dataclasses.MISSING, *, flag: Optional[str] = None, minimum: Op
     on (with the whole task section): its validation and inference use it unless told otherwise."""
     meta = {k: v for k, v in dict(flag=flag, minimum=minimum, choices=choices, bounds=bounds, shape=shape,
                                     training=training, ipu=ipu, items=items if items is not float else None,
-                                    travels=travels).items() if v}
+                                    travels=travels).items() if not (v is None or v is False or v == ())}
     return field(default=default, metadata=meta)
 
 

@@ -185,3 +185,15 @@ def test_the_pinned_host_pool_is_sized_from_the_plan_unless_set(monkeypatch):
     assert pool_gib(62 * 2 ** 30, 64 * 2 ** 30) == 71  # never under the plan +10% +2 GiB (the plan refuses the run)
     monkeypatch.setenv(POOL_VAR, "7")
     assert ensure_pinned_host_memory(cfg, force=True) is None and os.environ[POOL_VAR] == "7"
+
+
+@pytest.mark.parametrize("flag", ["warmup_steps", "steps", "eval_every", "checkpoint_steps", "to_keep", "holdout",
+                                  "packed_decoder_length", "num_proc", "mixture_cap", "decoder_layers", "kv_heads"])
+def test_a_count_that_may_be_zero_may_not_be_negative(flag):
+    """Every field declared ``minimum=0`` refuses -1 with a one-line error naming it. ``spec`` once kept only the
+    truthy parts of a declaration, so a minimum of 0 was dropped and every one of these took -1 silently."""
+    from config.fields import spec
+
+    assert spec(0, minimum=0).metadata == {"minimum": 0} and spec(1, minimum=1).metadata == {"minimum": 1}
+    with pytest.raises(ConfigError, match=f"{flag}=-1 must not be negative: pass --{flag} 0 or more"):
+        load_config("finetuning", "tiny", {flag: -1})

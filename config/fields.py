@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import textwrap
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
@@ -49,7 +50,7 @@ class FieldRef:
 def _field_docs(cls) -> dict:
     """Docstrings of dataclass fields: the string literal right after each field."""
     try:
-        tree = ast.parse(inspect.getsource(cls).lstrip())
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
         return {}
     body = tree.body[0].body
@@ -63,7 +64,7 @@ def _field_docs(cls) -> dict:
 def leaf_fields(cls, prefix: tuple = ()) -> list:
     """All leaf fields of a config class, depth first, with their flat flag names."""
     hints = typing.get_type_hints(cls)
-    docs = _field_docs(cls)
+    docs = {**_field_docs(cls), **{f.name: f.metadata["doc"] for f in fields(cls) if "doc" in f.metadata}}
     out = []
     for f in fields(cls):
         typ = hints[f.name]
@@ -71,13 +72,51 @@ def leaf_fields(cls, prefix: tuple = ()) -> list:
             out += leaf_fields(typ, prefix + (f.name,))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        meta = {k: v for k, v in f.metadata.items() if k != "doc"}
         out.append(FieldRef(f.metadata.get("flag", f.name), prefix + (f.name,), typ, default, docs.get(f.name, ""),
-                            dict(f.metadata)))
+                            meta))
     flags = [r.flag for r in out]
     dup = {x for x in flags if flags.count(x) > 1}
     assert not dup, f"config flags must be unique, duplicated: {dup}"
     return out
 
+
+
+def extend_section(section, declared) -> list:
+    """Adds the fields of dataclass ``declared`` (a model family's own options: modelling/family.py) to the config
+    section class ``section``, in place, with what each declares (``spec``, its docstring, which becomes its --help
+    text): the section's instances made after this hold them, and ``leaf_fields`` lists them. A field the section
+    already holds with the same type and default is shared (two families with one option); another declaration
+    of the same name is a ConfigError. -> the names added."""
+    hints, have = typing.get_type_hints(declared), {f.name: f for f in fields(section)}
+    docs, added = _field_docs(declared), []
+    for f in fields(declared):
+        if f.name in have:
+            old = have[f.name]
+            if (typing.get_type_hints(section)[f.name], old.default, old.default_factory) != \
+                    (hints[f.name], f.default, f.default_factory):
+                raise ConfigError(f"config field {f.name!r} is declared twice, differently ({section.__name__} and "
+                                  f"{declared.__name__}): give the new option another name")
+            continue
+        added.append(f)
+    if not added:
+        return []
+    # dataclass() processes a class's own annotations, taking a Field found on the class as the field's declaration,
+    # and never replaces methods the class already has: so the generated ones go, and every field is declared anew.
+    for name in ("__init__", "__repr__", "__eq__", "__match_args__"):
+        if name in section.__dict__:
+            delattr(section, name)
+    own = dict(section.__dict__.get("__annotations__", {}))
+    for f in list(fields(section)) + added:
+        meta = dict(f.metadata)
+        if f in added and f.name in docs:
+            meta["doc"] = docs[f.name]
+        setattr(section, f.name, field(default=f.default, default_factory=f.default_factory, metadata=meta))
+        if f.name not in own:
+            own[f.name] = hints[f.name]
+    section.__annotations__ = own
+    dataclass(section)
+    return [f.name for f in added]
 
 
 def _base_type(typ):

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 import string
+import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from config.fields import coerce, get_path, leaf_fields, set_path, spec
+from config.fields import coerce, extend_section, get_path, leaf_fields, set_path, spec
 from utils.errors import ConfigError
 
 @dataclass
@@ -27,29 +28,15 @@ class Embedding:
 
 @dataclass
 class Attention:
-    """Configuration of the attention layers."""
+    """Configuration of the attention layers. A model family adds its own fields here (T5's relative position
+    buckets, a causal family's rotary embedding and key/value heads): modelling/family.py's ``Family.config_options``,
+    added by ``add_options`` when modelling/registry.py lists the family."""
 
     heads: int = spec(64, minimum=1, shape=True)
     """Number of attention heads (must be divisible by tensor_parallel)."""
 
     d_kv: int = spec(64, minimum=1, shape=True)
     """Size of the q, k, v projection of each head."""
-
-    relative_attention_num_buckets: int = spec(32, minimum=1, shape=True)
-    """Number of buckets of the relative position encoding."""
-
-    relative_attention_max_distance: int = spec(128, shape=True)
-    """Largest distance told apart by the relative position encoding."""
-
-    kv_heads: int = spec(0, minimum=0, shape=True)
-    """Key/value heads of a decoder-only family with grouped-query attention: each serves heads // kv_heads query
-    heads (0: as many as heads, as T5 and GPT-J have)."""
-
-    rotary_dim: int = spec(0, shape=True)
-    """GPT-J: dimensions of each head that get the rotary position embedding, in interleaved pairs (0: all)."""
-
-    rotary_positional_embeddings_base: float = spec(10000.0, shape=True)
-    """GPT-J: base of the rotary embedding's frequencies."""
 
 
 @dataclass
@@ -669,7 +656,34 @@ def ipu_only_notices(cfg: Config) -> list:
 
 # --------------------------------------------------------------------------- the flat fields
 
-FIELDS = {r.flag: r for r in leaf_fields(Config)}
+FIELDS: dict = {}  # {flag: FieldRef} of every leaf field, the families' own included once added
+MODEL_SHAPE: list = []  # the fields that make a model's shape (and numerics): a checkpoint or an HF config.json carries
+TASK_FIELDS: list = []  # the fields of the task a checkpoint was trained on: its task section, its data and tokenizer,
+# its output length
+
+
+def _derive() -> None:
+    """FIELDS, MODEL_SHAPE and TASK_FIELDS from the config's declarations, in place (their importers see them)."""
+    FIELDS.clear()
+    FIELDS.update({r.flag: r for r in leaf_fields(Config)})
+    MODEL_SHAPE[:] = [flag for flag, ref in FIELDS.items() if ref.meta.get("shape")]
+    TASK_FIELDS[:] = [flag for flag, ref in FIELDS.items() if ref.path[0] == "task" or ref.meta.get("travels")]
+
+
+def add_options(declared) -> list:
+    """A model family's own config fields: the fields of dataclass ``declared`` join the section its ``section``
+    names ("model.attention"), as flags, preset keys and --help text like every other field (modelling/registry.py
+    adds every family's ``config_options``). An option two families declare alike is one field. -> the flags added."""
+    section = Config
+    for name in declared.section.split("."):
+        section = typing.get_type_hints(section)[name]
+    added = extend_section(section, declared)
+    if added:
+        _derive()
+    return added
+
+
+_derive()
 
 
 def _check_types(cfg) -> None:
@@ -679,10 +693,3 @@ def _check_types(cfg) -> None:
         if coerced != value or type(coerced) is not type(value):
             set_path(cfg, ref.path, coerced)
 
-
-# The fields that make a model's shape (and numerics): a checkpoint or a Hugging Face config.json carries them.
-MODEL_SHAPE = tuple(flag for flag, ref in FIELDS.items() if ref.meta.get("shape"))
-
-
-# The fields of the task a checkpoint was trained on: its task section, its data and tokenizer, its output length.
-TASK_FIELDS = tuple(flag for flag, ref in FIELDS.items() if ref.path[0] == "task" or ref.meta.get("travels"))

@@ -24,7 +24,7 @@ from graphs import sharding as S
 from graphs.streaming import PromptStream
 from graphs.tree import TreeStructure
 from modelling import decoding, lora, quant, registry
-from modelling.family import ModelOptions, cast_params, leaf_name
+from modelling.family import cast_params, leaf_name
 from modelling.params import ParamSpec, init_leaf, init_params, is_spec, zero_padded_vocab
 from modelling.rows import pack_prompts
 from utils.errors import ConfigError
@@ -53,7 +53,7 @@ class Graphs:
         self.dp, self.tp = ex.data_parallel, ex.tensor_parallel
         self.mesh = mesh if mesh is not None else S.make_mesh(self.dp, self.tp)
         self.family = registry.checked(cfg)
-        self.opts = ModelOptions.from_config(cfg)
+        self.opts = self.family.options_of(cfg)
         self.vocab_size = cfg.model.embedding.vocab_size
         self.model_config = cfg.model  # the model section: a pretrained model's shape is checked against it
         self.lora = lora.enabled(self.opts)

@@ -23,16 +23,17 @@ differs (``SelfAttention`` for a batch of rows, ``Prefill`` and ``CachedStep`` f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from config.fields import spec
 from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L
-from modelling.family import Family, HFMapping, Stack
+from modelling.family import Family, HFMapping, ModelOptions, Stack
 from modelling.rows import CausalRows
 from modelling.tp import tp_index
 from utils.errors import ConfigError
@@ -40,6 +41,29 @@ from utils.errors import ConfigError
 EMBED, LAYERS, HEAD = 10, 11, 30  # dropout streams (modelling/family.py's convention)
 TP_SHARD = 1000  # folded in with a device's tp index: dropout of its own heads
 STACK = Stack("decoder", "input_ids", ("attention_mask", "positions"), EMBED, LAYERS, "x_buffer")
+
+
+@dataclass(frozen=True)
+class CausalAttention:
+    """A causal family's own attention fields (config section ``model.attention``): its rotary embedding and its
+    key/value heads."""
+
+    section: ClassVar[str] = "model.attention"
+
+    kv_heads: int = spec(0, minimum=0, shape=True)
+    """Key/value heads of a decoder-only family with grouped-query attention: each serves heads // kv_heads query
+    heads (0: as many as heads, as GPT-J has)."""
+
+    rotary_dim: int = spec(0, shape=True)
+    """Dimensions of each head that get the rotary position embedding (0: all; GPT-J's in interleaved pairs)."""
+
+    rotary_positional_embeddings_base: float = spec(10000.0, shape=True)
+    """Base of the rotary embedding's frequencies."""
+
+
+@dataclass(frozen=True)
+class CausalOptions(ModelOptions, CausalAttention):
+    """What a causal family's model functions read: ModelOptions and the causal attention fields."""
 
 
 def sharded_rng(rng, tp_axis, *data):
@@ -131,6 +155,8 @@ class CausalLM(Family):
     stacks = (STACK,)
     head_stream = HEAD
     batch_keys = ("input_ids", "attention_mask", "positions", "labels")
+    config_options = (CausalAttention,)
+    options = CausalOptions
     rotate: Callable = staticmethod(L.rotate_every_two)
     dense: tuple = ()  # the layer weights that are matmul weights (their gradients accumulate in their GEMMs)
     head_weights: tuple = ("final_norm",)  # the decoder's non-layer weights the head reads (its output norm)

@@ -16,6 +16,9 @@ The family answers for
   ``prompt``);
 - decoding: ``decode_start`` and ``decode_step`` over a KV cache, which modelling/decoding.py's searches
   (greedy, beam search, sampling) drive without knowing the model;
+- its own config fields (``config_options``: T5's relative position buckets, a causal LM's rotary embedding; the
+  registry adds them to the config, so config/schema.py holds only what every family shares) and the typed options
+  its functions read (``options``: a ``ModelOptions`` with them);
 - its config checks (``validate_config``), FLOPs per sample and its Hugging Face mapping (``hf``: one
   ``HFMapping`` object).
 
@@ -123,18 +126,42 @@ class HFMapping:
 
 # --------------------------------------------------------------------------- the model's options
 
-# The execution fields the model functions read; they also read every field of the config's ``model`` and ``lora``
-# sections.
-EXECUTION_FIELDS = ("attention_serialisation", "recompute", "remat_policy", "unroll_layers", "attention_impl")
 
+@dataclass(frozen=True)
+class ModelOptions:
+    """The config fields the model functions read, under the config's flag names (frozen, hashable: static under
+    jit): every field of the config's ``model`` and ``lora`` sections, and the execution fields that shape a layer's
+    program. A family reads its own options from a subclass of this (``Family.options``) that adds the fields it
+    declares (``Family.config_options``); tests/test_architecture.py holds each family's to the config's fields."""
 
-def _option_fields() -> list:
-    refs = [r for r in FIELDS.values() if r.path[0] in ("model", "lora")] + [FIELDS[f] for f in EXECUTION_FIELDS]
-    return [(r.flag, r.type, dataclasses.field(default=r.default)) for r in refs]
-
-
-class _Options:
-    """What ModelOptions adds to its fields."""
+    family: str = "t5"
+    layers: int = 24
+    decoder_layers: int = 0
+    hidden_size: int = 4096
+    d_ff: int = 10240
+    sequence_length: int = 512
+    decoder_sequence_length: int = 8
+    eval: bool = False
+    dropout_prob: float = 0.0
+    precision: str = "float32"
+    seed: int = 42
+    eps: float = 1e-6
+    scale_ff: int = 1
+    feed_forward_proj: str = "gated-gelu"
+    tie_word_embeddings: bool = False
+    vocab_size: int = 32128
+    heads: int = 64
+    d_kv: int = 64
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple = ()
+    # execution
+    attention_serialisation: int = 1
+    recompute: bool = True
+    remat_policy: str = "full"
+    unroll_layers: bool = False
+    attention_impl: str = "auto"
 
     @property
     def compute_dtype(self):
@@ -152,11 +179,9 @@ class _Options:
         return cls(**values)
 
 
-# The fields of the config that the model functions read, under the config's flag names (hashable: static under
-# jit). Derived from the config's own declarations, so a new model field needs no second declaration here.
-ModelOptions = dataclasses.make_dataclass("ModelOptions", _option_fields(), bases=(_Options,), frozen=True)
-ModelOptions.__module__ = __name__
-ModelOptions.__doc__ = "The config fields the model functions read (modelling/family.py)."
+# The execution fields the model functions read; they also read every field of the config's ``model`` and ``lora``
+# sections.
+EXECUTION_FIELDS = ("attention_serialisation", "recompute", "remat_policy", "unroll_layers", "attention_impl")
 
 
 def resolve_attention_impl(requested: str, precision: str, dropout_prob: float) -> str:
@@ -228,7 +253,8 @@ class Family(abc.ABC):
     (modelling/causal.py's ``CausalLM``; T5 is the encoder-decoder), so a family module writes only what differs.
 
     what it is       name, stacks, shape_fields, rows (its training rows), batch_keys, batch_lengths,
-                     validate_config, forward_flops
+                     validate_config, forward_flops; its own config fields (config_options) and the options
+                     its functions read (options: a ModelOptions with them)
     its weights      param_specs, keeps_f32, decays, is_dense, head_paths, lora_targets, residual_outputs
     its bodies       embeddings, context, block, stack_output, head_loss (graphs/phases.py composes them for
                      both executors); optional: forward, the reference composition the parity tests read
@@ -252,6 +278,13 @@ class Family(abc.ABC):
     shape_fields: tuple  # the config's model-shape flags (config.MODEL_SHAPE) it reads: what a checkpoint carries
     lora_targets: tuple = ()  # the layer weights that get adapters by default (PEFT's default for the model type)
     residual_outputs: tuple = ()  # the layer weights whose output is the residual stream (row-parallel under tp)
+    config_options: tuple = ()  # its own config fields: frozen dataclasses of ``spec`` fields, each naming the config
+    # section it joins (``section``: "model.attention"); config/schema.py's add_options adds them (registry.py)
+    options: type = ModelOptions  # what its model functions read: ModelOptions and its config_options' fields
+
+    def options_of(self, cfg) -> ModelOptions:
+        """The options its model functions read, of a config (``options.from_config``)."""
+        return self.options.from_config(cfg)
 
     # ------------------------------------------------------------------ what it is
 

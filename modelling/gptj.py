@@ -35,8 +35,7 @@ import numpy as np
 from config.schema import ModelConfig
 from modelling import family as fam
 from modelling import layers as L
-from modelling.causal import CausalLM, sharded_rng
-from modelling.family import ModelOptions
+from modelling.causal import CausalLM, CausalOptions, sharded_rng
 from modelling.hf_weights import kept_as, state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
 from modelling.tp import identical_grad_inputs, identical_inputs
@@ -101,7 +100,7 @@ def mlp(p: dict, h: jax.Array, tp_axis: Optional[str], scale_ff: int = 1, dropou
     return L.dropout(out + p["fc_out_bias"].astype(F32), dropout_rate, rng)  # the bias once, after the all-reduce
 
 
-def layer(p: dict, x: jax.Array, attn, opts: ModelOptions, tp_axis: Optional[str], rng=None) -> jax.Array:
+def layer(p: dict, x: jax.Array, attn, opts: CausalOptions, tp_axis: Optional[str], rng=None) -> jax.Array:
     """One GPT-J layer: x + attn(ln(x)) + mlp(ln(x)). x float32 [b, l, d] -> float32 [b, l, d], identical over tp;
     ``attn``: modelling/causal.py's attention (rotary, mask, cache)."""
     rate, dt = opts.dropout_prob, opts.compute_dtype

@@ -1,15 +1,30 @@
 """The model families this project runs: one line each. A new family is one module (a ``Family`` subclass,
-modelling/family.py) and one line here; the config's choices and the Hugging Face model types follow."""
+modelling/family.py) and one line here; the config's choices, the family's own config fields and the Hugging Face
+model types follow. A family added at run time (a test's, a plugin's) calls ``add``."""
 
 from __future__ import annotations
 
 from typing import Mapping
 
+from config.schema import add_options
 from modelling import gptj, t5
 from modelling.family import Family
 from utils.errors import CheckpointError, ConfigError
 
 FAMILIES: dict = {f.name: f for f in (t5.T5Family(), t5.UMT5Family(), gptj.GPTJFamily())}
+
+
+def add(family: Family) -> Family:
+    """A family into the registry, its own config fields into the config (``Family.config_options``: flags, preset
+    keys and --help text like every other field's)."""
+    for declared in family.config_options:
+        add_options(declared)
+    FAMILIES[family.name] = family
+    return family
+
+
+for _family in tuple(FAMILIES.values()):
+    add(_family)
 
 
 def names() -> tuple:

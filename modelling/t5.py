@@ -11,13 +11,15 @@ parallelism; the graphs/ package composes them into programs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Optional
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from config.fields import spec
 from config.schema import ModelConfig
 from modelling import decoding
 from modelling import family as fam
@@ -34,6 +36,24 @@ FEED_FORWARD_PROJ = ("gated-gelu", "gated-silu", "gated-relu", "relu", "gelu", "
 
 F32 = jnp.float32
 DTYPES = fam.DTYPES
+
+
+@dataclass(frozen=True)
+class T5Attention:
+    """T5's own attention fields (config section ``model.attention``): its relative position buckets."""
+
+    section: ClassVar[str] = "model.attention"
+
+    relative_attention_num_buckets: int = spec(32, minimum=1, shape=True)
+    """T5: number of buckets of the relative position encoding."""
+
+    relative_attention_max_distance: int = spec(128, shape=True)
+    """T5: largest distance told apart by the relative position encoding."""
+
+
+@dataclass(frozen=True)
+class T5Options(ModelOptions, T5Attention):
+    """What T5's model functions read: ModelOptions and T5's own attention fields."""
 
 
 def keeps_f32(name: str) -> bool:
@@ -67,18 +87,18 @@ def _sharded_rng(rng, tp_axis, *data):
 # --------------------------------------------------------------------------- phases
 
 
-def embeddings(shared: jax.Array, ids: jax.Array, opts: ModelOptions, tp_axis: Optional[str],
+def embeddings(shared: jax.Array, ids: jax.Array, opts: T5Options, tp_axis: Optional[str],
                rng=None) -> jax.Array:
     """Embedding phase. shared [Vl, d], ids int [b, l] -> float32 [b, l, d] identical over tp."""
     return L.dropout(L.embed(shared, ids, tp_axis), opts.dropout_prob, rng)
 
 
-def per_layer_bias(opts: ModelOptions) -> bool:
+def per_layer_bias(opts: T5Options) -> bool:
     """Whether every layer has its own relative-position table (UMT5) rather than one per stack (T5)."""
     return opts.family == "umt5"
 
 
-def self_masks(decoder: bool, length: int, opts: ModelOptions, mask: Optional[jax.Array] = None,
+def self_masks(decoder: bool, length: int, opts: T5Options, mask: Optional[jax.Array] = None,
                positions: Optional[jax.Array] = None) -> tuple:
     """The weight-free part of a stack's self-attention bias: (relative-position buckets int32 [1 or b, l, l],
     mask bias float32 broadcastable to [b, 1, l, l]).
@@ -111,7 +131,7 @@ def bucket_bias(table: jax.Array, buckets: jax.Array) -> jax.Array:
     return jnp.transpose(jnp.take(table.astype(F32), buckets, axis=0), (0, 3, 1, 2))
 
 
-def self_context(relpos: Optional[jax.Array], decoder: bool, length: int, opts: ModelOptions,
+def self_context(relpos: Optional[jax.Array], decoder: bool, length: int, opts: T5Options,
                  mask: Optional[jax.Array] = None, positions: Optional[jax.Array] = None):
     """What a stack's blocks need for self-attention: the whole bias float32 [1 or b, h, l, l] from the stack's
     table (T5), or ``self_masks`` for blocks that read their own tables (UMT5: relpos None)."""
@@ -119,14 +139,14 @@ def self_context(relpos: Optional[jax.Array], decoder: bool, length: int, opts: 
     return (buckets, masks) if relpos is None else bucket_bias(relpos, buckets) + masks
 
 
-def encoder_self_bias(relpos: jax.Array, mask: jax.Array, opts: ModelOptions,
+def encoder_self_bias(relpos: jax.Array, mask: jax.Array, opts: T5Options,
                       positions: Optional[jax.Array] = None) -> jax.Array:
     """Encoder self-attention bias of one table [buckets, h] -> float32 [b, h, l, l] (relative positions +
     padding, or + segments when packed)."""
     return self_context(relpos, False, mask.shape[1], opts, mask, positions)
 
 
-def decoder_self_bias(relpos: jax.Array, length: int, opts: ModelOptions, mask: Optional[jax.Array] = None,
+def decoder_self_bias(relpos: jax.Array, length: int, opts: T5Options, mask: Optional[jax.Array] = None,
                       positions: Optional[jax.Array] = None) -> jax.Array:
     """Decoder (causal) self-attention bias of one table -> float32 [1 or b, h, l, l].
 
@@ -149,7 +169,7 @@ def is_packed(batch: dict) -> bool:
     return "positions" in batch
 
 
-def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions, tp_axis: Optional[str],
+def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: T5Options, tp_axis: Optional[str],
              enc_out: Optional[jax.Array] = None, cross_bias: Optional[jax.Array] = None,
              rng=None) -> jax.Array:
     """One encoder block, or a decoder block when ``enc_out`` is given.
@@ -174,7 +194,7 @@ def t5_block(p: dict, x: jax.Array, self_bias: jax.Array, opts: ModelOptions, tp
     return x + L.dropout(f, rate, _rng(rng, FF_OUT))
 
 
-def umt5_block(p: dict, x: jax.Array, self_ctx: tuple, opts: ModelOptions, tp_axis: Optional[str],
+def umt5_block(p: dict, x: jax.Array, self_ctx: tuple, opts: T5Options, tp_axis: Optional[str],
                enc_out: Optional[jax.Array] = None, cross_bias: Optional[jax.Array] = None,
                rng=None) -> jax.Array:
     """A UMT5 block: t5_block with the self-attention bias from the layer's own table p["relpos"] [buckets, h]
@@ -183,12 +203,12 @@ def umt5_block(p: dict, x: jax.Array, self_ctx: tuple, opts: ModelOptions, tp_ax
     return t5_block(p, x, bucket_bias(p["relpos"], buckets) + masks, opts, tp_axis, enc_out, cross_bias, rng)
 
 
-def block_fn(opts: ModelOptions):
+def block_fn(opts: T5Options):
     """The block of the model's variant: umt5_block (a table per layer) or t5_block."""
     return umt5_block if per_layer_bias(opts) else t5_block
 
 
-def run_stack(layers_p: dict, x: jax.Array, self_ctx, opts: ModelOptions,
+def run_stack(layers_p: dict, x: jax.Array, self_ctx, opts: T5Options,
               tp_axis: Optional[str], enc_out=None, cross_bias=None, rng=None) -> jax.Array:
     """The variant's block over the stacked layers (leading axis), scanned; layer i's dropout key is
     fold_in(rng, i). self_ctx: ``self_context``.
@@ -207,12 +227,12 @@ def run_stack(layers_p: dict, x: jax.Array, self_ctx, opts: ModelOptions,
     return x
 
 
-def encoder_head(final_norm: jax.Array, x: jax.Array, opts: ModelOptions, rng=None) -> jax.Array:
+def encoder_head(final_norm: jax.Array, x: jax.Array, opts: T5Options, rng=None) -> jax.Array:
     """Final encoder norm. x float32 [b, l, d] -> float32 [b, l, d]."""
     return L.dropout(L.rms_norm(x, final_norm, opts.eps), opts.dropout_prob, rng)
 
 
-def head_logits(params: dict, x: jax.Array, opts: ModelOptions, tp_axis: Optional[str], rng=None) -> jax.Array:
+def head_logits(params: dict, x: jax.Array, opts: T5Options, tp_axis: Optional[str], rng=None) -> jax.Array:
     """Decoder final norm + LM head. x float32 [b, l, d] -> float32 logits [b, l, Vl] (vocab-sharded)."""
     h = L.dropout(L.rms_norm(x, params["decoder"]["final_norm"], opts.eps), opts.dropout_prob, rng)
     if opts.tie_word_embeddings:
@@ -224,7 +244,7 @@ def head_logits(params: dict, x: jax.Array, opts: ModelOptions, tp_axis: Optiona
     return L.lm_logits(h.astype(opts.compute_dtype), w, tp_axis, opts.vocab_size)
 
 
-def head(params: dict, x: jax.Array, labels: jax.Array, opts: ModelOptions, tp_axis: Optional[str],
+def head(params: dict, x: jax.Array, labels: jax.Array, opts: T5Options, tp_axis: Optional[str],
          rng=None) -> jax.Array:
     """Head phase with the loss: -> sum of token cross entropies (labels -100 ignored)."""
     return L.cross_entropy_sum(head_logits(params, x, opts, tp_axis, rng), labels, tp_axis)
@@ -233,7 +253,7 @@ def head(params: dict, x: jax.Array, labels: jax.Array, opts: ModelOptions, tp_a
 # --------------------------------------------------------------------------- whole model
 
 
-def encode(params: dict, input_ids, attention_mask, opts: ModelOptions, tp_axis=None, rng=None,
+def encode(params: dict, input_ids, attention_mask, opts: T5Options, tp_axis=None, rng=None,
            positions=None) -> jax.Array:
     """Encoder. ids/mask [b, k] (mask: segment ids when packed, with positions [b, k]) -> float32 [b, k, d]."""
     enc = params["encoder"]
@@ -243,7 +263,7 @@ def encode(params: dict, input_ids, attention_mask, opts: ModelOptions, tp_axis=
     return encoder_head(enc["final_norm"], x, opts, _rng(rng, ENC_HEAD))
 
 
-def decode(params: dict, enc_out, attention_mask, decoder_input_ids, opts: ModelOptions, tp_axis=None,
+def decode(params: dict, enc_out, attention_mask, decoder_input_ids, opts: T5Options, tp_axis=None,
            decoder_attention_mask=None, rng=None, positions=None, decoder_positions=None) -> jax.Array:
     """Decoder stack (no head). -> float32 [b, l, d]. Packed rows pass both positions arrays."""
     dec = params["decoder"]
@@ -254,19 +274,19 @@ def decode(params: dict, enc_out, attention_mask, decoder_input_ids, opts: Model
     return run_stack(dec["layers"], y, ctx, opts, tp_axis, enc_out, xbias, _rng(rng, DEC_LAYERS))
 
 
-def _encode_decode(p: dict, batch: dict, opts: ModelOptions, tp_axis, rng) -> jax.Array:
+def _encode_decode(p: dict, batch: dict, opts: T5Options, tp_axis, rng) -> jax.Array:
     enc = encode(p, batch["input_ids"], batch["attention_mask"], opts, tp_axis, rng, batch.get("positions"))
     return decode(p, enc, batch["attention_mask"], batch["decoder_input_ids"], opts, tp_axis,
                   batch.get("decoder_attention_mask"), rng, batch.get("positions"), batch.get("decoder_positions"))
 
 
-def forward(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
+def forward(params: dict, batch: dict, opts: T5Options, tp_axis=None, rng=None) -> jax.Array:
     """Full model -> float32 logits [b, l, Vl] (this device's vocab slice)."""
     p = cast_params(params, opts.compute_dtype)
     return head_logits(p, _encode_decode(p, batch, opts, tp_axis, rng), opts, tp_axis, _rng(rng, HEAD))
 
 
-def loss_sum(params: dict, batch: dict, opts: ModelOptions, tp_axis=None, rng=None) -> jax.Array:
+def loss_sum(params: dict, batch: dict, opts: T5Options, tp_axis=None, rng=None) -> jax.Array:
     """Sum of token cross entropies of a batch (divide by the token count for the mean)."""
     p = cast_params(params, opts.compute_dtype)
     return head(p, _encode_decode(p, batch, opts, tp_axis, rng), batch["labels"], opts, tp_axis, _rng(rng, HEAD))
@@ -627,6 +647,8 @@ class T5Family(Family):
     residual_outputs = ("o", "co", "wo")
     stacks = (ENCODER, DECODER)
     head_stream = HEAD
+    config_options = (T5Attention,)
+    options = T5Options
     batch_keys = ("input_ids", "attention_mask", "positions", "decoder_input_ids", "decoder_attention_mask",
                   "decoder_positions", "labels")
     shape_fields = ("family", "layers", "decoder_layers", "hidden_size", "d_ff", "vocab_size", "heads", "d_kv",

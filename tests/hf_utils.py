@@ -18,7 +18,7 @@ from transformers import T5Config as HFT5Config
 from transformers import T5ForConditionalGeneration
 
 from modelling.hf_mapping import model_config_from_hf, params_from_hf_state_dict
-from modelling.t5 import ModelOptions
+from modelling.t5 import T5Options
 
 SMALL = dict(vocab_size=100, d_model=48, d_ff=72, d_kv=8, num_heads=6, num_layers=2,
              relative_attention_num_buckets=8, relative_attention_max_distance=20)
@@ -75,12 +75,12 @@ def make_hf(version: str = "1.1", seed: int = 0, **overrides):
     return hf, m, params
 
 
-def options(m, **kw) -> ModelOptions:
-    return ModelOptions(family=m.family, feed_forward_proj=m.feed_forward_proj, eps=m.eps,
-                        relative_attention_num_buckets=m.attention.relative_attention_num_buckets,
-                        relative_attention_max_distance=m.attention.relative_attention_max_distance,
-                        vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size,
-                        tie_word_embeddings=m.tie_word_embeddings, **kw)
+def options(m, **kw) -> T5Options:
+    return T5Options(family=m.family, feed_forward_proj=m.feed_forward_proj, eps=m.eps,
+                     relative_attention_num_buckets=m.attention.relative_attention_num_buckets,
+                     relative_attention_max_distance=m.attention.relative_attention_max_distance,
+                     vocab_size=m.embedding.vocab_size, hidden_size=m.hidden_size,
+                     tie_word_embeddings=m.tie_word_embeddings, **kw)
 
 
 def random_batch(vocab: int, b: int = 3, enc_len: int = 11, dec_len: int = 5, seed: int = 0) -> dict:

@@ -85,7 +85,7 @@ def test_micro_batched_gradients_equal_the_whole_batch_gradient(unroll, recomput
     loss, grads = f.loss_and_grads(f.init_state(host), f.g.shard_batch(batch))
 
     whole = {k: jnp.asarray(v.reshape(-1, *v.shape[2:])) for k, v in batch.items()}
-    opts = t5.ModelOptions.from_config(cfg)
+    opts = t5.T5Options.from_config(cfg)
     count = t5.token_count(whole["labels"])
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: t5.loss_sum(p, whole, opts) / count))(
         jax.tree.map(jnp.asarray, host))

@@ -301,22 +301,34 @@ def test_the_family_interface_is_enforced_and_the_registry_is_its_one_list():
     assert text.count("Family()") == len(registry.FAMILIES)  # one entry a family, in one place
 
 
-def test_model_options_are_derived_from_the_config():
-    """ModelOptions is no hand copy: every field of the config's model section is an option of the same name."""
+def test_each_family_s_options_are_the_config_s_fields_and_its_own():
+    """A family's options (``Family.options``) hold every field of the config's model and lora sections that no
+    family declares as its own, with the config's default, plus the execution fields and exactly the fields the
+    family declares (``config_options``): a field added to the config and not to ModelOptions, a default that
+    drifts, or a family reading another's options fails here."""
     import dataclasses
 
     from config.presets import load_config
     from config.schema import FIELDS
     from modelling.family import EXECUTION_FIELDS, ModelOptions
 
-    names = {f.name for f in dataclasses.fields(ModelOptions)}
-    assert names == {f for f, r in FIELDS.items() if r.path[0] in ("model", "lora")} | set(EXECUTION_FIELDS)
-    cfg = load_config("finetuning", "tiny", {"layers": 3, "dropout_prob": 0.1})
-    opts = ModelOptions.from_config(cfg)
-    assert (opts.layers, opts.dropout_prob, opts.relative_attention_num_buckets) == (3, 0.1, 32)
+    declared = {f.name for fam in registry.FAMILIES.values() for d in fam.config_options for f in dataclasses.fields(d)}
+    common = {f for f, r in FIELDS.items() if r.path[0] in ("model", "lora")} - declared
+    assert {f.name: f.default for f in dataclasses.fields(ModelOptions)} == \
+        {**{f: FIELDS[f].default for f in common}, **{f: FIELDS[f].default for f in EXECUTION_FIELDS}}
+    for family in registry.FAMILIES.values():
+        own = {f.name for d in family.config_options for f in dataclasses.fields(d)}
+        assert own and {f.name for f in dataclasses.fields(family.options)} == common | set(EXECUTION_FIELDS) | own
+        assert issubclass(family.options, ModelOptions)
+    assert {f.name for f in dataclasses.fields(registry.get("t5").options)} & {"rotary_dim", "kv_heads"} == set()
+    cfg = load_config("finetuning", "tiny", {"layers": 3, "dropout_prob": 0.1, "relative_attention_num_buckets": 16})
+    opts = registry.of_config(cfg).options_of(cfg)
+    assert (opts.layers, opts.dropout_prob, opts.relative_attention_num_buckets) == (3, 0.1, 16)
     cfg.model.eval = True
-    assert ModelOptions.from_config(cfg).dropout_prob == 0.0  # no dropout when built for evaluation
+    assert registry.of_config(cfg).options_of(cfg).dropout_prob == 0.0  # no dropout when built for evaluation
     hash(opts)  # static under jit
+    gptj = load_config("finetuning", "gptj_tiny", {"rotary_positional_embeddings_base": 500.0})
+    assert registry.of_config(gptj).options_of(gptj).rotary_positional_embeddings_base == 500.0
 
 
 def test_ipu_only_fields_are_said_once_never_silently_ignored(caplog):

@@ -197,3 +197,77 @@ def test_a_count_that_may_be_zero_may_not_be_negative(flag):
     assert spec(0, minimum=0).metadata == {"minimum": 0} and spec(1, minimum=1).metadata == {"minimum": 1}
     with pytest.raises(ConfigError, match=f"{flag}=-1 must not be negative: pass --{flag} 0 or more"):
         load_config("finetuning", "tiny", {flag: -1})
+def test_a_family_s_own_fields_join_a_section_with_what_each_declares():
+    """config.fields.extend_section, which adds a model family's own fields (``Family.config_options``) to a config
+    section: the new field is a leaf with its path, docstring (its --help text) and ``spec``; the section's own fields
+    keep theirs; instances, equality, repr and asdict see the new field; a second identical declaration adds nothing,
+    a different one is refused before anything changes."""
+    import dataclasses
+    from dataclasses import dataclass, field
+    from typing import ClassVar
+
+    from config.fields import extend_section, leaf_fields, spec
+
+    @dataclass
+    class Sec:
+        a: int = spec(1, minimum=1, shape=True)
+        """A's own doc."""
+
+    @dataclass
+    class Root:
+        sec: Sec = field(default_factory=Sec)
+
+    @dataclass(frozen=True)
+    class Mine:
+        section: ClassVar[str] = "sec"
+        window: int = spec(0, minimum=0, shape=True)
+        """How far a token looks back."""
+
+    assert extend_section(Sec, Mine) == ["window"]
+    refs = {r.flag: r for r in leaf_fields(Root)}
+    assert list(refs) == ["a", "window"]
+    assert (refs["window"].path, refs["window"].doc, refs["window"].meta, refs["window"].default) == \
+        (("sec", "window"), "How far a token looks back.", {"minimum": 0, "shape": True}, 0)
+    assert (refs["a"].doc, refs["a"].meta, refs["a"].default) == ("A's own doc.", {"minimum": 1, "shape": True}, 1)
+    assert Root().sec.window == 0 and Sec(a=2, window=3) == Sec(2, 3) != Sec(2, 4)
+    assert repr(Sec(window=5)) == "test_a_family_s_own_fields_join_a_section_with_what_each_declares.<locals>." \
+        "Sec(a=1, window=5)" and dataclasses.asdict(Root()) == {"sec": {"a": 1, "window": 0}}
+    assert extend_section(Sec, Mine) == []
+
+    @dataclass(frozen=True)
+    class Clash:
+        section: ClassVar[str] = "sec"
+        window: int = spec(8)
+        """Another window."""
+
+    with pytest.raises(ConfigError, match="'window' is declared twice"):
+        extend_section(Sec, Clash)
+    assert [f.name for f in dataclasses.fields(Sec)] == ["a", "window"] and Sec().window == 0
+
+
+def test_every_family_s_own_fields_are_flags_preset_keys_and_checked():
+    """Each field a registered family declares (T5's relative position buckets, a causal family's rotary embedding
+    and key/value heads) is a config field at model.attention: a flag, a preset key, in MODEL_SHAPE where declared
+    ``shape``, validated by its declaration; registering a declaration again changes nothing."""
+    import dataclasses
+
+    from config.schema import MODEL_SHAPE, add_options
+    from modelling import registry
+
+    seen = set()
+    for family in registry.FAMILIES.values():
+        for declared in family.config_options:
+            for f in dataclasses.fields(declared):
+                ref = FIELDS[f.name]
+                assert ref.path == ("model", "attention", f.name) and ref.default == f.default and ref.doc
+                assert (f.name in MODEL_SHAPE) == bool(f.metadata.get("shape"))
+                seen.add(f.name)
+            before = dict(FIELDS)
+            assert add_options(declared) == [] and FIELDS == before
+    assert seen == {"relative_attention_num_buckets", "relative_attention_max_distance", "kv_heads", "rotary_dim",
+                    "rotary_positional_embeddings_base"}
+    cfg = config_from_mapping({"model": {"family": "gptj", "attention": {"rotary_dim": 8, "kv_heads": 2}}})
+    assert (cfg.model.attention.rotary_dim, cfg.model.attention.kv_heads) == (8, 2)
+    assert load_config("finetuning", "gptj_tiny", {"rotary_dim": "4"}).model.attention.rotary_dim == 4
+    with pytest.raises(ConfigError, match="kv_heads"):
+        load_config("finetuning", "gptj_tiny", {"kv_heads": -1})

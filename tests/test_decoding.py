@@ -108,7 +108,6 @@ def _fixture(kind: str, seed: int):
     from transformers import GPTJConfig, GPTJForCausalLM
 
     from modelling import gptj
-    from modelling.family import ModelOptions
 
     if kind != "gptj":
         hf, m, params = make_hf(kind, seed=seed, **({"num_decoder_layers": 3} if kind == "mt5" else {}))
@@ -119,7 +118,7 @@ def _fixture(kind: str, seed: int):
     m = gptj.config_from_hf(hf.config.to_dict())
     from config.schema import Config
 
-    opts = ModelOptions.from_config(Config(model=m))
+    opts = registry.get("gptj").options_of(Config(model=m))
     return registry.get("gptj"), opts, jax.tree.map(jnp.asarray, gptj.params_from_hf(hf.state_dict(), m)), 96
 
 

@@ -42,7 +42,7 @@ DRIVERS = {
     "benchmarks/int8_accuracy.py": ("benchmarks.int8_accuracy", {}),
     "benchmarks/int8_hlo.py": ("benchmarks.int8_hlo", {"--config": "inference"}),
     "-m app.launch": ("app.launch", {}),
-    "-m config.reference": ("config.reference", {}),
+    "-m app.reference": ("app.reference", {}),
 }
 # the drivers whose parsers are app/args.py's: every config field a flag, resolved and validated by the config
 CONFIG_DRIVERS = {"run_finetuning.py": "finetuning", "finetuning.py": "finetuning", "run_validation.py": "inference",
@@ -308,12 +308,12 @@ def test_every_driver_flag_and_every_preset_is_documented_in_docs():
 
 
 def test_docs_configuration_is_the_config_s_own_reference():
-    """docs/configuration.md is what `python3 -m config.reference` writes from config/schema.py now: a field added,
-    renamed or redocumented without regenerating it fails here."""
-    from config.reference import markdown
+    """docs/configuration.md is what `python3 -m app.reference` writes from config/schema.py and the families' own
+    fields now: a field added, renamed or redocumented without regenerating it fails here."""
+    from app.reference import markdown
 
     assert open(os.path.join(ROOT, "docs", "configuration.md")).read() == markdown(), \
-        "docs/configuration.md is stale: python3 -m config.reference --output docs/configuration.md"
+        "docs/configuration.md is stale: python3 -m app.reference --output docs/configuration.md"
 
 
 def test_the_readme_is_a_front_page_that_links_every_doc():

@@ -21,7 +21,6 @@ from graphs.executor import make_executor
 from graphs.graphs import Graphs
 from modelling import gptj, registry
 from modelling import layers
-from modelling.family import ModelOptions
 from modelling.rows import RowShape, causal_rows, concat_rows
 from tests.helpers import max_rel, update_rel
 from tests.hf_utils import GPTJ_KW as HF_KW, GPTJ_LENGTH as L, gptj_hf
@@ -51,7 +50,7 @@ def test_forward_logits_equal_hf(hf_model):
     _, logits, _ = hf_loss_and_grads(hf_model, batch)
     m = gptj.config_from_hf(hf_model.config.to_dict())
     params = jax.tree.map(jnp.asarray, gptj.params_from_hf(hf_model.state_dict(), m))
-    opts = ModelOptions.from_config(cfg_for(hf_model))
+    opts = registry.get("gptj").options_of(cfg_for(hf_model))
     ours = np.asarray(gptj.GPTJFamily().forward(params, jax.tree.map(jnp.asarray, batch), opts))
     valid = batch["attention_mask"] > 0  # padded positions: HF lets them attend to each other, no loss there
     assert max_rel(ours[valid][:, :98], logits[valid]) < 1e-5

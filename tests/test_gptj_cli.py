@@ -118,9 +118,8 @@ def test_run_inference_equals_hf_generate_for_both_families(tmp_path, capsys, ca
         batch = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
         if not family.causal:
             batch["decoder_input_ids"] = ids[:, :5]
-        from modelling.family import ModelOptions
 
-        ours = np.asarray(family.forward(params, batch, ModelOptions.from_config(cfg)))[..., :cfg.model.embedding.vocab_size]
+        ours = np.asarray(family.forward(params, batch, family.options_of(cfg)))[..., :cfg.model.embedding.vocab_size]
         with torch.no_grad():
             theirs = hf(**{k: torch.tensor(v) for k, v in batch.items() if k != "attention_mask" or family.causal}).logits
         np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-4, atol=1e-5)

@@ -150,7 +150,7 @@ def test_packed_batch_gives_the_unpacked_loss_and_gradients(dp, tp, targets):
 def _tiny_opts(**kw):
     cfg = load_config("finetuning", "tiny", dict(sequence_length=32, data_parallel=1, tensor_parallel=1,
                                                  micro_batch_size=2, global_batch_size=2, **kw))
-    return cfg, t5.ModelOptions.from_config(cfg)
+    return cfg, t5.T5Options.from_config(cfg)
 
 
 @pytest.mark.slow

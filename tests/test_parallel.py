@@ -193,7 +193,7 @@ def test_phase_library_composes_to_the_reference_model(reference):
 
     host, batch, _ = reference
     cfg = tiny(micro_batch_size=8, recompute=True, dropout_prob=0.1)
-    opts = t5.ModelOptions.from_config(cfg)
+    opts = t5.T5Options.from_config(cfg)
     params = jax.tree.map(jnp.asarray, host)
     mb = {k: jnp.asarray(v[0]) for k, v in batch.items()}
     bodies = PhaseBodies(opts, None, registry.get(opts.family))

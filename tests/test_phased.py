@@ -195,7 +195,7 @@ def test_activation_buffer_rows_hold_each_phase_output():
 
     # the single-device model, phase by phase, on the same weights and micro-batches
     p = jax.tree.map(np.asarray, g.init_params())
-    opts = t5.ModelOptions.from_config(cfg)
+    opts = t5.T5Options.from_config(cfg)
     for i in range(cfg.gradient_accumulation):
         b = {k: np.asarray(v[i]) for k, v in host_batch.items()}
         x = t5.embeddings(p["shared"], b["input_ids"], opts, None)

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from modelling import decoding, gptj, registry, slots as S
-from modelling.family import ModelOptions
 
 pytestmark = pytest.mark.slow  # (a GPT-J compiled: its programs at every call shape)
 
@@ -32,8 +31,8 @@ def model():
     with torch.no_grad():  # larger embeddings: the random model's greedy tokens vary (no token repeated at once)
         hf.transformer.wte.weight.mul_(4.0)
     m = gptj.config_from_hf(hf.config.to_dict())
-    opts = ModelOptions.from_config(Config(model=m))
     family = registry.get("gptj")
+    opts = family.options_of(Config(model=m))
     params = jax.tree.map(jnp.asarray, gptj.params_from_hf(hf.state_dict(), m))
     dp = family.decoding_params(params, opts)
 

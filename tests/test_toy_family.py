@@ -16,7 +16,6 @@ import run_finetuning
 import run_validation
 from config.schema import ModelConfig
 from modelling import decoding, registry
-from modelling.family import ModelOptions
 from modelling.hf_mapping import hf_config_dict, hf_state_dict_from_params
 from tests.helpers import assert_trained_alike, params_at
 from tests.toy_family import ToyLlama
@@ -42,17 +41,17 @@ def hf_llama(vocab: int = 96, seed: int = 0):
 @pytest.fixture(scope="module")
 def toy():
     family = ToyLlama()
-    registry.FAMILIES[family.name] = family  # the one line a new family adds to modelling/registry.py
+    registry.add(family)  # what the one line a new family adds to modelling/registry.py does
     yield family
     del registry.FAMILIES[family.name]
 
 
-def _opts(m: ModelConfig) -> ModelOptions:
+def _opts(m: ModelConfig):
     from config.schema import Config
 
     cfg = Config(model=m)
     cfg.model.eval = True
-    return ModelOptions.from_config(cfg)
+    return ToyLlama.options.from_config(cfg)
 
 
 @pytest.mark.slow

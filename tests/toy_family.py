@@ -2,7 +2,8 @@
 GPT-J (RMSNorm before attention and before the MLP, in sequence; a SwiGLU MLP; rotate-half rotary; fewer key/value
 heads than query heads; no biases). Everything else (embeddings, attention context, head and loss, text format,
 decoding with a KV cache, serving slots, FLOPs, config checks) is modelling/causal.py's. Registering it is one line:
-``registry.FAMILIES[ToyLlama.name] = ToyLlama()``.
+``registry.add(ToyLlama())``; its config fields (``kv_heads``, the rotary base) are the causal base's own
+(modelling/causal.py's ``CausalAttention``), so config/schema.py is not touched.
 
 Its Hugging Face mapping (LlamaForCausalLM's config and weights, read) is here too, so the test can hold it to
 transformers' numbers.

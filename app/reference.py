@@ -1,7 +1,8 @@
 """docs/configuration.md: every config field, each a flat flag of every driver, from the config's own declarations
-(its section, default, checks and docstring), so the reference never disagrees with ``--help``.
+(its section, default, checks and docstring) and the model families' (the fields a family declares as its own,
+modelling/registry.py adds to the config), so the reference never disagrees with ``--help``.
 
-    python3 -m config.reference --output docs/configuration.md     # tests/test_docs.py checks it is current
+    python3 -m app.reference --output docs/configuration.md     # tests/test_docs.py checks it is current
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import typing
 
 from config.fields import _base_type
 from config.schema import Config, FIELDS
+from modelling import registry
 
 HEAD = """# Configuration: every field
 
 Every field below is a flag of every driver (`--micro_batch_size 2`) and a key of a preset's section in
 `config/finetuning.yml` or `config/inference.yml` (`execution: {micro_batch_size: 2}`); a flag overrides the
 preset. `python3 run_finetuning.py --config PRESET --help` shows the preset's value of each. Generated from
-`config/schema.py` by `python3 -m config.reference --output docs/configuration.md` (a test checks it is current).
+`config/schema.py` and the model families' own fields by `python3 -m app.reference --output docs/configuration.md`
+(a test checks it is current).
 """
 
 
@@ -30,8 +33,17 @@ def _shown(value) -> str:
     return "(unset)" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _owners(flag: str) -> list:
+    """The families that declare a field as their own (``Family.config_options``); none for the config's own."""
+    return [f.name for f in registry.FAMILIES.values()
+            if any(flag in (x.name for x in dataclasses.fields(d)) for d in f.config_options)]
+
+
 def _notes(ref) -> str:
     meta, notes = ref.meta, []
+    owners = _owners(ref.flag)
+    if owners:
+        notes.append(f"declared by the {', '.join(owners)} famil{'ies' if len(owners) > 1 else 'y'}")
     if meta.get("choices"):
         notes.append("one of " + ", ".join(f"`{c}`" for c in meta["choices"]))
     if "minimum" in meta:

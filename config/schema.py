@@ -41,7 +41,8 @@ class Attention:
 
 @dataclass
 class ModelConfig:
-    """Size and numerics of the model."""
+    """Size and numerics of the model. A model family adds its own fields here and to ``attention`` (T5's
+    feed-forward kind, a causal family's rotary embedding): see ``Attention``."""
 
     family: str = spec("t5", shape=True)
     """Model family, one of modelling/registry.py's: t5 (T5 v1.0/v1.1, Flan-T5, mT5, UL2; an encoder-decoder), umt5
@@ -84,13 +85,6 @@ class ModelConfig:
 
     scale_ff: int = spec(1, minimum=1)
     """Divide before the feed-forward down-projection and multiply back in float32 (float16 overflow guard)."""
-
-    feed_forward_proj: str = spec("gated-gelu", shape=True)
-    """Feed-forward kind, as HF's T5 config names it: gated-gelu (T5 v1.1, Flan-T5, mT5, UMT5), gated-silu
-    (UL2, Flan-UL2), relu (T5 v1.0), or gated-relu, gelu, silu."""
-
-    tie_word_embeddings: bool = spec(False, shape=True)
-    """Share the embedding with the LM head and rescale by hidden_size**-0.5 (T5 v1.0); Flan-T5 unties them."""
 
     embedding: Embedding = field(default_factory=Embedding)
     attention: Attention = field(default_factory=Attention)

@@ -147,8 +147,6 @@ class ModelOptions:
     seed: int = 42
     eps: float = 1e-6
     scale_ff: int = 1
-    feed_forward_proj: str = "gated-gelu"
-    tie_word_embeddings: bool = False
     vocab_size: int = 32128
     heads: int = 64
     d_kv: int = 64

@@ -52,8 +52,23 @@ class T5Attention:
 
 
 @dataclass(frozen=True)
-class T5Options(ModelOptions, T5Attention):
-    """What T5's model functions read: ModelOptions and T5's own attention fields."""
+class T5Model:
+    """T5's own model fields (config section ``model``): its feed-forward kind and its tied, rescaled head."""
+
+    section: ClassVar[str] = "model"
+
+    feed_forward_proj: str = spec("gated-gelu", shape=True)
+    """T5: feed-forward kind, as HF's T5 config names it: gated-gelu (T5 v1.1, Flan-T5, mT5, UMT5), gated-silu
+    (UL2, Flan-UL2), relu (T5 v1.0), or gated-relu, gelu, silu."""
+
+    tie_word_embeddings: bool = spec(False, shape=True)
+    """T5: share the embedding with the LM head and rescale by hidden_size**-0.5 (T5 v1.0); Flan-T5 unties them. A
+    causal family's head is a weight of its own (true is refused)."""
+
+
+@dataclass(frozen=True)
+class T5Options(ModelOptions, T5Attention, T5Model):
+    """What T5's model functions read: ModelOptions and T5's own fields."""
 
 
 def keeps_f32(name: str) -> bool:
@@ -647,7 +662,7 @@ class T5Family(Family):
     residual_outputs = ("o", "co", "wo")
     stacks = (ENCODER, DECODER)
     head_stream = HEAD
-    config_options = (T5Attention,)
+    config_options = (T5Model, T5Attention)
     options = T5Options
     batch_keys = ("input_ids", "attention_mask", "positions", "decoder_input_ids", "decoder_attention_mask",
                   "decoder_positions", "labels")

@@ -246,9 +246,10 @@ def test_a_family_s_own_fields_join_a_section_with_what_each_declares():
 
 
 def test_every_family_s_own_fields_are_flags_preset_keys_and_checked():
-    """Each field a registered family declares (T5's relative position buckets, a causal family's rotary embedding
-    and key/value heads) is a config field at model.attention: a flag, a preset key, in MODEL_SHAPE where declared
-    ``shape``, validated by its declaration; registering a declaration again changes nothing."""
+    """Each field a registered family declares (T5's feed-forward kind, tied head and relative position buckets, a
+    causal family's rotary embedding and key/value heads) is a config field in the section it names: a flag, a preset
+    key, in MODEL_SHAPE where declared ``shape``, validated by its declaration and its family; registering a
+    declaration again changes nothing."""
     import dataclasses
 
     from config.schema import MODEL_SHAPE, add_options
@@ -259,15 +260,20 @@ def test_every_family_s_own_fields_are_flags_preset_keys_and_checked():
         for declared in family.config_options:
             for f in dataclasses.fields(declared):
                 ref = FIELDS[f.name]
-                assert ref.path == ("model", "attention", f.name) and ref.default == f.default and ref.doc
+                assert ref.path == (*declared.section.split("."), f.name) and ref.default == f.default and ref.doc
                 assert (f.name in MODEL_SHAPE) == bool(f.metadata.get("shape"))
                 seen.add(f.name)
             before = dict(FIELDS)
             assert add_options(declared) == [] and FIELDS == before
     assert seen == {"relative_attention_num_buckets", "relative_attention_max_distance", "kv_heads", "rotary_dim",
-                    "rotary_positional_embeddings_base"}
+                    "rotary_positional_embeddings_base", "feed_forward_proj", "tie_word_embeddings"}
+    assert FIELDS["feed_forward_proj"].path == ("model", "feed_forward_proj")
     cfg = config_from_mapping({"model": {"family": "gptj", "attention": {"rotary_dim": 8, "kv_heads": 2}}})
     assert (cfg.model.attention.rotary_dim, cfg.model.attention.kv_heads) == (8, 2)
     assert load_config("finetuning", "gptj_tiny", {"rotary_dim": "4"}).model.attention.rotary_dim == 4
     with pytest.raises(ConfigError, match="kv_heads"):
         load_config("finetuning", "gptj_tiny", {"kv_heads": -1})
+    from modelling.registry import checked
+
+    with pytest.raises(ConfigError, match="tie_word_embeddings is T5's.*pass --tie_word_embeddings false"):
+        checked(load_config("finetuning", "gptj_tiny", {"tie_word_embeddings": True}))

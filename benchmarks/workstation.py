@@ -27,6 +27,7 @@ sys.path.insert(0, ROOT)
 
 from app.bench import run_child, write_json  # noqa: E402
 from config.presets import load_config  # noqa: E402
+from modelling import registry  # noqa: E402,F401 (the model families' own fields join the config)
 
 GIB = 2 ** 30
 CGROUP = "/sys/fs/cgroup"

@@ -85,16 +85,17 @@ def leaf_fields(cls, prefix: tuple = ()) -> list:
 def extend_section(section, declared) -> list:
     """Adds the fields of dataclass ``declared`` (a model family's own options: modelling/family.py) to the config
     section class ``section``, in place, with what each declares (``spec``, its docstring, which becomes its --help
-    text): the section's instances made after this hold them, and ``leaf_fields`` lists them. A field the section
-    already holds with the same type and default is shared (two families with one option); another declaration
-    of the same name is a ConfigError. -> the names added."""
+    text): the section's instances made after this hold them, and ``leaf_fields`` lists them, after the section's own
+    values and before its subsections (where --help, the reference and a saved config show them). A field the section
+    already holds with the same type, default and ``spec`` is shared (two families with one option); another
+    declaration of the same name is a ConfigError, raised before anything changes. -> the names added."""
     hints, have = typing.get_type_hints(declared), {f.name: f for f in fields(section)}
     docs, added = _field_docs(declared), []
     for f in fields(declared):
         if f.name in have:
             old = have[f.name]
-            if (typing.get_type_hints(section)[f.name], old.default, old.default_factory) != \
-                    (hints[f.name], f.default, f.default_factory):
+            if (typing.get_type_hints(section)[f.name], old.default, old.default_factory, dict(old.metadata)) != \
+                    (hints[f.name], f.default, f.default_factory, {**f.metadata, **_doc(old)}):
                 raise ConfigError(f"config field {f.name!r} is declared twice, differently ({section.__name__} and "
                                   f"{declared.__name__}): give the new option another name")
             continue
@@ -106,17 +107,25 @@ def extend_section(section, declared) -> list:
     for name in ("__init__", "__repr__", "__eq__", "__match_args__"):
         if name in section.__dict__:
             delattr(section, name)
-    own = dict(section.__dict__.get("__annotations__", {}))
-    for f in list(fields(section)) + added:
+    own, nested = dict(section.__dict__.get("__annotations__", {})), typing.get_type_hints(section)
+    values = [f for f in fields(section) if not dataclasses.is_dataclass(nested[f.name])]
+    order = values + added + [f for f in fields(section) if dataclasses.is_dataclass(nested[f.name])]
+    for f in order:
         meta = dict(f.metadata)
         if f in added and f.name in docs:
             meta["doc"] = docs[f.name]
-        setattr(section, f.name, field(default=f.default, default_factory=f.default_factory, metadata=meta))
-        if f.name not in own:
-            own[f.name] = hints[f.name]
-    section.__annotations__ = own
-    dataclass(section)
+        setattr(section, f.name, field(default=f.default, default_factory=f.default_factory, init=f.init,
+                                       repr=f.repr, compare=f.compare, metadata=meta))
+    section.__annotations__ = {f.name: own.get(f.name, hints.get(f.name)) for f in order}
+    params = section.__dataclass_params__
+    dataclass(section, init=params.init, repr=params.repr, eq=params.eq, order=params.order,
+              unsafe_hash=params.unsafe_hash, frozen=params.frozen)
     return [f.name for f in added]
+
+
+def _doc(f) -> dict:
+    """The docstring ``extend_section`` keeps in an added field's metadata, as a metadata entry (or nothing)."""
+    return {"doc": f.metadata["doc"]} if "doc" in f.metadata else {}
 
 
 def _base_type(typ):

@@ -14,7 +14,7 @@ from typing import Optional
 import yaml
 
 from config.fields import coerce, set_path
-from config.schema import FIELDS, Config, Task
+from config.schema import FIELDS, Config, Task, families_added
 from utils.errors import ConfigError
 
 CONFIG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -34,15 +34,20 @@ def read_presets(path: str) -> dict:
     return doc["release"]
 
 
+def _unregistered_hint() -> str:
+    """What an unknown key's error adds while no model family has added its own fields (``import modelling.registry``
+    adds them: every driver does; a script that reads the config alone must too)."""
+    return "" if families_added() else " (no model family's own fields are known yet: import modelling.registry first)"
+
+
 def _apply_mapping(cfg, mapping: dict, cls, where: str) -> None:
     """Sets the values of a nested YAML mapping on cfg; unknown keys are errors."""
     hints = typing.get_type_hints(cls)
     names = {f.name: f for f in fields(cls)}
     for key, value in mapping.items():
         if key not in names:
-            raise ConfigError(
-                f"unknown config key '{where}{key}': known keys here are {', '.join(sorted(names))}"
-            )
+            raise ConfigError(f"unknown config key '{where}{key}': known keys here are {', '.join(sorted(names))}"
+                              + _unregistered_hint())
         typ = hints[key]
         if dataclasses.is_dataclass(typ):
             if not isinstance(value, dict):
@@ -132,7 +137,7 @@ def apply_overrides(cfg: Config, overrides: dict) -> Config:
     """Applies {flat_flag: value} overrides; unknown flags are errors."""
     for flag, value in overrides.items():
         if flag not in FIELDS:
-            raise ConfigError(f"unknown config field '{flag}': see --help for the list of fields")
+            raise ConfigError(f"unknown config field '{flag}': see --help for the list of fields" + _unregistered_hint())
         ref = FIELDS[flag]
         set_path(cfg, ref.path, coerce(ref, value))
     return cfg

@@ -41,8 +41,9 @@ class Attention:
 
 @dataclass
 class ModelConfig:
-    """Size and numerics of the model. A model family adds its own fields here and to ``attention`` (T5's
-    feed-forward kind, a causal family's rotary embedding): see ``Attention``."""
+    """Size and numerics of the model. A model family adds its own fields here (T5's feed-forward kind and tied
+    head) and to ``attention`` (T5's relative position buckets, a causal family's rotary embedding): see
+    ``Attention``."""
 
     family: str = spec("t5", shape=True)
     """Model family, one of modelling/registry.py's: t5 (T5 v1.0/v1.1, Flan-T5, mT5, UL2; an encoder-decoder), umt5
@@ -664,6 +665,14 @@ def _derive() -> None:
     TASK_FIELDS[:] = [flag for flag, ref in FIELDS.items() if ref.path[0] == "task" or ref.meta.get("travels")]
 
 
+_ADDED: list = []  # the declarations add_options has taken
+
+
+def families_added() -> bool:
+    """Whether any model family's own fields joined the config (modelling/registry.py adds them on import)."""
+    return bool(_ADDED)
+
+
 def add_options(declared) -> list:
     """A model family's own config fields: the fields of dataclass ``declared`` join the section its ``section``
     names ("model.attention"), as flags, preset keys and --help text like every other field (modelling/registry.py
@@ -672,6 +681,7 @@ def add_options(declared) -> list:
     for name in declared.section.split("."):
         section = typing.get_type_hints(section)[name]
     added = extend_section(section, declared)
+    _ADDED.append(declared)
     if added:
         _derive()
     return added

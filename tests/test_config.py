@@ -240,9 +240,46 @@ def test_a_family_s_own_fields_join_a_section_with_what_each_declares():
         window: int = spec(8)
         """Another window."""
 
-    with pytest.raises(ConfigError, match="'window' is declared twice"):
-        extend_section(Sec, Clash)
+    @dataclass(frozen=True)
+    class Stricter:
+        section: ClassVar[str] = "sec"
+        window: int = spec(0, minimum=1, shape=True)
+        """How far a token looks back."""
+
+    for other in (Clash, Stricter):
+        with pytest.raises(ConfigError, match="'window' is declared twice"):
+            extend_section(Sec, other)
     assert [f.name for f in dataclasses.fields(Sec)] == ["a", "window"] and Sec().window == 0
+
+    @dataclass
+    class Outer:  # a section with a subsection: an added value goes before the subsection, as --help lists them
+        b: int = 1
+        """B."""
+        sec: Sec = field(default_factory=Sec)
+
+    @dataclass(frozen=True)
+    class More:
+        section: ClassVar[str] = "outer"
+        c: str = spec("x", choices=("x", "y"))
+        """C."""
+
+    extend_section(Outer, More)
+    assert [r.flag for r in leaf_fields(Outer)] == ["b", "c", "a", "window"] and Outer().c == "x"
+
+
+def test_a_config_read_before_any_family_added_its_fields_says_what_to_import():
+    """config alone (no modelling imported) knows only the shared fields: a family's own key is refused with the
+    import that adds it, not a bare "unknown key"."""
+    import subprocess
+    import sys
+
+    code = "from config.presets import load_config\nload_config('finetuning', 'gptj_tiny')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(__file__)),
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "unknown config key 'model.attention.rotary_dim'" in out.stderr
+    assert "import modelling.registry first" in out.stderr
+    assert "import modelling.registry" not in str(pytest.raises(ConfigError, load_config, "finetuning", "tiny",
+                                                                {"frobnicate": 1}).value)
 
 
 def test_every_family_s_own_fields_are_flags_preset_keys_and_checked():

@@ -43,7 +43,8 @@ def _notes(ref) -> str:
     meta, notes = ref.meta, []
     owners = _owners(ref.flag)
     if owners:
-        notes.append(f"declared by the {', '.join(owners)} famil{'ies' if len(owners) > 1 else 'y'}")
+        notes.append(f"declared by the {', '.join(owners)} famil{'ies' if len(owners) > 1 else 'y'} (another "
+                     "family refuses it set)")
     if meta.get("choices"):
         notes.append("one of " + ", ".join(f"`{c}`" for c in meta["choices"]))
     if "minimum" in meta:

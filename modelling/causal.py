@@ -201,9 +201,6 @@ class CausalLM(Family):
         if m.decoder_layers:
             raise ConfigError(f"decoder_layers={m.decoder_layers}: a {self.name} model has one stack of layers "
                               "(--layers): pass --decoder_layers 0")
-        if m.tie_word_embeddings:
-            raise ConfigError(f"tie_word_embeddings is T5's (a head tied to the embedding and rescaled): a {self.name} "
-                              "model's head is a weight of its own: pass --tie_word_embeddings false")
         if a.rotary_dim < 0 or a.rotary_dim > a.d_kv or a.rotary_dim % 2:
             raise ConfigError(f"rotary_dim={a.rotary_dim} must be even and at most d_kv={a.d_kv} (0: all of d_kv): "
                               f"pass --rotary_dim {min(a.d_kv, 64)}")

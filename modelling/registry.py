@@ -4,9 +4,11 @@ model types follow. A family added at run time (a test's, a plugin's) calls ``ad
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
-from config.schema import add_options
+from config.fields import get_path
+from config.schema import FIELDS, add_options
 from modelling import gptj, t5
 from modelling.family import Family
 from utils.errors import CheckpointError, ConfigError
@@ -45,10 +47,33 @@ def of_config(cfg) -> Family:
 
 
 def checked(cfg) -> Family:
-    """The family of a config, after it checked what only it knows (``Family.validate_config``)."""
+    """The family of a config, after it checked what only it knows (``Family.validate_config``) and that no other
+    family's own field is set (it would be ignored: ``foreign_fields``)."""
     family = of_config(cfg)
+    foreign = foreign_fields(cfg, family)
+    if foreign:
+        flag, value, owners = foreign[0]
+        raise ConfigError(f"{flag}={value} is a field of the {', '.join(owners)} model family, not of {family.name}: "
+                          f"a {family.name} model would ignore it: drop --{flag} (or pass its default, "
+                          f"{FIELDS[flag].default})")
     family.validate_config(cfg)
     return family
+
+
+def own_fields(family: Family) -> set:
+    """The flags of the fields a family declares as its own (``Family.config_options``)."""
+    return {f.name for declared in family.config_options for f in dataclasses.fields(declared)}
+
+
+def foreign_fields(cfg, family: Family) -> list:
+    """[(flag, value, the families that declare it)] of the fields other families declare as their own, set in cfg
+    to other than their default: a family reads only the shared fields and its own."""
+    mine, out = own_fields(family), []
+    for flag in sorted({f for other in FAMILIES.values() for f in own_fields(other)} - mine):
+        value = get_path(cfg, FIELDS[flag].path)
+        if value != FIELDS[flag].default:
+            out.append((flag, value, [f.name for f in FAMILIES.values() if flag in own_fields(f)]))
+    return out
 
 
 def hf_model_types() -> dict:

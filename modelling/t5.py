@@ -62,8 +62,7 @@ class T5Model:
     (UL2, Flan-UL2), relu (T5 v1.0), or gated-relu, gelu, silu."""
 
     tie_word_embeddings: bool = spec(False, shape=True)
-    """T5: share the embedding with the LM head and rescale by hidden_size**-0.5 (T5 v1.0); Flan-T5 unties them. A
-    causal family's head is a weight of its own (true is refused)."""
+    """T5: share the embedding with the LM head and rescale by hidden_size**-0.5 (T5 v1.0); Flan-T5 unties them."""
 
 
 @dataclass(frozen=True)

@@ -312,5 +312,23 @@ def test_every_family_s_own_fields_are_flags_preset_keys_and_checked():
         load_config("finetuning", "gptj_tiny", {"kv_heads": -1})
     from modelling.registry import checked
 
-    with pytest.raises(ConfigError, match="tie_word_embeddings is T5's.*pass --tie_word_embeddings false"):
+    with pytest.raises(ConfigError, match="tie_word_embeddings=True is a field of the t5, umt5 model family, not of "
+                                          "gptj: a gptj model would ignore it: drop --tie_word_embeddings"):
         checked(load_config("finetuning", "gptj_tiny", {"tie_word_embeddings": True}))
+
+
+@pytest.mark.parametrize("preset,flag,value", [
+    ("gptj_tiny", "feed_forward_proj", "relu"), ("gptj_tiny", "relative_attention_num_buckets", 16),
+    ("tiny", "rotary_dim", 8), ("tiny", "kv_heads", 2), ("tiny", "rotary_positional_embeddings_base", 500.0)])
+def test_another_family_s_own_field_set_is_refused_not_ignored(preset, flag, value):
+    """A family reads the shared fields and its own: another family's field set to other than its default would be
+    ignored, so it is refused naming the field, the families that have it and the fix; at its default it passes
+    (every saved config holds every field), and the family's own fields pass whatever their value."""
+    from modelling.registry import checked
+
+    with pytest.raises(ConfigError, match=rf"{flag}={value} is a field of the .* model family, not of .*drop --{flag}"):
+        checked(load_config("finetuning", preset, {flag: value}))
+    checked(load_config("finetuning", preset, {}))
+    own = {"tiny": {"relative_attention_max_distance": 64, "feed_forward_proj": "relu", "tie_word_embeddings": True},
+           "gptj_tiny": {"rotary_dim": 8, "rotary_positional_embeddings_base": 500.0}}[preset]
+    checked(load_config("finetuning", preset, own))

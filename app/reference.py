@@ -33,15 +33,9 @@ def _shown(value) -> str:
     return "(unset)" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _owners(flag: str) -> list:
-    """The families that declare a field as their own (``Family.config_options``); none for the config's own."""
-    return [f.name for f in registry.FAMILIES.values()
-            if any(flag in (x.name for x in dataclasses.fields(d)) for d in f.config_options)]
-
-
 def _notes(ref) -> str:
     meta, notes = ref.meta, []
-    owners = _owners(ref.flag)
+    owners = registry.owners().get(ref.flag, [])
     if owners:
         notes.append(f"declared by the {', '.join(owners)} famil{'ies' if len(owners) > 1 else 'y'} (another "
                      "family refuses it set)")

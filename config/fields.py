@@ -72,9 +72,8 @@ def leaf_fields(cls, prefix: tuple = ()) -> list:
             out += leaf_fields(typ, prefix + (f.name,))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        meta = {k: v for k, v in f.metadata.items() if k != "doc"}
         out.append(FieldRef(f.metadata.get("flag", f.name), prefix + (f.name,), typ, default, docs.get(f.name, ""),
-                            meta))
+                            _declared(f)))
     flags = [r.flag for r in out]
     dup = {x for x in flags if flags.count(x) > 1}
     assert not dup, f"config flags must be unique, duplicated: {dup}"
@@ -90,12 +89,13 @@ def extend_section(section, declared) -> list:
     already holds with the same type, default and ``spec`` is shared (two families with one option); another
     declaration of the same name is a ConfigError, raised before anything changes. -> the names added."""
     hints, have = typing.get_type_hints(declared), {f.name: f for f in fields(section)}
+    theirs = typing.get_type_hints(section)
     docs, added = _field_docs(declared), []
     for f in fields(declared):
         if f.name in have:
             old = have[f.name]
-            if (typing.get_type_hints(section)[f.name], old.default, old.default_factory, dict(old.metadata)) != \
-                    (hints[f.name], f.default, f.default_factory, {**f.metadata, **_doc(old)}):
+            if (theirs[f.name], old.default, old.default_factory, _declared(old)) != \
+                    (hints[f.name], f.default, f.default_factory, _declared(f)):
                 raise ConfigError(f"config field {f.name!r} is declared twice, differently ({section.__name__} and "
                                   f"{declared.__name__}): give the new option another name")
             continue
@@ -107,9 +107,9 @@ def extend_section(section, declared) -> list:
     for name in ("__init__", "__repr__", "__eq__", "__match_args__"):
         if name in section.__dict__:
             delattr(section, name)
-    own, nested = dict(section.__dict__.get("__annotations__", {})), typing.get_type_hints(section)
-    values = [f for f in fields(section) if not dataclasses.is_dataclass(nested[f.name])]
-    order = values + added + [f for f in fields(section) if dataclasses.is_dataclass(nested[f.name])]
+    own = dict(section.__dict__.get("__annotations__", {}))
+    values = [f for f in fields(section) if not dataclasses.is_dataclass(theirs[f.name])]
+    order = values + added + [f for f in fields(section) if dataclasses.is_dataclass(theirs[f.name])]
     for f in order:
         meta = dict(f.metadata)
         if f in added and f.name in docs:
@@ -123,9 +123,9 @@ def extend_section(section, declared) -> list:
     return [f.name for f in added]
 
 
-def _doc(f) -> dict:
-    """The docstring ``extend_section`` keeps in an added field's metadata, as a metadata entry (or nothing)."""
-    return {"doc": f.metadata["doc"]} if "doc" in f.metadata else {}
+def _declared(f) -> dict:
+    """What a field's ``spec`` declared: its metadata less the docstring ``extend_section`` keeps there."""
+    return {k: v for k, v in f.metadata.items() if k != "doc"}
 
 
 def _base_type(typ):

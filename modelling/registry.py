@@ -65,14 +65,23 @@ def own_fields(family: Family) -> set:
     return {f.name for declared in family.config_options for f in dataclasses.fields(declared)}
 
 
+def owners() -> dict:
+    """{flag: [the families that declare it as their own]} of every family's own fields (the shared ones absent)."""
+    out: dict = {}
+    for family in FAMILIES.values():
+        for flag in sorted(own_fields(family)):
+            out.setdefault(flag, []).append(family.name)
+    return out
+
+
 def foreign_fields(cfg, family: Family) -> list:
     """[(flag, value, the families that declare it)] of the fields other families declare as their own, set in cfg
     to other than their default: a family reads only the shared fields and its own."""
     mine, out = own_fields(family), []
-    for flag in sorted({f for other in FAMILIES.values() for f in own_fields(other)} - mine):
+    for flag, names in sorted(owners().items()):
         value = get_path(cfg, FIELDS[flag].path)
-        if value != FIELDS[flag].default:
-            out.append((flag, value, [f.name for f in FAMILIES.values() if flag in own_fields(f)]))
+        if flag not in mine and value != FIELDS[flag].default:
+            out.append((flag, value, names))
     return out
 
 

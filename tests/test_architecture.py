@@ -312,12 +312,11 @@ def test_each_family_s_options_are_the_config_s_fields_and_its_own():
     from config.schema import FIELDS
     from modelling.family import EXECUTION_FIELDS, ModelOptions
 
-    declared = {f.name for fam in registry.FAMILIES.values() for d in fam.config_options for f in dataclasses.fields(d)}
-    common = {f for f, r in FIELDS.items() if r.path[0] in ("model", "lora")} - declared
+    common = {f for f, r in FIELDS.items() if r.path[0] in ("model", "lora")} - set(registry.owners())
     assert {f.name: f.default for f in dataclasses.fields(ModelOptions)} == \
         {**{f: FIELDS[f].default for f in common}, **{f: FIELDS[f].default for f in EXECUTION_FIELDS}}
     for family in registry.FAMILIES.values():
-        own = {f.name for d in family.config_options for f in dataclasses.fields(d)}
+        own = registry.own_fields(family)
         assert own and {f.name for f in dataclasses.fields(family.options)} == common | set(EXECUTION_FIELDS) | own
         assert issubclass(family.options, ModelOptions)
     assert {f.name for f in dataclasses.fields(registry.get("t5").options)} & {"rotary_dim", "kv_heads"} == set()

@@ -31,8 +31,9 @@ Parts, in priority order (each against its baseline, measured in the same run):
 Every phased run's report carries what a step moved over the host link against the floor of its layout
 (graphs/transfers.py) and the link-bound step time at the measured bandwidth; xxl_1gpu's figures say how far the
 step is from the larger of its compute and its link floor (goal: 1.2x).
-  serve           the server (continuous batching, base and xl) against static batching and HF generate one by
-                  one on the same Poisson arrivals of mixed lengths (benchmarks/serve.py): tokens/s, TTFT, ITL
+  serve           the server (continuous batching, base) against static batching and HF generate one by one on
+                  the same Poisson arrivals of mixed lengths (benchmarks/serve.py): tokens/s, TTFT, ITL
+  serve_xl        the same for xl
 
 Each part runs its benchmarks as subprocesses (finetuning.py, compare.py, inference.py) and writes
 ``OUT/<part>.json`` the moment it ends: status (ok, failed, out of memory, timed out, skipped), figures, the
@@ -108,7 +109,7 @@ def _smoke_commands() -> dict:
                  "--steps", "3", "--hf", "eager", "--decoder_sequence_length", "4"]
     xl = [_finetune("tiny", "--steps", "3", "--warmup_iterations", "1", *t5, "--global_batch_size", "8",
                     "--micro_batch_size", str(mb), *one, "--recompute", "false") for mb in (4, 8)]
-    return {
+    c = {
         "xxl": xxl, "xxl128": xxl,  # (one run: a larger batch at tiny shapes tests nothing more)
         "xxl_lora": xxl + ["--lora_rank", "4"],
         "ul2": xxl + ["--update_in_backward", "true"], "xl": xl,
@@ -141,6 +142,8 @@ def _smoke_commands() -> dict:
                   "--max_new", "8", "--min_prompt", "3", "--max_prompt", "8", "--steps_per_call", "8", "--repeats",
                   "1", "--hf_requests", "2"],
     }
+    c["serve_xl"] = c["serve"]  # (xl's shapes are tiny's here: one run)
+    return c
 
 
 def _decode_args(config, length, precision, batch, output_length) -> list:
@@ -202,9 +205,14 @@ def _gpu_commands() -> dict:
         "f15_int8": ["inference.py", *_decode_args("base", "512", "bfloat16", "64", "8"), "--quantize", "int8"],
         "f15_hlo": ["benchmarks/int8_hlo.py", "--config", "xl", "--batch", "64", "--prompt_length", "512",
                     "--output_length", "8"],
-        "serve": ["benchmarks/serve.py", "--configs", "base", "xl", "--requests", "128", "--slots", "32",
-                  "--steps_per_call", "1", "8", "--join_sizes", "4", "32", "--repeats", "2", "--hf_requests", "16",
+        # base: 512 requests (128 were 0.66 s of serving on one H100, arrivals still coming in for half of it);
+        # xl: fewer join sizes (its 13 slot programs did not compile within 4 minutes)
+        "serve": ["benchmarks/serve.py", "--configs", "base", "--requests", "512", "--slots", "32",
+                  "--steps_per_call", "8", "--repeats", "3", "--hf_requests", "8",
                   "--model_flags=--tensor_parallel 1 --data_parallel 1"],
+        "serve_xl": ["benchmarks/serve.py", "--configs", "xl", "--requests", "256", "--slots", "32",
+                     "--steps_per_call", "8", "--join_sizes", "8", "32", "--repeats", "1", "--hf_requests", "2",
+                     "--model_flags=--tensor_parallel 1 --data_parallel 1"],
     }
 
 
@@ -240,8 +248,10 @@ def parts(smoke: bool) -> list:
              _plan_figures),
         Part("workstation", "each LoRA preset trained 10 steps and validated on a 22 GiB device with 60 GiB of host "
              "memory", 1200, [Run(n, cmd, required=False) for n, cmd in c["workstation"]], _workstation_figures),
+        # estimates: base 200 s on one H100 at 128 requests (106 s of it compiling the slot programs); xl unmeasured
         Part("serve", "the server (continuous batching) against static batching and HF generate one by one, on "
-             "Poisson arrivals of mixed lengths (base, xl)", 600, [Run("serve", c["serve"])], _serve_figures),
+             "Poisson arrivals of mixed lengths (base)", 280, [Run("serve", c["serve"])], _serve_figures),
+        Part("serve_xl", "the same for xl", 560, [Run("serve", c["serve_xl"])], _serve_figures),
     ]
     out += fifteen(c)
     if smoke:  # CPU seconds at tiny shapes: a tenth of the GPU estimates

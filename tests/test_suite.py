@@ -13,7 +13,7 @@ from tests.env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ["xxl_1gpu", "ul2_1gpu", "xl_mfu", "vs_hf", "xl_phased", "decode", "summaries", "beams", "gptj_6B",
-         "plan_check", "workstation", "serve"]
+         "plan_check", "workstation", "serve", "serve_xl"]
 
 
 def suite(*args, timeout=900):

@@ -53,7 +53,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -485,22 +485,27 @@ def ensure_packages() -> dict:
 # --------------------------------------------------------------------------- running
 
 
-_DONE: dict = {}  # {command: result} of the runs this invocation finished ok: a part that runs the same command reuses it
+_DONE: dict = {}  # {command: Future of its result}: a part that runs a command another part ran (or is running) reuses it
 _DONE_LOCK = threading.Lock()
 
 
 def run_one(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     """One benchmark process -> its report (``status`` ok, failed, out_of_memory or timed_out), its output kept; a
-    command another part already ran in this invocation is not run again (its result is reused, and says so)."""
+    command another part of this invocation ran ok is not run again, nor one it is running (parts run concurrently
+    with ``--jobs``): its result is reused, and says so."""
     with _DONE_LOCK:
-        done = _DONE.get(tuple(run.cmd))
-    if done is not None:
-        return {**done, "reused": True}
-    result = _run_process(run, out_dir, part, timeout)
-    if result["status"] == "ok":
-        with _DONE_LOCK:
-            _DONE[tuple(run.cmd)] = result
-    return result
+        first = _DONE.get(tuple(run.cmd))
+        if first is None:
+            mine = _DONE[tuple(run.cmd)] = Future()
+    if first is not None:
+        done = first.result()
+        return {**done, "reused": True} if done["status"] == "ok" else _run_process(run, out_dir, part, timeout)
+    result = {"status": "failed"}
+    try:
+        result = _run_process(run, out_dir, part, timeout)
+        return result
+    finally:
+        mine.set_result(result)
 
 
 def _run_process(run: Run, out_dir: str, part: str, timeout: float) -> dict:
@@ -649,7 +654,7 @@ def _other_head(part: str, f: dict) -> str:
     elif part == "workstation" and f:
         head = "; ".join(f"{n}: {v['status']}, step {_fmt(min(v['step_s'][1:] or v['step_s'] or [None]), ' s')}"
                          for n, v in f.items())
-    elif part == "serve" and f:
+    elif part in ("serve", "serve_xl") and f:
         head = "; ".join(f"{model}: " + ", ".join(f"{k} {_fmt(v, 'x')}" for k, v in m["ratios"].items())
                          for model, m in f.items() if isinstance(m, dict) and "ratios" in m)
     return head

@@ -141,3 +141,38 @@ def test_a_part_the_budget_cannot_hold_is_skipped_and_recorded(tmp_path):
     r = json.load(open(out / "decode.json"))
     assert r["status"] == "skipped" and "left" in r["reason"] and r["runs"] == {}
     assert "| decode | skipped" in open(out / "summary.md").read()
+
+
+def test_a_command_two_parts_run_runs_once_even_when_they_run_at_once(monkeypatch, tmp_path):
+    """run_one's reuse (serve_xl's smoke run is serve's; --jobs 2 runs them at once): the second part waits for the
+    first's run of the same command and reuses its result; a failed run is not reused (the next part runs its own);
+    another command runs apart."""
+    import threading
+    import time
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import suite as S
+    monkeypatch.setattr(S, "_DONE", {})
+    started, status = [], {"ok": "ok", "bad": "failed"}
+
+    def fake(run, out_dir, part, timeout):
+        started.append((run.cmd[0], part))
+        time.sleep(0.2)  # the other part asks while this one is still running
+        return {"status": status[run.cmd[0]], "part": part}
+
+    monkeypatch.setattr(S, "_run_process", fake)
+    out = {}
+
+    def go(part, cmd):
+        out[part] = S.run_one(S.Run("r", [cmd]), str(tmp_path), part, 10)
+
+    threads = [threading.Thread(target=go, args=(p, c)) for p, c in
+               (("a", "ok"), ("b", "ok"), ("c", "bad"), ("d", "bad"), ("e", "other"))]
+    status["other"] = "ok"
+    for t in threads:
+        t.start()
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert sorted(started) == [("bad", "c"), ("bad", "d"), ("ok", "a"), ("other", "e")]
+    assert out["b"] == {"status": "ok", "part": "a", "reused": True} and "reused" not in out["a"]
+    assert out["d"] == {"status": "failed", "part": "d"}  # its own run, not the failed one's

@@ -41,6 +41,7 @@ DRIVERS = {
     "benchmarks/precision.py": ("benchmarks.precision", {"--config": "finetuning"}),
     "benchmarks/int8_accuracy.py": ("benchmarks.int8_accuracy", {}),
     "benchmarks/int8_hlo.py": ("benchmarks.int8_hlo", {"--config": "inference"}),
+    "benchmarks/cpu_dispatch.py": ("benchmarks.cpu_dispatch", {}),
     "-m app.launch": ("app.launch", {}),
     "-m app.reference": ("app.reference", {}),
 }

@@ -248,7 +248,8 @@ def parts(smoke: bool) -> list:
              _plan_figures),
         Part("workstation", "each LoRA preset trained 10 steps and validated on a 22 GiB device with 60 GiB of host "
              "memory", 1200, [Run(n, cmd, required=False) for n, cmd in c["workstation"]], _workstation_figures),
-        # estimates: base about 250 s on one H100 at 128 requests (106 s of it compiling the slot programs); xl unmeasured
+        # estimates: base about 250 s on one H100 at 128 requests (106 s of it compiling the slot programs); xl
+        # unmeasured
         Part("serve", "the server (continuous batching) against static batching and HF generate one by one, on "
              "Poisson arrivals of mixed lengths (base)", 330, [Run("serve", c["serve"])], _serve_figures),
         Part("serve_xl", "the same for xl", 560, [Run("serve", c["serve_xl"])], _serve_figures),

@@ -144,19 +144,19 @@ def test_a_part_the_budget_cannot_hold_is_skipped_and_recorded(tmp_path):
 
 
 def test_a_command_two_parts_run_runs_once_even_when_they_run_at_once(monkeypatch, tmp_path):
-    """run_one's reuse (serve_xl's smoke run is serve's; --jobs 2 runs them at once): the second part waits for the
-    first's run of the same command and reuses its result; a failed run is not reused (the next part runs its own);
-    another command runs apart."""
+    """run_one's reuse (serve_xl's smoke run is serve's; --jobs 2 runs them at once): a part that asks for a command
+    another part is still running waits for it and reuses its result; a failed run is not reused (the next part runs
+    its own); another command runs apart."""
     import threading
     import time
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import suite as S
     monkeypatch.setattr(S, "_DONE", {})
-    started, status = [], {"ok": "ok", "bad": "failed"}
+    started, release, status = [], threading.Event(), {"ok": "ok", "bad": "failed", "other": "ok"}
 
     def fake(run, out_dir, part, timeout):
         started.append((run.cmd[0], part))
-        time.sleep(0.2)  # the other part asks while this one is still running
+        assert release.wait(30)  # every part has asked before the first run ends
         return {"status": status[run.cmd[0]], "part": part}
 
     monkeypatch.setattr(S, "_run_process", fake)
@@ -167,12 +167,19 @@ def test_a_command_two_parts_run_runs_once_even_when_they_run_at_once(monkeypatc
 
     threads = [threading.Thread(target=go, args=(p, c)) for p, c in
                (("a", "ok"), ("b", "ok"), ("c", "bad"), ("d", "bad"), ("e", "other"))]
-    status["other"] = "ok"
     for t in threads:
         t.start()
-        time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while len(started) < 3 and time.monotonic() < deadline:  # one run of each command under way
+        time.sleep(0.01)
+    time.sleep(0.2)  # the others are waiting on those runs
+    assert len(started) == 3, started
+    release.set()
     for t in threads:
         t.join()
-    assert sorted(started) == [("bad", "c"), ("bad", "d"), ("ok", "a"), ("other", "e")]
-    assert out["b"] == {"status": "ok", "part": "a", "reused": True} and "reused" not in out["a"]
-    assert out["d"] == {"status": "failed", "part": "d"}  # its own run, not the failed one's
+    ran = next(p for c, p in started if c == "ok")  # a or b, whichever asked first
+    other = "b" if ran == "a" else "a"
+    assert sorted(c for c, _ in started) == ["bad", "bad", "ok", "other"]  # the failed command ran twice
+    assert out[other] == {"status": "ok", "part": ran, "reused": True} and "reused" not in out[ran]
+    assert out["c"] == {"status": "failed", "part": "c"} and out["d"] == {"status": "failed", "part": "d"}
+    assert out["e"] == {"status": "ok", "part": "e"}

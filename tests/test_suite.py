@@ -115,6 +115,8 @@ def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     w = figs["workstation"]["xxl_lora_1gpu"]
     assert w["status"] == w["train_status"] == w["validate_status"] == "ok" and len(w["step_s"]) == 3
     assert w["train_peak_rss_bytes"] > 0 and w["host_cap"]["gib"] == 60 and w["device_cap"]["gib"] == 22
+    # serve_xl's smoke command is serve's: run once, the other part reusing it
+    assert sorted(bool(parts[n]["runs"]["serve"].get("reused")) for n in ("serve", "serve_xl")) == [False, True]
     served = raw("serve", "serve")["models"]["tiny"]  # the server against static batching, from its own figures
     assert figs["serve"]["tiny"]["ratios"]["server_8step / static tokens_per_s"] == pytest.approx(
         served["server_8step"]["tokens_per_s"] / served["static"]["tokens_per_s"])
@@ -145,41 +147,54 @@ def test_a_part_the_budget_cannot_hold_is_skipped_and_recorded(tmp_path):
 
 def test_a_command_two_parts_run_runs_once_even_when_they_run_at_once(monkeypatch, tmp_path):
     """run_one's reuse (serve_xl's smoke run is serve's; --jobs 2 runs them at once): a part that asks for a command
-    another part is still running waits for it and reuses its result; a failed run is not reused (the next part runs
-    its own); another command runs apart."""
+    another part is still running waits for it and reuses its result; a failed run is forgotten (the part waiting on
+    it runs its own, as does a later one); another command runs apart."""
     import threading
     import time
     monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
     import suite as S
     monkeypatch.setattr(S, "_DONE", {})
-    started, release, status = [], threading.Event(), {"ok": "ok", "bad": "failed", "other": "ok"}
+    started, waiting, release = [], [], threading.Event()
+    status = {"ok": "ok", "bad": "failed", "other": "ok"}
+
+    class Counted(S.Future):
+        def result(self, timeout=None):
+            waiting.append(threading.current_thread().name)
+            return super().result(timeout)
 
     def fake(run, out_dir, part, timeout):
         started.append((run.cmd[0], part))
-        assert release.wait(30)  # every part has asked before the first run ends
+        assert release.wait(30)
         return {"status": status[run.cmd[0]], "part": part}
 
+    monkeypatch.setattr(S, "Future", Counted)
     monkeypatch.setattr(S, "_run_process", fake)
     out = {}
 
     def go(part, cmd):
         out[part] = S.run_one(S.Run("r", [cmd]), str(tmp_path), part, 10)
 
-    threads = [threading.Thread(target=go, args=(p, c)) for p, c in
+    threads = [threading.Thread(target=go, args=(p, c), name=p) for p, c in
                (("a", "ok"), ("b", "ok"), ("c", "bad"), ("d", "bad"), ("e", "other"))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while len(started) < 3 and time.monotonic() < deadline:  # one run of each command under way
-        time.sleep(0.01)
-    time.sleep(0.2)  # the others are waiting on those runs
-    assert len(started) == 3, started
-    release.set()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while (len(started) < 3 or len(waiting) < 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # one run of each command under way, and the two other parts waiting on theirs
+        assert len(started) == 3 and len(waiting) == 2, (started, waiting)
+    finally:
+        release.set()
+        for t in threads:
+            t.join()
     ran = next(p for c, p in started if c == "ok")  # a or b, whichever asked first
     other = "b" if ran == "a" else "a"
-    assert sorted(c for c, _ in started) == ["bad", "bad", "ok", "other"]  # the failed command ran twice
+    assert sorted(c for c, _ in started) == ["bad", "bad", "ok", "other"]  # the failed command ran again
     assert out[other] == {"status": "ok", "part": ran, "reused": True} and "reused" not in out[ran]
     assert out["c"] == {"status": "failed", "part": "c"} and out["d"] == {"status": "failed", "part": "d"}
     assert out["e"] == {"status": "ok", "part": "e"}
+    go("f", "bad")  # later: a failed command runs again, one that ran ok is reused
+    go("g", "ok")
+    assert out["f"] == {"status": "failed", "part": "f"} and out["g"] == {"status": "ok", "part": ran, "reused": True}
+    assert len(started) == 5

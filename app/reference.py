@@ -33,9 +33,10 @@ def _shown(value) -> str:
     return "(unset)" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _notes(ref) -> str:
+def _notes(ref, declared_by: dict) -> str:
+    """What a field's row says it checks; ``declared_by``: registry.owners()."""
     meta, notes = ref.meta, []
-    owners = registry.owners().get(ref.flag, [])
+    owners = declared_by.get(ref.flag, [])
     if owners:
         notes.append(f"declared by the {', '.join(owners)} famil{'ies' if len(owners) > 1 else 'y'} (another "
                      "family refuses it set)")
@@ -64,7 +65,7 @@ def _sections() -> list:
 
 def markdown() -> str:
     """The whole reference, as docs/configuration.md holds it."""
-    lines = [HEAD]
+    lines, declared_by = [HEAD], registry.owners()
     for name, doc, refs in _sections():
         lines += [f"## `{name}`", "", doc, "", "| flag | type | default | checks | what it says |",
                   "|---|---|---|---|---|"]
@@ -72,7 +73,7 @@ def markdown() -> str:
             typ = _base_type(r.type).__name__
             key = ".".join(r.path)
             what = (r.doc or "").replace("|", "\\|")
-            lines.append(f"| `--{r.flag}` (`{key}`) | {typ} | `{_shown(r.default)}` | {_notes(r)} | {what} |")
+            lines.append(f"| `--{r.flag}` (`{key}`) | {typ} | `{_shown(r.default)}` | {_notes(r, declared_by)} | {what} |")
         lines.append("")
     return "\n".join(lines)
 

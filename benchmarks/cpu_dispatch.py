@@ -39,20 +39,15 @@ def case(devices: int, collective: bool, donate: bool, size: int = 800, rounds: 
     times = []
     for _ in range(rounds):
         t = time.perf_counter()
-        if donate:  # one call alone
-            y = f(y)
-            y.block_until_ready()
-        else:
-            f(a).block_until_ready()
+        y = f(y if donate else a)  # one call alone
+        y.block_until_ready()
         alone = time.perf_counter() - t
         t0 = time.perf_counter()
         y1 = f(y if donate else a)
         t1 = time.perf_counter()
-        y = f(y1) if donate else f(b)
+        y = f(y1 if donate else b)
         t2 = time.perf_counter()
-        y.block_until_ready()
-        if not donate:
-            y = y1
+        y.block_until_ready()  # (calls run in order: the first has ended too)
         times.append((alone, t1 - t0, t2 - t1, time.perf_counter() - t2))
     alone, first, second, wait = (1000 * float(x) for x in np.median(np.array(times), axis=0))
     return {"devices": devices, "collective": collective, "donate": donate, "alone_ms": alone,

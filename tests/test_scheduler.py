@@ -18,7 +18,7 @@ import pytest
 from data.synthetic import make_tokenizer
 from serving.metrics import Metrics
 from serving.output import Output, OutputProcessor
-from serving.scheduler import FATAL_AFTER, Failed, QueueFull, Scheduler, Sequence, ShuttingDown
+from serving.scheduler import FATAL_AFTER, Failed, QueueFull, Scheduler, Sequence, ShuttingDown, Update
 from tests.fake_backend import FakeBackend, logprob
 
 TOK = make_tokenizer()
@@ -270,7 +270,7 @@ def test_logprobs_of_the_tokens_and_of_the_prompt():
             (scored,) = [u.prompt_scored for u in h.of(seq) if u.prompt_scored is not None]
             np.testing.assert_allclose(scored[0], logprob(np.array(seq.ids[1:]), np.array(seq.ids[:-1])))
         assert h.end(score_only).reason == "length" and not h.tokens(score_only)
-        assert h.b.calls.count("insert") == 1  # the score-only sequence took no slot
+        assert h.b.calls.count("insert") == 1 and score_only.slot is None  # the score-only sequence took no slot
 
 
 # --------------------------------------------------------------------------- the output side
@@ -284,8 +284,6 @@ class Out:
         self.p = OutputProcessor(TOK, Metrics(1), self.finished.extend)
 
     def feed(self, seq: Sequence, chunks: list, reason: str, scored=None) -> list:
-        from serving.scheduler import Update
-
         events = []
         for i, c in enumerate(chunks):
             last = i == len(chunks) - 1
@@ -364,8 +362,6 @@ def test_a_character_split_over_tokens_is_sent_whole():
     assert "\ufffd" in tok.decode(words[:7])  # "le caf" and half of "é"
     p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
     seq = Sequence(words[:1], 100, out=Output(0, None, stream=True))
-    from serving.scheduler import Update
-
     texts = [e.text for t in words for _, e in p.handle(Update(seq, [t]))]
     texts += [e.text for _, e in p.handle(Update(seq, [], reason="length"))]
     assert "".join(texts) == "le café noir" and not any("\ufffd" in t for t in texts)
@@ -421,3 +417,129 @@ def test_a_sequence_ended_in_a_round_whose_call_then_fails_is_still_answered():
     h.s._recover(RuntimeError("boom"))
     assert h.end(a).reason == "cancelled" and isinstance(h.end(b).error, Failed)
     assert not h.s.held_seqs
+
+
+# --------------------------------------------------------------------------- boundaries (each test: a contract
+# that a one-token change of the scheduler or the output side breaks)
+
+
+def test_sampling_parameters_as_the_slots_read_them():
+    """(temperature, top_k, drop_mass, seed low, seed high, logprobs): the 64-bit seed split low half first (the
+    device keys with the low half and folds in the high), top-p as the mass dropped, 1 - top_p."""
+    s = Sequence([5], 4, temperature=0.7, top_p=0.9, top_k=5, seed=(7 << 32) | 3, logprobs=2)
+    temperature, top_k, drop, low, high, logprobs = s.sampling()
+    assert (temperature, top_k, low, high, logprobs) == (0.7, 5, 3, 7, 2)
+    assert drop == 1.0 - 0.9  # in float64, as HF computes it
+    plain = Sequence([5], 4, top_k=-1).sampling()
+    assert plain[1] == 0 and plain[2] == 0.0 and plain[5] == -1  # top-k off, top-p off, no log-probabilities
+    draws = {Sequence([5], 4).sampling()[3:5] for _ in range(8)}  # no seed: a fresh 64-bit one each time
+    assert len(draws) == 8 and all(0 <= x < 2 ** 32 for d in draws for x in d)
+
+
+def test_fewer_waiting_than_min_join_join_at_once_when_they_all_fit():
+    h = Harness(slots=4, steps=2, min_join=4)
+    h.s.submit([h.seq("a dog", 60) for _ in range(2)])
+    h.s._round()
+    late = h.seq("red bird", 4)
+    h.s.submit([late])
+    h.s._round()  # two slots free, one waiting: a group of all that wait, it joins now
+    assert h.b.calls.count("insert") == 2 and late.slot is not None
+
+
+def test_joiners_are_spread_over_the_dp_shards_in_one_insert():
+    h = Harness(slots=4, dp=2, steps=2, joins=(1, 2))
+    seqs = [h.seq(p, 5) for p in ("the cat", "a dog", "red bird", "old man")]
+    h.s.submit(seqs)
+    h.run()
+    assert h.b.calls.count("insert") == 1  # dp x the widest join at once
+    assert sorted(s.slot for s in seqs) == [0, 1, 2, 3]
+    for s in seqs:
+        assert h.tokens(s) == expected(s.ids, 5)[0]
+
+
+def test_a_prompt_takes_the_narrowest_width_that_holds_it():
+    h = Harness(slots=2, widths=(8, 16), joins=(1,))
+    widths, insert = [], h.b.insert
+    h.b.insert = lambda width, *a: (widths.append(width), insert(width, *a))[1]
+    words = ids("the cat sleeps in the park the dog runs in the house")
+    eight, sixteen = h.seq((words * 2)[:8], 3), h.seq((words * 2)[:16], 3)
+    h.s.submit([eight, sixteen])
+    h.run()
+    assert widths == [8, 16]  # exactly as wide as a width: that width (the widest included)
+    assert h.tokens(sixteen) == expected(sixteen.ids, 3)[0]
+
+
+def test_only_calls_failing_in_a_row_stop_the_loop():
+    """A call read after a failure starts the count again: FATAL_AFTER failures, but never two in a row, and the
+    loop goes on."""
+    h = Harness(slots=2, steps=2, max_queue=40)
+    h.s.submit([h.seq("the cat sleeps", 40) for _ in range(4 * FATAL_AFTER + 4)])
+    for _ in range(FATAL_AFTER + 1):
+        h.b.fail = lambda kind: RuntimeError("flaky") if kind == "advance" else None
+        with pytest.raises(RuntimeError):
+            h.s._round()
+        assert h.s._recover(RuntimeError("flaky"))
+        h.b.fail = None
+        h.s._round()  # an insert and an advance, the insert read
+    assert h.s.failure is None and h.s.failures == 0
+
+
+def test_a_stream_holds_back_exactly_what_could_still_begin_a_stop_string():
+    """len(stop) - 1 characters wait (the longest stop's), no more: a stop string of 6 characters never seen."""
+    words = ids("the cat sleeps in the park")
+    p = OutputProcessor(TOK, Metrics(1), lambda seqs: None)
+    s = sequence("", True, stop=("park .", "xy"))
+    sent = ""
+    for k, w in enumerate(words):
+        sent += "".join(e.text for _, e in p.handle(Update(s, [w])))
+        text = TOK.decode(words[:k + 1])
+        assert sent == text[:max(len(text) - 5, 0)], (sent, text)
+
+
+def test_the_tokens_kept_end_with_the_one_whose_text_completes_the_stop_string():
+    words = ids("the cat sleeps in the park")
+    for stop, kept, text in (("cat", 2, "the "), ("at sl", 3, "the c"), ("the", 1, "")):
+        (event,) = Out().feed(sequence("", False, stop=(stop,)), [words], "length")
+        assert (event.text, event.completion_tokens, event.finish_reason) == (text, kept, "stop"), stop
+
+
+def test_special_tokens_show_their_names_but_add_no_text_to_the_offsets():
+    prompt = ids("a") + [EOS] + ids("dog")  # a token-id prompt may hold any id
+    completion = ids("the") + [TOK.pad_token_id] + ids("cat")  # (a model may write a special token)
+    s = sequence("", False, logprobs=1, echo=TOK.decode(prompt, skip_special_tokens=True), echo_ids=prompt)
+    s.out.prompt_scored = (np.array([-1.0, -2.0]), np.array([[EOS], [prompt[2]]]), np.array([[-1.0], [-2.0]]))
+
+    def scored(chunk):
+        return np.full(len(chunk), -0.5), np.array([[t] for t in chunk]), np.full((len(chunk), 1), -0.5)
+
+    (event,) = Out().feed(s, [completion], "length", scored)
+    assert event.text == "a dog" + "the cat"
+    assert [(e.token, e.offset) for e in event.logprobs] == [
+        ("a", 0), ("</s>", 1), (" dog", 1), ("the", 5), ("<pad>", 8), (" cat", 8)]
+
+
+def test_the_cumulative_log_probability_counts_each_streamed_token_once():
+    words = ids("the cat sleeps in")
+
+    def scored(chunk):
+        return -0.25 * np.arange(1, len(chunk) + 1), np.array([[t] for t in chunk]), np.zeros((len(chunk), 1))
+
+    events = Out().feed(sequence("", True, logprobs=0), [words[:2], words[2:]], "length", scored)
+    assert [e.cumulative_logprob for e in events] == [-0.75, -0.75 - 0.75]
+
+
+def test_the_inter_token_latency_is_the_time_between_a_sequence_s_calls(monkeypatch):
+    import types
+
+    import serving.output as output
+
+    clock = iter([1.0, 2.0, 4.0, 4.5])
+    monkeypatch.setattr(output, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    out = Out()
+    s = sequence("", True)
+    s.arrival = 0.5
+    words = ids("the cat sleeps in")
+    out.feed(s, [[w] for w in words], "length")
+    itl = out.p.metrics.itl
+    assert itl._sum.get() == pytest.approx(1.0 + 2.0 + 0.5)  # 2 - 1, 4 - 2, 4.5 - 4: not since the first
+    assert out.p.metrics.ttft._sum.get() == pytest.approx(0.5)

@@ -10,6 +10,7 @@ the real models' numbers are tests/test_server.py's. No JAX, no compilation: the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -524,3 +525,110 @@ def test_an_unexpected_error_is_a_json_500_never_a_dropped_connection(server):
         server.engine.render_chat = render
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert server.metric('flan_t5_rejected_requests_total{status="500"}') >= 1
+
+
+BOUNDS = api.Limits(max_tokens=64, default_max_tokens=16, max_prompt_tokens=32, max_prompt_chars=40, max_prompts=40,
+                    max_body_bytes=65536, vocab_size=64, max_logprobs=5, scores_prompts=True)
+
+
+@pytest.mark.parametrize("field, at, past", [
+    ("max_tokens", {"max_tokens": 64}, {"max_tokens": 65}),
+    ("max_tokens", {"max_tokens": 0, "echo": True}, {"max_tokens": -1, "echo": True}),
+    ("prompt", {"prompt": "a" * 40}, {"prompt": "a" * 41}),
+    ("prompt", {"prompt": [63] * 32}, {"prompt": [63] * 33}),
+    ("prompt", {"prompt": [0]}, {"prompt": [64]}),
+    ("prompt", {"prompt": ["a"] * 40}, {"prompt": ["a"] * 41}),
+    ("stop", {"stop": ["a", "b", "c", "d"]}, {"stop": ["a", "b", "c", "d", "e"]}),
+    ("n", {"n": api.MAX_N}, {"n": api.MAX_N + 1}),
+    ("best_of", {"n": 2, "best_of": 2}, {"n": 2, "best_of": 1}),
+    ("best_of", {"best_of": api.MAX_N}, {"best_of": api.MAX_N + 1}),
+    ("logprobs", {"logprobs": 5}, {"logprobs": 6}),
+    ("top_k", {"top_k": 64}, {"top_k": 65}),
+    ("top_k", {"top_k": -1}, {"top_k": -2}),
+    ("temperature", {"temperature": 2.0}, {"temperature": 2.0000001}),
+    ("temperature", {"temperature": 0}, {"temperature": -1e-9}),
+    ("top_p", {"top_p": 1}, {"top_p": 1.0000001}),
+    ("top_p", {"top_p": 1e-9}, {"top_p": 0.0}),
+    ("seed", {"seed": 2 ** 64 - 1}, {"seed": 2 ** 64}),
+    ("seed", {"seed": -2 ** 63}, {"seed": -2 ** 63 - 1}),
+])
+def test_each_bound_takes_its_limit_and_refuses_one_past_it(field, at, past):
+    """Every limit is inclusive: the value at it is served, one step past it is a 4xx naming the field."""
+    def parse(fields):
+        return api.parse_completion(json.dumps({"model": MODEL, "prompt": "a", **fields}).encode(), BOUNDS, MODEL)
+
+    req = parse(at)
+    assert req.max_tokens >= 0
+    with pytest.raises(api.ApiError) as e:
+        parse(past)
+    assert 400 <= e.value.status < 500 and field in e.value.message, e.value.message
+
+
+def test_a_seed_is_taken_modulo_two_to_the_64():
+    for seed, taken in ((-1, 2 ** 64 - 1), (-2 ** 63, 2 ** 63), (2 ** 64 - 1, 2 ** 64 - 1), (5, 5)):
+        req = api.parse_completion(json.dumps({"model": MODEL, "prompt": "a", "seed": seed}).encode(), BOUNDS, MODEL)
+        assert req.seed == taken
+
+
+def test_chat_takes_256_messages_and_refuses_more():
+    def parse(n):
+        msgs = [{"role": "user", "content": "a"}] * n
+        return api.parse_chat(json.dumps({"model": MODEL, "messages": msgs}).encode(),
+                              dataclasses.replace(BOUNDS, max_prompt_chars=10 ** 6), MODEL)
+
+    assert len(parse(256).messages) == 256
+    with pytest.raises(api.ApiError, match="messages"):
+        parse(257)
+
+
+def test_a_media_type_is_read_case_insensitively(server):
+    r = server.post({"model": MODEL, "prompt": "the cat", "max_tokens": 5},
+                    headers={"Content-Type": "Application/JSON; charset=UTF-8"})
+    assert r.status_code == 200, r.text
+    assert server.post(b"{}", headers={"Content-Type": "text/plain"}).status_code == 415
+
+
+def test_a_prompt_as_long_as_the_widest_width_is_read_one_token_more_is_refused():
+    from serving.engine import PromptError
+
+    backend = FakeBackend(slots=4, widths=(8, 16), joins=(1, 2, 4))
+    options = ServeOptions(slots=4, max_queue=8, widths=(8, 16), joins=(1, 2, 4), steps=2, max_new_tokens=8,
+                           max_prompt_chars=2000, max_body_bytes=65536, model_id=MODEL)
+    engine = Engine(backend, TOK, encode, options)
+    text = " ".join(["cat"] * 15)  # 15 words and T5's end-of-text: 16 tokens
+    assert len(engine.tokenize(text)) == 16 and len(engine.tokenize(tuple(range(2, 18)))) == 16
+    for prompt in (text + " cat", tuple(range(2, 19))):
+        with pytest.raises(PromptError, match="17 tokens long"):
+            engine.tokenize(prompt)
+
+
+def test_the_server_s_defaults_scale_with_its_slots():
+    """Joins of 1, 4, 16 ... and all the slots of a shard; half the slots wait to join together; a queue of 256 or 4
+    per slot, whichever is more."""
+    import argparse
+
+    import run_server
+    from config import load_config
+    from serving.engine import default_joins, default_min_join
+
+    assert [default_joins(n) for n in (1, 2, 4, 8, 32, 64)] == [[1], [1, 2], [1, 4], [1, 4, 8], [1, 4, 16, 32],
+                                                                [1, 4, 16, 64]]
+    assert [default_min_join(s, most) for s, most in ((1, 1), (8, 8), (8, 2), (32, 16))] == [1, 4, 2, 16]
+    p = argparse.ArgumentParser()
+    run_server.extra_flags(p)
+    cfg = load_config("inference", "tiny", {"eval": True})
+    for slots, queue in ((8, 256), (64, 256), (100, 400)):
+        args = p.parse_args(["--slots", str(slots)])
+        assert ServeOptions.of(args, cfg).max_queue == queue
+
+
+def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_candidate_order():
+    from serving.http import _Reply
+    from serving.output import Event
+
+    req = api.parse_completion(json.dumps({"model": MODEL, "prompt": ["a", "b"], "n": 2, "best_of": 4}).encode(),
+                               BOUNDS, MODEL)
+    reply = _Reply(None, req, [([5], "a"), ([6], "b")])
+    for i, c in enumerate([-3.0, -1.0, -2.0, -0.5, -1.0, -1.0, -2.0, -1.0]):
+        reply.take(Event(i, cumulative_logprob=c, finish_reason="length"))
+    assert reply.chosen() == [3, 1, 4, 5]

@@ -113,3 +113,75 @@ def test_an_inserts_inputs_travel_in_two_arrays_and_come_back_whole():
     for field, want, dt in zip(S.Sampling.__dataclass_fields__, sampling, dtypes):
         value = getattr(got[3], field)
         assert value.dtype == dt and np.asarray(value).tolist() == np.asarray(want, dt).tolist(), field
+
+
+def test_each_row_chooses_as_its_own_options_and_key_say_and_is_scored_before_warping():
+    """``choose`` on logits alone (no model): a greedy row takes the most likely token; a sampled row draws from
+    decoding.warp's scores with its options, keyed fold_in(fold_in(key(seed low), seed high), token index); a row
+    that asks for log-probabilities gets the log-softmax of the logits as they came (before temperature, top-k and
+    top-p) and the k most likely tokens."""
+    vocab, top = 32, 3
+    rows = [(0.0, 0, 1.0, 0, 0), (0.7, 5, 1.0, 11, 3), (1.3, 0, 0.8, 2 ** 32 - 1, 9), (0.5, 0, 1.0, 11, 4)]
+    rows += [(t, k, 1.0, 100 + i, 0) for i, (t, k) in enumerate([(0.25, 0), (2.0, 2), (0.25, 3), (2.0, 0)] * 3)]
+    b = len(rows)
+    logits = jax.random.normal(jax.random.key(1), (b, vocab)) * 2
+    s = S.Sampling(jnp.asarray([r[0] for r in rows], jnp.float32), jnp.asarray([r[1] for r in rows], jnp.int32),
+                   jnp.asarray([1.0 - r[2] if r[2] < 1 else 0.0 for r in rows], jnp.float32),
+                   jnp.asarray([r[3] for r in rows], jnp.uint32), jnp.asarray([r[4] for r in rows], jnp.uint32),
+                   jnp.asarray([-1, 2, -1, 0] + [-1] * (b - 4), jnp.int32))
+    index = jnp.asarray([0, 5, 1, 5] + list(range(b - 4)), jnp.int32)
+    token, scored = jax.jit(lambda lg, s, i: S.choose(lg, s, i, None, top))(logits, s, index)
+    assert int(token[0]) == int(jnp.argmax(logits[0]))
+    for r in range(1, b):
+        t, k, p, low, high = rows[r]
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(low), high), int(index[r]))
+        warped = decoding.warp(logits[r:r + 1], decoding.Options(1, temperature=t, top_k=k, top_p=p))
+        assert int(token[r]) == int(jax.random.categorical(key, warped[0])), r
+    lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for r in (1, 3):
+        np.testing.assert_allclose(float(scored.logprob[r]), lsm[r, int(token[r])], rtol=1e-6)
+        assert scored.top_ids[r].tolist() == np.argsort(-lsm[r])[:top].tolist()
+        np.testing.assert_allclose(np.asarray(scored.top_logprobs[r]), np.sort(lsm[r])[::-1][:top], rtol=1e-6)
+
+
+def test_a_sampled_row_draws_its_nth_token_with_its_key_folded_with_n_and_a_one_token_row_never_writes(model):
+    """Through insert and advance: each token of a sampled row is the draw, with the key of its index in the
+    output (the first 0), from the model's own scores after the prompt and the tokens before it (the whole sequence
+    run again, no cache). A row of one token (its limit 1) is done at its insert and writes nothing after."""
+    family, opts, params, insert, advance, empty = model
+    ids, mask = prompts(family, [6, 4, 5], seed=3)
+    s = S.Sampling(jnp.full(3, 1.5, jnp.float32), jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.float32),
+                   jnp.asarray([5, 5, 5], jnp.uint32), jnp.asarray([0, 1, 2], jnp.uint32), jnp.full(3, -1, jnp.int32))
+    cache, state = empty()
+    first, _, cache, state = insert(cache, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray([0, 2, 1]), s,
+                                    jnp.asarray([NEW, NEW, 1]), -1)
+    out, _, cache, state = advance(cache, state, jnp.ones(SLOTS, bool), -1)
+    assert np.asarray(out)[1].tolist() == [0] * STEPS and not bool(state[0].alive[1])  # the one-token row
+    got = np.concatenate([np.asarray(first)[:2, None], np.asarray(out)[[0, 2]]], axis=1)
+    p = family.compute_params(params, opts)
+    for r in range(2):
+        tokens = []
+        for n in range(1 + STEPS):
+            logits = family.decode_uncached(p, jnp.asarray(ids[r:r + 1]), jnp.asarray(mask[r:r + 1]),
+                                            jnp.asarray([tokens], jnp.int32).reshape(1, n), opts)
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), r), n)
+            tokens.append(int(jax.random.categorical(key, logits[0].astype(jnp.float32) / 1.5)))
+        assert got[r].tolist() == tokens, r
+
+
+def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only_when_they_change():
+    """graphs/slots.py's ``advance`` (its program stubbed: no compile): a call gets the flags the host passed to it;
+    an unchanged set of flags reuses the device copy of the last."""
+    from config import load_config
+    from graphs.graphs import Graphs
+    from graphs.slots import SlotPrograms
+
+    g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    sp = SlotPrograms(g, 4, (8,), (1,), 4, 2, eos_id=1, pad_id=0)
+    seen = []
+    sp._advance = lambda p, cache, state, keep: (seen.append(keep), (None, None, cache, state))[1]
+    flags = [[True] * 4, [True, False, True, True], [True, False, True, True], [True] * 4]
+    for keep in flags:
+        sp.advance(np.array(keep))
+    assert [np.asarray(k).tolist() for k in seen] == flags
+    assert seen[2] is seen[1] and seen[3] is not seen[0]  # copied when they change, and only then

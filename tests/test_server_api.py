@@ -632,3 +632,42 @@ def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_
     for i, c in enumerate([-3.0, -1.0, -2.0, -0.5, -1.0, -1.0, -2.0, -1.0]):
         reply.take(Event(i, cumulative_logprob=c, finish_reason="length"))
     assert reply.chosen() == [3, 1, 4, 5]
+
+
+def test_each_scheduler_and_prompt_error_is_its_status():
+    from serving.engine import PromptError
+    from serving.http import RETRY_AFTER, to_api_error
+    from serving.scheduler import Failed, QueueFull, ShuttingDown
+
+    full = to_api_error(QueueFull(12, 4, 8))
+    assert (full.status, full.code, full.headers) == (429, "queue_full", {"Retry-After": str(RETRY_AFTER)})
+    assert (to_api_error(ShuttingDown("bye")).status, to_api_error(ShuttingDown("bye")).code) == (503, "shutting_down")
+    assert to_api_error(Failed("a call failed")).status == 500  # its sequences failed; the loop goes on
+    assert to_api_error(Failed("stopped", fatal=True)).status == 503  # for good: the process exits, restart it
+    bad = to_api_error(PromptError("prompt", "has no tokens", "empty_prompt"))
+    assert (bad.status, bad.param, bad.code) == (400, "prompt", "empty_prompt")
+    other = to_api_error(ValueError("secret detail"))
+    assert other.status == 500 and "ValueError" in other.message and "secret" not in other.message
+
+
+def test_the_auth_scheme_is_read_case_insensitively_and_only_bearer_is_taken(server):
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 2}
+    assert server.post(body, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    for header in (f"Basic {KEY}", f"Bearer {KEY}x", KEY, ""):
+        r = server.post(body, headers={"Authorization": header})
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", header
+
+
+def test_a_body_of_max_body_bytes_is_read_one_byte_more_is_a_413_declared_or_streamed(server):
+    def body(size: int) -> bytes:
+        head = json.dumps({"model": MODEL, "prompt": "the cat", "max_tokens": 2, "user": ""}).encode()
+        return head[:-2] + b"x" * (size - len(head)) + head[-2:]
+
+    limit = server.engine.options.max_body_bytes
+    assert len(body(limit)) == limit
+    for size, status in ((limit, 200), (limit + 1, 413)):
+        assert server.post(body(size)).status_code == status, size
+        chunks = (body(size)[i:i + 4096] for i in range(0, size, 4096))  # no Content-Length: chunked
+        r = server.http.post(server.url + "/v1/completions", content=chunks,
+                             headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert r.status_code == status and "content-length" not in r.request.headers, size

@@ -671,3 +671,21 @@ def test_a_body_of_max_body_bytes_is_read_one_byte_more_is_a_413_declared_or_str
         r = server.http.post(server.url + "/v1/completions", content=chunks,
                              headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
         assert r.status_code == status and "content-length" not in r.request.headers, size
+
+
+def test_the_answer_shapes_of_log_probabilities_usage_and_chat_chunks():
+    from serving.output import TokenLogprob
+
+    (entry,) = api.completion_logprobs([TokenLogprob("c", -2.0, [("a", -0.1), ("a", -0.9), ("b", -1.0)], 3)])[
+        "top_logprobs"]
+    assert entry == {"a": -0.1, "b": -1.0, "c": -2.0}  # tokens of the same text: the most likely's; then the token's
+    assert api.completion_logprobs([TokenLogprob("a", -0.1, [("a", -0.1), ("b", -1.0)], 0)])["top_logprobs"] == [
+        {"a": -0.1, "b": -1.0}]  # the chosen token among the best: shown once (k entries, not k + 1)
+    assert api.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    (c,) = api.chat_logprobs([TokenLogprob("é", -0.5, [("é", -0.5)], 0)])["content"]
+    assert c["bytes"] == [0xC3, 0xA9] and c["top_logprobs"] == [{"token": "é", "logprob": -0.5, "bytes": [0xC3, 0xA9]}]
+    chat = api.parse_chat(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}]}).encode(),
+                          BOUNDS, MODEL)
+    assert api.choice(chat, 0, "the", None, None, delta=True)["delta"] == {"role": "assistant", "content": "the"}
+    assert api.choice(chat, 0, " cat", None, None, delta=False)["delta"] == {"content": " cat"}
+    assert api.choice(chat, 0, "", "stop", None, delta=False)["delta"] == {}  # the last chunk: its reason alone

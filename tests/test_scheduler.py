@@ -543,3 +543,65 @@ def test_the_inter_token_latency_is_the_time_between_a_sequence_s_calls(monkeypa
     itl = out.p.metrics.itl
     assert itl._sum.get() == pytest.approx(1.0 + 2.0 + 0.5)  # 2 - 1, 4 - 2, 4.5 - 4: not since the first
     assert out.p.metrics.ttft._sum.get() == pytest.approx(0.5)
+
+
+def test_a_score_only_sequence_without_log_probabilities_takes_no_call_and_prompt_tokens_are_counted():
+    h = Harness(slots=2, steps=2, joins=(1,))  # a score call of one prompt
+    echo_only, scored = h.seq("the cat", 0), h.seq("a dog runs", 0, prompt_logprobs=True)
+    running = h.seq("red bird", 3)
+    h.s.submit([echo_only, scored, running])
+    h.run()
+    assert h.end(echo_only).reason == "length" and h.b.calls.count("score") == 1  # the scored one's only
+    assert h.metrics.prompt_tokens._value.get() == len(running.ids)  # the prompts read into slots, in tokens
+
+
+def test_a_sequence_the_output_side_ended_ends_as_finished():
+    h = Harness(slots=2, steps=2)
+    s = h.seq("the cat sleeps", 40)
+    h.s.submit([s])
+    h.s._round()
+    h.s.finish([s])
+    h.run()
+    assert h.end(s).reason == "finished" and h.end(s).error is None
+
+
+def test_a_sequence_cancelled_while_a_round_runs_gets_no_tokens_after_it():
+    h = Harness(slots=1, steps=2)
+    s = h.seq("the cat sleeps in the park", 40)
+    h.s.submit([s])
+    h.s._round()
+    advance = h.b.advance
+    h.b.advance = lambda keep: (h.s.cancel([s]), advance(keep))[1]  # the client goes away mid-round
+    h.s._round()
+    h.b.advance = advance
+    before = len(h.tokens(s))
+    h.run()
+    assert len(h.tokens(s)) == before == 1 and h.end(s).reason == "cancelled"  # its first token only
+
+
+def test_with_nothing_running_a_lone_waiting_sequence_joins_at_once():
+    h = Harness(slots=4, steps=2, min_join=4)
+    h.s.submit([h.seq("the cat", 3)])
+    h.s._round()
+    assert h.b.calls[:1] == ["insert"]
+
+
+def test_a_cancelled_sequence_gets_no_event_an_aborted_one_its_error():
+    out = Out()
+    gone, aborted = sequence("", True), sequence("", True)
+    error = ShuttingDown("bye")
+    assert out.p.handle(Update(gone, reason="cancelled")) == []
+    assert [e.error for _, e in out.p.handle(Update(aborted, reason="aborted", error=error))] == [error]
+
+
+def test_a_sequence_whose_text_fails_is_answered_with_the_error_and_its_slot_freed():
+    out = Out()
+    s = sequence("", True)
+    got = []
+    out.p.deliver = got.extend
+    out.p.handle = lambda u: 1 / 0
+    out.p.put([Update(s, ids("the"))])
+    out.p.updates.put(None)
+    out.p._loop()
+    assert [type(e.error) for _, e in got] == [ZeroDivisionError] and out.finished == [s]
+    assert out.p.metrics.requests.labels("error")._value.get() == 1

@@ -610,6 +610,6 @@ def test_a_sequence_whose_text_fails_is_answered_with_the_error_and_its_slot_fre
 def test_an_update_with_nothing_new_for_the_client_sends_no_event():
     """A streamed sequence's prompt scored (no token yet, no echo): nothing to send, so no empty chunk."""
     out = Out()
-    s = sequence("", True, logprobs=1)
+    s = sequence("", True)
     assert out.p.handle(Update(s, prompt_scored=(np.zeros(1), np.zeros((1, 1), int), np.zeros((1, 1))))) == []
     assert [e.token_ids for _, e in out.p.handle(Update(s, ids("the")))] == [ids("the")]

@@ -146,8 +146,9 @@ def test_each_row_chooses_as_its_own_options_and_key_say_and_is_scored_before_wa
 
 def test_a_sampled_row_draws_its_nth_token_with_its_key_folded_with_n_and_a_one_token_row_never_writes(model):
     """Through insert and advance: each token of a sampled row is the draw, with the key of its index in the
-    output (the first 0), from the model's own scores after the prompt and the tokens before it (the whole sequence
-    run again, no cache). A row of one token (its limit 1) is done at its insert and writes nothing after."""
+    output (the first 0), from the model's own scores after the prompt and the tokens before it (the prompt and the
+    row's tokens read again whole, no cache). A row of one token (its limit 1) is done at its insert and writes
+    nothing after."""
     family, opts, params, insert, advance, empty = model
     ids, mask = prompts(family, [6, 4, 5], seed=3)
     s = S.Sampling(jnp.full(3, 1.5, jnp.float32), jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.float32),
@@ -157,16 +158,16 @@ def test_a_sampled_row_draws_its_nth_token_with_its_key_folded_with_n_and_a_one_
                                     jnp.asarray([NEW, NEW, 1]), -1)
     out, _, cache, state = advance(cache, state, jnp.ones(SLOTS, bool), -1)
     assert np.asarray(out)[1].tolist() == [0] * STEPS and not bool(state[0].alive[1])  # the one-token row
-    got = np.concatenate([np.asarray(first)[:2, None], np.asarray(out)[[0, 2]]], axis=1)
-    p = family.compute_params(params, opts)
+    got = np.concatenate([np.asarray(first)[:2, None], np.asarray(out)[[0, 2]]], axis=1)  # [2, 1 + STEPS]
+    # every position's scores at once: the left-padded prompts, then the rows' tokens (the last needs none after it)
+    whole = np.concatenate([ids[:2], got[:, :-1]], axis=1)
+    logits = family.prompt_logits(family.decoding_params(params, opts), jnp.asarray(whole),
+                                  jnp.asarray(np.concatenate([mask[:2], np.ones_like(got[:, :-1])], axis=1)), opts)
     for r in range(2):
-        tokens = []
         for n in range(1 + STEPS):
-            logits = family.decode_uncached(p, jnp.asarray(ids[r:r + 1]), jnp.asarray(mask[r:r + 1]),
-                                            jnp.asarray([tokens], jnp.int32).reshape(1, n), opts)
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), r), n)
-            tokens.append(int(jax.random.categorical(key, logits[0].astype(jnp.float32) / 1.5)))
-        assert got[r].tolist() == tokens, r
+            scores = logits[r, WIDTH - 1 + n].astype(jnp.float32) / 1.5
+            assert int(got[r, n]) == int(jax.random.categorical(key, scores)), (r, n)
 
 
 def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only_when_they_change():

@@ -7,8 +7,9 @@ one CPU device and not on two).
 Each case jits a ``shard_map`` program of four matmuls (with and without a ``psum``), times one call alone, then two
 calls dispatched back to back (the second taking the first's output, donated, as the server's calls take its cache;
 or each on an input of its own, nothing donated) and the wait for the second: medians of 5. On one device the second
-dispatch returns at once; on two it returns after about the first call's whole run, as JAX documents its CPU
-client: asynchronous dispatch (``jax_cpu_enable_async_dispatch``) "only applies to non-parallel computations".
+dispatch returns at once; on two it returns after about the first call's whole run (measured; it agrees with the
+scope of JAX's CPU asynchronous dispatch, ``jax_cpu_enable_async_dispatch``: "only applies to non-parallel
+computations").
 """
 
 import argparse

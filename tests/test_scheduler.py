@@ -444,14 +444,23 @@ def test_fewer_waiting_than_min_join_join_at_once_when_they_all_fit():
     h.s.submit([late])
     h.s._round()  # two slots free, one waiting: a group of all that wait, it joins now
     assert h.b.calls.count("insert") == 2 and late.slot is not None
+    h = Harness(slots=4, steps=2, min_join=4)
+    h.s.submit([h.seq("a dog", 60) for _ in range(2)])
+    h.s._round()
+    pair = [h.seq("red bird", 4), h.seq("old man", 4)]
+    h.s.submit(pair)
+    h.s._round()  # two slots free, two waiting: as many as wait (fewer than min_join), they join now
+    assert h.b.calls.count("insert") == 2 and all(s.slot is not None for s in pair)
 
 
 def test_joiners_are_spread_over_the_dp_shards_in_one_insert():
     h = Harness(slots=4, dp=2, steps=2, joins=(1, 2))
+    joins, insert = [], h.b.insert
+    h.b.insert = lambda width, join, *a: (joins.append(join), insert(width, join, *a))[1]
     seqs = [h.seq(p, 5) for p in ("the cat", "a dog", "red bird", "old man")]
     h.s.submit(seqs)
     h.run()
-    assert h.b.calls.count("insert") == 1  # dp x the widest join at once
+    assert joins == [2]  # dp x the widest join at once: two rows a shard
     assert sorted(s.slot for s in seqs) == [0, 1, 2, 3]
     for s in seqs:
         assert h.tokens(s) == expected(s.ids, 5)[0]
@@ -467,6 +476,11 @@ def test_a_prompt_takes_the_narrowest_width_that_holds_it():
     h.run()
     assert widths == [8, 16]  # exactly as wide as a width: that width (the widest included)
     assert h.tokens(sixteen) == expected(sixteen.ids, 3)[0]
+    scored_widths, score = [], h.b.score
+    h.b.score = lambda width, *a: (scored_widths.append(width), score(width, *a))[1]
+    h.s.submit([h.seq((words * 2)[:8], 0, prompt_logprobs=True)])  # a prompt scored alone: the same rule
+    h.run()
+    assert scored_widths == [8]
 
 
 def test_only_calls_failing_in_a_row_stop_the_loop():
@@ -533,8 +547,8 @@ def test_the_inter_token_latency_is_the_time_between_a_sequence_s_calls(monkeypa
 
     import serving.output as output
 
-    clock = iter([1.0, 2.0, 4.0, 4.5])
-    monkeypatch.setattr(output, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    clock = iter([1.0, 2.0, 4.0, 4.5])  # one reading per update (a later one: the last again)
+    monkeypatch.setattr(output, "time", types.SimpleNamespace(perf_counter=lambda: next(clock, 4.5)))
     out = Out()
     s = sequence("", True)
     s.arrival = 0.5
@@ -552,6 +566,7 @@ def test_a_score_only_sequence_without_log_probabilities_takes_no_call_and_promp
     h.s.submit([echo_only, scored, running])
     h.run()
     assert h.end(echo_only).reason == "length" and h.b.calls.count("score") == 1  # the scored one's only
+    assert echo_only.slot is None and scored.slot is None and h.b.calls.count("insert") == 1
     assert h.metrics.prompt_tokens._value.get() == len(running.ids)  # the prompts read into slots, in tokens
 
 
@@ -577,13 +592,6 @@ def test_a_sequence_cancelled_while_a_round_runs_gets_no_tokens_after_it():
     before = len(h.tokens(s))
     h.run()
     assert len(h.tokens(s)) == before == 1 and h.end(s).reason == "cancelled"  # its first token only
-
-
-def test_with_nothing_running_a_lone_waiting_sequence_joins_at_once():
-    h = Harness(slots=4, steps=2, min_join=4)
-    h.s.submit([h.seq("the cat", 3)])
-    h.s._round()
-    assert h.b.calls[:1] == ["insert"]
 
 
 def test_a_cancelled_sequence_gets_no_event_an_aborted_one_its_error():

@@ -557,11 +557,10 @@ def test_each_bound_takes_its_limit_and_refuses_one_past_it(field, at, past):
     def parse(fields):
         return api.parse_completion(json.dumps({"model": MODEL, "prompt": "a", **fields}).encode(), BOUNDS, MODEL)
 
-    req = parse(at)
-    assert req.max_tokens >= 0
+    parse(at)  # (raises if refused)
     with pytest.raises(api.ApiError) as e:
         parse(past)
-    assert 400 <= e.value.status < 500 and field in e.value.message, e.value.message
+    assert 400 <= e.value.status < 500 and e.value.param == field, e.value.message
 
 
 def test_a_seed_is_taken_modulo_two_to_the_64():

@@ -7,7 +7,8 @@ after it; a prompt's token is scored ``logprob(token, the token before it)``. Ro
 (modelling/slots.py's Rows): ``insert`` writes the joining rows (a row past the shard's: dropped), ``advance`` moves
 every row that is alive and kept, ends rows at their end-of-text or limit and pads after, so the scheduler's
 bookkeeping is checked against the same rules. A test can make a call raise (``fail``), hold the reading of calls
-(``gate``: a threading.Event the scheduler's fetch waits on), and read the calls made (``calls``).
+(``gate``: a threading.Event the scheduler's fetch waits on), and read the calls made (``calls``; ``shapes``: each
+insert's and score's width and join).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class FakeBackend:
         self.right_aligned = right_aligned
         self.calls: list = []
         self.limits: list = []  # the limit each inserted row was given
+        self.shapes: list = []  # (kind, width, join) of each insert and score call (a score's join: None)
         self.fail = None  # callable(kind) -> an exception to raise, or None
         self.gate = None  # threading.Event the reading of an advance waits for
         self.resets = 0
@@ -77,6 +79,7 @@ class FakeBackend:
 
     def insert(self, width, join, ids, mask, rows, sampling, limit):
         self._check("insert")
+        self.shapes.append(("insert", width, join))
         assert (width, join) in [(w, j) for w in self.widths for j in self.joins], (width, join)
         assert ids.shape == (self.dp * join, width)
         first = np.full(len(rows), self.pad_id)
@@ -110,6 +113,7 @@ class FakeBackend:
 
     def score(self, width, ids, mask):
         self._check("score")
+        self.shapes.append(("score", width, None))
         assert ids.shape == (self.score_rows, width)
         return self._scored(ids[:, 1:], ids[:, :-1])  # each token scored given the one before it
 

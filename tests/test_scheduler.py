@@ -455,32 +455,30 @@ def test_fewer_waiting_than_min_join_join_at_once_when_they_all_fit():
 
 def test_joiners_are_spread_over_the_dp_shards_in_one_insert():
     h = Harness(slots=4, dp=2, steps=2, joins=(1, 2))
-    joins, insert = [], h.b.insert
-    h.b.insert = lambda width, join, *a: (joins.append(join), insert(width, join, *a))[1]
     seqs = [h.seq(p, 5) for p in ("the cat", "a dog", "red bird", "old man")]
     h.s.submit(seqs)
     h.run()
-    assert joins == [2]  # dp x the widest join at once: two rows a shard
+    assert [join for kind, _, join in h.b.shapes if kind == "insert"] == [2]  # dp x the widest join at once
     assert sorted(s.slot for s in seqs) == [0, 1, 2, 3]
     for s in seqs:
         assert h.tokens(s) == expected(s.ids, 5)[0]
 
 
-def test_a_prompt_takes_the_narrowest_width_that_holds_it():
+def test_a_prompt_takes_the_narrowest_width_that_holds_it_and_joiners_the_smallest_join():
     h = Harness(slots=2, widths=(8, 16), joins=(1,))
-    widths, insert = [], h.b.insert
-    h.b.insert = lambda width, *a: (widths.append(width), insert(width, *a))[1]
     words = ids("the cat sleeps in the park the dog runs in the house")
     eight, sixteen = h.seq((words * 2)[:8], 3), h.seq((words * 2)[:16], 3)
     h.s.submit([eight, sixteen])
     h.run()
-    assert widths == [8, 16]  # exactly as wide as a width: that width (the widest included)
+    assert h.b.shapes == [("insert", 8, 1), ("insert", 16, 1)]  # exactly a width wide: that width (the widest too)
     assert h.tokens(sixteen) == expected(sixteen.ids, 3)[0]
-    scored_widths, score = [], h.b.score
-    h.b.score = lambda width, *a: (scored_widths.append(width), score(width, *a))[1]
     h.s.submit([h.seq((words * 2)[:8], 0, prompt_logprobs=True)])  # a prompt scored alone: the same rule
     h.run()
-    assert scored_widths == [8]
+    assert h.b.shapes[2:] == [("score", 8, None)]
+    h = Harness(slots=4, widths=(8, 16), joins=(1, 2, 4))
+    h.s.submit([h.seq("the cat", 3), h.seq("a dog", 3)])
+    h.run()
+    assert h.b.shapes == [("insert", 8, 2)]  # and the smallest join compiled that holds the joiners
 
 
 def test_only_calls_failing_in_a_row_stop_the_loop():

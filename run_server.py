@@ -59,6 +59,11 @@ def extra_flags(p):
                    help="decoding steps per call of the slots' program (default 8: the host's work per call spread "
                         "over 8 tokens; 1: a token streamed at a time and joins at every step, at more host work "
                         "per token)")
+    s.add_argument("--max_steps_per_call", type=int, default=None,
+                   help="the most decoding steps one call may take while every slot is taken: as many as the fewest "
+                        "tokens any slot has left, so that no request waits for a slot it could have had (default: 4 "
+                        "x --steps_per_call; a slot whose request ends by its end-of-text token inside a call waits "
+                        "for the call's end)")
     s.add_argument("--min_join", type=int, default=None,
                    help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
                         "join together in one insert (default: half the slots, at most the rows one insert takes: "

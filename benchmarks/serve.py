@@ -55,6 +55,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from app.bench import write_json  # noqa: E402
+from serving.engine import MAX_STEPS_FACTOR  # noqa: E402
 
 RESULT = "static run: "
 WORDS = ("the a cat dog bird horse child woman in at sleeps eats runs park house garden small red old . "
@@ -70,6 +71,11 @@ def parse(argv):
     p.add_argument("--slots", type=int, default=8, help="the server's slots = a static batch's rows")
     p.add_argument("--steps_per_call", type=int, nargs="+", default=[1, 8],
                    help="the server's decoding steps per call (a server run for each)")
+    p.add_argument("--max_steps_per_call", type=int, default=None,
+                   help="the server's most steps per call, every slot taken (default: its own, 4 x steps_per_call)")
+    p.add_argument("--server_args", action="append", default=None,
+                   help="more flags of the server alone, e.g. --server_args='--max_steps_per_call 8'; given again, "
+                        "another server with those (all of them take turns in the same rounds)")
     p.add_argument("--min_prompt", type=int, default=8)
     p.add_argument("--max_prompt", type=int, default=48)
     p.add_argument("--min_new", type=int, default=16)
@@ -280,9 +286,12 @@ def profile_engine(a, steps: int, extra: list) -> dict:
     joins = tuple(a.join_sizes or default_joins(local))
     widths = server_widths(reqs)
     options = ServeOptions(a.slots, len(reqs), widths, joins, steps, a.max_new, 1 << 20, 1 << 20, "profile",
-                           min_join=default_min_join(a.slots, a.slots // local * max(joins)))
+                           min_join=default_min_join(a.slots, a.slots // local * max(joins)),
+                           max_steps=a.max_steps_per_call or MAX_STEPS_FACTOR * steps)
     engine = build_engine(cfg, options)
     device = device_seconds(engine, widths, joins, local)
+    ns, advance = [], engine.backend.advance  # the steps of each decoding call
+    engine.backend.advance = lambda keep, n: (ns.append(n), advance(keep, n))[1]
     t = _Timed()
     for name in ("insert", "advance", "fetch"):
         t.wrap(engine.backend, name, name)
@@ -305,7 +314,8 @@ def profile_engine(a, steps: int, extra: list) -> dict:
     engine.stop()
     n = t.calls["advance"]
     s = {k: 1000 * v / n for k, v in t.seconds.items()}
-    return {"steps_per_call": steps, "decoding_calls": n, "inserts": t.calls.get("insert", 0),
+    return {"steps_per_call": steps, "max_steps_per_call": options.max_steps, "decoding_calls": n,
+            "steps_per_decoding_call": float(np.mean(ns)), "inserts": t.calls.get("insert", 0),
             "tokens_per_s": sum(x.count for x in seqs) / wall, "wall_s": wall,
             "host_ms_per_decoding_call": {
                 "dispatching the decoding call": s["advance"], "dispatching inserts": s.get("insert", 0.0),
@@ -334,12 +344,13 @@ def device_seconds(engine, widths: tuple, joins: tuple, local: int, calls: int =
         b.fetch(last)
         out[f"insert of {j} prompt(s) a shard"] = 1000 * (time.perf_counter() - t0) / calls
     keep = np.ones(b.slots, bool)
-    b.fetch(b.advance(keep)[0])
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        last = b.advance(keep)[0]
-    b.fetch(last)
-    out[f"decoding call ({b.steps} steps, {b.slots} slots)"] = 1000 * (time.perf_counter() - t0) / calls
+    for steps in sorted({engine.scheduler.steps, b.steps}):
+        b.fetch(b.advance(keep, steps)[0])
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            last = b.advance(keep, steps)[0]
+        b.fetch(last)
+        out[f"decoding call ({steps} steps, {b.slots} slots)"] = 1000 * (time.perf_counter() - t0) / calls
     b.reset()
     return out
 
@@ -359,13 +370,21 @@ def server_widths(reqs: list) -> tuple:
     return tuple(widths)
 
 
-def start_server(a, steps: int, ckpt: str, reqs: list, extra: list) -> tuple:
+def server_variants(a) -> list:
+    """[(name, steps per call, the server's own flags)]: one server per --steps_per_call and --server_args."""
+    return [(f"server_{k}step" + (f" {args}" if args else ""), k, args)
+            for k in a.steps_per_call for args in (a.server_args or [""])]
+
+
+def start_server(a, steps: int, ckpt: str, reqs: list, extra: list, args: str = "") -> tuple:
     """run_server.py on a free port with every program compiled -> (process, base url, model id)."""
     widths = server_widths(reqs)
     cmd = [sys.executable, "run_server.py", "--load", ckpt, "--port", "0", "--slots", str(a.slots), "--max_queue",
            str(len(reqs)), "--output_length", str(a.max_new), "--prompt_widths", *map(str, widths),
            "--steps_per_call", str(steps), *extra]
+    cmd += ["--max_steps_per_call", str(a.max_steps_per_call)] if a.max_steps_per_call else []
     cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
+    cmd += shlex.split(args)  # (last: they override the above)
     env = {**os.environ, "FLAN_T5_API_KEY": ""}
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **SHARED_DEVICE}, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
@@ -455,7 +474,9 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
     """The servers (one per --steps_per_call) and static batching, each compiled once, their runs taking turns
     (the order turned each round), so that a shared machine's slow spell falls on all of them."""
     static, run_static_once = start_static(a, config, ckpt, work, flags)
-    servers = {f"server_{k}step": (k, *start_server(a, k, ckpt, reqs, shlex.split(flags))) for k in a.steps_per_call}
+    servers = {name: (k, *start_server(a, k, ckpt, reqs, shlex.split(flags), args))
+               for name, k, args in server_variants(a)}
+    given = {name: args for name, _, args in server_variants(a)}
     runs = {name: [] for name in list(servers) + ["static"]}
     try:
         for r in range(a.repeats):
@@ -468,10 +489,11 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
         static.stdin.close()
         static.wait(120)
     out = {name: {**median_run(runs[name]), "slots": a.slots, "steps_per_call": k,
+                  "max_steps_per_call": a.max_steps_per_call or MAX_STEPS_FACTOR * k, "server_args": args,
                   # each round's server / static: runs next to each other in time, the ratio a slow spell spares
                   "over_static_per_round": [x["tokens_per_s"] / y["tokens_per_s"]
                                             for x, y in zip(runs[name], runs["static"])]}
-           for name, (k, _, _, _) in servers.items()}
+           for name, (k, _, _, _) in servers.items() for args in [given[name]]}
     out["static"] = median_run(runs["static"])
     return out
 
@@ -487,6 +509,7 @@ def _method_cmd(a, name: str, config: str, ckpt: str, work: str, flags: str, out
     cmd = [sys.executable, os.path.join("benchmarks", "serve.py"), "--method", name, "--config", config, "--ckpt",
            ckpt, "--workload", work, "--json", out, "--slots", str(a.slots), "--max_new", str(a.max_new),
            "--seed", str(a.seed), f"--model_flags={flags}", "--steps_per_call", *map(str, a.steps_per_call)]
+    cmd += ["--max_steps_per_call", str(a.max_steps_per_call)] if a.max_steps_per_call else []
     cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
     return cmd + (["--hf_requests", str(a.hf_requests)] if a.hf_requests else [])
 
@@ -513,7 +536,7 @@ def one_model(a, config: str, flags: str, tmp: str) -> dict:
     method(a, "checkpoint", config, ckpt, work, flags, tmp)
     if a.profile:
         return method(a, "profile", config, ckpt, work, flags, tmp)
-    servers = [f"server_{k}step" for k in a.steps_per_call]
+    servers = [name for name, _, _ in server_variants(a)]
     out = interleaved(a, config, ckpt, work, flags, reqs)
     out["hf"] = method(a, "hf", config, ckpt, work, flags, tmp)
     served = out[servers[0]]["outputs"]
@@ -539,7 +562,8 @@ def main(argv=None) -> dict:
         return report
     report = {"command": "python3 benchmarks/serve.py " + shlex.join(own),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(),
-              "workload": {k: getattr(a, k) for k in ("requests", "rate", "slots", "steps_per_call", "min_prompt",
+              "workload": {k: getattr(a, k) for k in ("requests", "rate", "slots", "steps_per_call",
+                                                      "max_steps_per_call", "server_args", "min_prompt",
                                                       "max_prompt", "min_new", "max_new", "hf_requests", "repeats",
                                                       "seed")},
               "models": {}}

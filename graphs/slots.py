@@ -58,9 +58,11 @@ class SlotPrograms:
         self.rows = NamedSharding(graphs.mesh, P(S.DP))
         self.rows2 = NamedSharding(graphs.mesh, P(S.DP, None))
         self.pieces = NamedSharding(graphs.mesh, P(S.DP, S.TP))
+        self.replicated = NamedSharding(graphs.mesh, P())
         self.params = self.cache = self.state = None
         self._insert, self._advance, self._score = {}, None, {}
         self._keep = (None, None)  # (the host's last keep flags, their device copy)
+        self._n: dict = {}  # steps an advance runs -> its device copy (a scalar)
 
     # ------------------------------------------------------------------ the programs
 
@@ -91,14 +93,14 @@ class SlotPrograms:
         family, opts, steps, eos, pad, top = (self.family, self.opts, self.steps, self.eos_id, self.pad_id,
                                               self.top)
 
-        def fn(p, cache, state, keep):
+        def fn(p, cache, state, keep, n):
             dp = family.decoding_params(p, opts)
             out, scored, cache, state = slot_lib.advance(family, dp, opts, _local(cache), state, keep, steps, eos,
-                                                         pad, top, S.TP)
+                                                         pad, top, S.TP, n)
             return out, scored, _stacked(cache), state
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), self._state_specs(), P(S.DP)),
+                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), self._state_specs(), P(S.DP), P()),
                                out_specs=(P(S.DP, None), self._scored_specs((S.DP, None)), P(S.DP, S.TP),
                                           self._state_specs()))
         return jax.jit(mapped, donate_argnums=(1, 2))
@@ -162,7 +164,8 @@ class SlotPrograms:
                 floats = self._abstract((n, JOINER_FLOATS), jnp.float32, self.rows2)
                 self._insert[(width, j)] = insert.lower(self.params, cache_abs, state_abs, ints, floats).compile()
         keep = self._abstract((self.slots,), jnp.bool_, self.rows)
-        self._advance = self._advance_program().lower(self.params, cache_abs, state_abs, keep).compile()
+        n = self._abstract((), jnp.int32, self.replicated)
+        self._advance = self._advance_program().lower(self.params, cache_abs, state_abs, keep, n).compile()
         if self.family.scores_prompts:
             score = self._score_program()
             for width in self.widths:
@@ -193,13 +196,20 @@ class SlotPrograms:
             self.params, self.cache, self.state, S.put_global(ints, self.rows2), S.put_global(floats, self.rows2))
         return first, scored
 
-    def advance(self, keep) -> tuple:
-        """``steps`` tokens of every row; keep bool [slots]: the rows the host still holds -> (int32 [slots, steps],
-        Scored [slots, steps]), on the device."""
+    def advance(self, keep, n: int = None) -> tuple:
+        """``n`` tokens of every row (1 .. ``steps``; ``steps`` when None); keep bool [slots]: the rows the host still
+        holds -> (int32 [slots, steps], Scored [slots, steps]: the columns past ``n`` padding), on the device. The
+        keep flags are copied to the device only when they change, each ``n`` once."""
         keep = np.asarray(keep, bool)
+        n = self.steps if n is None else int(n)
+        if not 1 <= n <= self.steps:
+            raise ValueError(f"an advance runs 1 to {self.steps} steps, not {n}")
         if self._keep[0] is None or not np.array_equal(self._keep[0], keep):
             self._keep = (keep.copy(), S.put_global(keep, self.rows))
-        out, scored, self.cache, self.state = self._advance(self.params, self.cache, self.state, self._keep[1])
+        if n not in self._n:
+            self._n[n] = S.put_global(np.int32(n), self.replicated)
+        out, scored, self.cache, self.state = self._advance(self.params, self.cache, self.state, self._keep[1],
+                                                            self._n[n])
         return out, scored
 
     def score(self, width: int, ids, mask) -> slot_lib.Scored:

@@ -146,27 +146,33 @@ def insert(family, dp, opts, cache, state: tuple, ids, mask, rows, s: Sampling, 
 
 
 def advance(family, dp, opts, cache, state: tuple, keep, steps: int, eos_id: int, pad_id: int, top: int,
-            tp_axis=None):
-    """``steps`` decoding steps of every row. state: (Rows, Sampling) of every row; keep bool [b]: the rows the host
-    still holds (a row it cleared ends now) -> (int32 [b, steps]: the next tokens, ``pad_id`` once a row ended,
-    Scored [b, steps], cache, state)."""
+            tp_axis=None, n=None):
+    """``n`` decoding steps of every row (a traced int32 scalar, at most ``steps``; ``steps`` when None). state: (Rows,
+    Sampling) of every row; keep bool [b]: the rows the host still holds (a row it cleared ends now) -> (int32
+    [b, steps]: the next tokens, ``pad_id`` once a row ended and in the columns past ``n``, Scored [b, steps], cache,
+    state). One program runs any number of steps up to ``steps`` (a loop of ``n`` turns, not ``steps``)."""
     r, s = state
     live = r.alive & keep
     # the rows that no longer write ask for nothing (a sampled or scored row gone leaves greedy rows greedy)
     s = Sampling(jnp.where(live, s.temperature, 0.0), jnp.where(live, s.top_k, 0), jnp.where(live, s.drop_mass, 0.0),
                  s.seed, s.seed_hi, jnp.where(live, s.logprobs, -1))
+    b = r.token.shape[0]
+    n = jnp.minimum(jnp.asarray(steps if n is None else n, jnp.int32), steps)
 
-    def body(carry, _):
-        token, index, cache, alive = carry
+    def body(carry):
+        i, token, index, cache, alive, out, scored = carry
         logits, cache = family.decode_step(dp, token, index, cache, opts, tp_axis)
-        nxt, scored = choose(logits, s, index + 1, tp_axis, top)
+        nxt, sc = choose(logits, s, index + 1, tp_axis, top)
         nxt = jnp.where(alive, nxt, pad_id)
         ended = (nxt == eos_id) | (index + 2 >= r.limit)
-        carry = (jnp.where(alive, nxt, token), jnp.where(alive, index + 1, index), cache, alive & ~ended)
-        return carry, (nxt, scored)
+        out = out.at[i].set(nxt)
+        scored = jax.tree.map(lambda a, x: a.at[i].set(x), scored, sc)
+        return (i + 1, jnp.where(alive, nxt, token), jnp.where(alive, index + 1, index), cache, alive & ~ended, out,
+                scored)
 
-    init = (r.token, r.index, cache, live)
-    (token, index, cache, alive), (out, scored) = lax.scan(body, init, None, length=steps)
+    init = (jnp.int32(0), r.token, r.index, cache, live, jnp.full((steps, b), pad_id, jnp.int32),
+            no_scores((steps, b), top))
+    _, token, index, cache, alive, out, scored = lax.while_loop(lambda c: c[0] < n, body, init)
     scored = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), scored)
     return out.T, scored, cache, (Rows(token, index, r.limit, alive), state[1])
 

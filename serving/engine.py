@@ -33,6 +33,7 @@ from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
 SMALLEST_WIDTH = 16
+MAX_STEPS_FACTOR = 4  # the most steps a call takes with every slot taken, by default: 4 x --steps_per_call
 DEFAULT_QUEUE = 256  # sequences waiting for a slot (at least; 4 x slots where more): a burst waits, not a 429
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for m in messages[:-1] %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor -%}"
@@ -63,7 +64,7 @@ class ServeOptions:
     max_queue: int  # sequences waiting for a slot beyond the slots (429 past it)
     widths: tuple  # prompt widths compiled, ascending: a prompt is padded to the first that holds it
     joins: tuple  # joining rows per dp shard compiled, ascending
-    steps: int  # decoding steps per call of the slots' program
+    steps: int  # decoding steps per call of the slots' program (while a slot is free)
     max_new_tokens: int  # the most tokens a request may ask for
     max_prompt_chars: int
     max_body_bytes: int
@@ -71,6 +72,7 @@ class ServeOptions:
     max_logprobs: int = 20  # the most likely tokens shown beside each token, at most
     min_join: int = 1  # free slots that wait (two calls at most) for a group before joining
     chat_template: Optional[str] = None  # --chat_template's text
+    max_steps: int = 0  # the most steps per call, taken while every slot is taken (0: ``steps``)
 
     @classmethod
     def of(cls, args, cfg) -> "ServeOptions":
@@ -87,6 +89,7 @@ class ServeOptions:
                                  ("--body_timeout", args.body_timeout, 0.1),
                                  ("--max_connections", args.max_connections, 1),
                                  ("--max_queue", args.max_queue, 0), ("--steps_per_call", args.steps_per_call, 1),
+                                 ("--max_steps_per_call", args.max_steps_per_call, args.steps_per_call),
                                  ("--prompt_widths", min(widths), 1), ("--join_sizes", min(joins), 1),
                                  ("--max_prompt_chars", args.max_prompt_chars, 1),
                                  ("--max_body_bytes", args.max_body_bytes, 1024),
@@ -98,7 +101,8 @@ class ServeOptions:
         return cls(slots, max(DEFAULT_QUEUE, 4 * slots) if args.max_queue is None else args.max_queue,
                    tuple(widths), tuple(joins), args.steps_per_call, cfg.inference.output_length,
                    args.max_prompt_chars or 64 * widths[-1], args.max_body_bytes, model_id, args.max_logprobs,
-                   args.min_join or default_min_join(slots, slots // local * max(joins)), read_template(args.chat_template))
+                   args.min_join or default_min_join(slots, slots // local * max(joins)),
+                   read_template(args.chat_template), args.max_steps_per_call or MAX_STEPS_FACTOR * args.steps_per_call)
 
 
 def default_joins(local: int) -> list:
@@ -137,7 +141,7 @@ class Engine:
                              scores_prompts=backend.scores_prompts)
         self.chat_template = options.chat_template or getattr(tokenizer, "chat_template", None) or None
         self.metrics = Metrics(options.slots)
-        self.scheduler = Scheduler(backend, options.max_queue, self.metrics, options.min_join)
+        self.scheduler = Scheduler(backend, options.max_queue, self.metrics, options.min_join, options.steps)
         self.output = OutputProcessor(tokenizer, self.metrics, self.scheduler.finish)
 
     # ------------------------------------------------------------------ prompts
@@ -211,7 +215,7 @@ class Engine:
         o = self.options
         return (f"serving {self.model_id} on http://{host}:{port} ({o.slots} slots, a queue of {o.max_queue}, "
                 f"prompts up to {o.widths[-1]} tokens, up to {o.max_new_tokens} new tokens, {o.steps} step(s) a "
-                "call)")
+                f"call, up to {max(o.steps, o.max_steps)} with every slot taken)")
 
 
 def check_exposure(host: str, api_key: Optional[str]) -> Optional[str]:

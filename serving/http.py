@@ -266,23 +266,30 @@ async def _whole(request: Request, reply: _Reply) -> Response:
 
 
 async def _stream(reply: _Reply):
-    """Server-sent events: a chunk per sequence with something new, the last with its finish_reason, the usage
+    """Server-sent events: a chunk per sequence with something new (the events that came while the last write was
+    made go out in one write), the last with its finish_reason, the usage
     (stream_options.include_usage), ``[DONE]``; an error as an error event. A client that goes away cancels the
     stream (Starlette), and with it the sequences."""
     try:
-        while reply.pending():
-            ev = await reply.queue.get()
-            if ev.error is not None:
-                yield _sse(to_api_error(ev.error).body())
-                break
-            body = reply.chunk(ev)
-            reply.take(ev)
-            yield _sse(body)
-        else:
-            if reply.req.include_usage:
-                yield _sse({**api.completion(reply.req, reply.id, reply.created, reply.engine.model_id, [], None,
-                                             chunk=True), "usage": reply.usage(list(range(len(reply.seqs))))})
-        yield "data: [DONE]\n\n"
+        failed = False
+        while reply.pending() and not failed:
+            events, out = [await reply.queue.get()], []
+            while not reply.queue.empty():  # the events that came meanwhile go in the same write (fewer sends)
+                events.append(reply.queue.get_nowait())
+            for ev in events:
+                if ev.error is not None:
+                    out.append(_sse(to_api_error(ev.error).body()))
+                    failed = True
+                    break
+                body = reply.chunk(ev)
+                reply.take(ev)
+                out.append(_sse(body))
+            if not reply.pending() and reply.req.include_usage:  # (an error leaves its sequence pending)
+                last = api.completion(reply.req, reply.id, reply.created, reply.engine.model_id, [], None, chunk=True)
+                out.append(_sse({**last, "usage": reply.usage(list(range(len(reply.seqs))))}))
+            if not reply.pending() or failed:
+                out.append("data: [DONE]\n\n")
+            yield "".join(out)
     finally:
         if reply.pending():
             reply.engine.cancel(reply.seqs)

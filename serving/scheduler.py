@@ -2,7 +2,8 @@
 
 One thread drives the slots (JetStream's orchestrator, vLLM's scheduler, a call at a time), in token ids only: while
 slots are free and sequences wait, the waiting ones join (their prompts read into free slots, one ``insert`` per
-group); then every running slot advances ``steps`` tokens (one ``advance``). The device carries each slot's
+group); then every running slot advances (one ``advance``: ``steps`` tokens, or with every slot taken as many as
+the fewest any running sequence has left, up to the backend's most: ``_steps``). The device carries each slot's
 position, so the thread dispatches call N + 1 before it reads call N's tokens: the host's work (reading,
 bookkeeping, joins) overlaps the device's (vLLM's async scheduling). A sequence ends on its end-of-text token or its
 ``max_tokens`` (the device stops it too), when the output side says a stop string ended it (``finish``), when its
@@ -72,7 +73,7 @@ class Backend(Protocol):
     dp: int
     widths: tuple  # prompt widths compiled, ascending
     joins: tuple  # joining rows per dp shard compiled, ascending
-    steps: int  # tokens per advance
+    steps: int  # the most tokens an advance gives (``advance(keep, n)``: n of them, 1 <= n <= steps)
     eos_id: int
     pad_id: int
     vocab_size: int  # token ids below it
@@ -84,7 +85,7 @@ class Backend(Protocol):
 
     def insert(self, width: int, join: int, ids, mask, rows, sampling: tuple, limit) -> Any: ...
 
-    def advance(self, keep: np.ndarray) -> Any: ...
+    def advance(self, keep: np.ndarray, n: int) -> Any: ...
 
     def score(self, width: int, ids, mask) -> Any: ...
 
@@ -151,6 +152,7 @@ class _Call:
     handle: Any
     rows: list  # [(row of the output, sequence)]
     mask: Any = None  # a score call's prompt mask, as laid out: where each prompt's tokens are
+    steps: int = 0  # an advance's steps (its tokens' columns past them are padding)
 
 
 SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
@@ -161,9 +163,10 @@ class Scheduler:
     sequences are held; more is ``QueueFull``. ``min_join``: free slots that wait for a group (at most
     ``JOIN_WAIT`` calls) before they join, so that prompts join together rather than one insert each."""
 
-    def __init__(self, backend: Backend, max_queue: int, metrics, min_join: int = 1):
+    def __init__(self, backend: Backend, max_queue: int, metrics, min_join: int = 1, steps: Optional[int] = None):
         self.b, self.max_queue, self.metrics = backend, max_queue, metrics
         self.min_join = max(1, min(min_join, backend.slots))
+        self.steps = backend.steps if steps is None else max(1, min(steps, backend.steps))  # an advance's base
         self.running: list = [None] * backend.slots
         self.waiting: deque = deque()  # sequences waiting for a slot, in arrival order
         self.scoring: deque = deque()  # sequences with no token to write (max_tokens 0): their prompts scored
@@ -270,9 +273,10 @@ class Scheduler:
             running = [(slot, s) for slot, s in enumerate(self.running) if s is not None]
             if running:
                 keep = np.array([slot not in self.cleared for slot in range(self.b.slots)])
-                self.pending.append(_Call("advance", self.b.advance(keep), running))
+                n = self._steps(running)
+                self.pending.append(_Call("advance", self.b.advance(keep, n), running, steps=n))
                 for slot, s in running:
-                    s.dispatched = min(s.dispatched + self.b.steps, s.max_tokens)
+                    s.dispatched = min(s.dispatched + n, s.max_tokens)
                     if s.dispatched >= s.max_tokens:  # its last token is on its way: the slot is free for a joiner
                         self.running[slot] = None
             while self.pending and (not running or self._unread_advances() - (self.pending[0].kind == "advance")
@@ -282,6 +286,17 @@ class Scheduler:
         finally:  # what the round already decided is sent, even when a call raises after it (then _recover)
             if updates:
                 self.emit(updates)
+
+    def _steps(self, running: list) -> int:
+        """The next advance's steps: the base (``steps``) while a slot is free and none waits (a sequence that comes
+        joins after it). Otherwise (every slot taken, or free ones waiting for a group: ``min_join``) nothing joins
+        before the first running sequence ends, so as many as the fewest tokens any of them has left to dispatch,
+        from the base up to the backend's most (no row ends by its length inside the call, only at its last step):
+        fewer calls, each the host's fixed work, for the same tokens."""
+        if len(running) < self.b.slots and not self.waiting:
+            return self.steps
+        left = min(s.max_tokens - s.dispatched for _, s in running)
+        return max(self.steps, min(left, self.b.steps))
 
     def _unread_advances(self) -> int:
         return sum(c.kind == "advance" for c in self.pending)
@@ -420,8 +435,8 @@ class Scheduler:
             scored = _fields(self.b.fetch(scored))
             if call.kind == "insert":  # one token a row: as an advance of one step
                 scored = tuple(x[:, None] for x in scored)
-        if call.kind == "insert":
-            tokens = tokens[:, None]
+        # an insert's one token a row; an advance's columns past its steps are padding
+        tokens = tokens[:, None] if call.kind == "insert" else tokens[:, :call.steps]
         for r, s in call.rows:
             if not s.ended and not s.gone:
                 self._take(s, tokens[r].tolist(), r, scored, updates)

@@ -44,6 +44,7 @@ class FakeBackend:
         self.calls: list = []
         self.limits: list = []  # the limit each inserted row was given
         self.shapes: list = []  # (kind, width, join) of each insert and score call (a score's join: None)
+        self.ns: list = []  # the steps of each advance
         self.fail = None  # callable(kind) -> an exception to raise, or None
         self.gate = None  # threading.Event the reading of an advance waits for
         self.resets = 0
@@ -95,13 +96,15 @@ class FakeBackend:
             self.alive[slot] = first[r] != self.eos_id and limit[r] > 1
         return first, self._scored(first, np.zeros(len(rows), int))
 
-    def advance(self, keep):
+    def advance(self, keep, n):
         self._check("advance")
-        out = np.full((self.slots, self.steps), self.pad_id)
+        assert 1 <= n <= self.steps, n
+        self.ns.append(n)
+        out = np.full((self.slots, self.steps), self.pad_id)  # the columns past n: padding
         alive = self.alive & np.asarray(keep)
         idx = np.zeros((self.slots, self.steps), int)
         for s in range(self.slots):
-            for k in range(self.steps):
+            for k in range(n):
                 if not alive[s]:
                     break
                 self.index[s] += 1

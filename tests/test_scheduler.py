@@ -32,15 +32,15 @@ def ids(text: str) -> list:
 class Harness:
     """A scheduler over a fake backend, its updates collected, driven a round at a time."""
 
-    def __init__(self, max_queue: int = 8, min_join: int = 1, **backend):
+    def __init__(self, max_queue: int = 8, min_join: int = 1, base=None, **backend):
         self.b = FakeBackend(**backend)
         self.metrics = Metrics(self.b.slots)
-        self.s = Scheduler(self.b, max_queue, self.metrics, min_join)
+        self.s = Scheduler(self.b, max_queue, self.metrics, min_join, base)
         self.updates: list = []
         self.s.emit = self.updates.extend
         self.keeps: list = []
         advance = self.b.advance
-        self.b.advance = lambda keep: (self.keeps.append(np.array(keep)), advance(keep))[1]
+        self.b.advance = lambda keep, n: (self.keeps.append(np.array(keep)), advance(keep, n))[1]
 
     def seq(self, prompt, max_tokens: int = 8, **kw) -> Sequence:
         return Sequence(prompt if isinstance(prompt, list) else ids(prompt), max_tokens, **kw)
@@ -238,6 +238,43 @@ def test_drain_refuses_new_sequences_and_abort_ends_the_held_ones():
     h.s.abort_all(error)
     h.run()
     assert all(h.end(s).reason == "aborted" and h.end(s).error is error for s in held)
+
+
+@pytest.mark.parametrize("left, n", [(1, 3), (3, 3), (4, 4), (7, 7), (8, 8), (9, 8), (40, 8)])
+def test_with_every_slot_taken_an_advance_runs_the_fewest_tokens_any_has_left_from_the_base_to_the_most(left, n):
+    """The base 3 steps, the backend's most 8: two sequences take both slots (the insert gives each its first token);
+    the advance runs as many steps as the one with fewer tokens left to dispatch has, clamped to [3, 8]."""
+    h = Harness(slots=2, steps=8, base=3)
+    a, b = h.seq("the cat sleeps", 1 + left), h.seq("a dog runs", 50)
+    h.s.submit([a, b])
+    h.s._round()
+    assert h.b.ns == [n]
+    assert a.dispatched == min(1 + n, 1 + left) and b.dispatched == 1 + n
+    assert h.s.running[a.slot] is (None if n >= left else a)  # freed when its last token is on its way
+    h.run()
+    for s in (a, b):
+        assert (h.tokens(s), h.end(s).reason) == expected(s.ids, s.max_tokens)  # the columns past n: never taken
+
+
+def test_an_advance_takes_the_base_steps_while_a_slot_is_free_and_none_waits_and_the_most_while_one_waits():
+    h = Harness(slots=2, steps=8, base=2)
+    long = h.seq("the cat sleeps", 40)
+    h.s.submit([long])
+    h.s._round()  # a slot free, none waiting: an arrival joins after 2 steps
+    assert h.b.ns == [2]
+    h.s.submit([h.seq("a dog", 30)])
+    h.s._round()  # it joins: both slots taken (40 - 3 = 37 and 30 - 1 = 29 tokens left)
+    assert h.b.ns == [2, 8]
+    h3 = Harness(slots=4, steps=8, base=2, min_join=2)  # a free slot that waits for a group, a sequence waiting
+    seqs = [h3.seq("the cat", 3)] + [h3.seq("a dog", 60) for _ in range(3)]
+    h3.s.submit(seqs)
+    h3.s._round()
+    h3.s.submit([h3.seq("red bird", 4), h3.seq("old man", 4)])
+    h3.s._round()  # the short one's slot is free and waits; two wait: nothing joins before a running one ends
+    assert h3.b.ns == [2, 8] and h3.b.calls.count("insert") == 1
+    h3.run()
+    for s in seqs:
+        assert (h3.tokens(s), h3.end(s).reason) == expected(s.ids, s.max_tokens)
 
 
 def test_free_slots_wait_up_to_join_wait_calls_for_a_group():
@@ -584,7 +621,7 @@ def test_a_sequence_cancelled_while_a_round_runs_gets_no_tokens_after_it():
     h.s.submit([s])
     h.s._round()
     advance = h.b.advance
-    h.b.advance = lambda keep: (h.s.cancel([s]), advance(keep))[1]  # the client goes away mid-round
+    h.b.advance = lambda keep, n: (h.s.cancel([s]), advance(keep, n))[1]  # the client goes away mid-round
     h.s._round()
     h.b.advance = advance
     before = len(h.tokens(s))

@@ -11,6 +11,7 @@ the real models' numbers are tests/test_server.py's. No JAX, no compilation: the
 from __future__ import annotations
 
 import dataclasses
+import asyncio
 import json
 import logging
 import math
@@ -609,6 +610,7 @@ def test_the_server_s_defaults_scale_with_its_slots():
     import run_server
     from config import load_config
     from serving.engine import default_joins, default_min_join
+    from utils.errors import ConfigError
 
     assert [default_joins(n) for n in (1, 2, 4, 8, 32, 64)] == [[1], [1, 2], [1, 4], [1, 4, 8], [1, 4, 16, 32],
                                                                 [1, 4, 16, 64]]
@@ -619,6 +621,16 @@ def test_the_server_s_defaults_scale_with_its_slots():
     for slots, queue in ((8, 256), (64, 256), (100, 400)):
         args = p.parse_args(["--slots", str(slots)])
         assert ServeOptions.of(args, cfg).max_queue == queue
+    # a call's steps: --steps_per_call's (8), up to 4 times as many with every slot taken; the engine's scheduler
+    # takes the first as its base, the backend compiles the second
+    for flags, steps, most in (([], 8, 32), (["--steps_per_call", "5"], 5, 20),
+                               (["--steps_per_call", "5", "--max_steps_per_call", "5"], 5, 5)):
+        o = ServeOptions.of(p.parse_args(flags), cfg)
+        assert (o.steps, o.max_steps) == (steps, most), flags
+    engine = Engine(FakeBackend(slots=4, steps=8), TOK, encode, dataclasses.replace(o, steps=2, max_steps=8))
+    assert engine.scheduler.steps == 2
+    with pytest.raises(ConfigError, match="--max_steps_per_call 4 must be at least 5"):
+        ServeOptions.of(p.parse_args(["--steps_per_call", "5", "--max_steps_per_call", "4"]), cfg)
 
 
 def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_candidate_order():
@@ -631,6 +643,58 @@ def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_
     for i, c in enumerate([-3.0, -1.0, -2.0, -0.5, -1.0, -1.0, -2.0, -1.0]):
         reply.take(Event(i, cumulative_logprob=c, finish_reason="length"))
     assert reply.chosen() == [3, 1, 4, 5]
+
+
+def test_events_that_came_during_the_last_write_go_out_in_one_write_each_its_own_event():
+    """A stream's writes: what its queue holds when it reads, in one write of as many events (fewer sends under load);
+    the last with the usage and [DONE]; an error ends it there (its event, [DONE]; what came after it dropped) and
+    cancels what it held."""
+    from types import SimpleNamespace
+
+    from serving.http import _Reply, _stream
+    from serving.output import Event
+    from serving.scheduler import Failed
+
+    def stream(events: list, usage: bool = True) -> tuple:
+        """events: the batches put on the queue before each read -> (each write's events, the reply, cancels)."""
+        body = {"model": MODEL, "prompt": ["a", "b"], "stream": True}
+        req = api.parse_completion(json.dumps({**body, "stream_options": {"include_usage": usage}}).encode(),
+                                   BOUNDS, MODEL)
+        cancels: list = []
+        reply = _Reply(SimpleNamespace(model_id=MODEL, cancel=cancels.append), req, [([5], "a"), ([6], "b")])
+
+        async def go():
+            gen, writes = _stream(reply), []
+            for batch in events:
+                for ev in batch:
+                    reply.queue.put_nowait(ev)
+                writes.append(await gen.__anext__())
+            with pytest.raises(StopAsyncIteration):
+                await gen.__anext__()
+            return writes
+
+        writes = asyncio.run(go())
+        assert all(w.endswith("\n\n") for w in writes)
+        return [[e[6:] for e in w.split("\n\n")[:-1]] for w in writes], reply, cancels
+
+    def text(e):
+        return json.loads(e)["choices"][0]["text"]
+
+    writes, reply, cancels = stream([[Event(0, "x", [7], completion_tokens=1)],
+                                     [Event(1, "y", [8], completion_tokens=1),
+                                      Event(0, "z", [9], finish_reason="length", completion_tokens=2)],
+                                     [Event(1, "w", [10], finish_reason="stop", completion_tokens=2)]])
+    assert [len(w) for w in writes] == [1, 2, 3]
+    assert [text(e) for e in writes[0] + writes[1] + writes[2][:1]] == ["x", "y", "z", "w"]
+    assert json.loads(writes[2][1])["usage"]["completion_tokens"] == 4 and writes[2][2] == "[DONE]"
+    assert reply.texts == ["xz", "yw"] and not cancels
+    writes, _, _ = stream([[Event(0, "x", [7], finish_reason="length", completion_tokens=1),
+                            Event(1, "y", [8], finish_reason="length", completion_tokens=1)]], usage=False)
+    assert [text(e) for e in writes[0][:2]] == ["x", "y"] and writes[0][2:] == ["[DONE]"]  # no usage: not asked
+    writes, reply, cancels = stream([[Event(0, "x", [7], completion_tokens=1), Event(1, error=Failed("boom")),
+                                      Event(0, "late", [9], completion_tokens=2)]])
+    assert text(writes[0][0]) == "x" and "boom" in json.loads(writes[0][1])["error"]["message"]
+    assert writes[0][2:] == ["[DONE]"] and reply.texts[0] == "x" and cancels == [reply.seqs]
 
 
 def test_each_scheduler_and_prompt_error_is_its_status():

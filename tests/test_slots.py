@@ -39,8 +39,8 @@ def model():
     def insert(cache, state, ids, mask, rows, s, limit, eos):
         return S.insert(family, dp, opts, cache, state, ids, mask, rows, s, limit, WIDTH, NEW, eos, TOP)
 
-    def advance(cache, state, keep, eos):
-        return S.advance(family, dp, opts, cache, state, keep, STEPS, eos, 0, TOP)
+    def advance(cache, state, keep, eos, n=None):
+        return S.advance(family, dp, opts, cache, state, keep, STEPS, eos, 0, TOP, n=n)
 
     def empty():
         ids = jnp.zeros((SLOTS, WIDTH), jnp.int32)
@@ -97,6 +97,29 @@ def test_rows_decode_greedy_tokens_and_end_at_their_limit_eos_or_keep(model):
     out3, _, cache, state = advance(cache, state, jnp.asarray([True, False, False, False]), eos)
     assert out3[1].tolist() == [0] * STEPS and not bool(state[0].alive[1])  # a cleared by the host: pads
     assert out3[0].tolist() == [ref[2, 5], 0, 0, 0] and not bool(state[0].alive[0])  # c ends at its end-of-text
+
+
+def test_an_advance_runs_the_steps_it_is_given_and_the_next_goes_on_from_there(model):
+    """One program runs 1 .. STEPS steps (a traced count): its tokens and scores past them are padding, and the rows
+    go on from where it stopped, as if the calls were one."""
+    family, opts, params, insert, advance, empty = model
+    ids, mask = prompts(family, [5, 3], seed=1)
+    ref = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, NEW, eos_id=-1))
+    cache, state = empty()
+    first, _, cache, state = insert(cache, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray([0, 2]),
+                                    sampling(2, 1), jnp.asarray([NEW, 3]), -1)
+    keep = jnp.asarray([True] * SLOTS)
+    got = [[int(first[0])], [int(first[1])]]
+    for n in (1, STEPS - 1, STEPS, 2):
+        out, scored, cache, state = advance(cache, state, keep, -1, jnp.int32(n))
+        out = np.asarray(out)
+        assert (out[:, n:] == 0).all() and (np.asarray(scored.logprob)[:, n:] == 0).all(), n  # past n: padding
+        assert (np.asarray(scored.logprob)[0, :n] < 0).all()  # (row a asked for its log-probabilities)
+        got[0] += out[0, :n].tolist()
+        got[1] += out[2, :n].tolist()
+    assert got[0] == ref[0, :1 + 1 + STEPS - 1 + STEPS + 2].tolist()
+    assert got[1] == ref[1, :3].tolist() + [0] * (len(got[1]) - 3)  # b ends at its limit of 3, whatever the calls
+    assert int(state[0].index[0]) == 2 * STEPS + 2  # a's last token's index: every step counted, none twice
 
 
 def test_an_inserts_inputs_travel_in_two_arrays_and_come_back_whole():
@@ -178,11 +201,15 @@ def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only
     from graphs.slots import SlotPrograms
 
     g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
-    sp = SlotPrograms(g, 4, (8,), (1,), 4, 2, eos_id=1, pad_id=0)
-    seen = []
-    sp._advance = lambda p, cache, state, keep: (seen.append(keep), (None, None, cache, state))[1]
+    sp = SlotPrograms(g, 4, (8,), (1,), 4, 3, eos_id=1, pad_id=0)
+    seen, ns = [], []
+    sp._advance = lambda p, cache, state, keep, n: (seen.append(keep), ns.append(n), (None, None, cache, state))[2]
     flags = [[True] * 4, [True, False, True, True], [True, False, True, True], [True] * 4]
-    for keep in flags:
-        sp.advance(np.array(keep))
+    for keep, n in zip(flags, (3, 1, 3, None)):
+        sp.advance(np.array(keep), n)
     assert [np.asarray(k).tolist() for k in seen] == flags
     assert seen[2] is seen[1] and seen[3] is not seen[0]  # copied when they change, and only then
+    assert [int(n) for n in ns] == [3, 1, 3, 3] and ns[2] is ns[0] and ns[3] is ns[0]  # each step count copied once
+    for n in (0, 4):  # 1 to the steps compiled
+        with pytest.raises(ValueError, match=f"1 to 3 steps, not {n}"):
+            sp.advance(np.array(flags[0]), n)

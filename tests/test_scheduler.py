@@ -256,6 +256,21 @@ def test_with_every_slot_taken_an_advance_runs_the_fewest_tokens_any_has_left_fr
         assert (h.tokens(s), h.end(s).reason) == expected(s.ids, s.max_tokens)  # the columns past n: never taken
 
 
+def test_a_sequence_ending_by_its_end_of_text_inside_a_longer_call_frees_its_slot_when_that_call_is_read():
+    """Its end is not known in advance: its slot idles to the call's end (the longer calls' price), then the waiting
+    one takes it; nobody's tokens are lost or repeated."""
+    h = Harness(slots=2, steps=8, base=2)
+    stops, long, waiting = h.seq("the cat </s> in", 30), h.seq("a dog runs", 30), h.seq("red bird", 5)
+    h.s.submit([stops, long, waiting])
+    h.s._round()  # both slots taken: 8 steps (29 left each); stops writes its end-of-text at its third token
+    h.s._round()  # that call is read after the next is dispatched: the slot is free only now
+    assert h.b.ns[:2] == [8, 8] and h.b.calls.count("insert") == 1 and h.end(stops).reason == "stop"
+    h.run()
+    assert h.b.calls.count("insert") == 2 and waiting.slot == stops.slot
+    for s in (stops, long, waiting):
+        assert (h.tokens(s), h.end(s).reason) == expected(s.ids, s.max_tokens)
+
+
 def test_an_advance_takes_the_base_steps_while_a_slot_is_free_and_none_waits_and_the_most_while_one_waits():
     h = Harness(slots=2, steps=8, base=2)
     long = h.seq("the cat sleeps", 40)

@@ -39,7 +39,7 @@ def model():
     def insert(cache, state, ids, mask, rows, s, limit, eos):
         return S.insert(family, dp, opts, cache, state, ids, mask, rows, s, limit, WIDTH, NEW, eos, TOP)
 
-    def advance(cache, state, keep, eos, n=None):
+    def advance(cache, state, keep, eos, n):
         return S.advance(family, dp, opts, cache, state, keep, STEPS, eos, 0, TOP, n=n)
 
     def empty():
@@ -51,7 +51,9 @@ def model():
         return cache, (rows, S.Sampling(z.astype(jnp.float32), z, z.astype(jnp.float32), z.astype(jnp.uint32),
                                         z.astype(jnp.uint32), z - 1))
 
-    return (family, opts, params, jax.jit(insert, static_argnums=7), jax.jit(advance, static_argnums=3), empty)
+    advance = jax.jit(advance, static_argnums=3)  # (the step count traced: one program for every count)
+    return (family, opts, params, jax.jit(insert, static_argnums=7),
+            lambda cache, state, keep, eos, n=STEPS: advance(cache, state, keep, eos, jnp.int32(n)), empty)
 
 
 def prompts(family, lengths: list, seed: int) -> tuple:
@@ -111,7 +113,7 @@ def test_an_advance_runs_the_steps_it_is_given_and_the_next_goes_on_from_there(m
     keep = jnp.asarray([True] * SLOTS)
     got = [[int(first[0])], [int(first[1])]]
     for n in (1, STEPS - 1, STEPS, 2):
-        out, scored, cache, state = advance(cache, state, keep, -1, jnp.int32(n))
+        out, scored, cache, state = advance(cache, state, keep, -1, n)
         out = np.asarray(out)
         assert (out[:, n:] == 0).all() and (np.asarray(scored.logprob)[:, n:] == 0).all(), n  # past n: padding
         assert (np.asarray(scored.logprob)[0, :n] < 0).all()  # (row a asked for its log-probabilities)

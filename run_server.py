@@ -57,13 +57,13 @@ def extra_flags(p):
                         "slots per shard)")
     s.add_argument("--steps_per_call", type=int, default=8,
                    help="decoding steps per call of the slots' program (default 8: the host's work per call spread "
-                        "over 8 tokens; 1: a token streamed at a time and joins at every step, at more host work "
-                        "per token)")
+                        "over 8 tokens; 1 with --max_steps_per_call 1: a token streamed at a time and joins at every "
+                        "step, at more host work per token)")
     s.add_argument("--max_steps_per_call", type=int, default=None,
                    help="the most decoding steps one call may take while every slot is taken: as many as the fewest "
                         "tokens any slot has left, so that no request waits for a slot it could have had (default: 4 "
-                        "x --steps_per_call; a slot whose request ends by its end-of-text token inside a call waits "
-                        "for the call's end)")
+                        "x --steps_per_call; a slot whose request ends inside a call, by its end-of-text token, a "
+                        "stop string or a cancel, is refilled after the next call)")
     s.add_argument("--min_join", type=int, default=None,
                    help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
                         "join together in one insert (default: half the slots, at most the rows one insert takes: "

@@ -376,6 +376,14 @@ def server_variants(a) -> list:
             for k in a.steps_per_call for args in (a.server_args or [""])]
 
 
+def most_steps(a, steps: int, args: str) -> int:
+    """A server's --max_steps_per_call: its own flags', else the run's, else the server's default."""
+    own = shlex.split(args)
+    if "--max_steps_per_call" in own:
+        return int(own[own.index("--max_steps_per_call") + 1])
+    return a.max_steps_per_call or MAX_STEPS_FACTOR * steps
+
+
 def start_server(a, steps: int, ckpt: str, reqs: list, extra: list, args: str = "") -> tuple:
     """run_server.py on a free port with every program compiled -> (process, base url, model id)."""
     widths = server_widths(reqs)
@@ -489,7 +497,7 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
         static.stdin.close()
         static.wait(120)
     out = {name: {**median_run(runs[name]), "slots": a.slots, "steps_per_call": k,
-                  "max_steps_per_call": a.max_steps_per_call or MAX_STEPS_FACTOR * k, "server_args": args,
+                  "max_steps_per_call": most_steps(a, k, args), "server_args": args,
                   # each round's server / static: runs next to each other in time, the ratio a slow spell spares
                   "over_static_per_round": [x["tokens_per_s"] / y["tokens_per_s"]
                                             for x, y in zip(runs[name], runs["static"])]}

@@ -288,12 +288,12 @@ class Scheduler:
                 self.emit(updates)
 
     def _steps(self, running: list) -> int:
-        """The next advance's steps: the base (``steps``) while a slot is free and none waits (a sequence that comes
-        joins after it). Otherwise (every slot taken, or free ones waiting for a group: ``min_join``) nothing joins
-        before the first running sequence ends, so as many as the fewest tokens any of them has left to dispatch,
-        from the base up to the backend's most (no row ends by its length inside the call, only at its last step):
-        fewer calls, each the host's fixed work, for the same tokens."""
-        if len(running) < self.b.slots and not self.waiting:
+        """The next advance's steps: the base (``steps``) while a slot is free (a sequence that comes joins after it;
+        free slots waiting for a group wait ``max_wait`` calls of the base at most). With every slot taken nothing
+        joins before the first running sequence ends, so as many as the fewest tokens any of them has left to
+        dispatch, from the base up to the backend's most (no row ends by its length inside the call, only at its
+        last step): fewer calls, each the host's fixed work, for the same tokens."""
+        if len(running) < self.b.slots:
             return self.steps
         left = min(s.max_tokens - s.dispatched for _, s in running)
         return max(self.steps, min(left, self.b.steps))

@@ -271,7 +271,7 @@ def test_a_sequence_ending_by_its_end_of_text_inside_a_longer_call_frees_its_slo
         assert (h.tokens(s), h.end(s).reason) == expected(s.ids, s.max_tokens)
 
 
-def test_an_advance_takes_the_base_steps_while_a_slot_is_free_and_none_waits_and_the_most_while_one_waits():
+def test_an_advance_takes_the_base_steps_while_a_slot_is_free_even_one_waiting_for_a_group():
     h = Harness(slots=2, steps=8, base=2)
     long = h.seq("the cat sleeps", 40)
     h.s.submit([long])
@@ -285,8 +285,11 @@ def test_an_advance_takes_the_base_steps_while_a_slot_is_free_and_none_waits_and
     h3.s.submit(seqs)
     h3.s._round()
     h3.s.submit([h3.seq("red bird", 4), h3.seq("old man", 4)])
-    h3.s._round()  # the short one's slot is free and waits; two wait: nothing joins before a running one ends
-    assert h3.b.ns == [2, 8] and h3.b.calls.count("insert") == 1
+    h3.s._round()  # the short one's slot is free and waits for a group: its wait counts calls of the base
+    assert h3.b.ns == [2, 2] and h3.b.calls.count("insert") == 1
+    h3.s._round()
+    h3.s._round()  # JOIN_WAIT (2) calls of the base waited: it joins, every slot taken, the joiner 3 tokens left
+    assert h3.b.ns == [2, 2, 2, 3] and h3.b.calls.count("insert") == 2
     h3.run()
     for s in seqs:
         assert (h3.tokens(s), h3.end(s).reason) == expected(s.ids, s.max_tokens)

@@ -287,7 +287,7 @@ def profile_engine(a, steps: int, extra: list) -> dict:
     widths = server_widths(reqs)
     options = ServeOptions(a.slots, len(reqs), widths, joins, steps, a.max_new, 1 << 20, 1 << 20, "profile",
                            min_join=default_min_join(a.slots, a.slots // local * max(joins)),
-                           max_steps=a.max_steps_per_call or MAX_STEPS_FACTOR * steps)
+                           max_steps=most_steps(a, steps, ""))
     engine = build_engine(cfg, options)
     device = device_seconds(engine, widths, joins, local)
     ns, advance = [], engine.backend.advance  # the steps of each decoding call
@@ -482,16 +482,15 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
     """The servers (one per --steps_per_call) and static batching, each compiled once, their runs taking turns
     (the order turned each round), so that a shared machine's slow spell falls on all of them."""
     static, run_static_once = start_static(a, config, ckpt, work, flags)
-    servers = {name: (k, *start_server(a, k, ckpt, reqs, shlex.split(flags), args))
+    servers = {name: (k, args, *start_server(a, k, ckpt, reqs, shlex.split(flags), args))
                for name, k, args in server_variants(a)}
-    given = {name: args for name, _, args in server_variants(a)}
     runs = {name: [] for name in list(servers) + ["static"]}
     try:
         for r in range(a.repeats):
             for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                runs[name].append(run_static_once() if name == "static" else server_run(*servers[name][2:], reqs))
+                runs[name].append(run_static_once() if name == "static" else server_run(*servers[name][3:], reqs))
     finally:
-        for _, proc, _, _ in servers.values():
+        for _, _, proc, _, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
         static.stdin.close()
@@ -501,7 +500,7 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
                   # each round's server / static: runs next to each other in time, the ratio a slow spell spares
                   "over_static_per_round": [x["tokens_per_s"] / y["tokens_per_s"]
                                             for x, y in zip(runs[name], runs["static"])]}
-           for name, (k, _, _, _) in servers.items() for args in [given[name]]}
+           for name, (k, args, _, _, _) in servers.items()}
     out["static"] = median_run(runs["static"])
     return out
 

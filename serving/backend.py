@@ -36,7 +36,7 @@ def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
         directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
         params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
     programs = SlotPrograms(predictor.graphs, options.slots, options.widths, options.joins, options.max_new_tokens,
-                            max(options.steps, options.max_steps), tokenizer.eos_token_id, pad_id(tokenizer),
+                            options.most_steps, tokenizer.eos_token_id, pad_id(tokenizer),
                             options.max_logprobs)
     programs.compile(params)
     family = predictor.family

@@ -74,6 +74,11 @@ class ServeOptions:
     chat_template: Optional[str] = None  # --chat_template's text
     max_steps: int = 0  # the most steps per call, taken while every slot is taken (0: ``steps``)
 
+    @property
+    def most_steps(self) -> int:
+        """The most steps a call takes (the slot programs compile this many)."""
+        return max(self.steps, self.max_steps)
+
     @classmethod
     def of(cls, args, cfg) -> "ServeOptions":
         if cfg.inference.stream_encoder:
@@ -215,7 +220,7 @@ class Engine:
         o = self.options
         return (f"serving {self.model_id} on http://{host}:{port} ({o.slots} slots, a queue of {o.max_queue}, "
                 f"prompts up to {o.widths[-1]} tokens, up to {o.max_new_tokens} new tokens, {o.steps} step(s) a "
-                f"call, up to {max(o.steps, o.max_steps)} with every slot taken)")
+                f"call, up to {o.most_steps} with every slot taken)")
 
 
 def check_exposure(host: str, api_key: Optional[str]) -> Optional[str]:

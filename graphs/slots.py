@@ -2,9 +2,11 @@
 fill and advance it (modelling/slots.py's per-device bodies under shard_map; serving/ drives them).
 
 Slots are rows split over dp (slot s lives on dp shard s // (slots / dp)), weights over tp, as every decoding
-program here. The cache never leaves the programs, so it is kept as each device's own piece: every leaf is
-[dp, tp, ...] with spec P('dp', 'tp'), whatever the family's cache holds (the programs take and give back the
-device's [...] part), and the programs donate it (updated in place).
+program here. The cache and the rows' state never leave the programs, so they are kept as each device's own piece:
+every array is [dp, tp, ...] with spec P('dp', 'tp'), whatever the family's cache holds (the programs take and give
+back the device's [...] part), and the programs donate them (updated in place). They travel in as few arrays as can
+be (``Carry``: the keys and values, and one int32 vector a device for the rest), and a call's log-probabilities in
+one (``pack_scored``): JAX's dispatch takes Python's interpreter lock back once for every array a call returns.
 
 The compiled shapes are a bounded set, all compiled by ``compile`` before any request: one ``advance`` program, one
 ``insert`` program per (prompt width, joining rows per dp shard) pair, the widths and join sizes given, and for a
@@ -40,6 +42,72 @@ def _stacked(cache):
     return jax.tree.map(lambda x: x[None, None], cache)
 
 
+def _carried(packed: tuple) -> tuple:
+    """``Carry.pack``'s (apart, words) of one device -> its [1, 1, ...] pieces of the global [dp, tp, ...] arrays."""
+    apart, words = packed
+    return _stacked(apart), words[None, None]
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """A leaf's values as int32 words: a bool as 0 or 1, any other 4-byte type its bits."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.int32)
+    return x if x.dtype == jnp.int32 else jax.lax.bitcast_convert_type(x, jnp.int32)
+
+
+def _from_words(w: jax.Array, dtype) -> jax.Array:
+    if dtype == jnp.bool_:
+        return w != 0
+    return w if dtype == jnp.int32 else jax.lax.bitcast_convert_type(w, dtype)
+
+
+class Carry:
+    """What the programs carry from one call to the next (the slots' cache and every row's state), in as few device
+    arrays as it can be.
+
+    JAX's dispatch lets go of Python's interpreter lock and takes it back once for every array a call returns
+    (jaxlib 0.10.2), and in the server another thread (HTTP's) holds that lock in between: each array is a wait of
+    the decoding thread. So the cache's floating-point leaves (its keys and values, updated in place: too big to copy
+    each call) stay apart, one array each, and every other leaf, the cache's and the state's (a mask, positions, a
+    few numbers a row), travels in one int32 vector a device, the leaves in turn (a bool as 0 or 1, a 4-byte type
+    its bits). A leaf of another size stays apart.
+
+    Built from one device's (abstract) cache and state; ``pack`` and ``unpack`` run inside the programs, on each
+    device's pieces."""
+
+    def __init__(self, cache, state):
+        leaves, self.tree = jax.tree.flatten((cache, state))
+        n_cache = len(jax.tree.leaves(cache))
+        self.specs = [(tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves]
+        self.packed = [(i >= n_cache or not jnp.issubdtype(dt, jnp.floating))
+                       and (dt == jnp.bool_ or dt.itemsize == 4) for i, (_, dt) in enumerate(self.specs)]
+        sizes = [int(np.prod(shape)) for (shape, _), p in zip(self.specs, self.packed) if p]
+        self.offsets = [int(o) for o in np.cumsum([0] + sizes)]
+
+    @property
+    def words(self) -> int:
+        """The int32 words of the packed leaves."""
+        return self.offsets[-1]
+
+    def pack(self, cache, state) -> tuple:
+        """(cache, state) -> (the leaves apart (a tuple), int32 [words])."""
+        leaves = jax.tree.leaves((cache, state))
+        packed = [_words(x).reshape(-1) for x, p in zip(leaves, self.packed) if p]
+        return (tuple(x for x, p in zip(leaves, self.packed) if not p),
+                jnp.concatenate(packed) if packed else jnp.zeros(0, jnp.int32))
+
+    def unpack(self, apart, words) -> tuple:
+        """``pack``'s arrays -> (cache, state)."""
+        apart, out, k = iter(apart), [], 0
+        for (shape, dtype), p in zip(self.specs, self.packed):
+            if p:
+                out.append(_from_words(words[self.offsets[k]:self.offsets[k + 1]].reshape(shape), dtype))
+                k += 1
+            else:
+                out.append(next(apart))
+        return jax.tree.unflatten(self.tree, out)
+
+
 class SlotPrograms:
     """``slots`` decoding rows of at most ``max_new_tokens`` new tokens after prompts of at most ``widths[-1]``
     tokens, on the mesh of ``graphs``, with the ``top`` most likely tokens' log-probabilities where a row asks (see
@@ -59,7 +127,7 @@ class SlotPrograms:
         self.rows2 = NamedSharding(graphs.mesh, P(S.DP, None))
         self.pieces = NamedSharding(graphs.mesh, P(S.DP, S.TP))
         self.replicated = NamedSharding(graphs.mesh, P())
-        self.params = self.cache = self.state = None
+        self.params = self.carry = self.apart = self.words = None  # the Carry, and its arrays between calls
         self._insert, self._advance, self._score = {}, None, {}
         self._keep = (None, None)  # (the host's last keep flags, their device copy)
         self._n: dict = {}  # steps an advance runs -> its device copy (a scalar)
@@ -69,40 +137,41 @@ class SlotPrograms:
     def _state_specs(self):
         return (slot_lib.Rows(*(P(S.DP),) * 4), slot_lib.Sampling(*(P(S.DP),) * 6))
 
-    def _scored_specs(self, lead: tuple):
-        return slot_lib.Scored(P(*lead), P(*lead, None), P(*lead, None))
+    def _scored_specs(self, lead: tuple):  # ``pack_scored``'s array
+        return P(*lead, None)
 
     def _insert_program(self):
         family, opts, width, n, eos, top = (self.family, self.opts, self.widths[-1], self.max_new_tokens,
                                             self.eos_id, self.top)
 
-        def fn(p, cache, state, ints, floats):
+        def fn(p, apart, words, joiners):
             dp = family.decoding_params(p, opts)
-            ids, mask, rows, s, limit = unpack_joiners(ints, floats)
-            first, scored, cache, state = slot_lib.insert(family, dp, opts, _local(cache), state, ids, mask, rows, s,
+            ids, mask, rows, s, limit = unpack_joiners(joiners)
+            cache, state = self.carry.unpack(_local(apart), words[0, 0])
+            first, scored, cache, state = slot_lib.insert(family, dp, opts, cache, state, ids, mask, rows, s,
                                                           limit, width, n, eos, top, S.TP)
-            return first, scored, _stacked(cache), state
+            return (first, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), self._state_specs(), P(S.DP, None),
-                                         P(S.DP, None)),
-                               out_specs=(P(S.DP), self._scored_specs((S.DP,)), P(S.DP, S.TP), self._state_specs()))
+                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), P(S.DP, S.TP), P(S.DP, None)),
+                               out_specs=(P(S.DP), self._scored_specs((S.DP,)), P(S.DP, S.TP), P(S.DP, S.TP)))
         return jax.jit(mapped, donate_argnums=(1, 2))
 
     def _advance_program(self):
         family, opts, steps, eos, pad, top = (self.family, self.opts, self.steps, self.eos_id, self.pad_id,
                                               self.top)
 
-        def fn(p, cache, state, keep, n):
+        def fn(p, apart, words, keep, n):
             dp = family.decoding_params(p, opts)
-            out, scored, cache, state = slot_lib.advance(family, dp, opts, _local(cache), state, keep, steps, eos,
-                                                         pad, top, S.TP, n)
-            return out, scored, _stacked(cache), state
+            cache, state = self.carry.unpack(_local(apart), words[0, 0])
+            out, scored, cache, state = slot_lib.advance(family, dp, opts, cache, state, keep, steps, eos, pad, top,
+                                                         S.TP, n)
+            return (out, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), self._state_specs(), P(S.DP), P()),
+                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), P(S.DP, S.TP), P(S.DP), P()),
                                out_specs=(P(S.DP, None), self._scored_specs((S.DP, None)), P(S.DP, S.TP),
-                                          self._state_specs()))
+                                          P(S.DP, S.TP)))
         return jax.jit(mapped, donate_argnums=(1, 2))
 
     def _score_program(self):
@@ -110,15 +179,16 @@ class SlotPrograms:
 
         def fn(p, ids_mask):
             ids, mask = jnp.split(ids_mask, 2, axis=1)
-            return slot_lib.score_prompts(family, family.decoding_params(p, opts), opts, ids, mask, top, S.TP)
+            return pack_scored(slot_lib.score_prompts(family, family.decoding_params(p, opts), opts, ids, mask, top,
+                                                      S.TP))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
                                in_specs=(self.g.decode_specs(), P(S.DP, None)),
                                out_specs=self._scored_specs((S.DP, None)))
         return jax.jit(mapped)
 
-    def _empty_cache(self):
-        """The slots' cache, all rows empty (zeros; their masks let nothing be read)."""
+    def _cache_shapes(self):
+        """The slots' cache, abstract: every leaf [dp, tp, ...] (each device's piece)."""
         family, opts, width, n = self.family, self.opts, self.widths[-1], self.max_new_tokens
 
         def fresh(p, ids, mask):
@@ -126,8 +196,12 @@ class SlotPrograms:
             return _stacked(family.widen_cache(cache, ids.shape[1], width))
 
         ids = jax.ShapeDtypeStruct((self.slots, width), jnp.int32, sharding=self.rows2)
-        shapes = jax.eval_shape(self.g.phase(fresh, (self.g.decode_specs(), P(S.DP, None), P(S.DP, None)),
-                                             P(S.DP, S.TP)), self.params, ids, ids)
+        return jax.eval_shape(self.g.phase(fresh, (self.g.decode_specs(), P(S.DP, None), P(S.DP, None)),
+                                           P(S.DP, S.TP)), self.params, ids, ids)
+
+    def _empty_cache(self):
+        """The slots' cache, all rows empty (zeros; their masks let nothing be read)."""
+        shapes = self._cache_shapes()
         return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
                        out_shardings=self.pieces)()
 
@@ -141,8 +215,19 @@ class SlotPrograms:
 
     def reset(self) -> None:
         """The cache and every row's state anew, all rows empty (after a failed call, whose donated buffers are
-        gone)."""
-        self.cache, self.state, self._keep = self._empty_cache(), self._empty_state(), (None, None)
+        gone), packed as ``Carry`` says: the cache's zeros made on each device, the state's few numbers copied."""
+        local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self._cache_shapes())
+        state = self._empty_state()
+        if self.carry is None:
+            self.carry = Carry(local, jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.local,), x.dtype), state))
+
+        def empty(st):
+            return _carried(self.carry.pack(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), local), st))
+
+        self.apart, self.words = jax.jit(jax.shard_map(empty, mesh=self.g.mesh, check_vma=False,
+                                                       in_specs=(self._state_specs(),),
+                                                       out_specs=(P(S.DP, S.TP), P(S.DP, S.TP))))(state)
+        self._keep = (None, None)
 
     def _abstract(self, shape, dtype, sharding):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -154,18 +239,17 @@ class SlotPrograms:
         g = self.g
         self.params = params if g.is_decoding_layout(params) else g.to_decoding(params)  # (Predictor.load_params')
         self.reset()
-        cache_abs, state_abs = (jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, x.sharding), t)
-                                for t in (self.cache, self.state))
+        apart, words = (jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, x.sharding), t)
+                        for t in (self.apart, self.words))
         insert = self._insert_program()
         for width in self.widths:
             for j in self.joins:
                 n = j * g.dp
-                ints = self._abstract((n, 2 * width + JOINER_INTS), jnp.int32, self.rows2)
-                floats = self._abstract((n, JOINER_FLOATS), jnp.float32, self.rows2)
-                self._insert[(width, j)] = insert.lower(self.params, cache_abs, state_abs, ints, floats).compile()
+                joiners = self._abstract((n, 2 * width + JOINER_COLUMNS), jnp.int32, self.rows2)
+                self._insert[(width, j)] = insert.lower(self.params, apart, words, joiners).compile()
         keep = self._abstract((self.slots,), jnp.bool_, self.rows)
         n = self._abstract((), jnp.int32, self.replicated)
-        self._advance = self._advance_program().lower(self.params, cache_abs, state_abs, keep, n).compile()
+        self._advance = self._advance_program().lower(self.params, apart, words, keep, n).compile()
         if self.family.scores_prompts:
             score = self._score_program()
             for width in self.widths:
@@ -188,18 +272,18 @@ class SlotPrograms:
         """Joining prompts into the slots: ids/mask [dp * join, width] laid out for the family, the rows of each dp
         shard together; rows [dp * join]: each one's slot within its shard (``self.local``: a filler, dropped);
         sampling: their (temperature, top_k, drop_mass, seed, seed_hi, logprobs); limit: their most tokens ->
-        (their first tokens [dp * join], their Scored), on the device. Two host-to-device copies, whatever the
+        (their first tokens [dp * join], their PackedScored), on the device. One host-to-device copy, whatever the
         joiners ask (``pack_joiners``: each copy costs the host about a millisecond on a CPU, as much as the rest of
         the call)."""
-        ints, floats = pack_joiners(ids, mask, rows, sampling, limit)
-        first, scored, self.cache, self.state = self._insert[(width, join)](
-            self.params, self.cache, self.state, S.put_global(ints, self.rows2), S.put_global(floats, self.rows2))
-        return first, scored
+        first, scored, self.apart, self.words = self._insert[(width, join)](
+            self.params, self.apart, self.words,
+            S.put_global(pack_joiners(ids, mask, rows, sampling, limit), self.rows2))
+        return first, PackedScored(scored)
 
     def advance(self, keep, n: int = None) -> tuple:
         """``n`` tokens of every row (1 .. ``steps``; ``steps`` when None); keep bool [slots]: the rows the host still
-        holds -> (int32 [slots, steps], Scored [slots, steps]: the columns past ``n`` padding), on the device. The
-        keep flags are copied to the device only when they change, each ``n`` once."""
+        holds -> (int32 [slots, steps], PackedScored [slots, steps]: the columns past ``n`` padding), on the device.
+        The keep flags are copied to the device only when they change, each ``n`` once."""
         keep = np.asarray(keep, bool)
         n = self.steps if n is None else int(n)
         if not 1 <= n <= self.steps:
@@ -208,41 +292,66 @@ class SlotPrograms:
             self._keep = (keep.copy(), S.put_global(keep, self.rows))
         if n not in self._n:
             self._n[n] = S.put_global(np.int32(n), self.replicated)
-        out, scored, self.cache, self.state = self._advance(self.params, self.cache, self.state, self._keep[1],
+        out, scored, self.apart, self.words = self._advance(self.params, self.apart, self.words, self._keep[1],
                                                             self._n[n])
-        return out, scored
+        return out, PackedScored(scored)
 
-    def score(self, width: int, ids, mask) -> slot_lib.Scored:
+    def score(self, width: int, ids, mask) -> PackedScored:
         """The prompts' own log-probabilities: ids/mask [score_rows, width] laid out for the family -> Scored
         [score_rows, width - 1] (column c: token c + 1's), on the device."""
         ids_mask = np.concatenate([np.asarray(ids, np.int32), np.asarray(mask, np.int32)], axis=1)
-        return self._score[width](self.params, S.put_global(ids_mask, self.rows2))
+        return PackedScored(self._score[width](self.params, S.put_global(ids_mask, self.rows2)))
 
     @staticmethod
     def fetch(x):
-        """A call's device arrays (any tree of them) -> numpy."""
+        """A call's device arrays (any tree of them, or a PackedScored) -> numpy (a PackedScored: a Scored of
+        numpy arrays)."""
+        if isinstance(x, PackedScored):
+            return unpack_scored(S.fetch(x.array))
         return jax.tree.map(S.fetch, x)
 
 
-JOINER_INTS, JOINER_FLOATS = 6, 2  # columns after ids and mask: rows, top_k, seed, seed_hi, logprobs, limit; and
-# temperature, drop_mass
+class PackedScored:
+    """A Scored on the device as ``pack_scored``'s one array (``SlotPrograms.fetch`` reads it back)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
 
 
-def pack_joiners(ids, mask, rows, sampling: tuple, limit) -> tuple:
-    """What an insert reads, in two arrays: int32 [n, 2 width + 6] (ids, mask, then rows, top_k, seed, seed_hi (the
-    seeds' bits), logprobs, limit) and float32 [n, 2] (temperature, drop_mass)."""
+def pack_scored(s: slot_lib.Scored) -> jax.Array:
+    """A Scored [...] as one int32 array [..., 1 + 2 top]: the logprob's bits, the top ids, the top logprobs' bits
+    (one array a call returns, not three: ``Carry`` says why)."""
+    return jnp.concatenate([_words(s.logprob)[..., None], s.top_ids, _words(s.top_logprobs)], axis=-1)
+
+
+def unpack_scored(x: np.ndarray) -> slot_lib.Scored:
+    """``pack_scored``'s array, fetched -> a Scored of numpy arrays."""
+    top = (x.shape[-1] - 1) // 2
+    return slot_lib.Scored(x[..., 0].view(np.float32), x[..., 1:1 + top], x[..., 1 + top:].view(np.float32))
+
+
+JOINER_COLUMNS = 8  # after ids and mask: rows, top_k, seed, seed_hi (the seeds' bits), logprobs, limit, and the
+# bits of temperature and drop_mass
+
+
+def pack_joiners(ids, mask, rows, sampling: tuple, limit) -> np.ndarray:
+    """What an insert reads, in one array: int32 [n, 2 width + 8] (ids, mask, then rows, top_k, seed, seed_hi,
+    logprobs, limit, temperature, drop_mass; the seeds and the floats as their bits)."""
     temperature, top_k, drop_mass, seed, seed_hi, logprobs = sampling
-    bits = lambda x: np.asarray(x, np.uint32).view(np.int32)  # noqa: E731
-    cols = [np.asarray(rows, np.int32), np.asarray(top_k, np.int32), bits(seed), bits(seed_hi),
-            np.asarray(logprobs, np.int32), np.asarray(limit, np.int32)]
-    ints = np.concatenate([np.asarray(ids, np.int32), np.asarray(mask, np.int32), np.stack(cols, 1)], axis=1)
-    return ints, np.stack([np.asarray(temperature, np.float32), np.asarray(drop_mass, np.float32)], 1)
+    bits = lambda x, dt: np.asarray(x, dt).view(np.int32)  # noqa: E731
+    cols = [np.asarray(rows, np.int32), np.asarray(top_k, np.int32), bits(seed, np.uint32), bits(seed_hi, np.uint32),
+            np.asarray(logprobs, np.int32), np.asarray(limit, np.int32), bits(temperature, np.float32),
+            bits(drop_mass, np.float32)]
+    return np.concatenate([np.asarray(ids, np.int32), np.asarray(mask, np.int32), np.stack(cols, 1)], axis=1)
 
 
-def unpack_joiners(ints, floats) -> tuple:
-    """``pack_joiners``' arrays (on the device) -> (ids, mask, rows, Sampling, limit)."""
-    width = (ints.shape[1] - JOINER_INTS) // 2
-    col = lambda i: ints[:, 2 * width + i]  # noqa: E731
-    u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731
-    s = slot_lib.Sampling(floats[:, 0], col(1), floats[:, 1], u32(col(2)), u32(col(3)), col(4))
-    return ints[:, :width], ints[:, width:2 * width], col(0), s, col(5)
+def unpack_joiners(joiners) -> tuple:
+    """``pack_joiners``' array (on the device) -> (ids, mask, rows, Sampling, limit)."""
+    width = (joiners.shape[1] - JOINER_COLUMNS) // 2
+    col = lambda i: joiners[:, 2 * width + i]  # noqa: E731
+    as_ = lambda x, dt: jax.lax.bitcast_convert_type(x, dt)  # noqa: E731
+    s = slot_lib.Sampling(as_(col(6), jnp.float32), col(1), as_(col(7), jnp.float32), as_(col(2), jnp.uint32),
+                          as_(col(3), jnp.uint32), col(4))
+    return joiners[:, :width], joiners[:, width:2 * width], col(0), s, col(5)

@@ -42,6 +42,7 @@ DRIVERS = {
     "benchmarks/int8_accuracy.py": ("benchmarks.int8_accuracy", {}),
     "benchmarks/int8_hlo.py": ("benchmarks.int8_hlo", {"--config": "inference"}),
     "benchmarks/cpu_dispatch.py": ("benchmarks.cpu_dispatch", {}),
+    "benchmarks/gil_waits.py": ("benchmarks.gil_waits", {}),
     "-m app.launch": ("app.launch", {}),
     "-m app.reference": ("app.reference", {}),
 }

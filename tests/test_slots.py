@@ -124,14 +124,16 @@ def test_an_advance_runs_the_steps_it_is_given_and_the_next_goes_on_from_there(m
     assert int(state[0].index[0]) == 2 * STEPS + 2  # a's last token's index: every step counted, none twice
 
 
-def test_an_inserts_inputs_travel_in_two_arrays_and_come_back_whole():
-    """graphs/slots.py packs what an insert reads into one int32 and one float32 array (two host-to-device copies):
-    every field comes back as it went, seeds' 32 bits included."""
+def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
+    """graphs/slots.py packs what an insert reads into one int32 array (one host-to-device copy): every field comes
+    back as it went, with its type, seeds' 32 bits and the floats' bits included."""
     from graphs.slots import pack_joiners, unpack_joiners
 
     ids, mask = np.arange(6).reshape(2, 3), np.array([[1, 1, 0], [1, 1, 1]])
-    sampling = ([0.5, 1.25], [3, 0], [0.25, 0.0], [2 ** 32 - 1, 7], [2 ** 31, 0], [-1, 4])
-    got = unpack_joiners(*map(jnp.asarray, pack_joiners(ids, mask, [0, 5], sampling, [9, 2])))
+    sampling = ([0.5, 1.25], [3, 0], [0.1, -0.0], [2 ** 32 - 1, 7], [2 ** 31, 0], [-1, 4])
+    packed = pack_joiners(ids, mask, [0, 5], sampling, [9, 2])
+    assert packed.dtype == np.int32 and packed.shape == (2, 2 * 3 + 8)
+    got = unpack_joiners(jnp.asarray(packed))
     for a, b in zip(got[:3] + (got[4],), (ids, mask, [0, 5], [9, 2])):
         assert np.asarray(a).tolist() == np.asarray(b).tolist()
     dtypes = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)

@@ -114,3 +114,26 @@ def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_v
         assert tokens.shape == lead and scored.shape == lead + (1 + 2 * sp.top,)
         assert [(x.shape, x.dtype) for x in kv_out] == [(x.shape, x.dtype) for x in kv]
         assert (words_out.shape, words_out.dtype) == ((1, 1, sp.carry.words), jnp.int32)
+
+
+def test_reset_leaves_every_row_empty_and_the_cache_zeros_on_every_device():
+    """``reset`` (at start, and after a failed call took the donated arrays): on a dp 2 x tp 2 mesh, each device's
+    piece unpacks to a cache of zeros and rows that do not write (alive False, limit 0) and ask for no
+    log-probabilities (-1), the state of that device's dp shard."""
+    from config import load_config
+    from graphs.graphs import Graphs
+    from graphs.slots import SlotPrograms
+
+    g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=2, data_parallel=2)))
+    sp = SlotPrograms(g, 4, (8,), (1,), 6, 3, eos_id=1, pad_id=0)
+    sp.params = g.abstract_decode_params()
+    sp.reset()
+    assert sp.words.shape == (2, 2, sp.carry.words) and all(x.shape[:2] == (2, 2) for x in sp.apart)
+    words, apart = np.asarray(sp.words), [np.asarray(x) for x in sp.apart]
+    for d in range(2):
+        for t in range(2):
+            cache, (rows, sampling) = jax.jit(sp.carry.unpack)(tuple(x[d, t] for x in apart), words[d, t])
+            assert all(not np.asarray(x).any() for x in jax.tree.leaves(cache))
+            assert np.asarray(rows.alive).tolist() == [False, False] and np.asarray(rows.limit).tolist() == [0, 0]
+            assert np.asarray(sampling.logprobs).tolist() == [-1, -1]
+            assert not any(np.asarray(x).any() for x in (rows.token, rows.index, sampling.temperature, sampling.seed))

@@ -6,7 +6,8 @@
 For each family's tiny preset (d 64, one device, 8 slots): the slot programs compiled (graphs/slots.py), then a
 thread that only spins Python, with CPython's switch interval at 20 ms: a call that lets go of the lock waits about
 20 ms to take it back. Each call's dispatch time over 20 ms is the times it let go; medians of 5 calls, each
-dispatched with the device idle. Beside it, the arrays the call returns (JAX's dispatch lets go once for each).
+dispatched with the device idle. Beside it, the arrays the call returns: JAX's dispatch lets go about once for each
+(the waits fell about with their count), and an insert's copy of its inputs to the device a few times more.
 """
 
 import argparse
@@ -65,11 +66,18 @@ def measure(preset: str, slots: int = 8, width: int = 64, calls: int = 5) -> dic
                 jax.block_until_ready(handle[0])
             # what the call hands back: its results (a PackedScored is one array) and the arrays kept for the next
             out[name] = {"lock_waits": round(float(np.median(times)) / SWITCH, 1),
-                         "arrays_returned": len(jax.tree.leaves(handle)) + len(jax.tree.leaves((sp.apart, sp.words)))}
+                         "arrays_returned": len(jax.tree.leaves(handle)) + len(jax.tree.leaves(carried(sp)))}
     finally:
         sys.setswitchinterval(before)
         stop.set()
     return out
+
+
+def carried(sp) -> tuple:
+    """The arrays the slot programs keep between calls: ``Carry``'s (the keys and values, the vector), or before it
+    (commit dc9f573, whose run is ``gil_waits_dc9f573.json``: this script copied into that tree) the cache and the
+    state as they were."""
+    return (sp.apart, sp.words) if hasattr(sp, "words") else (sp.cache, sp.state)
 
 
 def main(argv=None):

@@ -27,6 +27,10 @@ the same requests submitted at once, its parts timed (dispatching the decoding a
 device, the scheduler's own bookkeeping, the output thread's work), beside the device's time per call alone (calls
 back to back, every slot decoding).
 
+Where the machine's CPU goes in each run (Linux): ``cpu_s``, the CPU seconds of the server's main thread (its HTTP
+layer), of XLA's threads (the programs' work on a CPU device), of its other threads (the decoding and output
+threads), and of the load generator, beside the run's wall seconds; static batching's worker's the same way.
+
 Reported per method: generated tokens/s (the tokens each request asked for, up to its end-of-text, over the time
 from the first arrival to the last answer), time to the first token and inter-token latency (p50, p99; a static
 batch and HF generate give a request's tokens all at once, at its end), request latency, and the share of requests
@@ -451,7 +455,53 @@ async def _drive(url: str, model: str, reqs: list) -> list:
     return await asyncio.gather(*[_one(url, model, r, t0) for r in reqs])
 
 
-def server_run(url: str, model: str, reqs: list) -> dict:
+def thread_seconds(pid: int) -> dict:
+    """{thread id: (name, CPU seconds so far, user and system)} of a process's threads (Linux; {} elsewhere)."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    root = f"/proc/{pid}/task"
+    for tid in (os.listdir(root) if os.path.isdir(root) else []):
+        try:
+            with open(f"{root}/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"{root}/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # from the state on: utime and stime are the 12th, 13th
+            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return out
+
+
+def cpu_shares(pid: int, before: dict, after: dict, client: float, wall: float) -> dict:
+    """A server run's CPU seconds: its main thread (HTTP), XLA's threads (named tf_*, XLA*), its other threads, the
+    load generator. A thread that ended between the two readings is not counted."""
+    used = {tid: sec - before.get(tid, (name, 0.0))[1] for tid, (name, sec) in after.items()}
+    xla = sum(sec for tid, sec in used.items() if after[tid][0].startswith(("tf_", "XLA", "xla")))
+    main = used.get(pid, 0.0)
+    return {"http (main thread)": main, "xla threads": xla, "other threads (decoding, output)":
+            sum(used.values()) - main - xla, "load generator": client, "wall": wall}
+
+
+def server_run(url: str, model: str, reqs: list, pid: int = None) -> dict:
+    """The requests sent to the server at url; with its pid, ``cpu_s`` beside them (the module docstring)."""
+    before, c0, t0 = thread_seconds(pid) if pid else {}, time.process_time(), time.perf_counter()
+    out = _server_run(url, model, reqs)
+    if pid:
+        out["cpu_s"] = cpu_shares(pid, before, thread_seconds(pid), time.process_time() - c0, time.perf_counter() - t0)
+    return out
+
+
+def static_run(pid: int, run) -> dict:
+    """One static-batching run, with the CPU seconds of the worker's threads beside it (``cpu_s``: its main thread,
+    XLA's, the others; its clock is virtual, so no wall)."""
+    before = thread_seconds(pid)
+    out = run()
+    shares = cpu_shares(pid, before, thread_seconds(pid), 0.0, 0.0)
+    out["cpu_s"] = {"main thread": shares["http (main thread)"], "xla threads": shares["xla threads"],
+                    "other threads": shares["other threads (decoding, output)"]}
+    return out
+
+
+def _server_run(url: str, model: str, reqs: list) -> dict:
     got = asyncio.run(_drive(url, model, reqs))
     return summarize(reqs, [g["sent"] for g in got], [g["times"][-1] for g in got], [g["tokens"] for g in got],
                      [g["times"][0] - g["sent"] for g in got], [g["times"] for g in got])
@@ -488,7 +538,8 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
     try:
         for r in range(a.repeats):
             for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-                runs[name].append(run_static_once() if name == "static" else server_run(*servers[name][3:], reqs))
+                runs[name].append(static_run(static.pid, run_static_once) if name == "static" else
+                                  server_run(*servers[name][3:], reqs, pid=servers[name][2].pid))
     finally:
         for _, _, proc, _, _ in servers.values():
             proc.send_signal(signal.SIGTERM)

@@ -6,7 +6,8 @@ program here. The cache and the rows' state never leave the programs, so they ar
 every array is [dp, tp, ...] with spec P('dp', 'tp'), whatever the family's cache holds (the programs take and give
 back the device's [...] part), and the programs donate them (updated in place). They travel in as few arrays as can
 be (``Carry``: the keys and values, and one int32 vector a device for the rest), and a call's log-probabilities in
-one (``pack_scored``): JAX's dispatch takes Python's interpreter lock back once for every array a call returns.
+one (``pack_scored``): JAX's dispatch takes Python's interpreter lock back about once for every array a call
+returns.
 
 The compiled shapes are a bounded set, all compiled by ``compile`` before any request: one ``advance`` program, one
 ``insert`` program per (prompt width, joining rows per dp shard) pair, the widths and join sizes given, and for a
@@ -65,12 +66,12 @@ class Carry:
     """What the programs carry from one call to the next (the slots' cache and every row's state), in as few device
     arrays as it can be.
 
-    JAX's dispatch lets go of Python's interpreter lock and takes it back once for every array a call returns
-    (jaxlib 0.10.2), and in the server another thread (HTTP's) holds that lock in between: each array is a wait of
-    the decoding thread. So the cache's floating-point leaves (its keys and values, updated in place: too big to copy
-    each call) stay apart, one array each, and every other leaf, the cache's and the state's (a mask, positions, a
-    few numbers a row), travels in one int32 vector a device, the leaves in turn (a bool as 0 or 1, a 4-byte type
-    its bits). A leaf of another size stays apart.
+    JAX's dispatch lets go of Python's interpreter lock and takes it back about once for every array a call returns
+    (jaxlib 0.10.2; benchmarks/gil_waits.py), and in the server another thread (HTTP's) holds that lock in between:
+    each array is a wait of the decoding thread. So the cache's floating-point leaves (its keys and values, updated
+    in place: too big to copy each call; T5's cross-attention bias too) stay apart, one array each, and every other
+    leaf, the cache's and the state's (a mask, positions, a few numbers a row), travels in one int32 vector a device,
+    the leaves in turn (a bool as 0 or 1, a 4-byte type its bits). A leaf of another size stays apart.
 
     Built from one device's (abstract) cache and state; ``pack`` and ``unpack`` run inside the programs, on each
     device's pieces."""
@@ -91,7 +92,10 @@ class Carry:
 
     def pack(self, cache, state) -> tuple:
         """(cache, state) -> (the leaves apart (a tuple), int32 [words])."""
-        leaves = jax.tree.leaves((cache, state))
+        leaves, tree = jax.tree.flatten((cache, state))
+        got = [(tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves]
+        if tree != self.tree or got != self.specs:  # (at trace time) a program's cache or state of another make
+            raise ValueError(f"the slots' cache and state changed their make: {got} against {self.specs}")
         packed = [_words(x).reshape(-1) for x, p in zip(leaves, self.packed) if p]
         return (tuple(x for x, p in zip(leaves, self.packed) if not p),
                 jnp.concatenate(packed) if packed else jnp.zeros(0, jnp.int32))
@@ -297,8 +301,8 @@ class SlotPrograms:
         return out, PackedScored(scored)
 
     def score(self, width: int, ids, mask) -> PackedScored:
-        """The prompts' own log-probabilities: ids/mask [score_rows, width] laid out for the family -> Scored
-        [score_rows, width - 1] (column c: token c + 1's), on the device."""
+        """The prompts' own log-probabilities: ids/mask [score_rows, width] laid out for the family -> their Scored
+        [score_rows, width - 1] (column c: token c + 1's), packed, on the device."""
         ids_mask = np.concatenate([np.asarray(ids, np.int32), np.asarray(mask, np.int32)], axis=1)
         return PackedScored(self._score[width](self.params, S.put_global(ids_mask, self.rows2)))
 
@@ -306,9 +310,9 @@ class SlotPrograms:
     def fetch(x):
         """A call's device arrays (any tree of them, or a PackedScored) -> numpy (a PackedScored: a Scored of
         numpy arrays)."""
-        if isinstance(x, PackedScored):
-            return unpack_scored(S.fetch(x.array))
-        return jax.tree.map(S.fetch, x)
+        packed = lambda v: isinstance(v, PackedScored)  # noqa: E731
+        return jax.tree.map(lambda v: unpack_scored(S.fetch(v.array)) if packed(v) else S.fetch(v), x,
+                            is_leaf=packed)
 
 
 class PackedScored:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -121,3 +122,38 @@ def test_figures_are_drawn_from_the_committed_results(tmp_path):
     assert [os.path.basename(p) for p in made] == ["quickstart_loss_curve.png", "phased_memory.png", "throughput.png",
                                                       "precision.png"]
     assert all(os.path.getsize(p) > 10000 for p in made)
+
+
+@pytest.mark.skipif(not os.path.isdir(f"/proc/{os.getpid()}/task"), reason="reads Linux's /proc")
+def test_the_serving_benchmark_counts_each_thread_s_cpu_and_sorts_it():
+    """benchmarks/serve.py's ``cpu_s``: a thread that spins for a while gains about that much CPU (user + system,
+    from /proc), the main thread is the process id; ``cpu_shares`` puts XLA's threads (tf_*, XLA*) apart from the
+    main thread (the server's HTTP) and the rest, and only counts what each used between the two readings."""
+    import threading
+
+    from benchmarks.serve import cpu_shares, thread_seconds
+
+    before = thread_seconds(os.getpid())
+    assert before[os.getpid()][0] and all(sec >= 0 for _, sec in before.values())
+    done, read, ident = threading.Event(), threading.Event(), []
+
+    def spin():
+        ident.append(threading.get_native_id())
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.3:  # this thread's own CPU
+            pass
+        done.set()
+        read.wait(30)  # alive until read
+
+    threading.Thread(target=spin, daemon=True).start()
+    assert done.wait(60)
+    after = thread_seconds(os.getpid())
+    read.set()
+    assert after[ident[0]][1] - before.get(ident[0], ("", 0.0))[1] >= 0.2
+    pid = 100
+    b = {100: ("python3", 1.0), 101: ("tf_XLAEigen", 2.0), 102: ("python3", 0.5), 104: ("XLATfrtCpuClient", 0.0)}
+    a = {100: ("python3", 1.25), 101: ("tf_XLAEigen", 2.5), 102: ("python3", 0.5), 103: ("python3", 0.125),
+         104: ("XLATfrtCpuClient", 0.25)}
+    assert cpu_shares(pid, b, a, client=0.75, wall=2.0) == {
+        "http (main thread)": 0.25, "xla threads": 0.75, "other threads (decoding, output)": 0.125,
+        "load generator": 0.75, "wall": 2.0}

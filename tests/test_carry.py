@@ -65,6 +65,11 @@ def test_only_the_cache_s_floating_leaves_and_leaves_of_another_size_stay_apart(
     apart, words = carry.pack(*jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), (cache, state)))
     assert [(x.shape, x.dtype) for x in apart] == [((2, 3), jnp.float32), ((2, 3), jnp.bfloat16), ((2,), jnp.int8)]
     assert words.shape == (carry.words,)
+    # a program whose cache or state comes back of another make is refused where it is traced, not misread
+    ones = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), (cache, state))
+    for bad in ({**ones[0], "start": jnp.ones((2,), jnp.float32)}, {**ones[0], "extra": jnp.ones(2, jnp.int32)}):
+        with pytest.raises(ValueError, match="changed their make"):
+            carry.pack(bad, ones[1])
 
 
 @pytest.mark.parametrize("lead", [(4,), (2, 3)])
@@ -76,11 +81,15 @@ def test_a_call_s_scores_travel_as_one_array_and_come_back_bit_for_bit(lead):
                              jnp.asarray(_values(rng, lead + (top,), jnp.float32)))
     packed = np.asarray(jax.jit(pack_scored)(scored))
     assert packed.dtype == np.int32 and packed.shape == lead + (1 + 2 * top,)
-    got = unpack_scored(packed)
-    for field in ("logprob", "top_ids", "top_logprobs"):
-        want, have = np.asarray(getattr(scored, field)), getattr(got, field)
-        assert have.dtype == want.dtype and have.shape == want.shape, field
-        assert have.tobytes() == want.tobytes(), field
+    from graphs.slots import PackedScored, SlotPrograms
+
+    # as the host reads it: the array fetched, or SlotPrograms.fetch of the device handle (alone or in a tree)
+    for got in (unpack_scored(packed), SlotPrograms.fetch(PackedScored(jnp.asarray(packed))),
+                SlotPrograms.fetch((jnp.zeros(2), PackedScored(jnp.asarray(packed))))[1]):
+        for field in ("logprob", "top_ids", "top_logprobs"):
+            want, have = np.asarray(getattr(scored, field)), getattr(got, field)
+            assert have.dtype == want.dtype and have.shape == want.shape, field
+            assert have.tobytes() == want.tobytes(), field
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])

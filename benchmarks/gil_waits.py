@@ -19,6 +19,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from app.bench import write_json  # noqa: E402
+
 SWITCH = 0.02  # seconds: CPython's switch interval while measuring
 
 
@@ -28,6 +30,7 @@ def measure(preset: str, slots: int = 8, width: int = 64, calls: int = 5) -> dic
     from app.args import make_config
     from app.predict import Predictor
     from graphs.slots import SlotPrograms
+    from serving.scheduler import SAMPLING_DTYPES
 
     cfg = make_config("inference", preset, {"tokenizer": "synthetic", "hf_model": None, "output_length": 256,
                                             "tensor_parallel": 1, "micro_batch_size": slots},
@@ -37,8 +40,7 @@ def measure(preset: str, slots: int = 8, width: int = 64, calls: int = 5) -> dic
     sp.compile(p.graphs.init_params())
     keep = np.ones(slots, bool)
     ids, mask = p.family.layout_prompts(np.full((1, width), 3, np.int32), np.ones((1, width), np.int32))
-    sampling = tuple(np.zeros(1, dt) for dt in (np.float32, np.int32, np.float32, np.uint32, np.uint32)) + (
-        np.full(1, -1, np.int32),)
+    sampling = tuple(np.zeros(1, dt) for dt in SAMPLING_DTYPES[:-1]) + (np.full(1, -1, SAMPLING_DTYPES[-1]),)
     cases = {"insert": lambda: sp.insert(width, 1, ids, mask, np.zeros(1, np.int32), sampling, np.full(1, 100)),
              "advance (8 steps)": lambda: sp.advance(keep, 8)}
     out = {}
@@ -88,9 +90,7 @@ def main(argv=None):
     for preset in ("gptj_tiny", "tiny"):
         result["presets"][preset] = measure(preset)
         print(preset, json.dumps(result["presets"][preset]), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(a.json, result)
 
 
 if __name__ == "__main__":

@@ -332,14 +332,14 @@ def profile_engine(a, steps: int, extra: list) -> dict:
 def device_seconds(engine, widths: tuple, joins: tuple, local: int, calls: int = 20) -> dict:
     """Milliseconds of a decoding call (every slot decoding) and of an insert of each join size, back to back."""
     import numpy as np
+    from serving.scheduler import SAMPLING_DTYPES
 
     b = engine.backend
     out = {}
     for j in joins:
         n = j * b.dp
         ids, mask = b.layout(np.full((n, widths[0]), 3, np.int32), np.ones((n, widths[0]), np.int32))
-        sampling = tuple(np.zeros(n, dt) for dt in (np.float32, np.int32, np.float32, np.uint32, np.uint32)) + (
-            np.full(n, -1, np.int32),)
+        sampling = tuple(np.zeros(n, dt) for dt in SAMPLING_DTYPES[:-1]) + (np.full(n, -1, SAMPLING_DTYPES[-1]),)
         rows = np.tile(np.arange(j), b.dp)
         b.fetch(b.insert(widths[0], j, ids, mask, rows, sampling, np.full(n, 1 << 20, np.int32))[0])
         t0 = time.perf_counter()
@@ -471,14 +471,20 @@ def thread_seconds(pid: int) -> dict:
     return out
 
 
-def cpu_shares(pid: int, before: dict, after: dict, client: float, wall: float) -> dict:
-    """A server run's CPU seconds: its main thread (HTTP), XLA's threads (named tf_*, XLA*), its other threads, the
-    load generator. A thread that ended between the two readings is not counted."""
+def thread_split(pid: int, before: dict, after: dict) -> tuple:
+    """``thread_seconds``' two readings -> CPU seconds between them of (the main thread, XLA's threads (named tf_*,
+    XLA*), the other threads). A thread that ended between the two readings is not counted."""
     used = {tid: sec - before.get(tid, (name, 0.0))[1] for tid, (name, sec) in after.items()}
     xla = sum(sec for tid, sec in used.items() if after[tid][0].startswith(("tf_", "XLA", "xla")))
     main = used.get(pid, 0.0)
-    return {"http (main thread)": main, "xla threads": xla, "other threads (decoding, output)":
-            sum(used.values()) - main - xla, "load generator": client, "wall": wall}
+    return main, xla, sum(used.values()) - main - xla
+
+
+def cpu_shares(pid: int, before: dict, after: dict, client: float, wall: float) -> dict:
+    """A server run's CPU seconds: its main thread (HTTP), XLA's threads, its other threads, the load generator."""
+    main, xla, other = thread_split(pid, before, after)
+    return {"http (main thread)": main, "xla threads": xla, "other threads (decoding, output)": other,
+            "load generator": client, "wall": wall}
 
 
 def server_run(url: str, model: str, reqs: list, pid: int = None) -> dict:
@@ -495,9 +501,8 @@ def static_run(pid: int, run) -> dict:
     XLA's, the others; its clock is virtual, so no wall)."""
     before = thread_seconds(pid)
     out = run()
-    shares = cpu_shares(pid, before, thread_seconds(pid), 0.0, 0.0)
-    out["cpu_s"] = {"main thread": shares["http (main thread)"], "xla threads": shares["xla threads"],
-                    "other threads": shares["other threads (decoding, output)"]}
+    out["cpu_s"] = dict(zip(("main thread", "xla threads", "other threads"),
+                            thread_split(pid, before, thread_seconds(pid))))
     return out
 
 

@@ -355,7 +355,6 @@ def unpack_joiners(joiners) -> tuple:
     """``pack_joiners``' array (on the device) -> (ids, mask, rows, Sampling, limit)."""
     width = (joiners.shape[1] - JOINER_COLUMNS) // 2
     col = lambda i: joiners[:, 2 * width + i]  # noqa: E731
-    as_ = lambda x, dt: jax.lax.bitcast_convert_type(x, dt)  # noqa: E731
-    s = slot_lib.Sampling(as_(col(6), jnp.float32), col(1), as_(col(7), jnp.float32), as_(col(2), jnp.uint32),
-                          as_(col(3), jnp.uint32), col(4))
+    s = slot_lib.Sampling(_from_words(col(6), jnp.float32), col(1), _from_words(col(7), jnp.float32),
+                          _from_words(col(2), jnp.uint32), _from_words(col(3), jnp.uint32), col(4))
     return joiners[:, :width], joiners[:, width:2 * width], col(0), s, col(5)

@@ -9,7 +9,7 @@ and every program compiled before the server listens.
 from __future__ import annotations
 
 from app.predict import Predictor
-from data.tasks import load_tokenizer, pad_id
+from data.tasks import encoder_of, load_tokenizer, pad_id
 from graphs.slots import SlotPrograms
 from serving.engine import Engine, ServeOptions
 from utils import checkpoint as ckpt
@@ -39,6 +39,6 @@ def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
                             options.most_steps, tokenizer.eos_token_id, pad_id(tokenizer),
                             options.max_logprobs)
     programs.compile(params)
-    family = predictor.family
-    return Engine(SlotBackend(programs, family), tokenizer, lambda texts: family.encode_inputs(tokenizer, texts),
+    family, encoder = predictor.family, encoder_of(tokenizer)  # a prompt through the Rust tokenizer directly
+    return Engine(SlotBackend(programs, family), tokenizer, lambda texts: family.encode_inputs(encoder, texts),
                   options)

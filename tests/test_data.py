@@ -5,6 +5,7 @@ import logging
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from data import synthetic
 from data.loader import TrainLoader
@@ -231,6 +232,38 @@ def test_the_fast_batch_encoding_gives_the_tokenizer_s_own_ids(tmp_path):
         for family in (registry.get("t5"), registry.get("gptj")):
             assert family.encode_inputs(encoder_of(tok), texts) == family.encode_inputs(tok, texts)
             assert family.encode_targets(encoder_of(tok), texts) == family.encode_targets(tok, texts)
+
+
+_TOKENIZERS: list = []
+
+
+def _both_tokenizers() -> list:
+    """The word-level tokenizer and a learnt BPE one (learnt once per test process)."""
+    if not _TOKENIZERS:
+        import tempfile
+        from tests.mnli import train_tokenizer
+
+        rows = synthetic.generate_split("train", 64, seed=4)
+        with tempfile.TemporaryDirectory() as scratch:
+            _TOKENIZERS.extend([synthetic.make_tokenizer(), train_tokenizer(rows, 128, scratch, registry.get("t5"))])
+    return _TOKENIZERS
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(synthetic.vocabulary() + ["</s>", "<pad>", "wörds", "é", "\u4e2d", "  ", "\n",
+                                                            "x" * 9, ".", "the cat", ""]), max_size=12),
+       st.sampled_from([" ", "", "  "]))
+def test_one_prompt_through_the_rust_tokenizer_gets_the_tokenizer_s_ids(words, sep):
+    """A server's prompt goes alone to the Rust tokenizer's ``encode`` (data.tasks.FastEncoder, not its batch path):
+    each family's inputs and targets get exactly the ids the transformers tokenizer gives that one text (special
+    tokens written in the text, unknown words and characters, empty and blank texts included)."""
+    from data.tasks import encoder_of
+
+    text = sep.join(words)
+    for tok in _both_tokenizers():
+        for family in (registry.get("t5"), registry.get("gptj")):
+            assert family.encode_inputs(encoder_of(tok), [text]) == family.encode_inputs(tok, [text]), text
+            assert family.encode_targets(encoder_of(tok), [text]) == family.encode_targets(tok, [text]), text
 
 
 @pytest.mark.parametrize("n,held", [(300, 37), (5000, 1)])

@@ -433,26 +433,33 @@ def test_a_full_queue_is_a_429_that_the_openai_client_retries():
         s.stop()
 
 
-def test_a_client_that_goes_away_frees_its_slots(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_its_slots(server, stream):
+    """Streamed or answered whole, a request whose client closes its connection is cancelled at once (the slots
+    freed before the next call; a whole one counted as a 499), not when its tokens come."""
     gate = threading.Event()
     server.backend.gate = gate  # the calls' tokens are not read until the clients are gone: none can finish first
     try:
         cancelled = server.metric('flan_t5_requests_total{outcome="cancelled"}')
+        gone = server.metric('flan_t5_rejected_requests_total{status="499"}')
+        body = json.dumps({"model": MODEL, "prompt": [words("the cat")] * 2, "max_tokens": 64,
+                           "stream": stream}).encode()
         clients = []
         for _ in range(2):
-            client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
-            response = client.send(client.build_request("POST", server.url + "/v1/completions", json={
-                "model": MODEL, "prompt": [words("the cat")] * 2, "max_tokens": 64, "stream": True}), stream=True)
-            assert response.status_code == 200
-            clients.append((client, response))
+            sock = socket.create_connection((server.host, server.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                         b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            clients.append(sock)
         server.wait_for(lambda: len(server.engine.scheduler.held_seqs) == 4, "4 sequences held")
-        for client, response in clients:
-            response.close()
-            client.close()
+        for sock in clients:
+            sock.close()
         server.wait_for(lambda: all(s.cancelled for s in server.engine.scheduler.held_seqs), "every one cancelled")
     finally:
         gate.set()
         server.backend.gate = None
+    if not stream:
+        server.wait_for(lambda: server.metric('flan_t5_rejected_requests_total{status="499"}') - gone == 2,
+                        "two 499s counted")
     server.wait_for(lambda: server.metric('flan_t5_requests_total{outcome="cancelled"}') - cancelled == 4,
                     "4 sequences ended as cancelled")
     assert server.engine.held() == 0 and all(s is None for s in server.engine.scheduler.running)

@@ -64,6 +64,9 @@ def extra_flags(p):
                         "tokens any slot has left, so that no request waits for a slot it could have had (default: 4 "
                         "x --steps_per_call; a slot whose request ends inside a call, by its end-of-text token, a "
                         "stop string or a cancel, is refilled after the next call)")
+    s.add_argument("--cpu_threads", type=int, default=0,
+                   help="threads of XLA's CPU thread pool (default 0: all the cores). On a CPU with a small model, "
+                        "fewer leave cores to the server's own threads (HTTP, scheduling, text); docs/serving.md")
     s.add_argument("--min_join", type=int, default=None,
                    help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
                         "join together in one insert (default: half the slots, at most the rows one insert takes: "
@@ -98,6 +101,9 @@ def extra_flags(p):
 def main(argv=None) -> None:
     args, overrides = command_line("inference", __doc__, argv, extra_flags)
     from app.predict import start_decoding
+    from app.runtime import set_cpu_threads
+
+    set_cpu_threads(args.cpu_threads)  # (before JAX starts)
 
     cfg = start_decoding(args, overrides, "serve")
     from serving.backend import build_engine

@@ -36,6 +36,21 @@ def ensure_host_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local}".strip()
 
 
+def set_cpu_threads(n: int) -> None:
+    """XLA's thread pool on the CPU (the programs' work on a CPU device, and the host's side of an accelerator's): n
+    threads, 0 for as many as the process may use cores (XLA's default). It must be set before JAX starts a backend:
+    XLA reads the size once, from the ``NPROC`` environment variable (its only knob for it: it sizes the CPU
+    client's pool by it, ``DefaultThreadPoolSize``)."""
+    if n < 0:
+        raise ConfigError(f"--cpu_threads {n}: pass 0 (all the cores, the default) or a number of threads")
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("set_cpu_threads must run before JAX starts a backend")
+    if n:
+        os.environ["NPROC"] = str(n)
+
+
 def start_devices(cfg, pinned: bool = False) -> None:
     """This process's devices from the config, before JAX starts a backend: the CPU's simulated devices
     (``ensure_host_devices``), with ``pinned`` phased training's pinned host pool (``ensure_pinned_host_memory``),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -151,7 +152,8 @@ def servers(checkpoints):
     """Both servers, started together (each compiles while the other does); T5's drains for 60 s on SIGTERM,
     GPT-J's ends its held requests at once (and takes up to 1024 new tokens: requests that outlast a signal)."""
     started = {"t5": Server("t5", checkpoints["t5"], "--grace_period", "60"),
-               "gptj": Server("gptj", checkpoints["gptj"], "--grace_period", "0", "--output_length", "1024")}
+               "gptj": Server("gptj", checkpoints["gptj"], "--grace_period", "0", "--output_length", "1024",
+                              "--cpu_threads", "1")}
     try:
         yield {k: s.ready() for k, s in started.items()}
     finally:
@@ -229,6 +231,36 @@ def test_per_row_warpers_equal_the_batch_warpers():
         theirs = np.asarray(decoding.warp(scores[i:i + 1], decoding.Options(1, temperature=t, top_k=k, top_p=p)))
         np.testing.assert_array_equal(ours[i], theirs[0])
     assert np.isinf(ours[1]).sum() == 64 - 5 and np.isinf(ours[3]).sum() >= 64 - 12
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+@pytest.mark.parametrize("threads,devices", [(1, 1), (3, 1), (0, 1), (1, 2)])
+def test_cpu_threads_sizes_xlas_pool(threads, devices):
+    """--cpu_threads N: XLA's CPU pool has N threads (0: as many as the process may use cores), and at least one a
+    simulated device. Below zero, or once JAX has started: refused."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+    env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}"}
+    env.pop("NPROC", None)
+    code = ("import os; from app.runtime import set_cpu_threads; set_cpu_threads(%d); import jax.numpy as jnp; "
+            "jnp.ones(3).block_until_ready(); root = '/proc/self/task'; "
+            "print(sum(open(f'{root}/{t}/comm').read().strip() == 'tf_XLAEigen' for t in os.listdir(root)))" % threads)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == max(threads or len(os.sched_getaffinity(0)), devices)
+
+
+def test_cpu_threads_is_refused_below_zero_and_after_jax_started(tmp_path):
+    from app.runtime import set_cpu_threads
+    from utils.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--cpu_threads -1"):
+        set_cpu_threads(-1)
+    jax.devices()
+    with pytest.raises(RuntimeError, match="before JAX starts"):
+        set_cpu_threads(1)
+    out = subprocess.run([sys.executable, "run_server.py", "--load", str(tmp_path), "--cpu_threads", "-1"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--cpu_threads -1" in out.stderr.strip().splitlines()[-1], out.stderr
 
 
 def test_a_server_on_a_non_local_address_without_a_key_says_so():

@@ -171,7 +171,7 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
             if not message.get("more_body", False):
                 return b"".join(chunks)
     except asyncio.CancelledError:
-        if not fired:
+        if fired:
             raise
         raise api.ApiError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
     finally:

@@ -2,9 +2,10 @@
 nothing of models: it checks requests (serving/api.py), asks the engine (serving/engine.py) to tokenize, submit,
 cancel and drain, streams what the output side's events say, and maps every error to a status code (here alone).
 
-FastAPI + uvicorn: the maintained ASGI stack that vLLM's and TGI's OpenAI front ends use, with server-sent events
-(Starlette's StreamingResponse, which notices a client that goes away), a lifespan for the engine's threads, and
-uvicorn's graceful shutdown, on which SIGTERM's drain is built (``Server``).
+FastAPI + uvicorn: the maintained ASGI stack that vLLM's and TGI's OpenAI front ends use, with a lifespan for the
+engine's threads, and uvicorn's graceful shutdown, on which SIGTERM's drain is built (``Server``). The two completions
+endpoints, which every token passes through, are a lean ASGI layer in front of FastAPI (``Completions``): their
+server-sent events written straight to uvicorn, a client that goes away noticed by a task waiting on ``receive``.
 
     GET  /health                 200 when serving, 503 while shutting down (no key needed)
     GET  /v1/models              the model served
@@ -171,7 +172,7 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
             if not message.get("more_body", False):
                 return b"".join(chunks)
     except asyncio.CancelledError:
-        if fired:
+        if not fired:
             raise
         raise api.ApiError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
     finally:

@@ -201,6 +201,24 @@ def test_no_malformed_request_gets_a_5xx_or_a_hang_and_the_server_serves_after_e
         assert server.metric(f'flan_t5_rejected_requests_total{{status="{status}"}}') >= n
 
 
+def test_the_completions_paths_take_post_alone():
+    """Another method on a completions path (served in front of FastAPI) is a 405 naming POST, as FastAPI's own
+    paths answer, counted; the key is checked first."""
+    s = FakeServer()
+    try:
+        before = s.metric('flan_t5_rejected_requests_total{status="405"}')
+        for method in ("GET", "PUT", "DELETE"):
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                r = httpx.request(method, s.url + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT)
+                assert r.status_code == 405 and r.headers["allow"] == "POST", (method, path, r.text)
+                assert r.json()["error"]["type"] == "invalid_request_error"
+        assert s.metric('flan_t5_rejected_requests_total{status="405"}') - before == 6
+        assert httpx.get(s.url + "/v1/completions", timeout=WAIT).status_code == 401
+        s.serves()
+    finally:
+        s.stop()
+
+
 def test_the_crash_of_a_top_k_past_int32_is_a_400_naming_the_field(server):
     r = server.post({"model": MODEL, "prompt": "the cat", "top_k": 2 ** 31})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text

@@ -77,6 +77,11 @@ def extra_flags(p):
     s.add_argument("--chat_template", default=None, metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's, else the last "
                         "message with the earlier ones as 'Role: text' lines before it)")
+    limit_flags(s)
+
+
+def limit_flags(s) -> None:
+    """The server's limits, its shutdown and --plan."""
     s.add_argument("--header_timeout", type=float, default=10.0,
                    help="seconds a connection may take to send a request's head before it is closed")
     s.add_argument("--body_timeout", type=float, default=30.0,

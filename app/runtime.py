@@ -38,17 +38,19 @@ def ensure_host_devices(n: int) -> None:
 
 def set_cpu_threads(n: int) -> None:
     """XLA's thread pool on the CPU (the programs' work on a CPU device, and the host's side of an accelerator's): n
-    threads, 0 for as many as the process may use cores (XLA's default). It must be set before JAX starts a backend:
-    XLA reads the size once, from the ``NPROC`` environment variable (its only knob for it: it sizes the CPU
-    client's pool by it, ``DefaultThreadPoolSize``)."""
+    threads, at least one a simulated CPU device; 0 leaves XLA's default (as many as the process may use cores, or
+    what ``PJRT_NPROC`` or ``NPROC`` in the environment say). XLA reads the size once, when its CPU client starts,
+    from ``PJRT_NPROC`` (before ``NPROC``), so this must run before JAX starts a backend."""
     if n < 0:
-        raise ConfigError(f"--cpu_threads {n}: pass 0 (all the cores, the default) or a number of threads")
+        raise ConfigError(f"--cpu_threads {n}: pass 0 (XLA's default: all the cores) or a number of threads")
+    if not n:
+        return
     from jax._src import xla_bridge
 
-    if xla_bridge.backends_are_initialized():
+    started = getattr(xla_bridge, "backends_are_initialized", lambda: False)
+    if started():
         raise RuntimeError("set_cpu_threads must run before JAX starts a backend")
-    if n:
-        os.environ["NPROC"] = str(n)
+    os.environ["PJRT_NPROC"] = str(n)
 
 
 def start_devices(cfg, pinned: bool = False) -> None:

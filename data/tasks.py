@@ -247,7 +247,16 @@ class FastEncoder:
     transformers."""
 
     def __init__(self, tokenizer):
-        self.backend, self.eos_token_id = tokenizer.backend_tokenizer, tokenizer.eos_token_id
+        from tokenizers import Tokenizer
+
+        # its own copy of the Rust tokenizer, set as transformers' call sets it for every call (no truncation, no
+        # padding: a tokenizer.json may carry either, and the one shared with transformers keeps what its last call
+        # set; special tokens split or not as the tokenizer says)
+        self.backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        self.backend.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+        self.eos_token_id = tokenizer.eos_token_id
         self._encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
 
     def __call__(self, texts: list, add_special_tokens: bool = True) -> dict:
@@ -257,8 +266,12 @@ class FastEncoder:
 
 
 def encoder_of(tokenizer):
-    """What encodes a batch of texts: ``FastEncoder`` for a fast tokenizer, else the tokenizer itself."""
-    return FastEncoder(tokenizer) if getattr(tokenizer, "is_fast", False) else tokenizer
+    """What encodes a batch of texts: ``FastEncoder`` for a fast tokenizer whose encoding is transformers' own (not a
+    class that encodes its own way), else the tokenizer itself."""
+    from transformers import PreTrainedTokenizerFast
+
+    own = getattr(type(tokenizer), "_encode_plus", None) is not getattr(PreTrainedTokenizerFast, "_encode_plus", None)
+    return FastEncoder(tokenizer) if getattr(tokenizer, "is_fast", False) and not own else tokenizer
 
 
 def tokenize_examples(examples: list, tokenizer, family) -> Examples:

@@ -36,7 +36,7 @@ import json
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Optional
 
 import uvicorn
@@ -172,8 +172,10 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
             if not message.get("more_body", False):
                 return b"".join(chunks)
     except asyncio.CancelledError:
-        if not fired:
+        if not fired:  # a cancellation from elsewhere (shutdown): it goes on
             raise
+        if hasattr(task, "uncancel"):  # (Python 3.11+: the task is not left marked as being cancelled)
+            task.uncancel()
         raise api.ApiError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
     finally:
         timer.cancel()
@@ -195,6 +197,7 @@ class _Reply:
 
     def __init__(self, engine, req: api.Request, prompts: list):
         self.engine, self.req = engine, req
+        self.gone = False  # its client went away
         self.prompt_ids = [ids for ids, _ in prompts]
         self.queue: asyncio.Queue = asyncio.Queue()
         ranked = req.best_of > req.n
@@ -263,17 +266,16 @@ class _Reply:
 async def _whole(reply: _Reply) -> Optional[dict]:
     """A completion's body, at its end; None when its client went away (its sequences cancelled: their slots freed
     before the next call)."""
-    while reply.pending():
-        ev = await reply.queue.get()
-        if ev is GONE:
-            reply.engine.cancel(reply.seqs)
-            return None
-        try:
+    try:
+        while reply.pending():
+            ev = await reply.queue.get()
+            if ev is GONE:
+                return None
             reply.take(ev)
-        except Exception:
+        return reply.body()
+    finally:
+        if reply.pending():  # gone, failed, or the task cancelled: the slots freed before the next call
             reply.engine.cancel(reply.seqs)
-            raise
-    return reply.body()
 
 
 async def _stream(reply: _Reply):
@@ -325,6 +327,15 @@ async def _send_json(send, body, status: int = 200, headers: Optional[dict] = No
     await send({"type": "http.response.body", "body": data})
 
 
+def _watched(f: asyncio.Future, reply: _Reply) -> None:
+    """The task waiting on ``receive`` after the body ended: a disconnect (or an error reading) is the client gone."""
+    if f.cancelled():
+        return
+    if f.exception() is not None or f.result()["type"] == "http.disconnect":
+        reply.gone = True
+        reply.queue.put_nowait(GONE)
+
+
 async def _send_gone(send) -> None:
     """499 (nginx's "client closed request"): written nowhere, counted in the metrics."""
     await send({"type": "http.response.start", "status": 499, "headers": []})
@@ -344,7 +355,7 @@ class Completions:
         self.paths = {"/v1/completions": self._completion, "/v1/chat/completions": self._chat}
 
     async def __call__(self, scope, receive, send):
-        parse = self.paths.get(scope["path"]) if scope["type"] == "http" else None
+        parse = self.paths.get(scope["path"].rstrip("/")) if scope["type"] == "http" else None
         if parse is None:
             return await self.app(scope, receive, send)
         if scope["method"] != "POST":
@@ -363,19 +374,18 @@ class Completions:
             error = to_api_error(e)
             return await _send_json(send, error.body(), error.status, error.headers)
         watch = asyncio.ensure_future(receive())  # the body is read: the next message says the client went away
-        watch.add_done_callback(lambda f: f.cancelled() or reply.queue.put_nowait(GONE))
+        watch.add_done_callback(lambda f: _watched(f, reply))
         try:
             if req.stream:
                 await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-                async for data in _stream(reply):
-                    await send({"type": "http.response.body", "body": data.encode(), "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
+                async with aclosing(_stream(reply)) as writes:  # (its cancels run now, whatever ends it)
+                    async for data in writes:
+                        await send({"type": "http.response.body", "body": data.encode(), "more_body": True})
+                if not reply.gone:  # (a client gone gets nothing more)
+                    await send({"type": "http.response.body", "body": b""})
             else:
                 body = await _whole(reply)
-                if body is None:
-                    await _send_gone(send)
-                else:
-                    await _send_json(send, body)
+                await (_send_gone(send) if body is None else _send_json(send, body))
         finally:
             watch.cancel()
 
@@ -416,6 +426,11 @@ def make_app(engine, api_key: Optional[str] = None, body_timeout: float = 30.0, 
 
 
 def _error_handlers(app) -> None:
+    @app.exception_handler(Exception)
+    async def failed(request, e: Exception):  # (Starlette's last resort: a JSON 500, not its text; StatusCounter logs)
+        error = to_api_error(e)
+        return JSONResponse(error.body(), status_code=error.status)
+
     @app.exception_handler(api.ApiError)
     async def refused(request, e: api.ApiError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)

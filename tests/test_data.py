@@ -266,6 +266,24 @@ def test_one_prompt_through_the_rust_tokenizer_gets_the_tokenizer_s_ids(words, s
             assert family.encode_targets(encoder_of(tok), [text]) == family.encode_targets(tok, [text]), text
 
 
+def test_the_rust_encoding_ignores_truncation_and_padding_left_in_the_tokenizer():
+    """A tokenizer.json may carry truncation and padding, and transformers' call sets them per call on the Rust
+    tokenizer it shares: FastEncoder's copy has neither, so one text or several get the tokenizer's own ids, before
+    and after a call of the tokenizer that set them."""
+    from data.tasks import encoder_of
+
+    tok = synthetic.make_tokenizer()
+    tok.backend_tokenizer.enable_truncation(3)
+    tok.backend_tokenizer.enable_padding(length=9)
+    texts = ["the cat sleeps in the park .", "a dog"]
+    encoder = encoder_of(tok)
+    want = [tok([t])["input_ids"][0] for t in texts]
+    assert [len(x) for x in want] == [8, 3]  # (the call itself neither truncates nor pads)
+    assert [encoder([t])["input_ids"][0] for t in texts] == want and encoder(texts)["input_ids"] == want
+    tok(texts, truncation=True, max_length=2, padding="max_length")  # a call that leaves both set
+    assert [encoder([t])["input_ids"][0] for t in texts] == want and encoder(texts)["input_ids"] == want
+
+
 @pytest.mark.parametrize("n,held", [(300, 37), (5000, 1)])
 def test_the_held_out_rows_are_exactly_n_and_never_trained_on(tmp_path, n, held):
     """--holdout N: evaluation scores exactly N rows of the training split and the training stream visits every

@@ -234,19 +234,22 @@ def test_per_row_warpers_equal_the_batch_warpers():
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
-@pytest.mark.parametrize("threads,devices", [(1, 1), (3, 1), (0, 1), (1, 2)])
-def test_cpu_threads_sizes_xlas_pool(threads, devices):
-    """--cpu_threads N: XLA's CPU pool has N threads (0: as many as the process may use cores), and at least one a
-    simulated device. Below zero, or once JAX has started: refused."""
+@pytest.mark.parametrize("threads,devices,env", [(1, 1, {}), (3, 1, {}), (0, 1, {}), (1, 2, {}),
+                                                 (1, 1, {"NPROC": "3", "PJRT_NPROC": "2"}), (0, 1, {"NPROC": "3"})])
+def test_cpu_threads_sizes_xlas_pool(threads, devices, env):
+    """--cpu_threads N: XLA's CPU pool has N threads whatever the environment says (0: XLA's default, as many as the
+    process may use cores or the environment's NPROC), and at least one a simulated device."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-    env = {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}"}
-    env.pop("NPROC", None)
+    given = env
+    env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "PJRT_NPROC")}
+    env.update({**given, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}"})
     code = ("import os; from app.runtime import set_cpu_threads; set_cpu_threads(%d); import jax.numpy as jnp; "
             "jnp.ones(3).block_until_ready(); root = '/proc/self/task'; "
             "print(sum(open(f'{root}/{t}/comm').read().strip() == 'tf_XLAEigen' for t in os.listdir(root)))" % threads)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout.split()[-1]) == max(threads or len(os.sched_getaffinity(0)), devices)
+    default = int(given.get("NPROC", len(os.sched_getaffinity(0))))
+    assert int(out.stdout.split()[-1]) == max(threads or default, devices)
 
 
 def test_cpu_threads_is_refused_below_zero_and_after_jax_started(tmp_path):

@@ -201,6 +201,51 @@ def test_no_malformed_request_gets_a_5xx_or_a_hang_and_the_server_serves_after_e
         assert server.metric(f'flan_t5_rejected_requests_total{{status="{status}"}}') >= n
 
 
+def test_an_unexpected_error_on_any_path_is_a_json_500_and_a_trailing_slash_is_served():
+    s = FakeServer()
+    try:
+        def boom():
+            raise RuntimeError("broken")
+
+        text, s.engine.metrics.text = s.engine.metrics.text, boom
+        r = httpx.get(s.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=WAIT)
+        s.engine.metrics.text = text
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error (RuntimeError)"
+        assert s.metric('flan_t5_rejected_requests_total{status="500"}') == 1
+        r = s.post({"model": MODEL, "prompt": "the cat", "max_tokens": 5}, "/v1/completions/")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "the cat"
+    finally:
+        s.stop()
+
+
+def test_a_cancellation_from_elsewhere_passes_through_the_body_read_and_its_timeout_is_a_408():
+    """_read_body's own timer is a 408 (the task not left marked as cancelled); a cancellation from elsewhere (a
+    shutdown) while the body is read goes on as itself, nothing sent."""
+    from serving.http import _read_body
+
+    scope = {"headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1)}
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    async def timed_out():
+        with pytest.raises(api.ApiError) as e:
+            await _read_body(scope, never, 100, 0.05)
+        task = asyncio.current_task()
+        return e.value.status, task.cancelling() if hasattr(task, "cancelling") else 0
+
+    assert asyncio.run(timed_out()) == (408, 0)
+
+    async def cancelled():
+        task = asyncio.ensure_future(_read_body(scope, never, 100, 30.0))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+
+
 def test_the_completions_paths_take_post_alone():
     """Another method on a completions path (served in front of FastAPI) is a 405 naming POST, as FastAPI's own
     paths answer, counted; the key is checked first."""

@@ -42,6 +42,7 @@ from typing import Optional
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -133,21 +134,15 @@ class _Gone(Exception):
 GONE = object()  # put on a reply's queue when its client goes away
 
 
-def _header(scope, name: bytes) -> Optional[bytes]:
-    for key, value in scope["headers"]:  # (ASGI: lower-case names)
-        if key == name:
-            return value
-    return None
-
-
 async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
     """A JSON body, refused (413) as soon as it is known to pass ``limit`` bytes, (408) when it has not arrived in
     ``timeout`` seconds, (415) when it is not declared JSON."""
-    kind = (_header(scope, b"content-type") or b"").decode("latin-1")
+    headers = Headers(scope=scope)
+    kind = headers.get("content-type", "")
     if kind.split(";")[0].strip().lower() != "application/json":
         raise api.ApiError(415, f"the body must be JSON, sent with Content-Type: application/json (got "
                                 f"{kind[:60]!r})", code="unsupported_media_type")
-    length = _header(scope, b"content-length")
+    length = headers.get("content-length")
     too_big = api.ApiError(413, f"the request body is larger than {limit} bytes (--max_body_bytes)",
                            code="body_too_large")
     if length is not None and length.isdigit() and int(length) > limit:
@@ -310,21 +305,7 @@ async def _stream(reply: _Reply):
             reply.engine.cancel(reply.seqs)
 
 
-JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-
-
-def _json_bytes(body) -> bytes:
-    """JSON as Starlette's JSONResponse writes it."""
-    return json.dumps(body, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
-
-
-async def _send_json(send, body, status: int = 200, headers: Optional[dict] = None) -> None:
-    data = _json_bytes(body)
-    extra = [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-length", b"%d" % len(data))] + JSON_HEADERS + extra})
-    await send({"type": "http.response.body", "body": data})
 
 
 def _watched(f: asyncio.Future, reply: _Reply) -> None:
@@ -336,10 +317,7 @@ def _watched(f: asyncio.Future, reply: _Reply) -> None:
         reply.queue.put_nowait(GONE)
 
 
-async def _send_gone(send) -> None:
-    """499 (nginx's "client closed request"): written nowhere, counted in the metrics."""
-    await send({"type": "http.response.start", "status": 499, "headers": []})
-    await send({"type": "http.response.body", "body": b""})
+GONE_RESPONSE = Response(status_code=499)  # nginx's "client closed request": written nowhere, counted in the metrics
 
 
 class Completions:
@@ -359,20 +337,18 @@ class Completions:
         if parse is None:
             return await self.app(scope, receive, send)
         if scope["method"] != "POST":
-            return await _send_json(send, api.error_body("Method Not Allowed", "invalid_request_error"), 405,
-                                    {"Allow": "POST"})
+            return await JSONResponse(api.error_body("Method Not Allowed", "invalid_request_error"), 405,
+                                      {"Allow": "POST"})(scope, receive, send)
         try:
             raw = await _read_body(scope, receive, self.engine.limits.max_body_bytes, self.body_timeout)
             req, prompts = parse(raw)
             reply = _Reply(self.engine, req, prompts)
             self.engine.submit(reply.seqs)
         except _Gone:
-            return await _send_gone(send)
-        except Exception as e:  # refusals as their statuses (anything else: StatusCounter's 500)
-            if not isinstance(e, (api.ApiError, PromptError, SchedulerError)):
-                raise
+            return await GONE_RESPONSE(scope, receive, send)
+        except (api.ApiError, PromptError, SchedulerError) as e:  # refusals (anything else: StatusCounter's 500)
             error = to_api_error(e)
-            return await _send_json(send, error.body(), error.status, error.headers)
+            return await JSONResponse(error.body(), error.status, error.headers)(scope, receive, send)
         watch = asyncio.ensure_future(receive())  # the body is read: the next message says the client went away
         watch.add_done_callback(lambda f: _watched(f, reply))
         try:
@@ -385,7 +361,7 @@ class Completions:
                     await send({"type": "http.response.body", "body": b""})
             else:
                 body = await _whole(reply)
-                await (_send_gone(send) if body is None else _send_json(send, body))
+                await (GONE_RESPONSE if body is None else JSONResponse(body))(scope, receive, send)
         finally:
             watch.cancel()
 

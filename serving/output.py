@@ -17,6 +17,7 @@ waits for the next tokens, so what was sent is never taken back.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -244,9 +245,14 @@ class OutputProcessor:
         return [p[0] for p in out], [p[1:] for p in out]
 
     def _piece(self, before: str, after: str, token: int) -> str:
+        """The text ``token`` adds: ``before`` the window before it decoded, ``after`` the window and it. A character
+        split over tokens (a byte-level tokenizer's) adds nothing until the token that finishes it, which adds the
+        whole character (an unfinished one decodes to U+FFFD at the end), so the pieces add up to the text; where the
+        tokenizer rewrites what came before (its clean-up of spaces), the piece is what follows the shared start."""
         if token in self.special:
             return self.tokenizer.convert_ids_to_tokens(int(token))
-        return after[len(before):] if after.startswith(before) else after
+        before, after = before.rstrip("\ufffd"), after.rstrip("\ufffd")
+        return after[len(os.path.commonprefix([before, after])):]
 
     def _logprobs(self, o: Output, start: int, base: int) -> list:
         """TokenLogprobs of the completion's tokens from ``start`` (offsets after ``base`` characters: the echo)."""

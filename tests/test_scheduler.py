@@ -311,6 +311,61 @@ def test_free_slots_wait_up_to_join_wait_calls_for_a_group():
     assert h.b.limits == [3, 60, 60, 60, 4]  # one joined: the other still waits for a slot
 
 
+def test_after_a_group_joins_the_next_free_slot_waits_the_whole_join_wait_again():
+    """The wait for a group restarts at each join: a slot freed after a deferred join waits JOIN_WAIT calls too."""
+    from serving.scheduler import JOIN_WAIT
+
+    h = Harness(slots=4, steps=2, min_join=2)
+    h.s.submit([h.seq("the cat", 3)] + [h.seq("a dog", 80) for _ in range(3)])
+    h.s._round()  # the short one's last tokens dispatched: its slot is free
+    h.s.submit([h.seq("red bird", 3), h.seq("old man", 3), h.seq("the park", 3)])
+    inserts = []
+    for _ in range(2 * (JOIN_WAIT + 1)):
+        h.s._round()
+        inserts.append(h.b.calls.count("insert"))
+    # a lone free slot: JOIN_WAIT calls of waiting, then it joins (and frees again at once: 3 tokens), then again
+    assert inserts == [1] * JOIN_WAIT + [2] + [2] * JOIN_WAIT + [3], inserts
+
+
+def test_the_base_steps_are_clamped_to_what_an_advance_can_run():
+    b = FakeBackend(slots=2, steps=4)
+    assert [Scheduler(b, 4, Metrics(2), 1, n).steps for n in (None, 0, 3, 9)] == [4, 1, 3, 4]
+
+
+def test_a_slot_the_host_stopped_is_kept_again_for_the_sequence_that_joins_it():
+    """A cancelled sequence's slot is cleared (its keep flag off) until another joins it: that one is kept, and gets
+    every token (a slot left cleared would stop the joiner on the device after its first token)."""
+    h = Harness(slots=1, steps=2)
+    first, second = h.seq("the cat sleeps", 40), h.seq("a dog runs in", 9)
+    h.s.submit([first, second])
+    h.s._round()
+    h.s.cancel([first])
+    h.run()
+    assert second.slot == first.slot == 0 and h.end(second).reason == "length"
+    assert h.tokens(second) == expected(second.ids, 9)[0]
+    assert all(k[0] for k in h.keeps)  # the joiner took the cleared slot in the round the cancel was read
+
+
+def test_a_score_only_sequence_queued_when_a_call_fails_is_still_served():
+    """A call failing ends the sequences it held; the queued ones go on, those waiting to be scored too."""
+    h = Harness(slots=2, steps=2)
+    running = h.seq("the cat", 20)
+    h.s.submit([running])
+    h.s._round()
+    h.b.fail = lambda kind: RuntimeError("device lost") if kind == "advance" else None
+    with pytest.raises(RuntimeError):
+        h.s._round()
+    score_only, waiting = h.seq("a dog runs", 0, prompt_logprobs=True), h.seq("red bird", 3)
+    h.s.submit([score_only, waiting])  # (from the HTTP thread, while the loop handles the failure)
+    assert h.s._recover(RuntimeError("device lost"))
+    h.b.fail = None
+    h.run()
+    assert isinstance(h.end(running).error, Failed)
+    assert h.end(score_only).reason == "length" and h.end(score_only).error is None
+    assert any(u.prompt_scored is not None for u in h.of(score_only))
+    assert h.tokens(waiting) == expected(waiting.ids, 3)[0]
+
+
 def test_logprobs_of_the_tokens_and_of_the_prompt():
     for right_aligned in (False, True):
         h = Harness(slots=2, steps=3, right_aligned=right_aligned)
@@ -319,6 +374,8 @@ def test_logprobs_of_the_tokens_and_of_the_prompt():
         h.s.submit([s, score_only])
         h.run()
         tokens = h.tokens(s)
+        for u in h.of(s):  # an update's scores are its tokens' (an advance's columns past its end: not one of them)
+            assert all(len(x) == len(u.tokens) for x in u.scored) if u.tokens else u.scored is None
         lps = np.concatenate([u.scored[0] for u in h.of(s) if u.tokens])
         np.testing.assert_allclose(lps, logprob(np.array(tokens), np.arange(len(tokens))))
         for seq in (s, score_only):
@@ -403,8 +460,8 @@ def test_logprobs_name_each_token_as_the_text_it_adds_with_offsets_into_the_echo
     assert event.cumulative_logprob == pytest.approx(-1.5)
 
 
-def test_a_character_split_over_tokens_is_sent_whole():
-    """A byte-level tokenizer splits "é" over two tokens: the first alone decodes to U+FFFD, which is never sent."""
+def byte_level():
+    """A byte-level BPE (as GPT-J's) learnt from a few words: any other character is its UTF-8 bytes, a token each."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -412,7 +469,12 @@ def test_a_character_split_over_tokens_is_sent_whole():
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     bpe.train_from_iterator(["the cat sleeps"], trainers.BpeTrainer(
         vocab_size=280, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+
+
+def test_a_character_split_over_tokens_is_sent_whole():
+    """A byte-level tokenizer splits "é" over two tokens: the first alone decodes to U+FFFD, which is never sent."""
+    tok = byte_level()
     words = tok("le café noir", add_special_tokens=False)["input_ids"]
     assert "\ufffd" in tok.decode(words[:7])  # "le caf" and half of "é"
     p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
@@ -420,6 +482,39 @@ def test_a_character_split_over_tokens_is_sent_whole():
     texts = [e.text for t in words for _, e in p.handle(Update(seq, [t]))]
     texts += [e.text for _, e in p.handle(Update(seq, [], reason="length"))]
     assert "".join(texts) == "le café noir" and not any("\ufffd" in t for t in texts)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_log_probabilities_tokens_of_a_character_split_over_tokens_add_up_to_the_text(stream):
+    """Byte-level tokens of "é" (2 bytes) and an emoji (4): each byte before the last adds no text, the last the whole
+    character, so the tokens' texts add up to the completion's (and the prompt's, echoed) and every offset points at
+    its token's text. (They once showed the window decoded before them, "e café", and the offsets ran past the
+    text.)"""
+    tok = byte_level()
+    text = "le café noir 😀 ok"
+    words = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(words) > len(text)  # (characters split over tokens)
+    p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
+    prompt = tok("à ça", add_special_tokens=False)["input_ids"]
+    seq = Sequence(prompt, 100, out=Output(0, None, stream=stream, logprobs=1, echo="à ça", echo_ids=prompt))
+    seq.out.prompt_scored = (np.full(len(prompt) - 1, -1.0), np.array([[t] for t in prompt[1:]]),
+                             np.full((len(prompt) - 1, 1), -1.0))
+
+    def scored(chunk):
+        return np.full(len(chunk), -0.5), np.array([[t] for t in chunk]), np.full((len(chunk), 1), -0.5)
+
+    chunks = [words[i:i + 3] for i in range(0, len(words), 3)] if stream else [words]
+    events = [e for i, c in enumerate(chunks) for _, e in p.handle(
+        Update(seq, c, scored(c), reason="length" if i == len(chunks) - 1 else None))]
+    whole = "".join(e.text for e in events)
+    lps = [x for e in events for x in e.logprobs]
+    assert whole == "à ça" + text and "".join(x.token for x in lps) == whole
+    assert len(lps) == len(prompt) + len(words)
+    for x in lps:
+        assert whole[x.offset:x.offset + len(x.token)] == x.token and "\ufffd" not in x.token
+        if x.top:  # the most likely candidate is the token itself (the scores above): the same text
+            assert x.top[0][0] == x.token
+    assert [x.offset for x in lps] == list(np.cumsum([0] + [len(x.token) for x in lps[:-1]]))
 
 
 @pytest.mark.parametrize("kind", ["insert", "advance", "read", "score"])
@@ -487,6 +582,8 @@ def test_sampling_parameters_as_the_slots_read_them():
     assert drop == 1.0 - 0.9  # in float64, as HF computes it
     plain = Sequence([5], 4, top_k=-1).sampling()
     assert plain[1] == 0 and plain[2] == 0.0 and plain[5] == -1  # top-k off, top-p off, no log-probabilities
+    for seed, halves in ((2 ** 64 - 1, (2 ** 32 - 1, 2 ** 32 - 1)), (1 << 31, (1 << 31, 0)), (1 << 32, (0, 1))):
+        assert Sequence([5], 4, seed=seed).sampling()[3:5] == halves, seed  # every bit of each half kept
     draws = {Sequence([5], 4).sampling()[3:5] for _ in range(8)}  # no seed: a fresh 64-bit one each time
     assert len(draws) == 8 and all(0 <= x < 2 ** 32 for d in draws for x in d)
 
@@ -568,6 +665,27 @@ def test_the_tokens_kept_end_with_the_one_whose_text_completes_the_stop_string()
     for stop, kept, text in (("cat", 2, "the "), ("at sl", 3, "the c"), ("the", 1, "")):
         (event,) = Out().feed(sequence("", False, stop=(stop,)), [words], "length")
         assert (event.text, event.completion_tokens, event.finish_reason) == (text, kept, "stop"), stop
+
+
+def test_the_first_stop_string_in_the_text_ends_it_and_at_one_place_the_shortest():
+    words = ids("the cat sleeps in the park")
+    for stops, text, kept in ((("park", "cat"), "the ", 2), (("cat", "park"), "the ", 2),
+                              (("cat sleeps", "cat"), "the ", 2), (("sleeps in", "in the"), "the cat ", 4)):
+        (event,) = Out().feed(sequence("", False, stop=stops), [words], "length")
+        assert (event.text, event.completion_tokens) == (text, kept), stops
+
+
+def test_a_stop_string_s_tokens_past_it_count_in_no_log_probability():
+    """The tokens after the one that completed a stop string are dropped with their scores: the cumulative
+    log-probability (best_of's ranking) is the kept tokens'."""
+    words = ids("the cat sleeps in the park")
+
+    def scored(chunk):
+        return -0.5 * np.arange(1, len(chunk) + 1), np.array([[t] for t in chunk]), np.zeros((len(chunk), 1))
+
+    (event,) = Out().feed(sequence("", False, stop=("cat",), logprobs=0), [words], "length", scored)
+    assert event.completion_tokens == 2 and [e.token for e in event.logprobs] == ["the", " cat"]
+    assert event.cumulative_logprob == -0.5 - 1.0
 
 
 def test_special_tokens_show_their_names_but_add_no_text_to_the_offsets():

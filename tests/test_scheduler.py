@@ -369,7 +369,7 @@ def test_a_score_only_sequence_queued_when_a_call_fails_is_still_served():
 def test_logprobs_of_the_tokens_and_of_the_prompt():
     for right_aligned in (False, True):
         h = Harness(slots=2, steps=3, right_aligned=right_aligned)
-        s = h.seq("the cat sleeps in", 7, logprobs=2, prompt_logprobs=True)
+        s = h.seq("the cat sleeps in", 6, logprobs=2, prompt_logprobs=True)  # (its last call: 2 of 3 columns)
         score_only = h.seq("a dog runs", 0, prompt_logprobs=True)
         h.s.submit([s, score_only])
         h.run()
@@ -673,6 +673,18 @@ def test_the_first_stop_string_in_the_text_ends_it_and_at_one_place_the_shortest
                               (("cat sleeps", "cat"), "the ", 2), (("sleeps in", "in the"), "the cat ", 4)):
         (event,) = Out().feed(sequence("", False, stop=stops), [words], "length")
         assert (event.text, event.completion_tokens) == (text, kept), stops
+
+
+def test_a_token_s_text_is_what_follows_the_text_before_it_an_unfinished_character_none():
+    """``_piece`` (the window decoded before a token, and with it): a U+FFFD at the end is a character not yet
+    finished; where a tokenizer's clean-up rewrote the end of the text before (" ." to "."), what follows the start
+    both share."""
+    p = OutputProcessor(TOK, Metrics(1), lambda seqs: None)
+    t = ids("cat")[0]
+    assert p._piece("the", "the cat", t) == " cat"
+    assert p._piece("caf", "caf\ufffd", t) == "" and p._piece("caf\ufffd", "café", t) == "é"
+    assert p._piece("\ufffd\ufffd", "\ufffd\ufffd\ufffd", t) == ""
+    assert p._piece("the cat ", "the cat.", t) == "."
 
 
 def test_a_stop_string_s_tokens_past_it_count_in_no_log_probability():

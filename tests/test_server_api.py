@@ -640,6 +640,64 @@ def test_a_seed_is_taken_modulo_two_to_the_64():
         assert req.seed == taken
 
 
+def test_streaming_takes_best_of_equal_to_n_and_refuses_candidates_ranked_at_the_end():
+    def parse(**fields):
+        return api.parse_completion(json.dumps({"model": MODEL, "prompt": "a", "stream": True, **fields}).encode(),
+                                    BOUNDS, MODEL)
+
+    assert (parse(n=2, best_of=2).n, parse(n=2, best_of=2).best_of) == (2, 2)  # nothing to rank: streamed
+    with pytest.raises(api.ApiError, match="stream") as e:
+        parse(n=2, best_of=3)
+    assert e.value.param == "best_of"
+
+
+def test_the_sequences_a_request_asks_for_are_its_prompts_times_best_of():
+    """max_prompts (40 here) bounds prompts x best_of, the candidates, not prompts x n."""
+    def parse(prompts: int, **fields):
+        return api.parse_completion(json.dumps({"model": MODEL, "prompt": ["a"] * prompts, **fields}).encode(),
+                                    BOUNDS, MODEL)
+
+    parse(4, n=1, best_of=10)  # 40
+    with pytest.raises(api.ApiError) as e:
+        parse(3, n=1, best_of=14)  # 42
+    assert e.value.status == 413 and e.value.param == "best_of"
+
+
+def test_chat_messages_take_max_prompt_chars_and_refuse_one_more():
+    def parse(chars: int):
+        msgs = [{"role": "system", "content": "a" * 10}, {"role": "user", "content": "b" * (chars - 10)}]
+        return api.parse_chat(json.dumps({"model": MODEL, "messages": msgs}).encode(), BOUNDS, MODEL)
+
+    assert sum(len(m["content"]) for m in parse(40).messages) == 40  # BOUNDS.max_prompt_chars, all messages counted
+    with pytest.raises(api.ApiError) as e:
+        parse(41)
+    assert e.value.status == 413 and e.value.param == "messages"
+
+
+def test_chat_logprobs_without_top_logprobs_gives_each_token_s_alone():
+    def parse(**fields):
+        return api.parse_chat(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                          **fields}).encode(), BOUNDS, MODEL)
+
+    assert parse(logprobs=True).logprobs == 0 and parse(logprobs=True, top_logprobs=3).logprobs == 3
+    assert parse().logprobs is None and parse(logprobs=False).logprobs is None
+
+
+@pytest.mark.parametrize("field, value, ok", [
+    ("parallel_tool_calls", True, True), ("parallel_tool_calls", False, True), ("parallel_tool_calls", 1, False),
+    ("parallel_tool_calls", 0, False), ("presence_penalty", 0, True), ("presence_penalty", 0.0, True),
+    ("presence_penalty", False, False), ("presence_penalty", 0.5, False), ("logit_bias", {}, True),
+])
+def test_an_unsupported_field_is_taken_at_its_default_alone_true_is_not_1(field, value, ok):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}], field: value}).encode()
+    if ok:
+        api.parse_chat(body, BOUNDS, MODEL)
+        return
+    with pytest.raises(api.ApiError) as e:
+        api.parse_chat(body, BOUNDS, MODEL)
+    assert e.value.status == 400 and e.value.param == field and e.value.code == "unsupported_value"
+
+
 def test_chat_takes_256_messages_and_refuses_more():
     def parse(n):
         msgs = [{"role": "user", "content": "a"}] * n

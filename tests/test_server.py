@@ -272,6 +272,8 @@ def test_a_server_on_a_non_local_address_without_a_key_says_so():
     line = check_exposure("0.0.0.0", None)
     assert "0.0.0.0" in line and "--api_key" in line and "\n" not in line
     assert check_exposure("0.0.0.0", "k") is None and check_exposure("127.0.0.1", None) is None
+    assert check_exposure("localhost", None) is None and check_exposure("::1", None) is None  # (IPv6 loopback)
+    assert check_exposure("::", None) is not None
 
 
 def test_a_seeded_request_gives_the_same_text_alone_or_among_others(servers):

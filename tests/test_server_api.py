@@ -397,6 +397,20 @@ def test_n_and_best_of_and_a_seed_per_choice(server):
     assert best.usage.completion_tokens == 6
 
 
+def test_return_token_ids_gives_each_choice_its_own_prompt_s_ids_in_its_first_chunk_alone(server):
+    prompts = [words("the cat"), words("a dog runs")]
+    r = server.post({"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 3, "return_token_ids": True})
+    assert [c["prompt_token_ids"] for c in r.json()["choices"]] == [prompts[0]] * 2 + [prompts[1]] * 2, r.text
+    # streamed, the prompt scored and no new token: the echo's chunk (no token in it) is the first, the end's chunk
+    # carries no prompt ids again
+    r = server.post({"model": MODEL, "prompt": "the cat", "max_tokens": 0, "echo": True, "stream": True,
+                     "logprobs": 1, "return_token_ids": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    firsts = [c for c in chunks if "prompt_token_ids" in c["choices"][0]]
+    assert len(chunks) == 2 and chunks[-1]["choices"][0]["finish_reason"] == "length", chunks
+    assert len(firsts) == 1 and firsts[0] is chunks[0] and chunks[0]["choices"][0]["text"] == "the cat", chunks
+
+
 def test_chat_renders_the_messages_and_answers_in_the_chat_shape(server):
     client = server.client()
     one = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "the cat"}],
@@ -561,6 +575,7 @@ def test_a_loop_that_fails_for_good_stops_the_server():
         assert r.status_code in (500, 503), r.text
     s.thread.join(WAIT)
     assert not s.thread.is_alive() and s.server.fatal is not None  # serve() exits 1 on it
+    assert not s.engine.healthy  # (and /health says 503 while it goes)
 
 
 def test_drain_finishes_the_held_requests_and_refuses_new_ones():
@@ -759,6 +774,13 @@ def test_the_server_s_defaults_scale_with_its_slots():
     assert engine.scheduler.steps == 2
     with pytest.raises(ConfigError, match="--max_steps_per_call 4 must be at least 5"):
         ServeOptions.of(p.parse_args(["--steps_per_call", "5", "--max_steps_per_call", "4"]), cfg)
+    assert dataclasses.replace(o, steps=6, max_steps=0).most_steps == 6  # (0: the base) what the programs compile
+    # the widest join is always all the slots of a shard; a prompt's characters: 64 a token of the widest width
+    o = ServeOptions.of(p.parse_args(["--slots", "8", "--join_sizes", "1", "2", "16", "--prompt_widths", "16", "48"]),
+                        load_config("inference", "tiny", {"eval": True, "data_parallel": 1}))
+    assert o.joins == (1, 2, 8) and o.widths == (16, 48) and o.max_prompt_chars == 64 * 48
+    # logprobs at most what the slots compute a token (--max_logprobs 20, the programs' top 5 here)
+    assert Engine(FakeBackend(slots=4, top=5), TOK, encode, o).limits.max_logprobs == 5
 
 
 def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_candidate_order():

@@ -27,7 +27,6 @@ from typing import Any, Callable, Optional
 from serving.scheduler import Sequence, Update
 
 logger = logging.getLogger("flan_t5")
-WINDOW = 6  # tokens before a token that its text is decoded after (enough for any tokenizer's merges)
 
 
 @dataclass
@@ -73,6 +72,7 @@ class Output:
     sent_text: str = ""
     sent_tokens: int = 0
     text_len: int = 0  # characters of the completion's tokens' pieces so far (offsets)
+    pieced: tuple = (0, 0)  # the pieces' state (OutputProcessor.pieces): tokens[prefix:read] is the text given last
     cumulative: float = 0.0
     started: bool = False  # the echo and the prompt's log-probabilities were sent
     first: Optional[float] = None
@@ -216,7 +216,7 @@ class OutputProcessor:
                 logprobs += self._prompt_logprobs(o)
         new = o.tokens[o.sent_tokens:]
         if logprobs is not None:
-            logprobs += self._logprobs(o, o.sent_tokens, len(o.echo or ""))
+            logprobs += self._logprobs(o, o.sent_tokens, len(o.echo or ""), reason is not None)
         for lp, _, _ in o.scored[o.sent_tokens:]:
             o.cumulative += lp
         o.sent_tokens = len(o.tokens)
@@ -226,42 +226,48 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ log-probabilities
 
-    def pieces(self, context: list, new: list, candidates: Optional[list] = None) -> tuple:
-        """(the text each of ``new`` adds after the tokens before it (``context`` then the new ones before it), and
-        for each the text each of its ``candidates`` would have added there), decoded in one batch over a window
-        of WINDOW tokens before each."""
-        seqs, spans = [], []
-        for i, t in enumerate(new):
-            window = (context + new[:i])[-WINDOW:]
-            options = [t] + list(candidates[i] if candidates else [])
-            spans.append((len(seqs), len(options)))
-            seqs += [window] + [window + [c] for c in options]
-        texts = self.tokenizer.batch_decode(seqs, skip_special_tokens=True) if seqs else []
-        out = []
-        for (at, n), t in zip(spans, new):
-            before = texts[at]
-            out.append([self._piece(before, texts[at + 1 + j], c)
-                        for j, c in enumerate([t] + list(candidates[len(out)] if candidates else []))])
-        return [p[0] for p in out], [p[1:] for p in out]
+    def pieces(self, tokens: list, start: int, state: tuple, final: bool, candidates: Optional[list] = None) -> tuple:
+        """The text each of ``tokens[start:]`` adds to the text of the tokens before it, as a stream gives text out
+        (vLLM's incremental detokenizing): ``state`` (prefix, read) says that ``tokens[prefix:read]`` decoded is the
+        text given out last (from a token boundary before it, so that a tokenizer's merges and leading spaces see
+        their context); a token whose text so far ends in U+FFFD (a character split over tokens, not finished)
+        adds nothing yet and the token that finishes it adds all of it; a special token shows its own name and adds
+        nothing; the last token of a ``final`` run adds what is left, a U+FFFD that never became a character
+        included. So the pieces add up to the text. ``candidates``: for each token, other tokens in its place ->
+        the text each would add there, by the same rules (the token itself among them: its own piece). -> (pieces,
+        candidates' pieces, the state after)."""
+        prefix, read = state
+        out, tops = [], []
+        for i in range(start, len(tokens)):
+            t = tokens[i]
+            given = self._decode(tokens[prefix:read], skip_special_tokens=True)
+            flush = final and i == len(tokens) - 1
+            options = candidates[i - start] if candidates else []
+            tops.append([self._piece(given, tokens[prefix:i] + [c], flush) for c in options])
+            piece = self._piece(given, tokens[prefix:i + 1], flush)
+            out.append(piece)
+            if t not in self.special and (piece or flush):  # text given out: the next window starts after it
+                prefix, read = read, i + 1
+        return out, tops, (prefix, read)
 
-    def _piece(self, before: str, after: str, token: int) -> str:
-        """The text ``token`` adds: ``before`` the window before it decoded, ``after`` the window and it. A character
-        split over tokens (a byte-level tokenizer's) adds nothing until the token that finishes it, which adds the
-        whole character (an unfinished one decodes to U+FFFD at the end), so the pieces add up to the text; where the
-        tokenizer rewrites what came before (its clean-up of spaces), the piece is what follows the shared start."""
+    def _piece(self, given: str, window: list, flush: bool) -> str:
+        """The text the window's last token adds to ``given``: its name for a special token, nothing for an
+        unfinished character (U+FFFD at the end) unless ``flush``."""
+        token = window[-1]
         if token in self.special:
             return self.tokenizer.convert_ids_to_tokens(int(token))
-        before, after = before.rstrip("\ufffd"), after.rstrip("\ufffd")
-        return after[len(os.path.commonprefix([before, after])):]
+        text = self._decode(window, skip_special_tokens=True)
+        return "" if text.endswith("\ufffd") and not flush else _after(given, text)
 
-    def _logprobs(self, o: Output, start: int, base: int) -> list:
-        """TokenLogprobs of the completion's tokens from ``start`` (offsets after ``base`` characters: the echo)."""
+    def _logprobs(self, o: Output, start: int, base: int, final: bool) -> list:
+        """TokenLogprobs of the completion's tokens from ``start`` (offsets after ``base`` characters: the echo);
+        ``final``: its last tokens (what an unfinished character left is given to the last)."""
         new = o.tokens[start:]
         if not new:
             return []
         k = o.logprobs
         cands = [[int(c) for c in ids[:k]] for _, ids, _ in o.scored[start:]]
-        texts, tops = self.pieces(o.tokens[:start], new, cands)
+        texts, tops, o.pieced = self.pieces(o.tokens, start, o.pieced, final, cands)
         out = []
         for i, t in enumerate(new):
             lp, _, lps = o.scored[start + i]
@@ -275,7 +281,7 @@ class OutputProcessor:
         ids, k = o.echo_ids, o.logprobs
         lp, top_ids, top_lps = o.prompt_scored
         cands = [[]] + [[int(c) for c in top_ids[i][:k]] for i in range(len(ids) - 1)]
-        texts, tops = self.pieces([], ids, cands)
+        texts, tops, _ = self.pieces(list(ids), 0, (0, 0), True, cands)
         out, offset = [], 0
         for i, t in enumerate(ids):
             if i == 0:
@@ -285,3 +291,9 @@ class OutputProcessor:
                                         [(tops[i][j], float(top_lps[i - 1][j])) for j in range(k)], offset))
             offset += 0 if t in self.special else len(texts[i])
         return out
+
+
+def _after(given: str, text: str) -> str:
+    """What ``text`` (a window decoded with a token more) adds to ``given`` (the window without it): what follows
+    their shared start (all that follows ``given`` where the tokenizer left it as it was)."""
+    return text[len(os.path.commonprefix([given, text])):]

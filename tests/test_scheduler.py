@@ -454,6 +454,7 @@ def test_logprobs_name_each_token_as_the_text_it_adds_with_offsets_into_the_echo
     assert [e.token for e in lps] == ["a", " dog", "the", " cat", " sleeps"]
     assert [e.logprob for e in lps] == [None, -3.0, -0.5, -0.5, -0.5]
     assert lps[0].top is None and len(lps[1].top) == 2 and lps[2].top == [("the", -0.5), ("a", -1.0)]
+    assert lps[3].top[0] == (" cat", -0.5) and lps[4].top[0] == (" sleeps", -0.5)  # each after the text before it
     assert [e.offset for e in lps] == [0, 1, 5, 8, 12]
     for e in lps[2:]:  # each completion token's text starts at its offset in the echoed text
         assert event.text[e.offset:].startswith(e.token)
@@ -484,8 +485,9 @@ def test_a_character_split_over_tokens_is_sent_whole():
     assert "".join(texts) == "le café noir" and not any("\ufffd" in t for t in texts)
 
 
+@pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("stream", [True, False])
-def test_the_log_probabilities_tokens_of_a_character_split_over_tokens_add_up_to_the_text(stream):
+def test_the_log_probabilities_tokens_of_a_character_split_over_tokens_add_up_to_the_text(stream, cut):
     """Byte-level tokens of "é" (2 bytes) and an emoji (4): each byte before the last adds no text, the last the whole
     character, so the tokens' texts add up to the completion's (and the prompt's, echoed) and every offset points at
     its token's text. (They once showed the window decoded before them, "e café", and the offsets ran past the
@@ -496,7 +498,13 @@ def test_the_log_probabilities_tokens_of_a_character_split_over_tokens_add_up_to
     assert len(words) > len(text)  # (characters split over tokens)
     p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
     prompt = tok("à ça", add_special_tokens=False)["input_ids"]
-    seq = Sequence(prompt, 100, out=Output(0, None, stream=stream, logprobs=1, echo="à ça", echo_ids=prompt))
+    if cut:  # the prompt (token ids) and the completion (its length) end inside a character: its U+FFFD at the end
+        prompt = tok("à ç", add_special_tokens=False)["input_ids"][:-1]
+        words = tok("le caf😀", add_special_tokens=False)["input_ids"][:-2]
+        text = tok.decode(words)
+        assert text.endswith("\ufffd") and tok.decode(prompt).endswith("\ufffd")
+    echo = tok.decode(prompt)
+    seq = Sequence(prompt, 100, out=Output(0, None, stream=stream, logprobs=1, echo=echo, echo_ids=prompt))
     seq.out.prompt_scored = (np.full(len(prompt) - 1, -1.0), np.array([[t] for t in prompt[1:]]),
                              np.full((len(prompt) - 1, 1), -1.0))
 
@@ -508,10 +516,10 @@ def test_the_log_probabilities_tokens_of_a_character_split_over_tokens_add_up_to
         Update(seq, c, scored(c), reason="length" if i == len(chunks) - 1 else None))]
     whole = "".join(e.text for e in events)
     lps = [x for e in events for x in e.logprobs]
-    assert whole == "à ça" + text and "".join(x.token for x in lps) == whole
+    assert whole == echo + text and "".join(x.token for x in lps) == whole
     assert len(lps) == len(prompt) + len(words)
     for x in lps:
-        assert whole[x.offset:x.offset + len(x.token)] == x.token and "\ufffd" not in x.token
+        assert whole[x.offset:x.offset + len(x.token)] == x.token and ("\ufffd" not in x.token or cut)
         if x.top:  # the most likely candidate is the token itself (the scores above): the same text
             assert x.top[0][0] == x.token
     assert [x.offset for x in lps] == list(np.cumsum([0] + [len(x.token) for x in lps[:-1]]))
@@ -675,16 +683,46 @@ def test_the_first_stop_string_in_the_text_ends_it_and_at_one_place_the_shortest
         assert (event.text, event.completion_tokens) == (text, kept), stops
 
 
-def test_a_token_s_text_is_what_follows_the_text_before_it_an_unfinished_character_none():
-    """``_piece`` (the window decoded before a token, and with it): a U+FFFD at the end is a character not yet
-    finished; where a tokenizer's clean-up rewrote the end of the text before (" ." to "."), what follows the start
-    both share."""
-    p = OutputProcessor(TOK, Metrics(1), lambda seqs: None)
-    t = ids("cat")[0]
-    assert p._piece("the", "the cat", t) == " cat"
-    assert p._piece("caf", "caf\ufffd", t) == "" and p._piece("caf\ufffd", "café", t) == "é"
-    assert p._piece("\ufffd\ufffd", "\ufffd\ufffd\ufffd", t) == ""
-    assert p._piece("the cat ", "the cat.", t) == "."
+@pytest.mark.parametrize("text", ["le café noir", "a 😀😀😀🎉é b", "ab\ufffd", "ab" + "\ufffd" * 8 + "c", "é" * 9])
+def test_the_pieces_of_any_text_add_up_to_it_a_character_split_over_tokens_given_by_the_token_that_ends_it(text):
+    """``pieces`` on a byte-level tokenizer: characters of 2 and 4 bytes side by side (a window of fixed width once
+    began inside one and gave its bytes' U+FFFD), a real U+FFFD, a run of them longer than any window: the pieces add
+    up to the text, each byte before a character's last adds nothing; given a token at a time or all at once."""
+    tok = byte_level()
+    p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
+    ids_ = tok(text, add_special_tokens=False)["input_ids"]
+    whole, _, _ = p.pieces(ids_, 0, (0, 0), True)
+    assert "".join(whole) == text == tok.decode(ids_)
+    state, one_by_one = (0, 0), []
+    for n in range(1, len(ids_) + 1):
+        got, _, state = p.pieces(ids_[:n], n - 1, state, n == len(ids_))
+        one_by_one += got
+    assert one_by_one == whole
+    starts = np.cumsum([0] + [len(x) for x in whole[:-1]])
+    for piece, at in zip(whole, starts):  # every character given whole, by one token
+        assert text[at:at + len(piece)] == piece
+
+
+def test_an_unfinished_character_at_the_end_is_given_by_the_last_token_and_candidates_show_their_own_text():
+    tok = byte_level()
+    p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
+    ids_ = tok("le café", add_special_tokens=False)["input_ids"]
+    cut = ids_[:-1]  # "le caf" and the first byte of "é" (a completion stopped by its length there)
+    pieces, _, _ = p.pieces(cut, 0, (0, 0), False)
+    assert "".join(pieces) == "le caf" and pieces[-1] == ""  # not final: it may still become a character
+    pieces, _, _ = p.pieces(cut, 0, (0, 0), True)
+    assert "".join(pieces) == tok.decode(cut) == "le caf\ufffd"  # final: what is left, U+FFFD included
+    other = tok("è", add_special_tokens=False)["input_ids"]  # (its last byte differs from "é"'s)
+    pieces, tops, _ = p.pieces(ids_, len(ids_) - 1, (0, len(ids_) - 2), True, [[ids_[-1], other[-1]]])
+    assert pieces == ["é"] and tops == [["é", "è"]]
+    special, _, _ = p.pieces(ids_[:2] + [tok.eos_token_id] + ids_[2:], 0, (0, 0), True)
+    assert special[2] == "<eos>" and "".join(special[:2] + special[3:]) == "le café"
+
+
+def test_a_token_s_text_where_the_tokenizer_rewrites_the_text_before_it_is_what_follows_the_shared_start():
+    from serving.output import _after
+
+    assert _after("the", "the cat") == " cat" and _after("the cat ", "the cat.") == "."  # (a clean-up of " .")
 
 
 def test_a_stop_string_s_tokens_past_it_count_in_no_log_probability():

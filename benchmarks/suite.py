@@ -494,8 +494,10 @@ _DONE_LOCK = threading.Lock()
 def run_one(run: Run, out_dir: str, part: str, timeout: float) -> dict:
     """One benchmark process -> its report (``status`` ok, failed, out_of_memory or timed_out), its output kept; a
     command another part of this invocation ran ok is not run again, nor one it is running (parts run concurrently
-    with ``--jobs``): its result is reused, and says so. A failed run is forgotten: the next part to ask runs it."""
+    with ``--jobs``): its result is reused, and says so. A failed run is forgotten: the next part to ask runs it.
+    ``timeout``: seconds from the call, the wait for another part's run counted in them (none left: timed_out)."""
     key = tuple(run.cmd)
+    deadline = time.monotonic() + timeout
     while True:
         with _DONE_LOCK:
             first = _DONE.get(key)
@@ -508,7 +510,9 @@ def run_one(run: Run, out_dir: str, part: str, timeout: float) -> dict:
             return {**done, "reused": True}
     result = {"status": "failed"}
     try:
-        result = _run_process(run, out_dir, part, timeout)
+        left = deadline - time.monotonic()
+        result = (_run_process(run, out_dir, part, left) if left > 0 else
+                  {"status": "timed_out", "reason": "no time left after waiting for another part's run of it"})
         return result
     finally:
         if result["status"] != "ok":

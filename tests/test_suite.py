@@ -162,8 +162,11 @@ def test_a_command_two_parts_run_runs_once_even_when_they_run_at_once(monkeypatc
             waiting.append(threading.current_thread().name)
             return super().result(timeout)
 
+    timeouts = {}
+
     def fake(run, out_dir, part, timeout):
         started.append((run.cmd[0], part))
+        timeouts[part] = timeout
         assert release.wait(30)
         return {"status": status[run.cmd[0]], "part": part}
 
@@ -184,6 +187,7 @@ def test_a_command_two_parts_run_runs_once_even_when_they_run_at_once(monkeypatc
             time.sleep(0.01)
         # one run of each command under way, and the two other parts waiting on theirs
         assert len(started) == 3 and len(waiting) == 2, (started, waiting)
+        time.sleep(0.3)
     finally:
         release.set()
         for t in threads:
@@ -194,7 +198,25 @@ def test_a_command_two_parts_run_runs_once_even_when_they_run_at_once(monkeypatc
     assert out[other] == {"status": "ok", "part": ran, "reused": True} and "reused" not in out[ran]
     assert out["c"] == {"status": "failed", "part": "c"} and out["d"] == {"status": "failed", "part": "d"}
     assert out["e"] == {"status": "ok", "part": "e"}
+    rerun = next(p for c, p in started[3:] if c == "bad")  # the part that waited on the failed run of "bad"
+    assert timeouts[rerun] < 10 - 0.3 and all(timeouts[p] > 9 for c, p in started[:3])  # its wait counted
     go("f", "bad")  # later: a failed command runs again, one that ran ok is reused
     go("g", "ok")
     assert out["f"] == {"status": "failed", "part": "f"} and out["g"] == {"status": "ok", "part": ran, "reused": True}
     assert len(started) == 5
+    # a part whose seconds all went on the wait: timed out, not run with time it no longer has
+    monkeypatch.setattr(S, "_DONE", {})
+    slow = threading.Thread(target=lambda: S.run_one(S.Run("r", ["bad"]), str(tmp_path), "h", 10))
+    release.clear()
+    slow.start()
+    while len(started) < 6:
+        time.sleep(0.01)
+    late_out = {}
+    late = threading.Thread(target=lambda: late_out.update(r=S.run_one(S.Run("r", ["bad"]), str(tmp_path), "i",
+                                                                        0.2)))
+    late.start()
+    time.sleep(0.4)
+    release.set()
+    slow.join()
+    late.join()
+    assert late_out["r"]["status"] == "timed_out" and len(started) == 6

@@ -617,6 +617,17 @@ BOUNDS = api.Limits(max_tokens=64, default_max_tokens=16, max_prompt_tokens=32, 
                     max_body_bytes=65536, vocab_size=64, max_logprobs=5, scores_prompts=True)
 
 
+def completion(limits: api.Limits = BOUNDS, **fields) -> api.Request:
+    """A /v1/completions body of ``fields`` (the model's id, and the prompt "a" unless given), parsed."""
+    return api.parse_completion(json.dumps({"model": MODEL, "prompt": "a", **fields}).encode(), limits, MODEL)
+
+
+def chat_request(limits: api.Limits = BOUNDS, **fields) -> api.Request:
+    """A /v1/chat/completions body of ``fields`` (the model's id, and one user message "a" unless given), parsed."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], **fields}
+    return api.parse_chat(json.dumps(body).encode(), limits, MODEL)
+
+
 @pytest.mark.parametrize("field, at, past", [
     ("max_tokens", {"max_tokens": 64}, {"max_tokens": 65}),
     ("max_tokens", {"max_tokens": 0, "echo": True}, {"max_tokens": -1, "echo": True}),
@@ -640,48 +651,37 @@ BOUNDS = api.Limits(max_tokens=64, default_max_tokens=16, max_prompt_tokens=32, 
 ])
 def test_each_bound_takes_its_limit_and_refuses_one_past_it(field, at, past):
     """Every limit is inclusive: the value at it is served, one step past it is a 4xx naming the field."""
-    def parse(fields):
-        return api.parse_completion(json.dumps({"model": MODEL, "prompt": "a", **fields}).encode(), BOUNDS, MODEL)
-
-    parse(at)  # (raises if refused)
+    completion(**at)  # (raises if refused)
     with pytest.raises(api.ApiError) as e:
-        parse(past)
+        completion(**past)
     assert 400 <= e.value.status < 500 and e.value.param == field, e.value.message
 
 
 def test_a_seed_is_taken_modulo_two_to_the_64():
     for seed, taken in ((-1, 2 ** 64 - 1), (-2 ** 63, 2 ** 63), (2 ** 64 - 1, 2 ** 64 - 1), (5, 5)):
-        req = api.parse_completion(json.dumps({"model": MODEL, "prompt": "a", "seed": seed}).encode(), BOUNDS, MODEL)
-        assert req.seed == taken
+        assert completion(seed=seed).seed == taken
 
 
 def test_streaming_takes_best_of_equal_to_n_and_refuses_candidates_ranked_at_the_end():
-    def parse(**fields):
-        return api.parse_completion(json.dumps({"model": MODEL, "prompt": "a", "stream": True, **fields}).encode(),
-                                    BOUNDS, MODEL)
-
-    assert (parse(n=2, best_of=2).n, parse(n=2, best_of=2).best_of) == (2, 2)  # nothing to rank: streamed
+    req = completion(stream=True, n=2, best_of=2)
+    assert (req.n, req.best_of) == (2, 2)  # nothing to rank: streamed
     with pytest.raises(api.ApiError, match="stream") as e:
-        parse(n=2, best_of=3)
+        completion(stream=True, n=2, best_of=3)
     assert e.value.param == "best_of"
 
 
 def test_the_sequences_a_request_asks_for_are_its_prompts_times_best_of():
     """max_prompts (40 here) bounds prompts x best_of, the candidates, not prompts x n."""
-    def parse(prompts: int, **fields):
-        return api.parse_completion(json.dumps({"model": MODEL, "prompt": ["a"] * prompts, **fields}).encode(),
-                                    BOUNDS, MODEL)
-
-    parse(4, n=1, best_of=10)  # 40
+    completion(prompt=["a"] * 4, n=1, best_of=10)  # 40
     with pytest.raises(api.ApiError) as e:
-        parse(3, n=1, best_of=14)  # 42
+        completion(prompt=["a"] * 3, n=1, best_of=14)  # 42
     assert e.value.status == 413 and e.value.param == "best_of"
 
 
 def test_chat_messages_take_max_prompt_chars_and_refuse_one_more():
     def parse(chars: int):
-        msgs = [{"role": "system", "content": "a" * 10}, {"role": "user", "content": "b" * (chars - 10)}]
-        return api.parse_chat(json.dumps({"model": MODEL, "messages": msgs}).encode(), BOUNDS, MODEL)
+        return chat_request(messages=[{"role": "system", "content": "a" * 10},
+                                      {"role": "user", "content": "b" * (chars - 10)}])
 
     assert sum(len(m["content"]) for m in parse(40).messages) == 40  # BOUNDS.max_prompt_chars, all messages counted
     with pytest.raises(api.ApiError) as e:
@@ -690,12 +690,8 @@ def test_chat_messages_take_max_prompt_chars_and_refuse_one_more():
 
 
 def test_chat_logprobs_without_top_logprobs_gives_each_token_s_alone():
-    def parse(**fields):
-        return api.parse_chat(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                          **fields}).encode(), BOUNDS, MODEL)
-
-    assert parse(logprobs=True).logprobs == 0 and parse(logprobs=True, top_logprobs=3).logprobs == 3
-    assert parse().logprobs is None and parse(logprobs=False).logprobs is None
+    assert chat_request(logprobs=True).logprobs == 0 and chat_request(logprobs=True, top_logprobs=3).logprobs == 3
+    assert chat_request().logprobs is None and chat_request(logprobs=False).logprobs is None
 
 
 @pytest.mark.parametrize("field, value, ok", [
@@ -704,20 +700,18 @@ def test_chat_logprobs_without_top_logprobs_gives_each_token_s_alone():
     ("presence_penalty", False, False), ("presence_penalty", 0.5, False), ("logit_bias", {}, True),
 ])
 def test_an_unsupported_field_is_taken_at_its_default_alone_true_is_not_1(field, value, ok):
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}], field: value}).encode()
     if ok:
-        api.parse_chat(body, BOUNDS, MODEL)
+        chat_request(**{field: value})
         return
     with pytest.raises(api.ApiError) as e:
-        api.parse_chat(body, BOUNDS, MODEL)
+        chat_request(**{field: value})
     assert e.value.status == 400 and e.value.param == field and e.value.code == "unsupported_value"
 
 
 def test_chat_takes_256_messages_and_refuses_more():
     def parse(n):
-        msgs = [{"role": "user", "content": "a"}] * n
-        return api.parse_chat(json.dumps({"model": MODEL, "messages": msgs}).encode(),
-                              dataclasses.replace(BOUNDS, max_prompt_chars=10 ** 6), MODEL)
+        return chat_request(dataclasses.replace(BOUNDS, max_prompt_chars=10 ** 6),
+                            messages=[{"role": "user", "content": "a"}] * n)
 
     assert len(parse(256).messages) == 256
     with pytest.raises(api.ApiError, match="messages"):
@@ -787,9 +781,7 @@ def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_
     from serving.http import _Reply
     from serving.output import Event
 
-    req = api.parse_completion(json.dumps({"model": MODEL, "prompt": ["a", "b"], "n": 2, "best_of": 4}).encode(),
-                               BOUNDS, MODEL)
-    reply = _Reply(None, req, [([5], "a"), ([6], "b")])
+    reply = _Reply(None, completion(prompt=["a", "b"], n=2, best_of=4), [([5], "a"), ([6], "b")])
     for i, c in enumerate([-3.0, -1.0, -2.0, -0.5, -1.0, -1.0, -2.0, -1.0]):
         reply.take(Event(i, cumulative_logprob=c, finish_reason="length"))
     assert reply.chosen() == [3, 1, 4, 5]
@@ -807,9 +799,7 @@ def test_events_that_came_during_the_last_write_go_out_in_one_write_each_its_own
 
     def stream(events: list, usage: bool = True) -> tuple:
         """events: the batches put on the queue before each read -> (each write's events, the reply, cancels)."""
-        body = {"model": MODEL, "prompt": ["a", "b"], "stream": True}
-        req = api.parse_completion(json.dumps({**body, "stream_options": {"include_usage": usage}}).encode(),
-                                   BOUNDS, MODEL)
+        req = completion(prompt=["a", "b"], stream=True, stream_options={"include_usage": usage})
         cancels: list = []
         reply = _Reply(SimpleNamespace(model_id=MODEL, cancel=cancels.append), req, [([5], "a"), ([6], "b")])
 
@@ -897,8 +887,7 @@ def test_the_answer_shapes_of_log_probabilities_usage_and_chat_chunks():
     assert api.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     (c,) = api.chat_logprobs([TokenLogprob("é", -0.5, [("é", -0.5)], 0)])["content"]
     assert c["bytes"] == [0xC3, 0xA9] and c["top_logprobs"] == [{"token": "é", "logprob": -0.5, "bytes": [0xC3, 0xA9]}]
-    chat = api.parse_chat(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}]}).encode(),
-                          BOUNDS, MODEL)
+    chat = chat_request()
     assert api.choice(chat, 0, "the", None, None, delta=True)["delta"] == {"role": "assistant", "content": "the"}
     assert api.choice(chat, 0, " cat", None, None, delta=False)["delta"] == {"content": " cat"}
     assert api.choice(chat, 0, "", "stop", None, delta=False)["delta"] == {}  # the last chunk: its reason alone

@@ -56,11 +56,30 @@ def set_cpu_threads(n: int) -> None:
 def start_devices(cfg, pinned: bool = False) -> None:
     """This process's devices from the config, before JAX starts a backend: the CPU's simulated devices
     (``ensure_host_devices``), with ``pinned`` phased training's pinned host pool (``ensure_pinned_host_memory``),
-    then JAX's multi-process start and compilation cache (``setup_jax``). Every driver's second step."""
+    then JAX's multi-process start and compilation cache (``setup_jax``), and a float32 model's matrix products in
+    float32 (``set_matmul_precision``). Every driver's second step."""
     ensure_host_devices(cfg.devices)
     if pinned:
         ensure_pinned_host_memory(cfg)
     setup_jax()
+    set_matmul_precision(cfg.model.precision)
+
+
+def set_matmul_precision(precision: str) -> Optional[str]:
+    """A float32 model multiplies in float32: sets JAX's default precision of float32 dot products to "highest" when
+    ``precision`` is float32 and returns it; bfloat16 and float16 runs are left as they are (None).
+
+    JAX's own default lets a float32 dot product round its inputs (TF32 on NVIDIA GPUs since Ampere, bfloat16 passes on
+    a TPU), where PyTorch's, and so HF's, multiplies in full float32. On one H100 the base model's server and static
+    batching, both "float32" under JAX's default, gave the same greedy tokens for 36 of 48 requests
+    (benchmarks/results/h100/serve/). ``JAX_DEFAULT_MATMUL_PRECISION`` in the environment wins (say
+    ``tensorfloat32`` to trade accuracy for speed): then nothing is set."""
+    if precision != "float32" or os.environ.get("JAX_DEFAULT_MATMUL_PRECISION"):
+        return None
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    return "highest"
 
 
 def process_count_from_env() -> int:

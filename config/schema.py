@@ -76,7 +76,9 @@ class ModelConfig:
     """Dropout probability in training."""
 
     precision: str = spec("float32", choices=("float32", "bfloat16", "float16"))
-    """Compute dtype: float32, bfloat16 or float16 (master weights, norms and softmax stay float32)."""
+    """Compute dtype: float32, bfloat16 or float16 (master weights, norms and softmax stay float32). float32's matrix
+    products are full float32 on every device, as HF's are (JAX's default would use TF32 on a recent NVIDIA GPU);
+    JAX_DEFAULT_MATMUL_PRECISION in the environment overrides that."""
 
     seed: int = 42
     """Seed of parameter initialisation, dropout and data shuffling."""

@@ -234,3 +234,26 @@ def test_dropout_only_in_training(v11):
     assert float(a) == float(b)
     assert float(a) != float(c)
     assert abs(float(e) - float(t5.loss_sum(params, batch, options(m)))) < 1e-6
+
+
+@pytest.mark.parametrize("precision,env,expected", [("float32", None, "highest"), ("bfloat16", None, None),
+                                                     ("float16", None, None), ("float32", "tensorfloat32", None)])
+def test_a_float32_run_multiplies_in_float32(precision, env, expected, monkeypatch):
+    """Every driver's start (start_devices) makes a float32 model's dot products full float32 ("highest"), as HF's
+    are: JAX's default would round their inputs to TF32 on a recent GPU. Other precisions are left to JAX, and
+    JAX_DEFAULT_MATMUL_PRECISION in the environment wins."""
+    from app.args import make_config
+    from app.runtime import start_devices
+
+    if env is None:
+        monkeypatch.delenv("JAX_DEFAULT_MATMUL_PRECISION", raising=False)
+    else:
+        monkeypatch.setenv("JAX_DEFAULT_MATMUL_PRECISION", env)
+    cfg = make_config("inference", "tiny", {"precision": precision, "tensor_parallel": 1})
+    before = jax.config.jax_default_matmul_precision  # (conftest's "highest")
+    try:
+        jax.config.update("jax_default_matmul_precision", None)
+        start_devices(cfg)
+        assert jax.config.jax_default_matmul_precision == expected
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)

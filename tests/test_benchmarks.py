@@ -157,3 +157,22 @@ def test_the_serving_benchmark_counts_each_thread_s_cpu_and_sorts_it():
     assert cpu_shares(pid, b, a, client=0.75, wall=2.0) == {
         "http (main thread)": 0.25, "xla threads": 0.75, "other threads (decoding, output)": 0.125,
         "load generator": 0.75, "wall": 2.0}
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_the_host_ceiling_runs_the_server_s_engine_over_the_fake_device(stream):
+    """benchmarks/host_cost.py: every sequence decodes to its max_tokens (the fake's prompts hold no end-of-text), a
+    streamed one gets an event per call with something new and a whole one only its last, and each of the two threads'
+    CPU is counted per token."""
+    from benchmarks.host_cost import run
+
+    r = run(requests=12, slots=4, steps=2, stream=stream)
+    assert r["tokens"] == r["asked"] > 12 * 16 - 1
+    if stream:
+        assert r["events"] > 2 * 12  # (at most 2 steps a call while a slot is free: many events a sequence)
+    else:
+        assert r["events"] == 12
+    assert r["decoding_calls"] >= r["tokens"] / (4 * 4 * 2)  # (at most 4 slots x 4 x 2 steps a call)
+    assert set(r["cpu_s"]) == {"scheduler", "output"} and all(v > 0 for v in r["cpu_s"].values())
+    assert r["cpu_us_per_token"]["output"] == pytest.approx(1e6 * r["cpu_s"]["output"] / r["tokens"])
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])

@@ -43,6 +43,7 @@ DRIVERS = {
     "benchmarks/int8_hlo.py": ("benchmarks.int8_hlo", {"--config": "inference"}),
     "benchmarks/cpu_dispatch.py": ("benchmarks.cpu_dispatch", {}),
     "benchmarks/gil_waits.py": ("benchmarks.gil_waits", {}),
+    "benchmarks/host_cost.py": ("benchmarks.host_cost", {}),
     "-m app.launch": ("app.launch", {}),
     "-m app.reference": ("app.reference", {}),
 }

@@ -64,6 +64,11 @@ def extra_flags(p):
                         "tokens any slot has left, so that no request waits for a slot it could have had (default: 4 "
                         "x --steps_per_call; a slot whose request ends inside a call, by its end-of-text token, a "
                         "stop string or a cancel, is refilled after the next call)")
+    s.add_argument("--attention_spans", type=int, default=None,
+                   help="decoding programs compiled, each attending over a prefix of the slots' cache: 1/N, 2/N ... "
+                        "of it (default 4). A call runs in the one whose prefix holds every running request's tokens "
+                        "and whose steps were timed fastest at start-up (a narrower prefix attends over fewer "
+                        "positions but copies them in and out once a call); 1: every call attends over all of it")
     s.add_argument("--cpu_threads", type=int, default=0,
                    help="threads of XLA's CPU thread pool (default 0: all the cores). On a CPU with a small model, "
                         "fewer leave cores to the server's own threads (HTTP, scheduling, text); docs/serving.md")

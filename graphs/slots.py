@@ -9,7 +9,9 @@ be (``Carry``: the keys and values, and one int32 vector a device for the rest),
 one (``pack_scored``): JAX's dispatch takes Python's interpreter lock back about once for every array a call
 returns.
 
-The compiled shapes are a bounded set, all compiled by ``compile`` before any request: one ``advance`` program, one
+The compiled shapes are a bounded set, all compiled by ``compile`` before any request: one ``advance`` program per
+attention span (``spans`` of them: a step attends over the cache's first positions only, as far as the rows still
+writing have reached, which the host knows; a call picks the narrowest that holds its rows, ``span_for``), one
 ``insert`` program per (prompt width, joining rows per dp shard) pair, the widths and join sizes given, and for a
 family that scores its prompts (a causal LM: ``Family.scores_prompts``) one ``score`` program per prompt width.
 
@@ -118,7 +120,7 @@ class SlotPrograms:
     the module docstring)."""
 
     def __init__(self, graphs, slots: int, widths: tuple, joins: tuple, max_new_tokens: int, steps: int,
-                 eos_id: int, pad_id: int, top: int = 20):
+                 eos_id: int, pad_id: int, top: int = 20, spans: int = 1):
         if slots < 1 or slots % graphs.dp:
             raise ConfigError(f"--slots {slots} must be a positive multiple of data_parallel={graphs.dp} (the slots "
                               f"are split over dp): pass --slots {max(graphs.dp, slots - slots % graphs.dp)}")
@@ -132,7 +134,12 @@ class SlotPrograms:
         self.pieces = NamedSharding(graphs.mesh, P(S.DP, S.TP))
         self.replicated = NamedSharding(graphs.mesh, P())
         self.params = self.carry = self.apart = self.words = None  # the Carry, and its arrays between calls
-        self._insert, self._advance, self._score = {}, None, {}
+        self._insert, self._advance, self._score = {}, {}, {}
+        if spans < 1:
+            raise ConfigError(f"--attention_spans {spans} must be at least 1 (1: every step attends over the whole "
+                              "cache)")
+        self.n_spans, self.spans = spans, ()  # the spans compiled (``compile``), ascending; the last the whole cache
+        self.costs: dict = {}  # span -> seconds of its advance of 1 and of ``steps`` steps (``compile`` times them)
         self._keep = (None, None)  # (the host's last keep flags, their device copy)
         self._n: dict = {}  # steps an advance runs -> its device copy (a scalar)
 
@@ -161,7 +168,7 @@ class SlotPrograms:
                                out_specs=(P(S.DP), self._scored_specs((S.DP,)), P(S.DP, S.TP), P(S.DP, S.TP)))
         return jax.jit(mapped, donate_argnums=(1, 2))
 
-    def _advance_program(self):
+    def _advance_program(self, span=None):
         family, opts, steps, eos, pad, top = (self.family, self.opts, self.steps, self.eos_id, self.pad_id,
                                               self.top)
 
@@ -169,7 +176,7 @@ class SlotPrograms:
             dp = family.decoding_params(p, opts)
             cache, state = self.carry.unpack(_local(apart), words[0, 0])
             out, scored, cache, state = slot_lib.advance(family, dp, opts, cache, state, keep, steps, eos, pad, top,
-                                                         S.TP, n)
+                                                         S.TP, n, span)
             return (out, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
@@ -217,10 +224,14 @@ class SlotPrograms:
                                      z(np.int32, -1))
         return jax.tree.map(lambda x: S.put_global(x, self.rows), (rows, sampling))
 
+    def _local_cache(self):
+        """One device's piece of the slots' cache, abstract."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self._cache_shapes())
+
     def reset(self) -> None:
         """The cache and every row's state anew, all rows empty (after a failed call, whose donated buffers are
         gone), packed as ``Carry`` says: the cache's zeros made on each device, the state's few numbers copied."""
-        local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self._cache_shapes())
+        local = self._local_cache()
         state = self._empty_state()
         if self.carry is None:
             self.carry = Carry(local, jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.local,), x.dtype), state))
@@ -253,16 +264,19 @@ class SlotPrograms:
                 self._insert[(width, j)] = insert.lower(self.params, apart, words, joiners).compile()
         keep = self._abstract((self.slots,), jnp.bool_, self.rows)
         n = self._abstract((), jnp.int32, self.replicated)
-        self._advance = self._advance_program().lower(self.params, apart, words, keep, n).compile()
+        self.spans = attention_spans(self.family, self._local_cache(), self.n_spans)
+        for span in self.spans:
+            self._advance[span] = self._advance_program(span).lower(self.params, apart, words, keep, n).compile()
+        self.costs = self._time_spans() if len(self.spans) > 1 else {}
         if self.family.scores_prompts:
             score = self._score_program()
             for width in self.widths:
                 ids_mask = self._abstract((self.score_rows, 2 * width), jnp.int32, self.rows2)
                 self._score[width] = score.lower(self.params, ids_mask).compile()
         seconds = time.perf_counter() - t0
-        logger.info("compiled %d slot programs in %.1f s (%d slots, prompt widths %s, joins %s, %d new tokens)",
-                    len(self._insert) + 1 + len(self._score), seconds, self.slots, list(self.widths),
-                    list(self.joins), self.max_new_tokens)
+        logger.info("compiled %d slot programs in %.1f s (%d slots, prompt widths %s, joins %s, %d new tokens, "
+                    "attention spans %s)", len(self._insert) + len(self._advance) + len(self._score), seconds,
+                    self.slots, list(self.widths), list(self.joins), self.max_new_tokens, list(self.spans))
         return seconds
 
     @property
@@ -284,20 +298,64 @@ class SlotPrograms:
             S.put_global(pack_joiners(ids, mask, rows, sampling, limit), self.rows2))
         return first, PackedScored(scored)
 
-    def advance(self, keep, n: int = None) -> tuple:
+    def first_token_column(self, width: int) -> int:
+        """The cache column a row's first new token is written at, its prompt laid out ``width`` wide (new token i
+        at that + i): what ``advance``'s ``span`` counts in."""
+        return self.family.first_token_column(width)
+
+    def span_for(self, span, n: int) -> int:
+        """The span compiled that an advance of ``n`` steps writing below column ``span`` runs in (None: the whole
+        cache): of those that hold it, the one whose ``n`` steps cost least (``costs``; a narrower span attends
+        over fewer columns, but copies them out of the cache and back once a call)."""
+        if span is None or self.spans[-1] is None:
+            return self.spans[-1]
+        if span > self.spans[-1]:
+            raise ValueError(f"an advance attends over at most {self.spans[-1]} positions, not {span}")
+        fits = [s for s in self.spans if s >= span]
+        return min(fits, key=lambda s: self.cost(s, n)) if self.costs else fits[0]
+
+    def cost(self, span: int, n: int) -> float:
+        """Seconds of an advance of ``n`` steps in ``span``'s program: ``costs``' two figures (1 step and ``steps``)
+        on their line."""
+        one, most = self.costs[span]
+        return one + (most - one) * (n - 1) / max(self.steps - 1, 1)
+
+    def _time_spans(self, calls: int = 3) -> dict:
+        """{span: (seconds of a 1-step advance, of a ``steps``-step one)}: each the fastest of ``calls`` on the empty
+        cache (every row computes whether it writes or not, so its cost is any call's), then the cache reset."""
+        keep = np.ones(self.slots, bool)
+        out = {}
+        for span in self.spans:
+            times = []
+            for n in (1, self.steps):
+                best = float("inf")
+                for _ in range(calls + 1):  # (the first: warm)
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(self.advance(keep, n, span)[0])
+                    best = min(best, time.perf_counter() - t0)
+                times.append(best)
+            out[span] = tuple(times)
+        self.reset()
+        logger.info("attention spans' decoding calls (1 and %d steps, ms): %s", self.steps,
+                    ", ".join(f"{s}: {a * 1e3:.2f}, {b * 1e3:.2f}" for s, (a, b) in out.items()))
+        return out
+
+    def advance(self, keep, n: int = None, span: int = None) -> tuple:
         """``n`` tokens of every row (1 .. ``steps``; ``steps`` when None); keep bool [slots]: the rows the host still
-        holds -> (int32 [slots, steps], PackedScored [slots, steps]: the columns past ``n`` padding), on the device.
-        The keep flags are copied to the device only when they change, each ``n`` once."""
+        holds; ``span``: the cache positions these steps write at most (every row still writing writes below it:
+        ``first_token_column``), None: all -> (int32 [slots, steps], PackedScored [slots, steps]: the columns past
+        ``n`` padding), on the device. The keep flags are copied to the device only when they change, each ``n``
+        once."""
         keep = np.asarray(keep, bool)
         n = self.steps if n is None else int(n)
         if not 1 <= n <= self.steps:
             raise ValueError(f"an advance runs 1 to {self.steps} steps, not {n}")
+        program = self._advance[self.span_for(span, n)]
         if self._keep[0] is None or not np.array_equal(self._keep[0], keep):
             self._keep = (keep.copy(), S.put_global(keep, self.rows))
         if n not in self._n:
             self._n[n] = S.put_global(np.int32(n), self.replicated)
-        out, scored, self.apart, self.words = self._advance(self.params, self.apart, self.words, self._keep[1],
-                                                            self._n[n])
+        out, scored, self.apart, self.words = program(self.params, self.apart, self.words, self._keep[1], self._n[n])
         return out, PackedScored(scored)
 
     def score(self, width: int, ids, mask) -> PackedScored:
@@ -313,6 +371,16 @@ class SlotPrograms:
         packed = lambda v: isinstance(v, PackedScored)  # noqa: E731
         return jax.tree.map(lambda v: unpack_scored(S.fetch(v.array)) if packed(v) else S.fetch(v), x,
                             is_leaf=packed)
+
+
+def attention_spans(family, cache, n: int) -> tuple:
+    """The spans of ``n`` advance programs over one device's ``cache``: its positions (``slot_lib.cache_span``) in
+    ``n`` equal parts, each rounded up to a multiple of 8, ascending, the last all of them; one span, all of them, for
+    a family whose steps read all of their cache."""
+    full = slot_lib.cache_span(family, cache)
+    if full is None:
+        return (None,)
+    return tuple(sorted({min(full, -(-full * k // n // 8) * 8) for k in range(1, n + 1)}))
 
 
 class PackedScored:

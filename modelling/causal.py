@@ -358,6 +358,14 @@ class CausalLM(Family):
         kv = [tuple(jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0))) for t in layer) for layer in cache["kv"]]
         return {**cache, "kv": kv, "key_ok": jnp.pad(cache["key_ok"], ((0, 0), (0, pad)))}
 
+    def cache_positions(self, cache):
+        """The keys and values along axis 2, their mask along axis 1; the rows' positions and starts whole."""
+        return {"kv": [(2, 2) for _ in cache["kv"]], "key_ok": 1, "next_pos": -1, "start": -1}
+
+    def first_token_column(self, prompt_width: int) -> int:
+        """After the prompt's columns (``start``: the width the row's prompt was laid out in)."""
+        return prompt_width
+
     def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
         """Logits [b, Vl] of the next token after the left-padded prompts and ``tokens`` int [b, n], the whole
         sequence run again. params: in the compute dtype."""

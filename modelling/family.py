@@ -422,6 +422,17 @@ class Family(abc.ABC):
         own position (``decode_step`` with ``i`` int [b])."""
         raise NotImplementedError(f"the {self.name} family has no cache for serving slots (widen_cache)")
 
+    def cache_positions(self, cache):
+        """The axis of each of the cache's leaves along which a decoding step writes and reads its positions (-1: a
+        leaf it only reads whole, as T5's cross-attention keys), a tree of the cache's make: serving's slots attend
+        over a prefix of those positions only (``cache_span``). None: the family's steps always read all of it."""
+        return None
+
+    def first_token_column(self, prompt_width: int) -> int:
+        """The cache column (along ``cache_positions``) that a row's first new token is written at when it is fed
+        back, new token i at that + i, for a row whose prompt was laid out ``prompt_width`` wide."""
+        raise NotImplementedError(f"the {self.name} family has no cache for serving slots")
+
     def reorder_beams(self, cache, rows: jax.Array):
         """Beam search's cache after a step: row ``rows[j]`` of ``cache`` becomes row j, where ``rows`` only moves a
         row within its prompt's block of beams (a beam's parent is a beam of the same prompt). Every leaf by default;

@@ -145,12 +145,45 @@ def insert(family, dp, opts, cache, state: tuple, ids, mask, rows, s: Sampling, 
     return first, scored, cache, (r, all_s)
 
 
+def cache_span(family, cache) -> int:
+    """The positions a step of the slots' cache attends over at most (its width along ``Family.cache_positions``);
+    None for a family whose steps read all of their cache."""
+    axes = family.cache_positions(cache)
+    if axes is None:
+        return None
+    widths = {x.shape[a] for x, a in zip(jax.tree.leaves(cache), jax.tree.leaves(axes)) if a >= 0}
+    assert len(widths) == 1, widths
+    return widths.pop()
+
+
+def narrow(family, cache, span: int):
+    """The cache's first ``span`` positions (a copy), what a step reads and writes of them."""
+    return jax.tree.map(lambda x, a: x if a < 0 else lax.slice_in_dim(x, 0, span, axis=a), cache,
+                        family.cache_positions(cache))
+
+
+def merge(family, cache, narrowed):
+    """``narrowed`` (``narrow``'s, after steps) written back over the first positions of ``cache``."""
+    return jax.tree.map(lambda x, n, a: n if a < 0 else lax.dynamic_update_slice_in_dim(x, n, 0, axis=a), cache,
+                        narrowed, family.cache_positions(cache))
+
+
 def advance(family, dp, opts, cache, state: tuple, keep, steps: int, eos_id: int, pad_id: int, top: int,
-            tp_axis=None, n=None):
+            tp_axis=None, n=None, span=None):
     """``n`` decoding steps of every row (a traced int32 scalar, at most ``steps``; ``steps`` when None). state: (Rows,
     Sampling) of every row; keep bool [b]: the rows the host still holds (a row it cleared ends now) -> (int32
     [b, steps]: the next tokens, ``pad_id`` once a row ended and in the columns past ``n``, Scored [b, steps], cache,
-    state). One program runs any number of steps up to ``steps`` (a loop of ``n`` turns, not ``steps``)."""
+    state). One program runs any number of steps up to ``steps`` (a loop of ``n`` turns, not ``steps``).
+
+    ``span``: the steps attend over the cache's first ``span`` positions only (``cache_span``'s at most; None: all of
+    them): a copy of those, stepped, written back. The caller promises that every row still writing writes only
+    there in these ``n`` steps (``Family.first_token_column``); a row that no longer writes may write past it (a
+    write clamped to the last position it holds), which only it reads, until an insert fills it anew."""
+    if span is not None and span < cache_span(family, cache):
+        full = cache
+        out, scored, cache, state = advance(family, dp, opts, narrow(family, cache, span), state, keep, steps, eos_id,
+                                            pad_id, top, tp_axis, n)
+        return out, scored, merge(family, full, cache), state
     r, s = state
     live = r.alive & keep
     # the rows that no longer write ask for nothing (a sampled or scored row gone leaves greedy rows greedy)

@@ -449,6 +449,16 @@ def widen_cache(cache: dict, prompt_width: int, width: int) -> dict:
     return {**cache, "cross": cross, "cross_bias": bias}
 
 
+def cache_positions(cache: dict) -> dict:
+    """The decoder's self-attention keys and values along axis 2; the cross-attention's (the prompt's) whole."""
+    return {"self": [(2, 2) for _ in cache["self"]], "cross": [(-1, -1) for _ in cache["cross"]], "cross_bias": -1}
+
+
+def first_token_column(prompt_width: int) -> int:
+    """Position 1: the decoder's start token is at 0, new token i at i + 1, whatever the prompt's width."""
+    return 1
+
+
 def decode_uncached(p, input_ids, attention_mask, tokens, opts, tp_axis=None):
     """Logits [b, Vl] of the next token after ``tokens`` int [b, n], the encoder and the decoder run whole."""
     enc = encode(p, input_ids, attention_mask, opts, tp_axis)
@@ -736,6 +746,8 @@ class T5Family(Family):
     decode_step = staticmethod(decode_step)
     decode_uncached = staticmethod(decode_uncached)
     widen_cache = staticmethod(widen_cache)
+    cache_positions = staticmethod(cache_positions)
+    first_token_column = staticmethod(first_token_column)
 
     def reorder_beams(self, cache, rows):
         """Only the decoder's self-attention cache follows the beams: the encoder's cross-attention keys, values and

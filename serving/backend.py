@@ -26,6 +26,7 @@ class SlotBackend:
         self.vocab_size = p.opts.vocab_size
         self.layout = family.layout_prompts
         self.insert, self.advance, self.score, self.fetch, self.reset = p.insert, p.advance, p.score, p.fetch, p.reset
+        self.first_token_column = p.first_token_column
 
 
 def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
@@ -37,7 +38,7 @@ def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
         params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
     programs = SlotPrograms(predictor.graphs, options.slots, options.widths, options.joins, options.max_new_tokens,
                             options.most_steps, tokenizer.eos_token_id, pad_id(tokenizer),
-                            options.max_logprobs)
+                            options.max_logprobs, options.attention_spans)
     programs.compile(params)
     family, encoder = predictor.family, encoder_of(tokenizer)  # a prompt through the Rust tokenizer directly
     return Engine(SlotBackend(programs, family), tokenizer, lambda texts: family.encode_inputs(encoder, texts),

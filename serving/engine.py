@@ -34,6 +34,7 @@ from utils.errors import ConfigError
 logger = logging.getLogger("flan_t5")
 SMALLEST_WIDTH = 16
 MAX_STEPS_FACTOR = 4  # the most steps a call takes with every slot taken, by default: 4 x --steps_per_call
+DEFAULT_SPANS = 4  # advance programs, each attending over a prefix of the cache: 1/4, 2/4, 3/4 and all of it
 DEFAULT_QUEUE = 256  # sequences waiting for a slot (at least; 4 x slots where more): a burst waits, not a 429
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for m in messages[:-1] %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor -%}"
@@ -73,6 +74,7 @@ class ServeOptions:
     min_join: int = 1  # free slots that wait (two calls at most) for a group before joining
     chat_template: Optional[str] = None  # --chat_template's text
     max_steps: int = 0  # the most steps per call, taken while every slot is taken (0: ``steps``)
+    attention_spans: int = 1  # advance programs, each attending over a prefix of the cache (graphs/slots.py)
 
     @property
     def most_steps(self) -> int:
@@ -98,7 +100,8 @@ class ServeOptions:
                                  ("--prompt_widths", min(widths), 1), ("--join_sizes", min(joins), 1),
                                  ("--max_prompt_chars", args.max_prompt_chars, 1),
                                  ("--max_body_bytes", args.max_body_bytes, 1024),
-                                 ("--max_logprobs", args.max_logprobs, 0), ("--min_join", args.min_join, 1)):
+                                 ("--max_logprobs", args.max_logprobs, 0), ("--min_join", args.min_join, 1),
+                                 ("--attention_spans", args.attention_spans, 1)):
             if value is not None and value < low:
                 raise ConfigError(f"{flag} {value} must be at least {low}")
         load = cfg.checkpoint.load
@@ -107,7 +110,8 @@ class ServeOptions:
                    tuple(widths), tuple(joins), args.steps_per_call, cfg.inference.output_length,
                    args.max_prompt_chars or 64 * widths[-1], args.max_body_bytes, model_id, args.max_logprobs,
                    args.min_join or default_min_join(slots, slots // local * max(joins)),
-                   read_template(args.chat_template), args.max_steps_per_call or MAX_STEPS_FACTOR * args.steps_per_call)
+                   read_template(args.chat_template), args.max_steps_per_call or MAX_STEPS_FACTOR * args.steps_per_call,
+                   DEFAULT_SPANS if args.attention_spans is None else args.attention_spans)
 
 
 def default_joins(local: int) -> list:

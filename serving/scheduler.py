@@ -78,6 +78,9 @@ class Backend(Protocol):
     pad_id: int
     vocab_size: int  # token ids below it
     top: int  # the most likely tokens' log-probabilities each call gives
+    # ``advance(keep, n, span)``: every row still writing writes its cache below column ``span`` in these n steps (a
+    # row whose prompt was laid out w wide writes its new token i at ``first_token_column(w)`` + i), so the steps may
+    # attend over those columns only
     scores_prompts: bool  # ``score`` exists (a causal model)
     score_rows: int  # prompts one ``score`` reads
 
@@ -85,7 +88,9 @@ class Backend(Protocol):
 
     def insert(self, width: int, join: int, ids, mask, rows, sampling: tuple, limit) -> Any: ...
 
-    def advance(self, keep: np.ndarray, n: int) -> Any: ...
+    def advance(self, keep: np.ndarray, n: int, span: Optional[int] = None) -> Any: ...
+
+    def first_token_column(self, width: int) -> int: ...
 
     def score(self, width: int, ids, mask) -> Any: ...
 
@@ -113,6 +118,7 @@ class Sequence:
     count: int = 0  # tokens read
     dispatched: int = 0  # tokens the calls dispatched so far give at most
     slot: Optional[int] = None
+    column: int = 0  # the cache column its first new token is written at (Backend.first_token_column)
     cancelled: bool = False
     finished: bool = False
     aborted: Optional[SchedulerError] = None
@@ -274,7 +280,8 @@ class Scheduler:
             if running:
                 keep = np.array([slot not in self.cleared for slot in range(self.b.slots)])
                 n = self._steps(running)
-                self.pending.append(_Call("advance", self.b.advance(keep, n), running, steps=n))
+                call = self.b.advance(keep, n, self._span(running, n))
+                self.pending.append(_Call("advance", call, running, steps=n))
                 for slot, s in running:
                     s.dispatched = min(s.dispatched + n, s.max_tokens)
                     if s.dispatched >= s.max_tokens:  # its last token is on its way: the slot is free for a joiner
@@ -297,6 +304,14 @@ class Scheduler:
             return self.steps
         left = min(s.max_tokens - s.dispatched for _, s in running)
         return max(self.steps, min(left, self.b.steps))
+
+    @staticmethod
+    def _span(running: list, n: int) -> int:
+        """The cache columns the next ``n`` steps write, at most: a running sequence with d tokens dispatched feeds
+        back its token d - 1 first (at its ``column`` + d - 1), then one a step until its last token is out (it
+        has ``max_tokens`` - d left), the last at ``column`` + d - 2 + min(n, max_tokens - d). Rows not running
+        (ended, cleared, free) write nothing anyone reads."""
+        return max(s.column + s.dispatched - 1 + min(n, s.max_tokens - s.dispatched) for _, s in running)
 
     def _unread_advances(self) -> int:
         return sum(c.kind == "advance" for c in self.pending)
@@ -413,9 +428,10 @@ class Scheduler:
             self._score(scored)
         ids, mask = b.layout(ids, mask)
         self.pending.append(_Call("insert", b.insert(width, join, ids, mask, rows, tuple(sampling), limit), placed))
+        column = b.first_token_column(width)
         for _, s in placed:
             self.cleared.discard(s.slot)
-            s.dispatched = 1
+            s.dispatched, s.column = 1, column
             self.running[s.slot] = None if s.dispatched >= s.max_tokens else s
             self.metrics.prompt_tokens.inc(len(s.ids))
 

@@ -6,7 +6,10 @@ of words repeats them. A token's log-probability is ``logprob(token, i)``, its t
 after it; a prompt's token is scored ``logprob(token, the token before it)``. Rows hold their state as the device does
 (modelling/slots.py's Rows): ``insert`` writes the joining rows (a row past the shard's: dropped), ``advance`` moves
 every row that is alive and kept, ends rows at their end-of-text or limit and pads after, so the scheduler's
-bookkeeping is checked against the same rules. A test can make a call raise (``fail``), hold the reading of calls
+bookkeeping is checked against the same rules. A row writes its new token i at cache column
+``first_token_column(w)`` + i (its prompt's width w, as a causal LM's cache; ``after_prompt=False``: 1 + i, as T5's),
+and ``advance(keep, n, span)`` raises ``SpanTooNarrow`` when a row still writing would write at ``span`` or past it
+in these n steps, up to its last token (the span each call asked: ``spans``). A test can make a call raise (``fail``), hold the reading of calls
 (``gate``: a threading.Event the scheduler's fetch waits on), and read the calls made (``calls``; ``shapes``: each
 insert's and score's width and join).
 """
@@ -35,12 +38,13 @@ def logprob(token, i) -> np.ndarray:
 class FakeBackend:
     def __init__(self, slots: int = 4, dp: int = 1, widths=(8, 16), joins=(1, 2, 4), steps: int = 2,
                  eos_id: int = 1, pad_id: int = 0, vocab: int = 64, top: int = 4, scores_prompts: bool = True,
-                 right_aligned: bool = False):
+                 right_aligned: bool = False, after_prompt: bool = True):
         self.slots, self.dp, self.local = slots, dp, slots // dp
         self.widths, self.joins = tuple(widths), tuple(j for j in joins if j <= self.local)
         self.steps, self.eos_id, self.pad_id, self.vocab_size, self.top = steps, eos_id, pad_id, vocab, top
         self.scores_prompts, self.score_rows = scores_prompts, self.joins[-1] * dp
-        self.right_aligned = right_aligned
+        self.right_aligned, self.after_prompt = right_aligned, after_prompt
+        self.spans: list = []  # the span each advance was given
         self.calls: list = []
         self.limits: list = []  # the limit each inserted row was given
         self.shapes: list = []  # (kind, width, join) of each insert and score call (a score's join: None)
@@ -57,6 +61,7 @@ class FakeBackend:
         self.index = np.zeros(self.slots, int)
         self.limit = np.zeros(self.slots, int)
         self.alive = np.zeros(self.slots, bool)
+        self.column = np.zeros(self.slots, int)  # each row's first_token_column
 
     def layout(self, ids, mask):
         return left_align(ids, mask) if self.right_aligned else (ids, mask)
@@ -67,6 +72,9 @@ class FakeBackend:
             e = self.fail(kind)
             if e is not None:
                 raise e
+
+    def first_token_column(self, width: int) -> int:
+        return width if self.after_prompt else 1
 
     def token(self, slot: int, i: int) -> int:
         p = self.prompts[slot]
@@ -91,15 +99,24 @@ class FakeBackend:
             slot = d * self.local + rows[r]
             got = ids[r][mask[r] > 0].tolist()
             self.prompts[slot], self.index[slot], self.limit[slot] = got, 0, limit[r]
+            self.column[slot] = self.first_token_column(width)
             self.limits.append(int(limit[r]))
             first[r] = self.token(slot, 0)
             self.alive[slot] = first[r] != self.eos_id and limit[r] > 1
         return first, self._scored(first, np.zeros(len(rows), int))
 
-    def advance(self, keep, n):
+    def advance(self, keep, n, span=None):
         self._check("advance")
         assert 1 <= n <= self.steps, n
         self.ns.append(n)
+        self.spans.append(span)
+        writing = self.alive & np.asarray(keep)
+        # the column each row writes last in these steps: it feeds its tokens from ``index`` on, one a step, until
+        # its last (``limit`` in all) is out
+        last = self.column + self.index + np.minimum(n, self.limit - 1 - self.index) - 1
+        if span is not None and (writing & (last >= span)).any():
+            raise SpanTooNarrow(f"span {span}: rows {np.nonzero(writing & (last >= span))[0].tolist()} write up to "
+                                f"column {int(last[writing].max())}")
         out = np.full((self.slots, self.steps), self.pad_id)  # the columns past n: padding
         alive = self.alive & np.asarray(keep)
         idx = np.zeros((self.slots, self.steps), int)
@@ -127,6 +144,10 @@ class FakeBackend:
             self._check("read")  # (a device error surfaces where its tokens are read)
             return handle.out
         return handle
+
+
+class SpanTooNarrow(Exception):
+    pass
 
 
 @dataclass

@@ -40,7 +40,7 @@ class Harness:
         self.s.emit = self.updates.extend
         self.keeps: list = []
         advance = self.b.advance
-        self.b.advance = lambda keep, n: (self.keeps.append(np.array(keep)), advance(keep, n))[1]
+        self.b.advance = lambda keep, n, span=None: (self.keeps.append(np.array(keep)), advance(keep, n, span))[1]
 
     def seq(self, prompt, max_tokens: int = 8, **kw) -> Sequence:
         return Sequence(prompt if isinstance(prompt, list) else ids(prompt), max_tokens, **kw)
@@ -807,7 +807,8 @@ def test_a_sequence_cancelled_while_a_round_runs_gets_no_tokens_after_it():
     h.s.submit([s])
     h.s._round()
     advance = h.b.advance
-    h.b.advance = lambda keep, n: (h.s.cancel([s]), advance(keep, n))[1]  # the client goes away mid-round
+    # the client goes away mid-round
+    h.b.advance = lambda keep, n, span=None: (h.s.cancel([s]), advance(keep, n, span))[1]
     h.s._round()
     h.b.advance = advance
     before = len(h.tokens(s))
@@ -842,3 +843,26 @@ def test_an_update_with_nothing_new_for_the_client_sends_no_event():
     s = sequence("", True)
     assert out.p.handle(Update(s, prompt_scored=(np.zeros(1), np.zeros((1, 1), int), np.zeros((1, 1))))) == []
     assert [e.token_ids for _, e in out.p.handle(Update(s, ids("the")))] == [ids("the")]
+
+
+@pytest.mark.parametrize("after_prompt", [True, False])
+def test_each_advance_asks_for_the_columns_its_running_rows_write_and_no_more(after_prompt):
+    """An advance's span: the furthest column a running sequence writes in its n steps, + 1. A sequence with d tokens
+    dispatched writes ``first_token_column(width of its insert)`` + d - 1 on, a column a step until its last token
+    is out: at most min(n, max_tokens - d) of them (the fake raises on a row writing past its span). A causal model's cache column 0 is its prompt's first (width 8 or 16 here), T5's
+    decoder's the start token (new token i at 1 + i). Ended and cancelled sequences ask for nothing."""
+    h = Harness(slots=2, steps=2, widths=(8, 16), after_prompt=after_prompt)
+    short, wide = h.seq("the cat", 6), h.seq(" ".join(["a"] * 10), 3)
+    h.s.submit([short])
+    h.s._round()  # short joins (width 8: 1 dispatched), then 2 steps: columns c + 0, c + 1
+    c8, c16 = (8, 16) if after_prompt else (1, 1)
+    assert h.b.spans == [c8 + 2]
+    h.s.submit([wide])
+    h.s._round()  # wide joins (width 16), both step: short from c8 + 2, wide from c16
+    assert h.b.spans[-1] == max(c8 + 3 - 1 + 2, c16 + 1 - 1 + 2)
+    h.s._round()  # wide's last token (3 dispatched) went out: only short runs, 5 dispatched, its last 1 to go
+    assert h.b.spans[-1] == c8 + 5 - 1 + 1
+    h.s.cancel([short])
+    h.s._round()
+    h.run()
+    assert len(h.b.spans) == 3 and h.tokens(wide) == ids(" ".join(["a"] * 3))

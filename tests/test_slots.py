@@ -207,7 +207,9 @@ def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only
     g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, (8,), (1,), 4, 3, eos_id=1, pad_id=0)
     seen, ns = [], []
-    sp._advance = lambda p, cache, state, keep, n: (seen.append(keep), ns.append(n), (None, None, cache, state))[2]
+    sp.spans = (20,)
+    sp._advance = {20: lambda p, cache, state, keep, n: (seen.append(keep), ns.append(n),
+                                                         (None, None, cache, state))[2]}
     flags = [[True] * 4, [True, False, True, True], [True, False, True, True], [True] * 4]
     for keep, n in zip(flags, (3, 1, 3, None)):
         sp.advance(np.array(keep), n)
@@ -217,3 +219,90 @@ def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only
     for n in (0, 4):  # 1 to the steps compiled
         with pytest.raises(ValueError, match=f"1 to 3 steps, not {n}"):
             sp.advance(np.array(flags[0]), n)
+
+
+def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least():
+    """graphs/slots.py's span choice (programs stubbed: no compile): of the spans at or past the one asked, the one
+    whose n steps cost least on the line through its two timed figures (1 step and ``steps``); ties: the
+    narrower; untimed: the narrowest that holds it; none asked: the whole cache; past the whole cache: an error.
+    The spans compiled: the cache's columns in equal parts, each rounded up to a multiple of 8, the last all."""
+    from config import load_config
+    from graphs.graphs import Graphs
+    from graphs.slots import SlotPrograms, attention_spans
+
+    g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    sp = SlotPrograms(g, 4, (8,), (1,), 4, 5, eos_id=1, pad_id=0)
+    ran = []
+    sp.spans = (16, 32, 48)
+    sp._advance = {s: (lambda s: lambda p, a, w, keep, n: (ran.append(s), (None, None, a, w))[1])(s) for s in sp.spans}
+    keep = np.ones(4, bool)
+    for span, n, want in ((1, 1, 16), (16, 5, 16), (17, 5, 32), (33, 3, 48), (None, 2, 48)):
+        sp.advance(keep, n, span)
+        assert ran[-1] == want, (span, n)
+    with pytest.raises(ValueError, match="at most 48 positions, not 49"):
+        sp.advance(keep, 1, 49)
+    # timed: 16 costs 1 ms a call + 1 a step, 32 costs 4 + 0.25 a step (a copy cheaper per step), 48 the most
+    sp.costs = {16: (2.0, 6.0), 32: (4.25, 5.25), 48: (9.0, 9.0)}
+    assert sp.cost(32, 3) == 4.75 and sp.cost(16, 1) == 2.0 and sp.cost(16, 5) == 6.0
+    for span, n, want in ((8, 1, 16), (8, 5, 32), (8, 4, 16), (17, 1, 32), (33, 5, 48)):  # (8, 4): 5 and 5
+        assert sp.span_for(span, n) == want, (span, n)
+    sp.costs = {16: (2.0, 6.0), 32: (2.0, 6.0), 48: (2.0, 6.0)}
+    assert sp.span_for(1, 3) == 16  # a tie: the narrower
+    cache = {"kv": [(jnp.zeros((4, 2, 100, 8)),) * 2], "key_ok": jnp.zeros((4, 100), bool),
+             "next_pos": jnp.zeros(4, jnp.int32), "start": jnp.zeros(4, jnp.int32)}
+    assert attention_spans(g.family, cache, 4) == (32, 56, 80, 100)
+    assert attention_spans(g.family, cache, 1) == (100,)
+    assert attention_spans(g.family, cache, 200) == tuple(range(8, 100, 8)) + (100,)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
+def test_an_advance_attends_over_the_span_its_rows_write_in_and_no_less(preset):
+    """``advance(..., span)``: rows at different positions (two joined, three steps, a third joined) step the same
+    in the cache's first ``span`` columns as in all of it, tokens and log-probabilities, and the next call goes on
+    from the written-back cache the same, as long as ``span`` holds the last column any row writes: the
+    scheduler's rule, ``first_token_column(width)`` + dispatched + n - 2 (serving/scheduler.py's ``_span``).
+    One column less and the row that writes it steps otherwise."""
+    from config import load_config
+    from graphs.graphs import Graphs
+
+    g = Graphs(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    family, opts = g.family, g.opts
+    dp = family.decoding_params(g.to_decoding(g.init_params()), opts)
+    new, n = 12, 3
+    ids = np.arange(2, 2 + 3 * WIDTH).reshape(3, WIDTH) % 100 + 2
+    mask = (np.arange(WIDTH)[None] < np.array([[5], [3], [7]])).astype(np.int32)
+    ids, mask = family.layout_prompts(ids * mask, mask)
+
+    @jax.jit
+    def start():
+        z = jnp.zeros((SLOTS, WIDTH), jnp.int32)
+        _, cache = family.decode_start(dp, z, z, opts, new)
+        cache = jax.tree.map(jnp.zeros_like, family.widen_cache(cache, WIDTH, WIDTH))
+        zs = jnp.zeros(SLOTS, jnp.int32)
+        state = (S.Rows(zs, zs, zs, jnp.zeros(SLOTS, bool)), S.Sampling(zs.astype(jnp.float32), zs,
+                 zs.astype(jnp.float32), zs.astype(jnp.uint32), zs.astype(jnp.uint32), zs - 1))
+        cache, state = S.insert(family, dp, opts, cache, state, jnp.asarray(ids[:2]), jnp.asarray(mask[:2]),
+                                jnp.asarray([0, 2]), sampling(2, 2), jnp.full(2, new), WIDTH, new, -1, TOP)[2:]
+        cache, state = S.advance(family, dp, opts, cache, state, jnp.ones(SLOTS, bool), n, -1, 0, TOP)[2:]
+        return S.insert(family, dp, opts, cache, state, jnp.asarray(ids[2:]), jnp.asarray(mask[2:]),
+                        jnp.asarray([1]), sampling(1, 2), jnp.full(1, new), WIDTH, new, -1, TOP)[2:]
+
+    step = jax.jit(lambda cache, state, span: S.advance(family, dp, opts, cache, state, jnp.ones(SLOTS, bool), n, -1,
+                                                        0, TOP, span=span), static_argnums=2)
+    full = S.cache_span(family, start()[0])
+    need = family.first_token_column(WIDTH) + (1 + n) + n - 2 + 1  # (the furthest rows: 1 + n dispatched)
+    assert need < full
+    ref = step(*start(), None)
+    ref_next = step(*ref[2:], None)
+    for span in (need, need + 1):
+        got = step(*start(), span)
+        assert (np.asarray(got[0]) == np.asarray(ref[0])).all()
+        np.testing.assert_allclose(got[1].logprob, ref[1].logprob, rtol=1e-6, atol=1e-6)
+        got_next = step(*got[2:], None)  # from the cache written back
+        assert (np.asarray(got_next[0]) == np.asarray(ref_next[0])).all()
+        np.testing.assert_allclose(got_next[1].logprob, ref_next[1].logprob, rtol=1e-6, atol=1e-6)
+    short = step(*start(), need - 1)
+    short_lp, ref_lp = np.asarray(short[1].logprob), np.asarray(ref[1].logprob)
+    for r in (0, 2):  # the furthest rows (slots 0 and 2 joined first)
+        assert not np.allclose(short_lp[r], ref_lp[r], atol=1e-4), r
+    np.testing.assert_allclose(short_lp[1], ref_lp[1], rtol=1e-6, atol=1e-6)  # (the nearer one)

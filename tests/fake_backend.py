@@ -1,17 +1,17 @@
-"""A fake of the scheduler's Backend (serving/scheduler.py): the slot programs' contract in numpy, no JAX, with a
-model whose outputs a test knows in advance.
+"""A fake of the scheduler's Backend (serving/scheduler.py): the slot programs' contract in numpy, no JAX, with a model
+whose outputs a test knows in advance.
 
-The model: a row's token i is its prompt's token i (cycled): a prompt holding the end-of-text id ends there, a prompt
-of words repeats them. A token's log-probability is ``logprob(token, i)``, its top candidates the token and the ones
-after it; a prompt's token is scored ``logprob(token, the token before it)``. Rows hold their state as the device does
-(modelling/slots.py's Rows): ``insert`` writes the joining rows (a row past the shard's: dropped), ``advance`` moves
-every row that is alive and kept, ends rows at their end-of-text or limit and pads after, so the scheduler's
-bookkeeping is checked against the same rules. A row writes its new token i at cache column
-``first_token_column(w)`` + i (its prompt's width w, as a causal LM's cache; ``after_prompt=False``: 1 + i, as T5's),
-and ``advance(keep, n, span)`` raises ``SpanTooNarrow`` when a row still writing would write at ``span`` or past it
-in these n steps, up to its last token (the span each call asked: ``spans``). A test can make a call raise (``fail``), hold the reading of calls
-(``gate``: a threading.Event the scheduler's fetch waits on), and read the calls made (``calls``; ``shapes``: each
-insert's and score's width and join).
+The model: a row's token i is its prompt's token i (cycled): a prompt holding the end-of-text id ends there, a
+prompt of words repeats them. A token's log-probability is ``logprob(token, i)``, its top candidates the token and
+the ones after it; a prompt's token is scored ``logprob(token, the token before it)``. Rows hold their state as the
+device does (modelling/slots.py's Rows): ``insert`` writes the joining rows (a row past the shard's: dropped),
+``advance`` moves every row that is alive and kept, ends rows at their end-of-text or limit and pads after, so the
+scheduler's bookkeeping is checked against the same rules. A row writes its new token i at cache column
+``first_token_column(w)`` + i (its prompt's width w, as a causal LM's cache; ``after_prompt=False``: 1 + i, as
+T5's), and ``advance(keep, n, span)`` raises ``SpanTooNarrow`` when a row still writing would write at ``span`` or
+past it in these n steps, up to its last token (the span each call asked: ``spans``). A test can make a call raise
+(``fail``), hold the reading of calls (``gate``: a threading.Event the scheduler's fetch waits on), and read the
+calls made (``calls``; ``shapes``: each insert's and score's width and join).
 """
 
 from __future__ import annotations

@@ -849,8 +849,9 @@ def test_an_update_with_nothing_new_for_the_client_sends_no_event():
 def test_each_advance_asks_for_the_columns_its_running_rows_write_and_no_more(after_prompt):
     """An advance's span: the furthest column a running sequence writes in its n steps, + 1. A sequence with d tokens
     dispatched writes ``first_token_column(width of its insert)`` + d - 1 on, a column a step until its last token
-    is out: at most min(n, max_tokens - d) of them (the fake raises on a row writing past its span). A causal model's cache column 0 is its prompt's first (width 8 or 16 here), T5's
-    decoder's the start token (new token i at 1 + i). Ended and cancelled sequences ask for nothing."""
+    is out: at most min(n, max_tokens - d) of them (the fake raises on a row writing past its span). A causal
+    model's cache column 0 is its prompt's first (width 8 or 16 here), T5's decoder's the start token (new token i
+    at 1 + i). Ended and cancelled sequences ask for nothing."""
     h = Harness(slots=2, steps=2, widths=(8, 16), after_prompt=after_prompt)
     short, wide = h.seq("the cat", 6), h.seq(" ".join(["a"] * 10), 3)
     h.s.submit([short])

@@ -71,8 +71,8 @@ def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> d
     if not done.wait(600):
         raise SystemExit("the engine did not finish within 600 s")
     wall = time.perf_counter() - t0
+    tokens = sum(s.count for s in seqs)  # (read when the last one ended: the tokens of the wall time)
     engine.stop()
-    tokens = sum(s.count for s in seqs)
     return {"stream": stream, "tokens": tokens, "asked": int(sum(s.max_tokens for s in seqs)), "events": events[0],
             "decoding_calls": len(backend.ns), "wall_s": wall, "tokens_per_s": tokens / wall,
             "cpu_s": cpu, "cpu_us_per_token": {k: 1e6 * v / tokens for k, v in cpu.items()}}

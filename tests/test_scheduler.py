@@ -867,3 +867,23 @@ def test_each_advance_asks_for_the_columns_its_running_rows_write_and_no_more(af
     h.s._round()
     h.run()
     assert len(h.b.spans) == 3 and h.tokens(wide) == ids(" ".join(["a"] * 3))
+
+
+def test_the_fake_refuses_a_span_its_writing_rows_would_write_at_or_past():
+    """The fake's side of the span contract (the slots' programs': tests/test_slots.py): a row at index i that still
+    writes writes columns first_token_column + i .. + i + min(n, limit - 1 - i) - 1 in an advance of n steps; a span
+    of that last column is refused, one past it taken; a row that no longer writes (or is not kept) asks nothing."""
+    from tests.fake_backend import SpanTooNarrow
+
+    b = FakeBackend(slots=2, widths=(8,), joins=(1, 2), steps=4)
+    ids = np.full((2, 8), 5)
+    b.insert(8, 2, ids, np.ones((2, 8), int), np.array([0, 1]), None, np.array([10, 3]))
+    # row 0: index 0, 10 tokens, 4 steps: columns 8 .. 11; row 1: 3 tokens, 2 left: columns 8, 9
+    with pytest.raises(SpanTooNarrow, match="span 11: rows \\[0\\]"):
+        b.advance(np.array([True, True]), 4, 11)
+    b.advance(np.array([True, True]), 4, 12)
+    # row 0 at index 4 (columns 12 .. 15 next); row 1 ended: nothing asked of it
+    with pytest.raises(SpanTooNarrow):
+        b.advance(np.array([True, True]), 4, 15)
+    b.advance(np.array([False, True]), 4, 1)  # (row 0 not kept: it stops, writing nothing)
+    assert b.spans == [11, 12, 15, 1]

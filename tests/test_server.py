@@ -508,3 +508,17 @@ def test_sigterm_after_the_grace_period_ends_the_requests_with_an_error_then_exi
     assert server.proc.wait(WAIT) == 0
     with pytest.raises(httpx.ConnectError):  # it no longer listens
         httpx.get(server.url + "/health", timeout=WAIT)
+
+
+def test_each_server_compiles_its_attention_spans_and_times_them(servers):
+    """--attention_spans 4 (the default) reaches the programs: four decoding programs, the cache's columns in quarters
+    (T5's: its 256 new tokens; GPT-J's: the widest prompt width, 32, and its 1024 new tokens), each timed at
+    start-up."""
+    for name, spans in (("t5", [64, 128, 192, 256]), ("gptj", [264, 528, 792, 1056])):
+        deadline = time.monotonic() + WAIT
+        while "attention spans' decoding calls" not in "".join(servers[name].err) and time.monotonic() < deadline:
+            time.sleep(0.1)  # (stderr is read on a thread of its own)
+        text = "".join(servers[name].err)
+        assert f"attention spans {spans})" in text and "attention spans' decoding calls" in text, name
+        timed = text.split("attention spans' decoding calls")[1].splitlines()[0]
+        assert [int(x.split(":")[0]) for x in timed.split("ms): ")[1].split(", ")[::2]] == spans, timed

@@ -437,7 +437,7 @@ def test_chat_renders_the_messages_and_answers_in_the_chat_shape(server):
 
 @pytest.mark.parametrize("flag,value", [("slots", -1), ("slots", 0), ("header_timeout", 0.0),
                                         ("body_timeout", -1.0), ("max_connections", 0), ("max_queue", -1),
-                                        ("min_join", 0)])
+                                        ("min_join", 0), ("attention_spans", 0)])
 def test_a_server_flag_out_of_its_range_is_one_line_naming_it(flag, value):
     """A flag that would make the server refuse everything (no connection, every body a 408, every request a 503)
     is refused at start-up, naming the flag, not served quietly."""
@@ -769,6 +769,9 @@ def test_the_server_s_defaults_scale_with_its_slots():
     with pytest.raises(ConfigError, match="--max_steps_per_call 4 must be at least 5"):
         ServeOptions.of(p.parse_args(["--steps_per_call", "5", "--max_steps_per_call", "4"]), cfg)
     assert dataclasses.replace(o, steps=6, max_steps=0).most_steps == 6  # (0: the base) what the programs compile
+    # attention spans: 4 by default, as given otherwise (1: every call attends over the whole cache)
+    assert ServeOptions.of(p.parse_args([]), cfg).attention_spans == 4
+    assert ServeOptions.of(p.parse_args(["--attention_spans", "1"]), cfg).attention_spans == 1
     # the widest join is always all the slots of a shard; a prompt's characters: 64 a token of the widest width
     o = ServeOptions.of(p.parse_args(["--slots", "8", "--join_sizes", "1", "2", "16", "--prompt_widths", "16", "48"]),
                         load_config("inference", "tiny", {"eval": True, "data_parallel": 1}))

@@ -15,9 +15,10 @@ the host ends one early (a client gone, a stop string) by clearing its ``keep`` 
 Each row samples with its own parameters (temperature 0 is greedy; HF's warpers in HF's order, as
 modelling/decoding.py's ``warp`` for one row) and its own key: token n of a request is drawn with
 ``fold_in(fold_in(key(seed), seed_hi), n)`` (a 64-bit seed), so a seeded request gives the same tokens whatever else
-runs beside it. A row that asks for log-probabilities (``Sampling.logprobs`` >= 0) gets, for each token, the
-model's own log-probability of it (log-softmax of the float32 logits, before temperature and top-k/top-p, as vLLM
-returns them) and the ``top`` most likely tokens with theirs.
+runs beside it (bit for bit in one span; ``advance``'s ``span``, which the other rows' progress sets, may round the
+attention's sums otherwise). A row that asks for log-probabilities (``Sampling.logprobs`` >= 0) gets, for each
+token, the model's own log-probability of it (log-softmax of the float32 logits, before temperature and top-k/top-p,
+as vLLM returns them) and the ``top`` most likely tokens with theirs.
 """
 
 from __future__ import annotations

@@ -146,3 +146,28 @@ def test_reset_leaves_every_row_empty_and_the_cache_zeros_on_every_device():
             assert np.asarray(rows.alive).tolist() == [False, False] and np.asarray(rows.limit).tolist() == [0, 0]
             assert np.asarray(sampling.logprobs).tolist() == [-1, -1]
             assert not any(np.asarray(x).any() for x in (rows.token, rows.index, sampling.temperature, sampling.seed))
+
+
+def test_a_narrow_span_s_program_steps_a_narrow_copy_of_the_cache():
+    """Lowered, not compiled: the advance program of a span narrower than the cache (GPT-J: 8 prompt columns and 40
+    new, spans 16, 24, 40, 48) steps keys and values 24 columns wide; the whole cache's program never makes them."""
+    from config import load_config
+    from graphs.graphs import Graphs
+    from graphs.slots import SlotPrograms, attention_spans
+
+    g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    sp = SlotPrograms(g, 4, (8,), (1,), 40, 3, eos_id=1, pad_id=0, spans=4)
+    sp.params = g.abstract_decode_params()
+    cache = jax.eval_shape(sp._empty_cache)
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), cache)
+    assert attention_spans(g.family, local, 4) == (16, 24, 40, 48)
+    sp.carry = Carry(local, jax.tree.map(lambda x: jax.ShapeDtypeStruct((4,), x.dtype), sp._empty_state()))
+    kv = [x for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating)]
+    apart = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sp.pieces) for x in kv)
+    words = jax.ShapeDtypeStruct((1, 1, sp.carry.words), jnp.int32, sharding=sp.pieces)
+    args = (sp.params, apart, words, jax.ShapeDtypeStruct((4,), jnp.bool_, sharding=sp.rows),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=sp.replicated))
+    d_kv = kv[0].shape[-1]
+    texts = {span: sp._advance_program(span).lower(*args).as_text() for span in (24, 48)}
+    assert f"x24x{d_kv}xf32>" in texts[24] and f"x48x{d_kv}xf32>" in texts[24]  # (the cache, whole, around it)
+    assert f"x24x{d_kv}xf32>" not in texts[48]

@@ -142,6 +142,7 @@ class SlotPrograms:
         self.costs: dict = {}  # span -> seconds of its advance of 1 and of ``steps`` steps (``compile`` times them)
         self._keep = (None, None)  # (the host's last keep flags, their device copy)
         self._n: dict = {}  # steps an advance runs -> its device copy (a scalar)
+        self._local = None  # _local_cache's
 
     # ------------------------------------------------------------------ the programs
 
@@ -225,8 +226,11 @@ class SlotPrograms:
         return jax.tree.map(lambda x: S.put_global(x, self.rows), (rows, sampling))
 
     def _local_cache(self):
-        """One device's piece of the slots' cache, abstract."""
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self._cache_shapes())
+        """One device's piece of the slots' cache, abstract (traced once: ``reset``, ``compile`` and every reset
+        after a failed call read it)."""
+        if self._local is None:
+            self._local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), self._cache_shapes())
+        return self._local
 
     def reset(self) -> None:
         """The cache and every row's state anew, all rows empty (after a failed call, whose donated buffers are
@@ -300,8 +304,9 @@ class SlotPrograms:
 
     def first_token_column(self, width: int) -> int:
         """The cache column a row's first new token is written at, its prompt laid out ``width`` wide (new token i
-        at that + i): what ``advance``'s ``span`` counts in."""
-        return self.family.first_token_column(width)
+        at that + i): what ``advance``'s ``span`` counts in. 0 for a family whose steps read all of their cache
+        (``Family.cache_positions`` None): its span is not read."""
+        return 0 if self.spans[-1] is None else self.family.first_token_column(width)
 
     def span_for(self, span, n: int) -> int:
         """The span compiled that an advance of ``n`` steps writing below column ``span`` runs in (None: the whole

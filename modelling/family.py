@@ -258,7 +258,8 @@ class Family(abc.ABC):
                      both executors); optional: forward, the reference composition the parity tests read
     its text         prompt, encode_inputs, encode_targets, layout_prompts
     its decoding     decoding_params, decode_start, decode_step, widen_cache, reorder_beams; optional:
-                     decode_uncached, the reference the tests hold the cached decoding to
+                     decode_uncached, the reference the tests hold the cached decoding to; cache_positions with
+                     first_token_column, serving's calls attending over a prefix of the cache
     Hugging Face     hf, its ``HFMapping`` (model types, config.json and state dict both ways, layer keys, HF's
                      training batch and ``generate`` beside ours); a family without an HF model says so, one line,
                      when asked for one

@@ -78,9 +78,6 @@ class Backend(Protocol):
     pad_id: int
     vocab_size: int  # token ids below it
     top: int  # the most likely tokens' log-probabilities each call gives
-    # ``advance(keep, n, span)``: every row still writing writes its cache below column ``span`` in these n steps (a
-    # row whose prompt was laid out w wide writes its new token i at ``first_token_column(w)`` + i), so the steps may
-    # attend over those columns only
     scores_prompts: bool  # ``score`` exists (a causal model)
     score_rows: int  # prompts one ``score`` reads
 
@@ -88,6 +85,9 @@ class Backend(Protocol):
 
     def insert(self, width: int, join: int, ids, mask, rows, sampling: tuple, limit) -> Any: ...
 
+    # ``span``: every row still writing writes its cache below column ``span`` in these n steps (a row whose prompt
+    # was laid out w wide writes its new token i at ``first_token_column(w)`` + i), so the steps may attend over
+    # those columns only
     def advance(self, keep: np.ndarray, n: int, span: Optional[int] = None) -> Any: ...
 
     def first_token_column(self, width: int) -> int: ...

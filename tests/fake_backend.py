@@ -118,7 +118,7 @@ class FakeBackend:
             raise SpanTooNarrow(f"span {span}: rows {np.nonzero(writing & (last >= span))[0].tolist()} write up to "
                                 f"column {int(last[writing].max())}")
         out = np.full((self.slots, self.steps), self.pad_id)  # the columns past n: padding
-        alive = self.alive & np.asarray(keep)
+        alive = writing
         idx = np.zeros((self.slots, self.steps), int)
         for s in range(self.slots):
             for k in range(n):

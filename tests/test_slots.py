@@ -234,6 +234,7 @@ def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least
     sp = SlotPrograms(g, 4, (8,), (1,), 4, 5, eos_id=1, pad_id=0)
     ran = []
     sp.spans = (16, 32, 48)
+    assert sp.first_token_column(8) == 8  # (GPT-J's: after the prompt's columns)
     sp._advance = {s: (lambda s: lambda p, a, w, keep, n: (ran.append(s), (None, None, a, w))[1])(s) for s in sp.spans}
     keep = np.ones(4, bool)
     for span, n, want in ((1, 1, 16), (16, 5, 16), (17, 5, 32), (33, 3, 48), (None, 2, 48)):
@@ -253,6 +254,10 @@ def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least
     assert attention_spans(g.family, cache, 4) == (32, 56, 80, 100)
     assert attention_spans(g.family, cache, 1) == (100,)
     assert attention_spans(g.family, cache, 200) == tuple(range(8, 100, 8)) + (100,)
+    # a family whose steps read all of their cache: one span, the whole cache, and no column asked of the family
+    sp.spans, sp._advance = (None,), {None: sp._advance[48]}
+    sp.family = type("Whole", (), {"first_token_column": lambda self, w: 1 / 0})()
+    assert sp.first_token_column(8) == 0 and sp.span_for(5, 1) is None and sp.span_for(None, 1) is None
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])

@@ -4,11 +4,11 @@ host alone can keep up with, and each thread's CPU a token is its own work.
 
     python3 benchmarks/host_cost.py [--requests 512] [--slots 32] [--steps_per_call 8] [--json OUT]
 
-Workload: benchmarks/serve.py's (prompts of 8 to 48 words, outputs of 16 to 256 tokens, log-uniform), all submitted at
-once, each sequence going to its ``max_tokens``; the synthetic tokenizer. Reported for streamed and whole
-completions: tokens/s, and each thread's CPU seconds and microseconds a token (``time.thread_time`` around its loop).
-No HTTP: serve.py's ``cpu_s`` gives the HTTP thread's share. On a GPU a thread waiting for the device may spin, so
-serve.py's CPU seconds of the decoding thread there are not its work; this is.
+Workload: benchmarks/serve.py's ``workload`` (prompts of 8 to 48 words, outputs of 16 to 256 tokens, log-uniform),
+all submitted at once, each sequence going to its ``max_tokens``; the synthetic tokenizer. Reported for streamed and
+whole completions: tokens/s, and each thread's CPU seconds and microseconds a token (``time.thread_time`` around its
+loop). No HTTP: serve.py's ``cpu_s`` gives the HTTP thread's share. On a GPU a thread waiting for the device may
+spin, so serve.py's CPU seconds of the decoding thread there are not its work; this is.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import sys
 import threading
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.bench import write_json  # noqa: E402
@@ -28,6 +26,7 @@ from app.bench import write_json  # noqa: E402
 
 def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> dict:
     """One run of the engine over the fake device -> its figures."""
+    from benchmarks import serve
     from data.tasks import load_tokenizer
     from serving.engine import Engine, ServeOptions, default_joins, default_min_join
     from serving.output import Output
@@ -35,7 +34,6 @@ def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> d
     from tests.fake_backend import FakeBackend
 
     tok = load_tokenizer("synthetic")
-    words = sorted(w for w in tok.get_vocab() if w.isalpha())
     widths, joins, most = (16, 32, 64), tuple(default_joins(slots)), 4 * steps
     backend = FakeBackend(slots=slots, widths=widths, joins=joins, steps=most, eos_id=tok.eos_token_id,
                           pad_id=tok.pad_token_id, vocab=len(tok))
@@ -61,10 +59,9 @@ def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> d
         if left[0] <= 0:
             done.set()
 
-    rng = np.random.default_rng(seed)
-    new = np.exp(rng.uniform(np.log(16), np.log(257), requests)).astype(int)
-    seqs = [Sequence(engine.tokenize(" ".join(rng.choice(words, int(rng.integers(8, 49))))), int(min(n, 256)), 0.0,
-                     out=Output(0, None, stream=stream)) for n in new]
+    work = serve.workload(serve.parse(["--requests", str(requests), "--seed", str(seed)]))
+    seqs = [Sequence(engine.tokenize(r["prompt"]), r["max_tokens"], 0.0, out=Output(0, None, stream=stream))
+            for r in work]
     engine.start(deliver)
     t0 = time.perf_counter()
     engine.submit(seqs)

@@ -24,13 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.bench import write_json  # noqa: E402
 
 
-def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> dict:
-    """One run of the engine over the fake device -> its figures."""
-    from benchmarks import serve
+def fake_engine(requests: int, slots: int, steps: int):
+    """The server's engine (as run_server.py builds it for ``steps`` a call, up to 4x with every slot taken, prompts
+    up to 64 tokens, 256 new) over the tests' fake device and the synthetic tokenizer -> (engine, backend)."""
     from data.tasks import load_tokenizer
     from serving.engine import Engine, ServeOptions, default_joins, default_min_join
-    from serving.output import Output
-    from serving.scheduler import Sequence
     from tests.fake_backend import FakeBackend
 
     tok = load_tokenizer("synthetic")
@@ -41,6 +39,16 @@ def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> d
                            min_join=default_min_join(slots, max(joins)), max_steps=most)
     engine = Engine(backend, tok, lambda texts: [tok(t, add_special_tokens=False)["input_ids"] for t in texts],
                     options)
+    return engine, backend
+
+
+def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> dict:
+    """One run of the engine over the fake device -> its figures."""
+    from benchmarks import serve
+    from serving.output import Output
+    from serving.scheduler import Sequence
+
+    engine, backend = fake_engine(requests, slots, steps)
     cpu = {}
     for name, obj in (("scheduler", engine.scheduler), ("output", engine.output)):
         loop = obj._loop

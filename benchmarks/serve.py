@@ -58,6 +58,13 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+
+def progress(what: str, since: float = None) -> None:
+    """A line on stderr as each part of a run ends (with its seconds): a run stopped by a time limit shows where its
+    time went (on a GPU, compiling the server's programs can take minutes)."""
+    took = f" ({time.perf_counter() - since:.1f} s)" if since is not None else ""
+    print(f"{time.strftime('%H:%M:%S')} serve.py: {what}{took}", file=sys.stderr, flush=True)
+
 from app.bench import write_json  # noqa: E402
 from serving.engine import MAX_STEPS_FACTOR  # noqa: E402
 
@@ -281,8 +288,6 @@ def profile_engine(a, steps: int, extra: list) -> dict:
     """The server's engine on the workload, in this process: its parts' host time per decoding call."""
     from serving.backend import build_engine
     from serving.engine import ServeOptions, default_joins, default_min_join
-    from serving.output import Output
-    from serving.scheduler import Sequence
 
     reqs = json.load(open(a.workload))
     cfg, _, _, _ = decoding_setup(a, extra, {"output_length": a.max_new})
@@ -294,8 +299,25 @@ def profile_engine(a, steps: int, extra: list) -> dict:
                            max_steps=most_steps(a, steps, ""))
     engine = build_engine(cfg, options)
     device = device_seconds(engine, widths, joins, local)
-    ns, advance = [], engine.backend.advance  # the steps of each decoding call
-    engine.backend.advance = lambda keep, n: (ns.append(n), advance(keep, n))[1]
+    return {"steps_per_call": steps, "max_steps_per_call": options.max_steps, **profile_parts(engine, reqs),
+            "device_ms_per_call_alone": device}
+
+
+def profile_parts(engine, reqs: list) -> dict:
+    """The requests submitted at once to a started-fresh ``engine`` (greedy, streamed), its parts timed: the host's
+    milliseconds a decoding call in each, the calls' steps and attention spans (benchmarks/host_cost.py and the tests
+    run it over the fake device)."""
+    from serving.output import Output
+    from serving.scheduler import Sequence
+
+    ns, spans, advance = [], [], engine.backend.advance  # each decoding call's steps and span
+
+    def counted(keep, n, span=None):
+        ns.append(n)
+        spans.append(span)
+        return advance(keep, n, span)
+
+    engine.backend.advance = counted
     t = _Timed()
     for name in ("insert", "advance", "fetch"):
         t.wrap(engine.backend, name, name)
@@ -313,20 +335,25 @@ def profile_engine(a, steps: int, extra: list) -> dict:
             for r in reqs]
     t0 = time.perf_counter()
     engine.submit(seqs)
-    done.wait()
+    if not done.wait(3600):
+        raise SystemExit("the engine did not finish the requests within an hour")
     wall = time.perf_counter() - t0
     engine.stop()
+    failed = [s.aborted for s in seqs if s.aborted is not None]
+    if failed:
+        raise SystemExit(f"{len(failed)} of the profile's requests failed, the first: {failed[0]}")
     n = t.calls["advance"]
     s = {k: 1000 * v / n for k, v in t.seconds.items()}
-    return {"steps_per_call": steps, "max_steps_per_call": options.max_steps, "decoding_calls": n,
-            "steps_per_decoding_call": float(np.mean(ns)), "inserts": t.calls.get("insert", 0),
+    whole = [x for x in spans if x is not None]
+    return {"decoding_calls": n, "steps_per_decoding_call": float(np.mean(ns)),
+            "attention_span_per_decoding_call": float(np.mean(whole)) if whole else None,
+            "inserts": t.calls.get("insert", 0), "tokens": sum(x.count for x in seqs),
             "tokens_per_s": sum(x.count for x in seqs) / wall, "wall_s": wall,
             "host_ms_per_decoding_call": {
                 "dispatching the decoding call": s["advance"], "dispatching inserts": s.get("insert", 0.0),
                 "waiting for the device (reading)": s["fetch"],
                 "scheduler bookkeeping": s["round"] - s["advance"] - s.get("insert", 0.0) - s["fetch"],
-                "output thread (text, events)": s.get("output", 0.0)},
-            "device_ms_per_call_alone": device}
+                "output thread (text, events)": s.get("output", 0.0)}}
 
 
 def device_seconds(engine, widths: tuple, joins: tuple, local: int, calls: int = 20) -> dict:
@@ -349,7 +376,7 @@ def device_seconds(engine, widths: tuple, joins: tuple, local: int, calls: int =
         out[f"insert of {j} prompt(s) a shard"] = 1000 * (time.perf_counter() - t0) / calls
     keep = np.ones(b.slots, bool)
     for steps in sorted({engine.scheduler.steps, b.steps}):
-        b.fetch(b.advance(keep, steps)[0])
+        b.fetch(b.advance(keep, steps)[0])  # (over the whole cache: no span)
         t0 = time.perf_counter()
         for _ in range(calls):
             last = b.advance(keep, steps)[0]
@@ -536,15 +563,23 @@ def start_static(a, config: str, ckpt: str, work: str, flags: str):
 def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) -> dict:
     """The servers (one per --steps_per_call) and static batching, each compiled once, their runs taking turns
     (the order turned each round), so that a shared machine's slow spell falls on all of them."""
+    t = time.perf_counter()
     static, run_static_once = start_static(a, config, ckpt, work, flags)
-    servers = {name: (k, args, *start_server(a, k, ckpt, reqs, shlex.split(flags), args))
-               for name, k, args in server_variants(a)}
+    progress(f"{config}: static batching compiled", t)
+    servers = {}
+    for name, k, args in server_variants(a):
+        t = time.perf_counter()
+        servers[name] = (k, args, *start_server(a, k, ckpt, reqs, shlex.split(flags), args))
+        progress(f"{config}: {name} started, its programs compiled", t)
     runs = {name: [] for name in list(servers) + ["static"]}
     try:
         for r in range(a.repeats):
             for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                t = time.perf_counter()
                 runs[name].append(static_run(static.pid, run_static_once) if name == "static" else
                                   server_run(*servers[name][3:], reqs, pid=servers[name][2].pid))
+                progress(f"{config}: round {r + 1} of {a.repeats}, {name}: "
+                         f"{runs[name][-1]['tokens_per_s']:.0f} tokens/s", t)
     finally:
         for _, _, proc, _, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
@@ -596,12 +631,16 @@ def one_model(a, config: str, flags: str, tmp: str) -> dict:
     reqs = workload(a)
     with open(work, "w") as f:
         json.dump(reqs, f)
+    t = time.perf_counter()
     method(a, "checkpoint", config, ckpt, work, flags, tmp)
+    progress(f"{config}: checkpoint saved", t)
     if a.profile:
         return method(a, "profile", config, ckpt, work, flags, tmp)
     servers = [name for name, _, _ in server_variants(a)]
     out = interleaved(a, config, ckpt, work, flags, reqs)
+    t = time.perf_counter()
     out["hf"] = method(a, "hf", config, ckpt, work, flags, tmp)
+    progress(f"{config}: HF generate, {out['hf']['requests']} requests", t)
     served = out[servers[0]]["outputs"]
     for name in servers[1:] + ["static", "hf"]:
         theirs = out[name].pop("outputs")

@@ -176,3 +176,29 @@ def test_the_host_ceiling_runs_the_server_s_engine_over_the_fake_device(stream):
     assert set(r["cpu_s"]) == {"scheduler", "output"} and all(v > 0 for v in r["cpu_s"].values())
     assert r["cpu_us_per_token"]["output"] == pytest.approx(1e6 * r["cpu_s"]["output"] / r["tokens"])
     assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+
+
+def test_the_profile_times_the_engine_s_parts_and_records_each_call_s_steps_and_span():
+    """benchmarks/serve.py --profile's measuring half over the fake device: the decoding calls it counts are the
+    backend's, their mean steps and attention span are what the backend was given (the span passed through, not
+    dropped: a call without one attends over the whole cache), every request runs to its max_tokens, and the parts'
+    milliseconds are parts of the scheduler's rounds."""
+    from benchmarks import serve
+    from benchmarks.host_cost import fake_engine
+
+    reqs = serve.workload(serve.parse(["--requests", "12", "--seed", "3"]))
+    engine, backend = fake_engine(len(reqs), slots=4, steps=2)
+    inserts = []
+    insert = backend.insert
+    backend.insert = lambda *a: (inserts.append(a[1]), insert(*a))[1]
+    p = serve.profile_parts(engine, reqs)
+    assert p["decoding_calls"] == len(backend.ns) > 0
+    assert p["steps_per_decoding_call"] == pytest.approx(np.mean(backend.ns))
+    assert None not in backend.spans
+    assert p["attention_span_per_decoding_call"] == pytest.approx(np.mean(backend.spans))
+    assert p["inserts"] == len(inserts) and sum(inserts) >= len(reqs)
+    assert p["tokens"] == sum(r["max_tokens"] for r in reqs)
+    parts = p["host_ms_per_decoding_call"]
+    assert set(parts) == {"dispatching the decoding call", "dispatching inserts", "waiting for the device (reading)",
+                          "scheduler bookkeeping", "output thread (text, events)"}
+    assert all(v >= 0 for v in parts.values()) and parts["dispatching the decoding call"] > 0

@@ -22,8 +22,8 @@ with a load generator as light as can be (one connection per request, HTTP/1.1 o
 machine: the server's figures carry its HTTP layer and its clients' work, static batching's carry neither.
 ``--model_flags`` given several times runs every preset once per value (another shape of the same preset).
 
-``--profile``: where a decoding call's time goes on the host instead: the server's engine in this process (no HTTP),
-the same requests submitted at once, its parts timed (dispatching the decoding and insert calls, waiting for the
+``--profile``: where a decoding call's time goes on the host instead: the server's engine in this process (no HTTP;
+built from the flags each server of the run gets, ``--server_args`` included), the same requests submitted at once, its parts timed (dispatching the decoding and insert calls, waiting for the
 device, the scheduler's own bookkeeping, the output thread's work), beside the device's time per call alone (calls
 back to back, every slot decoding).
 
@@ -284,22 +284,24 @@ class _Timed:
         setattr(obj, name, timed)
 
 
-def profile_engine(a, steps: int, extra: list) -> dict:
-    """The server's engine on the workload, in this process: its parts' host time per decoding call."""
+def profile_engine(a, steps: int, args: str, extra: list) -> dict:
+    """The server's engine on the workload, in this process, built as run_server.py builds it from the flags a
+    server of this run gets (``args``: its --server_args): its parts' host time per decoding call."""
+    import run_server
+    from app.args import parse_args
+    from app.predict import start_decoding
     from serving.backend import build_engine
-    from serving.engine import ServeOptions, default_joins, default_min_join
+    from serving.engine import ServeOptions
 
     reqs = json.load(open(a.workload))
-    cfg, _, _, _ = decoding_setup(a, extra, {"output_length": a.max_new})
-    local = a.slots // cfg.execution.data_parallel
-    joins = tuple(a.join_sizes or default_joins(local))
-    widths = server_widths(reqs)
-    options = ServeOptions(a.slots, len(reqs), widths, joins, steps, a.max_new, 1 << 20, 1 << 20, "profile",
-                           min_join=default_min_join(a.slots, a.slots // local * max(joins)),
-                           max_steps=most_steps(a, steps, ""))
+    flags = ["--config", a.config, "--load", a.ckpt, *server_flags(a, steps, reqs, extra, args)]
+    server, over = parse_args("inference", "serve benchmark", a.config, flags, run_server.extra_flags)
+    cfg = start_decoding(server, over, "serve")
+    options = ServeOptions.of(server, cfg)
     engine = build_engine(cfg, options)
-    device = device_seconds(engine, widths, joins, local)
-    return {"steps_per_call": steps, "max_steps_per_call": options.max_steps, **profile_parts(engine, reqs),
+    device = device_seconds(engine, options.widths, options.joins)
+    return {"steps_per_call": steps, "max_steps_per_call": options.max_steps, "server_args": args,
+            "attention_spans": list(engine.backend.spans), **profile_parts(engine, reqs),
             "device_ms_per_call_alone": device}
 
 
@@ -356,7 +358,7 @@ def profile_parts(engine, reqs: list) -> dict:
                 "output thread (text, events)": s.get("output", 0.0)}}
 
 
-def device_seconds(engine, widths: tuple, joins: tuple, local: int, calls: int = 20) -> dict:
+def device_seconds(engine, widths: tuple, joins: tuple, calls: int = 20) -> dict:
     """Milliseconds of a decoding call (every slot decoding) and of an insert of each join size, back to back."""
     import numpy as np
     from serving.scheduler import SAMPLING_DTYPES
@@ -387,7 +389,19 @@ def device_seconds(engine, widths: tuple, joins: tuple, local: int, calls: int =
 
 
 def run_profile(a, extra: list) -> dict:
-    return {f"server_{k}step": profile_engine(a, k, extra) for k in a.steps_per_call}
+    threads = {_flag(shlex.split(args), "--cpu_threads", "0") for _, _, args in server_variants(a)}
+    if len(threads) > 1:  # (XLA's threads are set once, before JAX starts: one process, one setting)
+        raise SystemExit("--profile runs every server setting in one process: give them one --cpu_threads")
+    from app.runtime import set_cpu_threads
+
+    set_cpu_threads(int(threads.pop()))
+    return {name: profile_engine(a, k, args, extra) for name, k, args in server_variants(a)}
+
+
+def _flag(flags: list, name: str, default: str) -> str:
+    """The value of the last ``name`` in a list of flags, else ``default``."""
+    at = [i for i, f in enumerate(flags) if f == name]
+    return flags[at[-1] + 1] if at else default
 
 
 # --------------------------------------------------------------------------- the server, over HTTP
@@ -409,21 +423,24 @@ def server_variants(a) -> list:
 
 def most_steps(a, steps: int, args: str) -> int:
     """A server's --max_steps_per_call: its own flags', else the run's, else the server's default."""
-    own = shlex.split(args)
-    if "--max_steps_per_call" in own:
-        return int(own[own.index("--max_steps_per_call") + 1])
-    return a.max_steps_per_call or MAX_STEPS_FACTOR * steps
+    own = _flag(shlex.split(args), "--max_steps_per_call", None)
+    return int(own) if own is not None else a.max_steps_per_call or MAX_STEPS_FACTOR * steps
+
+
+def server_flags(a, steps: int, reqs: list, extra: list, args: str = "") -> list:
+    """A server's flags but --load and --port (run_server.py's; --profile's engine parses the same): the run's slots,
+    a queue that holds every request, the prompt widths the requests need, the output length, the steps a call, the
+    model's flags (``extra``), then its own (``args``, last: they override the above)."""
+    cmd = ["--slots", str(a.slots), "--max_queue", str(len(reqs)), "--output_length", str(a.max_new),
+           "--prompt_widths", *map(str, server_widths(reqs)), "--steps_per_call", str(steps), *extra]
+    cmd += ["--max_steps_per_call", str(a.max_steps_per_call)] if a.max_steps_per_call else []
+    cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
+    return cmd + shlex.split(args)
 
 
 def start_server(a, steps: int, ckpt: str, reqs: list, extra: list, args: str = "") -> tuple:
     """run_server.py on a free port with every program compiled -> (process, base url, model id)."""
-    widths = server_widths(reqs)
-    cmd = [sys.executable, "run_server.py", "--load", ckpt, "--port", "0", "--slots", str(a.slots), "--max_queue",
-           str(len(reqs)), "--output_length", str(a.max_new), "--prompt_widths", *map(str, widths),
-           "--steps_per_call", str(steps), *extra]
-    cmd += ["--max_steps_per_call", str(a.max_steps_per_call)] if a.max_steps_per_call else []
-    cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
-    cmd += shlex.split(args)  # (last: they override the above)
+    cmd = [sys.executable, "run_server.py", "--load", ckpt, "--port", "0", *server_flags(a, steps, reqs, extra, args)]
     env = {**os.environ, "FLAN_T5_API_KEY": ""}
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **SHARED_DEVICE}, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
@@ -609,6 +626,7 @@ def _method_cmd(a, name: str, config: str, ckpt: str, work: str, flags: str, out
            "--seed", str(a.seed), f"--model_flags={flags}", "--steps_per_call", *map(str, a.steps_per_call)]
     cmd += ["--max_steps_per_call", str(a.max_steps_per_call)] if a.max_steps_per_call else []
     cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
+    cmd += [f"--server_args={args}" for args in a.server_args or []]
     return cmd + (["--hf_requests", str(a.hf_requests)] if a.hf_requests else [])
 
 

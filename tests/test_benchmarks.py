@@ -202,3 +202,38 @@ def test_the_profile_times_the_engine_s_parts_and_records_each_call_s_steps_and_
     assert set(parts) == {"dispatching the decoding call", "dispatching inserts", "waiting for the device (reading)",
                           "scheduler bookkeeping", "output thread (text, events)"}
     assert all(v >= 0 for v in parts.values()) and parts["dispatching the decoding call"] > 0
+
+
+def test_the_profile_s_engine_gets_the_flags_each_server_of_the_run_gets():
+    """benchmarks/serve.py: a server's flags (the run's slots, queue, widths, steps; the model's flags; its own
+    --server_args last, so they win) are what --profile's engine parses with run_server.py's own parser, and the
+    profile's worker gets every --server_args (before, it built its options apart and left the spans at 1)."""
+    import run_server
+    from app.args import parse_args
+    from benchmarks import serve
+
+    a = serve.parse(["--requests", "6", "--slots", "4", "--max_new", "32", "--server_args=--attention_spans 2",
+                     "--server_args=--steps_per_call 2 --min_join 3"])
+    reqs = serve.workload(a)
+    names = [(name, k, args) for name, k, args in serve.server_variants(a)]
+    assert [n for n, _, _ in names] == [f"server_{k}step {x}" for k in a.steps_per_call
+                                        for x in ("--attention_spans 2", "--steps_per_call 2 --min_join 3")]
+    for _, k, args in names:
+        flags = serve.server_flags(a, k, reqs, ["--tensor_parallel", "1"], args)
+        got, over = parse_args("inference", "t", "tiny", ["--config", "tiny", *flags], run_server.extra_flags)
+        assert (got.slots, got.max_queue, got.prompt_widths) == (4, 6, list(serve.server_widths(reqs)))
+        assert (int(over["output_length"]), int(over["tensor_parallel"])) == (32, 1)  # (as given: strings)
+        if "--attention_spans" in args:
+            assert (got.attention_spans, got.steps_per_call) == (2, k)
+        else:
+            assert (got.attention_spans, got.steps_per_call, got.min_join) == (None, 2, 3)
+    worker = serve.parse(serve._method_cmd(a, "profile", "tiny", "c", "w", "", "o")[2:])
+    assert worker.server_args == a.server_args and worker.method == "profile"
+
+
+def test_the_profile_refuses_server_settings_with_different_xla_threads():
+    from benchmarks import serve
+
+    a = serve.parse(["--server_args=--cpu_threads 1", "--server_args="])
+    with pytest.raises(SystemExit, match="one --cpu_threads"):
+        serve.run_profile(a, [])

@@ -69,9 +69,11 @@ def extra_flags(p):
                         "of it (default 4). A call runs in the one whose prefix holds every running request's tokens "
                         "and whose steps were timed fastest at start-up (a narrower prefix attends over fewer "
                         "positions but copies them in and out once a call); 1: every call attends over all of it")
-    s.add_argument("--cpu_threads", type=int, default=0,
-                   help="threads of XLA's CPU thread pool (default 0: all the cores). On a CPU with a small model, "
-                        "fewer leave cores to the server's own threads (HTTP, scheduling, text); docs/serving.md")
+    s.add_argument("--cpu_threads", type=int, default=None,
+                   help="threads of XLA's CPU thread pool (default: all the cores but one, which is left to the "
+                        "server's own threads: HTTP, scheduling, text; at least one a simulated device; 0: XLA's "
+                        "own default, all the cores, or PJRT_NPROC or NPROC where the environment sets them, "
+                        "which the default leaves too); docs/serving.md")
     s.add_argument("--min_join", type=int, default=None,
                    help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
                         "join together in one insert (default: half the slots, at most the rows one insert takes: "
@@ -111,9 +113,12 @@ def limit_flags(s) -> None:
 def main(argv=None) -> None:
     args, overrides = command_line("inference", __doc__, argv, extra_flags)
     from app.predict import start_decoding
-    from app.runtime import set_cpu_threads
+    from app.runtime import server_cpu_threads, set_cpu_threads
 
-    set_cpu_threads(args.cpu_threads)  # (before JAX starts)
+    threads = server_cpu_threads(args.cpu_threads)
+    set_cpu_threads(threads)  # (before JAX starts)
+    if threads:
+        logger.info("XLA's CPU pool: %d thread(s) (--cpu_threads; at least one a simulated device)", threads)
 
     cfg = start_decoding(args, overrides, "serve")
     from serving.backend import build_engine

@@ -53,6 +53,19 @@ def set_cpu_threads(n: int) -> None:
     os.environ["PJRT_NPROC"] = str(n)
 
 
+def server_cpu_threads(given: Optional[int]) -> int:
+    """run_server.py's --cpu_threads: as given, else every core this process may use but one, which is left to the
+    server's own threads (HTTP, scheduling, text; as vLLM's CPU backend reserves one core for its API server by
+    default), else 0 (XLA's default) where the environment sets ``PJRT_NPROC`` or ``NPROC`` (its choice) or one core
+    is all there is. XLA makes at least one thread a simulated device whatever this says (``set_cpu_threads``)."""
+    if given is not None:
+        return given
+    if "PJRT_NPROC" in os.environ or "NPROC" in os.environ:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, cores - 1)
+
+
 def start_devices(cfg, pinned: bool = False) -> None:
     """This process's devices from the config, before JAX starts a backend: the CPU's simulated devices
     (``ensure_host_devices``), with ``pinned`` phased training's pinned host pool (``ensure_pinned_host_memory``),

@@ -143,10 +143,13 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
         raise api.ApiError(415, f"the body must be JSON, sent with Content-Type: application/json (got "
                                 f"{kind[:60]!r})", code="unsupported_media_type")
     length = headers.get("content-length")
-    too_big = api.ApiError(413, f"the request body is larger than {limit} bytes (--max_body_bytes)",
-                           code="body_too_large")
+
+    def too_big():  # (made only when raised, not for every request)
+        return api.ApiError(413, f"the request body is larger than {limit} bytes (--max_body_bytes)",
+                            code="body_too_large")
+
     if length is not None and length.isdigit() and int(length) > limit:
-        raise too_big
+        raise too_big()
     chunks, n = [], 0
     # the timeout as a timer that cancels this task (no task of its own, as asyncio.wait_for would make; and
     # asyncio.timeout needs Python 3.11)
@@ -162,7 +165,7 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
                 raise _Gone()
             n += len(message.get("body", b""))
             if n > limit:
-                raise too_big
+                raise too_big()
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 return b"".join(chunks)

@@ -266,6 +266,34 @@ def test_cpu_threads_is_refused_below_zero_and_after_jax_started(tmp_path):
     assert out.returncode != 0 and "--cpu_threads -1" in out.stderr.strip().splitlines()[-1], out.stderr
 
 
+@pytest.mark.parametrize("given,cores,env,want", [
+    (None, 4, {}, 3), (None, 2, {}, 1), (None, 1, {}, 0), (0, 4, {}, 0), (2, 4, {}, 2), (5, 2, {}, 5),
+    (None, 4, {"NPROC": "2"}, 0), (None, 4, {"PJRT_NPROC": "3"}, 0), (1, 4, {"NPROC": "2"}, 1)])
+def test_the_server_leaves_one_core_to_its_own_threads_by_default(monkeypatch, given, cores, env, want):
+    """run_server.py's --cpu_threads: as given (0: XLA's default); by default every core the process may use but one
+    (the HTTP, scheduling and text threads' core; 0 where there is one core), and the environment's PJRT_NPROC or
+    NPROC where it sets one. The value is what the server passes to set_cpu_threads before JAX starts."""
+    import run_server
+    from app import runtime
+
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert runtime.server_cpu_threads(given) == want
+    passed = []
+
+    def stop(n):  # (the server's first step after parsing: nothing else runs)
+        passed.append(n)
+        raise SystemExit(7)
+
+    monkeypatch.setattr(runtime, "set_cpu_threads", stop)
+    with pytest.raises(SystemExit):
+        run_server.main(["--load", "nowhere"] + ([] if given is None else ["--cpu_threads", str(given)]))
+    assert passed == [want]
+
+
 def test_a_server_on_a_non_local_address_without_a_key_says_so():
     from serving.engine import check_exposure
 

@@ -45,23 +45,28 @@ def set_cpu_threads(n: int) -> None:
         raise ConfigError(f"--cpu_threads {n}: pass 0 (XLA's default: all the cores) or a number of threads")
     if not n:
         return
-    from jax._src import xla_bridge
-
-    started = getattr(xla_bridge, "backends_are_initialized", lambda: False)
-    if started():
+    if jax_started():
         raise RuntimeError("set_cpu_threads must run before JAX starts a backend")
     os.environ["PJRT_NPROC"] = str(n)
+
+
+def jax_started() -> bool:
+    """Whether this process's JAX has started a backend (its devices and thread pools are then set)."""
+    from jax._src import xla_bridge
+
+    return getattr(xla_bridge, "backends_are_initialized", lambda: False)()
 
 
 def server_cpu_threads(given: Optional[int]) -> int:
     """run_server.py's --cpu_threads: as given, else every core this process may use but one, which is left to the
     server's own threads (HTTP, scheduling, text; as vLLM's CPU backend reserves one core for its API server by
-    default), else 0 (XLA's default) where the environment sets ``PJRT_NPROC`` or ``NPROC`` (its choice) or one core
-    is all there is. XLA makes at least one thread a simulated device whatever this says (``set_cpu_threads``)."""
+    default), else 0 (XLA's default) where the environment sets ``PJRT_NPROC`` or ``NPROC`` (its choice), where one
+    core is all there is, or where JAX has started already. XLA makes at least one thread a simulated device whatever
+    this says (``set_cpu_threads``)."""
     if given is not None:
         return given
-    if "PJRT_NPROC" in os.environ or "NPROC" in os.environ:
-        return 0
+    if "PJRT_NPROC" in os.environ or "NPROC" in os.environ or jax_started():  # (in a process where JAX runs
+        return 0  # already, as a test's or a notebook's, XLA's pool is what it is: the default leaves it)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, cores - 1)
 

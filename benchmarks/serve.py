@@ -23,9 +23,9 @@ machine: the server's figures carry its HTTP layer and its clients' work, static
 ``--model_flags`` given several times runs every preset once per value (another shape of the same preset).
 
 ``--profile``: where a decoding call's time goes on the host instead: the server's engine in this process (no HTTP;
-built from the flags each server of the run gets, ``--server_args`` included), the same requests submitted at once, its parts timed (dispatching the decoding and insert calls, waiting for the
-device, the scheduler's own bookkeeping, the output thread's work), beside the device's time per call alone (calls
-back to back, every slot decoding).
+built from the flags each server of the run gets, ``--server_args`` included), the same requests submitted at once,
+its parts timed (dispatching the decoding and insert calls, waiting for the device, the scheduler's own bookkeeping,
+the output thread's work), beside the device's time per call alone (calls back to back, every slot decoding).
 
 Where the machine's CPU goes in each run (Linux): ``cpu_s``, the CPU seconds of the server's main thread (its HTTP
 layer), of XLA's threads (the programs' work on a CPU device), of its other threads (the decoding and output
@@ -58,6 +58,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from app.bench import write_json  # noqa: E402
+from serving.engine import MAX_STEPS_FACTOR  # noqa: E402
+
 
 def progress(what: str, since: float = None) -> None:
     """A line on stderr as each part of a run ends (with its seconds): a run stopped by a time limit shows where its
@@ -65,8 +68,6 @@ def progress(what: str, since: float = None) -> None:
     took = f" ({time.perf_counter() - since:.1f} s)" if since is not None else ""
     print(f"{time.strftime('%H:%M:%S')} serve.py: {what}{took}", file=sys.stderr, flush=True)
 
-from app.bench import write_json  # noqa: E402
-from serving.engine import MAX_STEPS_FACTOR  # noqa: E402
 
 RESULT = "static run: "
 WORDS = ("the a cat dog bird horse child woman in at sleeps eats runs park house garden small red old . "
@@ -287,15 +288,14 @@ class _Timed:
 def profile_engine(a, steps: int, args: str, extra: list) -> dict:
     """The server's engine on the workload, in this process, built as run_server.py builds it from the flags a
     server of this run gets (``args``: its --server_args): its parts' host time per decoding call."""
-    import run_server
     from app.args import parse_args
     from app.predict import start_decoding
     from serving.backend import build_engine
-    from serving.engine import ServeOptions
+    from serving.engine import ServeOptions, server_flags as flags_of_the_server
 
     reqs = json.load(open(a.workload))
     flags = ["--config", a.config, "--load", a.ckpt, *server_flags(a, steps, reqs, extra, args)]
-    server, over = parse_args("inference", "serve benchmark", a.config, flags, run_server.extra_flags)
+    server, over = parse_args("inference", "serve benchmark", a.config, flags, flags_of_the_server)
     cfg = start_decoding(server, over, "serve")
     options = ServeOptions.of(server, cfg)
     engine = build_engine(cfg, options)
@@ -389,12 +389,13 @@ def device_seconds(engine, widths: tuple, joins: tuple, calls: int = 20) -> dict
 
 
 def run_profile(a, extra: list) -> dict:
-    threads = {_flag(shlex.split(args), "--cpu_threads", "0") for _, _, args in server_variants(a)}
+    threads = {_flag(shlex.split(args), "--cpu_threads", None) for _, _, args in server_variants(a)}
     if len(threads) > 1:  # (XLA's threads are set once, before JAX starts: one process, one setting)
         raise SystemExit("--profile runs every server setting in one process: give them one --cpu_threads")
-    from app.runtime import set_cpu_threads
+    from app.runtime import server_cpu_threads, set_cpu_threads
 
-    set_cpu_threads(int(threads.pop()))
+    given = threads.pop()
+    set_cpu_threads(server_cpu_threads(None if given is None else int(given)))  # (as run_server.py sets them)
     return {name: profile_engine(a, k, args, extra) for name, k, args in server_variants(a)}
 
 

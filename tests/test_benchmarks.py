@@ -206,11 +206,11 @@ def test_the_profile_times_the_engine_s_parts_and_records_each_call_s_steps_and_
 
 def test_the_profile_s_engine_gets_the_flags_each_server_of_the_run_gets():
     """benchmarks/serve.py: a server's flags (the run's slots, queue, widths, steps; the model's flags; its own
-    --server_args last, so they win) are what --profile's engine parses with run_server.py's own parser, and the
+    --server_args last, so they win) are what --profile's engine parses with run_server.py's own flags, and the
     profile's worker gets every --server_args (before, it built its options apart and left the spans at 1)."""
-    import run_server
     from app.args import parse_args
     from benchmarks import serve
+    from serving.engine import server_flags
 
     a = serve.parse(["--requests", "6", "--slots", "4", "--max_new", "32", "--server_args=--attention_spans 2",
                      "--server_args=--steps_per_call 2 --min_join 3"])
@@ -220,7 +220,7 @@ def test_the_profile_s_engine_gets_the_flags_each_server_of_the_run_gets():
                                         for x in ("--attention_spans 2", "--steps_per_call 2 --min_join 3")]
     for _, k, args in names:
         flags = serve.server_flags(a, k, reqs, ["--tensor_parallel", "1"], args)
-        got, over = parse_args("inference", "t", "tiny", ["--config", "tiny", *flags], run_server.extra_flags)
+        got, over = parse_args("inference", "t", "tiny", ["--config", "tiny", *flags], server_flags)
         assert (got.slots, got.max_queue, got.prompt_widths) == (4, 6, list(serve.server_widths(reqs)))
         assert (int(over["output_length"]), int(over["tensor_parallel"])) == (32, 1)  # (as given: strings)
         if "--attention_spans" in args:

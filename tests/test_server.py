@@ -266,13 +266,16 @@ def test_cpu_threads_is_refused_below_zero_and_after_jax_started(tmp_path):
     assert out.returncode != 0 and "--cpu_threads -1" in out.stderr.strip().splitlines()[-1], out.stderr
 
 
-@pytest.mark.parametrize("given,cores,env,want", [
-    (None, 4, {}, 3), (None, 2, {}, 1), (None, 1, {}, 0), (0, 4, {}, 0), (2, 4, {}, 2), (5, 2, {}, 5),
-    (None, 4, {"NPROC": "2"}, 0), (None, 4, {"PJRT_NPROC": "3"}, 0), (1, 4, {"NPROC": "2"}, 1)])
-def test_the_server_leaves_one_core_to_its_own_threads_by_default(monkeypatch, given, cores, env, want):
+@pytest.mark.parametrize("given,cores,env,started,want", [
+    (None, 4, {}, False, 3), (None, 2, {}, False, 1), (None, 1, {}, False, 0), (0, 4, {}, False, 0),
+    (2, 4, {}, False, 2), (5, 2, {}, False, 5), (None, 4, {"NPROC": "2"}, False, 0),
+    (None, 4, {"PJRT_NPROC": "3"}, False, 0), (1, 4, {"NPROC": "2"}, False, 1), (None, 4, {}, True, 0),
+    (2, 4, {}, True, 2)])
+def test_the_server_leaves_one_core_to_its_own_threads_by_default(monkeypatch, given, cores, env, started, want):
     """run_server.py's --cpu_threads: as given (0: XLA's default); by default every core the process may use but one
-    (the HTTP, scheduling and text threads' core; 0 where there is one core), and the environment's PJRT_NPROC or
-    NPROC where it sets one. The value is what the server passes to set_cpu_threads before JAX starts."""
+    (the HTTP, scheduling and text threads' core; 0 where there is one core), the environment's PJRT_NPROC or NPROC
+    where it sets one, and XLA's pool as it is where JAX has started already (a server run in a test's process; given
+    there, set_cpu_threads refuses it). The value is what the server passes to set_cpu_threads before JAX starts."""
     import run_server
     from app import runtime
 
@@ -281,6 +284,7 @@ def test_the_server_leaves_one_core_to_its_own_threads_by_default(monkeypatch, g
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(runtime, "jax_started", lambda: started)
     assert runtime.server_cpu_threads(given) == want
     passed = []
 

@@ -231,9 +231,28 @@ def test_the_profile_s_engine_gets_the_flags_each_server_of_the_run_gets():
     assert worker.server_args == a.server_args and worker.method == "profile"
 
 
-def test_the_profile_refuses_server_settings_with_different_xla_threads():
+@pytest.mark.parametrize("server_args,want", [([], 3), (["--server_args=--cpu_threads 2"], 2),
+                                               (["--server_args=--cpu_threads 0"], 0)])
+def test_the_profile_sets_xla_s_threads_as_the_server_does(monkeypatch, server_args, want):
+    """--profile's one process gives XLA the threads a server of the run would have: its --cpu_threads, else the
+    server's default (every core but one), set before anything starts JAX; servers that differ are refused."""
+    from app import runtime
     from benchmarks import serve
 
-    a = serve.parse(["--server_args=--cpu_threads 1", "--server_args="])
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setattr(runtime, "jax_started", lambda: False)
+    passed = []
+
+    def stop(n):
+        passed.append(n)
+        raise SystemExit(7)
+
+    monkeypatch.setattr(runtime, "set_cpu_threads", stop)
+    with pytest.raises(SystemExit):
+        serve.run_profile(serve.parse(server_args), [])
+    assert passed == [want]
     with pytest.raises(SystemExit, match="one --cpu_threads"):
-        serve.run_profile(a, [])
+        serve.run_profile(serve.parse(["--server_args=--cpu_threads 1", "--server_args="]), [])
+    assert passed == [want]

@@ -443,12 +443,12 @@ def test_a_server_flag_out_of_its_range_is_one_line_naming_it(flag, value):
     is refused at start-up, naming the flag, not served quietly."""
     import argparse
 
-    import run_server
     from config import load_config
+    from serving.engine import server_flags
     from utils.errors import ConfigError
 
     p = argparse.ArgumentParser()
-    run_server.extra_flags(p)
+    server_flags(p)
     args = p.parse_args([])
     setattr(args, flag, value)
     cfg = load_config("inference", "tiny", {"eval": True})
@@ -744,16 +744,15 @@ def test_the_server_s_defaults_scale_with_its_slots():
     per slot, whichever is more."""
     import argparse
 
-    import run_server
     from config import load_config
-    from serving.engine import default_joins, default_min_join
+    from serving.engine import default_joins, default_min_join, server_flags
     from utils.errors import ConfigError
 
     assert [default_joins(n) for n in (1, 2, 4, 8, 32, 64)] == [[1], [1, 2], [1, 4], [1, 4, 8], [1, 4, 16, 32],
                                                                 [1, 4, 16, 64]]
     assert [default_min_join(s, most) for s, most in ((1, 1), (8, 8), (8, 2), (32, 16))] == [1, 4, 2, 16]
     p = argparse.ArgumentParser()
-    run_server.extra_flags(p)
+    server_flags(p)
     cfg = load_config("inference", "tiny", {"eval": True})
     for slots, queue in ((8, 256), (64, 256), (100, 400)):
         args = p.parse_args(["--slots", str(slots)])

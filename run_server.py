@@ -41,7 +41,8 @@ def main(argv=None) -> None:
     from app.predict import start_decoding
     from app.runtime import server_cpu_threads, set_cpu_threads
 
-    threads = server_cpu_threads(args.cpu_threads)
+    # (a core is left to the server's threads where it serves: not for --plan, which serves nothing)
+    threads = server_cpu_threads(args.cpu_threads) if not (args.plan or args.plan_exact) else args.cpu_threads or 0
     set_cpu_threads(threads)  # (before JAX starts)
     if threads:
         logger.info("XLA's CPU pool: %d thread(s) (--cpu_threads; at least one a simulated device)", threads)

@@ -52,6 +52,7 @@ import threading
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -62,7 +63,7 @@ from app.bench import write_json  # noqa: E402
 from serving.engine import MAX_STEPS_FACTOR  # noqa: E402
 
 
-def progress(what: str, since: float = None) -> None:
+def progress(what: str, since: Optional[float] = None) -> None:
     """A line on stderr as each part of a run ends (with its seconds): a run stopped by a time limit shows where its
     time went (on a GPU, compiling the server's programs can take minutes)."""
     took = f" ({time.perf_counter() - since:.1f} s)" if since is not None else ""
@@ -291,11 +292,11 @@ def profile_engine(a, steps: int, args: str, extra: list) -> dict:
     from app.args import parse_args
     from app.predict import start_decoding
     from serving.backend import build_engine
-    from serving.engine import ServeOptions, server_flags as flags_of_the_server
+    from serving.engine import ServeOptions, server_flags
 
     reqs = json.load(open(a.workload))
-    flags = ["--config", a.config, "--load", a.ckpt, *server_flags(a, steps, reqs, extra, args)]
-    server, over = parse_args("inference", "serve benchmark", a.config, flags, flags_of_the_server)
+    flags = ["--load", a.ckpt, *server_argv(a, a.config, steps, reqs, extra, args)]
+    server, over = parse_args("inference", "serve benchmark", a.config, flags, server_flags)
     cfg = start_decoding(server, over, "serve")
     options = ServeOptions.of(server, cfg)
     engine = build_engine(cfg, options)
@@ -312,7 +313,7 @@ def profile_parts(engine, reqs: list) -> dict:
     from serving.output import Output
     from serving.scheduler import Sequence
 
-    ns, spans, advance = [], [], engine.backend.advance  # each decoding call's steps and span
+    ns, spans, advance = [], [], engine.backend.advance  # each decoding call's steps and the span it asked for
 
     def counted(keep, n, span=None):
         ns.append(n)
@@ -348,7 +349,7 @@ def profile_parts(engine, reqs: list) -> dict:
     s = {k: 1000 * v / n for k, v in t.seconds.items()}
     whole = [x for x in spans if x is not None]
     return {"decoding_calls": n, "steps_per_decoding_call": float(np.mean(ns)),
-            "attention_span_per_decoding_call": float(np.mean(whole)) if whole else None,
+            "attention_span_asked_per_decoding_call": float(np.mean(whole)) if whole else None,
             "inserts": t.calls.get("insert", 0), "tokens": sum(x.count for x in seqs),
             "tokens_per_s": sum(x.count for x in seqs) / wall, "wall_s": wall,
             "host_ms_per_decoding_call": {
@@ -388,21 +389,30 @@ def device_seconds(engine, widths: tuple, joins: tuple, calls: int = 20) -> dict
     return out
 
 
-def run_profile(a, extra: list) -> dict:
-    threads = {_flag(shlex.split(args), "--cpu_threads", None) for _, _, args in server_variants(a)}
-    if len(threads) > 1:  # (XLA's threads are set once, before JAX starts: one process, one setting)
+def profile_threads(a):
+    """The --cpu_threads every server of a --profile run gives (None: the server's default); SystemExit where they
+    differ (XLA's threads are set once, before JAX starts: one process, one setting)."""
+    threads = {own_flag(args, "cpu_threads") for _, _, args in server_variants(a)}
+    if len(threads) > 1:
         raise SystemExit("--profile runs every server setting in one process: give them one --cpu_threads")
+    return threads.pop()
+
+
+def run_profile(a, extra: list) -> dict:
     from app.runtime import server_cpu_threads, set_cpu_threads
 
-    given = threads.pop()
-    set_cpu_threads(server_cpu_threads(None if given is None else int(given)))  # (as run_server.py sets them)
+    set_cpu_threads(server_cpu_threads(profile_threads(a)))  # (as run_server.py sets them)
     return {name: profile_engine(a, k, args, extra) for name, k, args in server_variants(a)}
 
 
-def _flag(flags: list, name: str, default: str) -> str:
-    """The value of the last ``name`` in a list of flags, else ``default``."""
-    at = [i for i, f in enumerate(flags) if f == name]
-    return flags[at[-1] + 1] if at else default
+def own_flag(args: str, name: str):
+    """The value a server's own flags (``--server_args``) give one of its flags (``name``: its dest, as
+    ``cpu_threads``), as run_server.py parses them (``--flag=value`` too, the last one winning), else None."""
+    from serving.engine import server_flags
+
+    p = argparse.ArgumentParser(add_help=False)
+    server_flags(p)
+    return getattr(p.parse_known_args(shlex.split(args))[0], name)
 
 
 # --------------------------------------------------------------------------- the server, over HTTP
@@ -424,24 +434,26 @@ def server_variants(a) -> list:
 
 def most_steps(a, steps: int, args: str) -> int:
     """A server's --max_steps_per_call: its own flags', else the run's, else the server's default."""
-    own = _flag(shlex.split(args), "--max_steps_per_call", None)
-    return int(own) if own is not None else a.max_steps_per_call or MAX_STEPS_FACTOR * steps
+    own = own_flag(args, "max_steps_per_call")
+    return own if own is not None else a.max_steps_per_call or MAX_STEPS_FACTOR * steps
 
 
-def server_flags(a, steps: int, reqs: list, extra: list, args: str = "") -> list:
-    """A server's flags but --load and --port (run_server.py's; --profile's engine parses the same): the run's slots,
-    a queue that holds every request, the prompt widths the requests need, the output length, the steps a call, the
-    model's flags (``extra``), then its own (``args``, last: they override the above)."""
-    cmd = ["--slots", str(a.slots), "--max_queue", str(len(reqs)), "--output_length", str(a.max_new),
-           "--prompt_widths", *map(str, server_widths(reqs)), "--steps_per_call", str(steps), *extra]
+def server_argv(a, config: str, steps: int, reqs: list, extra: list, args: str = "") -> list:
+    """A server's command line but --load and --port (run_server.py's; --profile's engine parses the same): the
+    preset (the checkpoint carries the model's shape, the preset the rest: its precision), the run's slots, a queue
+    that holds every request, the prompt widths the requests need, the output length, the steps a call, the model's
+    flags (``extra``), then its own (``args``, last: they override the above)."""
+    cmd = ["--config", config, "--slots", str(a.slots), "--max_queue", str(len(reqs)), "--output_length",
+           str(a.max_new), "--prompt_widths", *map(str, server_widths(reqs)), "--steps_per_call", str(steps), *extra]
     cmd += ["--max_steps_per_call", str(a.max_steps_per_call)] if a.max_steps_per_call else []
     cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
     return cmd + shlex.split(args)
 
 
-def start_server(a, steps: int, ckpt: str, reqs: list, extra: list, args: str = "") -> tuple:
+def start_server(a, config: str, steps: int, ckpt: str, reqs: list, extra: list, args: str = "") -> tuple:
     """run_server.py on a free port with every program compiled -> (process, base url, model id)."""
-    cmd = [sys.executable, "run_server.py", "--load", ckpt, "--port", "0", *server_flags(a, steps, reqs, extra, args)]
+    cmd = [sys.executable, "run_server.py", "--load", ckpt, "--port", "0",
+           *server_argv(a, config, steps, reqs, extra, args)]
     env = {**os.environ, "FLAN_T5_API_KEY": ""}
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **SHARED_DEVICE}, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
@@ -587,7 +599,7 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
     servers = {}
     for name, k, args in server_variants(a):
         t = time.perf_counter()
-        servers[name] = (k, args, *start_server(a, k, ckpt, reqs, shlex.split(flags), args))
+        servers[name] = (k, args, *start_server(a, config, k, ckpt, reqs, shlex.split(flags), args))
         progress(f"{config}: {name} started, its programs compiled", t)
     runs = {name: [] for name in list(servers) + ["static"]}
     try:
@@ -636,7 +648,7 @@ def method(a, name: str, config: str, ckpt: str, work: str, flags: str, tmp: str
     out = os.path.join(tmp, f"{config}_{name}.json")
     cmd = _method_cmd(a, name, config, ckpt, work, flags, out)
     # HF generate's process keeps JAX off the accelerator (it only reads the checkpoint): torch gets the device
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"} if name == "hf" else None
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"} if name == "hf" else {**os.environ, **SHARED_DEVICE}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
@@ -681,6 +693,8 @@ def main(argv=None) -> dict:
             a, shlex.split(variants[0]))
         write_json(a.json, report)
         return report
+    if a.profile:
+        profile_threads(a)  # (refused before any checkpoint is made)
     report = {"command": "python3 benchmarks/serve.py " + shlex.join(own),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(),
               "workload": {k: getattr(a, k) for k in ("requests", "rate", "slots", "steps_per_call",

@@ -195,7 +195,7 @@ def test_the_profile_times_the_engine_s_parts_and_records_each_call_s_steps_and_
     assert p["decoding_calls"] == len(backend.ns) > 0
     assert p["steps_per_decoding_call"] == pytest.approx(np.mean(backend.ns))
     assert None not in backend.spans
-    assert p["attention_span_per_decoding_call"] == pytest.approx(np.mean(backend.spans))
+    assert p["attention_span_asked_per_decoding_call"] == pytest.approx(np.mean(backend.spans))
     assert p["inserts"] == len(inserts) and sum(inserts) >= len(reqs)
     assert p["tokens"] == sum(r["max_tokens"] for r in reqs)
     parts = p["host_ms_per_decoding_call"]
@@ -219,8 +219,9 @@ def test_the_profile_s_engine_gets_the_flags_each_server_of_the_run_gets():
     assert [n for n, _, _ in names] == [f"server_{k}step {x}" for k in a.steps_per_call
                                         for x in ("--attention_spans 2", "--steps_per_call 2 --min_join 3")]
     for _, k, args in names:
-        flags = serve.server_flags(a, k, reqs, ["--tensor_parallel", "1"], args)
-        got, over = parse_args("inference", "t", "tiny", ["--config", "tiny", *flags], server_flags)
+        flags = serve.server_argv(a, "base", k, reqs, ["--tensor_parallel", "1"], args)
+        got, over = parse_args("inference", "t", "tiny", flags, server_flags)
+        assert got.config == "base"  # (the preset's precision: the checkpoint carries the shape alone)
         assert (got.slots, got.max_queue, got.prompt_widths) == (4, 6, list(serve.server_widths(reqs)))
         assert (int(over["output_length"]), int(over["tensor_parallel"])) == (32, 1)  # (as given: strings)
         if "--attention_spans" in args:
@@ -241,7 +242,7 @@ def test_the_profile_sets_xla_s_threads_as_the_server_does(monkeypatch, server_a
 
     monkeypatch.delenv("NPROC", raising=False)
     monkeypatch.delenv("PJRT_NPROC", raising=False)
-    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(4)))
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     monkeypatch.setattr(runtime, "jax_started", lambda: False)
     passed = []
 
@@ -253,6 +254,23 @@ def test_the_profile_sets_xla_s_threads_as_the_server_does(monkeypatch, server_a
     with pytest.raises(SystemExit):
         serve.run_profile(serve.parse(server_args), [])
     assert passed == [want]
-    with pytest.raises(SystemExit, match="one --cpu_threads"):
-        serve.run_profile(serve.parse(["--server_args=--cpu_threads 1", "--server_args="]), [])
+    for differ in (["--server_args=--cpu_threads 1", "--server_args="], ["--server_args=--cpu_threads=1",
+                                                                          "--server_args=--cpu_threads 2"]):
+        with pytest.raises(SystemExit, match="one --cpu_threads"):
+            serve.run_profile(serve.parse(differ), [])
+        with pytest.raises(SystemExit, match="one --cpu_threads"):  # (before any checkpoint is made)
+            serve.main(differ + ["--profile", "--configs", "no_such_preset"])
     assert passed == [want]
+
+
+def test_a_server_s_own_flags_are_read_as_the_server_reads_them():
+    """What a run's JSON says of each server (its most steps a call) and what --profile sets (its XLA threads) come
+    from its --server_args as run_server.py parses them: either spelling, the last one winning."""
+    from benchmarks import serve
+
+    assert serve.own_flag("--cpu_threads=3 --min_join 2", "cpu_threads") == 3
+    assert serve.own_flag("--cpu_threads 1 --cpu_threads 4", "cpu_threads") == 4
+    assert serve.own_flag("--min_join 2", "cpu_threads") is None
+    a = serve.parse(["--steps_per_call", "8"])
+    assert [serve.most_steps(a, 8, x) for x in ("", "--max_steps_per_call=12", "--max_steps_per_call 9")] == [
+        32, 12, 9]

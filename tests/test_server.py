@@ -283,7 +283,7 @@ def test_the_server_leaves_one_core_to_its_own_threads_by_default(monkeypatch, g
     monkeypatch.delenv("PJRT_NPROC", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     monkeypatch.setattr(runtime, "jax_started", lambda: started)
     assert runtime.server_cpu_threads(given) == want
     passed = []
@@ -293,9 +293,12 @@ def test_the_server_leaves_one_core_to_its_own_threads_by_default(monkeypatch, g
         raise SystemExit(7)
 
     monkeypatch.setattr(runtime, "set_cpu_threads", stop)
+    flags = ["--load", "nowhere"] + ([] if given is None else ["--cpu_threads", str(given)])
     with pytest.raises(SystemExit):
-        run_server.main(["--load", "nowhere"] + ([] if given is None else ["--cpu_threads", str(given)]))
-    assert passed == [want]
+        run_server.main(flags)
+    with pytest.raises(SystemExit):  # --plan serves nothing: no core left, the flag as given
+        run_server.main(flags + ["--plan"])
+    assert passed == [want, given or 0]
 
 
 def test_a_server_on_a_non_local_address_without_a_key_says_so():

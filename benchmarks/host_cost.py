@@ -26,7 +26,7 @@ from app.bench import write_json  # noqa: E402
 
 def fake_engine(requests: int, slots: int, steps: int):
     """The server's engine (as run_server.py builds it for ``steps`` a call, up to 4x with every slot taken, prompts
-    up to 64 tokens, 256 new) over the tests' fake device and the synthetic tokenizer -> (engine, backend)."""
+    up to 64 tokens, 256 new) over the tests' fake device (``engine.backend``) and the synthetic tokenizer."""
     from data.tasks import load_tokenizer
     from serving.engine import Engine, ServeOptions, default_joins, default_min_join
     from tests.fake_backend import FakeBackend
@@ -37,9 +37,7 @@ def fake_engine(requests: int, slots: int, steps: int):
                           pad_id=tok.pad_token_id, vocab=len(tok))
     options = ServeOptions(slots, requests, widths, joins, steps, 256, 1 << 20, 1 << 20, "host_cost",
                            min_join=default_min_join(slots, max(joins)), max_steps=most)
-    engine = Engine(backend, tok, lambda texts: [tok(t, add_special_tokens=False)["input_ids"] for t in texts],
-                    options)
-    return engine, backend
+    return Engine(backend, tok, lambda texts: [tok(t, add_special_tokens=False)["input_ids"] for t in texts], options)
 
 
 def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> dict:
@@ -48,7 +46,7 @@ def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> d
     from serving.output import Output
     from serving.scheduler import Sequence
 
-    engine, backend = fake_engine(requests, slots, steps)
+    engine = fake_engine(requests, slots, steps)
     cpu = {}
     for name, obj in (("scheduler", engine.scheduler), ("output", engine.output)):
         loop = obj._loop
@@ -79,7 +77,7 @@ def run(requests: int, slots: int, steps: int, stream: bool, seed: int = 0) -> d
     tokens = sum(s.count for s in seqs)  # (read when the last one ended: the tokens of the wall time)
     engine.stop()
     return {"stream": stream, "tokens": tokens, "asked": int(sum(s.max_tokens for s in seqs)), "events": events[0],
-            "decoding_calls": len(backend.ns), "wall_s": wall, "tokens_per_s": tokens / wall,
+            "decoding_calls": len(engine.backend.ns), "wall_s": wall, "tokens_per_s": tokens / wall,
             "cpu_s": cpu, "cpu_us_per_token": {k: 1e6 * v / tokens for k, v in cpu.items()}}
 
 

@@ -347,9 +347,9 @@ def profile_parts(engine, reqs: list) -> dict:
         raise SystemExit(f"{len(failed)} of the profile's requests failed, the first: {failed[0]}")
     n = t.calls["advance"]
     s = {k: 1000 * v / n for k, v in t.seconds.items()}
-    whole = [x for x in spans if x is not None]
+    asked = [x for x in spans if x is not None]  # (None: the whole cache)
     return {"decoding_calls": n, "steps_per_decoding_call": float(np.mean(ns)),
-            "attention_span_asked_per_decoding_call": float(np.mean(whole)) if whole else None,
+            "attention_span_asked_per_decoding_call": float(np.mean(asked)) if asked else None,
             "inserts": t.calls.get("insert", 0), "tokens": sum(x.count for x in seqs),
             "tokens_per_s": sum(x.count for x in seqs) / wall, "wall_s": wall,
             "host_ms_per_decoding_call": {

@@ -187,7 +187,8 @@ def test_the_profile_times_the_engine_s_parts_and_records_each_call_s_steps_and_
     from benchmarks.host_cost import fake_engine
 
     reqs = serve.workload(serve.parse(["--requests", "12", "--seed", "3"]))
-    engine, backend = fake_engine(len(reqs), slots=4, steps=2)
+    engine = fake_engine(len(reqs), slots=4, steps=2)
+    backend = engine.backend
     inserts = []
     insert = backend.insert
     backend.insert = lambda *a: (inserts.append(a[1]), insert(*a))[1]

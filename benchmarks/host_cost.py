@@ -28,7 +28,7 @@ def fake_engine(requests: int, slots: int, steps: int):
     """The server's engine (as run_server.py builds it for ``steps`` a call, up to 4x with every slot taken, prompts
     up to 64 tokens, 256 new) over the tests' fake device (``engine.backend``) and the synthetic tokenizer."""
     from data.tasks import load_tokenizer
-    from serving.engine import Engine, ServeOptions, default_joins, default_min_join
+    from serving.engine import Engine, ServeOptions, default_joins
     from tests.fake_backend import FakeBackend
 
     tok = load_tokenizer("synthetic")
@@ -36,7 +36,7 @@ def fake_engine(requests: int, slots: int, steps: int):
     backend = FakeBackend(slots=slots, widths=widths, joins=joins, steps=most, eos_id=tok.eos_token_id,
                           pad_id=tok.pad_token_id, vocab=len(tok))
     options = ServeOptions(slots, requests, widths, joins, steps, 256, 1 << 20, 1 << 20, "host_cost",
-                           min_join=default_min_join(slots, max(joins)), max_steps=most)
+                           max_steps=most)
     return Engine(backend, tok, lambda texts: [tok(t, add_special_tokens=False)["input_ids"] for t in texts], options)
 
 

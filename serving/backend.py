@@ -28,6 +28,7 @@ class SlotBackend:
         self.insert, self.advance, self.score, self.fetch, self.reset = p.insert, p.advance, p.score, p.fetch, p.reset
         self.first_token_column = p.first_token_column
         self.spans = p.spans  # the attention spans compiled (graphs/slots.py)
+        self.platform = p.g.mesh.devices.flat[0].platform
 
 
 def build_engine(cfg, options: ServeOptions, params=None) -> Engine:

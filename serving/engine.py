@@ -72,7 +72,7 @@ class ServeOptions:
     max_body_bytes: int
     model_id: str
     max_logprobs: int = 20  # the most likely tokens shown beside each token, at most
-    min_join: int = 1  # free slots that wait (two calls at most) for a group before joining
+    min_join: Optional[int] = None  # free slots that wait (two calls at most) for a group (None: by the device)
     chat_template: Optional[str] = None  # --chat_template's text
     max_steps: int = 0  # the most steps per call, taken while every slot is taken (0: ``steps``)
     attention_spans: int = 1  # advance programs, each attending over a prefix of the cache (graphs/slots.py)
@@ -110,7 +110,7 @@ class ServeOptions:
         return cls(slots, max(DEFAULT_QUEUE, 4 * slots) if args.max_queue is None else args.max_queue,
                    tuple(widths), tuple(joins), args.steps_per_call, cfg.inference.output_length,
                    args.max_prompt_chars or 64 * widths[-1], args.max_body_bytes, model_id, args.max_logprobs,
-                   args.min_join or default_min_join(slots, slots // local * max(joins)),
+                   args.min_join,
                    read_template(args.chat_template), args.max_steps_per_call or MAX_STEPS_FACTOR * args.steps_per_call,
                    DEFAULT_SPANS if args.attention_spans is None else args.attention_spans)
 
@@ -158,8 +158,8 @@ def server_flags(p) -> None:
                         "which the default leaves too); docs/serving.md")
     s.add_argument("--min_join", type=int, default=None,
                    help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
-                        "join together in one insert (default: half the slots, at most the rows one insert takes: "
-                        "data_parallel x the widest join; 1: a free slot joins at once)")
+                        "join together in one insert (default: 1 on a CPU, where a free slot joins at once; else half "
+                        "the slots, at most the rows one insert takes: data_parallel x the widest join)")
     s.add_argument("--max_logprobs", type=int, default=20,
                    help="the most likely tokens a request may ask to see beside each token (logprobs, top_logprobs; "
                         "default 20, as vLLM's)")
@@ -196,11 +196,13 @@ def default_joins(local: int) -> list:
     return sorted({j for j in powers_of_two(1, local)[::2] if j <= local} | {local})
 
 
-def default_min_join(slots: int, most: int) -> int:
-    """Half the slots, at most the most one insert takes: an insert of one prompt cost as much as 3 decoding steps of
-    8 slots on the development CPU, of 4 prompts hardly more, so free slots wait (two calls at most) to join together
-    (docs/serving.md)."""
-    return max(1, min(slots // 2, most))
+def default_min_join(slots: int, most: int, platform: str) -> int:
+    """Free slots that wait for a group by default, on the devices of ``platform``: on a CPU 1 (a free slot joins at
+    once: an insert's cost grows with its prompts there, 8 of them cost 3.5x to 4.3x one, so a group saves little
+    while the free slots idle; joining at once gained 14% and 16% at width 256 in the serving benchmark, 6% to 12% in
+    the engine alone, docs/serving.md); elsewhere half the slots, at most the most one insert takes (``most``): on
+    an accelerator an insert of a few prompts costs about what one costs, reading every weight once."""
+    return 1 if platform == "cpu" else max(1, min(slots // 2, most))
 
 
 def read_template(path: Optional[str]) -> Optional[str]:
@@ -227,7 +229,9 @@ class Engine:
                              scores_prompts=backend.scores_prompts)
         self.chat_template = options.chat_template or getattr(tokenizer, "chat_template", None) or None
         self.metrics = Metrics(options.slots)
-        self.scheduler = Scheduler(backend, options.max_queue, self.metrics, options.min_join, options.steps)
+        self.min_join = options.min_join or default_min_join(options.slots, backend.dp * max(backend.joins),
+                                                             backend.platform)
+        self.scheduler = Scheduler(backend, options.max_queue, self.metrics, self.min_join, options.steps)
         self.output = OutputProcessor(tokenizer, self.metrics, self.scheduler.finish)
 
     # ------------------------------------------------------------------ prompts
@@ -301,7 +305,9 @@ class Engine:
         o = self.options
         return (f"serving {self.model_id} on http://{host}:{port} ({o.slots} slots, a queue of {o.max_queue}, "
                 f"prompts up to {o.widths[-1]} tokens, up to {o.max_new_tokens} new tokens, {o.steps} step(s) a "
-                f"call, up to {o.most_steps} with every slot taken)")
+                f"call, up to {o.most_steps} with every slot taken, "
+                + ("a free slot joins at once)" if self.min_join == 1 else
+                   f"free slots wait for {self.min_join} to join together)"))
 
 
 def check_exposure(host: str, api_key: Optional[str]) -> Optional[str]:

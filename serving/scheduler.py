@@ -80,6 +80,7 @@ class Backend(Protocol):
     top: int  # the most likely tokens' log-probabilities each call gives
     scores_prompts: bool  # ``score`` exists (a causal model)
     score_rows: int  # prompts one ``score`` reads
+    platform: str  # the devices' ("cpu", "gpu", "tpu"): what an insert costs there sets how free slots join
 
     def layout(self, ids: np.ndarray, mask: np.ndarray) -> tuple: ...
 

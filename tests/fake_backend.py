@@ -38,8 +38,8 @@ def logprob(token, i) -> np.ndarray:
 class FakeBackend:
     def __init__(self, slots: int = 4, dp: int = 1, widths=(8, 16), joins=(1, 2, 4), steps: int = 2,
                  eos_id: int = 1, pad_id: int = 0, vocab: int = 64, top: int = 4, scores_prompts: bool = True,
-                 right_aligned: bool = False, after_prompt: bool = True):
-        self.slots, self.dp, self.local = slots, dp, slots // dp
+                 right_aligned: bool = False, after_prompt: bool = True, platform: str = "cpu"):
+        self.slots, self.dp, self.local, self.platform = slots, dp, slots // dp, platform
         self.widths, self.joins = tuple(widths), tuple(j for j in joins if j <= self.local)
         self.steps, self.eos_id, self.pad_id, self.vocab_size, self.top = steps, eos_id, pad_id, vocab, top
         self.scores_prompts, self.score_rows = scores_prompts, self.joins[-1] * dp

@@ -91,6 +91,7 @@ class Server:
             except queue.Empty:
                 raise AssertionError(f"{self.name} server did not start: {''.join(self.err[-20:])}") from None
             if line.startswith("serving "):
+                self.banner = line
                 self.url = line.split(" on ")[1].split()[0]
                 self.model = line.split()[1]
         return self
@@ -194,6 +195,7 @@ def expected(row: np.ndarray, max_tokens: int, eos: int) -> tuple:
 @pytest.mark.parametrize("family", ["t5", "gptj"])
 def test_greedy_equals_run_inference_under_16_concurrent_requests(servers, checkpoints, family, monkeypatch):
     server = servers[family]
+    assert server.banner.rstrip().endswith("a free slot joins at once)")  # the default on a CPU device (the backend's)
     texts = prompts(16, seed=1 if family == "t5" else 2)
     ref, ref_texts = run_inference_tokens(checkpoints[family], texts, monkeypatch)
     tokenizer = load_tokenizer("synthetic")

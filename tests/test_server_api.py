@@ -740,8 +740,9 @@ def test_a_prompt_as_long_as_the_widest_width_is_read_one_token_more_is_refused(
 
 
 def test_the_server_s_defaults_scale_with_its_slots():
-    """Joins of 1, 4, 16 ... and all the slots of a shard; half the slots wait to join together; a queue of 256 or 4
-    per slot, whichever is more."""
+    """Joins of 1, 4, 16 ... and all the slots of a shard; on a CPU a free slot joins at once, on an accelerator half
+    the slots (at most the rows one insert takes) wait to join together, the engine choosing by its backend's
+    devices, --min_join over both; a queue of 256 or 4 per slot, whichever is more."""
     import argparse
 
     from config import load_config
@@ -750,10 +751,19 @@ def test_the_server_s_defaults_scale_with_its_slots():
 
     assert [default_joins(n) for n in (1, 2, 4, 8, 32, 64)] == [[1], [1, 2], [1, 4], [1, 4, 8], [1, 4, 16, 32],
                                                                 [1, 4, 16, 64]]
-    assert [default_min_join(s, most) for s, most in ((1, 1), (8, 8), (8, 2), (32, 16))] == [1, 4, 2, 16]
+    shapes = ((1, 1), (8, 8), (8, 2), (32, 16), (32, 64))
+    assert [default_min_join(s, most, "gpu") for s, most in shapes] == [1, 4, 2, 16, 16]
+    assert [default_min_join(s, most, "tpu") for s, most in shapes] == [1, 4, 2, 16, 16]
+    assert [default_min_join(s, most, "cpu") for s, most in shapes] == [1] * 5
     p = argparse.ArgumentParser()
     server_flags(p)
     cfg = load_config("inference", "tiny", {"eval": True})
+    # 8 slots, joins of 1 and 2 rows a dp shard: one insert takes 2 x dp rows, the most that wait on an accelerator
+    for platform, dp, flags, want in (("cpu", 1, [], 1), ("cpu", 2, [], 1), ("gpu", 1, [], 2), ("gpu", 2, [], 4),
+                                      ("gpu", 1, ["--min_join", "3"], 3), ("cpu", 1, ["--min_join", "3"], 3)):
+        o = ServeOptions.of(p.parse_args(["--slots", "8", *flags]), cfg)
+        got = Engine(FakeBackend(slots=8, dp=dp, joins=(1, 2), platform=platform), TOK, encode, o)
+        assert got.min_join == got.scheduler.min_join == want, (platform, dp, flags)
     for slots, queue in ((8, 256), (64, 256), (100, 400)):
         args = p.parse_args(["--slots", str(slots)])
         assert ServeOptions.of(args, cfg).max_queue == queue

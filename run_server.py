@@ -18,6 +18,21 @@ finished (ended with an error after --grace_period seconds), exit 0.
 
 from __future__ import annotations
 
+def engine_process(args, overrides: dict, cfg, options):
+    """The engine over a decoding loop in a process of its own (serving/remote.py): this process, which serves HTTP,
+    loads only the tokenizer; JAX starts in the other."""
+    from data.tasks import load_tokenizer
+    from modelling import registry
+    from serving.backend import backend_of_args, prompt_encoder
+    from serving.engine import Engine
+    from serving.remote import Worker
+
+    worker = Worker(backend_of_args, args, overrides)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    encode = prompt_encoder(registry.checked(cfg), tokenizer)
+    return Engine(worker.backend, tokenizer, encode, options, scheduler=worker.scheduler)
+
+
 if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) is one line too, not a traceback
     from app.entry import exit_on_signals
 
@@ -38,22 +53,24 @@ def main(argv=None) -> None:
     from serving.engine import server_flags
 
     args, overrides = command_line("inference", __doc__, argv, server_flags)
-    from app.predict import start_decoding
+    from app.predict import decoding_config, start_decoding
     from app.runtime import server_cpu_threads, set_cpu_threads
 
     # (a core is left to the server's threads where it serves: not for --plan, which serves nothing)
-    threads = server_cpu_threads(args.cpu_threads) if not (args.plan or args.plan_exact) else args.cpu_threads or 0
+    plan = args.plan or args.plan_exact
+    threads = server_cpu_threads(args.cpu_threads) if not plan else args.cpu_threads or 0
     set_cpu_threads(threads)  # (before JAX starts)
     if threads:
         logger.info("XLA's CPU pool: %d thread(s) (--cpu_threads; at least one a simulated device)", threads)
 
-    cfg = start_decoding(args, overrides, "serve")
+    remote = args.engine_process and not plan  # (JAX then starts in the engine process alone)
+    cfg = (decoding_config if remote else start_decoding)(args, overrides, "serve")
     from serving.backend import build_engine
     from serving.engine import KEY_VARIABLE, ServeOptions, check_exposure
     from serving.http import serve
 
     options = ServeOptions.of(args, cfg)
-    if args.plan or args.plan_exact:
+    if plan:
         from app.predict import print_plan
 
         print_plan(cfg, options.slots, exact=args.plan_exact, prompt_length=options.widths[-1])
@@ -63,7 +80,7 @@ def main(argv=None) -> None:
     exposed = check_exposure(args.host, api_key)
     if exposed:
         logger.warning(exposed)
-    engine = build_engine(cfg, options)
+    engine = engine_process(args, overrides, cfg, options) if remote else build_engine(cfg, options)
     serve(engine, args.host, args.port, api_key, args.grace_period,
           lambda host, port: print(engine.describe(host, port), flush=True), args.header_timeout, args.body_timeout,
           max_connections=args.max_connections)

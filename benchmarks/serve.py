@@ -513,10 +513,17 @@ async def _drive(url: str, model: str, reqs: list) -> list:
 
 
 def thread_seconds(pid: int) -> dict:
-    """{thread id: (name, CPU seconds so far, user and system)} of a process's threads (Linux; {} elsewhere)."""
+    """{thread id: (name, CPU seconds so far, user and system)} of a process's threads and its child processes'
+    (a server's engine process, --engine_process) (Linux; {} elsewhere)."""
     out, tick = {}, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     root = f"/proc/{pid}/task"
     for tid in (os.listdir(root) if os.path.isdir(root) else []):
+        try:
+            with open(f"{root}/{tid}/children") as f:
+                for child in f.read().split():
+                    out.update(thread_seconds(int(child)))
+        except OSError:
+            pass
         try:
             with open(f"{root}/{tid}/comm") as f:
                 name = f.read().strip()

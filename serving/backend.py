@@ -8,7 +8,7 @@ and every program compiled before the server listens.
 
 from __future__ import annotations
 
-from app.predict import Predictor
+from app.predict import Predictor, start_decoding
 from data.tasks import encoder_of, load_tokenizer, pad_id
 from graphs.slots import SlotPrograms
 from serving.engine import Engine, ServeOptions
@@ -33,6 +33,13 @@ class SlotBackend:
 
 def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
     """The engine over the weights the config names (or ``params``), every program compiled."""
+    backend, tokenizer, encode = build_backend(cfg, options, params)
+    return Engine(backend, tokenizer, encode, options)
+
+
+def build_backend(cfg, options: ServeOptions, params=None) -> tuple:
+    """(SlotBackend over the weights the config names (or ``params``), every program compiled; the tokenizer;
+    ``encode(texts) -> ids`` as the model reads prompts)."""
     predictor = Predictor(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if params is None:
@@ -42,6 +49,17 @@ def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
                             options.most_steps, tokenizer.eos_token_id, pad_id(tokenizer),
                             options.max_logprobs, options.attention_spans)
     programs.compile(params)
-    family, encoder = predictor.family, encoder_of(tokenizer)  # a prompt through the Rust tokenizer directly
-    return Engine(SlotBackend(programs, family), tokenizer, lambda texts: family.encode_inputs(encoder, texts),
-                  options)
+    return SlotBackend(programs, predictor.family), tokenizer, prompt_encoder(predictor.family, tokenizer)
+
+
+def backend_of_args(args, overrides: dict) -> SlotBackend:
+    """run_server.py's backend from its command line (``command_line``'s two), as the engine process builds it
+    (serving/remote.py): the config, this process's devices, every program compiled."""
+    cfg = start_decoding(args, overrides, "serve")
+    return build_backend(cfg, ServeOptions.of(args, cfg))[0]
+
+
+def prompt_encoder(family, tokenizer):
+    """``encode(texts) -> ids``: prompts as the family reads them, through the Rust tokenizer directly."""
+    encoder = encoder_of(tokenizer)
+    return lambda texts: family.encode_inputs(encoder, texts)

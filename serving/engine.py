@@ -156,6 +156,9 @@ def server_flags(p) -> None:
                         "server's own threads: HTTP, scheduling, text; at least one a simulated device; 0: XLA's "
                         "own default, all the cores, or PJRT_NPROC or NPROC where the environment sets them, "
                         "which the default leaves too); docs/serving.md")
+    s.add_argument("--engine_process", action="store_true",
+                   help="run the decoding loop (the model, its programs and the scheduler) in a process of its own, "
+                        "so that it never waits for the HTTP layer's interpreter lock (docs/serving.md)")
     s.add_argument("--min_join", type=int, default=None,
                    help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
                         "join together in one insert (default: 1 on a CPU, where a free slot joins at once; else half "
@@ -218,7 +221,7 @@ def read_template(path: Optional[str]) -> Optional[str]:
 class Engine:
     """The model served (see the module docstring): ``encode(texts) -> ids`` reads prompts as the model does."""
 
-    def __init__(self, backend, tokenizer, encode: Callable, options: ServeOptions):
+    def __init__(self, backend, tokenizer, encode: Callable, options: ServeOptions, scheduler: Callable = Scheduler):
         self.backend, self.tokenizer, self.encode, self.options = backend, tokenizer, encode, options
         self.model_id, self.created = options.model_id, int(time.time())
         self.limits = Limits(max_tokens=options.max_new_tokens, default_max_tokens=options.max_new_tokens,
@@ -231,7 +234,7 @@ class Engine:
         self.metrics = Metrics(options.slots)
         self.min_join = options.min_join or default_min_join(options.slots, backend.dp * max(backend.joins),
                                                              backend.platform)
-        self.scheduler = Scheduler(backend, options.max_queue, self.metrics, self.min_join, options.steps)
+        self.scheduler = scheduler(backend, options.max_queue, self.metrics, self.min_join, options.steps)
         self.output = OutputProcessor(tokenizer, self.metrics, self.scheduler.finish)
 
     # ------------------------------------------------------------------ prompts

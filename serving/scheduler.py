@@ -35,6 +35,7 @@ import numpy as np
 
 logger = logging.getLogger("flan_t5")
 FATAL_AFTER = 3  # decoding calls failing in a row (none read in between) that stop the loop for good
+SHUTTING_DOWN = "the server is shutting down: no new requests"
 JOIN_WAIT = 2  # decoding calls free slots wait at most for others, to join in one insert
 SEED_BITS = 64
 
@@ -115,6 +116,7 @@ class Sequence:
     prompt_logprobs: bool = False  # the prompt's own log-probabilities (a causal model's)
     out: Any = None
     arrival: float = field(default_factory=time.perf_counter)
+    key: Optional[int] = None  # its name between the server's two processes (serving/remote.py)
     # state: the scheduler's thread writes it; ``cancel``, ``finish`` and ``abort`` only set their flags
     count: int = 0  # tokens read
     dispatched: int = 0  # tokens the calls dispatched so far give at most
@@ -207,7 +209,7 @@ class Scheduler:
             if self.failure is not None:
                 raise self.failure
             if not self.admitting:
-                raise ShuttingDown("the server is shutting down: no new requests")
+                raise ShuttingDown(SHUTTING_DOWN)
             held = len(self.held_seqs)
             if held + len(seqs) > self.b.slots + self.max_queue:
                 raise QueueFull(held, self.b.slots, self.max_queue)

@@ -154,3 +154,52 @@ class SpanTooNarrow(Exception):
 class _Pending:
     out: np.ndarray
     gate: object
+
+
+class FailOnce:
+    """A ``fail`` hook that makes the ``at``-th call of ``kind`` raise (picklable: it crosses to an engine process)."""
+
+    def __init__(self, kind: str, at: int = 1):
+        self.kind, self.at, self.seen = kind, at, 0
+
+    def __call__(self, kind: str):
+        if kind == self.kind:
+            self.seen += 1
+            if self.seen == self.at:
+                return RuntimeError(f"{kind} {self.at} failed")
+        return None
+
+
+class SlowFake(FakeBackend):
+    """A fake whose advances' tokens are read ``delay`` seconds after they are asked for: sequences that surely run
+    a while (a test cancels them meanwhile)."""
+
+    def __init__(self, delay: float = 0.01, **kw):
+        super().__init__(**kw)
+        self.delay = delay
+
+    def fetch(self, handle):
+        if isinstance(handle, _Pending):
+            import time
+
+            time.sleep(self.delay)
+        return super().fetch(handle)
+
+
+def build_fake(kw: dict) -> FakeBackend:
+    """serving/remote.py's ``build`` of a fake (in the engine process): ``kw`` the FakeBackend's, ``delay`` a
+    SlowFake's, ``platform``, ``fail`` (FailOnce)."""
+    kw = dict(kw)
+    fail = kw.pop("fail", None)
+    b = SlowFake(**kw) if "delay" in kw else FakeBackend(**kw)
+    b.fail = fail
+    return b
+
+
+def refuse_to_start(kind: str):
+    """A ``build`` that raises: a ConfigError (a bad setting, its one line) or a bug."""
+    from utils.errors import ConfigError
+
+    if kind == "config":
+        raise ConfigError("--slots 3 must divide over data_parallel 2")
+    raise ZeroDivisionError("a bug")

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -150,6 +152,16 @@ def test_the_serving_benchmark_counts_each_thread_s_cpu_and_sorts_it():
     after = thread_seconds(os.getpid())
     read.set()
     assert after[ident[0]][1] - before.get(ident[0], ("", 0.0))[1] >= 0.2
+    # a child process's threads count with the process's (a server's engine process)
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.3: pass\nprint('spun', flush=True)\n"
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "spun"
+        assert thread_seconds(os.getpid())[child.pid][1] >= 0.2
+    finally:
+        child.kill()
+        child.wait()
     pid = 100
     b = {100: ("python3", 1.0), 101: ("tf_XLAEigen", 2.0), 102: ("python3", 0.5), 104: ("XLATfrtCpuClient", 0.0)}
     a = {100: ("python3", 1.25), 101: ("tf_XLAEigen", 2.5), 102: ("python3", 0.5), 103: ("python3", 0.125),

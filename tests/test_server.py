@@ -151,10 +151,12 @@ def checkpoints(models):
 @pytest.fixture(scope="module")
 def servers(checkpoints):
     """Both servers, started together (each compiles while the other does); T5's drains for 60 s on SIGTERM,
-    GPT-J's ends its held requests at once (and takes up to 1024 new tokens: requests that outlast a signal)."""
+    GPT-J's ends its held requests at once (and takes up to 1024 new tokens: requests that outlast a signal).
+    GPT-J's decoding loop runs in an engine process of its own (serving/remote.py), T5's in the server's: every test
+    of both goes through both."""
     started = {"t5": Server("t5", checkpoints["t5"], "--grace_period", "60"),
                "gptj": Server("gptj", checkpoints["gptj"], "--grace_period", "0", "--output_length", "1024",
-                              "--cpu_threads", "1")}
+                              "--cpu_threads", "1", "--engine_process")}
     try:
         yield {k: s.ready() for k, s in started.items()}
     finally:
@@ -530,11 +532,35 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits_0(servers):
     assert server.proc.wait(WAIT) == 0
 
 
+def engine_of(pid: int) -> int:
+    """A server's engine process (Linux): its child started by multiprocessing's spawn (beside its resource
+    tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(x) for x in f.read().split()]
+    found = []
+    for k in kids:
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                found.append(k)
+    assert len(found) == 1, kids
+    return found[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie is gone but for its exit code)
+    except FileNotFoundError:
+        return False
+
+
 def test_sigterm_after_the_grace_period_ends_the_requests_with_an_error_then_exits_0(servers):
-    server = servers["gptj"]  # --grace_period 0
+    server = servers["gptj"]  # --grace_period 0, its decoding loop in an engine process
+    engine = engine_of(server.proc.pid)
     text = server.long_prompt(1024)
     streams = [_open_stream(server, {"prompt": text, "max_tokens": 1024, "temperature": 0}) for _ in range(2)]
     server.proc.send_signal(signal.SIGTERM)
+    os.kill(engine, signal.SIGTERM)  # (as a supervisor's control group sends it to both: the server's to handle)
     for client, response, lines in streams:
         events = [line for line in lines if line]
         response.close()
@@ -543,8 +569,30 @@ def test_sigterm_after_the_grace_period_ends_the_requests_with_an_error_then_exi
         error = json.loads(events[-2][6:])["error"]  # ended, not silently dropped
         assert error["code"] == "shutting_down" and "shut down" in error["message"]
     assert server.proc.wait(WAIT) == 0
+    assert not alive(engine)  # the engine process stopped with it
     with pytest.raises(httpx.ConnectError):  # it no longer listens
         httpx.get(server.url + "/health", timeout=WAIT)
+
+
+def test_a_server_whose_engine_process_dies_answers_its_requests_and_exits_non_zero(checkpoints):
+    """The engine process killed (out of memory, a crash): the requests in flight get an error event, the server
+    exits 1 saying why (for its supervisor to restart it), not a live server that fails every request."""
+    server = Server("gptj", checkpoints["gptj"], "--engine_process", "--attention_spans", "1", "--join_sizes", "1",
+                    "--output_length", "1024", "--max_steps_per_call", "8").ready()  # (few programs to compile)
+    try:
+        engine = engine_of(server.proc.pid)
+        text = server.long_prompt(1024)
+        client, response, lines = _open_stream(server, {"prompt": text, "max_tokens": 1024, "temperature": 0})
+        os.kill(engine, signal.SIGKILL)
+        events = [line for line in lines if line]
+        response.close()
+        client.close()
+        error = json.loads(events[-2][6:])["error"]
+        assert events[-1] == "data: [DONE]" and "engine process stopped (exit code -9)" in error["message"], error
+        assert server.proc.wait(WAIT) == 1
+        assert "the engine process stopped (exit code -9): restart the server" in "".join(server.err)
+    finally:
+        server.stop()
 
 
 def test_each_server_compiles_its_attention_spans_and_times_them(servers):

@@ -13,25 +13,11 @@ read as given (as ``run_inference.py --prompt``), and greedy decoding (temperatu
 Decoding runs in ``--slots`` rows at once, each request in its own row at its own position: requests join and leave
 between steps (serving/scheduler.py). Every program is compiled before the server listens; the line
 ``serving MODEL on http://HOST:PORT ...`` says it is ready. SIGTERM or Ctrl-C: no new requests, the held ones
-finished (ended with an error after --grace_period seconds), exit 0.
+finished (ended with an error after --grace_period seconds), exit 0. --engine_process: the decoding loop in a
+process of its own (serving/remote.py).
 """
 
 from __future__ import annotations
-
-def engine_process(args, overrides: dict, cfg, options):
-    """The engine over a decoding loop in a process of its own (serving/remote.py): this process, which serves HTTP,
-    loads only the tokenizer; JAX starts in the other."""
-    from data.tasks import load_tokenizer
-    from modelling import registry
-    from serving.backend import backend_of_args, prompt_encoder
-    from serving.engine import Engine
-    from serving.remote import Worker
-
-    worker = Worker(backend_of_args, args, overrides)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    encode = prompt_encoder(registry.checked(cfg), tokenizer)
-    return Engine(worker.backend, tokenizer, encode, options, scheduler=worker.scheduler)
-
 
 if __name__ == "__main__":  # Ctrl-C during the imports below (seconds: JAX's) is one line too, not a traceback
     from app.entry import exit_on_signals
@@ -84,6 +70,21 @@ def main(argv=None) -> None:
     serve(engine, args.host, args.port, api_key, args.grace_period,
           lambda host, port: print(engine.describe(host, port), flush=True), args.header_timeout, args.body_timeout,
           max_connections=args.max_connections)
+
+
+def engine_process(args, overrides: dict, cfg, options):
+    """The engine over a decoding loop in a process of its own (serving/remote.py): this process, which serves HTTP,
+    loads only the tokenizer; JAX starts in the other."""
+    from data.tasks import load_tokenizer
+    from modelling import registry
+    from serving.backend import backend_of_args, prompt_encoder
+    from serving.engine import Engine
+    from serving.remote import Worker
+
+    worker = Worker(backend_of_args, args, overrides)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    encode = prompt_encoder(registry.checked(cfg), tokenizer)
+    return Engine(worker.backend, tokenizer, encode, options, scheduler=worker.scheduler)
 
 
 if __name__ == "__main__":

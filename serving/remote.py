@@ -20,8 +20,9 @@ again on the other side. The HTTP process admits a request itself (the queue's b
 the same exceptions, at once) and counts a sequence held until its last update comes back, so the engine process
 never holds more than it admitted. The engine process's scheduler metrics (queue depth, running slots, tokens)
 come back with every message. The HTTP process's messages go out through a queue and a thread of their own, as a
-signal handler (SIGTERM's drain) may send one while the main thread is inside a send. If the engine process dies, every held sequence ends with ``Failed`` (fatal: the
-server exits non-zero for its supervisor to restart it), and it exits by itself when the HTTP process goes away.
+signal handler (SIGTERM's drain) may send one while the main thread is inside a send. If the engine process dies,
+every held sequence ends with ``Failed`` (fatal: the server exits non-zero for its supervisor to restart it), and
+it exits by itself when the HTTP process goes away.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from app.logs import setup_logging
 from serving.scheduler import SHUTTING_DOWN, Failed, QueueFull, Scheduler, SchedulerError, Sequence, ShuttingDown, \
     Update
 from utils.errors import ConfigError, FlanT5Error
@@ -304,8 +306,6 @@ def engine_main(conn, build: Callable, args: tuple) -> None:
     supervisor's control group send them to both): it drains, then stops this one."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from app.logs import setup_logging
-
     setup_logging(force=True)  # (JAX, imported when this process unpickled ``build``, set absl's up first)
     pipe = _Pipe(conn)
     try:

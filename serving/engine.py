@@ -219,7 +219,9 @@ def read_template(path: Optional[str]) -> Optional[str]:
 
 
 class Engine:
-    """The model served (see the module docstring): ``encode(texts) -> ids`` reads prompts as the model does."""
+    """The model served (see the module docstring): ``encode(texts) -> ids`` reads prompts as the model does;
+    ``scheduler(backend, max_queue, metrics, min_join, steps)`` makes the scheduler (the Scheduler in this process, or
+    serving/remote.py's over an engine process, whose ``backend`` is then what this process knows of it)."""
 
     def __init__(self, backend, tokenizer, encode: Callable, options: ServeOptions, scheduler: Callable = Scheduler):
         self.backend, self.tokenizer, self.encode, self.options = backend, tokenizer, encode, options

@@ -391,7 +391,10 @@ def device_seconds(engine, widths: tuple, joins: tuple, calls: int = 20) -> dict
 
 def profile_threads(a):
     """The --cpu_threads every server of a --profile run gives (None: the server's default); SystemExit where they
-    differ (XLA's threads are set once, before JAX starts: one process, one setting)."""
+    differ (XLA's threads are set once, before JAX starts: one process, one setting), or where one asks for an
+    engine process (the profile runs the engine in this one)."""
+    if any(own_flag(args, "engine_process") for _, _, args in server_variants(a)):
+        raise SystemExit("--profile runs the engine in its own process: drop --engine_process from --server_args")
     threads = {own_flag(args, "cpu_threads") for _, _, args in server_variants(a)}
     if len(threads) > 1:
         raise SystemExit("--profile runs every server setting in one process: give them one --cpu_threads")

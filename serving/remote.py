@@ -27,11 +27,14 @@ it exits by itself when the HTTP process goes away.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -39,7 +42,8 @@ from typing import Callable, Optional
 from app.logs import setup_logging
 from serving.scheduler import SHUTTING_DOWN, Failed, QueueFull, Scheduler, SchedulerError, Sequence, ShuttingDown, \
     Update
-from utils.errors import ConfigError, FlanT5Error
+from utils import errors
+from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 ERRORS = {"Failed": lambda message, fatal: Failed(message, fatal),
@@ -88,21 +92,28 @@ class _Pipe:
         self.conn, self.lock = conn, threading.Lock()
 
     def send(self, msg) -> bool:
-        """Whether it went (False: the other end is gone). ``msg`` may be a callable, made under the lock: what it
-        reads is then the newest that any message says (the tally, which two threads send)."""
+        """Whether it went (False: the other end is gone, or the message could not be sent: then the two sides
+        no longer agree, and the caller ends as if the other side died). ``msg`` may be a callable, made under the
+        lock: what it reads is then the newest that any message says (the tally, which two threads send)."""
         with self.lock:
             try:
                 self.conn.send(msg() if callable(msg) else msg)
                 return True
-            except (OSError, EOFError, BrokenPipeError):
+            except (OSError, EOFError):
+                return False
+            except Exception:  # noqa: BLE001 (a message that does not pickle: a bug, said)
+                logger.exception("a message to the other process could not be sent")
                 return False
 
     def recv(self):
         """The next message; None when the other end is gone (or this one closed meanwhile: CPython's Connection
-        then raises TypeError)."""
+        then raises TypeError), or when a message does not unpickle (a bug, said)."""
         try:
             return self.conn.recv()
         except (OSError, EOFError, TypeError):
+            return None
+        except Exception:  # noqa: BLE001
+            logger.exception("a message from the other process could not be read")
             return None
 
 
@@ -127,8 +138,10 @@ class Worker:
                 raise RuntimeError(f"the engine process stopped while it started (exit code "
                                    f"{self.process.exitcode}); its log above says why")
             _, name, message = msg
-            raise (ConfigError if name == "ConfigError" else FlanT5Error if name == "FlanT5Error" else
-                   RuntimeError)(message if name in ("ConfigError", "FlanT5Error") else f"{name}: {message}")
+            kind = getattr(errors, name, None)  # an expected error (utils/errors.py): one line and its exit code
+            if isinstance(kind, type) and issubclass(kind, FlanT5Error):
+                raise kind(message)
+            raise RuntimeError(f"{name}: {message}")
         self.backend: BackendInfo = msg[1]
 
     def scheduler(self, backend, max_queue: int, metrics, min_join: int, steps: Optional[int]) -> "RemoteScheduler":
@@ -165,7 +178,10 @@ class RemoteScheduler:
     def _send(self) -> None:
         while True:
             msg = self.outbox.get()
-            if msg is None or not self.pipe.send(msg):
+            if msg is None:
+                return
+            if not self.pipe.send(msg):
+                self._died()
                 return
 
     def start(self, emit: Callable, on_fatal: Callable = lambda error: None) -> None:
@@ -228,7 +244,7 @@ class RemoteScheduler:
         while True:
             msg = self.pipe.recv()
             if msg is None or msg[0] == "stopped":
-                if not self.stopping:
+                if msg is None or not self.stopping:  # (gone without saying it stopped: died, even while stopping)
                     self._died()
                 return
             if msg[0] == "updates":
@@ -263,13 +279,24 @@ class RemoteScheduler:
             self.totals[name] = tally[name]
 
     def _died(self) -> None:
-        """The engine process went away: every held sequence ends with a fatal Failed, and so does the server."""
+        """The engine process went away (or a message could not cross): every held sequence ends with a fatal Failed,
+        and so does the server, once (the reading and the writing thread may both find it)."""
+        with self.lock:
+            if self.failure is not None and self.failure.fatal:
+                return
+            self.failure = Failed("the engine process stopped: restart the server", fatal=True)  # (until said below)
         self.w.process.join(1.0)
-        error = Failed(f"the engine process stopped (exit code {self.w.process.exitcode}): restart the server",
-                       fatal=True)
+        exit_code = self.w.process.exitcode
+        if exit_code is None:  # alive, but the two no longer agree: it goes, as the server does
+            self.w.process.kill()
+        why = (f"stopped (exit code {exit_code})" if exit_code is not None else
+               "no longer answers (a message could not cross)")
+        error = Failed(f"the engine process {why}: restart the server", fatal=True)
         with self.lock:
             self.failure = error
             held, self.held_seqs = list(self.held_seqs.values()), {}
+        self.metrics.queue_depth.set(0)
+        self.metrics.running.set(0)
         self.emit([Update(s, error=error) for s in held])
         self.on_fatal(error)
 
@@ -302,10 +329,10 @@ class _Tally:
 
 def engine_main(conn, build: Callable, args: tuple) -> None:
     """The engine process: ``build(*args)`` -> the backend, then the scheduler over it, driven by the pipe until
-    ``stop`` or until the HTTP process goes away. Ctrl-C and SIGTERM are the HTTP process's (a terminal and a
-    supervisor's control group send them to both): it drains, then stops this one."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ``stop`` or until the HTTP process goes away (on Linux it is killed with the HTTP process, even while it
+    compiles). Once it is ready, Ctrl-C and SIGTERM are the HTTP process's (a terminal and a supervisor's control
+    group send them to both): it drains, then stops this one; before, they stop it as they stop the server."""
+    _die_with_parent()
     setup_logging(force=True)  # (JAX, imported when this process unpickled ``build``, set absl's up first)
     pipe = _Pipe(conn)
     try:
@@ -315,8 +342,22 @@ def engine_main(conn, build: Callable, args: tuple) -> None:
             logger.exception("the engine process could not start")
         pipe.send(("error", type(e).__name__, str(e)))
         raise SystemExit(1) from None
-    pipe.send(("ready", BackendInfo.of(backend)))
-    _Engine(pipe, backend).run()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if pipe.send(("ready", BackendInfo.of(backend))):
+        _Engine(pipe, backend).run()
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the one that started it ends (prctl's PR_SET_PDEATHSIG), so that an
+    engine process never outlives its server (a server killed while this one compiles); elsewhere the closed pipe
+    says it, once this one reads or writes it."""
+    if not sys.platform.startswith("linux"):
+        return
+    started_by = multiprocessing.parent_process()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+    if started_by is not None and os.getppid() != started_by.pid:  # (it ended before the call: this one goes too)
+        os._exit(1)
 
 
 class _Engine:
@@ -325,6 +366,7 @@ class _Engine:
     def __init__(self, pipe: _Pipe, backend):
         self.pipe, self.backend, self.tally = pipe, backend, _Tally()
         self.seqs: dict = {}  # key -> Sequence held here
+        self.aborted: Optional[SchedulerError] = None  # the abort said: it ends what comes after it too
 
     def run(self) -> None:
         msg = self.pipe.recv()
@@ -332,7 +374,9 @@ class _Engine:
             return
         _, max_queue, min_join, steps = msg
         self.scheduler = s = Scheduler(self.backend, max_queue, self.tally, min_join, steps)
-        if self.pipe.recv() is None:
+        msg = self.pipe.recv()
+        if msg is None or msg[0] != "start":  # (gone, or stopped before it started)
+            self.pipe.send(("stopped",))
             return
         s.start(self._emit, lambda error: self.pipe.send(("fatal", error_of(error))))
         while True:
@@ -346,7 +390,8 @@ class _Engine:
             elif msg[0] == "flag":
                 (s.cancel if msg[1] == "cancelled" else s.finish)([self.seqs[k] for k in msg[2] if k in self.seqs])
             elif msg[0] == "abort":
-                s.abort_all(error_from(msg[1]))
+                self.aborted = error_from(msg[1])
+                s.abort_all(self.aborted)
 
     def _submit(self, specs: list) -> None:
         seqs = []
@@ -355,6 +400,8 @@ class _Engine:
         for s in seqs:
             self.seqs[s.key] = s
         try:
+            if self.aborted is not None:  # (submitted before the abort, sent after it: a signal's handler)
+                raise self.aborted
             self.scheduler.submit(seqs)
         except SchedulerError as e:  # (the HTTP process admitted them: a loop that failed meanwhile) answered
             self._emit([Update(s, error=e) for s in seqs])

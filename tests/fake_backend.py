@@ -197,9 +197,21 @@ def build_fake(kw: dict) -> FakeBackend:
 
 
 def refuse_to_start(kind: str):
-    """A ``build`` that raises: a ConfigError (a bad setting, its one line) or a bug."""
-    from utils.errors import ConfigError
+    """A ``build`` that raises: a ConfigError (a bad setting, its one line), a CheckpointError, or a bug."""
+    from utils.errors import CheckpointError, ConfigError
 
     if kind == "config":
         raise ConfigError("--slots 3 must divide over data_parallel 2")
+    if kind == "checkpoint":
+        raise CheckpointError("ckpt/x holds no weights")
     raise ZeroDivisionError("a bug")
+
+
+def slow_build(seconds: float, marker: str) -> FakeBackend:
+    """A ``build`` that takes ``seconds`` (an engine process compiling), ``marker`` written as it begins."""
+    import time
+
+    with open(marker, "w") as f:
+        f.write("building")
+    time.sleep(seconds)
+    return FakeBackend()

@@ -273,6 +273,8 @@ def test_the_profile_sets_xla_s_threads_as_the_server_does(monkeypatch, server_a
             serve.run_profile(serve.parse(differ), [])
         with pytest.raises(SystemExit, match="one --cpu_threads"):  # (before any checkpoint is made)
             serve.main(differ + ["--profile", "--configs", "no_such_preset"])
+    with pytest.raises(SystemExit, match="drop --engine_process"):  # (it profiles the engine in its own process)
+        serve.run_profile(serve.parse(["--server_args=", "--server_args=--engine_process"]), [])
     assert passed == [want]
 
 

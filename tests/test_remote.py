@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,8 +22,9 @@ from serving.output import Output
 from serving.remote import Worker, error_from, error_of
 from serving.scheduler import Failed, QueueFull, Scheduler, Sequence, ShuttingDown
 from tests.fake_backend import FailOnce, build_fake, refuse_to_start
-from utils.errors import ConfigError
+from utils.errors import CheckpointError, ConfigError
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = make_tokenizer()
 WAIT = 60.0
 LONG = 2000  # tokens of a sequence that surely outlasts a test's step (a SlowFake reads 2 of them in ``delay``)
@@ -35,7 +38,7 @@ class Run:
     """An engine over the fake, in this process (``remote=False``) or in an engine process, started: each
     sequence's events (by its sink), the fatal errors."""
 
-    def __init__(self, remote: bool, max_queue: int = 8, **backend):
+    def __init__(self, remote: bool, max_queue: int = 8, start: bool = True, **backend):
         kw = {"slots": 4, "widths": (8, 16), "joins": (1, 2, 4), "steps": 2, "vocab": len(TOK), "top": 3,
               "eos_id": TOK.eos_token_id, "pad_id": TOK.pad_token_id, **backend}
         options = ServeOptions(slots=4, max_queue=max_queue, widths=(8, 16), joins=(1, 2, 4), steps=2,
@@ -46,7 +49,8 @@ class Run:
         self.engine = Engine(backend, TOK, encode, options, scheduler=scheduler)
         self.events, self.fatal, self.cv = {}, [], threading.Condition()
         self.sinks = 0
-        self.engine.start(self._deliver, self.fatal.append)
+        if start:
+            self.engine.start(self._deliver, self.fatal.append)
 
     def _deliver(self, events) -> None:
         with self.cv:
@@ -222,11 +226,110 @@ def test_the_engine_process_exits_when_the_http_process_goes_away(started):
 
 
 @pytest.mark.parametrize("kind, error, message", [("config", ConfigError, "--slots 3 must divide over data_parallel 2"),
+                                                  ("checkpoint", CheckpointError, "ckpt/x holds no weights"),
                                                   ("bug", RuntimeError, "ZeroDivisionError: a bug")])
 def test_an_engine_process_that_cannot_start_raises_its_error_here(kind, error, message):
     with pytest.raises(error) as e:
         Worker(refuse_to_start, kind)
-    assert str(e.value) == message
+    assert str(e.value) == message and type(e.value) is error  # (an expected error: its one line and exit code)
+
+
+def test_an_abort_ends_a_submit_sent_after_it():
+    """A SIGTERM handler's abort may be sent between a request's admission and its submit: the request ends with
+    the abort's error too, rather than running on after it."""
+    run = Run(True, delay=0.01)
+    try:
+        run.engine.abort(ShuttingDown("the server shut down before this request finished"))
+        s = run.seq("the cat sat", LONG, stream=True)
+        run.engine.submit([s])
+        run.wait(lambda: run.ended(s), "it ends at once")
+        assert run.result(s)[4] == ("ShuttingDown", "the server shut down before this request finished", False)
+        assert run.metrics()["generated"] == 0
+    finally:
+        run.stop()
+
+
+def test_an_engine_stopped_before_it_started_stops_its_process():
+    run = Run(True, start=False)
+    t = time.monotonic()
+    run.stop()
+    assert run.worker.process.exitcode == 0 and time.monotonic() - t < 10  # (not the 30 s of a kill)
+
+
+def test_a_message_that_cannot_cross_ends_the_held_sequences_and_the_server():
+    """A bug that makes a message unpicklable: every held sequence gets a fatal error and the server stops, rather
+    than requests that wait forever."""
+    run = Run(True, delay=0.01)
+    try:
+        held = run.seq("the cat sat", LONG, stream=True)
+        run.engine.submit([held])
+        run.wait(lambda: held.out.sink in run.events, "it generates")
+        bad = run.seq("a dog", 4)
+        bad.ids = [lambda: 0]  # (does not pickle)
+        run.engine.submit([bad])
+        run.wait(lambda: run.ended(held) and run.ended(bad), "both answered")
+        for s in (held, bad):
+            name, message, fatal = run.result(s)[4]
+            assert name == "Failed" and fatal and "restart the server" in message
+        run.wait(lambda: len(run.fatal) == 1, "the server told to stop")
+    finally:
+        run.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_an_engine_process_dies_with_its_server_even_while_it_starts(tmp_path):
+    """A server killed (SIGKILL: no drain, no goodbye) while its engine process builds: that process ends too,
+    rather than compiling on and holding the device's memory."""
+    marker = str(tmp_path / "building")
+    script = ("import sys, time\nsys.path.insert(0, %r)\nfrom serving.remote import Worker\n"
+              "from tests.fake_backend import slow_build\nimport threading\n"
+              "threading.Thread(target=Worker, args=(slow_build, 60.0, %r), daemon=True).start()\n"
+              "time.sleep(60)\n") % (ROOT, marker)
+    server = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + WAIT
+        while not (engines := _children(server.pid, b"spawn_main")):
+            assert time.monotonic() < deadline, "the engine process did not start"
+            time.sleep(0.05)
+        while not os.path.exists(marker):  # (its build begun: after its prctl)
+            assert time.monotonic() < deadline, "the engine process did not begin its build"
+            time.sleep(0.05)
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + WAIT
+        while _alive(engines[0]):
+            assert time.monotonic() < deadline, "the engine process outlived its server"
+            time.sleep(0.05)
+    finally:
+        server.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (Linux; a zombie, ended and not yet reaped by whoever adopted it, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int, mark: bytes) -> list:
+    """A process's child processes (started by any of its threads) whose command line holds ``mark`` (Linux)."""
+    out, kids = [], []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+    except OSError:
+        return out
+    for k in kids:
+        try:
+            with open(f"/proc/{k}/cmdline", "rb") as f:
+                if mark in f.read():
+                    out.append(k)
+        except OSError:
+            continue
+    return out
 
 
 def test_errors_cross_with_their_type_message_and_fatality():

@@ -27,6 +27,7 @@ it exits by itself when the HTTP process goes away.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import itertools
 import logging
@@ -130,6 +131,7 @@ class Worker:
         self.process = ctx.Process(target=engine_main, args=(theirs, build, args), name="engine", daemon=True)
         self.process.start()
         theirs.close()
+        atexit.register(self.kill)  # (before multiprocessing's own, which would wait for it without end)
         self.pipe = _Pipe(ours)
         msg = self.pipe.recv()
         if msg is None or msg[0] != "ready":
@@ -147,6 +149,13 @@ class Worker:
     def scheduler(self, backend, max_queue: int, metrics, min_join: int, steps: Optional[int]) -> "RemoteScheduler":
         """Engine's ``scheduler`` factory."""
         return RemoteScheduler(self, max_queue, metrics, min_join, steps)
+
+    def kill(self) -> None:
+        """Ends the engine process now (at this process's exit, where nothing stopped it: an error before the
+        server served, say)."""
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
 
     def close(self) -> None:
         self.process.join(STOP_WAIT)

@@ -304,6 +304,21 @@ def test_an_engine_process_dies_with_its_server_even_while_it_starts(tmp_path):
         server.kill()
 
 
+def test_a_server_that_exits_without_stopping_its_engine_process_exits():
+    """An error between the engine process's start and the server's serving (nothing calls stop): the server's exit
+    ends it rather than waiting on it without end (it ignores SIGTERM once ready, which multiprocessing's exit
+    sends)."""
+    script = ("import sys\nsys.path.insert(0, %r)\nfrom serving.remote import Worker\n"
+              "from tests.fake_backend import build_fake\nw = Worker(build_fake, {})\n"
+              "w.scheduler(w.backend, 8, None, 1, None)\nprint(w.process.pid, flush=True)\n") % ROOT
+    server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.wait(WAIT) == 0
+        assert not _alive(int(server.stdout.readline()))
+    finally:
+        server.kill()
+
+
 def _alive(pid: int) -> bool:
     """Whether a process runs (Linux; a zombie, ended and not yet reaped by whoever adopted it, does not)."""
     try:

@@ -280,12 +280,12 @@ class RemoteScheduler:
             self.emit(updates)
 
     def _tally(self, tally: dict) -> None:
-        self.engine_held = tally["held"]
         self.metrics.queue_depth.set(tally["queue_depth"])
         self.metrics.running.set(tally["running"])
         for name, counter in (("generated", self.metrics.generated), ("prompt_tokens", self.metrics.prompt_tokens)):
             counter.inc(tally[name] - self.totals[name])
             self.totals[name] = tally[name]
+        self.engine_held = tally["held"]  # (last: who sees it sees the metrics of the same message)
 
     def _died(self) -> None:
         """The engine process went away (or a message could not cross): every held sequence ends with a fatal Failed,

@@ -166,9 +166,10 @@ def test_admission_is_decided_here_and_cancels_reach_the_engine_process():
         assert run.engine.healthy is False and run.engine.held() == 6  # a drain: the held ones go on
         run.engine.cancel(seqs)
         run.wait(lambda: run.engine.held() == 0, "the cancelled sequences leave the engine process")
+        cancelled = run.engine.metrics.requests.labels("cancelled")._value
+        run.wait(lambda: cancelled.get() == 6, "they ended there as cancelled")  # (counted by the output thread)
         assert run.metrics()["generated"] < 4 * LONG / 4  # they stopped long before their max_tokens
         assert not any(run.ended(s) for s in seqs)  # (a cancelled sequence's client is gone: nothing sent)
-        assert run.engine.metrics.requests.labels("cancelled")._value.get() == 6  # they ended there as cancelled
     finally:
         run.stop()
 

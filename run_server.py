@@ -66,22 +66,22 @@ def main(argv=None) -> None:
     exposed = check_exposure(args.host, api_key)
     if exposed:
         logger.warning(exposed)
-    engine = engine_process(args, overrides, cfg, options) if remote else build_engine(cfg, options)
+    engine = engine_process(cfg, options) if remote else build_engine(cfg, options)
     serve(engine, args.host, args.port, api_key, args.grace_period,
           lambda host, port: print(engine.describe(host, port), flush=True), args.header_timeout, args.body_timeout,
           max_connections=args.max_connections)
 
 
-def engine_process(args, overrides: dict, cfg, options):
+def engine_process(cfg, options):
     """The engine over a decoding loop in a process of its own (serving/remote.py): this process, which serves HTTP,
     loads only the tokenizer; JAX starts in the other."""
     from data.tasks import load_tokenizer
     from modelling import registry
-    from serving.backend import backend_of_args, prompt_encoder
+    from serving.backend import backend_in_process, prompt_encoder
     from serving.engine import Engine
     from serving.remote import Worker
 
-    worker = Worker(backend_of_args, args, overrides)
+    worker = Worker(backend_in_process, cfg, options)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     encode = prompt_encoder(registry.checked(cfg), tokenizer)
     return Engine(worker.backend, tokenizer, encode, options, scheduler=worker.scheduler)

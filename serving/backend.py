@@ -8,7 +8,8 @@ and every program compiled before the server listens.
 
 from __future__ import annotations
 
-from app.predict import Predictor, start_decoding
+from app.predict import Predictor
+from app.runtime import start_devices
 from data.tasks import encoder_of, load_tokenizer, pad_id
 from graphs.slots import SlotPrograms
 from serving.engine import Engine, ServeOptions
@@ -52,11 +53,11 @@ def build_backend(cfg, options: ServeOptions, params=None) -> tuple:
     return SlotBackend(programs, predictor.family), tokenizer, prompt_encoder(predictor.family, tokenizer)
 
 
-def backend_of_args(args, overrides: dict) -> SlotBackend:
-    """run_server.py's backend from its command line (``command_line``'s two), as the engine process builds it
-    (serving/remote.py): the config, this process's devices, every program compiled."""
-    cfg = start_decoding(args, overrides, "serve")
-    return build_backend(cfg, ServeOptions.of(args, cfg))[0]
+def backend_in_process(cfg, options: ServeOptions) -> SlotBackend:
+    """The backend as an engine process builds it (serving/remote.py) from its server's config and options: this
+    process's devices set up from the config (as ``start_decoding`` does), every program compiled."""
+    start_devices(cfg)
+    return build_backend(cfg, options)[0]
 
 
 def prompt_encoder(family, tokenizer):

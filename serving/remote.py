@@ -70,11 +70,9 @@ class BackendInfo:
     """What the HTTP process knows of the backend in the engine process (what ``Engine`` reads of one)."""
 
     slots: int
-    local: int
     dp: int
     widths: tuple
     joins: tuple
-    steps: int
     vocab_size: int
     top: int
     scores_prompts: bool
@@ -82,8 +80,7 @@ class BackendInfo:
 
     @classmethod
     def of(cls, b) -> "BackendInfo":
-        return cls(b.slots, b.local, b.dp, tuple(b.widths), tuple(b.joins), b.steps, b.vocab_size, b.top,
-                   b.scores_prompts, b.platform)
+        return cls(b.slots, b.dp, tuple(b.widths), tuple(b.joins), b.vocab_size, b.top, b.scores_prompts, b.platform)
 
 
 class _Pipe:
@@ -216,16 +213,11 @@ class RemoteScheduler:
                       s.prompt_logprobs) for s in seqs]
             self.outbox.put(("submit", specs))
 
-    def _flag(self, seqs: list, name: str) -> None:
-        for s in seqs:
-            setattr(s, name, True)
-        self.outbox.put(("flag", name, [s.key for s in seqs]))
-
     def cancel(self, seqs: list) -> None:
-        self._flag(seqs, "cancelled")
+        self.outbox.put(("flag", "cancelled", [s.key for s in seqs]))
 
     def finish(self, seqs: list) -> None:
-        self._flag(seqs, "finished")
+        self.outbox.put(("flag", "finished", [s.key for s in seqs]))
 
     def abort_all(self, error: SchedulerError) -> None:
         self.outbox.put(("abort", error_of(error)))
@@ -406,8 +398,7 @@ class _Engine:
         seqs = []
         for key, ids, max_tokens, temperature, top_p, top_k, seed, logprobs, prompt_logprobs in specs:
             seqs.append(Sequence(ids, max_tokens, temperature, top_p, top_k, seed, logprobs, prompt_logprobs, key=key))
-        for s in seqs:
-            self.seqs[s.key] = s
+            self.seqs[key] = seqs[-1]
         try:
             if self.aborted is not None:  # (submitted before the abort, sent after it: a signal's handler)
                 raise self.aborted

@@ -21,10 +21,11 @@ from serving.engine import Engine, ServeOptions
 from serving.output import Output
 from serving.remote import Worker, error_from, error_of
 from serving.scheduler import Failed, QueueFull, Scheduler, Sequence, ShuttingDown
+from tests.env import ROOT
 from tests.fake_backend import FailOnce, build_fake, refuse_to_start
+from tests.helpers import alive, spawned_children
 from utils.errors import CheckpointError, ConfigError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOK = make_tokenizer()
 WAIT = 60.0
 LONG = 2000  # tokens of a sequence that surely outlasts a test's step (a SlowFake reads 2 of them in ``delay``)
@@ -289,7 +290,7 @@ def test_an_engine_process_dies_with_its_server_even_while_it_starts(tmp_path):
     server = subprocess.Popen([sys.executable, "-c", script])
     try:
         deadline = time.monotonic() + WAIT
-        while not (engines := _children(server.pid, b"spawn_main")):
+        while not (engines := spawned_children(server.pid)):
             assert time.monotonic() < deadline, "the engine process did not start"
             time.sleep(0.05)
         while not os.path.exists(marker):  # (its build begun: after its prctl)
@@ -298,7 +299,7 @@ def test_an_engine_process_dies_with_its_server_even_while_it_starts(tmp_path):
         server.kill()
         server.wait()
         deadline = time.monotonic() + WAIT
-        while _alive(engines[0]):
+        while alive(engines[0]):
             assert time.monotonic() < deadline, "the engine process outlived its server"
             time.sleep(0.05)
     finally:
@@ -315,37 +316,9 @@ def test_a_server_that_exits_without_stopping_its_engine_process_exits():
     server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert server.wait(WAIT) == 0
-        assert not _alive(int(server.stdout.readline()))
+        assert not alive(int(server.stdout.readline()))
     finally:
         server.kill()
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process runs (Linux; a zombie, ended and not yet reaped by whoever adopted it, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _children(pid: int, mark: bytes) -> list:
-    """A process's child processes (started by any of its threads) whose command line holds ``mark`` (Linux)."""
-    out, kids = [], []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids += [int(x) for x in f.read().split()]
-    except OSError:
-        return out
-    for k in kids:
-        try:
-            with open(f"/proc/{k}/cmdline", "rb") as f:
-                if mark in f.read():
-                    out.append(k)
-        except OSError:
-            continue
-    return out
 
 
 def test_errors_cross_with_their_type_message_and_fatality():

@@ -41,6 +41,7 @@ from config.presets import load_config, to_dict
 from data.tasks import load_tokenizer
 from graphs.graphs import Graphs
 from modelling import decoding, slots
+from tests.helpers import alive, spawned_children
 from utils import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow  # (a server process per family, each compiling its programs)
@@ -533,25 +534,10 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits_0(servers):
 
 
 def engine_of(pid: int) -> int:
-    """A server's engine process (Linux): its child started by multiprocessing's spawn (beside its resource
-    tracker)."""
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        kids = [int(x) for x in f.read().split()]
-    found = []
-    for k in kids:
-        with open(f"/proc/{k}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                found.append(k)
-    assert len(found) == 1, kids
+    """A server's engine process (Linux)."""
+    found = spawned_children(pid)
+    assert len(found) == 1, found
     return found[0]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie is gone but for its exit code)
-    except FileNotFoundError:
-        return False
 
 
 def test_sigterm_after_the_grace_period_ends_the_requests_with_an_error_then_exits_0(servers):

@@ -3,6 +3,7 @@ graphs/memory.py)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import resource
@@ -29,6 +30,20 @@ def peak_rss_bytes() -> int:
     """This process's peak resident memory (host RAM), in bytes."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+
+def descendants(pid: int) -> list:
+    """A process's child processes, theirs, and so on, started by any of its threads (Linux; [] elsewhere)."""
+    out = []
+    for f in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(f) as fh:
+                kids = [int(x) for x in fh.read().split()]
+        except OSError:
+            continue
+        for k in kids:
+            out += [k] + descendants(k)
+    return out
 
 
 def median(xs):

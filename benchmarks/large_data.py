@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.bench import ROOT, write_json  # noqa: E402
+from app.bench import ROOT, descendants, write_json  # noqa: E402
 from app.entry import entry  # noqa: E402
 
 TASK = ["--task_name", "own_nli", "--input_template", "premise: {premise} hypothesis: {hypothesis}",
@@ -71,18 +71,6 @@ def _status(pid: int) -> dict:
         return {}
 
 
-def _descendants(pid: int) -> list:
-    out = []
-    for f in glob.glob(f"/proc/{pid}/task/*/children"):
-        try:
-            kids = [int(x) for x in open(f).read().split()]
-        except OSError:
-            continue
-        for k in kids:
-            out += [k] + _descendants(k)
-    return out
-
-
 def run(argv: list, env: dict, metrics: str, log: str) -> dict:
     """One training run (a subprocess, its output to ``log``) -> its peak RSS (and its helpers'), the seconds to its
     first step and in all."""
@@ -93,7 +81,7 @@ def run(argv: list, env: dict, metrics: str, log: str) -> dict:
     while proc.poll() is None:
         st = _status(proc.pid)
         peak, anon = max(peak, st.get("VmHWM", 0)), max(anon, st.get("RssAnon", 0))
-        for d in _descendants(proc.pid):
+        for d in descendants(proc.pid):
             sd = _status(d)
             helpers[d] = max(helpers.get(d, 0), sd.get("VmHWM", 0))
             helpers_anon[d] = max(helpers_anon.get(d, 0), sd.get("RssAnon", 0))

@@ -59,7 +59,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from app.bench import write_json  # noqa: E402
+from app.bench import descendants, write_json  # noqa: E402
 from serving.engine import MAX_STEPS_FACTOR  # noqa: E402
 
 
@@ -518,15 +518,16 @@ async def _drive(url: str, model: str, reqs: list) -> list:
 def thread_seconds(pid: int) -> dict:
     """{thread id: (name, CPU seconds so far, user and system)} of a process's threads and its child processes'
     (a server's engine process, --engine_process) (Linux; {} elsewhere)."""
+    out = {}
+    for p in [pid] + descendants(pid):
+        out.update(_own_thread_seconds(p))
+    return out
+
+
+def _own_thread_seconds(pid: int) -> dict:
     out, tick = {}, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     root = f"/proc/{pid}/task"
     for tid in (os.listdir(root) if os.path.isdir(root) else []):
-        try:
-            with open(f"{root}/{tid}/children") as f:
-                for child in f.read().split():
-                    out.update(thread_seconds(int(child)))
-        except OSError:
-            pass
         try:
             with open(f"{root}/{tid}/comm") as f:
                 name = f.read().strip()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -169,6 +170,25 @@ def test_the_serving_benchmark_counts_each_thread_s_cpu_and_sorts_it():
     assert cpu_shares(pid, b, a, client=0.75, wall=2.0) == {
         "http (main thread)": 0.25, "xla threads": 0.75, "other threads (decoding, output)": 0.125,
         "load generator": 0.75, "wall": 2.0}
+
+
+def test_a_process_s_descendants_are_its_children_and_theirs():
+    """app/bench.py's ``descendants``: what the serving benchmark counts the CPU of and the large-data benchmark the
+    memory of (a run's helpers, a server's engine process)."""
+    from app.bench import descendants
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
+                              "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                              "print(g.pid, flush=True)\nsys.stdin.read()\ng.kill()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    grandchild = int(child.stdout.readline())
+    try:
+        assert {child.pid, grandchild} <= set(descendants(os.getpid()))
+        assert descendants(grandchild) == []
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.parametrize("stream", [True, False])

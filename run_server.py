@@ -39,34 +39,38 @@ def main(argv=None) -> None:
     from serving.engine import server_flags
 
     args, overrides = command_line("inference", __doc__, argv, server_flags)
-    from app.predict import decoding_config, start_decoding
-    from app.runtime import server_cpu_threads, set_cpu_threads
+    from app.predict import decoding_config, print_plan
+    from app.runtime import check_cpu_threads, server_cpu_threads, set_cpu_threads, start_devices
+    from serving.engine import KEY_VARIABLE, ServeOptions, check_exposure, step_flops
 
-    # (a core is left to the server's threads where it serves: not for --plan, which serves nothing)
-    plan = args.plan or args.plan_exact
-    threads = server_cpu_threads(args.cpu_threads) if not plan else args.cpu_threads or 0
-    set_cpu_threads(threads)  # (before JAX starts)
-    if threads:
-        logger.info("XLA's CPU pool: %d thread(s) (--cpu_threads; at least one a simulated device)", threads)
-
-    remote = args.engine_process and not plan  # (JAX then starts in the engine process alone)
-    cfg = (decoding_config if remote else start_decoding)(args, overrides, "serve")
-    from serving.backend import build_engine
-    from serving.engine import KEY_VARIABLE, ServeOptions, check_exposure
-    from serving.http import serve
-
+    check_cpu_threads(args.cpu_threads)  # (a bad value named before anything is read)
+    cfg = decoding_config(args, overrides, "serve")
     options = ServeOptions.of(args, cfg)
+    plan = args.plan or args.plan_exact
+    # (a core is left to the server's threads where it serves, unless the CPU decodes heavy steps; --plan serves
+    # nothing: the flag as given)
+    step = step_flops(cfg, options)
+    threads = (args.cpu_threads or 0) if plan else server_cpu_threads(args.cpu_threads, step)
+    set_cpu_threads(threads)  # (before JAX starts)
+    if not plan:
+        logger.info("XLA's CPU pool: %s (%s; a decoding step of the %d slots: %.1f MFLOP)",
+                    f"{threads} thread(s)" if threads else "XLA's default, every core",
+                    "--cpu_threads" if args.cpu_threads is not None else "the default: --cpu_threads to choose",
+                    options.slots, step / 1e6)
     if plan:
-        from app.predict import print_plan
-
+        start_devices(cfg)
         print_plan(cfg, options.slots, exact=args.plan_exact, prompt_length=options.widths[-1])
         return
+    if not args.engine_process:  # (else JAX starts in the engine process alone)
+        start_devices(cfg)
+    from serving.backend import build_engine
+    from serving.http import serve
 
     api_key = args.api_key or os.environ.get(KEY_VARIABLE) or None
     exposed = check_exposure(args.host, api_key)
     if exposed:
         logger.warning(exposed)
-    engine = engine_process(cfg, options) if remote else build_engine(cfg, options)
+    engine = engine_process(cfg, options) if args.engine_process else build_engine(cfg, options)
     serve(engine, args.host, args.port, api_key, args.grace_period,
           lambda host, port: print(engine.describe(host, port), flush=True), args.header_timeout, args.body_timeout,
           max_connections=args.max_connections)

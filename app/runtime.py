@@ -36,13 +36,18 @@ def ensure_host_devices(n: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={local}".strip()
 
 
+def check_cpu_threads(n: Optional[int]) -> None:
+    """ConfigError for a --cpu_threads below 0 (None, the default, and 0, XLA's own, pass)."""
+    if n is not None and n < 0:
+        raise ConfigError(f"--cpu_threads {n}: pass 0 (XLA's default: all the cores) or a number of threads")
+
+
 def set_cpu_threads(n: int) -> None:
     """XLA's thread pool on the CPU (the programs' work on a CPU device, and the host's side of an accelerator's): n
     threads, at least one a simulated CPU device; 0 leaves XLA's default (as many as the process may use cores, or
     what ``PJRT_NPROC`` or ``NPROC`` in the environment say). XLA reads the size once, when its CPU client starts,
     from ``PJRT_NPROC`` (before ``NPROC``), so this must run before JAX starts a backend."""
-    if n < 0:
-        raise ConfigError(f"--cpu_threads {n}: pass 0 (XLA's default: all the cores) or a number of threads")
+    check_cpu_threads(n)
     if not n:
         return
     if jax_started():
@@ -57,18 +62,41 @@ def jax_started() -> bool:
     return getattr(xla_bridge, "backends_are_initialized", lambda: False)()
 
 
-def server_cpu_threads(given: Optional[int]) -> int:
+# A decoding step (every slot one token) of at least this many matmul FLOPs is decoded by every core when the CPU is
+# the device: its products are then long enough that XLA's second thread halves them, where a smaller step's share
+# of the core left to the server's own threads is worth more. Measured on a 2-core CPU (benchmarks/serve.py, 8
+# slots): T5 at width 256 (76 MFLOP a step) served 2.22x static batching's tokens/s on both cores against 1.84x with
+# one (serve_t5_256_threads.json); GPT-J at width 256 (26 MFLOP) 1.94x against 1.66x the other way, and the width-64
+# models (5 and 2 MFLOP) 1.09x to 1.30x more with a core left (docs/serving.md). Between 26 and 76: 40.
+HEAVY_STEP_FLOPS = 40e6
+
+
+def server_cpu_threads(given: Optional[int], step_flops: float = 0.0) -> int:
     """run_server.py's --cpu_threads: as given, else every core this process may use but one, which is left to the
     server's own threads (HTTP, scheduling, text; as vLLM's CPU backend reserves one core for its API server by
-    default), else 0 (XLA's default) where the environment sets ``PJRT_NPROC`` or ``NPROC`` (its choice), where one
-    core is all there is, or where JAX has started already. XLA makes at least one thread a simulated device whatever
-    this says (``set_cpu_threads``)."""
+    default), else 0 (XLA's default: every core) where the CPU decodes steps of ``step_flops`` (matmul FLOPs of one
+    decoding step of every slot) at least HEAVY_STEP_FLOPS, where the environment sets ``PJRT_NPROC`` or ``NPROC``
+    (its choice), where one core is all there is, or where JAX has started already. XLA makes at least one thread a
+    simulated device whatever this says (``set_cpu_threads``)."""
     if given is not None:
         return given
     if "PJRT_NPROC" in os.environ or "NPROC" in os.environ or jax_started():  # (in a process where JAX runs
         return 0  # already, as a test's or a notebook's, XLA's pool is what it is: the default leaves it)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if step_flops >= HEAVY_STEP_FLOPS and cpu_decodes():
+        return 0
     return max(0, cores - 1)
+
+
+def cpu_decodes() -> bool:
+    """Whether JAX will run the model on the CPU (read without starting JAX): the first of ``JAX_PLATFORMS`` where
+    the environment names them, else whether no accelerator's plugin is installed (CUDA's, or TPU's libtpu)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    import importlib.util
+
+    return not gpu_plugin_installed() and importlib.util.find_spec("libtpu") is None
 
 
 def start_devices(cfg, pinned: bool = False) -> None:

@@ -286,19 +286,29 @@ class _Timed:
         setattr(obj, name, timed)
 
 
-def profile_engine(a, steps: int, args: str, extra: list) -> dict:
-    """The server's engine on the workload, in this process, built as run_server.py builds it from the flags a
-    server of this run gets (``args``: its --server_args): its parts' host time per decoding call."""
+def server_setup(a, steps: int, args: str, extra: list) -> tuple:
+    """(config, ServeOptions) of a server of this run (``args``: its --server_args), as run_server.py reads them from
+    its flags, before JAX starts."""
     from app.args import parse_args
-    from app.predict import start_decoding
-    from serving.backend import build_engine
+    from app.predict import decoding_config
     from serving.engine import ServeOptions, server_flags
 
     reqs = json.load(open(a.workload))
     flags = ["--load", a.ckpt, *server_argv(a, a.config, steps, reqs, extra, args)]
     server, over = parse_args("inference", "serve benchmark", a.config, flags, server_flags)
-    cfg = start_decoding(server, over, "serve")
-    options = ServeOptions.of(server, cfg)
+    cfg = decoding_config(server, over, "serve")
+    return cfg, ServeOptions.of(server, cfg)
+
+
+def profile_engine(a, steps: int, args: str, extra: list) -> dict:
+    """The server's engine on the workload, in this process, built as run_server.py builds it from the flags a
+    server of this run gets (``args``: its --server_args): its parts' host time per decoding call."""
+    from app.runtime import start_devices
+    from serving.backend import build_engine
+
+    reqs = json.load(open(a.workload))
+    cfg, options = server_setup(a, steps, args, extra)
+    start_devices(cfg)
     engine = build_engine(cfg, options)
     device = device_seconds(engine, options.widths, options.joins)
     return {"steps_per_call": steps, "max_steps_per_call": options.max_steps, "server_args": args,
@@ -403,8 +413,15 @@ def profile_threads(a):
 
 def run_profile(a, extra: list) -> dict:
     from app.runtime import server_cpu_threads, set_cpu_threads
+    from serving.engine import step_flops
 
-    set_cpu_threads(server_cpu_threads(profile_threads(a)))  # (as run_server.py sets them)
+    given = profile_threads(a)
+    threads = {server_cpu_threads(given, step_flops(*server_setup(a, k, args, extra)))
+               for _, k, args in server_variants(a)}  # (as run_server.py sets them: by the model's step, by default)
+    if len(threads) > 1:
+        raise SystemExit("--profile runs every server setting in one process: give them one --cpu_threads (their "
+                         f"defaults differ: {sorted(threads)})")
+    set_cpu_threads(threads.pop())
     return {name: profile_engine(a, k, args, extra) for name, k, args in server_variants(a)}
 
 

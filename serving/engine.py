@@ -153,7 +153,8 @@ def server_flags(p) -> None:
                         "positions but copies them in and out once a call); 1: every call attends over all of it")
     s.add_argument("--cpu_threads", type=int, default=None,
                    help="threads of XLA's CPU thread pool (default: all the cores but one, which is left to the "
-                        "server's own threads: HTTP, scheduling, text; at least one a simulated device; 0: XLA's "
+                        "server's own threads: HTTP, scheduling, text; all of them where the CPU decodes and a "
+                        "decoding step of every slot is 40 MFLOP or more; at least one a simulated device; 0: XLA's "
                         "own default, all the cores, or PJRT_NPROC or NPROC where the environment sets them, "
                         "which the default leaves too); docs/serving.md")
     s.add_argument("--engine_process", action="store_true",
@@ -206,6 +207,14 @@ def default_min_join(slots: int, most: int, platform: str) -> int:
     the engine alone, docs/serving.md); elsewhere half the slots, at most the most one insert takes (``most``): on
     an accelerator an insert of a few prompts costs about what one costs, reading every weight once."""
     return 1 if platform == "cpu" else max(1, min(slots // 2, most))
+
+
+def step_flops(cfg, options: ServeOptions) -> int:
+    """Matmul FLOPs of one decoding step of every slot of the model served (``app.flops.decode_step_flops``), read
+    from the config before JAX starts: what ``app.runtime.server_cpu_threads`` sizes XLA's CPU pool by."""
+    from app.flops import decode_step_flops  # (the model's family: its shapes alone, nothing started)
+
+    return options.slots * decode_step_flops(cfg.model)
 
 
 def read_template(path: Optional[str]) -> Optional[str]:

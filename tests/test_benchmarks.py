@@ -13,7 +13,7 @@ import pytest
 import finetuning
 import inference
 from config.schema import ModelConfig
-from app.flops import forward_flops_per_sample, peak_tflops, train_flops_per_sample
+from app.flops import decode_step_flops, forward_flops_per_sample, peak_tflops, train_flops_per_sample
 
 
 def test_flop_count_equals_hand_count():
@@ -28,6 +28,29 @@ def test_flop_count_equals_hand_count():
     head = 2 * 2 * 4 * 10
     assert forward_flops_per_sample(m, Le, Ld) == enc + dec + head == 2384
     assert train_flops_per_sample(m, Le, Ld) == 3 * 2384
+
+
+def _weights(module, skip=()) -> int:
+    return sum(p.numel() for name, p in module.named_parameters() if p.dim() == 2 and not any(k in name for k in skip))
+
+
+def test_a_decoding_step_counts_each_weight_that_multiplies_its_token_once():
+    """decode_step_flops: 2 FLOPs per weight that multiplies a new token (an HF model of the same shape's: GPT-J's
+    layers and head; T5's decoder and head, not its encoder nor the cross-attention's keys and values of the
+    encoder's states, nor the tables: embeddings, relative positions), and the token's own scores and context (4 x heads x d_kv a
+    layer)."""
+    from tests.hf_utils import gptj_config, gptj_hf, make_hf
+
+    hf, m, _ = make_hf("1.1")
+    hk = m.attention.heads * m.attention.d_kv
+    count = _weights(hf.decoder, skip=("embed_tokens", "EncDecAttention.k.", "EncDecAttention.v.",
+                                       "relative_attention_bias"))
+    assert decode_step_flops(m) == 2 * (count + hf.lm_head.weight.numel()) + 4 * hk * m.decoder_depth
+    hf = gptj_hf()
+    m = gptj_config(hf).model
+    hk = m.attention.heads * m.attention.d_kv
+    count = _weights(hf.transformer.h) + hf.lm_head.weight.numel()
+    assert decode_step_flops(m) == 2 * count + 4 * hk * m.layers
 
 
 def test_peak_table():
@@ -265,16 +288,43 @@ def test_the_profile_s_engine_gets_the_flags_each_server_of_the_run_gets():
     assert worker.server_args == a.server_args and worker.method == "profile"
 
 
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """benchmarks/serve.py's flags of a --profile worker over a tiny checkpoint and its workload, both made."""
+    from benchmarks import serve
+
+    root = tmp_path_factory.mktemp("profile")
+    flags = ["--config", "tiny", "--ckpt", str(root / "ckpt"), "--workload", str(root / "work.json")]
+    a = serve.parse(flags)
+    serve.make_checkpoint(a, [])
+    with open(a.workload, "w") as f:
+        json.dump(serve.workload(a), f)
+    return flags
+
+
+def heavy_slots() -> int:
+    """The fewest slots of the tiny T5 whose decoding step is heavy (every core to XLA on a CPU by default)."""
+    import math
+
+    from app.runtime import HEAVY_STEP_FLOPS
+    from config import load_config
+
+    return math.ceil(HEAVY_STEP_FLOPS / decode_step_flops(load_config("inference", "tiny").model))
+
+
 @pytest.mark.parametrize("server_args,want", [([], 3), (["--server_args=--cpu_threads 2"], 2),
-                                               (["--server_args=--cpu_threads 0"], 0)])
-def test_the_profile_sets_xla_s_threads_as_the_server_does(monkeypatch, server_args, want):
+                                               (["--server_args=--cpu_threads 0"], 0), (["heavy"], 0),
+                                               (["heavy --cpu_threads 1"], 1)])
+def test_the_profile_sets_xla_s_threads_as_the_server_does(monkeypatch, profiled, server_args, want):
     """--profile's one process gives XLA the threads a server of the run would have: its --cpu_threads, else the
-    server's default (every core but one), set before anything starts JAX; servers that differ are refused."""
+    server's default (every core but one; every core for a heavy step of its model and slots on the CPU), set
+    before anything starts JAX; servers that differ are refused, given or by default."""
     from app import runtime
     from benchmarks import serve
 
     monkeypatch.delenv("NPROC", raising=False)
     monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     monkeypatch.setattr(runtime, "jax_started", lambda: False)
     passed = []
@@ -284,17 +334,20 @@ def test_the_profile_sets_xla_s_threads_as_the_server_does(monkeypatch, server_a
         raise SystemExit(7)
 
     monkeypatch.setattr(runtime, "set_cpu_threads", stop)
+    heavy = f"--server_args=--slots {heavy_slots()}"
     with pytest.raises(SystemExit):
-        serve.run_profile(serve.parse(server_args), [])
+        serve.run_profile(serve.parse(profiled + [x.replace("heavy", heavy) for x in server_args]), [])
     assert passed == [want]
     for differ in (["--server_args=--cpu_threads 1", "--server_args="], ["--server_args=--cpu_threads=1",
                                                                           "--server_args=--cpu_threads 2"]):
         with pytest.raises(SystemExit, match="one --cpu_threads"):
-            serve.run_profile(serve.parse(differ), [])
+            serve.run_profile(serve.parse(profiled + differ), [])
         with pytest.raises(SystemExit, match="one --cpu_threads"):  # (before any checkpoint is made)
             serve.main(differ + ["--profile", "--configs", "no_such_preset"])
+    with pytest.raises(SystemExit, match=r"their defaults differ: \[0, 3\]"):  # (by their slots)
+        serve.run_profile(serve.parse(profiled + ["--server_args=", heavy]), [])
     with pytest.raises(SystemExit, match="drop --engine_process"):  # (it profiles the engine in its own process)
-        serve.run_profile(serve.parse(["--server_args=", "--server_args=--engine_process"]), [])
+        serve.run_profile(serve.parse(profiled + ["--server_args=", "--server_args=--engine_process"]), [])
     assert passed == [want]
 
 

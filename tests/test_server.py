@@ -271,34 +271,109 @@ def test_cpu_threads_is_refused_below_zero_and_after_jax_started(tmp_path):
     assert out.returncode != 0 and "--cpu_threads -1" in out.stderr.strip().splitlines()[-1], out.stderr
 
 
-@pytest.mark.parametrize("given,cores,env,started,want", [
-    (None, 4, {}, False, 3), (None, 2, {}, False, 1), (None, 1, {}, False, 0), (0, 4, {}, False, 0),
-    (2, 4, {}, False, 2), (5, 2, {}, False, 5), (None, 4, {"NPROC": "2"}, False, 0),
-    (None, 4, {"PJRT_NPROC": "3"}, False, 0), (1, 4, {"NPROC": "2"}, False, 1), (None, 4, {}, True, 0),
-    (2, 4, {}, True, 2)])
-def test_the_server_leaves_one_core_to_its_own_threads_by_default(monkeypatch, given, cores, env, started, want):
-    """run_server.py's --cpu_threads: as given (0: XLA's default); by default every core the process may use but one
-    (the HTTP, scheduling and text threads' core; 0 where there is one core), the environment's PJRT_NPROC or NPROC
-    where it sets one, and XLA's pool as it is where JAX has started already (a server run in a test's process; given
-    there, set_cpu_threads refuses it). The value is what the server passes to set_cpu_threads before JAX starts."""
-    import run_server
+@pytest.mark.parametrize("given,cores,env,started,step,want", [
+    (None, 4, {}, False, 0, 3), (None, 2, {}, False, 0, 1), (None, 1, {}, False, 0, 0), (0, 4, {}, False, 0, 0),
+    (2, 4, {}, False, 0, 2), (5, 2, {}, False, 0, 5), (None, 4, {"NPROC": "2"}, False, 0, 0),
+    (None, 4, {"PJRT_NPROC": "3"}, False, 0, 0), (1, 4, {"NPROC": "2"}, False, 0, 1), (None, 4, {}, True, 0, 0),
+    (2, 4, {}, True, 0, 2),
+    # a heavy step on the CPU: every core; just below, or on an accelerator, or given: as above
+    (None, 4, {}, False, "heavy", 0), (None, 2, {}, False, "heavy", 0), (None, 4, {}, False, "below", 3),
+    (None, 4, {"JAX_PLATFORMS": "cuda"}, False, "heavy", 3), (None, 4, {"JAX_PLATFORMS": "cuda,cpu"}, False, 1e12, 3),
+    (1, 4, {}, False, "heavy", 1), (None, 4, {"NPROC": "2"}, False, "below", 0)])
+def test_the_server_leaves_one_core_to_its_own_threads_unless_the_cpu_decodes_heavy_steps(monkeypatch, given, cores,
+                                                                                          env, started, step, want):
+    """server_cpu_threads: as given (0: XLA's default); by default every core the process may use but one (the HTTP,
+    scheduling and text threads' core; 0 where there is one core), but every core (0) where the CPU decodes a step of
+    at least HEAVY_STEP_FLOPS (``<``: one left), the environment's PJRT_NPROC or NPROC where it sets one, and XLA's
+    pool as it is where JAX has started already (a server run in a test's process; given there, set_cpu_threads
+    refuses it)."""
     from app import runtime
 
     monkeypatch.delenv("NPROC", raising=False)
     monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     monkeypatch.setattr(runtime, "jax_started", lambda: started)
-    assert runtime.server_cpu_threads(given) == want
+    step = {"heavy": runtime.HEAVY_STEP_FLOPS, "below": runtime.HEAVY_STEP_FLOPS - 1}.get(step, step)
+    assert runtime.server_cpu_threads(given, step) == want
+
+
+@pytest.mark.parametrize("platforms,plugin,libtpu,want", [
+    ("cpu", True, True, True), ("cuda,cpu", False, False, False), ("CPU, cuda", True, False, True),
+    ("tpu", False, False, False), ("", True, False, False), ("", False, True, False), ("", False, False, True),
+    (None, False, False, True), (None, True, False, False)])
+def test_the_cpu_decodes_where_jax_platforms_names_it_first_or_no_accelerator_is_installed(monkeypatch, platforms,
+                                                                                           plugin, libtpu, want):
+    """cpu_decodes (read before JAX starts): JAX_PLATFORMS's first platform where it names any, else True unless a
+    CUDA plugin or libtpu is installed."""
+    import importlib.util
+
+    from app import runtime
+
+    if platforms is None:
+        monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    monkeypatch.setattr(runtime, "gpu_plugin_installed", lambda: plugin)
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "libtpu" and libtpu
+                        else None if name == "libtpu" else find(name, *a))
+    assert runtime.cpu_decodes() is want
+
+
+WIDE = {"hidden_size": 256, "d_ff": 1024, "d_kv": 64}  # benchmarks/serve.py's width-256 models
+
+
+@pytest.mark.parametrize("preset,shape,platforms,want", [
+    ("tiny", WIDE, "cpu", 0), ("gptj_tiny", WIDE, "cpu", 1), ("tiny", {}, "cpu", 1), ("gptj_tiny", {}, "cpu", 1),
+    ("tiny", WIDE, "cuda", 1)])
+def test_the_benchmarked_models_get_the_threads_they_served_fastest_with(monkeypatch, preset, shape, platforms, want):
+    """The measured cases the default's bound sits between (2-core CPU, 8 slots, docs/serving.md): T5 at width 256
+    (76 MFLOP a step) served fastest on both cores (0), GPT-J at width 256 (26 MFLOP) and both at width 64 with a
+    core left to the server's threads (1). On an accelerator a core is left whatever the model."""
+    from app import runtime
+    from app.flops import decode_step_flops
+
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(runtime, "jax_started", lambda: False)
+    m = load_config("inference", preset, dict(shape)).model
+    assert runtime.server_cpu_threads(None, 8 * decode_step_flops(m)) == want
+
+
+@pytest.mark.parametrize("more,platforms,given,want", [(-1, "cpu", None, 3), (0, "cpu", None, 0),
+                                                       (0, "cuda", None, 3), (0, "cpu", 2, 2), (-1, "cpu", 0, 0)])
+def test_the_server_sizes_xla_s_pool_by_a_decoding_step_of_all_its_slots(monkeypatch, checkpoints, more, platforms,
+                                                                          given, want):
+    """run_server.py passes set_cpu_threads, before JAX starts, server_cpu_threads of a decoding step of every slot
+    (--slots x the loaded model's step): from the slots whose step reaches HEAVY_STEP_FLOPS (``more`` 0) every core
+    on a CPU, one slot fewer a core left; --cpu_threads as given; --plan the flag as given (0 by default)."""
+    import math
+
+    import run_server
+    from app import runtime
+    from app.flops import decode_step_flops
+
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.setattr(runtime, "jax_started", lambda: False)
     passed = []
 
-    def stop(n):  # (the server's first step after parsing: nothing else runs)
+    def stop(n):  # (the server's first step after reading its config: nothing else runs)
         passed.append(n)
         raise SystemExit(7)
 
     monkeypatch.setattr(runtime, "set_cpu_threads", stop)
-    flags = ["--load", "nowhere"] + ([] if given is None else ["--cpu_threads", str(given)])
+    per = decode_step_flops(load_config("inference", "tiny").model)  # (the checkpoint's shape: tiny's)
+    slots = math.ceil(runtime.HEAVY_STEP_FLOPS / per) + more
+    flags = ["--load", checkpoints["t5"], "--slots", str(slots)]
+    flags += [] if given is None else ["--cpu_threads", str(given)]
     with pytest.raises(SystemExit):
         run_server.main(flags)
     with pytest.raises(SystemExit):  # --plan serves nothing: no core left, the flag as given

@@ -63,11 +63,11 @@ def jax_started() -> bool:
 
 
 # A decoding step (every slot one token) of at least this many matmul FLOPs is decoded by every core when the CPU is
-# the device: its products are then long enough that XLA's second thread halves them, where a smaller step's share
-# of the core left to the server's own threads is worth more. Measured on a 2-core CPU (benchmarks/serve.py, 8
-# slots): T5 at width 256 (76 MFLOP a step) served 2.22x static batching's tokens/s on both cores against 1.84x with
-# one (serve_t5_256_threads.json); GPT-J at width 256 (26 MFLOP) 1.94x against 1.66x the other way, and the width-64
-# models (5 and 2 MFLOP) 1.09x to 1.30x more with a core left (docs/serving.md). Between 26 and 76: 40.
+# the device: its products are then long enough that XLA's second thread pays more than the core left to the
+# server's own threads. Measured on a 2-core CPU (benchmarks/serve.py, 8 slots, paired rounds, docs/serving.md): the
+# core left cost T5 at width 256 (76 MFLOP a step) 6% to 20% (2.22x static batching's tokens/s on both cores against
+# 1.84x, serve_t5_256_threads.json), GPT-J at width 256 (26 MFLOP) ran alike either way (1.00x to 1.04x), and the
+# width-64 models (5 and 2 MFLOP) gained 1.09x to 1.30x from it. Between 26 and 76: 40.
 HEAVY_STEP_FLOPS = 40e6
 
 

@@ -329,10 +329,11 @@ WIDE = {"hidden_size": 256, "d_ff": 1024, "d_kv": 64}  # benchmarks/serve.py's w
 @pytest.mark.parametrize("preset,shape,platforms,want", [
     ("tiny", WIDE, "cpu", 0), ("gptj_tiny", WIDE, "cpu", 1), ("tiny", {}, "cpu", 1), ("gptj_tiny", {}, "cpu", 1),
     ("tiny", WIDE, "cuda", 1)])
-def test_the_benchmarked_models_get_the_threads_they_served_fastest_with(monkeypatch, preset, shape, platforms, want):
+def test_the_benchmarked_models_get_the_threads_measured_for_them(monkeypatch, preset, shape, platforms, want):
     """The measured cases the default's bound sits between (2-core CPU, 8 slots, docs/serving.md): T5 at width 256
-    (76 MFLOP a step) served fastest on both cores (0), GPT-J at width 256 (26 MFLOP) and both at width 64 with a
-    core left to the server's threads (1). On an accelerator a core is left whatever the model."""
+    (76 MFLOP a step) served fastest on both cores (0), both at width 64 with a core left to the server's threads
+    (1), GPT-J at width 256 (26 MFLOP) alike either way (a core left: its setting before). On an accelerator a core
+    is left whatever the model."""
     from app import runtime
     from app.flops import decode_step_flops
 

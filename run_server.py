@@ -40,8 +40,9 @@ def main(argv=None) -> None:
 
     args, overrides = command_line("inference", __doc__, argv, server_flags)
     from app.predict import decoding_config, print_plan
+    from app.flops import decode_step_flops
     from app.runtime import check_cpu_threads, server_cpu_threads, set_cpu_threads, start_devices
-    from serving.engine import KEY_VARIABLE, ServeOptions, check_exposure, step_flops
+    from serving.engine import KEY_VARIABLE, ServeOptions, check_exposure
 
     check_cpu_threads(args.cpu_threads)  # (a bad value named before anything is read)
     cfg = decoding_config(args, overrides, "serve")
@@ -49,7 +50,7 @@ def main(argv=None) -> None:
     plan = args.plan or args.plan_exact
     # (a core is left to the server's threads where it serves, unless the CPU decodes heavy steps; --plan serves
     # nothing: the flag as given)
-    step = step_flops(cfg, options)
+    step = options.slots * decode_step_flops(cfg.model)  # (a decoding step of every slot: the config's count)
     threads = (args.cpu_threads or 0) if plan else server_cpu_threads(args.cpu_threads, step)
     set_cpu_threads(threads)  # (before JAX starts)
     if not plan:

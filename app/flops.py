@@ -28,12 +28,11 @@ def forward_flops_per_sample(m, encoder_length: int, decoder_length: int) -> int
 
 
 def decode_step_flops(m) -> int:
-    """Matmul FLOPs of one row's decoding step (one new token): every weight that multiplies it once (GPT-J's layers;
-    T5's decoder, whose cross-attention keys and values of the encoder's states were made when the prompt joined) and
-    the LM head. The attention's scores over the cache, which grow with the position, are not counted beyond the
-    step's own token."""
-    family = registry.get(m.family)
-    return family.forward_flops(m, 1, 0) if family.causal else family.forward_flops(m, 0, 1)
+    """Matmul FLOPs of one row's decoding step (one new token), as the model's family counts them
+    (``Family.decode_step_flops``: GPT-J's layers; T5's decoder, whose cross-attention keys and values of the
+    encoder's states were made when the prompt joined; and the LM head). The attention's scores over the cache, which
+    grow with the position, are not counted beyond the step's own token."""
+    return registry.get(m.family).decode_step_flops(m)
 
 
 def train_flops_per_sample(m, encoder_length: int, decoder_length: int) -> int:

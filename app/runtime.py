@@ -5,6 +5,7 @@ run agree on: a value process 0 decides, barriers, and a failure that ends every
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import logging
 import math
@@ -94,8 +95,6 @@ def cpu_decodes() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip().lower() == "cpu"
-    import importlib.util
-
     return not gpu_plugin_installed() and importlib.util.find_spec("libtpu") is None
 
 

@@ -412,12 +412,13 @@ def profile_threads(a):
 
 
 def run_profile(a, extra: list) -> dict:
+    from app.flops import decode_step_flops
     from app.runtime import server_cpu_threads, set_cpu_threads
-    from serving.engine import step_flops
 
     given = profile_threads(a)
-    threads = {server_cpu_threads(given, step_flops(*server_setup(a, k, args, extra)))
-               for _, k, args in server_variants(a)}  # (as run_server.py sets them: by the model's step, by default)
+    setups = [server_setup(a, k, args, extra) for _, k, args in server_variants(a)]
+    threads = {server_cpu_threads(given, options.slots * decode_step_flops(cfg.model))
+               for cfg, options in setups}  # (as run_server.py sets them: by a step of its slots, by default)
     if len(threads) > 1:
         raise SystemExit("--profile runs every server setting in one process: give them one --cpu_threads (their "
                          f"defaults differ: {sorted(threads)})")

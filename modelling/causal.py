@@ -222,6 +222,10 @@ class CausalLM(Family):
         n, hk = encoder_length, m.attention.heads * m.attention.d_kv
         return m.layers * (2 * n * dense + 4 * n * n * hk) + 2 * n * m.hidden_size * m.embedding.vocab_size
 
+    def decode_step_flops(self, m) -> int:
+        """The stack's forward over the new token."""
+        return self.forward_flops(m, 1)
+
     # ------------------------------------------------------------------ per-device bodies
 
     def embeddings(self, shared, ids, opts, tp_axis, rng=None):

@@ -251,8 +251,8 @@ class Family(abc.ABC):
     (modelling/causal.py's ``CausalLM``; T5 is the encoder-decoder), so a family module writes only what differs.
 
     what it is       name, stacks, shape_fields, rows (its training rows), batch_keys, batch_lengths,
-                     validate_config, forward_flops; its own config fields (config_options) and the options
-                     its functions read (options: a ModelOptions with them)
+                     validate_config, forward_flops, decode_step_flops; its own config fields (config_options) and
+                     the options its functions read (options: a ModelOptions with them)
     its weights      param_specs, keeps_f32, decays, is_dense, head_paths, lora_targets, residual_outputs
     its bodies       embeddings, context, block, stack_output, head_loss (graphs/phases.py composes them for
                      both executors); optional: forward, the reference composition the parity tests read
@@ -297,6 +297,11 @@ class Family(abc.ABC):
     @abc.abstractmethod
     def forward_flops(self, m, encoder_length: int, decoder_length: int) -> int:
         """Matmul FLOPs (2 per multiply-add) of one sample's forward pass."""
+
+    @abc.abstractmethod
+    def decode_step_flops(self, m) -> int:
+        """Matmul FLOPs of one row's decoding step (one new token, its cache holding the rest): every weight that
+        multiplies the token once, the LM head, and the token's own scores and context."""
 
     # ------------------------------------------------------------------ its weights
 

@@ -683,6 +683,11 @@ class T5Family(Family):
     keeps_f32 = staticmethod(keeps_f32)
     forward_flops = staticmethod(forward_flops)
 
+    def decode_step_flops(self, m) -> int:
+        """The decoder's forward over the new token (the encoder's states, and the cross-attention's keys and values
+        of them, were made when the prompt joined)."""
+        return forward_flops(m, 0, 1)
+
     def head_paths(self, opts) -> tuple:
         return (("decoder", "final_norm"), ("shared",) if opts.tie_word_embeddings else ("lm_head",))
 

@@ -209,14 +209,6 @@ def default_min_join(slots: int, most: int, platform: str) -> int:
     return 1 if platform == "cpu" else max(1, min(slots // 2, most))
 
 
-def step_flops(cfg, options: ServeOptions) -> int:
-    """Matmul FLOPs of one decoding step of every slot of the model served (``app.flops.decode_step_flops``), read
-    from the config before JAX starts: what ``app.runtime.server_cpu_threads`` sizes XLA's CPU pool by."""
-    from app.flops import decode_step_flops  # (the model's family: its shapes alone, nothing started)
-
-    return options.slots * decode_step_flops(cfg.model)
-
-
 def read_template(path: Optional[str]) -> Optional[str]:
     if path is None:
         return None

@@ -37,8 +37,8 @@ def _weights(module, skip=()) -> int:
 def test_a_decoding_step_counts_each_weight_that_multiplies_its_token_once():
     """decode_step_flops: 2 FLOPs per weight that multiplies a new token (an HF model of the same shape's: GPT-J's
     layers and head; T5's decoder and head, not its encoder nor the cross-attention's keys and values of the
-    encoder's states, nor the tables: embeddings, relative positions), and the token's own scores and context (4 x heads x d_kv a
-    layer)."""
+    encoder's states, nor the tables: embeddings, relative positions), and the token's own scores and context
+    (4 x heads x d_kv a layer)."""
     from tests.hf_utils import gptj_config, gptj_hf, make_hf
 
     hf, m, _ = make_hf("1.1")

@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     set_cpu_threads(threads)  # (before JAX starts)
     if not plan:
         logger.info("XLA's CPU pool: %s (%s; a decoding step of the %d slots: %.1f MFLOP)",
-                    f"{threads} thread(s)" if threads else "XLA's default, every core",
+                    f"{threads} thread(s)" if threads else "XLA's default size (the cores, or PJRT_NPROC or NPROC)",
                     "--cpu_threads" if args.cpu_threads is not None else "the default: --cpu_threads to choose",
                     options.slots, step / 1e6)
     if plan:

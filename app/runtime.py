@@ -66,7 +66,7 @@ def jax_started() -> bool:
 # A decoding step (every slot one token) of at least this many matmul FLOPs is decoded by every core when the CPU is
 # the device: its products are then long enough that XLA's second thread pays more than the core left to the
 # server's own threads. Measured on a 2-core CPU (benchmarks/serve.py, 8 slots, paired rounds, docs/serving.md): the
-# core left cost T5 at width 256 (76 MFLOP a step) 6% to 20% (2.22x static batching's tokens/s on both cores against
+# core left cost T5 at width 256 (76 MFLOP a step) 6% to 17% (2.22x static batching's tokens/s on both cores against
 # 1.84x, serve_t5_256_threads.json), GPT-J at width 256 (26 MFLOP) ran alike either way (1.00x to 1.04x), and the
 # width-64 models (5 and 2 MFLOP) gained 1.09x to 1.30x from it. Between 26 and 76: 40.
 HEAVY_STEP_FLOPS = 40e6
@@ -91,11 +91,22 @@ def server_cpu_threads(given: Optional[int], step_flops: float = 0.0) -> int:
 
 def cpu_decodes() -> bool:
     """Whether JAX will run the model on the CPU (read without starting JAX): the first of ``JAX_PLATFORMS`` where
-    the environment names them, else whether no accelerator's plugin is installed (CUDA's, or TPU's libtpu)."""
+    the environment names them, else whether no accelerator's plugin is installed (any of JAX's PJRT plugins: CUDA's,
+    ROCm's...; or TPU's libtpu)."""
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
         return platforms.split(",")[0].strip().lower() == "cpu"
-    return not gpu_plugin_installed() and importlib.util.find_spec("libtpu") is None
+    return not accelerator_plugins() and importlib.util.find_spec("libtpu") is None
+
+
+def accelerator_plugins() -> list:
+    """The names of the PJRT plugins JAX would load (the ``jax_plugins`` namespace's modules: xla_cuda12,
+    xla_rocm...; read without starting JAX), [] on a CPU-only install."""
+    try:
+        import jax_plugins  # (absent on a CPU-only install)
+    except ImportError:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
 def start_devices(cfg, pinned: bool = False) -> None:

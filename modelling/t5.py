@@ -685,7 +685,7 @@ class T5Family(Family):
 
     def decode_step_flops(self, m) -> int:
         """The decoder's forward over the new token (the encoder's states, and the cross-attention's keys and values
-        of them, were made when the prompt joined)."""
+        of them, were made when the prompt joined; its scores over them are not counted: ``Family``'s)."""
         return forward_flops(m, 0, 1)
 
     def head_paths(self, opts) -> tuple:

@@ -34,14 +34,17 @@ def _weights(module, skip=()) -> int:
     return sum(p.numel() for name, p in module.named_parameters() if p.dim() == 2 and not any(k in name for k in skip))
 
 
-def test_a_decoding_step_counts_each_weight_that_multiplies_its_token_once():
+@pytest.mark.parametrize("version,overrides", [("1.1", {}), ("1.0", {"num_decoder_layers": 3}), ("umt5", {}),
+                                               ("1.1", {"num_decoder_layers": 1})])
+def test_a_decoding_step_counts_each_weight_that_multiplies_its_token_once(version, overrides):
     """decode_step_flops: 2 FLOPs per weight that multiplies a new token (an HF model of the same shape's: GPT-J's
-    layers and head; T5's decoder and head, not its encoder nor the cross-attention's keys and values of the
-    encoder's states, nor the tables: embeddings, relative positions), and the token's own scores and context
-    (4 x heads x d_kv a layer)."""
+    layers and head; T5's decoder, as deep as it is, and head, not its encoder nor the cross-attention's keys and
+    values of the encoder's states, nor the tables: embeddings, relative positions; gated feed-forwards or not), and
+    the token's own self-attention scores and context (4 x heads x d_kv a decoder layer)."""
     from tests.hf_utils import gptj_config, gptj_hf, make_hf
 
-    hf, m, _ = make_hf("1.1")
+    hf, m, _ = make_hf(version, **overrides)
+    assert m.decoder_depth == overrides.get("num_decoder_layers", m.layers)
     hk = m.attention.heads * m.attention.d_kv
     count = _weights(hf.decoder, skip=("embed_tokens", "EncDecAttention.k.", "EncDecAttention.v.",
                                        "relative_attention_bias"))

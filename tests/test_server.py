@@ -307,7 +307,7 @@ def test_the_server_leaves_one_core_to_its_own_threads_unless_the_cpu_decodes_he
 def test_the_cpu_decodes_where_jax_platforms_names_it_first_or_no_accelerator_is_installed(monkeypatch, platforms,
                                                                                            plugin, libtpu, want):
     """cpu_decodes (read before JAX starts): JAX_PLATFORMS's first platform where it names any, else True unless a
-    CUDA plugin or libtpu is installed."""
+    PJRT plugin (CUDA's, ROCm's...) or libtpu is installed."""
     import importlib.util
 
     from app import runtime
@@ -316,11 +316,32 @@ def test_the_cpu_decodes_where_jax_platforms_names_it_first_or_no_accelerator_is
         monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     else:
         monkeypatch.setenv("JAX_PLATFORMS", platforms)
-    monkeypatch.setattr(runtime, "gpu_plugin_installed", lambda: plugin)
+    monkeypatch.setattr(runtime, "accelerator_plugins", lambda: ["xla_rocm"] if plugin else [])
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "libtpu" and libtpu
                         else None if name == "libtpu" else find(name, *a))
     assert runtime.cpu_decodes() is want
+
+
+def test_accelerator_plugins_are_the_jax_plugins_namespace_s_modules(monkeypatch, tmp_path):
+    """accelerator_plugins: every module of the ``jax_plugins`` namespace package (what JAX loads as PJRT plugins),
+    whatever its accelerator; [] where there is none."""
+    import importlib
+    import sys
+
+    from app import runtime
+
+    for name in ("xla_cuda12", "xla_rocm"):
+        (tmp_path / "jax_plugins" / name).mkdir(parents=True)
+        (tmp_path / "jax_plugins" / name / "__init__.py").write_text("")
+    monkeypatch.delitem(sys.modules, "jax_plugins", raising=False)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)] + [p for p in sys.path if p])
+    importlib.invalidate_caches()
+    assert runtime.accelerator_plugins() == ["xla_cuda12", "xla_rocm"]
+    monkeypatch.delitem(sys.modules, "jax_plugins", raising=False)
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "none")])
+    assert runtime.accelerator_plugins() == []
+    monkeypatch.delitem(sys.modules, "jax_plugins", raising=False)
 
 
 WIDE = {"hidden_size": 256, "d_ff": 1024, "d_kv": 64}  # benchmarks/serve.py's width-256 models
@@ -346,13 +367,16 @@ def test_the_benchmarked_models_get_the_threads_measured_for_them(monkeypatch, p
     assert runtime.server_cpu_threads(None, 8 * decode_step_flops(m)) == want
 
 
-@pytest.mark.parametrize("more,platforms,given,want", [(-1, "cpu", None, 3), (0, "cpu", None, 0),
-                                                       (0, "cuda", None, 3), (0, "cpu", 2, 2), (-1, "cpu", 0, 0)])
+@pytest.mark.parametrize("more,platforms,given,want,by", [
+    (-1, "cpu", None, 3, "--slots"), (0, "cpu", None, 0, "--slots"), (0, "cuda", None, 3, "--slots"),
+    (0, "cpu", 2, 2, "--slots"), (-1, "cpu", 0, 0, "--slots"),
+    (-1, "cpu", None, 3, "--micro_batch_size"), (0, "cpu", None, 0, "--micro_batch_size")])
 def test_the_server_sizes_xla_s_pool_by_a_decoding_step_of_all_its_slots(monkeypatch, checkpoints, more, platforms,
-                                                                          given, want):
+                                                                          given, want, by):
     """run_server.py passes set_cpu_threads, before JAX starts, server_cpu_threads of a decoding step of every slot
-    (--slots x the loaded model's step): from the slots whose step reaches HEAVY_STEP_FLOPS (``more`` 0) every core
-    on a CPU, one slot fewer a core left; --cpu_threads as given; --plan the flag as given (0 by default)."""
+    (the slots, --slots or by default micro_batch_size x data_parallel, x the loaded model's step): from the slots
+    whose step reaches HEAVY_STEP_FLOPS (``more`` 0) every core on a CPU, one slot fewer a core left; --cpu_threads
+    as given; --plan the flag as given (0 by default)."""
     import math
 
     import run_server
@@ -373,7 +397,7 @@ def test_the_server_sizes_xla_s_pool_by_a_decoding_step_of_all_its_slots(monkeyp
     monkeypatch.setattr(runtime, "set_cpu_threads", stop)
     per = decode_step_flops(load_config("inference", "tiny").model)  # (the checkpoint's shape: tiny's)
     slots = math.ceil(runtime.HEAVY_STEP_FLOPS / per) + more
-    flags = ["--load", checkpoints["t5"], "--slots", str(slots)]
+    flags = ["--load", checkpoints["t5"], by, str(slots)]  # (the tiny preset: data_parallel 1)
     flags += [] if given is None else ["--cpu_threads", str(given)]
     with pytest.raises(SystemExit):
         run_server.main(flags)

@@ -39,8 +39,8 @@ def main(argv=None) -> None:
     from serving.engine import server_flags
 
     args, overrides = command_line("inference", __doc__, argv, server_flags)
-    from app.predict import decoding_config, print_plan
     from app.flops import decode_step_flops
+    from app.predict import decoding_config, print_plan
     from app.runtime import check_cpu_threads, server_cpu_threads, set_cpu_threads, start_devices
     from serving.engine import KEY_VARIABLE, ServeOptions, check_exposure
 

@@ -3,7 +3,7 @@ the HTTP layer, the tokenizer, the output processor (text, stop strings, log-pro
 engine process holds the model, its compiled slot programs and the scheduler, and never waits for the HTTP
 process's interpreter lock between two decoding calls (vLLM's engine-core process, SGLang's scheduler process).
 
-    worker = Worker(args, overrides)          # the engine process started, its programs compiled
+    worker = Worker(backend_in_process, cfg, options)   # the engine process started, its programs compiled
     engine = Engine(worker.backend, tokenizer, encode, options, scheduler=worker.scheduler)
 
 ``RemoteScheduler`` is the scheduler as the engine and the HTTP layer use it (``submit``, ``cancel``, ``finish``,
@@ -41,8 +41,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from app.logs import setup_logging
-from serving.scheduler import SHUTTING_DOWN, Failed, QueueFull, Scheduler, SchedulerError, Sequence, ShuttingDown, \
-    Update
+from serving.scheduler import Failed, Scheduler, SchedulerError, Sequence, ShuttingDown, Update, admit
 from utils import errors
 from utils.errors import FlanT5Error
 
@@ -199,13 +198,7 @@ class RemoteScheduler:
     def submit(self, seqs: list) -> None:
         """As Scheduler.submit: all or none, QueueFull, ShuttingDown or Failed raised here."""
         with self.lock:
-            if self.failure is not None:
-                raise self.failure
-            if not self.admitting:
-                raise ShuttingDown(SHUTTING_DOWN)
-            held = len(self.held_seqs)
-            if held + len(seqs) > self.slots + self.max_queue:
-                raise QueueFull(held, self.slots, self.max_queue)
+            admit(self.failure, self.admitting, len(self.held_seqs), len(seqs), self.slots, self.max_queue)
             for s in seqs:
                 s.key = next(self.keys)
                 self.held_seqs[s.key] = s
@@ -325,7 +318,6 @@ class _Tally:
         self.values = {"queue_depth": 0, "running": 0, "generated": 0, "prompt_tokens": 0}
         for name in self.values:
             setattr(self, name, _Value(self.values, name))
-        self.values["held"] = 0  # (not a metric: the sequences the engine process holds, which the tests read)
 
 
 def engine_main(conn, build: Callable, args: tuple) -> None:
@@ -417,4 +409,5 @@ class _Engine:
         self.pipe.send(lambda: ("updates", rows, self._tally()))
 
     def _tally(self) -> dict:
+        """The metrics' values, and ``held``: the sequences this process holds (not a metric: the tests read it)."""
         return {**self.tally.values, "held": len(self.seqs)}

@@ -35,7 +35,6 @@ import numpy as np
 
 logger = logging.getLogger("flan_t5")
 FATAL_AFTER = 3  # decoding calls failing in a row (none read in between) that stop the loop for good
-SHUTTING_DOWN = "the server is shutting down: no new requests"
 JOIN_WAIT = 2  # decoding calls free slots wait at most for others, to join in one insert
 SEED_BITS = 64
 
@@ -167,6 +166,19 @@ class _Call:
 SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
 
 
+def admit(failure: Optional[SchedulerError], admitting: bool, held: int, joining: int, slots: int,
+          max_queue: int) -> None:
+    """What refuses ``joining`` more sequences beside the ``held`` ones, raised: the loop's ``failure`` (Failed),
+    ShuttingDown once it stops ``admitting``, QueueFull past its slots and queue (both schedulers' rule: this
+    process's, and serving/remote.py's, which admits for its engine process)."""
+    if failure is not None:
+        raise failure
+    if not admitting:
+        raise ShuttingDown("the server is shutting down: no new requests")
+    if held + joining > slots + max_queue:
+        raise QueueFull(held, slots, max_queue)
+
+
 class Scheduler:
     """The slots, the queue and the thread between them (see the module docstring). At most ``slots + max_queue``
     sequences are held; more is ``QueueFull``. ``min_join``: free slots that wait for a group (at most
@@ -206,13 +218,7 @@ class Scheduler:
         """Queues a request's sequences, all or none: Failed when the loop stopped, ShuttingDown when the server
         stops, QueueFull when it would hold more than its slots and queue."""
         with self.cv:
-            if self.failure is not None:
-                raise self.failure
-            if not self.admitting:
-                raise ShuttingDown(SHUTTING_DOWN)
-            held = len(self.held_seqs)
-            if held + len(seqs) > self.b.slots + self.max_queue:
-                raise QueueFull(held, self.b.slots, self.max_queue)
+            admit(self.failure, self.admitting, len(self.held_seqs), len(seqs), self.b.slots, self.max_queue)
             self.waiting.extend(s for s in seqs if s.max_tokens > 0)
             self.scoring.extend(s for s in seqs if s.max_tokens == 0)
             self.held_seqs.update(seqs)

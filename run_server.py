@@ -53,15 +53,14 @@ def main(argv=None) -> None:
     step = options.slots * decode_step_flops(cfg.model)  # (a decoding step of every slot: the config's count)
     threads = (args.cpu_threads or 0) if plan else server_cpu_threads(args.cpu_threads, step)
     set_cpu_threads(threads)  # (before JAX starts)
-    if not plan:
-        logger.info("XLA's CPU pool: %s (%s; a decoding step of the %d slots: %.1f MFLOP)",
-                    f"{threads} thread(s)" if threads else "XLA's default size (the cores, or PJRT_NPROC or NPROC)",
-                    "--cpu_threads" if args.cpu_threads is not None else "the default: --cpu_threads to choose",
-                    options.slots, step / 1e6)
     if plan:
         start_devices(cfg)
         print_plan(cfg, options.slots, exact=args.plan_exact, prompt_length=options.widths[-1])
         return
+    logger.info("XLA's CPU pool: %s (%s; a decoding step of the %d slots: %.1f MFLOP)",
+                f"{threads} thread(s)" if threads else "XLA's default size (the cores, or PJRT_NPROC or NPROC)",
+                "--cpu_threads" if args.cpu_threads is not None else "the default: --cpu_threads to choose",
+                options.slots, step / 1e6)
     if not args.engine_process:  # (else JAX starts in the engine process alone)
         start_devices(cfg)
     from serving.backend import build_engine

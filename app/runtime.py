@@ -192,11 +192,7 @@ def _ram_bytes() -> Optional[int]:
 def gpu_plugin_installed() -> bool:
     """Whether JAX has a CUDA plugin to load (read without starting JAX): where it has none, the pinned host pool
     is never created and sizing it costs nothing."""
-    try:
-        import jax_plugins  # the namespace package of JAX's PJRT plugins; absent on a CPU-only install
-    except ImportError:
-        return False
-    return any(m.name.startswith("xla_cuda") for m in pkgutil.iter_modules(jax_plugins.__path__))
+    return any(name.startswith("xla_cuda") for name in accelerator_plugins())
 
 
 def ensure_pinned_host_memory(cfg, force: bool = False) -> Optional[int]:

@@ -286,28 +286,26 @@ class _Timed:
         setattr(obj, name, timed)
 
 
-def server_setup(a, steps: int, args: str, extra: list) -> tuple:
-    """(config, ServeOptions) of a server of this run (``args``: its --server_args), as run_server.py reads them from
-    its flags, before JAX starts."""
+def server_setup(a, steps: int, args: str, extra: list, reqs: list) -> tuple:
+    """(config, ServeOptions) of a server of this run (``args``: its --server_args) for the requests, as run_server.py
+    reads them from its flags, before JAX starts."""
     from app.args import parse_args
     from app.predict import decoding_config
     from serving.engine import ServeOptions, server_flags
 
-    reqs = json.load(open(a.workload))
     flags = ["--load", a.ckpt, *server_argv(a, a.config, steps, reqs, extra, args)]
     server, over = parse_args("inference", "serve benchmark", a.config, flags, server_flags)
     cfg = decoding_config(server, over, "serve")
     return cfg, ServeOptions.of(server, cfg)
 
 
-def profile_engine(a, steps: int, args: str, extra: list) -> dict:
+def profile_engine(cfg, options, steps: int, args: str, reqs: list) -> dict:
     """The server's engine on the workload, in this process, built as run_server.py builds it from the flags a
-    server of this run gets (``args``: its --server_args): its parts' host time per decoding call."""
+    server of this run gets (``server_setup``; ``args``: its --server_args): its parts' host time per decoding
+    call."""
     from app.runtime import start_devices
     from serving.backend import build_engine
 
-    reqs = json.load(open(a.workload))
-    cfg, options = server_setup(a, steps, args, extra)
     start_devices(cfg)
     engine = build_engine(cfg, options)
     device = device_seconds(engine, options.widths, options.joins)
@@ -416,14 +414,15 @@ def run_profile(a, extra: list) -> dict:
     from app.runtime import server_cpu_threads, set_cpu_threads
 
     given = profile_threads(a)
-    setups = [server_setup(a, k, args, extra) for _, k, args in server_variants(a)]
+    reqs = json.load(open(a.workload))
+    setups = {name: (*server_setup(a, k, args, extra, reqs), k, args) for name, k, args in server_variants(a)}
     threads = {server_cpu_threads(given, options.slots * decode_step_flops(cfg.model))
-               for cfg, options in setups}  # (as run_server.py sets them: by a step of its slots, by default)
+               for cfg, options, _, _ in setups.values()}  # (as run_server.py sets them: by a step of its slots)
     if len(threads) > 1:
         raise SystemExit("--profile runs every server setting in one process: give them one --cpu_threads (their "
                          f"defaults differ: {sorted(threads)})")
     set_cpu_threads(threads.pop())
-    return {name: profile_engine(a, k, args, extra) for name, k, args in server_variants(a)}
+    return {name: profile_engine(*setup, reqs) for name, setup in setups.items()}
 
 
 def own_flag(args: str, name: str):

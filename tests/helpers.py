@@ -21,7 +21,8 @@ SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "
          "--warmup_steps", "0"]
 
 __all__ = ["ROOT", "SMALL", "build", "fails", "fro_rel", "leaves", "max_rel", "params_at", "start", "tiny",
-           "update_rel", "wait_for_lines", "assert_trained_alike", "alive", "spawned_children"]
+           "update_rel", "wait_for_lines", "assert_trained_alike", "alive", "spawned_children", "machine",
+           "threads_passed"]
 
 
 def tiny(**overrides):
@@ -154,3 +155,32 @@ def spawned_children(pid: int) -> list:
         except OSError:
             continue
     return out
+
+
+def machine(monkeypatch, cores: int, platforms: str = "cpu", started: bool = False, **env) -> None:
+    """What app/runtime.py reads of the machine before JAX starts, as a test sets it: the ``cores`` this process may
+    use, JAX_PLATFORMS, whether JAX has started, and ``env`` (NPROC and PJRT_NPROC unset unless given there)."""
+    from app import runtime
+
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(runtime, "jax_started", lambda: started)
+
+
+def threads_passed(monkeypatch) -> list:
+    """The values handed to app.runtime.set_cpu_threads from now on, each call then ending its caller there with
+    SystemExit (a driver's first step after reading its config: nothing else runs)."""
+    from app import runtime
+
+    passed = []
+
+    def stop(n):
+        passed.append(n)
+        raise SystemExit(7)
+
+    monkeypatch.setattr(runtime, "set_cpu_threads", stop)
+    return passed

@@ -14,6 +14,7 @@ import finetuning
 import inference
 from config.schema import ModelConfig
 from app.flops import decode_step_flops, forward_flops_per_sample, peak_tflops, train_flops_per_sample
+from tests.helpers import machine, threads_passed
 
 
 def test_flop_count_equals_hand_count():
@@ -322,21 +323,10 @@ def test_the_profile_sets_xla_s_threads_as_the_server_does(monkeypatch, profiled
     """--profile's one process gives XLA the threads a server of the run would have: its --cpu_threads, else the
     server's default (every core but one; every core for a heavy step of its model and slots on the CPU), set
     before anything starts JAX; servers that differ are refused, given or by default."""
-    from app import runtime
     from benchmarks import serve
 
-    monkeypatch.delenv("NPROC", raising=False)
-    monkeypatch.delenv("PJRT_NPROC", raising=False)
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
-    monkeypatch.setattr(runtime, "jax_started", lambda: False)
-    passed = []
-
-    def stop(n):
-        passed.append(n)
-        raise SystemExit(7)
-
-    monkeypatch.setattr(runtime, "set_cpu_threads", stop)
+    machine(monkeypatch, 4)
+    passed = threads_passed(monkeypatch)
     heavy = f"--server_args=--slots {heavy_slots()}"
     with pytest.raises(SystemExit):
         serve.run_profile(serve.parse(profiled + [x.replace("heavy", heavy) for x in server_args]), [])

@@ -41,7 +41,7 @@ from config.presets import load_config, to_dict
 from data.tasks import load_tokenizer
 from graphs.graphs import Graphs
 from modelling import decoding, slots
-from tests.helpers import alive, spawned_children
+from tests.helpers import alive, machine, spawned_children, threads_passed
 from utils import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow  # (a server process per family, each compiling its programs)
@@ -289,13 +289,7 @@ def test_the_server_leaves_one_core_to_its_own_threads_unless_the_cpu_decodes_he
     refuses it)."""
     from app import runtime
 
-    monkeypatch.delenv("NPROC", raising=False)
-    monkeypatch.delenv("PJRT_NPROC", raising=False)
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    monkeypatch.setattr(runtime, "jax_started", lambda: started)
+    machine(monkeypatch, cores, started=started, **env)  # (env's JAX_PLATFORMS over the "cpu" default)
     step = {"heavy": runtime.HEAVY_STEP_FLOPS, "below": runtime.HEAVY_STEP_FLOPS - 1}.get(step, step)
     assert runtime.server_cpu_threads(given, step) == want
 
@@ -344,6 +338,16 @@ def test_accelerator_plugins_are_the_jax_plugins_namespace_s_modules(monkeypatch
     monkeypatch.delitem(sys.modules, "jax_plugins", raising=False)
 
 
+@pytest.mark.parametrize("plugins,want", [([], False), (["xla_rocm"], False), (["xla_cuda12"], True),
+                                          (["xla_rocm", "xla_cuda13"], True)])
+def test_a_gpu_plugin_is_cuda_s(monkeypatch, plugins, want):
+    """gpu_plugin_installed (what sizes phased training's pinned host pool): a CUDA plugin among JAX's, no other."""
+    from app import runtime
+
+    monkeypatch.setattr(runtime, "accelerator_plugins", lambda: plugins)
+    assert runtime.gpu_plugin_installed() is want
+
+
 WIDE = {"hidden_size": 256, "d_ff": 1024, "d_kv": 64}  # benchmarks/serve.py's width-256 models
 
 
@@ -358,11 +362,7 @@ def test_the_benchmarked_models_get_the_threads_measured_for_them(monkeypatch, p
     from app import runtime
     from app.flops import decode_step_flops
 
-    monkeypatch.delenv("NPROC", raising=False)
-    monkeypatch.delenv("PJRT_NPROC", raising=False)
-    monkeypatch.setenv("JAX_PLATFORMS", platforms)
-    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(runtime, "jax_started", lambda: False)
+    machine(monkeypatch, 2, platforms)
     m = load_config("inference", preset, dict(shape)).model
     assert runtime.server_cpu_threads(None, 8 * decode_step_flops(m)) == want
 
@@ -383,18 +383,8 @@ def test_the_server_sizes_xla_s_pool_by_a_decoding_step_of_all_its_slots(monkeyp
     from app import runtime
     from app.flops import decode_step_flops
 
-    monkeypatch.delenv("NPROC", raising=False)
-    monkeypatch.delenv("PJRT_NPROC", raising=False)
-    monkeypatch.setenv("JAX_PLATFORMS", platforms)
-    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
-    monkeypatch.setattr(runtime, "jax_started", lambda: False)
-    passed = []
-
-    def stop(n):  # (the server's first step after reading its config: nothing else runs)
-        passed.append(n)
-        raise SystemExit(7)
-
-    monkeypatch.setattr(runtime, "set_cpu_threads", stop)
+    machine(monkeypatch, 4, platforms)
+    passed = threads_passed(monkeypatch)  # (the server's first step after reading its config: nothing else runs)
     per = decode_step_flops(load_config("inference", "tiny").model)  # (the checkpoint's shape: tiny's)
     slots = math.ceil(runtime.HEAVY_STEP_FLOPS / per) + more
     flags = ["--load", checkpoints["t5"], by, str(slots)]  # (the tiny preset: data_parallel 1)

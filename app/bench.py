@@ -32,17 +32,23 @@ def peak_rss_bytes() -> int:
     return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 
 
-def descendants(pid: int) -> list:
-    """A process's child processes, theirs, and so on, started by any of its threads (Linux; [] elsewhere)."""
+def children(pid: int) -> list:
+    """A process's child processes, started by any of its threads (Linux; [] elsewhere)."""
     out = []
     for f in glob.glob(f"/proc/{pid}/task/*/children"):
         try:
             with open(f) as fh:
-                kids = [int(x) for x in fh.read().split()]
+                out += [int(x) for x in fh.read().split()]
         except OSError:
             continue
-        for k in kids:
-            out += [k] + descendants(k)
+    return out
+
+
+def descendants(pid: int) -> list:
+    """A process's child processes, theirs, and so on (``children``)."""
+    out = []
+    for k in children(pid):
+        out += [k] + descendants(k)
     return out
 
 

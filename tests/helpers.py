@@ -140,14 +140,10 @@ def alive(pid: int) -> bool:
 def spawned_children(pid: int) -> list:
     """A process's child processes started by multiprocessing's spawn, from any of its threads (a server's engine
     process, not its resource tracker) (Linux)."""
-    out, kids = [], []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                kids += [int(x) for x in f.read().split()]
-    except OSError:
-        return out
-    for k in kids:
+    from app.bench import children
+
+    out = []
+    for k in children(pid):
         try:
             with open(f"/proc/{k}/cmdline", "rb") as f:
                 if b"spawn_main" in f.read():

@@ -201,8 +201,8 @@ def test_the_serving_benchmark_counts_each_thread_s_cpu_and_sorts_it():
 
 def test_a_process_s_descendants_are_its_children_and_theirs():
     """app/bench.py's ``descendants``: what the serving benchmark counts the CPU of and the large-data benchmark the
-    memory of (a run's helpers, a server's engine process)."""
-    from app.bench import descendants
+    memory of (a run's helpers, a server's engine process); ``children`` the first generation alone."""
+    from app.bench import children, descendants
 
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
                               "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
@@ -211,7 +211,9 @@ def test_a_process_s_descendants_are_its_children_and_theirs():
     grandchild = int(child.stdout.readline())
     try:
         assert {child.pid, grandchild} <= set(descendants(os.getpid()))
-        assert descendants(grandchild) == []
+        assert descendants(grandchild) == [] == children(grandchild)
+        assert child.pid in children(os.getpid()) and grandchild not in children(os.getpid())
+        assert children(child.pid) == [grandchild]
     finally:
         os.kill(grandchild, signal.SIGKILL)
         child.kill()

@@ -290,26 +290,26 @@ class Graphs:
         return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes,
                             self.decode_shardings())
 
-    @property
-    def decode_stack(self) -> str:
-        """The stack whose layers decoding keeps one tree per layer: the family's last (it decodes token by token)."""
-        return self.family.stacks[-1].name
-
     def is_decoding_layout(self, params: dict) -> bool:
-        """Whether a weight tree is in decoding's layout (else training's: stacked, as a checkpoint holds it)."""
-        return isinstance(params[self.decode_stack]["layers"], (list, tuple))
+        """Whether a weight tree is in decoding's layout already (``abstract_decode_params``: its make, dtypes and
+        shardings), else it is converted (``to_decoding``)."""
+        targets = self.abstract_decode_params()
+        if jax.tree.structure(params) != jax.tree.structure(targets):
+            return False
+        return all(isinstance(x, jax.Array) and x.dtype == t.dtype and x.sharding.is_equivalent_to(t.sharding, x.ndim)
+                   for x, t in zip(jax.tree.leaves(params), jax.tree.leaves(targets)))
 
     def to_decoding(self, params: dict) -> dict:
         """Weights on the devices in training's layout (any dtypes) -> decoding's (``decode_shardings``), in one
         program: the whole model and its new copy on the devices at once (app/weights.py's ``place`` converts from
         host memory a weight at a time)."""
-        targets, stack = self.abstract_decode_params(), self.decode_stack
+        targets = self.abstract_decode_params()
 
         def convert(x, t):
             return quant.quantize(x, t.n_in, t.lead, t.dtype) if quant.is_int8(t) else x.astype(t.dtype)
 
         def fn(p):
-            for s in (stack,) + self.prompt_stacks:
+            for s in self.prompt_stacks:
                 layers = p[s]["layers"]
                 p = {**p, s: {**p[s], "layers": [jax.tree.map(lambda w: w[i], layers)
                                                    for i in range(len(targets[s]["layers"]))]}}
@@ -318,10 +318,10 @@ class Graphs:
         return jax.jit(fn, out_shardings=jax.tree.map(lambda t: t.sharding, targets))(params)
 
     def _decoding(self, plain, scale, row) -> dict:
-        """``decoding_tree`` with the decode stack's (and the streamed stacks') stacked leaves split into one tree
-        per layer (``row(leaf)``: a stacked leaf's per-layer one)."""
+        """``decoding_tree`` with the streamed stacks' stacked leaves split into one tree per layer (``row(leaf)``: a
+        stacked leaf's per-layer one): the stream loads them one by one from host memory."""
         tree = self.decoding_tree(plain, scale)
-        for stack in (self.decode_stack,) + self.prompt_stacks:
+        for stack in self.prompt_stacks:
             n = jax.tree.leaves(self.specs[stack]["layers"], is_leaf=is_spec)[0].shape[0]
             one = jax.tree.map(row, tree[stack]["layers"])
             tree = {**tree, stack: {**tree[stack], "layers": [one] * n}}
@@ -425,7 +425,7 @@ class Graphs:
         family, opts = self.family, self.opts
 
         def encode(p, ids, segments, positions, where):
-            enc = family.encode_packed(family.decoding_params(p, opts)[0], ids, segments, positions, opts, S.TP)
+            enc = family.encode_packed(family.decoding_params(p, opts), ids, segments, positions, opts, S.TP)
             flat = enc.reshape(-1, enc.shape[-1])
             flat = jnp.concatenate([flat, jnp.zeros((1, flat.shape[-1]), flat.dtype)])  # (padding reads zeros)
             return flat[where]

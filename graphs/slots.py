@@ -157,10 +157,10 @@ class SlotPrograms:
                                             self.eos_id, self.top)
 
         def fn(p, apart, words, joiners):
-            dp = family.decoding_params(p, opts)
+            w = family.decoding_params(p, opts)
             ids, mask, rows, s, limit = unpack_joiners(joiners)
             cache, state = self.carry.unpack(_local(apart), words[0, 0])
-            first, scored, cache, state = slot_lib.insert(family, dp, opts, cache, state, ids, mask, rows, s,
+            first, scored, cache, state = slot_lib.insert(family, w, opts, cache, state, ids, mask, rows, s,
                                                           limit, width, n, eos, top, S.TP)
             return (first, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
@@ -174,9 +174,9 @@ class SlotPrograms:
                                               self.top)
 
         def fn(p, apart, words, keep, n):
-            dp = family.decoding_params(p, opts)
+            w = family.decoding_params(p, opts)
             cache, state = self.carry.unpack(_local(apart), words[0, 0])
-            out, scored, cache, state = slot_lib.advance(family, dp, opts, cache, state, keep, steps, eos, pad, top,
+            out, scored, cache, state = slot_lib.advance(family, w, opts, cache, state, keep, steps, eos, pad, top,
                                                          S.TP, n, span)
             return (out, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 

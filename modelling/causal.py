@@ -98,7 +98,7 @@ jax.tree_util.register_dataclass(SelfAttention, data_fields=["bias", "sin", "cos
 
 
 class Prefill:
-    """Decoding's first call: the left-padded prompts attend as in training (no dropout), and each layer's keys and
+    """Decoding's first call: the left-padded prompts attend as in training (no dropout), and the layer's keys and
     values are kept, heads-major and with room for ``room`` new tokens (``kv``)."""
 
     def __init__(self, bias, sin, cos, rotate, room: int):
@@ -113,19 +113,21 @@ class Prefill:
 
 
 class CachedStep:
-    """One new token of each row, written into its layer's cache at column ``col`` (one for the batch, or int [b]:
-    one per row) and attending to every cached key the mask allows (``kv``: the cache after the write)."""
+    """One new token of each row, written into layer ``layer`` of the cache of every layer (``kv``: keys and values
+    [b, layers, g, K, kv]) at column ``col`` (one for the batch, or int [b]: one per row), attending to every cached
+    key of that layer the mask allows (``kv``: the cache after the write)."""
 
-    def __init__(self, bias, sin, cos, rotate, col, kv):
-        self.bias, self.sin, self.cos, self.rotate, self.col, self.kv = bias, sin, cos, rotate, col, kv
+    def __init__(self, bias, sin, cos, rotate, col, kv, layer):
+        self.bias, self.sin, self.cos, self.rotate, self.col, self.kv, self.layer = bias, sin, cos, rotate, col, kv, layer
 
     def __call__(self, q, k, v, rng=None):
         q, k = self.rotate(q, self.sin, self.cos), self.rotate(k, self.sin, self.cos)
-        k_c, v_c = self.kv
-        k_c = L.write_at(k_c, decoding.heads_major(k).astype(k_c.dtype), self.col, axis=2)
-        v_c = L.write_at(v_c, decoding.heads_major(v).astype(v_c.dtype), self.col, axis=2)
-        self.kv = (k_c, v_c)
+        k_all, v_all = self.kv
+        k_all = L.write_at(k_all, decoding.heads_major(k), self.col, axis=3, layer=self.layer)
+        v_all = L.write_at(v_all, decoding.heads_major(v), self.col, axis=3, layer=self.layer)
+        self.kv = (k_all, v_all)
         h = q.shape[2]
+        k_c, v_c = L.layer_of(k_all, self.layer), L.layer_of(v_all, self.layer)
         return decoding.attend_cached(q, L.repeat_heads(k_c, h, 1), L.repeat_heads(v_c, h, 1), self.bias,
                                       scale=q.shape[-1] ** -0.5)
 
@@ -310,61 +312,74 @@ class CausalLM(Family):
     # ------------------------------------------------------------------ decoding with a KV cache
     #
     # Prompts are left-padded (as for HF ``generate`` of a decoder-only model). The prompt runs once (prefill),
-    # filling a [b, g, k + max_new_tokens, kv] cache per layer; each new token then attends to the cache. Rotary
-    # positions count real tokens only (padding is not a position), as HF's ``generate`` derives them.
+    # filling a [b, layers, g, k + max_new_tokens, kv] cache of every layer; each new token then attends to the
+    # cache. Rotary positions count real tokens only (padding is not a position), as HF's ``generate`` derives them.
+    # Every layer loop is a scan over the stacked weights, so a program's size does not grow with depth.
 
-    def decode_start(self, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None):
+    def decode_start(self, p, input_ids, attention_mask, opts, max_new_tokens, tp_axis=None):
         """The prefill of left-padded prompts ids/mask [b, k] -> (logits [b, Vl] of the first new token, cache)."""
         b, k = input_ids.shape
         mask = attention_mask.astype(jnp.int32)
-        x, caches = self._prefill(dp, input_ids, mask, opts, max_new_tokens, tp_axis)
-        cache = {"kv": caches,  # keys: the prompt's real tokens, then the generated ones as they come
+        x, kv = self._prefill(p, input_ids, mask, opts, max_new_tokens, tp_axis)
+        cache = {"kv": kv,  # keys: the prompt's real tokens, then the generated ones as they come
                  "key_ok": jnp.concatenate([mask > 0, jnp.zeros((b, max_new_tokens), bool)], axis=1),
                  "next_pos": L.prompt_positions(mask)[:, -1] + 1, "start": jnp.full((b,), k, jnp.int32)}
-        return self.head_logits(dp[0], x[:, -1:], opts, tp_axis)[:, 0], cache
+        return self.head_logits(p, x[:, -1:], opts, tp_axis)[:, 0], cache
 
-    def _prefill(self, dp, input_ids, attention_mask, opts, room: int, tp_axis=None) -> tuple:
-        """Every layer on left-padded prompts -> (x float32 [b, k, d] before the final norm, each layer's cache
-        with ``room`` columns for new tokens)."""
-        p, rows = dp
+    def _prefill(self, p, input_ids, attention_mask, opts, room: int, tp_axis=None) -> tuple:
+        """Every layer on left-padded prompts -> (x float32 [b, k, d] before the final norm, the keys and values of
+        every layer [b, layers, g, k + room, kv] with ``room`` columns for new tokens)."""
         k = input_ids.shape[1]
         mask = attention_mask.astype(jnp.int32)
         sin, cos = self.rotary(L.prompt_positions(mask), opts)
         bias = L.causal_mask_bias(k, k) + jnp.where(mask[:, None, None, :] > 0, 0.0, L.MASK_VALUE)
-        x, caches = self.embeddings(p["shared"], input_ids, opts, tp_axis), []
-        for lp in rows:
+        return self._prefill_rows(p, input_ids, bias, sin, cos, opts, room, tp_axis)
+
+    def _prefill_rows(self, p, input_ids, bias, sin, cos, opts, room: int, tp_axis=None) -> tuple:
+        """Every layer on rows ids [b, k] with their attention bias and rotary tables -> (x, keys and values of every
+        layer), as ``_prefill``."""
+        def body(x, lp):
             attn = Prefill(bias, sin, cos, self.rotate, room)
             x = self.layer(lp, x, attn, opts, tp_axis)
-            caches.append(attn.kv)
-        return x, caches
+            return x, attn.kv
 
-    def decode_step(self, dp, token, i, cache, opts, tp_axis=None):
+        x = self.embeddings(p["shared"], input_ids, opts, tp_axis)
+        x, (k_all, v_all) = jax.lax.scan(body, x, p["decoder"]["layers"])
+        return x, (jnp.moveaxis(k_all, 0, 1), jnp.moveaxis(v_all, 0, 1))  # [L, b, ...] -> [b, L, ...]
+
+    def decode_step(self, p, token, i, cache, opts, tp_axis=None):
         """New token i (one index for the batch, or int [b]: one per row, serving's slots each at its own position
         and prompt width), at cache column start + i -> (logits [b, Vl] of the next, cache)."""
-        p, rows = dp
         b = token.shape[0]
         col = cache["start"][0] + i if jnp.ndim(i) == 0 else cache["start"] + i
         key_ok = L.write_at(cache["key_ok"], jnp.ones((b, 1), bool), col, axis=1)
         bias = jnp.where(key_ok, 0.0, L.MASK_VALUE)[:, None, None, :]
         sin, cos = self.rotary((cache["next_pos"] + i)[:, None], opts)
-        y, new = self.embeddings(p["shared"], token[:, None], opts, tp_axis), []
-        for lp, kv in zip(rows, cache["kv"]):
-            attn = CachedStep(bias, sin, cos, self.rotate, col, kv)
-            y = self.layer(lp, y, attn, opts, tp_axis)
-            new.append(attn.kv)
-        return self.head_logits(p, y, opts, tp_axis)[:, 0], {**cache, "kv": new, "key_ok": key_ok}
+
+        def body(carry, inputs):
+            y, kv = carry[0], carry[1:]
+            lp, layer = inputs
+            attn = CachedStep(bias, sin, cos, self.rotate, col, kv, layer)
+            return (self.layer(lp, y, attn, opts, tp_axis),) + attn.kv, None
+
+        k_all, v_all = cache["kv"]
+        y = self.embeddings(p["shared"], token[:, None], opts, tp_axis)
+        (y, k_all, v_all), _ = jax.lax.scan(body, (y, k_all, v_all), (p["decoder"]["layers"],
+                                                                      jnp.arange(k_all.shape[1])))
+        return self.head_logits(p, y, opts, tp_axis)[:, 0], {**cache, "kv": (k_all, v_all), "key_ok": key_ok}
 
     def widen_cache(self, cache, prompt_width: int, width: int):
         """``decode_start``'s cache of prompts ``prompt_width`` wide with room for prompts ``width`` wide: the
         key/value columns (and their mask) extended by ``width - prompt_width`` unused ones at the end; each row
         still writes its new tokens from its own ``start`` (serving's slots hold every prompt width in one cache)."""
         pad = width - prompt_width
-        kv = [tuple(jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0))) for t in layer) for layer in cache["kv"]]
+        kv = tuple(jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))) for t in cache["kv"])
         return {**cache, "kv": kv, "key_ok": jnp.pad(cache["key_ok"], ((0, 0), (0, pad)))}
 
     def cache_positions(self, cache):
-        """The keys and values along axis 2, their mask along axis 1; the rows' positions and starts whole."""
-        return {"kv": [(2, 2) for _ in cache["kv"]], "key_ok": 1, "next_pos": -1, "start": -1}
+        """The keys and values along axis 3 (after the batch and the layers), their mask along axis 1; the rows'
+        positions and starts whole."""
+        return {"kv": (3, 3), "key_ok": 1, "next_pos": -1, "start": -1}
 
     def first_token_column(self, prompt_width: int) -> int:
         """After the prompt's columns (``start``: the width the row's prompt was laid out in)."""
@@ -379,8 +394,8 @@ class CausalLM(Family):
                         opts, tp_axis)
         return self.head_logits(params, x[:, -1:], opts, tp_axis)[:, 0]
 
-    def prompt_logits(self, dp, input_ids, attention_mask, opts, tp_axis=None):
+    def prompt_logits(self, p, input_ids, attention_mask, opts, tp_axis=None):
         """Logits [b, k, Vl] of the token after each position of the left-padded prompts ids/mask [b, k], as the
-        prefill reads them (dp: ``decoding_params``)."""
-        x, _ = self._prefill(dp, input_ids, attention_mask, opts, 1, tp_axis)
-        return self.head_logits(dp[0], x, opts, tp_axis)
+        prefill reads them (p: ``decoding_params``)."""
+        x, _ = self._prefill(p, input_ids, attention_mask, opts, 1, tp_axis)
+        return self.head_logits(p, x, opts, tp_axis)

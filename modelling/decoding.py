@@ -70,20 +70,20 @@ def greedy(family, params: dict, input_ids: jax.Array, attention_mask: jax.Array
                      lambda logits, i: greedy_token(logits, tp_axis), encoded)
 
 
-def start(family, dp, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis, encoded=None) -> tuple:
+def start(family, w, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis, encoded=None) -> tuple:
     """(the first new token's logits, the cache): the family reads the prompts (``decode_start``), or, given the
     output of its prompt stacks (``encoded``: T5's encoder streamed from host memory), the rest of them
     (``decode_start_encoded``)."""
     if encoded is None:
-        return family.decode_start(dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis)
-    return family.decode_start_encoded(dp, encoded, attention_mask, opts, max_new_tokens, tp_axis)
+        return family.decode_start(w, input_ids, attention_mask, opts, max_new_tokens, tp_axis)
+    return family.decode_start_encoded(w, encoded, attention_mask, opts, max_new_tokens, tp_axis)
 
 
 def _one_beam(family, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis, eos_id: int,
               pad_id: int, choose, encoded=None) -> jax.Array:
     """A search that follows one sequence per row: ``choose(logits [b, Vl], i) -> int32 [b]`` picks token i."""
-    dp = family.decoding_params(params, opts)
-    logits, cache = start(family, dp, input_ids, attention_mask, opts, max_new_tokens, tp_axis, encoded)
+    w = family.decoding_params(params, opts)
+    logits, cache = start(family, w, input_ids, attention_mask, opts, max_new_tokens, tp_axis, encoded)
     b = attention_mask.shape[0]
     first = choose(logits, 0)
     out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
@@ -94,7 +94,7 @@ def _one_beam(family, params, input_ids, attention_mask, opts, max_new_tokens: i
 
     def body(carry):
         i, token, out, cache, done = carry
-        logits, cache = family.decode_step(dp, token, i - 1, cache, opts, tp_axis)
+        logits, cache = family.decode_step(w, token, i - 1, cache, opts, tp_axis)
         nxt = jnp.where(done, pad_id, choose(logits, i))
         out = lax.dynamic_update_slice_in_dim(out, nxt[:, None], i, axis=1)
         return i + 1, nxt, out, cache, done | (nxt == eos_id)
@@ -206,8 +206,8 @@ def beam_search(family, params: dict, input_ids, attention_mask, opts, options: 
     divided by (their length ** length_penalty), and the loop stops by HF's rules (``early_stopping``). -> int32
     [b, max_new_tokens]: the best finished hypothesis of each row, padded with ``pad_id`` after its EOS."""
     k, n = options.num_beams, options.max_new_tokens
-    dp = family.decoding_params(params, opts)
-    logits, cache = start(family, dp, input_ids, attention_mask, opts, n, tp_axis, encoded)
+    w = family.decoding_params(params, opts)
+    logits, cache = start(family, w, input_ids, attention_mask, opts, n, tp_axis, encoded)
     b = attention_mask.shape[0]
     cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), cache)  # each row's prompt read once, then k beams
     logits = jnp.repeat(logits, k, axis=0)
@@ -222,7 +222,7 @@ def beam_search(family, params: dict, input_ids, attention_mask, opts, options: 
         st, parents, go = _beam_step(st, gather_vocab(logits, tp_axis), i, options, eos_id)
         flat = (parents + jnp.arange(b)[:, None] * k).reshape(-1)  # each new beam's parent, as a row of the cache
         cache = family.reorder_beams(cache, flat)
-        step = lambda: family.decode_step(dp, st.tokens[:, :, i].reshape(-1), i, cache, opts, tp_axis)  # noqa: E731
+        step = lambda: family.decode_step(w, st.tokens[:, :, i].reshape(-1), i, cache, opts, tp_axis)  # noqa: E731
         logits, cache = lax.cond(go & (i + 1 < n), step, lambda: (logits, cache))  # no forward after the last
         return i + 1, logits, cache, st, go
 

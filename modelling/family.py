@@ -202,16 +202,6 @@ def resolve_attention_impl(requested: str, precision: str, dropout_prob: float) 
 # --------------------------------------------------------------------------- helpers of every family
 
 
-def layer_rows(layers: dict) -> list:
-    """Stacked [layers, ...] weights -> one tree per layer, sliced once outside the decode loop.
-
-    The decode step is memory-bound (a few rows against every weight); slicing a layer out of
-    the stack inside the loop made XLA:CPU copy each layer's weights at every token.
-    """
-    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-    return [jax.tree.map(lambda w: w[i], layers) for i in range(n)]
-
-
 def leaf_name(path) -> str:
     """The last key of a tree path (the weight's own name)."""
     return str(getattr(path[-1], "key", path[-1]))
@@ -380,16 +370,15 @@ class Family(abc.ABC):
     # ------------------------------------------------------------------ its decoding (modelling/decoding.py)
 
     def decoding_params(self, params: dict, opts):
-        """What ``decode_start`` and ``decode_step`` read, prepared once outside the decoding loop: the compute
-        copy, and the last stack's layers sliced out of their stack (the decode step reads them one by one)."""
-        p = self.compute_params(params, opts)
-        layers = p[self.stacks[-1].name]["layers"]  # (decoding's layout holds them one tree per layer already)
-        return p, list(layers) if isinstance(layers, (list, tuple)) else layer_rows(layers)
+        """What ``decode_start`` and ``decode_step`` read, prepared once outside the decoding loop: the compute copy
+        (every stack's layers stay stacked: the steps scan over them)."""
+        return self.compute_params(params, opts)
 
     @abc.abstractmethod
     def decode_start(self, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None) -> tuple:
         """Reads the prompts (the encoder, or a causal LM's prefill) -> (logits [b, Vl] of the first new token,
-        cache: a tree whose every leaf has the batch as its leading axis). ``params``: ``decoding_params``'."""
+        cache: a tree whose every leaf has the batch as its leading axis, a leaf of every layer [b, layers, ...]).
+        ``params``: ``decoding_params``'."""
 
     packs_prompts: bool = False  # its encoder reads prompts packed several to a row (``encode_packed``)
 
@@ -416,8 +405,8 @@ class Family(abc.ABC):
         to; nothing in a run reads it)."""
         raise NotImplementedError(f"the {self.name} family has no uncached reference decoding")
 
-    def prompt_logits(self, dp, input_ids, attention_mask, opts, tp_axis=None):
-        """Logits [b, k, Vl] at each prompt position (ids/mask [b, k] laid out for decoding; dp:
+    def prompt_logits(self, w, input_ids, attention_mask, opts, tp_axis=None):
+        """Logits [b, k, Vl] at each prompt position (ids/mask [b, k] laid out for decoding; w:
         ``decoding_params``) of the token after it: a causal LM's score of its own prompt (``scores_prompts``). An
         encoder-decoder reads its prompt with the encoder, which predicts no token of it: none."""
         raise NotImplementedError(f"the {self.name} family reads its prompt with an encoder: it gives no "

@@ -259,13 +259,34 @@ def padding_mask_bias(mask: jax.Array) -> jax.Array:
     return jnp.where(mask[:, None, None, :] > 0, 0.0, MASK_VALUE).astype(F32)
 
 
-def write_at(cache: jax.Array, new: jax.Array, at, axis: int) -> jax.Array:
+def write_at(cache: jax.Array, new: jax.Array, at, axis: int, layer=None) -> jax.Array:
     """``new`` written into ``cache`` from index ``at`` along ``axis`` (a cache's position axis): one index for every
     row (a scalar), or one per row (int [b]: row r at ``at[r]``, the rows on axis 0, as serving's slots decode each
-    at its own position). cache [b, ...], new [b, ...] (shorter along ``axis``) -> cache's shape."""
+    at its own position). cache [b, ...], new [b, ...] (shorter along ``axis``) -> cache's shape. ``layer``: the cache
+    holds every layer, cache [b, L, ...] (``axis`` counted in it), and ``new`` [b, ...] one layer's (no L axis), written
+    at layer ``layer`` (a traced index: a scan over the layers writes its own in place)."""
+    if layer is not None:
+        new = jnp.expand_dims(new, 1)
     if jnp.ndim(at) == 0:
-        return lax.dynamic_update_slice_in_dim(cache, new, at, axis=axis)
-    return jax.vmap(lambda c, n, a: lax.dynamic_update_slice_in_dim(c, n, a, axis=axis - 1))(cache, new, at)
+        starts = [0] * cache.ndim
+        starts[axis] = at
+        if layer is not None:
+            starts[1] = layer
+        return lax.dynamic_update_slice(cache, new.astype(cache.dtype), starts)
+
+    def row(c, n, a):  # one row: c [...] without the batch axis
+        starts = [0] * c.ndim
+        starts[axis - 1] = a
+        if layer is not None:
+            starts[0] = layer
+        return lax.dynamic_update_slice(c, n.astype(c.dtype), starts)
+
+    return jax.vmap(row)(cache, new, at)
+
+
+def layer_of(cache: jax.Array, layer) -> jax.Array:
+    """Layer ``layer`` (a traced index) of a cache of every layer [b, L, ...] -> [b, ...]."""
+    return lax.dynamic_index_in_dim(cache, layer, axis=1, keepdims=False)
 
 
 def causal_mask_bias(q_len: int, k_len: int, q_offset=0) -> jax.Array:

@@ -128,14 +128,14 @@ def _set(x, rows, v):
     return x.at[rows].set(v.astype(x.dtype), mode="drop")
 
 
-def insert(family, dp, opts, cache, state: tuple, ids, mask, rows, s: Sampling, limit, width: int,
+def insert(family, w, opts, cache, state: tuple, ids, mask, rows, s: Sampling, limit, width: int,
            max_new_tokens: int, eos_id: int, top: int, tp_axis=None):
     """Joining prompts into free rows of the slots' cache. ids/mask [j, k] (laid out as the family decodes them),
     rows int32 [j]: the cache row each joins (a row past the cache's: a filler, dropped), s: their sampling,
     limit int32 [j]: their most tokens; state: (Rows, Sampling) of every row -> (their first tokens int32 [j], their
     Scored [j], cache, state). ``width``: the widest prompt the cache holds; ``max_new_tokens``: the most tokens a row
     writes."""
-    logits, new = family.decode_start(dp, ids, mask, opts, max_new_tokens, tp_axis)
+    logits, new = family.decode_start(w, ids, mask, opts, max_new_tokens, tp_axis)
     new = family.widen_cache(new, ids.shape[1], width)
     first, scored = choose(logits, s, jnp.zeros(ids.shape[0], jnp.int32), tp_axis, top)
     cache = jax.tree.map(lambda c, n: _set(c, rows, n), cache, new)
@@ -169,7 +169,7 @@ def merge(family, cache, narrowed):
                         narrowed, family.cache_positions(cache))
 
 
-def advance(family, dp, opts, cache, state: tuple, keep, steps: int, eos_id: int, pad_id: int, top: int,
+def advance(family, w, opts, cache, state: tuple, keep, steps: int, eos_id: int, pad_id: int, top: int,
             tp_axis=None, n=None, span=None):
     """``n`` decoding steps of every row (a traced int32 scalar, at most ``steps``; ``steps`` when None). state: (Rows,
     Sampling) of every row; keep bool [b]: the rows the host still holds (a row it cleared ends now) -> (int32
@@ -182,7 +182,7 @@ def advance(family, dp, opts, cache, state: tuple, keep, steps: int, eos_id: int
     write clamped to the last position it holds), which only it reads, until an insert fills it anew."""
     if span is not None and span < cache_span(family, cache):
         full = cache
-        out, scored, cache, state = advance(family, dp, opts, narrow(family, cache, span), state, keep, steps, eos_id,
+        out, scored, cache, state = advance(family, w, opts, narrow(family, cache, span), state, keep, steps, eos_id,
                                             pad_id, top, tp_axis, n)
         return out, scored, merge(family, full, cache), state
     r, s = state
@@ -195,7 +195,7 @@ def advance(family, dp, opts, cache, state: tuple, keep, steps: int, eos_id: int
 
     def body(carry):
         i, token, index, cache, alive, out, scored = carry
-        logits, cache = family.decode_step(dp, token, index, cache, opts, tp_axis)
+        logits, cache = family.decode_step(w, token, index, cache, opts, tp_axis)
         nxt, sc = choose(logits, s, index + 1, tp_axis, top)
         nxt = jnp.where(alive, nxt, pad_id)
         ended = (nxt == eos_id) | (index + 2 >= r.limit)
@@ -211,8 +211,8 @@ def advance(family, dp, opts, cache, state: tuple, keep, steps: int, eos_id: int
     return out.T, scored, cache, (Rows(token, index, r.limit, alive), state[1])
 
 
-def score_prompts(family, dp, opts, ids, mask, top: int, tp_axis=None) -> Scored:
+def score_prompts(family, w, opts, ids, mask, top: int, tp_axis=None) -> Scored:
     """The prompts' own log-probabilities (a causal family's: each token given the ones before). ids/mask [n, k]
     laid out as the family decodes them -> Scored [n, k - 1]: column c holds token c + 1's."""
-    full = decoding.gather_vocab(family.prompt_logits(dp, ids, mask, opts, tp_axis), tp_axis).astype(jnp.float32)
+    full = decoding.gather_vocab(family.prompt_logits(w, ids, mask, opts, tp_axis), tp_axis).astype(jnp.float32)
     return score(full[:, :-1], ids[:, 1:], top)

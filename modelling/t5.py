@@ -364,27 +364,34 @@ def param_specs(m, tensor_parallel: int = 1) -> dict:
 # --------------------------------------------------------------------------- decoding with a KV cache
 #
 # The encoder runs once per batch; cross-attention keys/values are computed once; the decoder's self-attention
-# cache [b, h, max_new_tokens, kv] per layer is written in place at each position (the layers unrolled, each
-# with its own weight arrays: no per-token slicing of the stack).
+# cache [b, layers, h, max_new_tokens, kv] holds every layer and is written in place at each position. Every layer
+# loop is a scan over the stacked weights: a decoding program's size and compile time do not grow with depth.
 
 # The decoder's start token: every T5 checkpoint's decoder_start_token_id (its pad id there), whatever the
 # tokenizer's pad token is; training rows start with it too (data/packing.py's PAD)
 DECODER_START = 0
 
 
-def cross_kv(rows: list, enc_out: jax.Array) -> list:
-    """Cross-attention keys/values of every decoder layer, computed once: [(k, v)] each [b, h, k, kv]."""
-    return [tuple(decoding.heads_major(t) for t in L.project_kv(p, enc_out, "c")) for p in rows]
+def cross_kv(layers: dict, enc_out: jax.Array) -> tuple:
+    """Cross-attention keys/values of every decoder layer, computed once: (k, v) each [b, layers, h, k, kv].
+    layers: the decoder's stacked layer weights; enc_out [b, k, d] in the compute dtype."""
+    def one(p):
+        return tuple(decoding.heads_major(t) for t in L.project_kv(p, enc_out, "c"))
+
+    return tuple(jnp.moveaxis(t, 0, 1) for t in lax.map(one, layers))  # a layer at a time: [L, b, ...] -> [b, L, ...]
 
 
-def decoder_step(params, rows, token, pos, caches, cross, xbias, opts, tp_axis):
-    """One decoder position with the cache. token int [b] at position ``pos`` -> (logits [b, Vl], caches).
+def decoder_step(params, token, pos, cache: dict, opts, tp_axis):
+    """One decoder position with the cache. token int [b] at position ``pos`` -> (logits [b, Vl], cache).
 
-    rows: the decoder layers' weights (family.layer_rows); caches: [(k, v)] per layer, each
-    [b, h, max_len, kv], written in place at ``pos``; cross: cross_kv's output; xbias: the encoder padding.
-    ``pos``: one position for the batch, or one per row (int [b]: serving's slots, each at its own)."""
+    cache["self"]: (k, v) each [b, layers, h, max_len, kv], written in place at ``pos``; cache["cross"]: cross_kv's
+    output; cache["cross_bias"]: the encoder padding. ``pos``: one position for the batch, or one per row (int [b]:
+    serving's slots, each at its own)."""
     dec, dt = params["decoder"], opts.compute_dtype
-    max_len = caches[0][0].shape[2]
+    k_all, v_all = cache["self"]
+    ck, cv = cache["cross"]
+    xbias = cache["cross_bias"]
+    max_len = k_all.shape[3]
     x = embeddings(params["shared"], token[:, None], opts, tp_axis)  # [b, 1, d]
     at = jnp.reshape(pos, (-1, 1))  # [1 or b, 1]
     rel = jnp.arange(max_len, dtype=jnp.int32)[None] - at
@@ -392,66 +399,68 @@ def decoder_step(params, rows, token, pos, caches, cross, xbias, opts, tp_axis):
                                          opts.relative_attention_max_distance)[:, None]  # [1 or b, 1, K]
     causal = jnp.where(jnp.arange(max_len)[None] <= at, 0.0, L.MASK_VALUE)[:, None, None]
     per_layer = per_layer_bias(opts)  # UMT5: each layer's own table
-    bias = None if per_layer else bucket_bias(dec["relpos"], buckets) + causal
-    new_caches = []
-    for p, (k_c, v_c), (ck_l, cv_l) in zip(rows, caches, cross):
-        if per_layer:
-            bias = bucket_bias(p["relpos"], buckets) + causal
+    shared_bias = None if per_layer else bucket_bias(dec["relpos"], buckets) + causal
+
+    def body(carry, inputs):
+        x, k_all, v_all = carry
+        p, i = inputs
+        bias = bucket_bias(p["relpos"], buckets) + causal if per_layer else shared_bias
         h = L.identical_inputs(L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt), tp_axis)
         q = L.project_q(p, h)
         k_new, v_new = L.project_kv(p, h)
-        k_c = L.write_at(k_c, decoding.heads_major(k_new).astype(k_c.dtype), pos, axis=2)
-        v_c = L.write_at(v_c, decoding.heads_major(v_new).astype(v_c.dtype), pos, axis=2)
-        x = x + L.attention_output(p, decoding.attend_cached(q, k_c, v_c, bias), tp_axis)
+        k_all = L.write_at(k_all, decoding.heads_major(k_new), pos, axis=3, layer=i)
+        v_all = L.write_at(v_all, decoding.heads_major(v_new), pos, axis=3, layer=i)
+        ctx = decoding.attend_cached(q, L.layer_of(k_all, i), L.layer_of(v_all, i), bias)
+        x = x + L.attention_output(p, ctx, tp_axis)
         h = L.rms_norm(x, p["cross_norm"], opts.eps).astype(dt)
         q = L.project_q(p, h, "c")
-        x = x + L.attention_output(p, decoding.attend_cached(q, ck_l, cv_l, xbias), tp_axis, "c")
+        ctx = decoding.attend_cached(q, L.layer_of(ck, i), L.layer_of(cv, i), xbias)
+        x = x + L.attention_output(p, ctx, tp_axis, "c")
         h = L.rms_norm(x, p["ff_norm"], opts.eps).astype(dt)
         x = x + L.feed_forward(p, h, tp_axis, opts.scale_ff, proj=opts.feed_forward_proj)
-        new_caches.append((k_c, v_c))
-    return head_logits(params, x, opts, tp_axis)[:, 0], new_caches
+        return (x, k_all, v_all), None
+
+    n = k_all.shape[1]
+    (x, k_all, v_all), _ = lax.scan(body, (x, k_all, v_all), (dec["layers"], jnp.arange(n)))
+    return head_logits(params, x, opts, tp_axis)[:, 0], {**cache, "self": (k_all, v_all)}
 
 
-def decode_start(dp: tuple, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None):
+def decode_start(p: dict, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None):
     """The encoder, the cross-attention keys/values and the decoder's first position (the start token,
-    ``DECODER_START``) -> (logits [b, Vl] of the first new token, cache). dp: ``decoding_params``."""
-    enc = encode(dp[0], input_ids, attention_mask, opts, tp_axis)
-    return decode_start_encoded(dp, enc, attention_mask, opts, max_new_tokens, tp_axis)
+    ``DECODER_START``) -> (logits [b, Vl] of the first new token, cache). p: ``decoding_params``."""
+    enc = encode(p, input_ids, attention_mask, opts, tp_axis)
+    return decode_start_encoded(p, enc, attention_mask, opts, max_new_tokens, tp_axis)
 
 
-def decode_start_encoded(dp: tuple, enc, attention_mask, opts, max_new_tokens: int, tp_axis=None):
+def decode_start_encoded(p: dict, enc, attention_mask, opts, max_new_tokens: int, tp_axis=None):
     """``decode_start`` from the encoder's output enc float32 [b, k, d] (read elsewhere: the encoder streamed from
-    host memory, graphs/streaming.py) -> (logits [b, Vl] of the first new token, cache)."""
-    p, rows = dp
-    cross = cross_kv(rows, enc.astype(opts.compute_dtype))
-    b = enc.shape[0]
-    _, h, _, kv = cross[0][0].shape
-    cache = {"self": [(jnp.zeros((b, h, max_new_tokens, kv), opts.compute_dtype),) * 2 for _ in rows],
-             "cross": cross, "cross_bias": L.padding_mask_bias(attention_mask)}
-    return decode_step(dp, jnp.full((b,), DECODER_START, jnp.int32), -1, cache, opts, tp_axis)
+    host memory, decoder/streaming.py, or over packed prompts) -> (logits [b, Vl] of the first new token, cache)."""
+    ck, cv = cross_kv(p["decoder"]["layers"], enc.astype(opts.compute_dtype))
+    b, n, h, _, kv = ck.shape
+    empty = jnp.zeros((b, n, h, max_new_tokens, kv), opts.compute_dtype)
+    cache = {"self": (empty, empty), "cross": (ck, cv), "cross_bias": L.padding_mask_bias(attention_mask)}
+    return decode_step(p, jnp.full((b,), DECODER_START, jnp.int32), -1, cache, opts, tp_axis)
 
 
-def decode_step(dp: tuple, token, i, cache: dict, opts, tp_axis=None):
+def decode_step(p: dict, token, i, cache: dict, opts, tp_axis=None):
     """New token i (decoder position i + 1) -> (logits [b, Vl] of the next, cache)."""
-    p, rows = dp
-    logits, caches = decoder_step(p, rows, token, i + 1, cache["self"], cache["cross"], cache["cross_bias"], opts,
-                                  tp_axis)
-    return logits, {**cache, "self": caches}
+    return decoder_step(p, token, i + 1, cache, opts, tp_axis)
 
 
 def widen_cache(cache: dict, prompt_width: int, width: int) -> dict:
     """``decode_start``'s cache of prompts ``prompt_width`` wide with room for prompts ``width`` wide: the
     cross-attention keys/values padded with zeros to ``width`` positions, masked (serving's slots hold the rows
-    of every prompt bucket in one cache)."""
+    of every prompt width in one cache)."""
     pad = width - prompt_width
-    cross = [tuple(jnp.pad(t, ((0, 0), (0, 0), (0, pad), (0, 0))) for t in kv) for kv in cache["cross"]]
+    cross = tuple(jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))) for t in cache["cross"])
     bias = jnp.pad(cache["cross_bias"], ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=L.MASK_VALUE)
     return {**cache, "cross": cross, "cross_bias": bias}
 
 
 def cache_positions(cache: dict) -> dict:
-    """The decoder's self-attention keys and values along axis 2; the cross-attention's (the prompt's) whole."""
-    return {"self": [(2, 2) for _ in cache["self"]], "cross": [(-1, -1) for _ in cache["cross"]], "cross_bias": -1}
+    """The decoder's self-attention keys and values along axis 3 (after the batch and the layers); the
+    cross-attention's (the prompt's) whole."""
+    return {"self": (3, 3), "cross": (-1, -1), "cross_bias": -1}
 
 
 def first_token_column(prompt_width: int) -> int:

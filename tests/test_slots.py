@@ -249,7 +249,7 @@ def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least
         assert sp.span_for(span, n) == want, (span, n)
     sp.costs = {16: (2.0, 6.0), 32: (2.0, 6.0), 48: (2.0, 6.0)}
     assert sp.span_for(1, 3) == 16  # a tie: the narrower
-    cache = {"kv": [(jnp.zeros((4, 2, 100, 8)),) * 2], "key_ok": jnp.zeros((4, 100), bool),
+    cache = {"kv": (jnp.zeros((4, 3, 2, 100, 8)),) * 2, "key_ok": jnp.zeros((4, 100), bool),
              "next_pos": jnp.zeros(4, jnp.int32), "start": jnp.zeros(4, jnp.int32)}
     assert attention_spans(g.family, cache, 4) == (32, 56, 80, 100)
     assert attention_spans(g.family, cache, 1) == (100,)

@@ -18,7 +18,8 @@ method, 408 a body that did not arrive in time, 413 past a size limit, 415 a bod
 full (``Retry-After``), 500 a decoding call that failed (the requests it held; the server goes on), 503 shutting
 down. Every response with a status of 400 or more is counted in ``flan_t5_rejected_requests_total{status}``.
 
-Connections: a connection that has not sent a whole request head within ``header_timeout`` seconds is closed, a body
+Connections: a connection that has not sent a whole request head within ``header_timeout`` seconds (of its opening,
+or of the first byte of a later request on it) is closed, a body
 that has not arrived within ``body_timeout`` is a 408, an idle keep-alive connection is closed after
 ``keep_alive`` seconds, and past ``max_connections`` open connections uvicorn answers 503: slow or idle clients
 cannot hold the server's file handles.
@@ -438,19 +439,32 @@ def _info_routes(app, engine) -> None:
 
 def header_timeout_protocol(timeout: float):
     """uvicorn's HTTP protocol, closing a connection that has not sent a whole request head within ``timeout``
-    seconds of opening (uvicorn's keep-alive timeout only starts after a first response)."""
+    seconds: of opening, for its first request; of the first byte of the next, for each later one. (uvicorn's
+    keep-alive timeout closes a connection idle after a response, but only until a byte arrives: a connection that
+    sent one byte of its next request and then nothing was held open for good.)"""
 
     class Protocol(AutoHTTPProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self.header_timer = self.loop.call_later(timeout, self.header_timeout)
 
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if self.header_timer is None and (cycle is None or cycle.response_complete):  # a next request begins
+                self.header_timer = self.loop.call_later(timeout, self.header_timeout)
+            super().data_received(data)
+            if self.cycle is not cycle and self.header_timer is not None:  # a whole head came: its request runs
+                self.header_timer.cancel()
+                self.header_timer = None
+
         def header_timeout(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():
+            self.header_timer = None
+            if not self.transport.is_closing():
                 self.transport.close()
 
         def connection_lost(self, exc) -> None:
-            self.header_timer.cancel()
+            if self.header_timer is not None:
+                self.header_timer.cancel()
             super().connection_lost(exc)
 
     return Protocol

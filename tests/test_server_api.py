@@ -337,6 +337,43 @@ def test_idle_and_slow_connections_are_closed_and_a_body_cut_short_is_one_line(c
         s.stop()
 
 
+def read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP response (its head and its Content-Length of body) off a socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_a_kept_alive_connection_that_begins_a_request_and_stops_is_closed_after_the_header_timeout():
+    """After a response, a connection kept alive that sends a byte of its next request and then nothing is closed
+    --header_timeout after that byte, as a new connection is (uvicorn's keep-alive timer stops at the byte: it was
+    held open for good); one that sends its next request whole is served."""
+    s = FakeServer(header_timeout=0.5)  # (its keep-alive timeout is 5 s: that one would not close it in time)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "the cat", "max_tokens": 2}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                   b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock = socket.create_connection((s.host, s.port))
+        sock.settimeout(3)
+        for _ in range(2):  # two requests on one connection: each head in time, each served
+            sock.sendall(request)
+            assert b" 200 " in read_response(sock).split(b"\r\n")[0]
+        sock.sendall(b"P")
+        start = time.monotonic()
+        assert sock.recv(100) == b""  # closed by the server (a timeout here: still open)
+        assert time.monotonic() - start < 2.5
+        sock.close()
+        s.serves()
+    finally:
+        s.stop()
+
+
 # --------------------------------------------------------------------------- the API as clients use it
 
 

@@ -52,7 +52,19 @@ class ApiError(Exception):
 
 
 def error_body(message: str, kind: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error body; a message or param that holds what a client sent (an unknown field's name) with an
+    unpaired surrogate, which has no UTF-8 form, shows it escaped (``\\ud800``): the body can always be written."""
+    return {"error": {"message": printable(message), "type": kind,
+                      "param": None if param is None else printable(param), "code": code}}
+
+
+def printable(x: str) -> str:
+    """``x`` with each unpaired surrogate (no UTF-8 form) as its escape, ``\\ud800``; any other text as it is."""
+    try:
+        x.encode("utf-8")
+        return x
+    except UnicodeEncodeError:
+        return x.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,8 @@ BAD_RAW = [
     b'{"model": "fake", "prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}",
     b'{"model": "fake", "prompt": "a", "max_tokens": 99999999999999999999999999999999}',
     b'{"model": "fake"}',
+    b'{"model": "fake", "prompt": "a", "\\ud800": 1}', b'{"\\udfff x": 1, "model": "fake", "prompt": "a"}',
+    b'{"model": "fake", "prompt": "a", "\\ud83d\\ude00": 1}', b'{"model": "fake", "prompt": "a", "": 1}',
 ]
 BAD_CHAT = [
     {"messages": []}, {"messages": "hi"}, {"messages": [{"role": "user"}]}, {"messages": [{"role": "bot", "content": "a"}]},
@@ -172,7 +174,7 @@ def corpus() -> list:
     """(body, path, headers) of malformed requests."""
     out = [({"model": MODEL, "prompt": "the cat", field: v}, "/v1/completions", {})
            for field, values in BAD_VALUES.items() for v in values]
-    out += [(raw, "/v1/completions", {}) for raw in BAD_RAW]
+    out += [(raw, path, {}) for raw in BAD_RAW for path in ("/v1/completions", "/v1/chat/completions")]
     out += [({"model": MODEL, **c}, "/v1/chat/completions", {}) for c in BAD_CHAT]
     ok = {"model": MODEL, "prompt": "the cat"}
     out += [(ok, "/v1/completions", {"Content-Type": "text/plain"}),
@@ -264,6 +266,20 @@ def test_the_completions_paths_take_post_alone():
         s.stop()
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_field_whose_name_holds_an_unpaired_surrogate_is_a_400_naming_it_escaped(server, path):
+    """The name is what the client sent: put in ``param`` as it was, it had no UTF-8 form and the 400 became a 500."""
+    given = b'"prompt": "a"' if path == "/v1/completions" else b'"messages": [{"role": "user", "content": "a"}]'
+    body = b'{"model": "fake", ' + given + b', "\\ud800x": 1}'
+    before = server.metric('flan_t5_rejected_requests_total{status="500"}')
+    r = server.post(body, path)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "unknown_parameter", r.text
+    assert error["param"] == "\\ud800x" and "ud800x" in error["message"], error
+    assert server.metric('flan_t5_rejected_requests_total{status="500"}') == before
+    server.serves()
+
+
 def test_the_crash_of_a_top_k_past_int32_is_a_400_naming_the_field(server):
     r = server.post({"model": MODEL, "prompt": "the cat", "top_k": 2 ** 31})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
@@ -282,13 +298,20 @@ def test_json_nested_past_the_limit_is_refused_before_any_field_is_read():
             api.parse_completion(body(levels), limits, MODEL)
 
 
+# any text, unpaired surrogates (no UTF-8 form) often among it
+ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()) | st.characters(min_codepoint=0xD800,
+                                                                                    max_codepoint=0xDFFF))
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.dictionaries(st.sampled_from(api.COMPLETION_FIELDS + ("frobnicate",)),
-                       st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
-                                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=5), c,
-                                                                                        max_size=3), max_leaves=8)))
+@given(st.dictionaries(st.sampled_from(api.COMPLETION_FIELDS + ("frobnicate",)) | ANY_TEXT,
+                       st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | ANY_TEXT,
+                                    lambda c: st.lists(c, max_size=4) | st.dictionaries(ANY_TEXT, c, max_size=3),
+                                    max_leaves=8)))
 def test_any_json_body_is_a_checked_request_or_an_api_error(body):
-    """Whatever the fields hold: a 4xx naming a field, or a request whose every value is within the limits."""
+    """Whatever the fields are named and hold (an unpaired surrogate in a name or a value included): a 4xx naming a
+    field, whose body can be written as the server writes it (UTF-8), or a request whose every value is within the
+    limits."""
     limits = api.Limits(max_tokens=64, default_max_tokens=16, max_prompt_tokens=32, max_prompt_chars=2000,
                         max_prompts=12, max_body_bytes=65536, vocab_size=64, max_logprobs=5, scores_prompts=True)
     try:
@@ -299,6 +322,7 @@ def test_any_json_body_is_a_checked_request_or_an_api_error(body):
         req = api.parse_completion(raw, limits, MODEL)
     except api.ApiError as e:
         assert 400 <= e.status < 500 and e.message
+        json.dumps(e.body(), ensure_ascii=False).encode("utf-8")  # (as JSONResponse renders it: a 500 if it raises)
         return
     assert 0 <= req.max_tokens <= 64 and 0.0 <= req.temperature <= 2.0 and 0.0 < req.top_p <= 1.0
     assert -1 <= req.top_k <= 64 and (req.seed is None or 0 <= req.seed < 2 ** 64)

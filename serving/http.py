@@ -219,8 +219,7 @@ class _Reply:
         return sum(r is None for r in self.reasons)
 
     def take(self, ev) -> None:
-        if ev.error is not None:
-            raise ev.error
+        """An event without an error (an error ends the reply: ``_whole``, ``_stream``)."""
         i = ev.index
         self.texts[i] += ev.text
         self.token_ids[i] += ev.token_ids
@@ -262,14 +261,24 @@ class _Reply:
         return api.completion(self.req, self.id, self.created, self.engine.model_id, [c], None, chunk=True)
 
 
-async def _whole(reply: _Reply) -> Optional[dict]:
-    """A completion's body, at its end; None when its client went away (its sequences cancelled: their slots freed
-    before the next call)."""
+def _ended(reply: _Reply, error: api.ApiError) -> api.ApiError:
+    """A request that an error ended (a failed decoding call, a shutdown's grace period over): one line, no
+    traceback (the error is the scheduler's, the same for every request it ended; what failed is logged once, where
+    it failed), whatever the number of requests it ends."""
+    logger.warning("%s ended with an error (%d %s): %s", reply.id, error.status, error.code, error.message)
+    return error
+
+
+async def _whole(reply: _Reply):
+    """A completion's body at its end, or the ApiError that ended it; None when its client went away (its sequences
+    cancelled: their slots freed before the next call)."""
     try:
         while reply.pending():
             ev = await reply.queue.get()
             if ev is GONE:
                 return None
+            if ev.error is not None:
+                return _ended(reply, to_api_error(ev.error))
             reply.take(ev)
         return reply.body()
     finally:
@@ -292,7 +301,7 @@ async def _stream(reply: _Reply):
                 if ev is GONE:
                     return
                 if ev.error is not None:
-                    out.append(_sse(to_api_error(ev.error).body()))
+                    out.append(_sse(_ended(reply, to_api_error(ev.error)).body()))
                     failed = True
                     break
                 body = reply.chunk(ev)
@@ -365,7 +374,10 @@ class Completions:
                     await send({"type": "http.response.body", "body": b""})
             else:
                 body = await _whole(reply)
-                await (GONE_RESPONSE if body is None else JSONResponse(body))(scope, receive, send)
+                if isinstance(body, api.ApiError):
+                    await JSONResponse(body.body(), body.status, body.headers)(scope, receive, send)
+                else:
+                    await (GONE_RESPONSE if body is None else JSONResponse(body))(scope, receive, send)
         finally:
             watch.cancel()
 

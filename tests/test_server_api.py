@@ -18,6 +18,7 @@ import math
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import httpx
@@ -626,6 +627,43 @@ def test_a_failing_decoding_call_answers_every_request_it_held_and_the_server_go
     assert server.metric('flan_t5_requests_total{outcome="error"}') >= 4
     server.serves()
     assert httpx.get(server.url + "/health", timeout=WAIT).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("ending", ["grace period over", "decoding failed"])
+def test_each_request_an_error_ends_is_one_log_line_without_a_traceback(caplog, ending):
+    """The scheduler ends every request it holds with one exception (a shutdown's, a failed call's): each request's
+    answer is its error and its log one line, no traceback. (The exception was raised into each whole request in
+    turn, and its traceback grew with each raise: 7 to 1,568 lines a request, megabytes of log.)"""
+    caplog.set_level(logging.INFO)
+    s = FakeServer(grace=0)
+    gate = threading.Event()
+    s.backend.gate = gate  # every request held until the test says
+    try:
+        bodies = [{"model": MODEL, "prompt": words("the cat"), "max_tokens": 40, "stream": stream}
+                  for stream in (False, False, False, True)]  # four sequences: every one in a slot
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = [pool.submit(s.post, b) for b in bodies]
+            s.wait_for(lambda: s.engine.held() == len(bodies), "every request held")
+            if ending == "decoding failed":
+                s.backend.fail = lambda kind: RuntimeError("device lost") if kind == "read" else None
+            else:
+                s.server.handle_exit(15, None)  # (no grace: the held requests end at once)
+            gate.set()
+            answers = [a.result() for a in answers]
+        status, code = (503, "shutting_down") if ending == "grace period over" else (500, "server_error")
+        for r in answers[:3]:
+            assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+        assert f'"code": "{code}"' in answers[3].text and answers[3].text.rstrip().endswith("data: [DONE]")
+        once = ("grace period over", "a decoding call failed", "signal 15")  # the server's own lines, once each
+        lines = [r for r in caplog.records if r.name == "flan_t5" and r.levelno >= logging.WARNING
+                 and not r.getMessage().startswith(once)]
+        assert len(lines) == len(bodies), [r.getMessage() for r in lines]  # one a request
+        assert all(not r.exc_info and "\n" not in r.getMessage() for r in lines), [r.getMessage() for r in lines]
+        assert len({r.getMessage().split()[0] for r in lines}) == len(bodies)  # each names its own request
+    finally:
+        gate.set()
+        s.backend.fail = None
+        s.stop()
 
 
 def test_a_loop_that_fails_for_good_stops_the_server():

@@ -180,7 +180,8 @@ def limit_flags(s) -> None:
     s.add_argument("--body_timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive (408 past it)")
     s.add_argument("--max_connections", type=int, default=1024,
-                   help="open connections at most (uvicorn answers 503 past it)")
+                   help="open connections served at once: while more are open a request is a 503 with "
+                        "Retry-After, and its connection is closed")
     s.add_argument("--grace_period", type=float, default=30.0,
                    help="seconds a SIGTERM leaves the held requests to finish before they end with an error")
     s.add_argument("--max_body_bytes", type=int, default=1 << 20, help="the largest request body (413 past it)")

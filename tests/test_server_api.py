@@ -31,7 +31,7 @@ from hypothesis import given, settings, strategies as st
 from data.synthetic import make_tokenizer
 from serving import api
 from serving.engine import Engine, ServeOptions
-from serving.http import Server, header_timeout_protocol, make_app
+from serving.http import Connections, Server, header_timeout_protocol, make_app
 from tests.fake_backend import FakeBackend, logprob
 
 TOK = make_tokenizer()
@@ -58,10 +58,12 @@ class FakeServer:
                                max_new_tokens=kw.pop("max_new_tokens", 64), max_prompt_chars=2000,
                                max_body_bytes=65536, model_id=MODEL, max_logprobs=5)
         self.engine = Engine(self.backend, TOK, encode, options)
+        self.connections = Connections(kw.pop("max_connections", None))
         app = make_app(self.engine, KEY, body_timeout=kw.pop("body_timeout", 5.0),
-                       on_fatal=lambda e: self.server.stop_fatally(e))
+                       on_fatal=lambda e: self.server.stop_fatally(e), connections=self.connections)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                http=header_timeout_protocol(kw.pop("header_timeout", 5.0)), timeout_keep_alive=5)
+                                http=header_timeout_protocol(kw.pop("header_timeout", 5.0), self.connections),
+                                timeout_keep_alive=5)
         self.server = Server(config, self.engine, kw.pop("grace", 30.0), self._listening)
         self.url = None
         self.http = httpx.Client(timeout=WAIT)  # one client: making one per request costs its TLS set-up each time
@@ -373,6 +375,31 @@ def read_response(sock: socket.socket) -> bytes:
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
+
+
+def test_past_max_connections_a_request_is_an_openai_503_with_retry_after_counted_and_its_connection_closed():
+    """While more connections are open than --max_connections, a request gets OpenAI's error body, Retry-After, a
+    count in the metrics and its connection closed (uvicorn's own limit answered text/plain, uncounted); once some
+    close, requests are served again."""
+    s = FakeServer(max_connections=2)
+    try:
+        idle = [socket.create_connection((s.host, s.port)) for _ in range(2)]
+        s.wait_for(lambda: s.connections.open == 2, "two connections open")
+        before = s.metric('flan_t5_rejected_requests_total{status="503"}')
+        for path in ("/v1/completions", "/health"):
+            r = httpx.post(s.url + path, json={"model": MODEL, "prompt": "the cat"}, timeout=WAIT,
+                           headers={"Authorization": f"Bearer {KEY}"})
+            error = r.json()["error"]
+            assert r.status_code == 503 and error["code"] == "too_many_connections", r.text
+            assert error["type"] == "service_unavailable_error" and "--max_connections 2" in error["message"]
+            assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+        assert s.metric('flan_t5_rejected_requests_total{status="503"}') - before == 2
+        for sock in idle:
+            sock.close()
+        s.wait_for(lambda: s.connections.open == 0, "the connections closed")
+        s.serves()
+    finally:
+        s.stop()
 
 
 def test_a_kept_alive_connection_that_begins_a_request_and_stops_is_closed_after_the_header_timeout():

@@ -379,8 +379,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_logprobs(entries: Optional[list]) -> Optional[dict]:
-    """TokenLogprobs (serving/output.py) as the legacy API shows them: each token's top_logprobs the k best and the
-    token itself (up to k + 1 entries; the prompt's first token: null)."""
+    """TokenLogprobs (serving/output.py) as the legacy API shows them: each token's top_logprobs the k most likely
+    texts (the output side made them distinct: ``Output.distinct``) and the token itself (up to k + 1 entries; the
+    prompt's first token: null)."""
     if entries is None:
         return None
     tops = []

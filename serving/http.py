@@ -237,7 +237,8 @@ class _Reply:
         for i, (ids, text) in enumerate(prompts):
             for j in range(req.best_of):
                 out = Output(i * req.best_of + j, self.queue, req.stop, req.stream, req.logprobs,
-                             text if req.echo else None, ids if req.echo and req.logprobs is not None else None)
+                             text if req.echo else None, ids if req.echo and req.logprobs is not None else None,
+                             distinct=not req.chat)  # (the legacy top_logprobs: keyed by text)
                 self.seqs.append(Sequence(ids, req.max_tokens, req.temperature, req.top_p, req.top_k,
                                           choice_seed(req.seed, j), wants, out.echo_ids is not None, out))
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -925,6 +925,15 @@ def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_
     assert reply.chosen() == [3, 1, 4, 5]
 
 
+def test_a_completion_s_choices_show_distinct_texts_a_chat_s_tokens():
+    """The legacy top_logprobs is keyed by text: its candidates are the most likely distinct texts; chat's is a
+    list: the most likely tokens (serving/output.py; tests/test_scheduler.py shows both)."""
+    from serving.http import _Reply
+
+    assert _Reply(None, completion(logprobs=2), [([5], "a")]).seqs[0].out.distinct
+    assert not _Reply(None, chat_request(logprobs=True, top_logprobs=2), [([5], "a")]).seqs[0].out.distinct
+
+
 def test_events_that_came_during_the_last_write_go_out_in_one_write_each_its_own_event():
     """A stream's writes: what its queue holds when it reads, in one write of as many events (fewer sends under load);
     the last with the usage and [DONE]; an error ends it there (its event, [DONE]; what came after it dropped) and

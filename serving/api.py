@@ -75,7 +75,7 @@ class Limits:
     default_max_tokens: int  # max_tokens when a request names none (the checkpoint's output length)
     max_prompt_tokens: int  # the longest prompt, in tokens (the widest prompt the slots hold)
     max_prompt_chars: int  # the longest prompt, in characters, before it is tokenized (413 past it)
-    max_prompts: int  # sequences in one request: prompts x best_of (413 past it)
+    max_prompts: int  # sequences in one request: prompts x best_of (413 past it; the server's slots + queue)
     max_body_bytes: int  # a request body (413 past it)
     vocab_size: int  # token ids below it; top_k at most it
     max_logprobs: int  # logprobs / top_logprobs at most it
@@ -229,8 +229,9 @@ def _prompts(body: dict, limits: Limits) -> tuple:
         raise _bad("prompt", "must be a string, a non-empty list of strings, a list of token ids, or a list of "
                              f"such lists, not a mixture (got {_show(p)})")
     if len(items) > limits.max_prompts:
-        raise ApiError(413, f"prompt holds {len(items)} prompts: at most {limits.max_prompts} in one request",
-                       param="prompt", code="too_many_prompts")
+        raise ApiError(413, f"prompt holds {len(items)} prompts: at most {limits.max_prompts} in one request, the "
+                            f"sequences this server holds (--slots + --max_queue)", param="prompt",
+                       code="too_many_prompts")
     return tuple(_prompt(x, limits) for x in items)
 
 
@@ -295,8 +296,8 @@ def _sampling(body: dict, limits: Limits, max_tokens: int, logprobs, echo: bool,
     sequences = len(prompts or [messages]) * best_of
     if sequences > limits.max_prompts:
         raise ApiError(413, f"the request asks for {sequences} sequences (prompts x best_of): at most "
-                            f"{limits.max_prompts} in one request", param="best_of" if best_of > 1 else "prompt",
-                       code="too_many_prompts")
+                            f"{limits.max_prompts} in one request, the sequences this server holds (--slots + "
+                            "--max_queue)", param="best_of" if best_of > 1 else "prompt", code="too_many_prompts")
     seed = _int(body, "seed", None, SEED_LOW, SEED_HIGH)
     return Request(
         chat=chat, prompts=prompts, messages=messages, max_tokens=max_tokens,

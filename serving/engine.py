@@ -129,8 +129,8 @@ def server_flags(p) -> None:
     s.add_argument("--slots", type=int, default=None,
                    help="decoding slots: requests decoded at once (default: micro_batch_size * data_parallel)")
     s.add_argument("--max_queue", type=int, default=None,
-                   help="sequences that may wait for a slot; more get 429 with Retry-After, which the openai client "
-                        "retries (default: 256, or 4 x slots where more)")
+                   help="sequences that may wait for a slot; while that many wait a request gets 429 with "
+                        "Retry-After, which the openai client retries (default: 256, or 4 x slots where more)")
     s.add_argument("--prompt_widths", type=int, nargs="+", default=None, metavar="N",
                    help="prompt widths compiled (a prompt is padded to the first that holds it; the widest is the "
                         "longest prompt taken); default: 16, 32, ... up to sequence_length")

@@ -133,17 +133,21 @@ def test_a_cancelled_sequence_leaves_its_slot_and_gets_no_more_tokens():
     assert sum(c == "insert" for c in h.b.calls) == 1
 
 
-def test_the_queue_bound_is_all_or_none():
+def test_a_request_is_admitted_whole_while_the_slots_and_queue_have_room_refused_whole_while_full():
+    """A request of many sequences is admitted while the server holds fewer than slots + max_queue, as one of one
+    sequence is: it once had to fit beside the held ones, and while small requests kept the server near its bound it
+    was refused for good."""
     h = Harness(slots=2, max_queue=3)
     h.s.submit([h.seq("the cat", 30) for _ in range(4)])
+    h.s.submit([h.seq("a dog", 2) for _ in range(5)])  # 4 held < 2 slots + 3 queued: all five (9 held)
+    assert h.s.held() == 9
     with pytest.raises(QueueFull) as e:
-        h.s.submit([h.seq("a dog", 2), h.seq("a dog", 2)])  # 4 + 2 > 2 slots + 3 queued: none of them
-    assert e.value.held == 4 and h.s.held() == 4
-    h.s.submit([h.seq("a dog", 2)])  # 5 fits
-    with pytest.raises(QueueFull):
-        h.s.submit([h.seq("a dog", 2)])
+        h.s.submit([h.seq("a dog", 2)])  # full: none
+    assert e.value.held == 9 and h.s.held() == 9
     h.run()
     h.s.submit([h.seq("a dog", 2) for _ in range(5)])  # the slots and the queue free again
+    with pytest.raises(QueueFull):
+        h.s.submit([h.seq("a dog", 2), h.seq("a dog", 2)])  # 5 held: all or none, none
 
 
 def test_a_backend_that_raises_fails_the_calls_sequences_and_the_loop_goes_on():

@@ -599,6 +599,35 @@ def test_a_full_queue_is_a_429_that_the_openai_client_retries():
         s.stop()
 
 
+def test_a_request_as_large_as_the_server_holds_is_admitted_beside_others_one_larger_is_a_413_naming_the_limit():
+    """12 sequences (4 slots and a queue of 8) wait for room as one does: admitted beside a running request (it once
+    had to fit beside the held ones: under steady traffic a 429 for good); 13 are refused at once, naming why."""
+    s = FakeServer(max_queue=8)
+    try:
+        gate = threading.Event()
+        s.backend.gate = gate
+        client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
+        stream = client.send(client.build_request("POST", s.url + "/v1/completions", json={
+            "model": MODEL, "prompt": words("the cat"), "max_tokens": 9, "stream": True}), stream=True)
+        s.wait_for(lambda: s.engine.held() == 1, "a request running")
+        with ThreadPoolExecutor(1) as pool:
+            large = pool.submit(s.post, {"model": MODEL, "prompt": [words("a dog")] * 3, "n": 4, "max_tokens": 2})
+            s.wait_for(lambda: s.engine.held() == 13 or large.done(), "the large request admitted")
+            assert not large.done(), large.result().text  # (a 429 here: refused beside the running one)
+            full = s.post({"model": MODEL, "prompt": "a dog", "max_tokens": 2})
+            assert full.status_code == 429, full.text  # the server full: a request of one is refused
+            gate.set()
+            r = large.result()
+        assert r.status_code == 200 and [c["text"] for c in r.json()["choices"]] == ["a dog"] * 12, r.text
+        stream.close()
+        client.close()
+        for body in ({"prompt": [words("a dog")] * 13}, {"prompt": [words("a dog")] * 7, "n": 1, "best_of": 2}):
+            r = s.post({"model": MODEL, "max_tokens": 2, **body})
+            assert r.status_code == 413 and "--slots + --max_queue" in r.json()["error"]["message"], r.text
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_frees_its_slots(server, stream):
     """Streamed or answered whole, a request whose client closes its connection is cancelled at once (the slots

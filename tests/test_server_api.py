@@ -524,6 +524,62 @@ def test_chat_renders_the_messages_and_answers_in_the_chat_shape(server):
     assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
 
 
+@pytest.mark.parametrize("preset", ["gptj_tiny", "tiny"])
+def test_a_chat_message_is_the_task_s_input_read_as_validation_and_run_inference_read_it(preset, monkeypatch):
+    """A chat message's token ids are validation's and run_inference.py --prompt's of the same text (the family's
+    prompt format: GPT-J's ' target:' after it, which it was trained to answer; once they were the text alone, and
+    GPT-J answered 'target: ...'); /v1/completions' prompt stays the text as given. The engine the server builds
+    (serving/backend.py's; run_server.py's engine process's in tests/test_server.py) renders as this one."""
+    from config import load_config
+    from data.tasks import Example, load_tokenizer, tokenize_prompts
+    from modelling import registry
+    from serving import backend
+    from serving.backend import prompt_encoder
+
+    cfg = load_config("inference", preset, {"eval": True})
+    family, tok = registry.checked(cfg), load_tokenizer(cfg.data.tokenizer)
+    options = ServeOptions(slots=4, max_queue=8, widths=(16, 32), joins=(1, 2, 4), steps=2, max_new_tokens=8,
+                           max_prompt_chars=2000, max_body_bytes=65536, model_id=MODEL)
+    engine = Engine(FakeBackend(slots=4, widths=(16, 32), vocab=tok.vocab_size), tok, prompt_encoder(family, tok),
+                    options, prompt_format=family.prompt)
+    text = "mnli hypothesis: the cat sleeps premise: the cat sleeps in the park"
+    chat = engine.tokenize(engine.render_chat(({"role": "user", "content": text},)))
+    feats = tokenize_prompts([Example(text, "")], tok, family)  # validation's and run_inference --prompt's features
+    assert chat == feats["input_ids"][0][feats["attention_mask"][0] > 0].tolist()
+    raw = engine.tokenize(text)  # /v1/completions
+    target = tok("target:", add_special_tokens=False)["input_ids"]
+    if family.causal:
+        assert chat == raw + target and engine.render_chat(({"role": "user", "content": text},)) == text + " target:"
+    else:
+        assert chat == raw  # T5's input is the text (and its end-of-text)
+    monkeypatch.setattr(backend, "build_backend", lambda *a: (engine.backend, tok, engine.encode))  # (no programs)
+    built = backend.build_engine(cfg, options)
+    assert built.tokenize(built.render_chat(({"role": "user", "content": text},))) == chat
+
+
+def test_run_inference_reads_a_prompt_as_the_task_s_input(monkeypatch):
+    """run_inference.py --prompt puts its text in the task's prompt format (the features as validation's)."""
+    import run_inference
+    from app import predict
+
+    seen, features = [], predict.prompt_features
+
+    def stop(examples, tokenizer, family, sequence_length, **kw):  # the features it decodes, then no decoding
+        feats, _ = features(examples, tokenizer, family, sequence_length, **kw)
+        seen.append((feats["input_ids"][0][feats["attention_mask"][0] > 0].tolist(), tokenizer))
+        raise SystemExit(0)
+
+    from config import load_config
+
+    monkeypatch.setattr(predict, "prompt_features", stop)
+    monkeypatch.setattr(predict, "start_decoding",
+                        lambda *a: load_config("inference", "gptj_tiny", {"eval": True, "rts": False}))
+    with pytest.raises(SystemExit):
+        run_inference.main(["--config", "gptj_tiny", "--prompt", "the cat sleeps"])
+    ((ids, tok),) = seen  # (once the text as given, which GPT-J continued with 'target: ...')
+    assert tok.decode(ids) == "the cat sleeps target:"
+
+
 @pytest.mark.parametrize("flag,value", [("slots", -1), ("slots", 0), ("header_timeout", 0.0),
                                         ("body_timeout", -1.0), ("max_connections", 0), ("max_queue", -1),
                                         ("min_join", 0), ("attention_spans", 0)])

@@ -486,6 +486,24 @@ def test_n_and_best_of_and_a_seed_per_choice(server):
     assert best.usage.completion_tokens == 6
 
 
+def test_a_request_without_temperature_samples_at_1_and_temperature_0_is_greedy(server):
+    """OpenAI's default, as docs/serving.md says: no temperature is 1.0 (sampling), on both endpoints, down to what
+    the slots read (a sequence's sampling row); only temperature 0 decodes greedily."""
+    assert completion().temperature == chat_request().temperature == 1.0
+    seqs = []
+    submit = server.engine.submit
+    server.engine.submit = lambda s: (seqs.extend(s), submit(s))[1]
+    try:
+        for body, path in (({"prompt": "the cat"}, "/v1/completions"),
+                           ({"messages": [{"role": "user", "content": "the cat"}]}, "/v1/chat/completions"),
+                           ({"prompt": "the cat", "temperature": 0}, "/v1/completions")):
+            assert server.post({"model": MODEL, "max_tokens": 2, **body}, path).status_code == 200
+    finally:
+        server.engine.submit = submit
+    assert [s.temperature for s in seqs] == [1.0, 1.0, 0.0]
+    assert [s.sampling()[0] for s in seqs] == [1.0, 1.0, 0.0]  # (the temperature the slots read)
+
+
 def test_return_token_ids_gives_each_choice_its_own_prompt_s_ids_in_its_first_chunk_alone(server):
     prompts = [words("the cat"), words("a dog runs")]
     r = server.post({"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 3, "return_token_ids": True})

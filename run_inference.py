@@ -2,11 +2,12 @@
 
     python3 run_inference.py --load ckpt/tiny --limit 5                       # 5 held-out examples of its task
     python3 run_inference.py --load ckpt/gptj --compare_hf --limit 5          # and HF generate's outputs beside ours
-    python3 run_inference.py --config gpt-j --prompt "mnli hypothesis: ... premise: ... target:"
+    python3 run_inference.py --config gpt-j --prompt "mnli hypothesis: ... premise: ..."
     python3 run_inference.py --load ckpt/sum --input tickets.jsonl --predictions tickets.out.jsonl --num_beams 4
 
 As the original's run_inference.py: a quick look at what a fine-tuned model says, for both families. Inputs come
-from --prompt (as given: the whole text the model reads), from --input (a file of rows in the task's format: its
+from --prompt (the task's input, in the task's prompt format as training and validation render it: GPT-J reads
+``TEXT target:`` and answers the target alone, as T5 does), from --input (a file of rows in the task's format: its
 input columns, a target column optional), or from the task's held-out data (a checkpoint's own: its template and
 format). The model's shape, family and task come from the checkpoint or the --hf_model's config.json. Decoding is
 greedy unless --num_beams or --do_sample say otherwise.
@@ -38,7 +39,8 @@ logger = logging.getLogger("flan_t5")
 
 def extra_flags(p):
     p.add_argument("--prompt", nargs="+", action="extend", default=None, metavar="TEXT",
-                   help="prompts to continue, as given: --prompt TEXT [TEXT ...] (the flag may be repeated too)")
+                   help="the task's inputs: --prompt TEXT [TEXT ...] (the flag may be repeated too), each rendered in "
+                        "the task's prompt format as validation renders it (GPT-J: TEXT target:)")
     p.add_argument("--input", default=None, metavar="FILE",
                    help="a file of rows in the task's format (jsonl, json, csv, tsv, parquet) to predict")
     p.add_argument("--predictions", default=None, metavar="JSONL",
@@ -67,8 +69,7 @@ def main(argv=None) -> list:
     examples = predict.inference_inputs(args.prompt, args.input, args.limit, cfg, td)
     predictor = predict.Predictor(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    feats, _ = predict.prompt_features(examples, tokenizer, predictor.family, cfg.model.sequence_length,
-                                       given=bool(args.prompt))
+    feats, _ = predict.prompt_features(examples, tokenizer, predictor.family, cfg.model.sequence_length)
     directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
     params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
     if args.input:

@@ -7,8 +7,10 @@
 Then any OpenAI client: ``OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret").completions.create(
 model=..., prompt=..., max_tokens=32, temperature=0)``. Endpoints: POST /v1/completions, POST /v1/chat/completions,
 GET /v1/models, GET /health, GET /metrics (Prometheus); docs/serving.md is the reference. The weights (a checkpoint, LoRA adapters merged into their base, or an HF
-model), the tokenizer and the output length come from the checkpoint as run_inference.py takes them; prompts are
-read as given (as ``run_inference.py --prompt``), and greedy decoding (temperature 0) gives its tokens.
+model), the tokenizer and the output length come from the checkpoint as run_inference.py takes them. A
+/v1/completions prompt is read as given (a raw continuation, as OpenAI's); a chat message is the task's input,
+rendered in the task's prompt format as ``run_inference.py --prompt`` renders it (GPT-J: ``TEXT target:``), and
+greedy decoding (temperature 0) gives its tokens.
 
 Decoding runs in ``--slots`` rows at once, each request in its own row at its own position: requests join and leave
 between steps (serving/scheduler.py). Every program is compiled before the server listens; the line
@@ -87,8 +89,9 @@ def engine_process(cfg, options):
 
     worker = Worker(backend_in_process, cfg, options)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    encode = prompt_encoder(registry.checked(cfg), tokenizer)
-    return Engine(worker.backend, tokenizer, encode, options, scheduler=worker.scheduler)
+    family = registry.checked(cfg)
+    return Engine(worker.backend, tokenizer, prompt_encoder(family, tokenizer), options, scheduler=worker.scheduler,
+                  prompt_format=family.prompt)
 
 
 if __name__ == "__main__":

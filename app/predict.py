@@ -177,8 +177,10 @@ def batch_rows(feats: dict, idx, batch_size: int) -> tuple:
 
 
 def prompt_features(examples: list, tokenizer, family, sequence_length: int, given: bool = False) -> tuple:
-    """(input features of the examples padded to the longest prompt, none cut, the share of unknown prompt tokens).
-    ``given``: the inputs are whole prompts as a user wrote them (--prompt), read as they are."""
+    """(input features of the examples padded to the longest prompt, none cut, the share of unknown prompt tokens),
+    each input in the family's prompt format (``Family.prompt``: as training and validation render it; a
+    --prompt's text too). ``given``: the inputs are whole prompts, read as they are (a raw continuation, as the
+    server's /v1/completions reads one)."""
     feats = tokenize_prompts(examples, tokenizer, family, given=given)  # never truncated
     longest = feats["input_ids"].shape[1]
     if longest > sequence_length:
@@ -194,8 +196,8 @@ def prompt_features(examples: list, tokenizer, family, sequence_length: int, giv
 
 
 def inference_inputs(prompts, input_file, limit, cfg, td) -> list:
-    """The examples run_inference.py decodes: prompt texts (as given), a file's rows (the first ``limit``, or all),
-    or the held-out examples of the task ``td`` (data.mixture.TaskData: the first ``limit``, 4 by default)."""
+    """The examples run_inference.py decodes: prompt texts (the task's inputs), a file's rows (the first ``limit``, or
+    all), or the held-out examples of the task ``td`` (data.mixture.TaskData: the first ``limit``, 4 by default)."""
     task = td.task
     if limit is not None and limit < 1:
         raise FlanT5Error(f"--limit {limit} must be at least 1")

@@ -284,8 +284,8 @@ def tokenize_examples(examples: list, tokenizer, family) -> Examples:
 
 def tokenize_prompts(examples: list, tokenizer, family, length: Optional[int] = None, given: bool = False) -> dict:
     """Input ids and attention mask [n, length] as the family reads its input (right-padded with ``pad_id``;
-    ``length`` None: padded to the longest, none cut). ``given``: each input is the whole prompt as written (a user's
-    --prompt), not yet in the family's prompt format."""
+    ``length`` None: padded to the longest, none cut). ``given``: each input is the whole prompt as written (a raw
+    continuation, as the server's /v1/completions reads one), not put in the family's prompt format."""
     enc = family.encode_inputs(tokenizer, [e.input if given else family.prompt(e.input) for e in examples])
     length = length or max(len(x) for x in enc)
     ids = np.full((len(enc), length), pad_id(tokenizer), np.int32)

@@ -52,7 +52,19 @@ class ApiError(Exception):
 
 
 def error_body(message: str, kind: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """OpenAI's error body; a message or param that holds what a client sent (an unknown field's name) with an
+    unpaired surrogate, which has no UTF-8 form, shows it escaped (``\\ud800``): the body can always be written."""
+    return {"error": {"message": printable(message), "type": kind,
+                      "param": None if param is None else printable(param), "code": code}}
+
+
+def printable(x: str) -> str:
+    """``x`` with each unpaired surrogate (no UTF-8 form) as its escape, ``\\ud800``; any other text as it is."""
+    try:
+        x.encode("utf-8")
+        return x
+    except UnicodeEncodeError:
+        return x.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -63,7 +75,7 @@ class Limits:
     default_max_tokens: int  # max_tokens when a request names none (the checkpoint's output length)
     max_prompt_tokens: int  # the longest prompt, in tokens (the widest prompt the slots hold)
     max_prompt_chars: int  # the longest prompt, in characters, before it is tokenized (413 past it)
-    max_prompts: int  # sequences in one request: prompts x best_of (413 past it)
+    max_prompts: int  # sequences in one request: prompts x best_of (413 past it; the server's slots + queue)
     max_body_bytes: int  # a request body (413 past it)
     vocab_size: int  # token ids below it; top_k at most it
     max_logprobs: int  # logprobs / top_logprobs at most it
@@ -217,8 +229,9 @@ def _prompts(body: dict, limits: Limits) -> tuple:
         raise _bad("prompt", "must be a string, a non-empty list of strings, a list of token ids, or a list of "
                              f"such lists, not a mixture (got {_show(p)})")
     if len(items) > limits.max_prompts:
-        raise ApiError(413, f"prompt holds {len(items)} prompts: at most {limits.max_prompts} in one request",
-                       param="prompt", code="too_many_prompts")
+        raise ApiError(413, f"prompt holds {len(items)} prompts: at most {limits.max_prompts} in one request, the "
+                            f"sequences this server holds (--slots + --max_queue)", param="prompt",
+                       code="too_many_prompts")
     return tuple(_prompt(x, limits) for x in items)
 
 
@@ -283,8 +296,8 @@ def _sampling(body: dict, limits: Limits, max_tokens: int, logprobs, echo: bool,
     sequences = len(prompts or [messages]) * best_of
     if sequences > limits.max_prompts:
         raise ApiError(413, f"the request asks for {sequences} sequences (prompts x best_of): at most "
-                            f"{limits.max_prompts} in one request", param="best_of" if best_of > 1 else "prompt",
-                       code="too_many_prompts")
+                            f"{limits.max_prompts} in one request, the sequences this server holds (--slots + "
+                            "--max_queue)", param="best_of" if best_of > 1 else "prompt", code="too_many_prompts")
     seed = _int(body, "seed", None, SEED_LOW, SEED_HIGH)
     return Request(
         chat=chat, prompts=prompts, messages=messages, max_tokens=max_tokens,
@@ -367,8 +380,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_logprobs(entries: Optional[list]) -> Optional[dict]:
-    """TokenLogprobs (serving/output.py) as the legacy API shows them: each token's top_logprobs the k best and the
-    token itself (up to k + 1 entries; the prompt's first token: null)."""
+    """TokenLogprobs (serving/output.py) as the legacy API shows them: each token's top_logprobs the k most likely
+    texts (the output side made them distinct: ``Output.distinct``) and the token itself (up to k + 1 entries; the
+    prompt's first token: null)."""
     if entries is None:
         return None
     tops = []

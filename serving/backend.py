@@ -12,6 +12,7 @@ from app.predict import Predictor
 from app.runtime import start_devices
 from data.tasks import encoder_of, load_tokenizer, pad_id
 from graphs.slots import SlotPrograms
+from modelling import registry
 from serving.engine import Engine, ServeOptions
 from utils import checkpoint as ckpt
 
@@ -33,9 +34,10 @@ class SlotBackend:
 
 
 def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
-    """The engine over the weights the config names (or ``params``), every program compiled."""
+    """The engine over the weights the config names (or ``params``), every program compiled; chat messages rendered
+    in the family's prompt format."""
     backend, tokenizer, encode = build_backend(cfg, options, params)
-    return Engine(backend, tokenizer, encode, options)
+    return Engine(backend, tokenizer, encode, options, prompt_format=registry.checked(cfg).prompt)
 
 
 def build_backend(cfg, options: ServeOptions, params=None) -> tuple:

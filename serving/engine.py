@@ -5,16 +5,17 @@ tests' fake) and the output processor (serving/output.py) turns its tokens into 
 
     engine = backend.build_engine(cfg, ServeOptions.of(args, cfg))     # run_server.py: everything compiled
 
-What a request may ask (serving/api.py's Limits): prompts as given (the whole text the model reads, as
-``run_inference.py --prompt`` reads it: T5 ends it with its end-of-text token, GPT-J continues it; a list of token
-ids is read as it is) of at most the widest prompt width compiled, and at most ``--output_length`` new tokens (the
-checkpoint's task's by default, as ``run_inference.py`` takes it), which is also a request's default
-``max_tokens``.
+What a request may ask (serving/api.py's Limits): /v1/completions prompts as given (the whole text the model reads,
+a raw continuation as OpenAI's: T5 ends it with its end-of-text token, GPT-J continues it; a list of token ids is read
+as it is) of at most the widest prompt width compiled, and at most ``--output_length`` new tokens (the checkpoint's
+task's by default, as ``run_inference.py`` takes it), which is also a request's default ``max_tokens``.
 
-Chat: the messages become one prompt through a chat template (Jinja, as ``apply_chat_template`` reads it):
-``--chat_template FILE``, else the tokenizer's own, else ``DEFAULT_CHAT_TEMPLATE`` (for instruction-tuned models
-without one, as Flan-T5: the last message is the prompt, the earlier turns before it as ``Role: text`` lines; a single
-user message is read exactly as the same text sent to /v1/completions).
+Chat: the messages are the task's input: they become one text through a chat template (Jinja, as
+``apply_chat_template`` reads it: ``--chat_template FILE``, else the tokenizer's own, else ``DEFAULT_CHAT_TEMPLATE``,
+for instruction-tuned models without one, as Flan-T5: the last message, the earlier turns before it as ``Role: text``
+lines), then the family's prompt format (``prompt_format``: ``Family.prompt``, GPT-J's `` target:`` after it, T5's
+nothing) as training, validation and ``run_inference.py --prompt`` render an input, so the answer is the target
+alone. A single user message is read as that text rendered by ``Family.prompt`` and sent to /v1/completions.
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ def server_flags(p) -> None:
     s.add_argument("--slots", type=int, default=None,
                    help="decoding slots: requests decoded at once (default: micro_batch_size * data_parallel)")
     s.add_argument("--max_queue", type=int, default=None,
-                   help="sequences that may wait for a slot; more get 429 with Retry-After, which the openai client "
-                        "retries (default: 256, or 4 x slots where more)")
+                   help="sequences that may wait for a slot; while that many wait a request gets 429 with "
+                        "Retry-After, which the openai client retries (default: 256, or 4 x slots where more)")
     s.add_argument("--prompt_widths", type=int, nargs="+", default=None, metavar="N",
                    help="prompt widths compiled (a prompt is padded to the first that holds it; the widest is the "
                         "longest prompt taken); default: 16, 32, ... up to sequence_length")
@@ -180,7 +181,8 @@ def limit_flags(s) -> None:
     s.add_argument("--body_timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive (408 past it)")
     s.add_argument("--max_connections", type=int, default=1024,
-                   help="open connections at most (uvicorn answers 503 past it)")
+                   help="open connections served at once: while more are open a request is a 503 with "
+                        "Retry-After, and its connection is closed")
     s.add_argument("--grace_period", type=float, default=30.0,
                    help="seconds a SIGTERM leaves the held requests to finish before they end with an error")
     s.add_argument("--max_body_bytes", type=int, default=1 << 20, help="the largest request body (413 past it)")
@@ -222,10 +224,14 @@ def read_template(path: Optional[str]) -> Optional[str]:
 class Engine:
     """The model served (see the module docstring): ``encode(texts) -> ids`` reads prompts as the model does;
     ``scheduler(backend, max_queue, metrics, min_join, steps)`` makes the scheduler (the Scheduler in this process, or
-    serving/remote.py's over an engine process, whose ``backend`` is then what this process knows of it)."""
+    serving/remote.py's over an engine process, whose ``backend`` is then what this process knows of it);
+    ``prompt_format(text) -> text`` renders a task's input as the model was trained to read it (``Family.prompt``:
+    chat messages are one)."""
 
-    def __init__(self, backend, tokenizer, encode: Callable, options: ServeOptions, scheduler: Callable = Scheduler):
+    def __init__(self, backend, tokenizer, encode: Callable, options: ServeOptions, scheduler: Callable = Scheduler,
+                 prompt_format: Callable = lambda text: text):
         self.backend, self.tokenizer, self.encode, self.options = backend, tokenizer, encode, options
+        self.prompt_format = prompt_format
         self.model_id, self.created = options.model_id, int(time.time())
         self.limits = Limits(max_tokens=options.max_new_tokens, default_max_tokens=options.max_new_tokens,
                              max_prompt_tokens=backend.widths[-1], max_prompt_chars=options.max_prompt_chars,
@@ -259,7 +265,8 @@ class Engine:
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt), skip_special_tokens=True)
 
     def render_chat(self, messages: tuple) -> str:
-        """Chat messages -> the one prompt the model reads (the chat template: see the module docstring)."""
+        """Chat messages -> the one prompt the model reads: the chat template's text in the family's prompt format
+        (see the module docstring)."""
         if self.chat_template is None and messages[-1]["role"] != "user":
             raise PromptError("messages", "must end with a user message: the model answers it (this model has no "
                                           "chat template; pass --chat_template FILE for another format)")
@@ -271,7 +278,7 @@ class Engine:
             raise PromptError("messages", f"could not be rendered by the chat template: {str(e)[:200]}") from None
         if not out.strip():
             raise PromptError("messages", "render an empty prompt: give the model some text", "empty_prompt")
-        return out
+        return self.prompt_format(out)
 
     # ------------------------------------------------------------------ the scheduler, as the HTTP layer uses it
 

@@ -16,12 +16,14 @@ server-sent events written straight to uvicorn, a client that goes away noticed 
 Status codes: 400 a bad field (``param`` names it), 401 no or a wrong key, 404 another model or path, 405 another
 method, 408 a body that did not arrive in time, 413 past a size limit, 415 a body that is not JSON, 429 the queue
 full (``Retry-After``), 500 a decoding call that failed (the requests it held; the server goes on), 503 shutting
-down. Every response with a status of 400 or more is counted in ``flan_t5_rejected_requests_total{status}``.
+down or past the open connections' limit (``Retry-After``). Every response with a status of 400 or more is counted
+in ``flan_t5_rejected_requests_total{status}``.
 
-Connections: a connection that has not sent a whole request head within ``header_timeout`` seconds is closed, a body
-that has not arrived within ``body_timeout`` is a 408, an idle keep-alive connection is closed after
-``keep_alive`` seconds, and past ``max_connections`` open connections uvicorn answers 503: slow or idle clients
-cannot hold the server's file handles.
+Connections: a connection that has not sent a whole request head within ``header_timeout`` seconds (of its opening,
+or of the first byte of a later request on it) is closed, a body that has not arrived within ``body_timeout`` is a
+408, an idle keep-alive connection is closed after ``keep_alive`` seconds, and while more than ``max_connections``
+are open a request is a 503 (``Retry-After``) and its connection closed: slow or idle clients cannot hold the
+server's file handles.
 
 Who may call: with an API key every path but /health needs ``Authorization: Bearer KEY`` (401 otherwise; the key
 compared in constant time, through SHA-256 so that not even its length shows, and never logged).
@@ -103,6 +105,37 @@ class StatusCounter:
             if not started:
                 error = to_api_error(e)
                 await JSONResponse(error.body(), status_code=error.status)(scope, receive, counted)
+
+
+class Connections:
+    """The open connections (counted by the HTTP protocol: ``header_timeout_protocol``) and their limit (None:
+    none)."""
+
+    def __init__(self, limit: Optional[int] = None):
+        self.limit, self.open = limit, 0
+
+    @property
+    def over(self) -> bool:
+        return self.limit is not None and self.open > self.limit
+
+
+class ConnectionLimit:
+    """ASGI middleware: while more than ``--max_connections`` connections are open, a request is answered 503 with
+    OpenAI's error body and ``Retry-After``, and its connection closed (what uvicorn's own limit answered was a
+    text/plain 503 without either, which the metrics never saw: this sits inside StatusCounter)."""
+
+    def __init__(self, app, connections: Connections):
+        self.app, self.connections = app, connections
+
+    async def __call__(self, scope, receive, send):
+        c = self.connections
+        if scope["type"] == "http" and c.over:
+            error = api.ApiError(503, f"the server has {c.open} connections open, more than it serves at once "
+                                      f"(--max_connections {c.limit}): retry after {RETRY_AFTER} s",
+                                 code="too_many_connections")
+            headers = {"Retry-After": str(RETRY_AFTER), "Connection": "close"}
+            return await JSONResponse(error.body(), 503, headers)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class BearerAuth:
@@ -204,7 +237,8 @@ class _Reply:
         for i, (ids, text) in enumerate(prompts):
             for j in range(req.best_of):
                 out = Output(i * req.best_of + j, self.queue, req.stop, req.stream, req.logprobs,
-                             text if req.echo else None, ids if req.echo and req.logprobs is not None else None)
+                             text if req.echo else None, ids if req.echo and req.logprobs is not None else None,
+                             distinct=not req.chat)  # (the legacy top_logprobs: keyed by text)
                 self.seqs.append(Sequence(ids, req.max_tokens, req.temperature, req.top_p, req.top_k,
                                           choice_seed(req.seed, j), wants, out.echo_ids is not None, out))
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -218,8 +252,7 @@ class _Reply:
         return sum(r is None for r in self.reasons)
 
     def take(self, ev) -> None:
-        if ev.error is not None:
-            raise ev.error
+        """An event without an error (an error ends the reply: ``_whole``, ``_stream``)."""
         i = ev.index
         self.texts[i] += ev.text
         self.token_ids[i] += ev.token_ids
@@ -261,14 +294,24 @@ class _Reply:
         return api.completion(self.req, self.id, self.created, self.engine.model_id, [c], None, chunk=True)
 
 
-async def _whole(reply: _Reply) -> Optional[dict]:
-    """A completion's body, at its end; None when its client went away (its sequences cancelled: their slots freed
-    before the next call)."""
+def _ended(reply: _Reply, error: api.ApiError) -> api.ApiError:
+    """A request that an error ended (a failed decoding call, a shutdown's grace period over): one line, no
+    traceback (the error is the scheduler's, the same for every request it ended; what failed is logged once, where
+    it failed), whatever the number of requests it ends."""
+    logger.warning("%s ended with an error (%d %s): %s", reply.id, error.status, error.code, error.message)
+    return error
+
+
+async def _whole(reply: _Reply):
+    """A completion's body at its end, or the ApiError that ended it; None when its client went away (its sequences
+    cancelled: their slots freed before the next call)."""
     try:
         while reply.pending():
             ev = await reply.queue.get()
             if ev is GONE:
                 return None
+            if ev.error is not None:
+                return _ended(reply, to_api_error(ev.error))
             reply.take(ev)
         return reply.body()
     finally:
@@ -291,7 +334,7 @@ async def _stream(reply: _Reply):
                 if ev is GONE:
                     return
                 if ev.error is not None:
-                    out.append(_sse(to_api_error(ev.error).body()))
+                    out.append(_sse(_ended(reply, to_api_error(ev.error)).body()))
                     failed = True
                     break
                 body = reply.chunk(ev)
@@ -364,7 +407,10 @@ class Completions:
                     await send({"type": "http.response.body", "body": b""})
             else:
                 body = await _whole(reply)
-                await (GONE_RESPONSE if body is None else JSONResponse(body))(scope, receive, send)
+                if isinstance(body, api.ApiError):
+                    await JSONResponse(body.body(), body.status, body.headers)(scope, receive, send)
+                else:
+                    await (GONE_RESPONSE if body is None else JSONResponse(body))(scope, receive, send)
         finally:
             watch.cancel()
 
@@ -380,8 +426,10 @@ class Completions:
         return req, [(engine.tokenize(text), text)]
 
 
-def make_app(engine, api_key: Optional[str] = None, body_timeout: float = 30.0, on_fatal=lambda error: None):
-    """The ASGI application over ``engine`` (see the module docstring)."""
+def make_app(engine, api_key: Optional[str] = None, body_timeout: float = 30.0, on_fatal=lambda error: None,
+             connections: Optional[Connections] = None):
+    """The ASGI application over ``engine`` (see the module docstring); ``connections``: the open connections that
+    ``header_timeout_protocol`` counts, and their limit."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -401,6 +449,8 @@ def make_app(engine, api_key: Optional[str] = None, body_timeout: float = 30.0, 
     outer = Completions(app, engine, body_timeout)
     if api_key:
         outer = BearerAuth(outer, key=api_key)
+    if connections is not None:
+        outer = ConnectionLimit(outer, connections)
     return StatusCounter(outer, metrics=engine.metrics)
 
 
@@ -436,21 +486,38 @@ def _info_routes(app, engine) -> None:
         return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def header_timeout_protocol(timeout: float):
+def header_timeout_protocol(timeout: float, connections: Optional[Connections] = None):
     """uvicorn's HTTP protocol, closing a connection that has not sent a whole request head within ``timeout``
-    seconds of opening (uvicorn's keep-alive timeout only starts after a first response)."""
+    seconds: of opening, for its first request; of the first byte of the next, for each later one. (uvicorn's
+    keep-alive timeout closes a connection idle after a response, but only until a byte arrives: a connection that
+    sent one byte of its next request and then nothing was held open for good.) ``connections``: counts the open
+    ones."""
+    counted = connections or Connections()
 
     class Protocol(AutoHTTPProtocol):
         def connection_made(self, transport) -> None:
+            counted.open += 1
             super().connection_made(transport)
             self.header_timer = self.loop.call_later(timeout, self.header_timeout)
 
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if self.header_timer is None and (cycle is None or cycle.response_complete):  # a next request begins
+                self.header_timer = self.loop.call_later(timeout, self.header_timeout)
+            super().data_received(data)
+            if self.cycle is not cycle and self.header_timer is not None:  # a whole head came: its request runs
+                self.header_timer.cancel()
+                self.header_timer = None
+
         def header_timeout(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():
+            self.header_timer = None
+            if not self.transport.is_closing():
                 self.transport.close()
 
         def connection_lost(self, exc) -> None:
-            self.header_timer.cancel()
+            counted.open -= 1
+            if self.header_timer is not None:
+                self.header_timer.cancel()
             super().connection_lost(exc)
 
     return Protocol
@@ -513,12 +580,15 @@ def serve(engine, host: str, port: int, api_key: Optional[str], grace: float, ba
     """Serves ``engine`` until a signal (see ``Server``); ``banner(host, port)`` once it listens. SystemExit(1) when
     the decoding loop stopped for good."""
     holder: list = []
-    app = make_app(engine, api_key, body_timeout, on_fatal=lambda error: holder[0].stop_fatally(error))
+    connections = Connections(max_connections)
+    app = make_app(engine, api_key, body_timeout, on_fatal=lambda error: holder[0].stop_fatally(error),
+                   connections=connections)
     # keep-alive 30 s (uvicorn's 5): pooled client connections (the openai client's) are closed under them less
-    # often, the race where a request starts on a connection the server is closing
+    # often, the race where a request starts on a connection the server is closing. The connection limit is the
+    # app's (ConnectionLimit), not uvicorn's limit_concurrency
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=10, timeout_keep_alive=keep_alive, lifespan="on",
-                            http=header_timeout_protocol(header_timeout), limit_concurrency=max_connections)
+                            http=header_timeout_protocol(header_timeout, connections))
     server = Server(config, engine, grace, banner)
     holder.append(server)
     server.run()

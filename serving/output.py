@@ -35,7 +35,8 @@ class TokenLogprob:
 
     token: str  # the text it adds after the tokens before it (a special token: its own name, adding no text)
     logprob: Optional[float]  # None: the prompt's first token (nothing before it predicts it)
-    top: Optional[list]  # [(token, logprob)] of the k most likely at its place, most likely first; None as above
+    top: Optional[list]  # [(token, logprob)] of the k most likely at its place, most likely first (Output.distinct:
+    # of the k most likely texts, each its most likely token's); None as above
     offset: int  # where its text starts in the choice's text
 
 
@@ -65,6 +66,7 @@ class Output:
     logprobs: Optional[int] = None  # the k best tokens shown beside each token (None: no logprobs shown)
     echo: Optional[str] = None  # the prompt's text, sent before the completion (None: no echo)
     echo_ids: Optional[list] = None  # the prompt's tokens, shown with their log-probabilities (echo + logprobs)
+    distinct: bool = False  # the k best shown are the k most likely distinct texts (the legacy API's, keyed by text)
     # state
     tokens: list = field(default_factory=list)
     scored: list = field(default_factory=list)  # (logprob, top ids, top logprobs) of each token, where computed
@@ -226,16 +228,20 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ log-probabilities
 
-    def pieces(self, tokens: list, start: int, state: tuple, final: bool, candidates: Optional[list] = None) -> tuple:
+    def pieces(self, tokens: list, start: int, state: tuple, final: bool, candidates: Optional[list] = None,
+               k: Optional[int] = None, distinct: bool = False) -> tuple:
         """The text each of ``tokens[start:]`` adds to the text of the tokens before it, as a stream gives text out
         (vLLM's incremental detokenizing): ``state`` (prefix, read) says that ``tokens[prefix:read]`` decoded is the
         text given out last (from a token boundary before it, so that a tokenizer's merges and leading spaces see
         their context); a token whose text so far ends in U+FFFD (a character split over tokens, not finished)
         adds nothing yet and the token that finishes it adds all of it; a special token shows its own name and adds
         nothing; the last token of a ``final`` run adds what is left, a U+FFFD that never became a character
-        included. So the pieces add up to the text. ``candidates``: for each token, other tokens in its place ->
-        the text each would add there, by the same rules (the token itself among them: its own piece). -> (pieces,
-        candidates' pieces, the state after)."""
+        included. So the pieces add up to the text. ``candidates``: for each token, other tokens in its place, most
+        likely first -> the text each would add there, by the same rules (the token itself among them: its own
+        piece), as (its index in the candidates, its text): the first ``k`` (None: all), or with ``distinct`` the
+        first ``k`` of distinct texts (a text that an earlier candidate adds is passed over, and the candidates past
+        the k-th are read until k texts are found or none are left). -> (pieces, candidates' pieces, the state
+        after)."""
         prefix, read = state
         out, tops = [], []
         for i in range(start, len(tokens)):
@@ -243,12 +249,28 @@ class OutputProcessor:
             given = self._decode(tokens[prefix:read], skip_special_tokens=True)
             flush = final and i == len(tokens) - 1
             options = candidates[i - start] if candidates else []
-            tops.append([self._piece(given, tokens[prefix:i] + [c], flush) for c in options])
+            tops.append(self._candidates(given, tokens[prefix:i], options, flush, k, distinct))
             piece = self._piece(given, tokens[prefix:i + 1], flush)
             out.append(piece)
             if t not in self.special and (piece or flush):  # text given out: the next window starts after it
                 prefix, read = read, i + 1
         return out, tops, (prefix, read)
+
+    def _candidates(self, given: str, window: list, options: list, flush: bool, k: Optional[int],
+                    distinct: bool) -> list:
+        """[(index, text)] of the candidates ``options`` in the place after ``window`` shown (``pieces``)."""
+        k = len(options) if k is None else k
+        out, seen = [], set()
+        for j, c in enumerate(options):
+            if len(out) >= k:
+                break
+            text = self._piece(given, window + [c], flush)
+            if distinct:
+                if text in seen:
+                    continue
+                seen.add(text)
+            out.append((j, text))
+        return out
 
     def _piece(self, given: str, window: list, flush: bool) -> str:
         """The text the window's last token adds to ``given``: its name for a special token, nothing for an
@@ -265,30 +287,30 @@ class OutputProcessor:
         new = o.tokens[start:]
         if not new:
             return []
-        k = o.logprobs
-        cands = [[int(c) for c in ids[:k]] for _, ids, _ in o.scored[start:]]
-        texts, tops, o.pieced = self.pieces(o.tokens, start, o.pieced, final, cands)
+        wide = None if o.distinct else o.logprobs  # (distinct texts may need candidates past the k-th)
+        cands = [[int(c) for c in ids[:wide]] for _, ids, _ in o.scored[start:]]
+        texts, tops, o.pieced = self.pieces(o.tokens, start, o.pieced, final, cands, o.logprobs, o.distinct)
         out = []
         for i, t in enumerate(new):
             lp, _, lps = o.scored[start + i]
-            out.append(TokenLogprob(texts[i], lp, [(tops[i][j], float(lps[j])) for j in range(k)],
-                                    base + o.text_len))
+            out.append(TokenLogprob(texts[i], lp, [(text, float(lps[j])) for j, text in tops[i]], base + o.text_len))
             o.text_len += 0 if t in self.special else len(texts[i])
         return out
 
     def _prompt_logprobs(self, o: Output) -> list:
         """TokenLogprobs of the prompt's tokens: the first with none, each other given the ones before it."""
-        ids, k = o.echo_ids, o.logprobs
+        ids = o.echo_ids
         lp, top_ids, top_lps = o.prompt_scored
-        cands = [[]] + [[int(c) for c in top_ids[i][:k]] for i in range(len(ids) - 1)]
-        texts, tops, _ = self.pieces(list(ids), 0, (0, 0), True, cands)
+        wide = None if o.distinct else o.logprobs
+        cands = [[]] + [[int(c) for c in top_ids[i][:wide]] for i in range(len(ids) - 1)]
+        texts, tops, _ = self.pieces(list(ids), 0, (0, 0), True, cands, o.logprobs, o.distinct)
         out, offset = [], 0
         for i, t in enumerate(ids):
             if i == 0:
                 out.append(TokenLogprob(texts[0], None, None, offset))
             else:
                 out.append(TokenLogprob(texts[i], float(lp[i - 1]),
-                                        [(tops[i][j], float(top_lps[i - 1][j])) for j in range(k)], offset))
+                                        [(text, float(top_lps[i - 1][j])) for j, text in tops[i]], offset))
             offset += 0 if t in self.special else len(texts[i])
         return out
 

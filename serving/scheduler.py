@@ -169,20 +169,24 @@ SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.in
 def admit(failure: Optional[SchedulerError], admitting: bool, held: int, joining: int, slots: int,
           max_queue: int) -> None:
     """What refuses ``joining`` more sequences beside the ``held`` ones, raised: the loop's ``failure`` (Failed),
-    ShuttingDown once it stops ``admitting``, QueueFull past its slots and queue (both schedulers' rule: this
-    process's, and serving/remote.py's, which admits for its engine process)."""
+    ShuttingDown once it stops ``admitting``, QueueFull while its slots and queue are full (both schedulers' rule:
+    this process's, and serving/remote.py's, which admits for its engine process). A request is admitted whole
+    while fewer than ``slots + max_queue`` are held, however many sequences it brings (the HTTP layer refuses one of
+    more than that, 413): one of many sequences waits for room as one of one does, never refused for good while
+    smaller ones take each slot that frees (it was, when it had to fit beside the held ones); the server then holds
+    fewer than twice its bound."""
     if failure is not None:
         raise failure
     if not admitting:
         raise ShuttingDown("the server is shutting down: no new requests")
-    if held + joining > slots + max_queue:
+    if held >= slots + max_queue:
         raise QueueFull(held, slots, max_queue)
 
 
 class Scheduler:
-    """The slots, the queue and the thread between them (see the module docstring). At most ``slots + max_queue``
-    sequences are held; more is ``QueueFull``. ``min_join``: free slots that wait for a group (at most
-    ``JOIN_WAIT`` calls) before they join, so that prompts join together rather than one insert each."""
+    """The slots, the queue and the thread between them (see the module docstring). While ``slots + max_queue``
+    sequences are held, a request is ``QueueFull`` (``admit``). ``min_join``: free slots that wait for a group (at
+    most ``JOIN_WAIT`` calls) before they join, so that prompts join together rather than one insert each."""
 
     def __init__(self, backend: Backend, max_queue: int, metrics, min_join: int = 1, steps: Optional[int] = None):
         self.b, self.max_queue, self.metrics = backend, max_queue, metrics
@@ -216,7 +220,7 @@ class Scheduler:
 
     def submit(self, seqs: list) -> None:
         """Queues a request's sequences, all or none: Failed when the loop stopped, ShuttingDown when the server
-        stops, QueueFull when it would hold more than its slots and queue."""
+        stops, QueueFull while its slots and queue are full (``admit``)."""
         with self.cv:
             admit(self.failure, self.admitting, len(self.held_seqs), len(seqs), self.b.slots, self.max_queue)
             self.waiting.extend(s for s in seqs if s.max_tokens > 0)

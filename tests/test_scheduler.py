@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from data.synthetic import make_tokenizer
+from serving import api
 from serving.metrics import Metrics
 from serving.output import Output, OutputProcessor
 from serving.scheduler import FATAL_AFTER, Failed, QueueFull, Scheduler, Sequence, ShuttingDown, Update
@@ -132,17 +133,21 @@ def test_a_cancelled_sequence_leaves_its_slot_and_gets_no_more_tokens():
     assert sum(c == "insert" for c in h.b.calls) == 1
 
 
-def test_the_queue_bound_is_all_or_none():
+def test_a_request_is_admitted_whole_while_the_slots_and_queue_have_room_refused_whole_while_full():
+    """A request of many sequences is admitted while the server holds fewer than slots + max_queue, as one of one
+    sequence is: it once had to fit beside the held ones, and while small requests kept the server near its bound it
+    was refused for good."""
     h = Harness(slots=2, max_queue=3)
     h.s.submit([h.seq("the cat", 30) for _ in range(4)])
+    h.s.submit([h.seq("a dog", 2) for _ in range(5)])  # 4 held < 2 slots + 3 queued: all five (9 held)
+    assert h.s.held() == 9
     with pytest.raises(QueueFull) as e:
-        h.s.submit([h.seq("a dog", 2), h.seq("a dog", 2)])  # 4 + 2 > 2 slots + 3 queued: none of them
-    assert e.value.held == 4 and h.s.held() == 4
-    h.s.submit([h.seq("a dog", 2)])  # 5 fits
-    with pytest.raises(QueueFull):
-        h.s.submit([h.seq("a dog", 2)])
+        h.s.submit([h.seq("a dog", 2)])  # full: none
+    assert e.value.held == 9 and h.s.held() == 9
     h.run()
     h.s.submit([h.seq("a dog", 2) for _ in range(5)])  # the slots and the queue free again
+    with pytest.raises(QueueFull):
+        h.s.submit([h.seq("a dog", 2), h.seq("a dog", 2)])  # 5 held: all or none, none
 
 
 def test_a_backend_that_raises_fails_the_calls_sequences_and_the_loop_goes_on():
@@ -714,9 +719,51 @@ def test_an_unfinished_character_at_the_end_is_given_by_the_last_token_and_candi
     assert "".join(pieces) == tok.decode(cut) == "le caf\ufffd"  # final: what is left, U+FFFD included
     other = tok("è", add_special_tokens=False)["input_ids"]  # (its last byte differs from "é"'s)
     pieces, tops, _ = p.pieces(ids_, len(ids_) - 1, (0, len(ids_) - 2), True, [[ids_[-1], other[-1]]])
-    assert pieces == ["é"] and tops == [["é", "è"]]
+    assert pieces == ["é"] and tops == [[(0, "é"), (1, "è")]]
     special, _, _ = p.pieces(ids_[:2] + [tok.eos_token_id] + ids_[2:], 0, (0, 0), True)
     assert special[2] == "<eos>" and "".join(special[:2] + special[3:]) == "le café"
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_the_legacy_top_logprobs_are_the_k_most_likely_distinct_texts_chat_s_the_k_most_likely_tokens(echo):
+    """Byte-level candidates that begin other characters all add no text yet (""): the legacy API, whose
+    top_logprobs is keyed by text, shows the k most likely distinct texts, each its most likely token's
+    log-probability, reading the candidates past the k-th (it showed fewer than k: they fell onto one key); the chat
+    API's list shows the k most likely tokens, texts repeated as they are."""
+    tok = byte_level()
+    p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
+    words = tok("le café", add_special_tokens=False)["input_ids"]
+    lead = len(words) - 2  # the first byte of "é": it adds no text yet
+    starts = [tok(c, add_special_tokens=False)["input_ids"][0] for c in "жש"]  # first bytes of other characters
+    letters = tok("x y", add_special_tokens=False)["input_ids"][::2]
+    assert len(words) == 8 and len(starts) == 2 and len(letters) == 2
+    row_lps = np.array([-0.1, -0.2, -0.3, -0.4, -0.5])
+
+    def candidates(t):  # the token itself, two first bytes, two letters, in that order of likelihood
+        return [t, *starts, *letters]
+
+    def scored(chunk):
+        return np.full(len(chunk), -0.1), np.array([candidates(t) for t in chunk]), np.tile(row_lps, (len(chunk), 1))
+
+    shown = {}
+    for distinct in (True, False):
+        prompt = words if echo else tok("a", add_special_tokens=False)["input_ids"]
+        out = Output(0, None, logprobs=3, echo=tok.decode(prompt) if echo else None, echo_ids=prompt if echo else None,
+                     distinct=distinct)
+        seq = Sequence(prompt, 100, out=out)
+        if echo:
+            out.prompt_scored = (np.full(len(prompt) - 1, -0.1), np.array([candidates(t) for t in prompt[1:]]),
+                                 np.tile(row_lps, (len(prompt) - 1, 1)))
+        (ev,) = [e for _, e in p.handle(Update(seq, words, scored(words), reason="length"))]
+        entries = ev.logprobs[len(prompt):] if echo else ev.logprobs
+        shown[distinct] = entries[lead].top
+        for e in ev.logprobs[1 if echo else 0:]:
+            assert len(e.top) == 3
+            if distinct:
+                assert len({t for t, _ in e.top}) == 3 and len(api.completion_logprobs([e])["top_logprobs"][0]) >= 3
+    assert shown[True] == [("", -0.1), ("x", -0.4), ("y", -0.5)]  # "" once (its most likely), then the letters
+    assert shown[False] == [("", -0.1), ("", -0.2), ("", -0.3)]
+    assert api.chat_logprobs(entries[lead:lead + 1])["content"][0]["top_logprobs"][1]["logprob"] == -0.2
 
 
 def test_a_token_s_text_where_the_tokenizer_rewrites_the_text_before_it_is_what_follows_the_shared_start():

@@ -196,8 +196,10 @@ def expected(row: np.ndarray, max_tokens: int, eos: int) -> tuple:
 
 
 @pytest.mark.parametrize("family", ["t5", "gptj"])
-def test_greedy_equals_run_inference_under_16_concurrent_requests(servers, checkpoints, family, monkeypatch):
-    server = servers[family]
+def test_greedy_equals_run_inference_under_16_concurrent_requests(servers, models, checkpoints, family, monkeypatch):
+    """run_inference.py --prompt TEXT reads the task's input (GPT-J: TEXT target:); /v1/completions reads its prompt
+    as given, so it is sent the text in the task's format (the family's ``prompt``)."""
+    server, fam = servers[family], models[family][2]
     assert server.banner.rstrip().endswith("a free slot joins at once)")  # the default on a CPU device (the backend's)
     texts = prompts(16, seed=1 if family == "t5" else 2)
     ref, ref_texts = run_inference_tokens(checkpoints[family], texts, monkeypatch)
@@ -206,8 +208,8 @@ def test_greedy_equals_run_inference_under_16_concurrent_requests(servers, check
     client = server.client()
 
     def ask(i):
-        return client.completions.create(model=server.model, prompt=texts[i], max_tokens=lengths[i], temperature=0,
-                                         extra_body={"return_token_ids": True})
+        return client.completions.create(model=server.model, prompt=fam.prompt(texts[i]), max_tokens=lengths[i],
+                                         temperature=0, extra_body={"return_token_ids": True})
 
     with ThreadPoolExecutor(len(texts)) as pool:
         answers = list(pool.map(ask, range(len(texts))))
@@ -510,13 +512,16 @@ def test_logprobs_are_the_models_own_equal_to_a_float32_forward_pass(servers, mo
         ref = hf_logprobs(cfg, fam, params, prompt, c.token_ids)
         np.testing.assert_allclose(c.logprobs.token_logprobs, ref[np.arange(len(c.token_ids)), c.token_ids],
                                    atol=1e-4)
-        for top, row in zip(c.logprobs.top_logprobs, ref):  # the chosen token and the 5 best (keys may coincide)
-            assert max(top.values()) == pytest.approx(row.max(), abs=1e-4) and len(top) <= 6
+        for top, row in zip(c.logprobs.top_logprobs, ref):  # the 5 most likely texts, and the chosen token's
+            assert max(top.values()) == pytest.approx(row.max(), abs=1e-4) and 5 <= len(top) <= 6
     assert len(greedy.token_ids) >= 3 and sampled.token_ids != greedy.token_ids
     chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": text}],
                                           max_tokens=12, temperature=0, logprobs=True, top_logprobs=5).choices[0]
-    assert chat.message.content == greedy.text
-    ref = hf_logprobs(cfg, fam, params, prompt, greedy.token_ids)
+    # (a chat message is the task's input: the text in the family's prompt format, GPT-J's ' target:' after it)
+    rendered = client.completions.create(temperature=0, **{**ask, "prompt": fam.prompt(text)}).choices[0]
+    assert chat.message.content == rendered.text
+    ref = hf_logprobs(cfg, fam, params, fam.encode_inputs(load_tokenizer("synthetic"), [fam.prompt(text)])[0],
+                      rendered.token_ids)
     np.testing.assert_allclose([[t.logprob for t in e.top_logprobs] for e in chat.logprobs.content],
                                -np.sort(-ref, axis=1)[:, :5], atol=1e-4)
     if fam.scores_prompts:
@@ -547,13 +552,14 @@ def test_token_id_prompts_n_and_best_of(servers):
 
 
 @pytest.mark.parametrize("family", ["t5", "gptj"])
-def test_chat_through_the_openai_client(servers, family):
-    """One user message is read as the same text sent to /v1/completions (no template: the documented default)."""
-    server = servers[family]
+def test_chat_through_the_openai_client(servers, models, family):
+    """One user message is the task's input: read as its text in the task's prompt format sent to /v1/completions
+    (no template: the documented default; T5's format is the text, GPT-J's the text and ' target:')."""
+    server, fam = servers[family], models[family][2]
     client, text = server.client(), prompts(1, seed=13)[0]
     messages = [{"role": "user", "content": text}]
     chat = client.chat.completions.create(model=server.model, messages=messages, max_tokens=10, temperature=0)
-    plain = client.completions.create(model=server.model, prompt=text, max_tokens=10, temperature=0)
+    plain = client.completions.create(model=server.model, prompt=fam.prompt(text), max_tokens=10, temperature=0)
     assert chat.choices[0].message.content == plain.choices[0].text and chat.usage == plain.usage
     assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
     chunks = list(client.chat.completions.create(model=server.model, messages=messages, max_tokens=10,

@@ -18,6 +18,7 @@ import math
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import httpx
@@ -30,7 +31,7 @@ from hypothesis import given, settings, strategies as st
 from data.synthetic import make_tokenizer
 from serving import api
 from serving.engine import Engine, ServeOptions
-from serving.http import Server, header_timeout_protocol, make_app
+from serving.http import Connections, Server, header_timeout_protocol, make_app
 from tests.fake_backend import FakeBackend, logprob
 
 TOK = make_tokenizer()
@@ -57,10 +58,12 @@ class FakeServer:
                                max_new_tokens=kw.pop("max_new_tokens", 64), max_prompt_chars=2000,
                                max_body_bytes=65536, model_id=MODEL, max_logprobs=5)
         self.engine = Engine(self.backend, TOK, encode, options)
+        self.connections = Connections(kw.pop("max_connections", None))
         app = make_app(self.engine, KEY, body_timeout=kw.pop("body_timeout", 5.0),
-                       on_fatal=lambda e: self.server.stop_fatally(e))
+                       on_fatal=lambda e: self.server.stop_fatally(e), connections=self.connections)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                http=header_timeout_protocol(kw.pop("header_timeout", 5.0)), timeout_keep_alive=5)
+                                http=header_timeout_protocol(kw.pop("header_timeout", 5.0), self.connections),
+                                timeout_keep_alive=5)
         self.server = Server(config, self.engine, kw.pop("grace", 30.0), self._listening)
         self.url = None
         self.http = httpx.Client(timeout=WAIT)  # one client: making one per request costs its TLS set-up each time
@@ -153,6 +156,8 @@ BAD_RAW = [
     b'{"model": "fake", "prompt": ' + b"[" * 40 + b"1" + b"]" * 40 + b"}",
     b'{"model": "fake", "prompt": "a", "max_tokens": 99999999999999999999999999999999}',
     b'{"model": "fake"}',
+    b'{"model": "fake", "prompt": "a", "\\ud800": 1}', b'{"\\udfff x": 1, "model": "fake", "prompt": "a"}',
+    b'{"model": "fake", "prompt": "a", "\\ud83d\\ude00": 1}', b'{"model": "fake", "prompt": "a", "": 1}',
 ]
 BAD_CHAT = [
     {"messages": []}, {"messages": "hi"}, {"messages": [{"role": "user"}]}, {"messages": [{"role": "bot", "content": "a"}]},
@@ -172,7 +177,7 @@ def corpus() -> list:
     """(body, path, headers) of malformed requests."""
     out = [({"model": MODEL, "prompt": "the cat", field: v}, "/v1/completions", {})
            for field, values in BAD_VALUES.items() for v in values]
-    out += [(raw, "/v1/completions", {}) for raw in BAD_RAW]
+    out += [(raw, path, {}) for raw in BAD_RAW for path in ("/v1/completions", "/v1/chat/completions")]
     out += [({"model": MODEL, **c}, "/v1/chat/completions", {}) for c in BAD_CHAT]
     ok = {"model": MODEL, "prompt": "the cat"}
     out += [(ok, "/v1/completions", {"Content-Type": "text/plain"}),
@@ -264,6 +269,20 @@ def test_the_completions_paths_take_post_alone():
         s.stop()
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_field_whose_name_holds_an_unpaired_surrogate_is_a_400_naming_it_escaped(server, path):
+    """The name is what the client sent: put in ``param`` as it was, it had no UTF-8 form and the 400 became a 500."""
+    given = b'"prompt": "a"' if path == "/v1/completions" else b'"messages": [{"role": "user", "content": "a"}]'
+    body = b'{"model": "fake", ' + given + b', "\\ud800x": 1}'
+    before = server.metric('flan_t5_rejected_requests_total{status="500"}')
+    r = server.post(body, path)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "unknown_parameter", r.text
+    assert error["param"] == "\\ud800x" and "ud800x" in error["message"], error
+    assert server.metric('flan_t5_rejected_requests_total{status="500"}') == before
+    server.serves()
+
+
 def test_the_crash_of_a_top_k_past_int32_is_a_400_naming_the_field(server):
     r = server.post({"model": MODEL, "prompt": "the cat", "top_k": 2 ** 31})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
@@ -282,13 +301,20 @@ def test_json_nested_past_the_limit_is_refused_before_any_field_is_read():
             api.parse_completion(body(levels), limits, MODEL)
 
 
+# any text, unpaired surrogates (no UTF-8 form) often among it
+ANY_TEXT = st.text(st.characters(codec=None, exclude_categories=()) | st.characters(min_codepoint=0xD800,
+                                                                                    max_codepoint=0xDFFF))
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.dictionaries(st.sampled_from(api.COMPLETION_FIELDS + ("frobnicate",)),
-                       st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
-                                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=5), c,
-                                                                                        max_size=3), max_leaves=8)))
+@given(st.dictionaries(st.sampled_from(api.COMPLETION_FIELDS + ("frobnicate",)) | ANY_TEXT,
+                       st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | ANY_TEXT,
+                                    lambda c: st.lists(c, max_size=4) | st.dictionaries(ANY_TEXT, c, max_size=3),
+                                    max_leaves=8)))
 def test_any_json_body_is_a_checked_request_or_an_api_error(body):
-    """Whatever the fields hold: a 4xx naming a field, or a request whose every value is within the limits."""
+    """Whatever the fields are named and hold (an unpaired surrogate in a name or a value included): a 4xx naming a
+    field, whose body can be written as the server writes it (UTF-8), or a request whose every value is within the
+    limits."""
     limits = api.Limits(max_tokens=64, default_max_tokens=16, max_prompt_tokens=32, max_prompt_chars=2000,
                         max_prompts=12, max_body_bytes=65536, vocab_size=64, max_logprobs=5, scores_prompts=True)
     try:
@@ -299,6 +325,7 @@ def test_any_json_body_is_a_checked_request_or_an_api_error(body):
         req = api.parse_completion(raw, limits, MODEL)
     except api.ApiError as e:
         assert 400 <= e.status < 500 and e.message
+        json.dumps(e.body(), ensure_ascii=False).encode("utf-8")  # (as JSONResponse renders it: a 500 if it raises)
         return
     assert 0 <= req.max_tokens <= 64 and 0.0 <= req.temperature <= 2.0 and 0.0 < req.top_p <= 1.0
     assert -1 <= req.top_k <= 64 and (req.seed is None or 0 <= req.seed < 2 ** 64)
@@ -332,6 +359,68 @@ def test_idle_and_slow_connections_are_closed_and_a_body_cut_short_is_one_line(c
         lines = [r for r in caplog.records if "went away" in r.message]
         assert len(lines) == 1 and lines[0].levelname == "INFO" and not lines[0].exc_info
         assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        s.serves()
+    finally:
+        s.stop()
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP response (its head and its Content-Length of body) off a socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_past_max_connections_a_request_is_an_openai_503_with_retry_after_counted_and_its_connection_closed():
+    """While more connections are open than --max_connections, a request gets OpenAI's error body, Retry-After, a
+    count in the metrics and its connection closed (uvicorn's own limit answered text/plain, uncounted); once some
+    close, requests are served again."""
+    s = FakeServer(max_connections=2)
+    try:
+        idle = [socket.create_connection((s.host, s.port)) for _ in range(2)]
+        s.wait_for(lambda: s.connections.open == 2, "two connections open")
+        before = s.metric('flan_t5_rejected_requests_total{status="503"}')
+        for path in ("/v1/completions", "/health"):
+            r = httpx.post(s.url + path, json={"model": MODEL, "prompt": "the cat"}, timeout=WAIT,
+                           headers={"Authorization": f"Bearer {KEY}"})
+            error = r.json()["error"]
+            assert r.status_code == 503 and error["code"] == "too_many_connections", r.text
+            assert error["type"] == "service_unavailable_error" and "--max_connections 2" in error["message"]
+            assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+        assert s.metric('flan_t5_rejected_requests_total{status="503"}') - before == 2
+        for sock in idle:
+            sock.close()
+        s.wait_for(lambda: s.connections.open == 0, "the connections closed")
+        s.serves()
+    finally:
+        s.stop()
+
+
+def test_a_kept_alive_connection_that_begins_a_request_and_stops_is_closed_after_the_header_timeout():
+    """After a response, a connection kept alive that sends a byte of its next request and then nothing is closed
+    --header_timeout after that byte, as a new connection is (uvicorn's keep-alive timer stops at the byte: it was
+    held open for good); one that sends its next request whole is served."""
+    s = FakeServer(header_timeout=0.5)  # (its keep-alive timeout is 5 s: that one would not close it in time)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "the cat", "max_tokens": 2}).encode()
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                   b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock = socket.create_connection((s.host, s.port))
+        sock.settimeout(3)
+        for _ in range(2):  # two requests on one connection: each head in time, each served
+            sock.sendall(request)
+            assert b" 200 " in read_response(sock).split(b"\r\n")[0]
+        sock.sendall(b"P")
+        start = time.monotonic()
+        assert sock.recv(100) == b""  # closed by the server (a timeout here: still open)
+        assert time.monotonic() - start < 2.5
+        sock.close()
         s.serves()
     finally:
         s.stop()
@@ -397,6 +486,24 @@ def test_n_and_best_of_and_a_seed_per_choice(server):
     assert best.usage.completion_tokens == 6
 
 
+def test_a_request_without_temperature_samples_at_1_and_temperature_0_is_greedy(server):
+    """OpenAI's default, as docs/serving.md says: no temperature is 1.0 (sampling), on both endpoints, down to what
+    the slots read (a sequence's sampling row); only temperature 0 decodes greedily."""
+    assert completion().temperature == chat_request().temperature == 1.0
+    seqs = []
+    submit = server.engine.submit
+    server.engine.submit = lambda s: (seqs.extend(s), submit(s))[1]
+    try:
+        for body, path in (({"prompt": "the cat"}, "/v1/completions"),
+                           ({"messages": [{"role": "user", "content": "the cat"}]}, "/v1/chat/completions"),
+                           ({"prompt": "the cat", "temperature": 0}, "/v1/completions")):
+            assert server.post({"model": MODEL, "max_tokens": 2, **body}, path).status_code == 200
+    finally:
+        server.engine.submit = submit
+    assert [s.temperature for s in seqs] == [1.0, 1.0, 0.0]
+    assert [s.sampling()[0] for s in seqs] == [1.0, 1.0, 0.0]  # (the temperature the slots read)
+
+
 def test_return_token_ids_gives_each_choice_its_own_prompt_s_ids_in_its_first_chunk_alone(server):
     prompts = [words("the cat"), words("a dog runs")]
     r = server.post({"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 3, "return_token_ids": True})
@@ -433,6 +540,62 @@ def test_chat_renders_the_messages_and_answers_in_the_chat_shape(server):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "the cat"
     assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
+
+
+@pytest.mark.parametrize("preset", ["gptj_tiny", "tiny"])
+def test_a_chat_message_is_the_task_s_input_read_as_validation_and_run_inference_read_it(preset, monkeypatch):
+    """A chat message's token ids are validation's and run_inference.py --prompt's of the same text (the family's
+    prompt format: GPT-J's ' target:' after it, which it was trained to answer; once they were the text alone, and
+    GPT-J answered 'target: ...'); /v1/completions' prompt stays the text as given. The engine the server builds
+    (serving/backend.py's; run_server.py's engine process's in tests/test_server.py) renders as this one."""
+    from config import load_config
+    from data.tasks import Example, load_tokenizer, tokenize_prompts
+    from modelling import registry
+    from serving import backend
+    from serving.backend import prompt_encoder
+
+    cfg = load_config("inference", preset, {"eval": True})
+    family, tok = registry.checked(cfg), load_tokenizer(cfg.data.tokenizer)
+    options = ServeOptions(slots=4, max_queue=8, widths=(16, 32), joins=(1, 2, 4), steps=2, max_new_tokens=8,
+                           max_prompt_chars=2000, max_body_bytes=65536, model_id=MODEL)
+    engine = Engine(FakeBackend(slots=4, widths=(16, 32), vocab=tok.vocab_size), tok, prompt_encoder(family, tok),
+                    options, prompt_format=family.prompt)
+    text = "mnli hypothesis: the cat sleeps premise: the cat sleeps in the park"
+    chat = engine.tokenize(engine.render_chat(({"role": "user", "content": text},)))
+    feats = tokenize_prompts([Example(text, "")], tok, family)  # validation's and run_inference --prompt's features
+    assert chat == feats["input_ids"][0][feats["attention_mask"][0] > 0].tolist()
+    raw = engine.tokenize(text)  # /v1/completions
+    target = tok("target:", add_special_tokens=False)["input_ids"]
+    if family.causal:
+        assert chat == raw + target and engine.render_chat(({"role": "user", "content": text},)) == text + " target:"
+    else:
+        assert chat == raw  # T5's input is the text (and its end-of-text)
+    monkeypatch.setattr(backend, "build_backend", lambda *a: (engine.backend, tok, engine.encode))  # (no programs)
+    built = backend.build_engine(cfg, options)
+    assert built.tokenize(built.render_chat(({"role": "user", "content": text},))) == chat
+
+
+def test_run_inference_reads_a_prompt_as_the_task_s_input(monkeypatch):
+    """run_inference.py --prompt puts its text in the task's prompt format (the features as validation's)."""
+    import run_inference
+    from app import predict
+
+    seen, features = [], predict.prompt_features
+
+    def stop(examples, tokenizer, family, sequence_length, **kw):  # the features it decodes, then no decoding
+        feats, _ = features(examples, tokenizer, family, sequence_length, **kw)
+        seen.append((feats["input_ids"][0][feats["attention_mask"][0] > 0].tolist(), tokenizer))
+        raise SystemExit(0)
+
+    from config import load_config
+
+    monkeypatch.setattr(predict, "prompt_features", stop)
+    monkeypatch.setattr(predict, "start_decoding",
+                        lambda *a: load_config("inference", "gptj_tiny", {"eval": True, "rts": False}))
+    with pytest.raises(SystemExit):
+        run_inference.main(["--config", "gptj_tiny", "--prompt", "the cat sleeps"])
+    ((ids, tok),) = seen  # (once the text as given, which GPT-J continued with 'target: ...')
+    assert tok.decode(ids) == "the cat sleeps target:"
 
 
 @pytest.mark.parametrize("flag,value", [("slots", -1), ("slots", 0), ("header_timeout", 0.0),
@@ -510,6 +673,35 @@ def test_a_full_queue_is_a_429_that_the_openai_client_retries():
         s.stop()
 
 
+def test_a_request_as_large_as_the_server_holds_is_admitted_beside_others_one_larger_is_a_413_naming_the_limit():
+    """12 sequences (4 slots and a queue of 8) wait for room as one does: admitted beside a running request (it once
+    had to fit beside the held ones: under steady traffic a 429 for good); 13 are refused at once, naming why."""
+    s = FakeServer(max_queue=8)
+    try:
+        gate = threading.Event()
+        s.backend.gate = gate
+        client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
+        stream = client.send(client.build_request("POST", s.url + "/v1/completions", json={
+            "model": MODEL, "prompt": words("the cat"), "max_tokens": 9, "stream": True}), stream=True)
+        s.wait_for(lambda: s.engine.held() == 1, "a request running")
+        with ThreadPoolExecutor(1) as pool:
+            large = pool.submit(s.post, {"model": MODEL, "prompt": [words("a dog")] * 3, "n": 4, "max_tokens": 2})
+            s.wait_for(lambda: s.engine.held() == 13 or large.done(), "the large request admitted")
+            assert not large.done(), large.result().text  # (a 429 here: refused beside the running one)
+            full = s.post({"model": MODEL, "prompt": "a dog", "max_tokens": 2})
+            assert full.status_code == 429, full.text  # the server full: a request of one is refused
+            gate.set()
+            r = large.result()
+        assert r.status_code == 200 and [c["text"] for c in r.json()["choices"]] == ["a dog"] * 12, r.text
+        stream.close()
+        client.close()
+        for body in ({"prompt": [words("a dog")] * 13}, {"prompt": [words("a dog")] * 7, "n": 1, "best_of": 2}):
+            r = s.post({"model": MODEL, "max_tokens": 2, **body})
+            assert r.status_code == 413 and "--slots + --max_queue" in r.json()["error"]["message"], r.text
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_frees_its_slots(server, stream):
     """Streamed or answered whole, a request whose client closes its connection is cancelled at once (the slots
@@ -565,6 +757,43 @@ def test_a_failing_decoding_call_answers_every_request_it_held_and_the_server_go
     assert server.metric('flan_t5_requests_total{outcome="error"}') >= 4
     server.serves()
     assert httpx.get(server.url + "/health", timeout=WAIT).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("ending", ["grace period over", "decoding failed"])
+def test_each_request_an_error_ends_is_one_log_line_without_a_traceback(caplog, ending):
+    """The scheduler ends every request it holds with one exception (a shutdown's, a failed call's): each request's
+    answer is its error and its log one line, no traceback. (The exception was raised into each whole request in
+    turn, and its traceback grew with each raise: 7 to 1,568 lines a request, megabytes of log.)"""
+    caplog.set_level(logging.INFO)
+    s = FakeServer(grace=0)
+    gate = threading.Event()
+    s.backend.gate = gate  # every request held until the test says
+    try:
+        bodies = [{"model": MODEL, "prompt": words("the cat"), "max_tokens": 40, "stream": stream}
+                  for stream in (False, False, False, True)]  # four sequences: every one in a slot
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = [pool.submit(s.post, b) for b in bodies]
+            s.wait_for(lambda: s.engine.held() == len(bodies), "every request held")
+            if ending == "decoding failed":
+                s.backend.fail = lambda kind: RuntimeError("device lost") if kind == "read" else None
+            else:
+                s.server.handle_exit(15, None)  # (no grace: the held requests end at once)
+            gate.set()
+            answers = [a.result() for a in answers]
+        status, code = (503, "shutting_down") if ending == "grace period over" else (500, "server_error")
+        for r in answers[:3]:
+            assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+        assert f'"code": "{code}"' in answers[3].text and answers[3].text.rstrip().endswith("data: [DONE]")
+        once = ("grace period over", "a decoding call failed", "signal 15")  # the server's own lines, once each
+        lines = [r for r in caplog.records if r.name == "flan_t5" and r.levelno >= logging.WARNING
+                 and not r.getMessage().startswith(once)]
+        assert len(lines) == len(bodies), [r.getMessage() for r in lines]  # one a request
+        assert all(not r.exc_info and "\n" not in r.getMessage() for r in lines), [r.getMessage() for r in lines]
+        assert len({r.getMessage().split()[0] for r in lines}) == len(bodies)  # each names its own request
+    finally:
+        gate.set()
+        s.backend.fail = None
+        s.stop()
 
 
 def test_a_loop_that_fails_for_good_stops_the_server():
@@ -797,6 +1026,15 @@ def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_
     for i, c in enumerate([-3.0, -1.0, -2.0, -0.5, -1.0, -1.0, -2.0, -1.0]):
         reply.take(Event(i, cumulative_logprob=c, finish_reason="length"))
     assert reply.chosen() == [3, 1, 4, 5]
+
+
+def test_a_completion_s_choices_show_distinct_texts_a_chat_s_tokens():
+    """The legacy top_logprobs is keyed by text: its candidates are the most likely distinct texts; chat's is a
+    list: the most likely tokens (serving/output.py; tests/test_scheduler.py shows both)."""
+    from serving.http import _Reply
+
+    assert _Reply(None, completion(logprobs=2), [([5], "a")]).seqs[0].out.distinct
+    assert not _Reply(None, chat_request(logprobs=True, top_logprobs=2), [([5], "a")]).seqs[0].out.distinct
 
 
 def test_events_that_came_during_the_last_write_go_out_in_one_write_each_its_own_event():

@@ -21,7 +21,7 @@ import run_validation
 from config import load_config
 from data import sources
 from data.synthetic import generate_headlines
-from data.tasks import Task
+from data.tasks import Example, Task
 from tests.helpers import fails, params_at
 from utils import checkpoint as ckpt
 
@@ -97,6 +97,29 @@ def test_a_bad_row_is_one_line_before_any_work(tmp_path, capsys, rows, flags, me
     err = fails(capsys, run_finetuning.main, argv + flags, message)
     assert data in err
     assert not ckpt.saved_steps(str(save)) and not os.path.exists(save / "tokenizer")  # nothing learnt or trained
+
+
+DATES = {"task_name": "dates", "input_template": "date: {date}", "target_column": "text", "labels": "none"}
+
+
+def test_rows_to_predict_need_the_input_alone_and_an_empty_text_column_reads_plainly():
+    """Guards the columns a missing one names when rows are predicted (run_inference.py --input: the input's alone;
+    it said "the task reads date, text" of a file that needs no target) and the empty-target line of a column named
+    text (it read "give the text text")."""
+    task = Task(load_config("finetuning", "tiny", DATES).task)
+    with pytest.raises(sources.DataError) as e:
+        task.examples(sources.Rows([{"day": "1950-01-01"}], "new.jsonl"), targets=False)
+    assert str(e.value) == ("new.jsonl: row 0: column 'date' is missing: the task's input reads date (its target "
+                            "column, text, is not needed to predict); the row has day")
+    assert task.examples(sources.Rows([{"date": "1950-01-01"}], "new.jsonl"), targets=False) == \
+        [Example("date: 1950-01-01", "")]
+    # training and scoring read the target too, and say so
+    with pytest.raises(sources.DataError, match="column 'date' is missing: the task reads date, text; the row has "
+                                                "day$"):
+        task.examples(sources.Rows([{"day": "1950-01-01"}], "train.jsonl"))
+    with pytest.raises(sources.DataError) as e:
+        task.examples(sources.Rows([{"date": "1950-01-01", "text": " "}], "train.jsonl"))
+    assert str(e.value) == "train.jsonl: row 0: column 'text' is empty: write its text, or remove the row"
 
 
 def test_metrics_are_the_libraries_own():

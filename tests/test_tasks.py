@@ -21,6 +21,7 @@ import run_validation
 from config import load_config
 from data import sources
 from data.synthetic import generate_headlines
+from config.presets import preset_path, read_presets
 from data.tasks import Example, Task
 from tests.helpers import fails, params_at
 from utils import checkpoint as ckpt
@@ -120,6 +121,23 @@ def test_rows_to_predict_need_the_input_alone_and_an_empty_text_column_reads_pla
     with pytest.raises(sources.DataError) as e:
         task.examples(sources.Rows([{"date": "1950-01-01", "text": " "}], "train.jsonl"))
     assert str(e.value) == "train.jsonl: row 0: column 'text' is empty: write its text, or remove the row"
+
+
+@pytest.mark.parametrize("preset", sorted(read_presets(preset_path("finetuning"))))
+def test_a_task_of_one_s_own_is_trained_on_its_target_on_every_preset_unless_asked(preset):
+    """Guards the own task's loss on an MNLI preset (gptj_tiny with the task flags trained on every token, its
+    MNLI `all`): on every preset a task of one's own (flags, or a mixture) counts the target's tokens, --loss_tokens
+    all asks for every token, and a preset's own task keeps what the preset says (its MNLI task too)."""
+    own = {k: v for k, v in DATES.items() if k != "task_name"}
+    as_is = load_config("finetuning", preset, {})
+    assert load_config("finetuning", preset, own).data.loss_tokens == (
+        as_is.data.loss_tokens if (as_is.task.target_column != "label" or as_is.mixture.tasks) else "target")
+    assert load_config("finetuning", preset, {**own, "loss_tokens": "all"}).data.loss_tokens == "all"
+    if preset == "gptj_tiny":  # MNLI's task on another file is still MNLI's: the original's loss on every token
+        assert as_is.data.loss_tokens == "all" and load_config(
+            "finetuning", preset, {"dataset": "mnli.jsonl"}).data.loss_tokens == "all"
+        mixed = load_config("finetuning", preset, {"mixture": ["tiny_headlines", "gptj_tiny"]})
+        assert mixed.data.loss_tokens == "target"
 
 
 def test_metrics_are_the_libraries_own():

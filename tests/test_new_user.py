@@ -328,6 +328,39 @@ def test_a_directory_of_splits_is_scored_on_its_validation_file_and_a_mixture_ta
 
 # ------------------------------------------------------------------------------------- 5. resuming an own task
 
+@pytest.mark.parametrize("given,resumes", [("train", True), (None, True), ("other/tokenizer", False)])
+def test_tokenizer_train_on_a_resume_means_the_tokenizer_the_run_learnt(monkeypatch, caplog, given, resumes):
+    """The argument logic of the long test below, in milliseconds (a checkpoint's meta faked): --tokenizer train
+    on a resume is the tokenizer the run learnt (``resumed_fields`` drops the flag: it would learn another, whose
+    ids are not the embedding's rows), named in the log; no flag is the same; another tokenizer is refused by the
+    resume's check, naming the one it was trained with."""
+    from types import SimpleNamespace
+
+    from app.args import config_of
+    from app.resume import resume_point
+    from config import load_config
+    from config.presets import to_dict
+    from utils import checkpoint as ckpt
+    from utils.errors import FlanT5Error
+
+    learnt = "/runs/qa/tokenizer"
+    saved = to_dict(load_config("finetuning", "tiny", {"tokenizer": learnt, "dataset": "qa.jsonl", "input_column":
+                                                       "question", "target_column": "answer", "labels": "none"}))
+    monkeypatch.setattr(ckpt, "resolve", lambda path: [("/runs/qa", 2)])
+    monkeypatch.setattr(ckpt, "read_meta", lambda directory, step: {"step": 2, "config": saved})
+    overrides = {"load": "/runs/qa", "save": "/runs/qa", "steps": 3, **({"tokenizer": given} if given else {})}
+    with caplog.at_level("INFO", logger="flan_t5"):
+        cfg = config_of("finetuning", SimpleNamespace(config="tiny"), overrides, resume=True)
+    assert ("resuming with the tokenizer /runs/qa learnt, /runs/qa/tokenizer" in caplog.text) == (given == "train")
+    if resumes:
+        assert cfg.data.tokenizer == learnt and cfg.task.target_column == "answer" and cfg.training.steps == 3
+        assert resume_point(cfg) == ("/runs/qa", 2)
+    else:
+        with pytest.raises(FlanT5Error, match="--tokenizer other/tokenizer \\(it was trained with --tokenizer "
+                                              "/runs/qa/tokenizer\\)"):
+            resume_point(cfg)
+
+
 @pytest.mark.slow
 def test_a_resume_takes_the_task_from_the_checkpoint_and_names_every_disagreement_at_once(tmp_path, capsys, caplog):
     import run_finetuning

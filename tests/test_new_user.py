@@ -512,7 +512,7 @@ def test_a_peft_export_names_its_base_as_output_was_given_and_loads_after_its_fo
     project = tmp_path / "project"
     project.mkdir()
     monkeypatch.chdir(project)
-    run_finetuning.main(SMALL + ["--lora_rank", "2", "--steps", "1", "--save", "ck"])
+    run_finetuning.main(SMALL + ["--lora_rank", "2", "--lora_random_base", "--steps", "1", "--save", "ck"])
     run_export.main(["--load", "ck", "--output", "hf/lora", "--peft"])
     config = json.load(open(project / "hf" / "lora" / "adapter_config.json"))
     assert config["base_model_name_or_path"] == os.path.join("hf", "lora", "base")

@@ -140,7 +140,7 @@ def exit_on_signal(signum, frame=None) -> None:
         sys.stderr.flush()
     except Exception:
         pass
-    what = _Stop.kept or ("the work in progress was not saved (earlier checkpoints and reports are intact)")
+    what = _Stop.kept or "the work in progress was not saved (earlier checkpoints and reports are intact)"
     os.write(2, f"\n{name}: stopped; {what}\n".encode())
     os._exit(128 + signum)
 

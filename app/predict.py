@@ -283,7 +283,8 @@ def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path
     """Predictions of a file's rows appended to the JSONL ``path`` batch by batch, in the input's order
     ({row, input, prediction[, reference]}), with what wrote them (``writer``: ``written_by``) in its record; a file
     that already holds the first rows' predictions (an interrupted run's) is continued after them, by the same
-    weights and settings only. -> (the lines written, how many rows were done before)."""
+    weights and settings only. Each batch's lines are written whole (a signal waits for them) and Ctrl-C's line names
+    the rows kept. -> (the lines written, how many rows were done before)."""
     done = finished_rows(path, examples)
     if os.path.exists(path):
         check_writer(path, writer)

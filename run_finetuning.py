@@ -43,6 +43,9 @@ def extra_flags(p):
     p.add_argument("--init_from", default=None, metavar="CKPT",
                    help="start a new run from a checkpoint's weights (step 0, fresh optimizer state and learning-rate "
                         "schedule, any dataset), unlike --load, which resumes a run where it stopped")
+    p.add_argument("--lora_random_base", action="store_true",
+                   help="with --lora_rank and no --hf_model or --init_from: adapters on the seed's random weights "
+                        "(for tests and benchmarks: a random base learns little through its adapters)")
     p.add_argument("--discard_later_steps", action="store_true",
                    help="with --load DIR/STEP --save DIR: continue from STEP on a new branch, deleting DIR's later "
                         "steps (without it, such a rollback stops before any work)")
@@ -63,9 +66,16 @@ def build_executor(cfg):
 
 
 def check_args(cfg, args) -> None:
-    """Fails before any work: a run that trains nothing, paths that cannot be written, a W&B run that cannot start."""
+    """Fails before any work: a run that trains nothing, LoRA adapters on a random base (unless asked), paths that
+    cannot be written, a W&B run that cannot start."""
     if cfg.model.eval:
         raise FlanT5Error("eval=true builds no optimizer: drop --eval to fine-tune, or use run_validation.py")
+    if cfg.lora.rank and not (cfg.checkpoint.load or args.init_from or cfg.data.hf_model or args.lora_random_base
+                              or args.plan):
+        raise FlanT5Error(f"--lora_rank {cfg.lora.rank} trains adapters on a frozen base, and this run's base would "
+                          "be a random init (no --hf_model, --init_from or --load): start from trained weights with "
+                          "--hf_model NAME_OR_DIR or --init_from CKPT (a fine-tuned checkpoint, e.g. the quickstart's "
+                          "ckpt/tiny), or pass --lora_random_base to adapt random weights anyway (tests, benchmarks)")
     if cfg.checkpoint.save:
         ensure_writable(cfg.checkpoint.save, "--save")
     if args.run_dir:

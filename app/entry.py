@@ -3,6 +3,7 @@ multi-process run a failure in any process ends every process within seconds, ea
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -98,19 +99,49 @@ def exit_on_signals() -> dict:
     return {sig: signal.signal(sig, exit_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
+class _Stop:
+    """What a signal outside the training loop finds: what the driver has kept so far (``kept``: None, nothing of
+    the work in progress), and a write that must end whole first (``writing``, and the signal it held back)."""
+    kept: Optional[str] = None
+    writing = False
+    held: Optional[int] = None
+
+
+def keeping(note: Optional[str]) -> None:
+    """What a signal's line says is kept of the work in progress, from now on (run_inference.py's finished
+    predictions); None: nothing (the line says the work in progress was not saved)."""
+    _Stop.kept = note
+
+
+@contextlib.contextmanager
+def written_whole():
+    """A write that a signal never cuts: a signal that comes during it stops the process once it is done."""
+    _Stop.writing = True
+    try:
+        yield
+    finally:
+        _Stop.writing, held, _Stop.held = False, _Stop.held, None
+        if held is not None:
+            exit_on_signal(held)
+
+
 def exit_on_signal(signum, frame=None) -> None:
     """Ctrl-C or SIGTERM at any moment outside the training loop's own handling (start-up, compilation, loading,
-    validation, decoding): one line and exit 130 / 143 at once. No Python exception is raised into a program
-    that XLA's threads are running (that is what ended in segmentation faults, or in an interrupt swallowed by a
-    garbage-collection callback); files are written atomically, so what was saved before stays intact."""
+    validation, decoding): one line and exit 130 / 143 at once (after the write in progress, under
+    ``written_whole``). No Python exception is raised into a program that XLA's threads are running (that is what
+    ended in segmentation faults, or in an interrupt swallowed by a garbage-collection callback); files are written
+    atomically, so what was saved before stays intact, and the line says what the driver kept (``keeping``)."""
+    if _Stop.writing:
+        _Stop.held = signum
+        return
     name = signal.Signals(signum).name
     try:
         sys.stdout.flush()
         sys.stderr.flush()
     except Exception:
         pass
-    os.write(2, f"\n{name}: stopped; the work in progress was not saved (earlier checkpoints and reports are "
-                f"intact)\n".encode())
+    what = _Stop.kept or "the work in progress was not saved (earlier checkpoints and reports are intact)"
+    os.write(2, f"\n{name}: stopped; {what}\n".encode())
     os._exit(128 + signum)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from app.args import carried_model, make_config
+from app.entry import keeping, written_whole
 from app.runtime import is_main_process, start_devices
 from app.weights import Weights
 from config.fields import get_path
@@ -284,7 +285,8 @@ def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path
     """Predictions of a file's rows appended to the JSONL ``path`` batch by batch, in the input's order
     ({row, input, prediction[, reference]}), with what wrote them (``writer``: ``written_by``) in its record; a file
     that already holds the first rows' predictions (an interrupted run's) is continued after them, by the same
-    weights and settings only. -> (the lines written, how many rows were done before)."""
+    weights and settings only. Each batch's lines are written whole (a signal waits for them) and Ctrl-C's line names
+    the rows kept. -> (the lines written, how many rows were done before)."""
     done = finished_rows(path, examples)
     if os.path.exists(path):
         check_writer(path, writer)
@@ -293,19 +295,29 @@ def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path
     if done:
         logger.info("%s holds the predictions of the first %d of %d rows: continuing after them", path, done,
                     len(examples))
+
+    def kept(n: int) -> None:  # what the line of a Ctrl-C says is kept (app/entry.py)
+        keeping(f"the predictions of the first {n} of {len(examples)} rows are kept in {path}: the same command "
+                "continues after them" if n else None)
+
     out, primary = [], is_main_process()
     with open(path, "a") if primary else open(os.devnull, "w") as f:
-        for start in tqdm(range(done, len(examples), predictor.batch_size), desc="predicting", unit="batch",
-                          disable=None if primary else True):
-            idx = np.arange(start, min(start + predictor.batch_size, len(examples)))
-            for i, text in zip(idx, predictor.predict_batch(params, feats, idx, tokenizer)):
-                e = examples[i]
-                line = {"row": int(i), "input": e.input, "prediction": text,
-                        **({"reference": e.target} if e.target else {})}
-                out.append(line)
-                f.write(json.dumps(line) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        kept(done)
+        try:
+            for start in tqdm(range(done, len(examples), predictor.batch_size), desc="predicting", unit="batch",
+                              disable=None if primary else True):
+                idx = np.arange(start, min(start + predictor.batch_size, len(examples)))
+                lines = [{"row": int(i), "input": examples[i].input, "prediction": text,
+                          **({"reference": examples[i].target} if examples[i].target else {})}
+                         for i, text in zip(idx, predictor.predict_batch(params, feats, idx, tokenizer))]
+                with written_whole():  # a batch's lines reach the file whole: Ctrl-C stops after them
+                    f.write("".join(json.dumps(line) + "\n" for line in lines))
+                    f.flush()
+                    os.fsync(f.fileno())
+                    kept(int(idx[-1]) + 1)
+                out += lines
+        finally:
+            keeping(None)
     return out, done
 
 

@@ -157,8 +157,10 @@ def check_save_dir(cfg, point, discard_later: bool = False) -> list:
     if not save:
         return []
     foreign = ckpt.foreign_steps(save)
-    start, total, every = (point[1] if point else 0), cfg.training.steps, checkpoint_every(cfg)
-    will = {s for s in range(start + 1, total + 1) if every and s % every == 0} | {total}
+    start, total, every, evals = (point[1] if point else 0), cfg.training.steps, checkpoint_every(cfg), \
+        cfg.training.eval_every
+    # the steps it may save: every --checkpoint_steps, each evaluated step (saved when it is the best so far), the last
+    will = {s for s in range(start + 1, total + 1) if any(n and s % n == 0 for n in (every, evals))} | {total}
     clash = sorted(set(foreign) & will)
     if clash:
         raise FlanT5Error(f"{save} holds folder(s) {', '.join(map(str, clash))} that are not this project's "

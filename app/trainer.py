@@ -152,8 +152,10 @@ class Trainer:
                 for step in self.progress:
                     state, record = self.step(state, step, time.perf_counter() - t_last)
                     t_last, done = time.perf_counter(), step + 1
+                    best_now = False
                     if self.evaluator and (done % cfg.training.eval_every == 0 or done == total):
                         record.update(self.evaluator(state, done))
+                        best_now = self.evaluator.best[1] == done
                         saver.keep = {self.evaluator.best[1]}  # --to_keep never deletes the best step's checkpoint
                         t_last = time.perf_counter()  # the evaluation's time is not the next step's
                     self.tracker.log(done, record)
@@ -164,7 +166,9 @@ class Trainer:
                         if saver.mgr:
                             saver.save(done, state)
                         stop_after_signal(signum, done, cfg, saver, self.tracker, self.progress)
-                    if saver.mgr and every and done % every == 0 and done < total:
+                    # every --checkpoint_steps, and an evaluated step that is the best so far (the checkpoint the
+                    # run names at its end; the last step is saved by ``finish``)
+                    if saver.mgr and done < total and (best_now or (every and done % every == 0)):
                         saver.save(done, state)
         except TrainingDiverged:
             saver.wait()  # earlier checkpoints stay complete
@@ -208,11 +212,11 @@ class Trainer:
 
 
 def best_checkpoint(cfg, step: int) -> str:
-    """Where the best step's checkpoint is (the Saver keeps it whatever --to_keep says), or why there is none."""
+    """Where the best step's checkpoint is (the loop saves an evaluated step that is the best so far, and the Saver
+    keeps it whatever --to_keep says), or that it is not there (removed by hand since)."""
     if step in ckpt.saved_steps(cfg.checkpoint.save):
         return f" ({cfg.checkpoint.save}/{step})"
-    return (f" (no checkpoint of step {step} was saved: --checkpoint_steps a multiple of --eval_every "
-            f"({cfg.training.eval_every}) saves each evaluated step)")
+    return f" (no checkpoint of step {step} is in {cfg.checkpoint.save})"
 
 
 def step_record(cfg, m: dict, stats: dict, lr: float, applied: bool, scale: float, scaler, seconds: float) -> dict:

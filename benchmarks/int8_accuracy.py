@@ -24,7 +24,8 @@ from app.bench import write_json  # noqa: E402
 
 RUNS = {
     "tiny (T5)": ["--config", "tiny", "--steps", "300"],
-    "tiny + LoRA (T5, merged then quantized)": ["--config", "tiny", "--steps", "150", "--lora_rank", "16",
+    "tiny + LoRA (T5, merged then quantized)": ["--config", "tiny", "--steps", "150", "--lora_random_base",
+                                                "--lora_rank", "16",
                                                 "--lora_targets", "q", "k", "v", "o", "cq", "ck", "cv", "co", "wi_0",
                                                 "wi_1", "wo", "--learning_rate", "3e-3"],
     "gptj_tiny_headlines (GPT-J)": ["--config", "gptj_tiny_headlines", "--steps", "120"],

@@ -113,7 +113,7 @@ def main(argv=None) -> dict:
     data = ["--split", "validation"] + ([] if a.smoke else ["--dataset", "synthetic-mnli", "--tokenizer", "train",
                                                             "--hf_model", ""])  # (a random-init base: no hub)
     train = ["run_finetuning.py", "--config", a.preset, "--steps", str(3 if a.smoke else a.steps), "--save", save,
-             "--checkpoint_steps", "0", *data] + (["--lora_rank", "4"] if a.smoke else [])
+             "--checkpoint_steps", "0", "--lora_random_base", *data] + (["--lora_rank", "4"] if a.smoke else [])
     report = {"preset": a.preset, "quantize": a.quantize, "stream_encoder": a.stream_encoder, "device_cap": {"gib": a.device_gib, "mem_fraction": fraction,
                                                  "how": "XLA_PYTHON_CLIENT_MEM_FRACTION" if fraction else "none"},
               "host_cap": {"gib": a.host_gib, "how": "cgroup v2 memory.max" if group else

@@ -80,18 +80,37 @@ def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) 
             f"unknown preset '{name}' in {os.path.relpath(path)}: choose one of {', '.join(presets)}"
         )
     cfg = config_from_mapping(presets[name] or {})
+    mnli_preset = not own_task(resolve_mixture(config_from_mapping(presets[name] or {})))
     apply_overrides(cfg, overrides or {})
     resolve_mixture(cfg)
     name_own_task(cfg)
+    if mnli_preset and own_task(cfg) and "loss_tokens" not in (overrides or {}):
+        # an MNLI preset's loss on every token (the original's, gptj_tiny's) is MNLI's: a task of one's own given to
+        # it by flags is trained on its target, as on every other preset, unless --loss_tokens says otherwise
+        cfg.data.loss_tokens = "target"
     return cfg.validate()
+
+
+def _own(t) -> bool:
+    """Whether a task (a config's task section, or a mixture's task mapping) is other than MNLI's."""
+    get = (lambda k: t.get(k)) if isinstance(t, dict) else (lambda k: getattr(t, k))
+    mnli, labels = Task(), get("labels")
+    return (get("input_template"), get("input_column"), get("target_column"),
+            tuple(labels) if labels is not None else None) != \
+        (mnli.input_template, mnli.input_column, mnli.target_column, tuple(mnli.labels))
+
+
+def own_task(cfg: Config) -> bool:
+    """Whether a config trains a task of one's own: its task section, or one of its mixture's tasks, other than
+    MNLI's (the data may be any file: MNLI's task on it is still MNLI's)."""
+    return _own(cfg.task) or any(_own(t) for t in cfg.mixture.tasks if isinstance(t, dict))
 
 
 def name_own_task(cfg: Config) -> Config:
     """A task of one's own left with MNLI's name (no --task_name) is named after its data (qa.csv: qa), so that its
     logs, metrics and reports never call it mnli; a task defined as MNLI's keeps the name, whatever file holds it."""
     t, mnli = cfg.task, Task()
-    own = (t.input_template, t.input_column, t.target_column, t.labels) != \
-        (mnli.input_template, mnli.input_column, mnli.target_column, tuple(mnli.labels))
+    own = _own(t)
     if t.name == mnli.name and own and cfg.data.dataset:
         stem = os.path.splitext(os.path.basename(str(cfg.data.dataset).rstrip("/")))[0]
         t.name = re.sub(r"[^\w-]+", "_", stem).strip("_") or "task"

@@ -256,7 +256,8 @@ class Checkpoint:
 
     steps: Optional[int] = spec(None, flag="checkpoint_steps", minimum=0, training=True)
     """Save a checkpoint every this many steps (0: only at the end; unset: every tenth of the run when --save is
-    given). An interrupted run (Ctrl-C, SIGTERM) also saves the step it finished."""
+    given). An interrupted run (Ctrl-C, SIGTERM) also saves the step it finished, and with eval_every an evaluated
+    step that is the best so far is saved too."""
 
     to_keep: int = spec(4, minimum=0, training=True)
     """Number of this run's checkpoints to keep: older steps are deleted once a newer one is complete (0: keep

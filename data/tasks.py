@@ -92,7 +92,7 @@ class Task:
         rows labelled -1 (unlabelled) are left out. ``targets=False``: inputs only (rows to predict), the target
         where there is one."""
         n = len(next(iter(batch.values()))) if batch else 0
-        at = _Where(batch, start, where, first_line, self)
+        at = _Where(batch, start, where, first_line, self, targets)
         need = self.columns if targets else self.fields
         for col in need:
             if col not in batch:
@@ -154,8 +154,9 @@ class Task:
 class _Where:
     """Where row k of a batch is, for messages: ``FILE: row I (line L)``."""
 
-    def __init__(self, batch: dict, start: int, where: str, first_line, task: Task):
+    def __init__(self, batch: dict, start: int, where: str, first_line, task: Task, targets: bool = True):
         self.batch, self.start, self.where, self.first_line, self.task = batch, start, where, first_line, task
+        self.targets = targets  # whether the rows need their target (training, scoring) or not (rows to predict)
 
     def __call__(self, k: int) -> str:
         i = self.start + k
@@ -167,8 +168,10 @@ class _Where:
             raise DataError(f"{self(k)}: column '{col}' is null" + ("" if self.null_in_file(k, col) else
                                                                     " (or absent from this row)")
                             + f": give the {col}, or remove the row")
-        raise DataError(f"{self(k)}: column '{col}' is missing: the task reads {', '.join(self.task.columns)}; the "
-                        f"row has {', '.join(has) or 'no columns'}")
+        reads = (f"the task reads {', '.join(self.task.columns)}" if self.targets else
+                 f"the task's input reads {', '.join(self.task.fields)} (its target column, "
+                 f"{self.task.target_column}, is not needed to predict)")
+        raise DataError(f"{self(k)}: column '{col}' is missing: {reads}; the row has {', '.join(has) or 'no columns'}")
 
     def null_in_file(self, k: int, col: str) -> Optional[bool]:
         """Whether row k of a JSON-lines file names ``col`` with a null (Arrow reads a null and an absent key alike);
@@ -205,7 +208,7 @@ def _texts(values: list, col: str, at: _Where, rows: Optional[list] = None) -> l
         at.missing(k, col) if v is None else _as_text(v, col, at, k) for k, v in zip(rows, values)]
     for k, v in zip(rows, out):
         if not v or v.isspace():
-            raise DataError(f"{at(k)}: column '{col}' is empty: give the {col} text, or remove the row")
+            raise DataError(f"{at(k)}: column '{col}' is empty: write its text, or remove the row")
     return out
 
 

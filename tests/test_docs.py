@@ -311,6 +311,28 @@ def test_every_driver_flag_and_every_preset_is_documented_in_docs():
     assert not missing, "not in docs/: " + ", ".join(missing)
 
 
+def presets_listed_in_commands_md(text: str) -> dict:
+    """{kind: the preset names docs/commands.md's Presets section lists}: the rows of its table of
+    config/finetuning.yml, the paragraph of config/inference.yml's."""
+    section = text.split("\n## Presets", 1)[1]
+    table, _, rest = section.partition("`config/inference.yml`")
+    return {"finetuning": set(re.findall(r"^\| `([^`]+)` \|", table, re.M)),
+            "inference": set(re.findall(r"`([^`]+)`", rest.split("\n\n", 1)[0]))}
+
+
+def test_the_presets_section_of_docs_commands_lists_every_preset():
+    """Guards the table against a preset added without its row (`tiny_mixture` had none): every preset of
+    config/finetuning.yml is a row of the table, and the table has no row of a preset that is gone; every one of
+    config/inference.yml is named in the paragraph after it."""
+    listed = presets_listed_in_commands_md(open(os.path.join(ROOT, "docs", "commands.md")).read())
+    assert listed["finetuning"] == presets("finetuning")
+    assert presets("inference") <= listed["inference"]
+    # the check reads what it must: a row taken out of the table, or a preset of neither file, fails it
+    table = open(os.path.join(ROOT, "docs", "commands.md")).read()
+    assert presets_listed_in_commands_md(table.replace("| `tiny_mixture` |", "| tiny_mixture |"))["finetuning"] != \
+        presets("finetuning")
+
+
 def test_docs_configuration_is_the_config_s_own_reference():
     """docs/configuration.md is what `python3 -m app.reference` writes from config/schema.py and the families' own
     fields now: a field added, renamed or redocumented without regenerating it fails here."""

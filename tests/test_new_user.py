@@ -81,6 +81,59 @@ def test_a_predictions_file_records_what_wrote_it_and_other_settings_do_not_cont
     _fails(capsys, run_inference.main, ["--load", a, "--input", rows, "--predictions", out], "no record")
 
 
+class Exited(Exception):
+    """os._exit, in a test: the exit code, raised."""
+
+
+@pytest.mark.parametrize("when", ["decoding", "writing"])
+def test_ctrl_c_during_predictions_keeps_the_finished_batches_whole_and_says_so(tmp_path, capfd, monkeypatch, when):
+    """Guards the line of a signal during run_inference.py --input (it said "the work in progress was not saved",
+    though every finished batch is kept, and the same command continues after them), and each batch written whole
+    before the process stops: Ctrl-C while the second batch decodes keeps the first; during the second batch's write,
+    the second too, never half a line (which made the same command refuse the file)."""
+    import signal
+    from types import SimpleNamespace
+
+    from app import entry, predict
+    from data.tasks import Example
+
+    path, on_disk, calls = str(tmp_path / "p.jsonl"), [], []
+
+    def _exit(code):
+        on_disk.append(open(path).read())  # what the file holds as the process ends (nothing flushed after)
+        raise Exited(code)
+
+    def predict_batch(params, feats, idx, tokenizer):
+        calls.append(list(idx))
+        if when == "decoding" and len(calls) == 2:
+            entry.exit_on_signal(signal.SIGINT)
+        return [f"out {i}" for i in idx]
+
+    fsync = os.fsync
+
+    def fsync_then_signal(fd):  # a signal while a batch's lines are being written
+        fsync(fd)
+        if when == "writing" and len(calls) == 2:
+            entry.exit_on_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(entry.os, "_exit", _exit)
+    monkeypatch.setattr(predict.os, "fsync", fsync_then_signal)
+    examples = [Example(f"input {i}", "") for i in range(5)]
+    predictor = SimpleNamespace(batch_size=2, predict_batch=predict_batch)
+    with pytest.raises(Exited) as e:
+        predict.predict_file(predictor, None, examples, {}, None, path, {"decoding": {}})
+    rows = 2 if when == "decoding" else 4
+    assert e.value.args == (130 if when == "decoding" else 143,)
+    assert f"stopped; the predictions of the first {rows} of 5 rows are kept in {path}: the same command continues " \
+           "after them" in capfd.readouterr().err
+    assert on_disk[0] == "".join(json.dumps({"row": i, "input": f"input {i}", "prediction": f"out {i}"}) + "\n"
+                                 for i in range(rows))
+    assert entry._Stop.kept is None and not entry._Stop.writing  # what the next signal says: nothing kept
+    when = "done"
+    out, done = predict.predict_file(predictor, None, examples, {}, None, path, {"decoding": {}})
+    assert done == rows and [json.loads(line)["row"] for line in open(path)] == list(range(5))
+
+
 def test_the_record_names_another_step_and_other_weights(two_models, tmp_path, capsys):
     """The difference a user must see first: the checkpoint, its step, the weights' fingerprint (a step of the same
     run is other weights in the same directory)."""
@@ -275,6 +328,39 @@ def test_a_directory_of_splits_is_scored_on_its_validation_file_and_a_mixture_ta
 
 # ------------------------------------------------------------------------------------- 5. resuming an own task
 
+@pytest.mark.parametrize("given,resumes", [("train", True), (None, True), ("other/tokenizer", False)])
+def test_tokenizer_train_on_a_resume_means_the_tokenizer_the_run_learnt(monkeypatch, caplog, given, resumes):
+    """The argument logic of the long test below, in milliseconds (a checkpoint's meta faked): --tokenizer train
+    on a resume is the tokenizer the run learnt (``resumed_fields`` drops the flag: it would learn another, whose
+    ids are not the embedding's rows), named in the log; no flag is the same; another tokenizer is refused by the
+    resume's check, naming the one it was trained with."""
+    from types import SimpleNamespace
+
+    from app.args import config_of
+    from app.resume import resume_point
+    from config import load_config
+    from config.presets import to_dict
+    from utils import checkpoint as ckpt
+    from utils.errors import FlanT5Error
+
+    learnt = "/runs/qa/tokenizer"
+    saved = to_dict(load_config("finetuning", "tiny", {"tokenizer": learnt, "dataset": "qa.jsonl", "input_column":
+                                                       "question", "target_column": "answer", "labels": "none"}))
+    monkeypatch.setattr(ckpt, "resolve", lambda path: [("/runs/qa", 2)])
+    monkeypatch.setattr(ckpt, "read_meta", lambda directory, step: {"step": 2, "config": saved})
+    overrides = {"load": "/runs/qa", "save": "/runs/qa", "steps": 3, **({"tokenizer": given} if given else {})}
+    with caplog.at_level("INFO", logger="flan_t5"):
+        cfg = config_of("finetuning", SimpleNamespace(config="tiny"), overrides, resume=True)
+    assert ("resuming with the tokenizer /runs/qa learnt, /runs/qa/tokenizer" in caplog.text) == (given == "train")
+    if resumes:
+        assert cfg.data.tokenizer == learnt and cfg.task.target_column == "answer" and cfg.training.steps == 3
+        assert resume_point(cfg) == ("/runs/qa", 2)
+    else:
+        with pytest.raises(FlanT5Error, match="--tokenizer other/tokenizer \\(it was trained with --tokenizer "
+                                              "/runs/qa/tokenizer\\)"):
+            resume_point(cfg)
+
+
 @pytest.mark.slow
 def test_a_resume_takes_the_task_from_the_checkpoint_and_names_every_disagreement_at_once(tmp_path, capsys, caplog):
     import run_finetuning
@@ -426,7 +512,7 @@ def test_a_peft_export_names_its_base_as_output_was_given_and_loads_after_its_fo
     project = tmp_path / "project"
     project.mkdir()
     monkeypatch.chdir(project)
-    run_finetuning.main(SMALL + ["--lora_rank", "2", "--steps", "1", "--save", "ck"])
+    run_finetuning.main(SMALL + ["--lora_rank", "2", "--lora_random_base", "--steps", "1", "--save", "ck"])
     run_export.main(["--load", "ck", "--output", "hf/lora", "--peft"])
     config = json.load(open(project / "hf" / "lora" / "adapter_config.json"))
     assert config["base_model_name_or_path"] == os.path.join("hf", "lora", "base")

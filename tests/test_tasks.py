@@ -21,7 +21,8 @@ import run_validation
 from config import load_config
 from data import sources
 from data.synthetic import generate_headlines
-from data.tasks import Task
+from config.presets import preset_path, read_presets
+from data.tasks import Example, Task
 from tests.helpers import fails, params_at
 from utils import checkpoint as ckpt
 
@@ -97,6 +98,46 @@ def test_a_bad_row_is_one_line_before_any_work(tmp_path, capsys, rows, flags, me
     err = fails(capsys, run_finetuning.main, argv + flags, message)
     assert data in err
     assert not ckpt.saved_steps(str(save)) and not os.path.exists(save / "tokenizer")  # nothing learnt or trained
+
+
+DATES = {"task_name": "dates", "input_template": "date: {date}", "target_column": "text", "labels": "none"}
+
+
+def test_rows_to_predict_need_the_input_alone_and_an_empty_text_column_reads_plainly():
+    """Guards the columns a missing one names when rows are predicted (run_inference.py --input: the input's alone;
+    it said "the task reads date, text" of a file that needs no target) and the empty-target line of a column named
+    text (it read "give the text text")."""
+    task = Task(load_config("finetuning", "tiny", DATES).task)
+    with pytest.raises(sources.DataError) as e:
+        task.examples(sources.Rows([{"day": "1950-01-01"}], "new.jsonl"), targets=False)
+    assert str(e.value) == ("new.jsonl: row 0: column 'date' is missing: the task's input reads date (its target "
+                            "column, text, is not needed to predict); the row has day")
+    assert task.examples(sources.Rows([{"date": "1950-01-01"}], "new.jsonl"), targets=False) == \
+        [Example("date: 1950-01-01", "")]
+    # training and scoring read the target too, and say so
+    with pytest.raises(sources.DataError, match="column 'date' is missing: the task reads date, text; the row has "
+                                                "day$"):
+        task.examples(sources.Rows([{"day": "1950-01-01"}], "train.jsonl"))
+    with pytest.raises(sources.DataError) as e:
+        task.examples(sources.Rows([{"date": "1950-01-01", "text": " "}], "train.jsonl"))
+    assert str(e.value) == "train.jsonl: row 0: column 'text' is empty: write its text, or remove the row"
+
+
+@pytest.mark.parametrize("preset", sorted(read_presets(preset_path("finetuning"))))
+def test_a_task_of_one_s_own_is_trained_on_its_target_on_every_preset_unless_asked(preset):
+    """Guards the own task's loss on an MNLI preset (gptj_tiny with the task flags trained on every token, its
+    MNLI `all`): on every preset a task of one's own (flags, or a mixture) counts the target's tokens, --loss_tokens
+    all asks for every token, and a preset's own task keeps what the preset says (its MNLI task too)."""
+    own = {k: v for k, v in DATES.items() if k != "task_name"}
+    as_is = load_config("finetuning", preset, {})
+    assert load_config("finetuning", preset, own).data.loss_tokens == (
+        as_is.data.loss_tokens if (as_is.task.target_column != "label" or as_is.mixture.tasks) else "target")
+    assert load_config("finetuning", preset, {**own, "loss_tokens": "all"}).data.loss_tokens == "all"
+    if preset == "gptj_tiny":  # MNLI's task on another file is still MNLI's: the original's loss on every token
+        assert as_is.data.loss_tokens == "all" and load_config(
+            "finetuning", preset, {"dataset": "mnli.jsonl"}).data.loss_tokens == "all"
+        mixed = load_config("finetuning", preset, {"mixture": ["tiny_headlines", "gptj_tiny"]})
+        assert mixed.data.loss_tokens == "target"
 
 
 def test_metrics_are_the_libraries_own():

@@ -26,6 +26,7 @@ from app.evaluate import Evaluator, mixture_score
 from app.resume import resume_point
 from config import load_config
 from graphs.loss_scale import LossScale
+from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
 
 
@@ -40,10 +41,13 @@ class Executor:
 
     def __init__(self, overflow=()):
         self.overflow = set(overflow)
-        self.g = SimpleNamespace(shard_batch=lambda batch: batch, learning_rate=lr_at)
+        self.g = SimpleNamespace(shard_batch=lambda batch: batch, learning_rate=lr_at, lora=False)
 
     def train_step(self, state, batch, rng, loss_scale, clip_norm):
         return state + 1, {"loss": 1.0, "grad_norm": math.inf if state in self.overflow else 0.5}
+
+    def to_checkpoint(self, state):
+        return SimpleNamespace(params=state, opt_state=None)
 
 
 
@@ -76,20 +80,40 @@ def _no_figure(monkeypatch):
     monkeypatch.setattr(tracking, "plot_loss_curve", lambda *a, **k: None)  # (the figure is not what is tested)
 
 
+@pytest.fixture(autouse=True)
+def _steps_as_folders(monkeypatch):
+    """utils/checkpoint's writing, faked: a saved step is a folder holding what ``saved_steps`` reads (its meta and
+    orbax's commit marker), so the Saver's real pruning and the real reading of a save directory run over it."""
+
+    def save(mgr, step, params, opt_state, meta):
+        d = os.path.join(mgr.directory, str(step))
+        os.makedirs(os.path.join(d, "meta"))
+        with open(os.path.join(d, "meta", "metadata"), "w") as f:
+            json.dump({"step": step, "config": {}}, f)
+        open(os.path.join(d, ckpt.COMMIT), "w").close()
+
+    monkeypatch.setattr(ckpt, "manager", lambda directory: SimpleNamespace(directory=directory,
+                                                                           wait_until_finished=lambda: None))
+    monkeypatch.setattr(ckpt, "save", save)
+
+
 BASE = load_config("finetuning", "tiny", {"warmup_steps": 0})
 
 
-def run(run_dir, start, steps, every, scores, overflow=(), scaler=None):
-    """One run of the loop from ``start`` to ``steps`` in ``run_dir`` -> (metrics.jsonl's rows, the best named in
-    the log as (score, step) or None, the scaler)."""
+def run(run_dir, start, steps, every, scores, overflow=(), scaler=None, save=None, checkpoint_steps=None,
+        to_keep=4, logs=None):
+    """One run of the loop from ``start`` to ``steps`` in ``run_dir`` (with ``save``: checkpoints there, as
+    --save, --checkpoint_steps and --to_keep say) -> (metrics.jsonl's rows, the best named in the log as (score,
+    step) or None, the scaler); ``logs``: a list that gets the run's log lines."""
     cfg = copy.deepcopy(BASE)
     cfg.training.steps, cfg.training.eval_every = steps, every
+    cfg.checkpoint.save, cfg.checkpoint.steps, cfg.checkpoint.to_keep = save, checkpoint_steps, to_keep
     scaler = scaler or LossScale(dynamic=True, max_skipped=1000)
     executor = Executor(overflow)
     T.Evaluator = lambda cfg, executor, tokenizer, best: Decoded(scores, best)
     try:
         t = T.Trainer(cfg, executor, Loader(), start, scaler, run_dir, {})
-        logs = []
+        logs = [] if logs is None else logs
         handler = logging.Handler()
         handler.emit = lambda record: logs.append(record.getMessage())
         logger, level = logging.getLogger("flan_t5"), logging.getLogger("flan_t5").level
@@ -150,22 +174,55 @@ def test_of_tied_evaluations_the_earliest_step_is_the_best(tmp_path, split):
     assert best == (0.7, 4)
 
 
+@pytest.mark.parametrize("scores,written", [({4: 0.9, 8: 0.5, 10: 0.6}, [3, 4, 6, 9, 10]),
+                                             ({4: 0.5, 8: 0.9, 10: 0.6}, [3, 4, 6, 8, 9, 10])])
+def test_an_evaluated_step_that_is_the_best_so_far_is_saved_between_checkpoint_steps(tmp_path, scores, written):
+    """Guards ``best_now`` in the loop's save (without it --eval_every 250 beside the default checkpoint interval,
+    150, ended with "no checkpoint of step 250 was saved"): --checkpoint_steps 3 --eval_every 4 saves steps 3, 6, 9
+    and the last, and each evaluated step that is the best so far; a worse one (step 8, then 10) is not saved."""
+    d = str(tmp_path)
+    run(d, 0, 10, 4, scores, save=d, checkpoint_steps=3, to_keep=0)
+    assert ckpt.saved_steps(d) == written
+
+
+def test_the_best_step_s_checkpoint_is_kept_whatever_to_keep_says_and_named(tmp_path):
+    d, logs = str(tmp_path), []
+    _, best, _ = run(d, 0, 10, 4, {4: 0.9, 8: 0.5, 10: 0.6}, save=d, checkpoint_steps=3, to_keep=1, logs=logs)
+    assert best == (0.9, 4) and ckpt.saved_steps(d) == [4, 10]
+    assert any(line.endswith(f"at step 4 ({d}/4)") for line in logs), logs
+
+
+@pytest.mark.parametrize("stop", [3, 4, 5])
+def test_a_resumed_run_keeps_the_best_step_when_it_saves_more_often_than_it_evaluates(tmp_path, stop):
+    """Guards the Saver's ``keep`` set from the run's metrics.jsonl at the start of a resume (without it, a run
+    resumed at step 3 with --checkpoint_steps 1 --eval_every 3 --to_keep 1 deleted its best step, 3, at step 5's
+    save, before its first evaluation)."""
+    d, scores = str(tmp_path), {**{s: 0.1 for s in range(1, 10)}, 3: 0.9, 6: 0.5}
+    run(d, 0, stop, 3, scores, save=d, checkpoint_steps=1, to_keep=1)
+    _, best, _ = run(d, stop, 9, 3, scores, save=d, checkpoint_steps=1, to_keep=1)
+    assert best == (0.9, 3) and ckpt.saved_steps(d) == [3, 9]
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(total=st.integers(1, 12), every=st.integers(0, 5), data=st.data())
 def test_a_run_stopped_and_resumed_anywhere_keeps_its_bookkeeping(total, every, data):
     """A run of ``stop`` steps, then resumed to ``total`` (any stop, skipped steps anywhere, scores with ties): its
     metrics.jsonl has every step once, the evaluations at the multiples of --eval_every and at each run's last step,
-    the learning rate of every applied step is the schedule's at the count of applied steps before it, and the
-    best step named is the highest score's, the earliest of ties."""
+    the learning rate of every applied step is the schedule's at the count of applied steps before it, the
+    best step named is the highest score's, the earliest of ties, and its checkpoint is there at the end beside the
+    last step's and the newest --to_keep (whatever --checkpoint_steps and --to_keep say)."""
     stop = data.draw(st.integers(1, total), "stop")
     overflow = data.draw(st.sets(st.integers(0, total - 1)), "overflow")
     scores = {s: data.draw(st.sampled_from([0.25, 0.5, 0.75]), f"score{s}") for s in range(1, total + 1)}
+    saving = dict(checkpoint_steps=data.draw(st.sampled_from([None, 0, 1, 2, 3, 5]), "checkpoint_steps"),
+                  to_keep=data.draw(st.integers(0, 3), "to_keep"))
     with tempfile.TemporaryDirectory() as d:
-        rows, best, scaler = run(d, 0, stop, every, scores, overflow)
+        rows, best, scaler = run(d, 0, stop, every, scores, overflow, save=d, **saving)
         if stop < total:
             again = LossScale(dynamic=True, max_skipped=1000)
             again.restore(json.loads(json.dumps(scaler.state())))  # as a checkpoint's metadata carries it
-            rows, best, _ = run(d, stop, total, every, scores, overflow, again)
+            rows, best, _ = run(d, stop, total, every, scores, overflow, again, save=d, **saving)
+        saved = ckpt.saved_steps(d)
     assert [r["step"] for r in rows] == list(range(1, total + 1))
     want = [s for s in range(1, total + 1) if every and (s % every == 0 or s in (stop, total))]
     assert evaluated(rows) == want
@@ -177,6 +234,8 @@ def test_a_run_stopped_and_resumed_anywhere_keeps_its_bookkeeping(total, every, 
     if want:
         top = max(scores[s] for s in want)
         assert best == (top, min(s for s in want if scores[s] == top))
+        assert best[1] in saved, (best, saved)
+    assert total in saved and (not saving["to_keep"] or len(saved) <= saving["to_keep"] + 1), saved
 
 
 # --------------------------------------------------------------------------- resume and mixture scores

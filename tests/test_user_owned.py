@@ -34,11 +34,14 @@ def test_foreign_numbered_folders_survive_pruning(tmp_path, caplog):
     assert "removed checkpoint step(s)" in caplog.text and "left alone" in caplog.text
 
 
-def test_a_foreign_folder_a_step_would_overwrite_is_refused_before_work(tmp_path, capsys):
+@pytest.mark.parametrize("saving", [["--checkpoint_steps", "1"], ["--checkpoint_steps", "0", "--eval_every", "3"]])
+def test_a_foreign_folder_a_step_would_overwrite_is_refused_before_work(tmp_path, capsys, saving):
+    """Every step the run may save: each --checkpoint_steps, and each evaluated one (saved when it is the best so
+    far)."""
     save = tmp_path / "ck"
     (save / "3").mkdir(parents=True)
     (save / "3" / "mine.txt").write_text("x")
-    fails(capsys, run_finetuning.main, SMALL + ["--steps", "4", "--save", str(save), "--checkpoint_steps", "1"],
+    fails(capsys, run_finetuning.main, SMALL + ["--steps", "4", "--save", str(save), *saving],
           "not this project's checkpoints")
     assert sorted(os.listdir(save)) == ["3"] and (save / "3" / "mine.txt").read_text() == "x"
 

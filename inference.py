@@ -37,19 +37,18 @@ def programs(g, n: int) -> tuple:
     from jax.sharding import PartitionSpec as P
 
     from graphs import sharding as S
-    from modelling.decoding import Options
 
     family, opts = g.family, g.opts
-    options = Options.of_config(g.cfg.inference)
+    options = g.options
     start = g.phase(lambda p, i, m: family.decode_start(family.decoding_params(p, opts), i, m, opts, n, S.TP)[0],
                     (g.decode_specs(), P(S.DP, None), P(S.DP, None)), P(S.DP, S.TP))  # logits: vocab over tp
     one = dataclasses.replace(options, max_new_tokens=1)
-    return g.decode_phase(options, eos_id=-1), g.decode_phase(one, eos_id=-1), start
+    return g.search(options), g.search(one), start
 
 
 def prompts(cfg, g) -> tuple:
     """Generated prompts, one per row as validation decodes them (left-aligned for a family that says so): numpy,
-    as the Predictor hands them to the decoding program (which packs an encoder's prompts where that saves rows)."""
+    as the decoder hands them to the decoding program (which packs an encoder's prompts where that saves rows)."""
     from data.generated import generated_batch
 
     b = cfg.execution.rows_per_micro_batch
@@ -98,15 +97,13 @@ def main(argv=None) -> dict:
         die(f"--iterations={args.iterations} must be at least 1")
     start_devices(cfg)
     from app.bench import device_header, median, write_json
-    from graphs.graphs import Graphs
+    from decoder.engine import Decoder
     from graphs.memory import peak_device_bytes
 
-    from app.weights import Weights
-
-    g = Graphs(cfg)
+    g = Decoder.of_config(cfg, eos=-1)  # (never stopping early: every step of output_length is timed)
     n = cfg.inference.output_length
     ids, mask = prompts(cfg, g)
-    params = Weights(g).convert(g.init_params())  # as decoding holds them: the compute dtype, or int8 (--quantize)
+    params = g.weights.convert(g.place.init_params())  # as decoding holds them: the compute dtype, or int8 (--quantize)
     compile_s, start_t, first_t, gen_t, out = time_decoding(params, ids, mask, *programs(g, n), args.iterations, g)
     packed = g.pack(ids, mask) if g.family.packs_prompts and not g.prompt_stacks else None
     total, encoder, first = median(gen_t), median(start_t), median(first_t)

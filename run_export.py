@@ -61,22 +61,22 @@ def main(argv=None) -> str:
         raise FlanT5Error("run_export.py runs in one process: start it without the launcher (it needs no more "
                           "devices than the checkpoint's tensor parallelism, simulated on a CPU)")
     from app.export import export_model, export_peft
-    from app.predict import Predictor
+    from decoder.engine import Decoder
     from data.tasks import load_tokenizer
     from utils import checkpoint as ckpt
 
-    predictor = Predictor(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    decoder = Decoder.of_config(cfg, tokenizer)
     directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
     if args.peft:
-        config = export_peft(predictor, directory, step, tokenizer, args.output)
+        config = export_peft(decoder, directory, step, tokenizer, args.output)
         print(f"exported the adapters of {directory}/{step} (rank {config['r']}, {len(config['target_modules'])} "
               f"modules) in PEFT's format -> {args.output} (peft: PeftModel.from_pretrained(base, '{args.output}'), "
               f"base: {config['base_model_name_or_path']})", flush=True)
         return args.output
-    params = predictor.weights.host_tree(predictor.load_params(directory, step, None if directory else
-                                                               cfg.data.hf_model))
-    arch = export_model(params, cfg.model, tokenizer, predictor.family, args.output)
+    params = decoder.weights.host_tree(decoder.load_params(directory, step, None if directory else
+                                                           cfg.data.hf_model))
+    arch = export_model(params, cfg.model, tokenizer, decoder.family, args.output)
     what = f"{directory}/{step}" if directory else cfg.data.hf_model
     print(f"exported {what} as {arch} with its tokenizer -> {args.output} "
           f"(transformers: {arch}.from_pretrained('{args.output}'))", flush=True)

@@ -62,25 +62,26 @@ def main(argv=None) -> list:
     from app.train_data import run_tasks
     from data.mixture import inference_task
     from data.tasks import load_tokenizer
+    from decoder.engine import Decoder
     from utils import checkpoint as ckpt
 
     # a mixture's checkpoint predicts with the task --task_name names (its first without the flag)
     td = inference_task(run_tasks(cfg), overrides.get("task_name") if cfg.mixture.tasks else None)
     examples = predict.inference_inputs(args.prompt, args.input, args.limit, cfg, td)
-    predictor = predict.Predictor(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    feats, _ = predict.prompt_features(examples, tokenizer, predictor.family, cfg.model.sequence_length)
+    decoder = Decoder.of_config(cfg, tokenizer)
+    feats, _ = predict.prompt_features(examples, tokenizer, decoder.family, cfg.model.sequence_length)
     directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
-    params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
+    params = decoder.load_params(directory, step, None if directory else cfg.data.hf_model)
     if args.input:
         path = args.predictions or os.path.splitext(args.input)[0] + ".predictions.jsonl"
         writer = predict.written_by(cfg, directory, step, params)
-        out, done = predict.predict_file(predictor, params, examples, feats, tokenizer, path, writer)
+        out, done = predict.predict_file(decoder, params, examples, feats, path, writer)
         if is_main_process():
             print(f"{len(examples) - done} predictions of {args.input} -> {path} ({len(examples)} rows in all)",
                   flush=True)
         return out
-    out = predict.side_by_side(predictor, params, examples, feats, tokenizer, args.compare_hf)
+    out = predict.side_by_side(decoder, params, examples, feats, tokenizer, args.compare_hf)
     if is_main_process():
         show(out, args.compare_hf)
     return out

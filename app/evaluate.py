@@ -12,13 +12,13 @@ from dataclasses import asdict
 
 import jax
 
-from app.predict import Predictor, decoding_graphs_config, prompt_features
+from app.predict import prompt_features
 from app.runtime import is_main_process
 from app.train_data import run_tasks
 from data.metrics import headline, primary, score
 from data.mixture import evaluation_sets
 from data.tasks import tokenize_prompts
-from graphs.graphs import Graphs
+from decoder.engine import Decoder
 from graphs.memory import peak_device_bytes
 from utils.errors import FlanT5Error
 
@@ -136,25 +136,25 @@ class Validation:
         self.cfg, self.tokenizer, self.limit, self.output = cfg, tokenizer, limit, output
         self.sets = evaluation_data(cfg, overrides, cfg.checkpoint.load)
         self.mixed = bool(cfg.mixture.tasks)
-        self.predictor = Predictor(cfg)
+        self.decoder = Decoder.of_config(cfg, tokenizer)
         self.inputs = []
         for data in self.sets:
             examples = data.examples[:limit]
-            feats, unknown = prompt_features(examples, tokenizer, self.predictor.family, cfg.model.sequence_length)
-            long_references(examples, tokenizer, self.predictor.family, cfg.inference.output_length, data.what)
+            feats, unknown = prompt_features(examples, tokenizer, self.decoder.family, cfg.model.sequence_length)
+            long_references(examples, tokenizer, self.decoder.family, cfg.inference.output_length, data.what)
             self.inputs.append((data, examples, feats, unknown))
 
     def __call__(self, directory, step, n_targets: int = 1):
         """One checkpoint (``directory`` None: the config's --hf_model) decoded, scored, reported -> the report (a
         list of them, one a task, for a mixture)."""
         cfg = self.cfg
-        params = self.predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
+        params = self.decoder.load_params(directory, step, None if directory else cfg.data.hf_model)
         reports = [self.one(params, directory, step, n_targets, *x) for x in self.inputs]
         return reports if self.mixed else reports[0]
 
     def one(self, params, directory, step, n_targets: int, data, examples, feats, unknown) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        report = score(data.task, examples, self.predictor.predict(params, feats, self.tokenizer))
+        report = score(data.task, examples, self.decoder.predict(params, feats))
         how = decoding_name(cfg.inference)
         report.update(split=data.name, dataset=data.dataset, single_file=data.single, data=data.what, step=step,
                       limit=self.limit, prompt_tokens_unknown=unknown, longest_prompt=int(feats["attention_mask"]
@@ -180,8 +180,7 @@ class Evaluator:
     exact resume are untouched."""
 
     def __init__(self, cfg, executor, tokenizer, best=None):
-        ecfg = decoding_graphs_config(cfg)
-        self.predictor = Predictor(ecfg, Graphs(ecfg, mesh=executor.g.mesh))
+        self.decoder = Decoder.of_config(cfg, tokenizer, mesh=executor.g.mesh)
         self.executor, self.tokenizer, self.mixed = executor, tokenizer, bool(cfg.mixture.tasks)
         self.sets, self.inputs = evaluation_sets(run_tasks(cfg)), []
         family = executor.g.family
@@ -209,13 +208,12 @@ class Evaluator:
         """Each task's scores of the weights in ``state``, decoded on the run's devices: eval_METRIC (a mixture's
         eval_TASK_METRIC)."""
         stacked = self.executor.weights(state)  # the stacked weights, wherever they live
-        g = self.predictor.graphs  # decoding's layout, once (int8 when the run asked for it: --quantize int8)
-        params = (g.to_decoding(jax.device_put(stacked, g.param_shardings)) if g.quantize == "none"
-                  else self.predictor.weights.place(stacked))
+        g = self.decoder  # decoding's layout, once (int8 when the run asked for it: --quantize int8)
+        params = (g.to_decoding(jax.device_put(stacked, g.place.param_shardings)) if g.quantize == "none"
+                  else g.weights.place(stacked))
         scores = {}
         for data, (examples, feats) in zip(self.sets, self.inputs):
-            report = score(data.task, examples, self.predictor.predict(params, feats, self.tokenizer,
-                                                                       progress="evaluating"))
+            report = score(data.task, examples, self.decoder.predict(params, feats, progress="evaluating"))
             prefix = f"eval_{data.task.name}_" if self.mixed else "eval_"
             scores.update({prefix + k: v for k, v in report["scores"].items()})
             logger.info("step %d: %s%s %s", step, f"{data.task.name} " if self.mixed else "",

@@ -42,7 +42,7 @@ def export_model(params, model_config, tokenizer, family, output: str) -> str:
     return family.hf.config_dict(model_config)["architectures"][0]
 
 
-def export_peft(predictor, directory: str, step: int, tokenizer, output: str) -> dict:
+def export_peft(decoder, directory: str, step: int, tokenizer, output: str) -> dict:
     """A LoRA checkpoint's adapters in PEFT's format (modelling/lora.py names them) -> the adapter config. Its
     ``base_model_name_or_path`` is the base's HF name or directory; a base that is no HF model (a random init, a
     checkpoint of ours: --init_from) is exported beside the adapters, into OUTPUT/base, and named by that path as
@@ -53,7 +53,7 @@ def export_peft(predictor, directory: str, step: int, tokenizer, output: str) ->
     if not saved.get("lora_base"):
         raise FlanT5Error(f"--peft exports LoRA adapters, but {directory or 'the model'} was not trained with "
                           "--lora_rank: drop --peft to export the whole model")
-    lg, adapters, _ = predictor.weights.lora_parts(directory, step, saved, base=False)
+    lg, adapters, _ = decoder.weights.lora_parts(directory, step, saved, base=False)
     adapters = jax.tree.map(np.asarray, adapters)
     source = saved["lora_base"]["source"]
     os.makedirs(output, exist_ok=True)

@@ -1,20 +1,18 @@
-"""Prediction: a model's weights (a checkpoint, LoRA adapters on their base, or an HF model) decoded on a task's
-inputs, batch by batch. The library under run_validation.py, run_inference.py, --eval_every (app/evaluate.py) and
-the server: the drivers parse, build a ``Predictor`` and call it.
+"""Prediction: what the decoding drivers share above the decoder (decoder/engine.py): the decoding config, a
+task's prompts as features, the inputs run_inference.py decodes, its predictions file and the record of what wrote
+it, HF ``generate`` beside ours, and decoding's memory plan.
 
     cfg = start_decoding(args, overrides)   # the inference preset, the checkpoint's shape and task; devices, JAX
-    predictor = Predictor(cfg)
-    params = predictor.load_params(directory, step)
-    texts = predictor.predict(params, prompt_features(examples, tokenizer, predictor.family), tokenizer)
+    decoder = Decoder.of_config(cfg, tokenizer)
+    params = decoder.load_params(directory, step)
+    texts = decoder.predict(params, prompt_features(examples, tokenizer, decoder.family, length)[0])
 
-Decoding is one compiled program per prompt width (a multiple of 8) for the config's search (greedy, beam search
-or sampling: modelling/decoding.py), over rows sharded over dp and weights over tp. Prompts are never cut: each
-batch is padded to its own longest prompt, and laid out as the family reads them (``Family.layout_prompts``).
+Prompts are never cut: each batch is padded to its own longest prompt, and laid out as the family reads them
+(``Family.layout_prompts``).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -26,20 +24,16 @@ from tqdm import tqdm
 from app.args import carried_model, make_config
 from app.entry import keeping, written_whole
 from app.runtime import is_main_process, start_devices
-from app.weights import Weights
 from config.fields import get_path
 from config.schema import FIELDS
 from data import sources
-from data.loader import length_buckets
 from data.mixture import evaluation_set
 from data.sources import DataError
 from data.tasks import Example, pad_id, tokenize_prompts, unknown_share
-from graphs.decode_plan import decode_plan, format_plan
-from graphs.graphs import Graphs
+from decoder.engine import Decoder
+from decoder.plan import decode_plan, format_plan
 from graphs.plan import device_memory_limit, host_memory_limit, human_bytes
-from graphs.sharding import fetch
 from graphs.state import fingerprint
-from modelling.decoding import Options
 from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
 
@@ -58,7 +52,7 @@ def decoding_config(args, overrides: dict, purpose: str = "validate or decode"):
     carried = carried_model(overrides, load, hf_model)
     if "dataset" in overrides or "split" in overrides:  # data named on the command line: its rows, not held-out ones
         carried["holdout"] = 0
-    # a LoRA checkpoint's adapters are merged into their base (Predictor.merged_params): the model decoded has none
+    # a LoRA checkpoint's adapters are merged into their base (decoder/weights.py's merged_params): the model decoded has none
     return make_config("inference", args.config, overrides, fixed={"eval": True, "rts": False, "lora_rank": 0},
                        defaults=carried)
 
@@ -71,83 +65,18 @@ def start_decoding(args, overrides: dict, purpose: str = "validate or decode"):
     return cfg
 
 
-def decoding_graphs_config(cfg):
-    """A training config's twin for decoding its weights on the same devices (--eval_every): eval mode, no RTS, the
-    fused layout, and no adapters (LoRA's are merged into the weights decoded)."""
-    ecfg = copy.deepcopy(cfg)
-    ecfg.model.eval, ecfg.execution.rts, ecfg.execution.phased = True, False, False
-    ecfg.lora.rank = 0
-    return ecfg.validate()
-
-
-class Predictor:
-    """Compiled sharded decoding (greedy, beam search or sampling: the config's inference section) over
-    length-bucketed batches of ``micro_batch_size * data_parallel`` rows."""
-
-    def __init__(self, cfg, graphs=None):
-        if cfg.execution.rts:
-            raise ValueError("Predictor needs a config with rts=false: decoding keeps whole tp shards (nothing "
-                             "to gather per call); build it with decoding_config")
-        self.cfg, self.graphs = cfg, graphs or Graphs(cfg)
-        self.family = self.graphs.family
-        self.batch_size = cfg.execution.rows_per_micro_batch
-        self.weights = Weights(self.graphs)
-        self._generate = None
-
-    def generate(self, tokenizer):
-        """The compiled decoding program, stopping at the tokenizer's end-of-text token."""
-        if self._generate is None:
-            inf = self.cfg.inference
-            self._generate = self.graphs.decode_phase(Options.of_config(inf), eos_id=tokenizer.eos_token_id,
-                                                      pad_id=pad_id(tokenizer), seed=inf.sampling_seed)
-        return self._generate
-
-    # ------------------------------------------------------------------ weights
-
-    def load_params(self, directory=None, step=None, hf_model=None):
-        """The weights decoded, on the devices (app/weights.py): an HF model's, a checkpoint's, or a LoRA
-        checkpoint's adapters merged into the base they were trained on; int8 with --quantize int8."""
-        return self.weights.load(directory, step, hf_model)
-
-    # ------------------------------------------------------------------ decoding
-
-    def predict(self, params, feats: dict, tokenizer, progress: str = "validating") -> list:
-        """Generated texts for every row of feats (input_ids/attention_mask [n, len]), in row order."""
-        lengths = feats["attention_mask"].sum(1)
-        out = [None] * len(lengths)
-        for idx in tqdm(length_buckets(lengths, self.batch_size), desc=progress, unit="batch",
-                        disable=None if is_main_process() else True):
-            for i, text in zip(idx, self.predict_batch(params, feats, idx, tokenizer)):
-                out[i] = text
-        return out
-
-    def predict_batch(self, params, feats: dict, idx, tokenizer, tokens: bool = False) -> list:
-        """Generated texts of rows ``idx`` of feats (at most one batch), padded to their longest prompt (a multiple
-        of 8: few compilations; no prompt is ever cut); ``tokens``: their token ids [len(idx), output_length]."""
-        ids, mask = batch_rows(feats, idx, self.batch_size)
-        ids, mask = self.family.layout_prompts(ids, mask)  # (numpy: the program places them, packed or not)
-        out = fetch(self.generate(tokenizer)(params, ids, mask))[: len(idx)]
-        return out if tokens else tokenizer.batch_decode(out, skip_special_tokens=True)
-
-    def predict_tokens(self, params, feats: dict, tokenizer) -> np.ndarray:
-        """Token ids [n, output_length] of every row of feats, in row order, batch after batch."""
-        idx = np.arange(len(feats["input_ids"]))
-        return np.concatenate([self.predict_batch(params, feats, idx[i: i + self.batch_size], tokenizer, tokens=True)
-                               for i in range(0, len(idx), self.batch_size)])
-
-
 def decoding_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = None):
-    """The memory plan (graphs/decode_plan.py) of decoding ``rows`` prompts of ``prompt_length`` tokens (default
+    """The memory plan (decoder/plan.py) of decoding ``rows`` prompts of ``prompt_length`` tokens (default
     ``sequence_length``) to ``output_length`` new ones with this config's weights: a LoRA checkpoint's base counted
     in host memory while its adapters are merged."""
-    g = Graphs(cfg)
+    g = Decoder.of_config(cfg)
     base = 0
     load = cfg.checkpoint.load
     if load:
         directory, step = ckpt.resolve(load)[-1]
         saved = ckpt.read_meta(directory, step)
         if saved.get("lora_base"):
-            lg = Weights(g).lora_graphs(saved)
+            lg = g.weights.lora_graphs(saved)
             base = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(lg.abstract_base()))
     return decode_plan(g, rows, prompt_length or cfg.model.sequence_length, cfg.inference.output_length, exact, base)
 
@@ -163,18 +92,6 @@ def print_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = 
     if host and plan.host_peak > host:
         print(f"does not fit: this machine has {human_bytes(host)} of memory available", flush=True)
     return plan
-
-
-def batch_rows(feats: dict, idx, batch_size: int) -> tuple:
-    """(ids, mask) [batch_size, n] of rows ``idx`` of feats, right-padded to their longest prompt rounded up to a
-    multiple of 8, the last batch filled by repeating its last row."""
-    n = int(-(-int(feats["attention_mask"][idx].sum(1).max()) // 8) * 8)
-    width = feats["input_ids"].shape[1]
-    rows = np.concatenate([idx, np.repeat(idx[-1:], batch_size - len(idx))])
-    ids, mask = feats["input_ids"][rows, :n], feats["attention_mask"][rows, :n]
-    if n > width:  # the feats' width: pad it to the multiple of 8
-        ids, mask = (np.pad(x, ((0, 0), (0, n - width))) for x in (ids, mask))
-    return ids, mask
 
 
 def prompt_features(examples: list, tokenizer, family, sequence_length: int, given: bool = False) -> tuple:
@@ -215,19 +132,19 @@ def inference_inputs(prompts, input_file, limit, cfg, td) -> list:
     return evaluation_set(td).examples[:4 if limit is None else limit]
 
 
-def side_by_side(predictor, params, examples: list, feats: dict, tokenizer, compare_hf: bool = False) -> list:
+def side_by_side(decoder, params, examples: list, feats: dict, tokenizer, compare_hf: bool = False) -> list:
     """[{prompt, ours[, reference][, hf, same_tokens]}] of each example: our output, its reference, and with
     ``compare_hf`` Hugging Face ``generate``'s on the same weights with the same decoding options (app/hf_generate.py,
     imported here: torch is needed only then)."""
-    tokens = predictor.predict_tokens(params, feats, tokenizer)
+    tokens = decoder.predict_tokens(params, feats)
     ours = tokenizer.batch_decode(tokens, skip_special_tokens=True)
     theirs = agree = None
     if compare_hf:
         from app.hf_generate import hf_generate  # torch, only for --compare_hf
 
-        host = predictor.weights.host_tree(params)  # (training's layout; int8 weights dequantized: the same values)
-        ids, mask = predictor.family.layout_prompts(feats["input_ids"], feats["attention_mask"])
-        hf_tokens = hf_generate(predictor.cfg, predictor.family, host, ids, mask, tokenizer.eos_token_id,
+        host = decoder.weights.host_tree(params)  # (training's layout; int8 weights dequantized: the same values)
+        ids, mask = decoder.family.layout_prompts(feats["input_ids"], feats["attention_mask"])
+        hf_tokens = hf_generate(decoder.cfg, decoder.family, host, ids, mask, tokenizer.eos_token_id,
                                 pad_id(tokenizer))
         theirs = tokenizer.batch_decode(hf_tokens, skip_special_tokens=True)
         agree = [bool(np.array_equal(a, h)) for a, h in zip(tokens, hf_tokens)]
@@ -281,7 +198,7 @@ def write_record(path: str, writer: dict) -> None:
     os.replace(tmp, record_path(path))
 
 
-def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path: str, writer: dict) -> tuple:
+def predict_file(decoder, params, examples: list, feats: dict, path: str, writer: dict) -> tuple:
     """Predictions of a file's rows appended to the JSONL ``path`` batch by batch, in the input's order
     ({row, input, prediction[, reference]}), with what wrote them (``writer``: ``written_by``) in its record; a file
     that already holds the first rows' predictions (an interrupted run's) is continued after them, by the same
@@ -304,12 +221,12 @@ def predict_file(predictor, params, examples: list, feats: dict, tokenizer, path
     with open(path, "a") if primary else open(os.devnull, "w") as f:
         kept(done)
         try:
-            for start in tqdm(range(done, len(examples), predictor.batch_size), desc="predicting", unit="batch",
+            for start in tqdm(range(done, len(examples), decoder.batch_size), desc="predicting", unit="batch",
                               disable=None if primary else True):
-                idx = np.arange(start, min(start + predictor.batch_size, len(examples)))
+                idx = np.arange(start, min(start + decoder.batch_size, len(examples)))
                 lines = [{"row": int(i), "input": examples[i].input, "prediction": text,
                           **({"reference": examples[i].target} if examples[i].target else {})}
-                         for i, text in zip(idx, predictor.predict_batch(params, feats, idx, tokenizer))]
+                         for i, text in zip(idx, decoder.predict_batch(params, feats, idx))]
                 with written_whole():  # a batch's lines reach the file whole: Ctrl-C stops after them
                     f.write("".join(json.dumps(line) + "\n" for line in lines))
                     f.flush()

@@ -3,7 +3,7 @@
 
     python3 benchmarks/gil_waits.py [--json benchmarks/results/cpu/gil_waits.json]
 
-For each family's tiny preset (d 64, one device, 8 slots): the slot programs compiled (graphs/slots.py), then a
+For each family's tiny preset (d 64, one device, 8 slots): the slot programs compiled (decoder/slots.py), then a
 thread that only spins Python, with CPython's switch interval at 20 ms: a call that lets go of the lock waits about
 20 ms to take it back. Each call's dispatch time over 20 ms is the times it let go; medians of 5 calls, each
 dispatched with the device idle. Beside it, the arrays the call returns: JAX's dispatch lets go about once for each
@@ -28,16 +28,16 @@ def measure(preset: str, slots: int = 8, width: int = 64, calls: int = 5) -> dic
     import jax
     import numpy as np
     from app.args import make_config
-    from app.predict import Predictor
-    from graphs.slots import SlotPrograms
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms
     from serving.scheduler import SAMPLING_DTYPES
 
     cfg = make_config("inference", preset, {"tokenizer": "synthetic", "hf_model": None, "output_length": 256,
                                             "tensor_parallel": 1, "micro_batch_size": slots},
                       fixed={"eval": True, "rts": False})
-    p = Predictor(cfg)
-    sp = SlotPrograms(p.graphs, slots, (width,), (1,), 256, 32, 1, 0, 20)
-    sp.compile(p.graphs.init_params())
+    p = Decoder.of_config(cfg)
+    sp = SlotPrograms(p, slots, (width,), (1,), 256, 32, 1, 0, 20)
+    sp.compile(p.place.init_params())
     keep = np.ones(slots, bool)
     ids, mask = p.family.layout_prompts(np.full((1, width), 3, np.int32), np.ones((1, width), np.int32))
     sampling = tuple(np.zeros(1, dt) for dt in SAMPLING_DTYPES[:-1]) + (np.full(1, -1, SAMPLING_DTYPES[-1]),)

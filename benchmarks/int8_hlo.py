@@ -72,13 +72,13 @@ def main(argv=None) -> dict:
     from app.bench import write_json
     from config import load_config
     from graphs import sharding as S
-    from graphs.graphs import Graphs
+    from decoder.engine import Decoder
     from modelling import decoding, quant
 
     def program(q: str):
         cfg = load_config("inference", a.config, dict(eval=True, quantize=q, data_parallel=1, tensor_parallel=1,
                                                       micro_batch_size=a.batch, output_length=a.output_length))
-        g = Graphs(cfg, mesh=S.make_mesh(1, 1))
+        g = Decoder.of_config(cfg, mesh=S.make_mesh(1, 1))
         family, opts = g.family, g.opts
 
         def fn(params, ids, mask):

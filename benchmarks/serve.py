@@ -12,7 +12,7 @@ downloaded; the weights do not matter for speed), saved once. Its requests (``--
 process of ``--rate`` per second; prompts of ``--min_prompt``..``--max_prompt`` words, outputs of ``--min_new``..
 ``--max_new`` tokens, log-uniform: many short answers, a few long ones) go, all greedy:
   - server: run_server.py with ``--slots`` slots, over HTTP, streamed (each request sent at its arrival time);
-  - static: run_inference.py's batches (app/predict.py's Predictor: rows of micro_batch_size * dp =
+  - static: run_inference.py's batches (decoder/engine.py's Decoder: rows of micro_batch_size * dp =
     ``--slots``, padded to their longest prompt, decoded up to the output length every request may ask for,
     ``--max_new``, or until every row has written its end-of-text); a batch takes the requests that have arrived
     when the previous one ends (or waits for the next);
@@ -153,20 +153,21 @@ def useful(row, max_tokens: int, eos: int) -> list:
 
 
 def decoding_setup(a, extra: list, overrides: dict):
-    """(config, Predictor, tokenizer, weights) of the checkpoint, as run_inference.py builds them."""
+    """(config, Decoder, tokenizer, weights) of the checkpoint, as run_inference.py builds them."""
     from app.args import parse_args
     from app.predict import start_decoding
 
     flags = ["--config", a.config, "--load", a.ckpt] + [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
     args, over = parse_args("inference", "serve benchmark", a.config, flags + extra)
     cfg = start_decoding(args, over)
-    from app.predict import Predictor
     from data.tasks import load_tokenizer
+    from decoder.engine import Decoder
     from utils import checkpoint as ckpt
 
-    predictor = Predictor(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    decoder = Decoder.of_config(cfg, tokenizer)
     directory, step = ckpt.resolve(a.ckpt)[-1]
-    return cfg, predictor, load_tokenizer(cfg.data.tokenizer), predictor.load_params(directory, step)
+    return cfg, decoder, tokenizer, decoder.load_params(directory, step)
 
 
 def make_checkpoint(a, extra: list) -> dict:
@@ -179,11 +180,11 @@ def make_checkpoint(a, extra: list) -> dict:
                       fixed={"eval": True, "rts": False})
     ensure_host_devices(cfg.devices)
     from config.presets import to_dict
-    from graphs.graphs import Graphs
+    from graphs.placement import Placement
     from utils import checkpoint as ckpt
 
     mgr = ckpt.manager(a.ckpt)
-    ckpt.save(mgr, 1, Graphs(cfg).init_params(a.seed), None, {"step": 1, "seed": a.seed, "config": to_dict(cfg)})
+    ckpt.save(mgr, 1, Placement(cfg).init_params(a.seed), None, {"step": 1, "seed": a.seed, "config": to_dict(cfg)})
     mgr.wait_until_finished()
     mgr.close()
     return {"checkpoint": a.ckpt}
@@ -202,7 +203,7 @@ def run_static(a, extra: list) -> dict:
     feats, _ = prompt_features([Example(r["prompt"], "") for r in reqs], tok, predictor.family,
                                cfg.model.sequence_length, given=True)
     lengths = feats["attention_mask"].sum(1)
-    decode = lambda idx: predictor.predict_batch(params, feats, idx, tok, tokens=True)  # noqa: E731
+    decode = lambda idx: predictor.predict_batch(params, feats, idx, tokens=True)  # noqa: E731
     for w in sorted({int(-(-n // 8) * 8) for n in lengths}):  # every prompt width a batch can have, compiled
         decode(np.array([int(np.argmax(-(-lengths // 8) * 8 == w))]))
     static_once(reqs, decode, b, tok.eos_token_id)  # and the shapes its batches pack into (as the server, compiled)

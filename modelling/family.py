@@ -390,7 +390,7 @@ class Family(abc.ABC):
 
     def decode_start_encoded(self, params, encoded, attention_mask, opts, max_new_tokens: int, tp_axis=None) -> tuple:
         """``decode_start`` from the output of the stacks that read the prompt and nothing else (T5's encoder; read
-        a layer at a time from host memory by graphs/streaming.py), float32 [b, k, d] -> (logits, cache). A family
+        a layer at a time from host memory by decoder/streaming.py), float32 [b, k, d] -> (logits, cache). A family
         whose every stack decodes token by token (a causal LM) has none."""
         raise NotImplementedError(f"the {self.name} family has no stack that reads the prompt alone (an encoder)")
 

@@ -1,4 +1,4 @@
-"""The scheduler's Backend over a model's compiled slot programs (graphs/slots.py), and the engine built on it.
+"""The scheduler's Backend over a model's compiled slot programs (decoder/slots.py), and the engine built on it.
 
     engine = build_engine(cfg, ServeOptions.of(args, cfg))     # run_server.py
 
@@ -8,17 +8,17 @@ and every program compiled before the server listens.
 
 from __future__ import annotations
 
-from app.predict import Predictor
 from app.runtime import start_devices
 from data.tasks import encoder_of, load_tokenizer, pad_id
-from graphs.slots import SlotPrograms
+from decoder.engine import Decoder
+from decoder.slots import SlotPrograms
 from modelling import registry
 from serving.engine import Engine, ServeOptions
 from utils import checkpoint as ckpt
 
 
 class SlotBackend:
-    """The scheduler's Backend (serving/scheduler.py) over the compiled slot programs (graphs/slots.py)."""
+    """The scheduler's Backend (serving/scheduler.py) over the compiled slot programs (decoder/slots.py)."""
 
     def __init__(self, programs: SlotPrograms, family):
         p = programs
@@ -29,7 +29,7 @@ class SlotBackend:
         self.layout = family.layout_prompts
         self.insert, self.advance, self.score, self.fetch, self.reset = p.insert, p.advance, p.score, p.fetch, p.reset
         self.first_token_column = p.first_token_column
-        self.spans = p.spans  # the attention spans compiled (graphs/slots.py)
+        self.spans = p.spans  # the attention spans compiled (decoder/slots.py)
         self.platform = p.g.mesh.devices.flat[0].platform
 
 
@@ -43,16 +43,16 @@ def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
 def build_backend(cfg, options: ServeOptions, params=None) -> tuple:
     """(SlotBackend over the weights the config names (or ``params``), every program compiled; the tokenizer;
     ``encode(texts) -> ids`` as the model reads prompts)."""
-    predictor = Predictor(cfg)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    decoder = Decoder.of_config(cfg, tokenizer)
     if params is None:
         directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
-        params = predictor.load_params(directory, step, None if directory else cfg.data.hf_model)
-    programs = SlotPrograms(predictor.graphs, options.slots, options.widths, options.joins, options.max_new_tokens,
+        params = decoder.load_params(directory, step, None if directory else cfg.data.hf_model)
+    programs = SlotPrograms(decoder, options.slots, options.widths, options.joins, options.max_new_tokens,
                             options.most_steps, tokenizer.eos_token_id, pad_id(tokenizer),
                             options.max_logprobs, options.attention_spans)
     programs.compile(params)
-    return SlotBackend(programs, predictor.family), tokenizer, prompt_encoder(predictor.family, tokenizer)
+    return SlotBackend(programs, decoder.family), tokenizer, prompt_encoder(decoder.family, tokenizer)
 
 
 def backend_in_process(cfg, options: ServeOptions) -> SlotBackend:

@@ -76,7 +76,7 @@ class ServeOptions:
     min_join: Optional[int] = None  # free slots that wait (two calls at most) for a group (None: by the device)
     chat_template: Optional[str] = None  # --chat_template's text
     max_steps: int = 0  # the most steps per call, taken while every slot is taken (0: ``steps``)
-    attention_spans: int = 1  # advance programs, each attending over a prefix of the cache (graphs/slots.py)
+    attention_spans: int = 1  # advance programs, each attending over a prefix of the cache (decoder/slots.py)
 
     @property
     def most_steps(self) -> int:

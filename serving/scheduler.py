@@ -63,7 +63,7 @@ class Failed(SchedulerError):
 
 
 class Backend(Protocol):
-    """The slots as the scheduler drives them (serving/engine.py's over graphs/slots.py; the tests' fake). Calls
+    """The slots as the scheduler drives them (serving/engine.py's over decoder/slots.py; the tests' fake). Calls
     return handles that ``fetch`` turns into numpy: insert -> (first tokens [n], Scored [n]); advance -> (tokens
     [slots, steps], Scored [slots, steps]); score -> Scored [n, width - 1], where Scored is (logprob, top_ids,
     top_logprobs) as modelling/slots.py's."""

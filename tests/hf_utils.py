@@ -202,15 +202,15 @@ def hf_greedy(hf, batch: dict, n: int, eos: int = 1) -> np.ndarray:
 def sharded_greedy(m, params, batch: dict, n: int, tp: int, eos: int = 1, cached: bool = True) -> np.ndarray:
     """Our greedy decoding of a T5 model ``m`` [rows, n] over ``tp`` devices (the decoding graphs' program)."""
     from config.schema import T5Config
-    from graphs.graphs import Graphs
+    from decoder.engine import Decoder
 
     cfg = T5Config(model=m)
     cfg.model.eval = True
     cfg.execution.tensor_parallel, cfg.execution.rts = tp, False
-    g = Graphs(cfg.validate())
-    run = g.generate_phase(n, eos_id=eos, cached=cached)
+    g = Decoder.of_config(cfg.validate(), eos=eos)
+    run = g.greedy_program(n, cached=cached)
     host = jax.tree.map(np.asarray, params)
-    return np.asarray(run(g.shard_params(host), jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])))
+    return np.asarray(run(g.place.shard_params(host), jnp.asarray(batch["input_ids"]), jnp.asarray(batch["attention_mask"])))
 
 
 def rel_err(a, b) -> float:

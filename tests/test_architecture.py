@@ -7,7 +7,8 @@ Floors, lowest first (a module may import its own floor and those below it):
     config      the typed config, presets, validation
     modelling   the model families (one module each, plus the registry) and what they share
     data        rows, tasks, tokenisation, batches
-    graphs      the engine: mesh, sharding, phase programs, executors, memory plan
+    graphs      the engine: placement (mesh, sharding), phase programs, executors, memory plan
+    decoder     decoding as an engine of its own: its weights' layout, search and slot programs, its plan
     app         the library under the drivers: training, prediction, evaluation, export, process set-up
     serving     the server: a scheduler of decode slots and its HTTP layer
     (top)       the drivers, the benchmarks, the notebook
@@ -27,7 +28,12 @@ import pytest
 from modelling import registry
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "graphs": 4, "app": 5, "serving": 6}
+FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "graphs": 4, "decoder": 4, "app": 5, "serving": 6}
+# Training's modules (the optimizer, the executors, the training data path): nothing decoding imports reaches them
+TRAINING = ("graphs.graphs", "graphs.optim", "graphs.executor", "graphs.fused", "graphs.phased", "graphs.phases",
+            "data.loader", "data.cache", "data.mixture", "app.train_data", "app.trainer", "app.resume")
+DECODING = ("decoder", "serving")  # the packages of the decoding path
+TRAINING_LIBRARIES = ("optax",)
 TOP = 7  # the drivers (top-level scripts) and benchmarks/
 DRIVERS = ("run_finetuning", "run_validation", "run_inference", "run_export", "run_server", "finetuning",
            "inference")
@@ -180,11 +186,42 @@ def family_questions(tree: dict, names: set, specific_keys: set) -> list:
     return out
 
 
+def training_on_the_decoding_path(tree: dict) -> list:
+    """Decoding is an engine of its own: every module of decoder/ and serving/, and everything they import in turn,
+    stays clear of training's modules (the optimizer, the executors, the training data path: ``TRAINING``) and of
+    the optimizer's library, so that a server or a validation run never builds, imports or waits for them."""
+    found = imports(tree)
+    edges = {m: {d for d, _, _ in deps} for m, (_, deps) in found.items()}
+    libraries = {}
+    for rel, text in tree.items():
+        names = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        libraries[_module(rel)] = names & set(TRAINING_LIBRARIES)
+    out = []
+    for start in sorted(m for m in found if m.split(".")[0] in DECODING):
+        path, seen, todo = {start: [start]}, {start}, [start]
+        while todo:
+            m = todo.pop()
+            for d in sorted(edges.get(m, ())):
+                if d not in seen:
+                    seen.add(d)
+                    path[d] = path[m] + [d]
+                    todo.append(d)
+        out += [f"{start} reaches {m} ({' -> '.join(path[m])})" for m in sorted(seen) if m.startswith(TRAINING)]
+        out += [f"{start} reaches {lib} ({' -> '.join(path[m])})" for m in sorted(seen) for lib in libraries.get(m, ())]
+    return out
+
+
 def engine_reading_config(tree: dict) -> list:
     """graphs/: the config is resolved once into Graphs (graphs/graphs.py: the family, options, updater, step
-    options); the executors, programs and plans read those, never ``cfg`` parked on an object."""
+    options; graphs/placement.py: the mesh and the weights' layouts); the executors, programs and plans read those,
+    never ``cfg`` parked on an object."""
     return [f"{rel}:{node.lineno} reads .cfg" for rel, text in tree.items()
-            if rel.startswith("graphs/") and rel != "graphs/graphs.py"
+            if rel.startswith("graphs/") and rel not in ("graphs/graphs.py", "graphs/placement.py")
             for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Attribute) and node.attr == "cfg"]
 
 
@@ -271,6 +308,17 @@ def test_only_modelling_asks_what_a_family_is(tree):
            expect="builds the batch key 'decoder_input_ids'")
     _bites(family_questions, {"app/a.py": "ok = cfg.model.family == name\n"}, names, keys, expect="compares")
     assert not family_questions({"modelling/x.py": "if self.causal:\n    k = 'decoder_input_ids'\n"}, names, keys)
+
+
+def test_nothing_on_the_decoding_path_imports_training(tree):
+    assert not training_on_the_decoding_path(tree), "\n".join(training_on_the_decoding_path(tree))
+    _bites(training_on_the_decoding_path, {"decoder/a.py": "import graphs.b\n", "graphs/b.py": "import graphs.optim\n",
+                                           "graphs/optim.py": ""}, expect="decoder.a -> graphs.b -> graphs.optim")
+    _bites(training_on_the_decoding_path, {"serving/a.py": "from data import mixture\n", "data/mixture.py": ""},
+           expect="serving.a reaches data.mixture")
+    _bites(training_on_the_decoding_path, {"serving/a.py": "import graphs.b\n", "graphs/b.py": "import optax\n"},
+           expect="serving.a reaches optax")
+    assert not training_on_the_decoding_path({"app/a.py": "import graphs.optim\n", "graphs/optim.py": ""})
 
 
 def test_the_engine_reads_resolved_objects_not_the_config(tree):

@@ -1,4 +1,4 @@
-"""What graphs/slots.py's programs carry from call to call, and return, in few arrays: each array a call returns is a
+"""What decoder/slots.py's programs carry from call to call, and return, in few arrays: each array a call returns is a
 release and a retaking of Python's interpreter lock by JAX's dispatch, a wait of the server's decoding thread
 behind its HTTP thread. ``Carry`` packs every leaf of the cache but its floating-point ones (the keys and values),
 and every leaf of the rows' state, into one int32 vector a device and back, bit for bit; ``pack_scored`` does the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from graphs.slots import Carry, pack_scored, unpack_scored
+from decoder.slots import Carry, pack_scored, unpack_scored
 from modelling import slots as slot_lib
 
 DTYPES = {"bool": jnp.bool_, "int32": jnp.int32, "uint32": jnp.uint32, "float32": jnp.float32}
@@ -81,7 +81,7 @@ def test_a_call_s_scores_travel_as_one_array_and_come_back_bit_for_bit(lead):
                              jnp.asarray(_values(rng, lead + (top,), jnp.float32)))
     packed = np.asarray(jax.jit(pack_scored)(scored))
     assert packed.dtype == np.int32 and packed.shape == lead + (1 + 2 * top,)
-    from graphs.slots import PackedScored, SlotPrograms
+    from decoder.slots import PackedScored, SlotPrograms
 
     # as the host reads it: the array fetched, or SlotPrograms.fetch of the device handle (alone or in a tree)
     for got in (unpack_scored(packed), SlotPrograms.fetch(PackedScored(jnp.asarray(packed))),
@@ -98,10 +98,10 @@ def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_v
     the cache's floating leaves, and one int32 vector a device, whatever the cache and state hold; the vector is
     every other leaf, 10 of them the state's (slots / dp rows each)."""
     from config import load_config
-    from graphs.graphs import Graphs
-    from graphs.slots import JOINER_COLUMNS, SlotPrograms
+    from decoder.engine import Decoder
+    from decoder.slots import JOINER_COLUMNS, SlotPrograms
 
-    g = Graphs(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, (8,), (1,), 6, 3, eos_id=1, pad_id=0)
     sp.params = g.abstract_decode_params()
     cache = jax.eval_shape(sp._empty_cache)
@@ -130,10 +130,10 @@ def test_reset_leaves_every_row_empty_and_the_cache_zeros_on_every_device():
     piece unpacks to a cache of zeros and rows that do not write (alive False, limit 0) and ask for no
     log-probabilities (-1), the state of that device's dp shard."""
     from config import load_config
-    from graphs.graphs import Graphs
-    from graphs.slots import SlotPrograms
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms
 
-    g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=2, data_parallel=2)))
+    g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=2, data_parallel=2)))
     sp = SlotPrograms(g, 4, (8,), (1,), 6, 3, eos_id=1, pad_id=0)
     sp.params = g.abstract_decode_params()
     sp.reset()
@@ -152,10 +152,10 @@ def test_a_narrow_span_s_program_steps_a_narrow_copy_of_the_cache():
     """Lowered, not compiled: the advance program of a span narrower than the cache (GPT-J: 8 prompt columns and 40
     new, spans 16, 24, 40, 48) steps keys and values 24 columns wide; the whole cache's program never makes them."""
     from config import load_config
-    from graphs.graphs import Graphs
-    from graphs.slots import SlotPrograms, attention_spans
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms, attention_spans
 
-    g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, (8,), (1,), 40, 3, eos_id=1, pad_id=0, spans=4)
     sp.params = g.abstract_decode_params()
     cache = jax.eval_shape(sp._empty_cache)

@@ -82,22 +82,22 @@ def test_output_length_cuts_generation(model):
 
 @pytest.mark.slow
 def test_batches_that_do_not_divide_the_split_score_every_sample_once(tmp_path):
-    from app.predict import Predictor
     from config import load_config
     from data.tasks import load_tokenizer
+    from decoder.engine import Decoder
     from tests.mnli import load_rows, tokenize_inputs
 
     cfg = load_config("inference", "tiny", {"micro_batch_size": 4, "tensor_parallel": 2, "rts": False})
-    v = Predictor(cfg)
-    params = v.graphs.init_params()
     tok = load_tokenizer("synthetic")
+    v = Decoder.of_config(cfg, tok)
+    params = v.place.init_params()
     rows = load_rows("synthetic", "validation")[:7]  # 7 = 4 + 3: the last batch is short
-    feats = tokenize_inputs(rows, tok, cfg.model.sequence_length, v.graphs.family)
-    texts = v.predict(params, feats, tok)
+    feats = tokenize_inputs(rows, tok, cfg.model.sequence_length, v.family)
+    texts = v.predict(params, feats)
     assert len(texts) == 7 and all(t is not None for t in texts)
     for i in range(7):  # each row alone gives the same text
         alone = {k: x[i: i + 1] for k, x in feats.items()}
-        assert v.predict(params, alone, tok) == [texts[i]]
+        assert v.predict(params, alone) == [texts[i]]
 
 
 # ----------------------------------------------------------------------------- the KV cache against the whole model

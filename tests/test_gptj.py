@@ -18,6 +18,7 @@ from transformers import GPTJConfig, GPTJForCausalLM
 from config import load_config
 from data.packing import Examples, causal_packer
 from graphs.executor import make_executor
+from decoder.engine import Decoder
 from graphs.graphs import Graphs
 from modelling import gptj, registry
 from modelling import layers
@@ -125,11 +126,10 @@ def test_greedy_decoding_equals_hf_generate(tp):
     want = hf_generate(eos)
     cfg = load_config("inference", "gptj_tiny", dict(layers=2, hidden_size=64, d_ff=96, heads=4, d_kv=16,
                                                       rotary_dim=8, vocab_size=40, tensor_parallel=tp))
-    g = Graphs(cfg)
-    params = g.shard_params(gptj.params_from_hf(hf.state_dict(), m, tp))
+    g = Decoder.of_config(cfg, eos=eos, pad=0)
+    params = g.place.shard_params(gptj.params_from_hf(hf.state_dict(), m, tp))
     for cached in (True, False):
-        got = np.asarray(g.generate_phase(n, eos_id=eos, pad_id=0, cached=cached)(params, jnp.asarray(ids),
-                                                                                  jnp.asarray(mask)))
+        got = np.asarray(g.greedy_program(n, cached=cached)(params, jnp.asarray(ids), jnp.asarray(mask)))
         np.testing.assert_array_equal(got, want)
     assert (want == eos).any() and (want[:, -1] == 0).any()  # the case covers an early stop and padding
 

@@ -400,19 +400,20 @@ def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path,
     # validation merges a phased run's adapters a layer at a time from host memory: the base is never placed whole
     # on the devices, and the merged weights are the ones merging on the devices gives, bit for bit
     import app.predict
-    import app.weights
+    import decoder.weights
+    from decoder.engine import Decoder
     from app.args import parse_args
     from utils import checkpoint as ckpt
 
     def whole_base(*a, **kw):
         raise AssertionError("the whole base placed on the devices")
 
-    monkeypatch.setattr(app.weights, "device_base", whole_base)
+    monkeypatch.setattr(decoder.weights, "device_base", whole_base)
     run_validation.main(["--load", a, "--limit", "6", "--micro_batch_size", "2"])
     assert "step 3: accuracy" in capsys.readouterr().out
     monkeypatch.undo()
     args, overrides = parse_args("inference", "", "tiny", ["--load", a, "--micro_batch_size", "2"])
-    predictor = app.predict.Predictor(app.predict.decoding_config(args, overrides))
+    predictor = Decoder.of_config(app.predict.decoding_config(args, overrides))
     saved = ckpt.load_meta(a, 3)
     host, device = predictor.weights.merged_from_host(a, 3, saved), predictor.weights.merged_on_device(a, 3, saved)
     assert jax.tree.structure(host) == jax.tree.structure(device)

@@ -103,7 +103,7 @@ def test_ctrl_c_during_predictions_keeps_the_finished_batches_whole_and_says_so(
         on_disk.append(open(path).read())  # what the file holds as the process ends (nothing flushed after)
         raise Exited(code)
 
-    def predict_batch(params, feats, idx, tokenizer):
+    def predict_batch(params, feats, idx):
         calls.append(list(idx))
         if when == "decoding" and len(calls) == 2:
             entry.exit_on_signal(signal.SIGINT)
@@ -121,7 +121,7 @@ def test_ctrl_c_during_predictions_keeps_the_finished_batches_whole_and_says_so(
     examples = [Example(f"input {i}", "") for i in range(5)]
     predictor = SimpleNamespace(batch_size=2, predict_batch=predict_batch)
     with pytest.raises(Exited) as e:
-        predict.predict_file(predictor, None, examples, {}, None, path, {"decoding": {}})
+        predict.predict_file(predictor, None, examples, {}, path, {"decoding": {}})
     rows = 2 if when == "decoding" else 4
     assert e.value.args == (130 if when == "decoding" else 143,)
     assert f"stopped; the predictions of the first {rows} of 5 rows are kept in {path}: the same command continues " \
@@ -130,7 +130,7 @@ def test_ctrl_c_during_predictions_keeps_the_finished_batches_whole_and_says_so(
                                  for i in range(rows))
     assert entry._Stop.kept is None and not entry._Stop.writing  # what the next signal says: nothing kept
     when = "done"
-    out, done = predict.predict_file(predictor, None, examples, {}, None, path, {"decoding": {}})
+    out, done = predict.predict_file(predictor, None, examples, {}, path, {"decoding": {}})
     assert done == rows and [json.loads(line)["row"] for line in open(path)] == list(range(5))
 
 
@@ -269,7 +269,7 @@ def test_the_best_step_is_kept_whatever_to_keep_says_and_named_without_if(tmp_pa
     from utils import checkpoint as ckpt
 
     scripted = iter([0.5, 0.9, 0.9, 0.7, 0.6, 0.8])  # step 2 is the best (step 3 ties: the earliest is the best)
-    monkeypatch.setattr(evaluate.Predictor, "predict", lambda self, params, feats, tok, progress="": [""] * len(
+    monkeypatch.setattr(evaluate.Decoder, "predict", lambda self, params, feats, progress="": [""] * len(
         feats["input_ids"]))
     monkeypatch.setattr(evaluate, "score", lambda task, examples, outputs: {"scores": {"accuracy": next(scripted)}})
     data = nli_file(tmp_path / "train.jsonl")

@@ -84,21 +84,17 @@ def test_a_tokenizer_without_a_pad_token_trains_validates_and_decodes_as_hf(tmp_
 def test_without_a_pad_token_prompts_and_finished_outputs_are_padded_with_end_of_text(tmp_path, monkeypatch, family,
                                                                                      preset, eos):
     """Id 0 is a word of these tokenizers: a prompt padded with it, or an output continued with it after its end,
-    would read or write "the". The decoding program our Predictor builds stops at end-of-text and pads with it
+    would read or write "the". The decoding program our Decoder builds stops at end-of-text and pads with it
     (as HF ``generate`` does when the model sets no pad token), and prompts are padded with it."""
-    from app.predict import Predictor
     from config import load_config
     from data.tasks import Example, pad_id, tokenize_prompts
-    from graphs.graphs import Graphs
+    from decoder.engine import Decoder
     from modelling import registry
 
     tok = tokenizer_without_pad(tmp_path / "tok", eos, t5=family == "t5")
     assert tok.convert_ids_to_tokens(0) == "the" and pad_id(tok) == tok.eos_token_id == 1
-    built = {}
-    monkeypatch.setattr(Graphs, "decode_phase", lambda self, options, eos_id=1, pad_id=0, seed=0: built.update(
-        eos=eos_id, pad=pad_id))
-    Predictor(load_config("inference", preset, {"rts": False})).generate(tok)
-    assert built == {"eos": 1, "pad": 1}
+    decoder = Decoder.of_config(load_config("inference", preset, {"rts": False}), tok)
+    assert (decoder.eos_id, decoder.pad_id) == (1, 1)
     feats = tokenize_prompts([Example("the cat runs .", "", 0), Example("the dog", "", 0)], tok, registry.get(family))
     ids, mask = np.asarray(feats["input_ids"]), np.asarray(feats["attention_mask"])
     assert (mask[1] == 0).any() and (ids[mask == 0] == 1).all()

@@ -15,6 +15,7 @@ import pytest
 from config import load_config
 from data.generated import generated_batch
 from graphs.executor import make_executor
+from decoder.engine import Decoder
 from graphs.graphs import Graphs
 from graphs.phase_ops import DeviceOps, PhaseMemory
 from graphs.memory import live_device_bytes
@@ -200,7 +201,7 @@ def test_a_task_with_longer_targets_is_planned_with_its_longer_decoder():
     assert long.device_peak > 2 * short.device_peak
 
 
-# --------------------------------------------------------------------------- decoding's plan (graphs/decode_plan.py)
+# --------------------------------------------------------------------------- decoding's plan (decoder/plan.py)
 
 
 def _decode_graphs(preset, **kw):
@@ -208,7 +209,7 @@ def _decode_graphs(preset, **kw):
 
     over = dict(eval=True, lora_rank=0, phased=False, rts=False, micro_batch_size=32, output_length=128,
                 data_parallel=1, tensor_parallel=1, **kw)
-    return Graphs(load_config("finetuning", preset, over), mesh=S.make_mesh(1, 1))
+    return Decoder.of_config(load_config("finetuning", preset, over), mesh=S.make_mesh(1, 1))
 
 
 @pytest.mark.parametrize("preset,fits,short", [
@@ -222,11 +223,10 @@ def test_the_24_gb_lora_presets_decode_within_22_gib(preset, fits, short):
     and 128 new tokens within 22 GiB of device memory and 59 GiB of host memory (the frozen base held there while
     the adapters are merged into it), from shapes (the largest activations estimated; --plan_exact counts XLA's
     temporaries on the machine itself). Measured: XXL 18.3 GiB, UL2 20.6 GiB device, 44.5 GiB host."""
-    from graphs.decode_plan import decode_plan
-    from app.weights import Weights
+    from decoder.plan import decode_plan
 
     g = _decode_graphs(preset, **fits)
-    base = Weights(g).lora_graphs({"config": {"lora": {"rank": 16, "alpha": 32}}})  # (the presets' adapters)
+    base = g.weights.lora_graphs({"config": {"lora": {"rank": 16, "alpha": 32}}})  # (the presets' adapters)
     base_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(base.abstract_base()))
     p = decode_plan(g, 32, g.cfg.model.sequence_length, 128, lora_base_bytes=base_bytes)
     assert g.cfg.model.sequence_length == 512 and p.device_items["KV cache"] > 0
@@ -239,7 +239,7 @@ def test_the_24_gb_lora_presets_decode_within_22_gib(preset, fits, short):
 def test_ul2_lora_1gpu_is_served_with_int8_weights_within_22_gib_at_8_slots():
     """The server keeps every weight on the device (no streamed encoder): UL2's int8 weights and the KV cache of 8
     slots of 512-token prompts and 128 new tokens within 22 GiB (measured from shapes: 21.0 GiB), 16 slots not."""
-    from graphs.decode_plan import decode_plan
+    from decoder.plan import decode_plan
 
     assert decode_plan(_decode_graphs("ul2_lora_1gpu", quantize="int8"), 8, 512, 128).device_peak < 22 * GIB
     assert decode_plan(_decode_graphs("ul2_lora_1gpu", quantize="int8"), 16, 512, 128).device_peak > 22 * GIB
@@ -252,19 +252,18 @@ def test_the_decode_plan_counts_what_decoding_places(flags):
     cache the bytes of the cache decoding makes (the family's decode_start under shard_map, on a device)."""
     from jax.sharding import PartitionSpec as P
 
-    from app.weights import Weights
     from graphs import sharding as S
-    from graphs.decode_plan import cache_bytes, decode_plan
+    from decoder.plan import cache_bytes, decode_plan
     from modelling.params import is_spec
 
     flags = dict(flags)
     preset = flags.pop("family_preset", "tiny")
     cfg = load_config("inference", preset, dict(eval=True, data_parallel=1, micro_batch_size=4, **flags))
-    g = Graphs(cfg)
+    g = Decoder.of_config(cfg)
     rng = np.random.default_rng(0)
     host = jax.tree.map(lambda s: (s.std or 1.0) * rng.standard_normal(s.shape).astype(np.float32), g.specs,
                         is_leaf=is_spec)
-    params = Weights(g).place(host)
+    params = g.weights.place(host)
     p = decode_plan(g, 4, 16, 6)
     on_device = [x for x in jax.tree.leaves(params) if x.sharding.memory_kind != "pinned_host"]
     assert p.device_items["weights"] == max(S.per_device_bytes(on_device).values())
@@ -273,7 +272,7 @@ def test_the_decode_plan_counts_what_decoding_places(flags):
                          for sh in x.addressable_shards)  # (each device's copy of a replicated weight: a buffer)
         assert p.host_items["streamed encoder layers"] == host_bytes > 0
     if g.prompt_stacks:  # (the cache decoding makes from a streamed encoder's output has the same shapes)
-        g = Graphs(load_config("inference", preset, dict(eval=True, data_parallel=1, micro_batch_size=4,
+        g = Decoder.of_config(load_config("inference", preset, dict(eval=True, data_parallel=1, micro_batch_size=4,
                                                          **{**flags, "stream_encoder": False})))
     fam, opts = g.family, g.opts
 
@@ -292,14 +291,14 @@ def test_the_decode_plan_counts_what_decoding_places(flags):
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
 def test_the_server_s_plan_counts_the_slots_cache(preset):
     """run_server.py --plan: the KV cache of --slots rows of the widest prompt width and output_length new tokens is
-    the cache the slots hold (graphs/slots.py's, each device's piece), for both families."""
+    the cache the slots hold (decoder/slots.py's, each device's piece), for both families."""
     from app.predict import decoding_plan
-    from graphs.decode_plan import cache_bytes, format_plan
+    from decoder.plan import cache_bytes, format_plan
     from graphs.plan import human_bytes
-    from graphs.slots import SlotPrograms
+    from decoder.slots import SlotPrograms
 
     cfg = load_config("inference", preset, dict(eval=True, data_parallel=2, tensor_parallel=2, output_length=12))
-    g = Graphs(cfg)
+    g = Decoder.of_config(cfg)
     slots = SlotPrograms(g, 4, (8, 16), (1, 2), cfg.inference.output_length, 4, eos_id=1, pad_id=0)
     slots.params = g.abstract_decode_params()
     cache = slots._empty_cache()

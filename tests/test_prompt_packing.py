@@ -1,4 +1,4 @@
-"""Prompts packed for the encoder while decoding (modelling/rows.py's ``pack_prompts``, Graphs.pack): every prompt
+"""Prompts packed for the encoder while decoding (modelling/rows.py's ``pack_prompts``, Decoder.pack): every prompt
 token read once, in its own segment with its own positions, each data-parallel group apart; and decoding packed
 prompts gives the tokens decoding them padded gives, for every search, at dp x tp."""
 
@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from app.weights import Weights
 from config import load_config
 from graphs import sharding as S
-from graphs.graphs import Graphs
+from decoder.engine import Decoder
 from modelling.decoding import Options
 from modelling.params import is_spec
 from modelling.rows import pack_prompts
@@ -53,16 +52,16 @@ def _decode(dp, tp, options, lengths, packed: bool, quantize="none"):
     cfg = load_config("inference", "tiny", dict(eval=True, data_parallel=dp, tensor_parallel=tp,
                                                 micro_batch_size=len(lengths) // dp, quantize=quantize,
                                                 sequence_length=k))
-    g = Graphs(cfg)
+    g = Decoder.of_config(cfg)
     rng = np.random.default_rng(0)
     host = jax.tree.map(lambda s: (s.std or 0.0) * rng.standard_normal(s.shape).astype(np.float32)
                         + (0.0 if s.std else 1.0), g.specs, is_leaf=is_spec)
-    params = Weights(g).place(host)
+    params = g.weights.place(host)
     mask = (np.arange(k)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
     ids = rng.integers(2, 128, mask.shape).astype(np.int32) * mask
     if packed:
         assert g.pack(ids, mask) is not None  # (the batch does pack)
-    run = g.decode_phase(options, seed=2)
+    run = g.search(options, seed=2)
     if packed:
         return np.asarray(run(params, ids, mask))  # numpy: the program packs them
     return np.asarray(run(params, S.put_global(ids, g.row_sharding), S.put_global(mask, g.row_sharding)))
@@ -83,7 +82,7 @@ def test_packed_prompts_decode_the_tokens_padded_ones_do(dp, tp, options, quanti
 def test_the_packing_width_is_the_cheapest():
     """Prompts that pair with none in rows of their own width (all longer than half of it) pack into rows twice as
     wide: 8 rows of 128 become 3 of 256 for MultiNLI-like lengths; prompts all of one length are not packed."""
-    g = Graphs(load_config("inference", "small", dict(eval=True, data_parallel=1, tensor_parallel=1,
+    g = Decoder.of_config(load_config("inference", "small", dict(eval=True, data_parallel=1, tensor_parallel=1,
                                                       micro_batch_size=8, sequence_length=128)),
                mesh=S.make_mesh(1, 1))
     lengths = np.array([119, 105, 97, 81, 84, 66, 68, 65])
@@ -100,11 +99,11 @@ def test_a_new_packed_shape_compiles_the_encoder_alone(caplog):
     rows is compiled for each, the search (the decoding loop: seconds to compile) once per prompt width."""
     cfg = load_config("inference", "tiny", dict(eval=True, data_parallel=1, tensor_parallel=1, micro_batch_size=8,
                                                 sequence_length=32))
-    g = Graphs(cfg)
+    g = Decoder.of_config(cfg)
     rng = np.random.default_rng(0)
     host = jax.tree.map(lambda s: (s.std or 0.0) * rng.standard_normal(s.shape).astype(np.float32)
                         + (0.0 if s.std else 1.0), g.specs, is_leaf=is_spec)
-    params, run = Weights(g).place(host), g.decode_phase(Options(3))
+    params, run = g.weights.place(host), g.search(Options(3))
     shapes = []
     jax.config.update("jax_log_compiles", True)
     try:
@@ -127,7 +126,7 @@ def test_a_group_s_packed_rows_are_a_multiple_of_an_eighth_of_its_rows(dp):
     """16 rows a group: packed into an even number of rows (where first-fit needs an odd one, one row of nothing
     after them)."""
     b, k = 16 * dp, 32
-    g = Graphs(load_config("inference", "tiny", dict(eval=True, data_parallel=dp, tensor_parallel=1,
+    g = Decoder.of_config(load_config("inference", "tiny", dict(eval=True, data_parallel=dp, tensor_parallel=1,
                                                      micro_batch_size=16, sequence_length=k)))
     rng, odd = np.random.default_rng(0), 0
     for _ in range(20):

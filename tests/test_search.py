@@ -14,7 +14,7 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from config.schema import Config
-from graphs.graphs import Graphs
+from decoder.engine import Decoder
 from modelling import decoding, gptj, registry
 from modelling.decoding import Options
 from tests.hf_utils import make_hf, random_batch
@@ -48,9 +48,9 @@ def ours(m, params, ids, mask, options: Options, tp: int = 1, dp: int = 1, eos: 
     cfg = Config(model=m)
     cfg.model.eval = True
     cfg.execution.tensor_parallel, cfg.execution.data_parallel, cfg.execution.rts = tp, dp, False
-    g = Graphs(cfg.validate())
-    run = g.decode_phase(options, eos_id=eos, pad_id=0, seed=seed)
-    return np.asarray(run(g.shard_params(params), jnp.asarray(ids), jnp.asarray(mask)))
+    g = Decoder.of_config(cfg.validate(), eos=eos, pad=0)
+    run = g.search(options, seed)
+    return np.asarray(run(g.place.shard_params(params), jnp.asarray(ids), jnp.asarray(mask)))
 
 
 def hf_tokens(name, hf, ids, mask, eos: int = 1, **kw):

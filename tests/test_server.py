@@ -174,16 +174,16 @@ def prompts(n: int, seed: int) -> list:
 def run_inference_tokens(load: str, texts: list, monkeypatch) -> np.ndarray:
     """run_inference.py --prompt's greedy tokens [n, OUTPUT] (and its texts), the driver run as a user runs it."""
     import run_inference
-    from app import predict
+    from decoder.engine import Decoder
 
     seen = []
-    original = predict.Predictor.predict_tokens
+    original = Decoder.predict_tokens
 
-    def spy(self, params, feats, tokenizer):
-        seen.append(original(self, params, feats, tokenizer))
+    def spy(self, params, feats):
+        seen.append(original(self, params, feats))
         return seen[-1]
 
-    monkeypatch.setattr(predict.Predictor, "predict_tokens", spy)
+    monkeypatch.setattr(Decoder, "predict_tokens", spy)
     out = run_inference.main(["--load", load, "--prompt", *texts, "--output_length", str(OUTPUT),
                               "--micro_batch_size", str(len(texts))])
     return seen[0], [r["ours"] for r in out]

@@ -125,9 +125,9 @@ def test_an_advance_runs_the_steps_it_is_given_and_the_next_goes_on_from_there(m
 
 
 def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
-    """graphs/slots.py packs what an insert reads into one int32 array (one host-to-device copy): every field comes
+    """decoder/slots.py packs what an insert reads into one int32 array (one host-to-device copy): every field comes
     back as it went, with its type, seeds' 32 bits and the floats' bits included."""
-    from graphs.slots import pack_joiners, unpack_joiners
+    from decoder.slots import pack_joiners, unpack_joiners
 
     ids, mask = np.arange(6).reshape(2, 3), np.array([[1, 1, 0], [1, 1, 1]])
     sampling = ([0.5, float("nan")], [3, 0], [0.1, -0.0], [2 ** 32 - 1, 7], [2 ** 31, 0], [-1, 4])
@@ -198,13 +198,13 @@ def test_a_sampled_row_draws_its_nth_token_with_its_key_folded_with_n_and_a_one_
 
 
 def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only_when_they_change():
-    """graphs/slots.py's ``advance`` (its program stubbed: no compile): a call gets the flags the host passed to it;
+    """decoder/slots.py's ``advance`` (its program stubbed: no compile): a call gets the flags the host passed to it;
     an unchanged set of flags reuses the device copy of the last."""
     from config import load_config
-    from graphs.graphs import Graphs
-    from graphs.slots import SlotPrograms
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms
 
-    g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, (8,), (1,), 4, 3, eos_id=1, pad_id=0)
     seen, ns = [], []
     sp.spans = (20,)
@@ -222,15 +222,15 @@ def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only
 
 
 def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least():
-    """graphs/slots.py's span choice (programs stubbed: no compile): of the spans at or past the one asked, the one
+    """decoder/slots.py's span choice (programs stubbed: no compile): of the spans at or past the one asked, the one
     whose n steps cost least on the line through its two timed figures (1 step and ``steps``); ties: the
     narrower; untimed: the narrowest that holds it; none asked: the whole cache; past the whole cache: an error.
     The spans compiled: the cache's columns in equal parts, each rounded up to a multiple of 8, the last all."""
     from config import load_config
-    from graphs.graphs import Graphs
-    from graphs.slots import SlotPrograms, attention_spans
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms, attention_spans
 
-    g = Graphs(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, (8,), (1,), 4, 5, eos_id=1, pad_id=0)
     ran = []
     sp.spans = (16, 32, 48)
@@ -270,11 +270,11 @@ def test_an_advance_attends_over_the_span_its_rows_write_in_and_no_less(preset):
     + dispatched + n - 2 (serving/scheduler.py's ``_span``). One column less and the row that writes it steps
     otherwise."""
     from config import load_config
-    from graphs.graphs import Graphs
+    from decoder.engine import Decoder
 
-    g = Graphs(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
     family, opts = g.family, g.opts
-    dp = family.decoding_params(g.to_decoding(g.init_params()), opts)
+    dp = family.decoding_params(g.to_decoding(g.place.init_params()), opts)
     new, n = 12, 3
     ids = np.arange(2, 2 + 3 * WIDTH).reshape(3, WIDTH) % 100 + 2
     mask = (np.arange(WIDTH)[None] < np.array([[5], [3], [7]])).astype(np.int32)

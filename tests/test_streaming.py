@@ -1,4 +1,4 @@
-"""The encoder streamed from host memory while decoding (graphs/streaming.py, --stream_encoder): equal to the encoder
+"""The encoder streamed from host memory while decoding (decoder/streaming.py, --stream_encoder): equal to the encoder
 resident on the devices, token for token, for every search, at tp 1 and 2, with int8 weights or without; its layers
 wait in host memory; a family with no encoder refuses it in one line."""
 
@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from app.weights import Weights
 from config import load_config
 from data.generated import generated_batch
 from graphs import sharding as S
-from graphs.graphs import Graphs
-from graphs.streaming import CHUNK_ROWS, chunk_rows
+from decoder.engine import Decoder
+from decoder.streaming import CHUNK_ROWS, chunk_rows
 from modelling.decoding import Options
 from modelling.params import is_spec
 from utils.errors import ConfigError
@@ -28,18 +27,18 @@ def test_a_layer_reads_the_largest_whole_share_of_rows_at_most_its_chunk(rows, m
 def _tokens(tp: int, quantize: str, stream: bool, options: Options, rows: int = 16):
     cfg = load_config("inference", "tiny", dict(eval=True, data_parallel=1, tensor_parallel=tp, micro_batch_size=rows,
                                                 quantize=quantize, stream_encoder=stream, sequence_length=32))
-    g = Graphs(cfg)
+    g = Decoder.of_config(cfg)
     rng = np.random.default_rng(0)
     host = jax.tree.map(lambda s: (s.std or 0.0) * rng.standard_normal(s.shape).astype(np.float32)
                         + (0.0 if s.std else 1.0), g.specs, is_leaf=is_spec)
-    params = Weights(g).place(host)
+    params = g.weights.place(host)
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(params["encoder"]["layers"])}
     assert kinds == ({"pinned_host"} if stream else {"device"}), kinds  # where the encoder's layers wait
     assert {x.sharding.memory_kind for x in jax.tree.leaves(params["decoder"])} == {"device"}
     data = generated_batch(cfg, seed=0, packing=False)
     ids, mask = data["input_ids"].reshape(-1, 32)[:rows], data["attention_mask"].reshape(-1, 32)[:rows]
     ids, mask = S.put_global(ids, g.row_sharding), S.put_global(mask, g.row_sharding)
-    return np.asarray(g.decode_phase(options, seed=3)(params, ids, mask))
+    return np.asarray(g.search(options, seed=3)(params, ids, mask))
 
 
 @pytest.mark.parametrize("tp,quantize,options", [
@@ -58,4 +57,4 @@ def test_a_streamed_encoder_decodes_the_same_tokens_as_a_resident_one(tp, quanti
 
 def test_a_family_without_an_encoder_refuses_to_stream_one():
     with pytest.raises(ConfigError, match="no encoder.*drop --stream_encoder"):
-        Graphs(load_config("inference", "gptj_tiny", dict(eval=True, stream_encoder=True, tensor_parallel=1)))
+        Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, stream_encoder=True, tensor_parallel=1)))

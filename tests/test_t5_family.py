@@ -19,6 +19,7 @@ from transformers import T5ForConditionalGeneration, UMT5ForConditionalGeneratio
 
 from config.schema import T5Config
 from graphs.executor import make_executor
+from decoder.engine import Decoder
 from graphs.graphs import Graphs
 from modelling.hf_mapping import hf_state_dict_from_params, params_from_hf_state_dict, save_hf_model
 from tests.hf_utils import T5_DEC, T5_ENC, from_pretrained, random_batch, rel_err, t5_with_norms_off_one
@@ -126,11 +127,11 @@ def test_greedy_decoding_equals_hf_generate(variant, tp):
     cfg = T5Config(model=m)
     cfg.model.eval = True
     cfg.execution.tensor_parallel, cfg.execution.rts = tp, False
-    g = Graphs(cfg.validate())
+    g = Decoder.of_config(cfg.validate())
     host = params_from_hf_state_dict(sharp, m, tp)
     for cached in (True, False):
-        run = g.generate_phase(6, eos_id=1, cached=cached)
-        ours = np.asarray(run(g.shard_params(host), batch["input_ids"], batch["attention_mask"]))
+        run = g.greedy_program(6, cached=cached)
+        ours = np.asarray(run(g.place.shard_params(host), batch["input_ids"], batch["attention_mask"]))
         np.testing.assert_array_equal(ours, ref, err_msg=f"{name} cached={cached}")
 
 

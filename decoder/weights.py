@@ -1,7 +1,7 @@
 """The weights a decoding run reads: where they come from (an HF model, a checkpoint, LoRA adapters on the base they
 were trained on) and how they are placed on the devices (``Weights.load``).
 
-Decoding's layout is ``Graphs.decode_shardings``: every weight whole on the devices of its tp group, in the
+Decoding's layout is ``Decoder.decode_shardings`` (decoder/engine.py): every weight whole on the devices of its tp group, in the
 compute dtype (the family's float32 weights kept float32), and with ``--quantize int8`` its matmul weights as
 int8 values with a float32 scale per output channel (modelling/quant.py). A quantized model is never whole in the
 compute dtype on a device: the weights come from host memory (a checkpoint restored there, an HF model's numpy
@@ -25,7 +25,7 @@ from config.carry import saved_value
 from config.fields import set_path
 from config.schema import FIELDS
 from graphs import sharding as S
-from graphs.graphs import Graphs
+from graphs.placement import Placement
 from graphs.host_state import HOST
 from graphs.sharding import put_global
 from graphs.state import describe_base, device_base, fingerprint, fingerprint_rows, load_base
@@ -43,10 +43,10 @@ def _key(path) -> tuple:
 
 
 class Weights:
-    """The weights of one decoding config's Graphs: loaded, merged and placed in decoding's layout."""
+    """The weights of one Decoder (decoder/engine.py): loaded, merged and placed in its layout."""
 
-    def __init__(self, graphs: Graphs):
-        self.graphs, self.cfg = graphs, graphs.cfg
+    def __init__(self, decoder):
+        self.decoder, self.placement, self.cfg = decoder, decoder.place, decoder.cfg
         self._programs: dict = {}
 
     # ------------------------------------------------------------------ sources
@@ -54,7 +54,7 @@ class Weights:
     def load(self, directory=None, step=None, hf_model=None):
         """The weights decoded, on the devices: an HF model's, a checkpoint's, or a LoRA checkpoint's adapters merged
         into the base they were trained on; quantized (``--quantize int8``) one layer at a time from host memory."""
-        g, direct = self.graphs, self.graphs.quantize == "none"
+        g, direct = self.placement, self.decoder.quantize == "none"
         if hf_model:
             _, host = load_hf_model(hf_model, g.tp, expect=self.cfg.model)
             return self.convert(g.shard_params(host)) if direct else self.place(host)
@@ -67,9 +67,9 @@ class Weights:
         return self.convert(params) if direct else self.place(params)
 
     def convert(self, params: dict) -> dict:
-        """Weights on the devices in training's layout -> decoding's, in one program (``Graphs.to_decoding``); a tree
+        """Weights on the devices in training's layout -> decoding's, in one program (``Decoder.to_decoding``); a tree
         already in decoding's layout comes back as it is."""
-        g = self.graphs
+        g = self.decoder
         return params if g.is_decoding_layout(params) else g.to_decoding(params)
 
     def host_tree(self, params: dict) -> dict:
@@ -90,7 +90,7 @@ class Weights:
         A checkpoint trained phased (the presets whose base never fits a device beside anything else), or one decoded
         with int8 weights, is merged from host memory (``merged_from_host``): its device then holds the merged model
         alone, never the base beside it (XXL: 20.7 GiB, not 41)."""
-        if saved_value(saved["config"], "phased") or self.graphs.quantize != "none":
+        if saved_value(saved["config"], "phased") or self.decoder.quantize != "none":
             return self.merged_from_host(directory, step, saved)
         return self.merged_on_device(directory, step, saved)
 
@@ -98,7 +98,7 @@ class Weights:
         """``merged_params`` with the whole base placed on the devices and merged there in one program."""
         lg, adapters, frozen = self.lora_parts(directory, step, saved)
         merge = lambda b, a: lora.merged(b, a, lg.opts)  # noqa: E731
-        return jax.jit(merge, out_shardings=self.graphs.param_shardings)(frozen, adapters)
+        return jax.jit(merge, out_shardings=self.placement.param_shardings)(frozen, adapters)
 
     def merged_from_host(self, directory: str, step: int, saved: dict):
         """``merged_params`` from the base in host memory: each adapted weight placed and merged on the devices
@@ -107,9 +107,9 @@ class Weights:
         lg, adapters, _ = self.lora_parts(directory, step, saved, base=False)
         base = load_base(lg, saved["lora_base"]["source"], HOST)  # (an HF model's: numpy, read tensor by tensor)
         self.check_base(directory, step, saved, fingerprint_rows([[x] for x in jax.tree.leaves(base)]))
-        if self.graphs.quantize != "none":
+        if self.decoder.quantize != "none":
             return self.place(base, adapters, lg.opts)
-        shardings, tree = self.graphs.param_shardings, dict(base)
+        shardings, tree = self.placement.param_shardings, dict(base)
         for stack, sub in adapters.items():  # the adapted weights first, while the devices hold little else
             layers, sh = dict(base[stack]["layers"]), shardings[stack]["layers"]
             for name in sorted(k[: -len(lora.A)] for k in sub["layers"] if k.endswith(lora.A)):
@@ -121,12 +121,12 @@ class Weights:
             tree[stack] = {**base[stack], "layers": layers}
         return jax.tree.map(_place, tree, shardings)  # (the merged ones are in place already)
 
-    def lora_graphs(self, saved: dict) -> Graphs:
-        """The Graphs of a LoRA checkpoint's run on these devices: its adapters' rank, alpha and targets."""
+    def lora_graphs(self, saved: dict) -> Placement:
+        """The placement of a LoRA checkpoint's run on these devices: its adapters' rank, alpha and targets."""
         lcfg = copy.deepcopy(self.cfg)
         for flag in ("lora_rank", "lora_alpha", "lora_targets"):
             set_path(lcfg, FIELDS[flag].path, saved_value(saved["config"], flag))
-        return Graphs(lcfg, mesh=self.graphs.mesh)
+        return Placement(lcfg, mesh=self.placement.mesh)
 
     @staticmethod
     def check_base(directory: str, step: int, saved: dict, found: str) -> None:
@@ -138,7 +138,7 @@ class Weights:
                               f"{found}): restore that base")
 
     def lora_parts(self, directory: str, step: int, saved: dict, base: bool = True) -> tuple:
-        """(the LoRA run's Graphs, its adapters, its frozen base on the devices or None) of a LoRA checkpoint: the
+        """(the LoRA run's placement, its adapters, its frozen base on the devices or None) of a LoRA checkpoint: the
         base found where the checkpoint's meta says, and refused (one line) when its fingerprint is not the one
         trained on."""
         lg = self.lora_graphs(saved)
@@ -154,10 +154,10 @@ class Weights:
 
     def place(self, host: dict, adapters: dict | None = None, lora_opts=None) -> dict:
         """Host weights (numpy, or arrays in host memory) in training's layout -> decoding's on the devices
-        (``Graphs.decode_shardings``): each weight in its decoding dtype, int8 where decoding quantizes it; a stacked
+        (``Decoder.decode_shardings``): each weight in its decoding dtype, int8 where decoding quantizes it; a stacked
         weight one layer at a time, merged first with its LoRA adapter (``adapters``: the adapters' tree on the
         devices) where it has one; a streamed stack's layers one tree per layer."""
-        g = self.graphs
+        g = self.decoder
         targets = g.abstract_decode_params()
         flat, treedef = jax.tree_util.tree_flatten_with_path(targets, is_leaf=quant.is_int8)
         host_leaves = dict((_key(p), x) for p, x in jax.tree_util.tree_flatten_with_path(host)[0])

@@ -2,7 +2,7 @@
 
 An encoder-decoder reads its prompts once, through the encoder, and then decodes token by token through the
 decoder alone; the encoder's weights sit idle on the device for the whole decoding. With ``inference.
-stream_encoder`` they stay in host memory (decoding's layout, ``Graphs.decode_shardings``: one tree per layer, in
+stream_encoder`` they stay in host memory (decoding's layout, ``Decoder.decode_shardings``: one tree per layer, in
 ``pinned_host``) and each batch of prompts reads them a layer at a time: layer i+1 is copied to the device while
 layer i runs, so the device holds two encoder layers, the decoder, the KV cache and the encoder's activations
 [rows, prompt, d] (float32) for this batch. The rows pass through a layer a few at a time (``CHUNK_ROWS``), which
@@ -31,11 +31,11 @@ def chunk_rows(rows: int, most: int = CHUNK_ROWS) -> int:
 
 
 class PromptStream:
-    """The prompt stack (T5's encoder) of a Graphs with ``prompt_stacks``: weights in decoding's layout (its layers
+    """The prompt stack (T5's encoder) of a Decoder with ``prompt_stacks``: weights in decoding's layout (its layers
     in host memory) and prompts ids/mask [B, k] on the devices -> the stack's output float32 [B, k, d]."""
 
-    def __init__(self, graphs):
-        g = self.g = graphs
+    def __init__(self, decoder):
+        g = self.g = decoder
         if len(g.prompt_stacks) != 1 or g.family.stacks[0].name != g.prompt_stacks[0]:
             raise NotImplementedError("streaming reads one prompt stack, the family's first")
         family, opts, stack = g.family, g.opts, g.family.stacks[0]

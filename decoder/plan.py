@@ -1,13 +1,13 @@
 """The memory plan of decoding (``run_validation.py --plan``, ``run_server.py --plan``): the device and host bytes
 a batch of prompts needs, from shapes alone, before any weight is read.
 
-Device (per device, the busiest): decoding's weights as placed (``Graphs.abstract_decode_params``: the compute
+Device (per device, the busiest): decoding's weights as placed (``Decoder.abstract_decode_params``: the compute
 dtype or int8; a streamed encoder's layers two at a time, the one running and the next one loading); the KV cache of
 ``rows`` prompts ``prompt_length`` wide and ``output_length`` new tokens (the family's own ``decode_start``, traced
 for its shapes); the activations: the encoder's [rows, prompt, d] and the largest layer's temporaries, estimated
 from shapes, or with ``exact`` XLA's own count of the programs' temporaries (the programs compiled from shapes,
 for this backend: a CPU's count is not a GPU's). Host (per process): a streamed encoder's layers, and while the
-weights are placed, a LoRA checkpoint's frozen base (merged a layer at a time, app/weights.py).
+weights are placed, a LoRA checkpoint's frozen base (merged a layer at a time, decoder/weights.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from graphs import sharding as S
 from graphs.plan import HOST_KINDS, MemoryPlan, format_items, human_bytes
 from graphs.sharding import shard_bytes
-from graphs.streaming import PromptStream, chunk_rows
+from decoder.streaming import PromptStream, chunk_rows
 from modelling import decoding, quant
 
 
@@ -109,7 +109,7 @@ def exact_temporaries(g, rows: int, prompt_length: int, output_length: int) -> d
 def decode_plan(g, rows: int, prompt_length: int, output_length: int, exact: bool = False,
                 lora_base_bytes: int = 0) -> MemoryPlan:
     """The plan of decoding ``rows`` prompts ``prompt_length`` wide to ``output_length`` new tokens with the weights
-    of ``g`` (an eval Graphs: its quantize and stream_encoder settings). ``lora_base_bytes``: a LoRA checkpoint's
+    of the decoder ``g`` (its quantize and stream_encoder settings). ``lora_base_bytes``: a LoRA checkpoint's
     frozen base, held in host memory while its adapters are merged.
 
     A device holds decoding's weights throughout, and then the larger of two phases: reading the prompts (the

@@ -13,10 +13,10 @@ rendered in the task's prompt format as ``run_inference.py --prompt`` renders it
 greedy decoding (temperature 0) gives its tokens.
 
 Decoding runs in ``--slots`` rows at once, each request in its own row at its own position: requests join and leave
-between steps (serving/scheduler.py). Every program is compiled before the server listens; the line
+between steps (serving/scheduler.py). Every program is compiled before the server listens (a handful, whatever the
+slots and prompt lengths; JAX's compilation cache makes a second start quick); the line
 ``serving MODEL on http://HOST:PORT ...`` says it is ready. SIGTERM or Ctrl-C: no new requests, the held ones
-finished (ended with an error after --grace_period seconds), exit 0. --engine_process: the decoding loop in a
-process of its own (serving/remote.py).
+finished (ended with an error after --grace_period seconds), exit 0.
 """
 
 from __future__ import annotations
@@ -57,14 +57,13 @@ def main(argv=None) -> None:
     set_cpu_threads(threads)  # (before JAX starts)
     if plan:
         start_devices(cfg)
-        print_plan(cfg, options.slots, exact=args.plan_exact, prompt_length=options.widths[-1])
+        print_plan(cfg, options.slots, exact=args.plan_exact, prompt_length=options.width)
         return
     logger.info("XLA's CPU pool: %s (%s; a decoding step of the %d slots: %.1f MFLOP)",
                 f"{threads} thread(s)" if threads else "XLA's default size (the cores, or PJRT_NPROC or NPROC)",
                 "--cpu_threads" if args.cpu_threads is not None else "the default: --cpu_threads to choose",
                 options.slots, step / 1e6)
-    if not args.engine_process:  # (else JAX starts in the engine process alone)
-        start_devices(cfg)
+    start_devices(cfg)
     from serving.backend import build_engine
     from serving.http import serve
 
@@ -72,26 +71,10 @@ def main(argv=None) -> None:
     exposed = check_exposure(args.host, api_key)
     if exposed:
         logger.warning(exposed)
-    engine = engine_process(cfg, options) if args.engine_process else build_engine(cfg, options)
+    engine = build_engine(cfg, options)
     serve(engine, args.host, args.port, api_key, args.grace_period,
           lambda host, port: print(engine.describe(host, port), flush=True), args.header_timeout, args.body_timeout,
           max_connections=args.max_connections)
-
-
-def engine_process(cfg, options):
-    """The engine over a decoding loop in a process of its own (serving/remote.py): this process, which serves HTTP,
-    loads only the tokenizer; JAX starts in the other."""
-    from data.tasks import load_tokenizer
-    from modelling import registry
-    from serving.backend import backend_in_process, prompt_encoder
-    from serving.engine import Engine
-    from serving.remote import Worker
-
-    worker = Worker(backend_in_process, cfg, options)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    family = registry.checked(cfg)
-    return Engine(worker.backend, tokenizer, prompt_encoder(family, tokenizer), options, scheduler=worker.scheduler,
-                  prompt_format=family.prompt)
 
 
 if __name__ == "__main__":

@@ -22,12 +22,11 @@ class _ProgressFriendly(logging.StreamHandler):
             self.handleError(record)
 
 
-def setup_logging(level: int = logging.INFO, force: bool = False) -> None:
-    """The drivers' log lines on stderr; ``force``: in place of handlers a library set up first (absl's, which JAX
-    imports, in a process started by another: serving/remote.py's engine process)."""
+def setup_logging(level: int = logging.INFO) -> None:
+    """The drivers' log lines on stderr."""
     handlers = [_ProgressFriendly(sys.stderr)] if sys.stderr.isatty() else None
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S",
-                        handlers=handlers, force=force)
+                        handlers=handlers)
     if distributed_requested() and rank_from_env() > 0:  # from the start, before JAX knows the process index
         logger.setLevel(logging.WARNING)
     for noisy in ("absl", "orbax", "jax", "matplotlib"):

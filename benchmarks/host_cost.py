@@ -28,15 +28,14 @@ def fake_engine(requests: int, slots: int, steps: int):
     """The server's engine (as run_server.py builds it for ``steps`` a call, up to 4x with every slot taken, prompts
     up to 64 tokens, 256 new) over the tests' fake device (``engine.backend``) and the synthetic tokenizer."""
     from data.tasks import load_tokenizer
-    from serving.engine import Engine, ServeOptions, default_joins
+    from serving.engine import Engine, ServeOptions, default_insert_rows
     from tests.fake_backend import FakeBackend
 
     tok = load_tokenizer("synthetic")
-    widths, joins, most = (16, 32, 64), tuple(default_joins(slots)), 4 * steps
-    backend = FakeBackend(slots=slots, widths=widths, joins=joins, steps=most, eos_id=tok.eos_token_id,
-                          pad_id=tok.pad_token_id, vocab=len(tok))
-    options = ServeOptions(slots, requests, widths, joins, steps, 256, 1 << 20, 1 << 20, "host_cost",
-                           max_steps=most)
+    width, rows, most = 64, tuple(default_insert_rows(slots)), 4 * steps
+    backend = FakeBackend(slots=slots, max_prompt=width, steps=most, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                          vocab=len(tok), score_rows=slots)
+    options = ServeOptions(slots, requests, width, rows, steps, 256, 1 << 20, 1 << 20, "host_cost", max_steps=most)
     return Engine(backend, tok, lambda texts: [tok(t, add_special_tokens=False)["input_ids"] for t in texts], options)
 
 

@@ -96,7 +96,7 @@ def parse(argv):
     p.add_argument("--hf_requests", type=int, default=None, help="requests HF generate runs (default: all)")
     p.add_argument("--repeats", type=int, default=3, help="runs of the server's and static batching's (medians)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--join_sizes", type=int, nargs="+", default=None, help="the server's (default: its own)")
+    p.add_argument("--insert_rows", type=int, nargs="+", default=None, help="the server's (default: its own)")
     p.add_argument("--model_flags", action="append", default=None,
                    help="config flags of every method, e.g. --model_flags='--tensor_parallel 1'; given again, "
                         "every preset runs once per value (another shape: --model_flags='--hidden_size 256')")
@@ -309,7 +309,7 @@ def profile_engine(cfg, options, steps: int, args: str, reqs: list) -> dict:
 
     start_devices(cfg)
     engine = build_engine(cfg, options)
-    device = device_seconds(engine, options.widths, options.joins)
+    device = device_seconds(engine, options.insert_rows)
     return {"steps_per_call": steps, "max_steps_per_call": options.max_steps, "server_args": args,
             "attention_spans": list(engine.backend.spans), **profile_parts(engine, reqs),
             "device_ms_per_call_alone": device}
@@ -368,24 +368,22 @@ def profile_parts(engine, reqs: list) -> dict:
                 "output thread (text, events)": s.get("output", 0.0)}}
 
 
-def device_seconds(engine, widths: tuple, joins: tuple, calls: int = 20) -> dict:
-    """Milliseconds of a decoding call (every slot decoding) and of an insert of each join size, back to back."""
+def device_seconds(engine, insert_rows: tuple, calls: int = 20) -> dict:
+    """Milliseconds of a decoding call (every slot decoding) and of an insert of each compiled size (as many
+    prompts of the widest length a shard as its packed rows), back to back."""
     import numpy as np
-    from serving.scheduler import SAMPLING_DTYPES
 
     b = engine.backend
     out = {}
-    for j in joins:
-        n = j * b.dp
-        ids, mask = b.layout(np.full((n, widths[0]), 3, np.int32), np.ones((n, widths[0]), np.int32))
-        sampling = tuple(np.zeros(n, dt) for dt in SAMPLING_DTYPES[:-1]) + (np.full(n, -1, SAMPLING_DTYPES[-1]),)
-        rows = np.tile(np.arange(j), b.dp)
-        b.fetch(b.insert(widths[0], j, ids, mask, rows, sampling, np.full(n, 1 << 20, np.int32))[0])
+    for rows in insert_rows:
+        joiners = [(d * b.local + j, [3] * b.max_prompt, (0.0, 0, 0.0, 0, 0, -1), 1 << 20)
+                   for d in range(b.dp) for j in range(rows)]
+        b.fetch(b.insert(joiners)[0])
         t0 = time.perf_counter()
         for _ in range(calls):
-            last = b.insert(widths[0], j, ids, mask, rows, sampling, np.full(n, 1 << 20, np.int32))[0]
+            last = b.insert(joiners)[0]
         b.fetch(last)
-        out[f"insert of {j} prompt(s) a shard"] = 1000 * (time.perf_counter() - t0) / calls
+        out[f"insert of {rows} packed row(s) a shard"] = 1000 * (time.perf_counter() - t0) / calls
     keep = np.ones(b.slots, bool)
     for steps in sorted({engine.scheduler.steps, b.steps}):
         b.fetch(b.advance(keep, steps)[0])  # (over the whole cache: no span)
@@ -400,10 +398,7 @@ def device_seconds(engine, widths: tuple, joins: tuple, calls: int = 20) -> dict
 
 def profile_threads(a):
     """The --cpu_threads every server of a --profile run gives (None: the server's default); SystemExit where they
-    differ (XLA's threads are set once, before JAX starts: one process, one setting), or where one asks for an
-    engine process (the profile runs the engine in this one)."""
-    if any(own_flag(args, "engine_process") for _, _, args in server_variants(a)):
-        raise SystemExit("--profile runs the engine in its own process: drop --engine_process from --server_args")
+    differ (XLA's threads are set once, before JAX starts: one process, one setting)."""
     threads = {own_flag(args, "cpu_threads") for _, _, args in server_variants(a)}
     if len(threads) > 1:
         raise SystemExit("--profile runs every server setting in one process: give them one --cpu_threads")
@@ -439,12 +434,10 @@ def own_flag(args: str, name: str):
 # --------------------------------------------------------------------------- the server, over HTTP
 
 
-def server_widths(reqs: list) -> tuple:
-    """The prompt widths a server compiles for the requests: 16, 32, ... up to their longest."""
-    widths, longest = [16], max(len(r["prompt"].split()) for r in reqs) + 2  # + T5's end-of-text, slack
-    while widths[-1] < longest:
-        widths.append(widths[-1] * 2)
-    return tuple(widths)
+def server_width(reqs: list) -> int:
+    """The prompt width a server takes for the requests: their longest (and T5's end-of-text, slack), rounded up to a
+    multiple of 8."""
+    return -(-(max(len(r["prompt"].split()) for r in reqs) + 2) // 8) * 8
 
 
 def server_variants(a) -> list:
@@ -462,12 +455,12 @@ def most_steps(a, steps: int, args: str) -> int:
 def server_argv(a, config: str, steps: int, reqs: list, extra: list, args: str = "") -> list:
     """A server's command line but --load and --port (run_server.py's; --profile's engine parses the same): the
     preset (the checkpoint carries the model's shape, the preset the rest: its precision), the run's slots, a queue
-    that holds every request, the prompt widths the requests need, the output length, the steps a call, the model's
+    that holds every request, the prompt width the requests need, the output length, the steps a call, the model's
     flags (``extra``), then its own (``args``, last: they override the above)."""
     cmd = ["--config", config, "--slots", str(a.slots), "--max_queue", str(len(reqs)), "--output_length",
-           str(a.max_new), "--prompt_widths", *map(str, server_widths(reqs)), "--steps_per_call", str(steps), *extra]
+           str(a.max_new), "--prompt_width", str(server_width(reqs)), "--steps_per_call", str(steps), *extra]
     cmd += ["--max_steps_per_call", str(a.max_steps_per_call)] if a.max_steps_per_call else []
-    cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
+    cmd += ["--insert_rows", *map(str, a.insert_rows)] if a.insert_rows else []
     return cmd + shlex.split(args)
 
 
@@ -535,7 +528,7 @@ async def _drive(url: str, model: str, reqs: list) -> list:
 
 def thread_seconds(pid: int) -> dict:
     """{thread id: (name, CPU seconds so far, user and system)} of a process's threads and its child processes'
-    (a server's engine process, --engine_process) (Linux; {} elsewhere)."""
+    (Linux; {} elsewhere)."""
     out = {}
     for p in [pid] + descendants(pid):
         out.update(_own_thread_seconds(p))
@@ -667,7 +660,7 @@ def _method_cmd(a, name: str, config: str, ckpt: str, work: str, flags: str, out
            ckpt, "--workload", work, "--json", out, "--slots", str(a.slots), "--max_new", str(a.max_new),
            "--seed", str(a.seed), f"--model_flags={flags}", "--steps_per_call", *map(str, a.steps_per_call)]
     cmd += ["--max_steps_per_call", str(a.max_steps_per_call)] if a.max_steps_per_call else []
-    cmd += ["--join_sizes", *map(str, a.join_sizes)] if a.join_sizes else []
+    cmd += ["--insert_rows", *map(str, a.insert_rows)] if a.insert_rows else []
     cmd += [f"--server_args={args}" for args in a.server_args or []]
     return cmd + (["--hf_requests", str(a.hf_requests)] if a.hf_requests else [])
 

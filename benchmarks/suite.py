@@ -206,12 +206,11 @@ def _gpu_commands() -> dict:
         "f15_hlo": ["benchmarks/int8_hlo.py", "--config", "xl", "--batch", "64", "--prompt_length", "512",
                     "--output_length", "8"],
         # base: 512 requests (128 were 0.66 s of serving on one H100, arrivals still coming in for half of it);
-        # xl: fewer join sizes (its 13 slot programs and its checkpoint were not done within 270 s)
         "serve": ["benchmarks/serve.py", "--configs", "base", "--requests", "512", "--slots", "32",
                   "--steps_per_call", "8", "--repeats", "3", "--hf_requests", "8",
                   "--model_flags=--tensor_parallel 1 --data_parallel 1"],
         "serve_xl": ["benchmarks/serve.py", "--configs", "xl", "--requests", "256", "--slots", "32",
-                     "--steps_per_call", "8", "--join_sizes", "8", "32", "--repeats", "1", "--hf_requests", "2",
+                     "--steps_per_call", "8", "--repeats", "1", "--hf_requests", "2",
                      "--model_flags=--tensor_parallel 1 --data_parallel 1"],
     }
 

@@ -1,5 +1,6 @@
 """The decoding slots of continuous batching, compiled on the run's mesh: their KV cache and the programs that
-fill and advance it (modelling/slots.py's per-device bodies under shard_map; serving/ drives them).
+fill and advance it (modelling/slots.py's per-device bodies under shard_map). ``SlotPrograms`` is the scheduler's
+Backend (serving/scheduler.py) itself.
 
 Slots are rows split over dp (slot s lives on dp shard s // (slots / dp)), weights over tp, as every decoding
 program here. The cache and the rows' state never leave the programs, so they are kept as each device's own piece:
@@ -9,11 +10,15 @@ be (``Carry``: the keys and values, and one int32 vector a device for the rest),
 one (``pack_scored``): JAX's dispatch takes Python's interpreter lock back about once for every array a call
 returns.
 
-The compiled shapes are a bounded set, all compiled by ``compile`` before any request: one ``advance`` program per
-attention span (``spans`` of them: a step attends over the cache's first positions only, as far as the rows still
-writing have reached, which the host knows; a call picks the narrowest that holds its rows, ``span_for``), one
-``insert`` program per (prompt width, joining rows per dp shard) pair, the widths and join sizes given, and for a
-family that scores its prompts (a causal LM: ``Family.scores_prompts``) one ``score`` program per prompt width.
+A handful of programs, whatever the slots and the prompts' lengths, all compiled by ``compile`` before any request
+(each scans the layers: its compile time does not grow with depth):
+- ``insert``: joining prompts read packed several to a row (first-fit decreasing, each dp shard's apart) into rows
+  ``width`` wide, the widest prompt taken; one program per number of packed rows in ``insert_rows`` (1, 4, 16 ... and
+  the slots per shard by default: every free slot of a shard can join in one insert);
+- ``advance``: one per attention span (``spans`` of them: a step attends over the cache's first positions only, as
+  far as the rows still writing have reached, which the host knows; a call picks the cheapest that holds its rows,
+  ``span_for``);
+- ``score``, for a family that scores its prompts (a causal LM: ``Family.scores_prompts``): one.
 
 Calls only dispatch: each returns device arrays, read with ``fetch`` when the host needs them. Where each row is
 and how it samples stay on the device (modelling/slots.py's ``Rows`` and ``Sampling``), so ``advance`` needs from the
@@ -115,34 +120,49 @@ class Carry:
 
 
 class SlotPrograms:
-    """``slots`` decoding rows of at most ``max_new_tokens`` new tokens after prompts of at most ``widths[-1]``
-    tokens, on the mesh of ``graphs``, with the ``top`` most likely tokens' log-probabilities where a row asks (see
-    the module docstring)."""
+    """``slots`` decoding rows of at most ``max_new_tokens`` new tokens after prompts of at most ``width`` tokens, with
+    the decoder's weights on its mesh, the ``top`` most likely tokens' log-probabilities where a row asks (see the
+    module docstring): the scheduler's Backend."""
 
-    def __init__(self, graphs, slots: int, widths: tuple, joins: tuple, max_new_tokens: int, steps: int,
-                 eos_id: int, pad_id: int, top: int = 20, spans: int = 1):
-        if slots < 1 or slots % graphs.dp:
-            raise ConfigError(f"--slots {slots} must be a positive multiple of data_parallel={graphs.dp} (the slots "
-                              f"are split over dp): pass --slots {max(graphs.dp, slots - slots % graphs.dp)}")
-        self.g, self.family, self.opts = graphs, graphs.family, graphs.opts
-        self.slots, self.local = slots, slots // graphs.dp
-        self.widths, self.joins = tuple(sorted(widths)), tuple(sorted(j for j in joins if j <= self.local))
-        self.max_new_tokens, self.steps, self.eos_id, self.pad_id = max_new_tokens, steps, eos_id, pad_id
-        self.top = max(1, min(top, graphs.opts.vocab_size))  # lax.top_k's k: at least 1, at most the vocabulary
-        self.rows = NamedSharding(graphs.mesh, P(S.DP))
-        self.rows2 = NamedSharding(graphs.mesh, P(S.DP, None))
-        self.pieces = NamedSharding(graphs.mesh, P(S.DP, S.TP))
-        self.replicated = NamedSharding(graphs.mesh, P())
-        self.params = self.carry = self.apart = self.words = None  # the Carry, and its arrays between calls
-        self._insert, self._advance, self._score = {}, {}, {}
+    def __init__(self, decoder, slots: int, width: int, insert_rows: tuple, max_new_tokens: int, steps: int,
+                 top: int = 20, spans: int = 1):
+        if slots < 1 or slots % decoder.dp:
+            raise ConfigError(f"--slots {slots} must be a positive multiple of data_parallel={decoder.dp} (the slots "
+                              f"are split over dp): pass --slots {max(decoder.dp, slots - slots % decoder.dp)}")
         if spans < 1:
             raise ConfigError(f"--attention_spans {spans} must be at least 1 (1: every step attends over the whole "
                               "cache)")
+        self.g, self.family, self.opts = decoder, decoder.family, decoder.opts
+        self.slots, self.local, self.dp = slots, slots // decoder.dp, decoder.dp
+        self.width = width  # the widest prompt an insert reads: its packed rows' width
+        self.insert_rows = tuple(sorted({min(r, self.local) for r in insert_rows} | {self.local}))
+        self.max_new_tokens, self.steps = max_new_tokens, steps
+        self.eos_id, self.pad_id, self.vocab_size = decoder.eos_id, decoder.pad_id, decoder.opts.vocab_size
+        self.top = max(1, min(top, decoder.opts.vocab_size))  # lax.top_k's k: at least 1, at most the vocabulary
+        self.scores_prompts = self.family.scores_prompts
+        self.score_rows = self.local * decoder.dp  # the prompts one ``score`` reads
+        self.platform = decoder.mesh.devices.flat[0].platform
+        self.rows = NamedSharding(decoder.mesh, P(S.DP))
+        self.rows2 = NamedSharding(decoder.mesh, P(S.DP, None))
+        self.pieces = NamedSharding(decoder.mesh, P(S.DP, S.TP))
+        self.replicated = NamedSharding(decoder.mesh, P())
+        self.params = self.carry = self.apart = self.words = None  # the Carry, and its arrays between calls
+        self._insert, self._advance, self._score = {}, {}, None
         self.n_spans, self.spans = spans, ()  # the spans compiled (``compile``), ascending; the last the whole cache
         self.costs: dict = {}  # span -> seconds of its advance of 1 and of ``steps`` steps (``compile`` times them)
         self._keep = (None, None)  # (the host's last keep flags, their device copy)
         self._n: dict = {}  # steps an advance runs -> its device copy (a scalar)
         self._local = None  # _local_cache's
+
+    @property
+    def max_prompt(self) -> int:
+        """The longest prompt (tokens) an insert reads."""
+        return self.width
+
+    @property
+    def programs(self) -> int:
+        """The programs compiled (``compile``)."""
+        return len(self._insert) + len(self._advance) + (self._score is not None)
 
     # ------------------------------------------------------------------ the programs
 
@@ -152,16 +172,17 @@ class SlotPrograms:
     def _scored_specs(self, lead: tuple):  # ``pack_scored``'s array
         return P(*lead, None)
 
-    def _insert_program(self):
-        family, opts, width, n, eos, top = (self.family, self.opts, self.widths[-1], self.max_new_tokens,
-                                            self.eos_id, self.top)
+    def _insert_program(self, rows: int):
+        family, opts, n, eos, top, width = (self.family, self.opts, self.max_new_tokens, self.eos_id, self.top,
+                                            self.width)
+        local = self.local
 
         def fn(p, apart, words, joiners):
             w = family.decoding_params(p, opts)
-            ids, mask, rows, s, limit = unpack_joiners(joiners)
+            block, at, lengths, slot, s, limit = unpack_joiners(joiners[0], rows, width, local)
             cache, state = self.carry.unpack(_local(apart), words[0, 0])
-            first, scored, cache, state = slot_lib.insert(family, w, opts, cache, state, ids, mask, rows, s,
-                                                          limit, width, n, eos, top, S.TP)
+            first, scored, cache, state = slot_lib.insert(family, w, opts, cache, state, block, at, lengths, slot, s,
+                                                          limit, n, eos, top, S.TP)
             return (first, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
@@ -201,15 +222,18 @@ class SlotPrograms:
 
     def _cache_shapes(self):
         """The slots' cache, abstract: every leaf [dp, tp, ...] (each device's piece)."""
-        family, opts, width, n = self.family, self.opts, self.widths[-1], self.max_new_tokens
+        family, opts, width, n, local = self.family, self.opts, self.width, self.max_new_tokens, self.local
 
-        def fresh(p, ids, mask):
-            _, cache = family.decode_start(family.decoding_params(p, opts), ids, mask, opts, n, S.TP)
-            return _stacked(family.widen_cache(cache, ids.shape[1], width))
+        def fresh(p):
+            ids = jnp.zeros((1, width), jnp.int32)
+            where = jnp.zeros((local, width), jnp.int32)
+            lengths = jnp.ones((local,), jnp.int32)
+            _, cache = family.decode_start_packed(family.decoding_params(p, opts), ids, ids, ids, where, lengths,
+                                                  opts, n, S.TP)
+            return _stacked(cache)
 
-        ids = jax.ShapeDtypeStruct((self.slots, width), jnp.int32, sharding=self.rows2)
-        return jax.eval_shape(self.g.phase(fresh, (self.g.decode_specs(), P(S.DP, None), P(S.DP, None)),
-                                           P(S.DP, S.TP)), self.params, ids, ids)
+        return jax.eval_shape(jax.shard_map(fresh, mesh=self.g.mesh, check_vma=False,
+                                            in_specs=(self.g.decode_specs(),), out_specs=P(S.DP, S.TP)), self.params)
 
     def _empty_cache(self):
         """The slots' cache, all rows empty (zeros; their masks let nothing be read)."""
@@ -252,61 +276,63 @@ class SlotPrograms:
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def compile(self, params) -> float:
-        """The weights in decoding's layout (Graphs.decode_shardings: as Predictor.load_params gives them, else
+        """The weights in decoding's layout (``Decoder.decode_shardings``: as ``Decoder.load_params`` gives them, else
         converted once), the empty cache, and every program compiled -> seconds."""
         t0 = time.perf_counter()
         g = self.g
-        self.params = params if g.is_decoding_layout(params) else g.to_decoding(params)  # (Predictor.load_params')
+        self.params = params if g.is_decoding_layout(params) else g.to_decoding(params)
         self.reset()
         apart, words = (jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, x.sharding), t)
                         for t in (self.apart, self.words))
-        insert = self._insert_program()
-        for width in self.widths:
-            for j in self.joins:
-                n = j * g.dp
-                joiners = self._abstract((n, 2 * width + JOINER_COLUMNS), jnp.int32, self.rows2)
-                self._insert[(width, j)] = insert.lower(self.params, apart, words, joiners).compile()
+        for rows in self.insert_rows:
+            joiners = self._abstract((self.dp, joiner_words(rows, self.width, self.local)), jnp.int32, self.rows2)
+            self._insert[rows] = self._insert_program(rows).lower(self.params, apart, words, joiners).compile()
         keep = self._abstract((self.slots,), jnp.bool_, self.rows)
         n = self._abstract((), jnp.int32, self.replicated)
         self.spans = attention_spans(self.family, self._local_cache(), self.n_spans)
         for span in self.spans:
             self._advance[span] = self._advance_program(span).lower(self.params, apart, words, keep, n).compile()
         self.costs = self._time_spans() if len(self.spans) > 1 else {}
-        if self.family.scores_prompts:
-            score = self._score_program()
-            for width in self.widths:
-                ids_mask = self._abstract((self.score_rows, 2 * width), jnp.int32, self.rows2)
-                self._score[width] = score.lower(self.params, ids_mask).compile()
+        if self.scores_prompts:
+            ids_mask = self._abstract((self.score_rows, 2 * self.width), jnp.int32, self.rows2)
+            self._score = self._score_program().lower(self.params, ids_mask).compile()
         seconds = time.perf_counter() - t0
-        logger.info("compiled %d slot programs in %.1f s (%d slots, prompt widths %s, joins %s, %d new tokens, "
-                    "attention spans %s)", len(self._insert) + len(self._advance) + len(self._score), seconds,
-                    self.slots, list(self.widths), list(self.joins), self.max_new_tokens, list(self.spans))
+        logger.info("compiled %d slot programs in %.1f s (%d slots, prompts up to %d tokens packed into %s rows an "
+                    "insert, %d new tokens, attention spans %s)", self.programs, seconds, self.slots, self.width,
+                    "/".join(map(str, self.insert_rows)), self.max_new_tokens, list(self.spans))
         return seconds
-
-    @property
-    def score_rows(self) -> int:
-        """The prompts one ``score`` call reads (the widest join)."""
-        return self.joins[-1] * self.g.dp
 
     # ------------------------------------------------------------------ calls (host arrays in, device arrays out)
 
-    def insert(self, width: int, join: int, ids, mask, rows, sampling: tuple, limit) -> tuple:
-        """Joining prompts into the slots: ids/mask [dp * join, width] laid out for the family, the rows of each dp
-        shard together; rows [dp * join]: each one's slot within its shard (``self.local``: a filler, dropped);
-        sampling: their (temperature, top_k, drop_mass, seed, seed_hi, logprobs); limit: their most tokens ->
-        (their first tokens [dp * join], their PackedScored), on the device. One host-to-device copy, whatever the
-        joiners ask (``pack_joiners``: each copy costs the host about a millisecond on a CPU, as much as the rest of
-        the call)."""
-        first, scored, self.apart, self.words = self._insert[(width, join)](
-            self.params, self.apart, self.words,
-            S.put_global(pack_joiners(ids, mask, rows, sampling, limit), self.rows2))
-        return first, PackedScored(scored)
+    def insert(self, joiners: list) -> tuple:
+        """Joining prompts into the slots: joiners [(slot, ids, sampling, limit)], ``slot`` a free slot, ``ids`` a prompt
+        of at most ``width`` tokens, ``sampling`` its (temperature, top_k, drop_mass, seed, seed_hi, logprobs),
+        ``limit`` its most tokens -> (their first tokens, their Scored), on the device, in ``joiners``' order. Each dp
+        shard's prompts are packed into the fewest rows ``width`` wide (first-fit decreasing) and read by the program
+        of the fewest ``insert_rows`` that hold them. One host-to-device copy, whatever the joiners ask (each copy
+        costs the host about a millisecond on a CPU, as much as the rest of the call)."""
+        shards = [[] for _ in range(self.dp)]
+        for k, (slot, ids, sampling, limit) in enumerate(joiners):
+            if not 0 < len(ids) <= self.width:
+                raise ValueError(f"a prompt of {len(ids)} tokens: an insert reads 1 to {self.width}")
+            shards[slot // self.local].append((k, slot % self.local, ids, sampling, limit))
+        placed = [pack_rows([len(j[2]) for j in shard], self.width) for shard in shards]
+        used = max([1] + [1 + max(r for r, _ in pl) for pl in placed if pl])
+        rows = next(r for r in self.insert_rows if r >= used)
+        packed = np.stack([pack_joiners(shard, pl, rows, self.width, self.local) for shard, pl in zip(shards, placed)])
+        first, scored, self.apart, self.words = self._insert[rows](self.params, self.apart, self.words,
+                                                                   S.put_global(packed, self.rows2))
+        order = np.zeros(len(joiners), np.int64)  # each joiner's row of the outputs ([dp, local] flattened)
+        for d, shard in enumerate(shards):
+            for j, (k, *_) in enumerate(shard):
+                order[k] = d * self.local + j
+        return Picked(first, order), PackedScored(scored, order)
 
-    def first_token_column(self, width: int) -> int:
-        """The cache column a row's first new token is written at, its prompt laid out ``width`` wide (new token i
-        at that + i): what ``advance``'s ``span`` counts in. 0 for a family whose steps read all of their cache
-        (``Family.cache_positions`` None): its span is not read."""
-        return 0 if self.spans[-1] is None else self.family.first_token_column(width)
+    def first_token_column(self, prompt_length: int) -> int:
+        """The cache column a row's first new token is written at, its prompt ``prompt_length`` tokens long (new
+        token i at that + i): what ``advance``'s ``span`` counts in. 0 for a family whose steps read all of their
+        cache (``Family.cache_positions`` None): its span is not read."""
+        return 0 if self.spans[-1] is None else self.family.first_token_column(prompt_length)
 
     def span_for(self, span, n: int) -> int:
         """The span compiled that an advance of ``n`` steps writing below column ``span`` runs in (None: the whole
@@ -363,19 +389,26 @@ class SlotPrograms:
         out, scored, self.apart, self.words = program(self.params, self.apart, self.words, self._keep[1], self._n[n])
         return out, PackedScored(scored)
 
-    def score(self, width: int, ids, mask) -> PackedScored:
-        """The prompts' own log-probabilities: ids/mask [score_rows, width] laid out for the family -> their Scored
-        [score_rows, width - 1] (column c: token c + 1's), packed, on the device."""
-        ids_mask = np.concatenate([np.asarray(ids, np.int32), np.asarray(mask, np.int32)], axis=1)
-        return PackedScored(self._score[width](self.params, S.put_global(ids_mask, self.rows2)))
+    def score(self, prompts: list) -> "PackedScored":
+        """The prompts' own log-probabilities: prompts (at most ``score_rows`` of them, each of at most ``width``
+        tokens) -> their Scored [score_rows, width - 1] (row r, column c: prompt r's token c + 1), on the device."""
+        ids = np.full((self.score_rows, self.width), self.pad_id, np.int32)
+        mask = np.zeros((self.score_rows, self.width), np.int32)
+        for r, p in enumerate(prompts):
+            ids[r, :len(p)], mask[r, :len(p)] = p, 1
+        ids_mask = np.concatenate([ids, mask], axis=1)
+        return PackedScored(self._score(self.params, S.put_global(ids_mask, self.rows2)))
 
     @staticmethod
     def fetch(x):
-        """A call's device arrays (any tree of them, or a PackedScored) -> numpy (a PackedScored: a Scored of
-        numpy arrays)."""
-        packed = lambda v: isinstance(v, PackedScored)  # noqa: E731
-        return jax.tree.map(lambda v: unpack_scored(S.fetch(v.array)) if packed(v) else S.fetch(v), x,
-                            is_leaf=packed)
+        """A call's device arrays (any tree of them, a Picked or a PackedScored) -> numpy (a PackedScored: a Scored
+        of numpy arrays; both in their ``order``)."""
+        def read(v):
+            if isinstance(v, PackedScored):
+                return unpack_scored(v.pick(S.fetch(v.array)))
+            return v.pick(S.fetch(v.array)) if isinstance(v, Picked) else S.fetch(v)
+
+        return jax.tree.map(read, x, is_leaf=lambda v: isinstance(v, (Picked, PackedScored)))
 
 
 def attention_spans(family, cache, n: int) -> tuple:
@@ -388,13 +421,20 @@ def attention_spans(family, cache, n: int) -> tuple:
     return tuple(sorted({min(full, -(-full * k // n // 8) * 8) for k in range(1, n + 1)}))
 
 
-class PackedScored:
-    """A Scored on the device as ``pack_scored``'s one array (``SlotPrograms.fetch`` reads it back)."""
+class Picked:
+    """A call's rows on the device (an insert's first tokens), read in ``order`` (``SlotPrograms.fetch``)."""
 
-    __slots__ = ("array",)
+    __slots__ = ("array", "order")
 
-    def __init__(self, array):
-        self.array = array
+    def __init__(self, array, order=None):
+        self.array, self.order = array, order
+
+    def pick(self, x: np.ndarray) -> np.ndarray:
+        return x if self.order is None else x[self.order]
+
+
+class PackedScored(Picked):
+    """A Scored on the device as ``pack_scored``'s one array (``SlotPrograms.fetch`` reads it back, in ``order``)."""
 
 
 def pack_scored(s: slot_lib.Scored) -> jax.Array:
@@ -409,25 +449,56 @@ def unpack_scored(x: np.ndarray) -> slot_lib.Scored:
     return slot_lib.Scored(x[..., 0].view(np.float32), x[..., 1:1 + top], x[..., 1 + top:].view(np.float32))
 
 
-JOINER_COLUMNS = 8  # after ids and mask: rows, top_k, seed, seed_hi (the seeds' bits), logprobs, limit, and the
-# bits of temperature and drop_mass
+JOINER_COLUMNS = 10  # a joiner's: its slot in its shard, where its prompt starts in the packed rows flattened, its
+# length, top_k, seed, seed_hi (the seeds' bits), logprobs, limit, and the bits of temperature and drop_mass
 
 
-def pack_joiners(ids, mask, rows, sampling: tuple, limit) -> np.ndarray:
-    """What an insert reads, in one array: int32 [n, 2 width + 8] (ids, mask, then rows, top_k, seed, seed_hi,
-    logprobs, limit, temperature, drop_mass; the seeds and the floats as their bits)."""
-    temperature, top_k, drop_mass, seed, seed_hi, logprobs = sampling
+def pack_rows(lengths: list, width: int) -> list:
+    """Prompts of ``lengths`` tokens packed into rows ``width`` wide, first-fit decreasing -> [(row, column)] of each
+    prompt, in the order given (a prompt's tokens from that column on)."""
+    free, out = [], [None] * len(lengths)
+    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        row = next((r for r, f in enumerate(free) if f >= lengths[k]), None)
+        if row is None:
+            free.append(width)
+            row = len(free) - 1
+        out[k] = (row, width - free[row])
+        free[row] -= lengths[k]
+    return out
+
+
+def joiner_words(rows: int, width: int, local: int) -> int:
+    """The int32 words of a shard's insert (``pack_joiners``)."""
+    return 3 * rows * width + local * JOINER_COLUMNS
+
+
+def pack_joiners(shard: list, placed: list, rows: int, width: int, local: int) -> np.ndarray:
+    """What a shard's insert reads, in one int32 vector (``joiner_words`` long): the packed rows' ids, segment ids
+    (from 1 in each row) and positions (from 0 in each prompt), each [rows, width], then ``local`` joiners of
+    ``JOINER_COLUMNS`` (fillers: slot ``local``, length 0). shard: [(k, slot in the shard, ids, sampling, limit)];
+    placed: each one's (row, column) (``pack_rows``)."""
+    block = np.zeros((3, rows, width), np.int32)
+    cols = np.zeros((local, JOINER_COLUMNS), np.int32)
+    cols[:, 0] = local  # fillers: a slot past the shard's, dropped
+    segment = np.zeros(rows, np.int32)
     bits = lambda x, dt: np.asarray(x, dt).view(np.int32)  # noqa: E731
-    cols = [np.asarray(rows, np.int32), np.asarray(top_k, np.int32), bits(seed, np.uint32), bits(seed_hi, np.uint32),
-            np.asarray(logprobs, np.int32), np.asarray(limit, np.int32), bits(temperature, np.float32),
-            bits(drop_mass, np.float32)]
-    return np.concatenate([np.asarray(ids, np.int32), np.asarray(mask, np.int32), np.stack(cols, 1)], axis=1)
+    for j, ((_, slot, ids, sampling, limit), (row, col)) in enumerate(zip(shard, placed)):
+        n = len(ids)
+        segment[row] += 1
+        block[0, row, col:col + n], block[1, row, col:col + n], block[2, row, col:col + n] = ids, segment[row], \
+            np.arange(n)
+        temperature, top_k, drop_mass, seed, seed_hi, logprobs = sampling
+        cols[j] = [slot, row * width + col, n, top_k, bits(seed, np.uint32), bits(seed_hi, np.uint32), logprobs, limit,
+                   bits(temperature, np.float32), bits(drop_mass, np.float32)]
+    return np.concatenate([block.ravel(), cols.ravel()])
 
 
-def unpack_joiners(joiners) -> tuple:
-    """``pack_joiners``' array (on the device) -> (ids, mask, rows, Sampling, limit)."""
-    width = (joiners.shape[1] - JOINER_COLUMNS) // 2
-    col = lambda i: joiners[:, 2 * width + i]  # noqa: E731
-    s = slot_lib.Sampling(_from_words(col(6), jnp.float32), col(1), _from_words(col(7), jnp.float32),
-                          _from_words(col(2), jnp.uint32), _from_words(col(3), jnp.uint32), col(4))
-    return joiners[:, :width], joiners[:, width:2 * width], col(0), s, col(5)
+def unpack_joiners(words, rows: int, width: int, local: int) -> tuple:
+    """``pack_joiners``' vector (on the device) -> ((ids, segments, positions) [rows, width], at, lengths, slots,
+    Sampling, limit)."""
+    block = words[:3 * rows * width].reshape(3, rows, width)
+    cols = words[3 * rows * width:].reshape(local, JOINER_COLUMNS)
+    col = lambda i: cols[:, i]  # noqa: E731
+    s = slot_lib.Sampling(_from_words(col(8), jnp.float32), col(3), _from_words(col(9), jnp.float32),
+                          _from_words(col(4), jnp.uint32), _from_words(col(5), jnp.uint32), col(6))
+    return (block[0], block[1], block[2]), col(1), col(2), col(0), s, col(7)

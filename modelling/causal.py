@@ -368,22 +368,32 @@ class CausalLM(Family):
                                                                       jnp.arange(k_all.shape[1])))
         return self.head_logits(p, y, opts, tp_axis)[:, 0], {**cache, "kv": (k_all, v_all), "key_ok": key_ok}
 
-    def widen_cache(self, cache, prompt_width: int, width: int):
-        """``decode_start``'s cache of prompts ``prompt_width`` wide with room for prompts ``width`` wide: the
-        key/value columns (and their mask) extended by ``width - prompt_width`` unused ones at the end; each row
-        still writes its new tokens from its own ``start`` (serving's slots hold every prompt width in one cache)."""
-        pad = width - prompt_width
-        kv = tuple(jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))) for t in cache["kv"])
-        return {**cache, "kv": kv, "key_ok": jnp.pad(cache["key_ok"], ((0, 0), (0, pad)))}
+    def decode_start_packed(self, p, ids, segments, positions, where, lengths, opts, max_new_tokens, tp_axis=None):
+        """``decode_start`` of prompts packed several to a row (serving's inserts): the prefill of the packed rows
+        ids/segments/positions [R, W] (causal within each prompt, rotary positions restarting at 0 in each), each
+        prompt's keys and values gathered out (``where`` int [J, W]: its positions in the rows flattened, R * W past
+        its ``lengths`` [J]) into columns 0 .. length - 1 of its cache row, new tokens from column ``length`` on ->
+        (logits [J, Vl] after each prompt's last token, the cache of J rows of W + max_new_tokens columns)."""
+        r, w = ids.shape
+        sin, cos = self.rotary(positions, opts)
+        bias = L.causal_mask_bias(w, w) + L.segment_mask_bias(segments, segments)
+        x, kv = self._prefill_rows(p, ids, bias, sin, cos, opts, 0, tp_axis)
+        room = ((0, 0), (0, 0), (0, 0), (0, max_new_tokens), (0, 0))
+        kv = tuple(jnp.pad(L.gather_packed(t, where, 3), room) for t in kv)
+        last = jnp.take_along_axis(where, (lengths - 1)[:, None], axis=1)  # each prompt's last token, flat [J, 1]
+        logits = self.head_logits(p, L.gather_packed(x, last, 1), opts, tp_axis)[:, 0]
+        cache = {"kv": kv, "key_ok": jnp.arange(w + max_new_tokens)[None] < lengths[:, None],
+                 "next_pos": lengths, "start": lengths}
+        return logits, cache
 
     def cache_positions(self, cache):
         """The keys and values along axis 3 (after the batch and the layers), their mask along axis 1; the rows'
         positions and starts whole."""
         return {"kv": (3, 3), "key_ok": 1, "next_pos": -1, "start": -1}
 
-    def first_token_column(self, prompt_width: int) -> int:
-        """After the prompt's columns (``start``: the width the row's prompt was laid out in)."""
-        return prompt_width
+    def first_token_column(self, prompt_length: int) -> int:
+        """After the prompt's tokens (a packed prompt's cache row holds them from column 0: ``start``)."""
+        return prompt_length
 
     def decode_uncached(self, params, input_ids, attention_mask, tokens, opts, tp_axis=None):
         """Logits [b, Vl] of the next token after the left-padded prompts and ``tokens`` int [b, n], the whole

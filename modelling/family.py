@@ -247,9 +247,9 @@ class Family(abc.ABC):
     its bodies       embeddings, context, block, stack_output, head_loss (graphs/phases.py composes them for
                      both executors); optional: forward, the reference composition the parity tests read
     its text         prompt, encode_inputs, encode_targets, layout_prompts
-    its decoding     decoding_params, decode_start, decode_step, widen_cache, reorder_beams; optional:
-                     decode_uncached, the reference the tests hold the cached decoding to; cache_positions with
-                     first_token_column, serving's calls attending over a prefix of the cache
+    its decoding     decoding_params, decode_start, decode_step, reorder_beams; optional:
+                     decode_uncached, the reference the tests hold the cached decoding to; decode_start_packed,
+                     cache_positions and first_token_column, serving's slots
     Hugging Face     hf, its ``HFMapping`` (model types, config.json and state dict both ways, layer keys, HF's
                      training batch and ``generate`` beside ours); a family without an HF model says so, one line,
                      when asked for one
@@ -412,12 +412,14 @@ class Family(abc.ABC):
         raise NotImplementedError(f"the {self.name} family reads its prompt with an encoder: it gives no "
                                   "log-probabilities of the prompt's tokens")
 
-    def widen_cache(self, cache, prompt_width: int, width: int):
-        """``decode_start``'s cache of prompts ``prompt_width`` wide, given room for prompts ``width`` wide (the
-        padding masked), so that the caches of every prompt width have one shape: serving's slots
-        (modelling/slots.py) keep the rows of requests of any prompt width in one cache, each row decoding at its
-        own position (``decode_step`` with ``i`` int [b])."""
-        raise NotImplementedError(f"the {self.name} family has no cache for serving slots (widen_cache)")
+    def decode_start_packed(self, params, ids, segments, positions, where, lengths, opts, max_new_tokens: int,
+                            tp_axis=None) -> tuple:
+        """``decode_start`` of prompts packed several to a row, as serving's inserts read them: ids/segments/positions
+        [R, W] (modelling/rows.py's packed rows: segment ids from 1, positions restarting at 0 in each prompt),
+        ``where`` int [J, W] each prompt's positions in the rows flattened (R * W past its ``lengths`` [J]) -> (logits
+        [J, Vl] of each prompt's first new token, the cache of J rows with room for prompts W wide), every row
+        decoding at its own position (``decode_step`` with ``i`` int [J]) from ``first_token_column``."""
+        raise NotImplementedError(f"the {self.name} family has no cache for serving slots (decode_start_packed)")
 
     def cache_positions(self, cache):
         """The axis of each of the cache's leaves along which a decoding step writes and reads its positions (-1: a
@@ -425,9 +427,10 @@ class Family(abc.ABC):
         over a prefix of those positions only (``cache_span``). None: the family's steps always read all of it."""
         return None
 
-    def first_token_column(self, prompt_width: int) -> int:
+    def first_token_column(self, prompt_length: int) -> int:
         """The cache column (along ``cache_positions``) that a row's first new token is written at when it is fed
-        back, new token i at that + i, for a row whose prompt was laid out ``prompt_width`` wide."""
+        back, new token i at that + i, for a row whose prompt of ``prompt_length`` tokens ``decode_start_packed``
+        read."""
         raise NotImplementedError(f"the {self.name} family has no cache for serving slots")
 
     def reorder_beams(self, cache, rows: jax.Array):

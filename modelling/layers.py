@@ -289,6 +289,16 @@ def layer_of(cache: jax.Array, layer) -> jax.Array:
     return lax.dynamic_index_in_dim(cache, layer, axis=1, keepdims=False)
 
 
+def gather_packed(t: jax.Array, where: jax.Array, axis: int) -> jax.Array:
+    """Each prompt's positions out of rows packed several prompts to a row: t [R, ..., W (at ``axis``), ...], where
+    int [J, W'] (the flat index r * W + c of each prompt's position, R * W: none, zeros) -> [J, ..., W' (at
+    ``axis``), ...]."""
+    moved = jnp.moveaxis(t, axis, 1)  # [R, W, ...]
+    flat = moved.reshape((-1,) + moved.shape[2:])
+    flat = jnp.concatenate([flat, jnp.zeros((1,) + flat.shape[1:], flat.dtype)])
+    return jnp.moveaxis(flat[where], 1, axis)
+
+
 def causal_mask_bias(q_len: int, k_len: int, q_offset=0) -> jax.Array:
     """Additive causal bias -> float32 [1, 1, q, k]; query i sees keys <= i + q_offset."""
     qi = jnp.arange(q_len)[:, None] + q_offset

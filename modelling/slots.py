@@ -1,9 +1,9 @@
 """Decoding slots: the per-device programs of continuous batching (serving/), for any family.
 
 A fixed number of rows ("slots") share one KV cache, each row holding its own request at its own position:
-``insert`` reads joining prompts (the family's ``decode_start``: T5's encoder and cross-attention keys/values,
-GPT-J's prefill), widens their cache to the slots' widest prompt (``Family.widen_cache``) and writes it into free
-rows; ``advance`` moves every row a few tokens on (``decode_step`` with a per-row index). Rows come and go between
+``insert`` reads joining prompts packed several to a row (the family's ``decode_start_packed``: T5's encoder and
+cross-attention keys/values, GPT-J's prefill, each prompt's share gathered out of the packed rows) and writes their
+cache into free rows; ``advance`` moves every row a few tokens on (``decode_step`` with a per-row index). Rows come and go between
 calls, so a short request never waits for a long one (JetStream's ``insert`` + ``generate``).
 
 Where each row is (``Rows``: its last token, that token's index, its limit, whether it still writes) and how it
@@ -128,16 +128,21 @@ def _set(x, rows, v):
     return x.at[rows].set(v.astype(x.dtype), mode="drop")
 
 
-def insert(family, w, opts, cache, state: tuple, ids, mask, rows, s: Sampling, limit, width: int,
+def insert(family, w, opts, cache, state: tuple, block: tuple, at, lengths, rows, s: Sampling, limit,
            max_new_tokens: int, eos_id: int, top: int, tp_axis=None):
-    """Joining prompts into free rows of the slots' cache. ids/mask [j, k] (laid out as the family decodes them),
-    rows int32 [j]: the cache row each joins (a row past the cache's: a filler, dropped), s: their sampling,
-    limit int32 [j]: their most tokens; state: (Rows, Sampling) of every row -> (their first tokens int32 [j], their
-    Scored [j], cache, state). ``width``: the widest prompt the cache holds; ``max_new_tokens``: the most tokens a row
-    writes."""
-    logits, new = family.decode_start(w, ids, mask, opts, max_new_tokens, tp_axis)
-    new = family.widen_cache(new, ids.shape[1], width)
-    first, scored = choose(logits, s, jnp.zeros(ids.shape[0], jnp.int32), tp_axis, top)
+    """Joining prompts into free rows of the slots' cache, read packed several to a row: block (ids, segments,
+    positions) [R, W] (modelling/rows.py's packed rows), at int32 [J]: each joiner's first position in the rows
+    flattened (r * W + c), lengths int32 [J] its tokens (0: a filler), rows int32 [J]: the cache row each joins (a
+    row past the cache's: a filler, dropped), s: their sampling, limit int32 [J]: their most tokens; state: (Rows,
+    Sampling) of every row -> (their first tokens int32 [J], their Scored [J], cache, state). ``max_new_tokens``: the
+    most tokens a row writes."""
+    ids, segments, positions = block
+    width = ids.shape[1]
+    cols = jnp.arange(width)[None]
+    where = jnp.where(cols < lengths[:, None], at[:, None] + cols, ids.size)  # (past a prompt: the row of zeros)
+    logits, new = family.decode_start_packed(w, ids, segments, positions, where, jnp.maximum(lengths, 1), opts,
+                                             max_new_tokens, tp_axis)
+    first, scored = choose(logits, s, jnp.zeros(rows.shape[0], jnp.int32), tp_axis, top)
     cache = jax.tree.map(lambda c, n: _set(c, rows, n), cache, new)
     r, all_s = state
     r = Rows(_set(r.token, rows, first), _set(r.index, rows, jnp.zeros_like(first)), _set(r.limit, rows, limit),

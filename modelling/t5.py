@@ -447,14 +447,19 @@ def decode_step(p: dict, token, i, cache: dict, opts, tp_axis=None):
     return decoder_step(p, token, i + 1, cache, opts, tp_axis)
 
 
-def widen_cache(cache: dict, prompt_width: int, width: int) -> dict:
-    """``decode_start``'s cache of prompts ``prompt_width`` wide with room for prompts ``width`` wide: the
-    cross-attention keys/values padded with zeros to ``width`` positions, masked (serving's slots hold the rows
-    of every prompt width in one cache)."""
-    pad = width - prompt_width
-    cross = tuple(jnp.pad(t, ((0, 0), (0, 0), (0, 0), (0, pad), (0, 0))) for t in cache["cross"])
-    bias = jnp.pad(cache["cross_bias"], ((0, 0), (0, 0), (0, 0), (0, pad)), constant_values=L.MASK_VALUE)
-    return {**cache, "cross": cross, "cross_bias": bias}
+def decode_start_packed(p: dict, ids, segments, positions, where, lengths, opts, max_new_tokens: int, tp_axis=None):
+    """``decode_start`` of prompts packed several to a row (serving's inserts): the encoder over the packed rows
+    ids/segments/positions [R, W] (segment ids from 1, positions restarting at 0 in each prompt), the cross-attention
+    keys and values of its output, and each prompt's of them gathered out (``where`` int [J, W]: each prompt's
+    positions in the rows flattened, R * W past its ``lengths`` [J]) -> (logits [J, Vl], the cache of J rows with room
+    for prompts W wide)."""
+    enc = encode(p, ids, segments, opts, tp_axis, positions=positions)
+    ck, cv = (L.gather_packed(t, where, 3) for t in cross_kv(p["decoder"]["layers"], enc.astype(opts.compute_dtype)))
+    j, n, h, _, kv = ck.shape
+    empty = jnp.zeros((j, n, h, max_new_tokens, kv), opts.compute_dtype)
+    mask = jnp.arange(where.shape[1])[None] < lengths[:, None]
+    cache = {"self": (empty, empty), "cross": (ck, cv), "cross_bias": L.padding_mask_bias(mask)}
+    return decode_step(p, jnp.full((j,), DECODER_START, jnp.int32), -1, cache, opts, tp_axis)
 
 
 def cache_positions(cache: dict) -> dict:
@@ -463,8 +468,8 @@ def cache_positions(cache: dict) -> dict:
     return {"self": (3, 3), "cross": (-1, -1), "cross_bias": -1}
 
 
-def first_token_column(prompt_width: int) -> int:
-    """Position 1: the decoder's start token is at 0, new token i at i + 1, whatever the prompt's width."""
+def first_token_column(prompt_length: int) -> int:
+    """Position 1: the decoder's start token is at 0, new token i at i + 1, whatever the prompt's length."""
     return 1
 
 
@@ -759,7 +764,7 @@ class T5Family(Family):
         return encode(params, ids, segments, opts, tp_axis, positions=positions)
     decode_step = staticmethod(decode_step)
     decode_uncached = staticmethod(decode_uncached)
-    widen_cache = staticmethod(widen_cache)
+    decode_start_packed = staticmethod(decode_start_packed)
     cache_positions = staticmethod(cache_positions)
     first_token_column = staticmethod(first_token_column)
 

@@ -1,13 +1,13 @@
 """The model behind the server, as the HTTP layer (serving/http.py) uses it: ``submit``, ``cancel``, ``drain``,
 ``abort``; its tokenizer, chat template and limits. Below it, the scheduler (serving/scheduler.py) drives a
-``Backend`` (serving/backend.py's ``SlotBackend``: a checkpoint's, or an HF model's, compiled slot programs; the
-tests' fake) and the output processor (serving/output.py) turns its tokens into text. No JAX here.
+``Backend`` (decoder/slots.py's SlotPrograms: a checkpoint's, or an HF model's, compiled slot programs; the tests'
+fake) and the output processor (serving/output.py) turns its tokens into text. No JAX here.
 
     engine = backend.build_engine(cfg, ServeOptions.of(args, cfg))     # run_server.py: everything compiled
 
 What a request may ask (serving/api.py's Limits): /v1/completions prompts as given (the whole text the model reads,
 a raw continuation as OpenAI's: T5 ends it with its end-of-text token, GPT-J continues it; a list of token ids is read
-as it is) of at most the widest prompt width compiled, and at most ``--output_length`` new tokens (the checkpoint's
+as it is) of at most ``--prompt_width`` tokens, and at most ``--output_length`` new tokens (the checkpoint's
 task's by default, as ``run_inference.py`` takes it), which is also a request's default ``max_tokens``.
 
 Chat: the messages are the task's input: they become one text through a chat template (Jinja, as
@@ -65,8 +65,8 @@ class ServeOptions:
 
     slots: int  # decoding slots (rows decoded together)
     max_queue: int  # sequences waiting for a slot beyond the slots (429 past it)
-    widths: tuple  # prompt widths compiled, ascending: a prompt is padded to the first that holds it
-    joins: tuple  # joining rows per dp shard compiled, ascending
+    width: int  # the longest prompt taken (tokens): inserts read prompts packed into rows this wide
+    insert_rows: tuple  # packed rows per dp shard an insert reads, compiled, ascending
     steps: int  # decoding steps per call of the slots' program (while a slot is free)
     max_new_tokens: int  # the most tokens a request may ask for
     max_prompt_chars: int
@@ -92,14 +92,15 @@ class ServeOptions:
         ex = cfg.execution
         slots = args.slots or ex.rows_per_micro_batch
         local = slots // ex.data_parallel if slots % ex.data_parallel == 0 else slots
-        widths = sorted(set(args.prompt_widths or powers_of_two(SMALLEST_WIDTH, cfg.model.sequence_length)))
-        joins = sorted({j for j in args.join_sizes if j <= local} | {local}) if args.join_sizes else default_joins(local)
+        width = args.prompt_width or -(-cfg.model.sequence_length // 8) * 8
+        rows = sorted({min(r, local) for r in args.insert_rows} | {local}) if args.insert_rows else \
+            default_insert_rows(local)
         for flag, value, low in (("--slots", args.slots, 1), ("--header_timeout", args.header_timeout, 0.1),
                                  ("--body_timeout", args.body_timeout, 0.1),
                                  ("--max_connections", args.max_connections, 1),
                                  ("--max_queue", args.max_queue, 0), ("--steps_per_call", args.steps_per_call, 1),
                                  ("--max_steps_per_call", args.max_steps_per_call, args.steps_per_call),
-                                 ("--prompt_widths", min(widths), 1), ("--join_sizes", min(joins), 1),
+                                 ("--prompt_width", width, 1), ("--insert_rows", min(rows), 1),
                                  ("--max_prompt_chars", args.max_prompt_chars, 1),
                                  ("--max_body_bytes", args.max_body_bytes, 1024),
                                  ("--max_logprobs", args.max_logprobs, 0), ("--min_join", args.min_join, 1),
@@ -109,8 +110,8 @@ class ServeOptions:
         load = cfg.checkpoint.load
         model_id = args.model_name or (os.path.basename(os.path.normpath(load)) if load else cfg.data.hf_model)
         return cls(slots, max(DEFAULT_QUEUE, 4 * slots) if args.max_queue is None else args.max_queue,
-                   tuple(widths), tuple(joins), args.steps_per_call, cfg.inference.output_length,
-                   args.max_prompt_chars or 64 * widths[-1], args.max_body_bytes, model_id, args.max_logprobs,
+                   width, tuple(rows), args.steps_per_call, cfg.inference.output_length,
+                   args.max_prompt_chars or 64 * width, args.max_body_bytes, model_id, args.max_logprobs,
                    args.min_join,
                    read_template(args.chat_template), args.max_steps_per_call or MAX_STEPS_FACTOR * args.steps_per_call,
                    DEFAULT_SPANS if args.attention_spans is None else args.attention_spans)
@@ -132,12 +133,12 @@ def server_flags(p) -> None:
     s.add_argument("--max_queue", type=int, default=None,
                    help="sequences that may wait for a slot; while that many wait a request gets 429 with "
                         "Retry-After, which the openai client retries (default: 256, or 4 x slots where more)")
-    s.add_argument("--prompt_widths", type=int, nargs="+", default=None, metavar="N",
-                   help="prompt widths compiled (a prompt is padded to the first that holds it; the widest is the "
-                        "longest prompt taken); default: 16, 32, ... up to sequence_length")
-    s.add_argument("--join_sizes", type=int, nargs="+", default=None, metavar="N",
-                   help="how many prompts (per dp shard) one insert reads, compiled (default: 1, 4, 16 ... and the "
-                        "slots per shard)")
+    s.add_argument("--prompt_width", type=int, default=None, metavar="N",
+                   help="the longest prompt taken, in tokens: joining prompts are read packed several to a row this "
+                        "wide (default: sequence_length, rounded up to a multiple of 8)")
+    s.add_argument("--insert_rows", type=int, nargs="+", default=None, metavar="N",
+                   help="packed rows (per dp shard) one insert reads, a program compiled for each: joining prompts "
+                        "take the fewest that hold them (default: 1, 4, 16 ... and the slots per shard)")
     s.add_argument("--steps_per_call", type=int, default=8,
                    help="decoding steps per call of the slots' program (default 8: the host's work per call spread "
                         "over 8 tokens; 1 with --max_steps_per_call 1: a token streamed at a time and joins at every "
@@ -158,13 +159,10 @@ def server_flags(p) -> None:
                         "decoding step of every slot is 40 MFLOP or more; at least one a simulated device; 0: XLA's "
                         "own default, all the cores, or PJRT_NPROC or NPROC where the environment sets them, "
                         "which the default leaves too); docs/serving.md")
-    s.add_argument("--engine_process", action="store_true",
-                   help="run the decoding loop (the model, its programs and the scheduler) in a process of its own, "
-                        "so that it never waits for the HTTP layer's interpreter lock (docs/serving.md)")
     s.add_argument("--min_join", type=int, default=None,
                    help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
                         "join together in one insert (default: 1 on a CPU, where a free slot joins at once; else half "
-                        "the slots, at most the rows one insert takes: data_parallel x the widest join)")
+                        "the slots)")
     s.add_argument("--max_logprobs", type=int, default=20,
                    help="the most likely tokens a request may ask to see beside each token (logprobs, top_logprobs; "
                         "default 20, as vLLM's)")
@@ -197,18 +195,18 @@ def limit_flags(s) -> None:
                         "--slots rows)")
 
 
-def default_joins(local: int) -> list:
-    """Joining rows per dp shard compiled by default: 1, 4, 16 ... and the slots per shard."""
+def default_insert_rows(local: int) -> list:
+    """Packed rows per dp shard an insert reads, compiled by default: 1, 4, 16 ... and the slots per shard (each
+    prompt fits a row: every free slot of a shard can join in one insert)."""
     return sorted({j for j in powers_of_two(1, local)[::2] if j <= local} | {local})
 
 
-def default_min_join(slots: int, most: int, platform: str) -> int:
+def default_min_join(slots: int, platform: str) -> int:
     """Free slots that wait for a group by default, on the devices of ``platform``: on a CPU 1 (a free slot joins at
-    once: an insert's cost grows with its prompts there, 8 of them cost 3.5x to 4.3x one, so a group saves little
-    while the free slots idle; joining at once gained 14% and 16% at width 256 in the serving benchmark, 6% to 12% in
-    the engine alone, docs/serving.md); elsewhere half the slots, at most the most one insert takes (``most``): on
-    an accelerator an insert of a few prompts costs about what one costs, reading every weight once."""
-    return 1 if platform == "cpu" else max(1, min(slots // 2, most))
+    once: an insert's cost grows with its prompts there, so a group saves little while the free slots idle);
+    elsewhere half the slots (on an accelerator an insert of a few prompts costs about what one costs, reading every
+    weight once)."""
+    return 1 if platform == "cpu" else max(1, slots // 2)
 
 
 def read_template(path: Optional[str]) -> Optional[str]:
@@ -223,27 +221,24 @@ def read_template(path: Optional[str]) -> Optional[str]:
 
 class Engine:
     """The model served (see the module docstring): ``encode(texts) -> ids`` reads prompts as the model does;
-    ``scheduler(backend, max_queue, metrics, min_join, steps)`` makes the scheduler (the Scheduler in this process, or
-    serving/remote.py's over an engine process, whose ``backend`` is then what this process knows of it);
     ``prompt_format(text) -> text`` renders a task's input as the model was trained to read it (``Family.prompt``:
     chat messages are one)."""
 
-    def __init__(self, backend, tokenizer, encode: Callable, options: ServeOptions, scheduler: Callable = Scheduler,
+    def __init__(self, backend, tokenizer, encode: Callable, options: ServeOptions,
                  prompt_format: Callable = lambda text: text):
         self.backend, self.tokenizer, self.encode, self.options = backend, tokenizer, encode, options
         self.prompt_format = prompt_format
         self.model_id, self.created = options.model_id, int(time.time())
         self.limits = Limits(max_tokens=options.max_new_tokens, default_max_tokens=options.max_new_tokens,
-                             max_prompt_tokens=backend.widths[-1], max_prompt_chars=options.max_prompt_chars,
+                             max_prompt_tokens=backend.max_prompt, max_prompt_chars=options.max_prompt_chars,
                              max_prompts=options.slots + options.max_queue, max_body_bytes=options.max_body_bytes,
                              vocab_size=backend.vocab_size,
                              max_logprobs=min(options.max_logprobs, backend.top),
                              scores_prompts=backend.scores_prompts)
         self.chat_template = options.chat_template or getattr(tokenizer, "chat_template", None) or None
         self.metrics = Metrics(options.slots)
-        self.min_join = options.min_join or default_min_join(options.slots, backend.dp * max(backend.joins),
-                                                             backend.platform)
-        self.scheduler = scheduler(backend, options.max_queue, self.metrics, self.min_join, options.steps)
+        self.min_join = options.min_join or default_min_join(options.slots, backend.platform)
+        self.scheduler = Scheduler(backend, options.max_queue, self.metrics, self.min_join, options.steps)
         self.output = OutputProcessor(tokenizer, self.metrics, self.scheduler.finish)
 
     # ------------------------------------------------------------------ prompts
@@ -256,7 +251,7 @@ class Engine:
             raise PromptError("prompt", "has no tokens: give it some text", "empty_prompt")
         if len(ids) > self.limits.max_prompt_tokens:
             raise PromptError("prompt", f"is {len(ids)} tokens long: this server reads at most "
-                                        f"{self.limits.max_prompt_tokens} (the widest of --prompt_widths)",
+                                        f"{self.limits.max_prompt_tokens} (--prompt_width)",
                               "context_length_exceeded")
         return list(ids)
 
@@ -317,7 +312,7 @@ class Engine:
     def describe(self, host: str, port: int) -> str:
         o = self.options
         return (f"serving {self.model_id} on http://{host}:{port} ({o.slots} slots, a queue of {o.max_queue}, "
-                f"prompts up to {o.widths[-1]} tokens, up to {o.max_new_tokens} new tokens, {o.steps} step(s) a "
+                f"prompts up to {o.width} tokens, up to {o.max_new_tokens} new tokens, {o.steps} step(s) a "
                 f"call, up to {o.most_steps} with every slot taken, "
                 + ("a free slot joins at once)" if self.min_join == 1 else
                    f"free slots wait for {self.min_join} to join together)"))

@@ -63,16 +63,15 @@ class Failed(SchedulerError):
 
 
 class Backend(Protocol):
-    """The slots as the scheduler drives them (serving/engine.py's over decoder/slots.py; the tests' fake). Calls
-    return handles that ``fetch`` turns into numpy: insert -> (first tokens [n], Scored [n]); advance -> (tokens
-    [slots, steps], Scored [slots, steps]); score -> Scored [n, width - 1], where Scored is (logprob, top_ids,
-    top_logprobs) as modelling/slots.py's."""
+    """The slots as the scheduler drives them (decoder/slots.py's SlotPrograms; the tests' fake). Calls return
+    handles that ``fetch`` turns into numpy: insert -> (first tokens [n], Scored [n]) in the joiners' order; advance
+    -> (tokens [slots, steps], Scored [slots, steps]); score -> Scored [score_rows, max_prompt - 1] (row r, column c:
+    prompt r's token c + 1), where Scored is (logprob, top_ids, top_logprobs) as modelling/slots.py's."""
 
     slots: int  # decoding rows
     local: int  # rows per dp shard
     dp: int
-    widths: tuple  # prompt widths compiled, ascending
-    joins: tuple  # joining rows per dp shard compiled, ascending
+    max_prompt: int  # the longest prompt (tokens) an insert reads
     steps: int  # the most tokens an advance gives (``advance(keep, n)``: n of them, 1 <= n <= steps)
     eos_id: int
     pad_id: int
@@ -82,18 +81,17 @@ class Backend(Protocol):
     score_rows: int  # prompts one ``score`` reads
     platform: str  # the devices' ("cpu", "gpu", "tpu"): what an insert costs there sets how free slots join
 
-    def layout(self, ids: np.ndarray, mask: np.ndarray) -> tuple: ...
-
-    def insert(self, width: int, join: int, ids, mask, rows, sampling: tuple, limit) -> Any: ...
+    # joiners: [(a free slot, the prompt's ids, its sampling tuple (``Sequence.sampling``), its most tokens)]
+    def insert(self, joiners: list) -> Any: ...
 
     # ``span``: every row still writing writes its cache below column ``span`` in these n steps (a row whose prompt
-    # was laid out w wide writes its new token i at ``first_token_column(w)`` + i), so the steps may attend over
-    # those columns only
+    # holds p tokens writes its new token i at ``first_token_column(p)`` + i), so the steps may attend over those
+    # columns only
     def advance(self, keep: np.ndarray, n: int, span: Optional[int] = None) -> Any: ...
 
-    def first_token_column(self, width: int) -> int: ...
+    def first_token_column(self, prompt_length: int) -> int: ...
 
-    def score(self, width: int, ids, mask) -> Any: ...
+    def score(self, prompts: list) -> Any: ...  # at most score_rows prompts' ids
 
     def fetch(self, handle: Any) -> Any: ...
 
@@ -115,7 +113,6 @@ class Sequence:
     prompt_logprobs: bool = False  # the prompt's own log-probabilities (a causal model's)
     out: Any = None
     arrival: float = field(default_factory=time.perf_counter)
-    key: Optional[int] = None  # its name between the server's two processes (serving/remote.py)
     # state: the scheduler's thread writes it; ``cancel``, ``finish`` and ``abort`` only set their flags
     count: int = 0  # tokens read
     dispatched: int = 0  # tokens the calls dispatched so far give at most
@@ -159,7 +156,6 @@ class _Call:
     kind: str  # "insert", "advance", "score"
     handle: Any
     rows: list  # [(row of the output, sequence)]
-    mask: Any = None  # a score call's prompt mask, as laid out: where each prompt's tokens are
     steps: int = 0  # an advance's steps (its tokens' columns past them are padding)
 
 
@@ -169,8 +165,7 @@ SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.in
 def admit(failure: Optional[SchedulerError], admitting: bool, held: int, joining: int, slots: int,
           max_queue: int) -> None:
     """What refuses ``joining`` more sequences beside the ``held`` ones, raised: the loop's ``failure`` (Failed),
-    ShuttingDown once it stops ``admitting``, QueueFull while its slots and queue are full (both schedulers' rule:
-    this process's, and serving/remote.py's, which admits for its engine process). A request is admitted whole
+    ShuttingDown once it stops ``admitting``, QueueFull while its slots and queue are full. A request is admitted whole
     while fewer than ``slots + max_queue`` are held, however many sequences it brings (the HTTP layer refuses one of
     more than that, 413): one of many sequences waits for room as one of one does, never refused for good while
     smaller ones take each slot that frees (it was, when it had to fit beside the held ones); the server then holds
@@ -380,22 +375,16 @@ class Scheduler:
         b = self.b
         for i in range(0, len(seqs), b.score_rows):
             group = seqs[i:i + b.score_rows]
-            width = next(w for w in b.widths if w >= max(len(s.ids) for s in group))
-            ids = np.full((b.score_rows, width), b.pad_id, np.int32)
-            mask = np.zeros((b.score_rows, width), np.int32)
-            for r, s in enumerate(group):
-                ids[r, :len(s.ids)], mask[r, :len(s.ids)] = s.ids, 1
-            ids, mask = b.layout(ids, mask)
-            self.pending.append(_Call("score", b.score(width, ids, mask), list(enumerate(group)), mask))
+            self.pending.append(_Call("score", b.score([s.ids for s in group]), list(enumerate(group))))
 
     def _free(self) -> list:
         b = self.b
         return [[s for s in range(d * b.local, (d + 1) * b.local) if self.running[s] is None] for d in range(b.dp)]
 
     def _join(self) -> None:
-        """Waiting sequences into free slots, in inserts of up to the widest join per dp shard. Fewer free slots
-        than ``min_join`` wait up to ``max_wait`` calls for others to free (not when nothing runs, or when every
-        waiting one fits)."""
+        """Waiting sequences into free slots, all the free slots can take in one insert. Fewer free slots than
+        ``min_join`` wait up to ``max_wait`` calls for others to free (not when nothing runs, or when every waiting
+        one fits)."""
         free = self._free()
         room = sum(map(len, free))
         waiting = len(self.waiting)
@@ -406,45 +395,26 @@ class Scheduler:
             self.deferred += 1
             return
         self.deferred = 0
-        while room:
-            joining = self._take_waiting(min(room, self.b.dp * self.b.joins[-1]))
-            if not joining:
-                return
-            self._insert(joining, free)
-            self.joining = []
-            free = self._free()
-            room = sum(map(len, free))
+        joining = self._take_waiting(room)
+        self._insert(joining, free)
+        self.joining = []
 
     def _insert(self, joining: list, free: list) -> None:
-        b = self.b
-        per_shard = [[] for _ in range(b.dp)]  # the sequences each shard takes, its freest first
+        """The joiners into free slots, each to the dp shard with the most free slots left, in one insert."""
+        b, taken, placed = self.b, [0] * self.b.dp, []
         for s in joining:
-            d = max(range(b.dp), key=lambda d: len(free[d]) - len(per_shard[d]))
-            per_shard[d].append(s)
-        join = next(j for j in b.joins if j >= max(map(len, per_shard)))
-        width = next(w for w in b.widths if w >= max(len(s.ids) for s in joining))
-        n = b.dp * join
-        ids, mask = np.full((n, width), b.pad_id, np.int32), np.zeros((n, width), np.int32)
-        rows, limit = np.full(n, b.local, np.int32), np.zeros(n, np.int32)  # fillers: a row past the shard's
-        sampling = [np.zeros(n, dt) for dt in SAMPLING_DTYPES]
-        placed = []
-        for d, group in enumerate(per_shard):
-            for j, s in enumerate(group):
-                r, s.slot = d * join + j, free[d][j]
-                ids[r, :len(s.ids)], mask[r, :len(s.ids)] = s.ids, 1
-                rows[r], limit[r] = s.slot - d * b.local, s.max_tokens
-                for a, v in zip(sampling, s.sampling()):
-                    a[r] = v
-                placed.append((r, s))
-        scored = [s for _, s in placed if s.prompt_logprobs]
+            d = max(range(b.dp), key=lambda d: len(free[d]) - taken[d])
+            s.slot = free[d][taken[d]]
+            taken[d] += 1
+            placed.append(s)
+        scored = [s for s in placed if s.prompt_logprobs]
         if scored:
             self._score(scored)
-        ids, mask = b.layout(ids, mask)
-        self.pending.append(_Call("insert", b.insert(width, join, ids, mask, rows, tuple(sampling), limit), placed))
-        column = b.first_token_column(width)
-        for _, s in placed:
+        call = b.insert([(s.slot, s.ids, s.sampling(), s.max_tokens) for s in placed])
+        self.pending.append(_Call("insert", call, list(enumerate(placed))))
+        for s in placed:
             self.cleared.discard(s.slot)
-            s.dispatched, s.column = 1, column
+            s.dispatched, s.column = 1, b.first_token_column(len(s.ids))
             self.running[s.slot] = None if s.dispatched >= s.max_tokens else s
             self.metrics.prompt_tokens.inc(len(s.ids))
 
@@ -471,15 +441,13 @@ class Scheduler:
                 self._take(s, tokens[r].tolist(), r, scored, updates)
 
     def _read_scores(self, call: _Call, updates: list) -> None:
-        """A score call's results: each prompt's tokens 1.. (where its mask says they were laid out; column c of the
-        results scores the token at c + 1)."""
+        """A score call's results: each prompt's tokens 1.. (row r, column c: prompt r's token c + 1)."""
         scored = _fields(self.b.fetch(call.handle))
         self.failures = 0
         for r, s in call.rows:
             if s.ended or s.gone:
                 continue
-            cols = np.nonzero(call.mask[r])[0][1:] - 1
-            updates.append(Update(s, prompt_scored=tuple(np.asarray(x[r][cols]) for x in scored)))
+            updates.append(Update(s, prompt_scored=tuple(np.asarray(x[r][:len(s.ids) - 1]) for x in scored)))
             if s.max_tokens == 0:
                 self._end(s, updates, "length")
 

@@ -4,14 +4,15 @@ whose outputs a test knows in advance.
 The model: a row's token i is its prompt's token i (cycled): a prompt holding the end-of-text id ends there, a
 prompt of words repeats them. A token's log-probability is ``logprob(token, i)``, its top candidates the token and
 the ones after it; a prompt's token is scored ``logprob(token, the token before it)``. Rows hold their state as the
-device does (modelling/slots.py's Rows): ``insert`` writes the joining rows (a row past the shard's: dropped),
-``advance`` moves every row that is alive and kept, ends rows at their end-of-text or limit and pads after, so the
-scheduler's bookkeeping is checked against the same rules. A row writes its new token i at cache column
-``first_token_column(w)`` + i (its prompt's width w, as a causal LM's cache; ``after_prompt=False``: 1 + i, as
-T5's), and ``advance(keep, n, span)`` raises ``SpanTooNarrow`` when a row still writing would write at ``span`` or
-past it in these n steps, up to its last token (the span each call asked: ``spans``). A test can make a call raise
-(``fail``), hold the reading of calls (``gate``: a threading.Event the scheduler's fetch waits on), and read the
-calls made (``calls``; ``shapes``: each insert's and score's width and join).
+device does (modelling/slots.py's Rows): ``insert`` writes the joining rows into the slots it is given (two joiners
+in one slot: an error), ``advance`` moves every row that is alive and kept, ends rows at their
+end-of-text or limit and pads after, so the scheduler's bookkeeping is checked against the same rules. A row writes
+its new token i at cache column ``first_token_column(p)`` + i (its prompt's length p, as a causal LM's cache;
+``after_prompt=False``: 1 + i, as T5's), and ``advance(keep, n, span)`` raises ``SpanTooNarrow`` when a row still
+writing would write at ``span`` or past it in these n steps, up to its last token (the span each call asked:
+``spans``). A test can make a call raise (``fail``), hold the reading of calls (``gate``: a threading.Event the
+scheduler's fetch waits on), and read the calls made (``calls``; ``inserts``: each insert's joiners' slots;
+``scores``: each score call's prompts).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
-
-from modelling.family import left_align
 
 
 @dataclass
@@ -36,18 +35,17 @@ def logprob(token, i) -> np.ndarray:
 
 
 class FakeBackend:
-    def __init__(self, slots: int = 4, dp: int = 1, widths=(8, 16), joins=(1, 2, 4), steps: int = 2,
-                 eos_id: int = 1, pad_id: int = 0, vocab: int = 64, top: int = 4, scores_prompts: bool = True,
-                 right_aligned: bool = False, after_prompt: bool = True, platform: str = "cpu"):
-        self.slots, self.dp, self.local, self.platform = slots, dp, slots // dp, platform
-        self.widths, self.joins = tuple(widths), tuple(j for j in joins if j <= self.local)
+    def __init__(self, slots: int = 4, dp: int = 1, max_prompt: int = 16, steps: int = 2, eos_id: int = 1,
+                 pad_id: int = 0, vocab: int = 64, top: int = 4, scores_prompts: bool = True, after_prompt: bool = True,
+                 platform: str = "cpu", score_rows: int = 4):
+        self.slots, self.dp, self.local, self.platform, self.max_prompt = slots, dp, slots // dp, platform, max_prompt
         self.steps, self.eos_id, self.pad_id, self.vocab_size, self.top = steps, eos_id, pad_id, vocab, top
-        self.scores_prompts, self.score_rows = scores_prompts, self.joins[-1] * dp
-        self.right_aligned, self.after_prompt = right_aligned, after_prompt
+        self.scores_prompts, self.score_rows, self.after_prompt = scores_prompts, score_rows, after_prompt
         self.spans: list = []  # the span each advance was given
         self.calls: list = []
         self.limits: list = []  # the limit each inserted row was given
-        self.shapes: list = []  # (kind, width, join) of each insert and score call (a score's join: None)
+        self.inserts: list = []  # each insert's joiners' slots
+        self.scores: list = []  # each score call's prompts
         self.ns: list = []  # the steps of each advance
         self.fail = None  # callable(kind) -> an exception to raise, or None
         self.gate = None  # threading.Event the reading of an advance waits for
@@ -63,9 +61,6 @@ class FakeBackend:
         self.alive = np.zeros(self.slots, bool)
         self.column = np.zeros(self.slots, int)  # each row's first_token_column
 
-    def layout(self, ids, mask):
-        return left_align(ids, mask) if self.right_aligned else (ids, mask)
-
     def _check(self, kind: str):
         self.calls.append(kind)
         if self.fail is not None:
@@ -73,8 +68,8 @@ class FakeBackend:
             if e is not None:
                 raise e
 
-    def first_token_column(self, width: int) -> int:
-        return width if self.after_prompt else 1
+    def first_token_column(self, prompt_length: int) -> int:
+        return prompt_length if self.after_prompt else 1
 
     def token(self, slot: int, i: int) -> int:
         p = self.prompts[slot]
@@ -86,24 +81,20 @@ class FakeBackend:
         return Scored(lp, (tokens[..., None] + np.arange(self.top)) % self.vocab_size,
                       lp[..., None] - 0.25 * np.arange(self.top))
 
-    def insert(self, width, join, ids, mask, rows, sampling, limit):
+    def insert(self, joiners):
         self._check("insert")
-        self.shapes.append(("insert", width, join))
-        assert (width, join) in [(w, j) for w in self.widths for j in self.joins], (width, join)
-        assert ids.shape == (self.dp * join, width)
-        first = np.full(len(rows), self.pad_id)
-        for r in range(len(rows)):
-            if rows[r] >= self.local:  # a filler
-                continue
-            d = r // join
-            slot = d * self.local + rows[r]
-            got = ids[r][mask[r] > 0].tolist()
-            self.prompts[slot], self.index[slot], self.limit[slot] = got, 0, limit[r]
-            self.column[slot] = self.first_token_column(width)
-            self.limits.append(int(limit[r]))
-            first[r] = self.token(slot, 0)
-            self.alive[slot] = first[r] != self.eos_id and limit[r] > 1
-        return first, self._scored(first, np.zeros(len(rows), int))
+        slots = [slot for slot, *_ in joiners]
+        assert len(set(slots)) == len(slots) and all(0 <= s < self.slots for s in slots), slots  # one joiner a slot
+        self.inserts.append(slots)
+        first = np.full(len(joiners), self.pad_id)
+        for k, (slot, ids, sampling, limit) in enumerate(joiners):
+            assert 0 < len(ids) <= self.max_prompt, len(ids)
+            self.prompts[slot], self.index[slot], self.limit[slot] = list(ids), 0, limit
+            self.column[slot] = self.first_token_column(len(ids))
+            self.limits.append(int(limit))
+            first[k] = self.token(slot, 0)
+            self.alive[slot] = first[k] != self.eos_id and limit > 1
+        return first, self._scored(first, np.zeros(len(joiners), int))
 
     def advance(self, keep, n, span=None):
         self._check("advance")
@@ -131,10 +122,13 @@ class FakeBackend:
         self.alive = alive
         return _Pending(out, self.gate), self._scored(out, idx)
 
-    def score(self, width, ids, mask):
+    def score(self, prompts):
         self._check("score")
-        self.shapes.append(("score", width, None))
-        assert ids.shape == (self.score_rows, width)
+        assert 0 < len(prompts) <= self.score_rows, len(prompts)
+        self.scores.append([list(p) for p in prompts])
+        ids = np.full((self.score_rows, self.max_prompt), self.pad_id)
+        for r, p in enumerate(prompts):
+            ids[r, :len(p)] = p
         return self._scored(ids[:, 1:], ids[:, :-1])  # each token scored given the one before it
 
     def fetch(self, handle):
@@ -184,34 +178,3 @@ class SlowFake(FakeBackend):
 
             time.sleep(self.delay)
         return super().fetch(handle)
-
-
-def build_fake(kw: dict) -> FakeBackend:
-    """serving/remote.py's ``build`` of a fake (in the engine process): ``kw`` the FakeBackend's, ``delay`` a
-    SlowFake's, ``platform``, ``fail`` (FailOnce)."""
-    kw = dict(kw)
-    fail = kw.pop("fail", None)
-    b = SlowFake(**kw) if "delay" in kw else FakeBackend(**kw)
-    b.fail = fail
-    return b
-
-
-def refuse_to_start(kind: str):
-    """A ``build`` that raises: a ConfigError (a bad setting, its one line), a CheckpointError, or a bug."""
-    from utils.errors import CheckpointError, ConfigError
-
-    if kind == "config":
-        raise ConfigError("--slots 3 must divide over data_parallel 2")
-    if kind == "checkpoint":
-        raise CheckpointError("ckpt/x holds no weights")
-    raise ZeroDivisionError("a bug")
-
-
-def slow_build(seconds: float, marker: str) -> FakeBackend:
-    """A ``build`` that takes ``seconds`` (an engine process compiling), ``marker`` written as it begins."""
-    import time
-
-    with open(marker, "w") as f:
-        f.write("building")
-    time.sleep(seconds)
-    return FakeBackend()

@@ -21,7 +21,7 @@ SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "
          "--warmup_steps", "0"]
 
 __all__ = ["ROOT", "SMALL", "build", "fails", "fro_rel", "leaves", "max_rel", "params_at", "start", "tiny",
-           "update_rel", "wait_for_lines", "assert_trained_alike", "alive", "spawned_children", "machine",
+           "update_rel", "wait_for_lines", "assert_trained_alike", "machine",
            "threads_passed"]
 
 
@@ -126,31 +126,6 @@ def wait_for_lines(path, n, proc, timeout=300) -> None:
             raise AssertionError(proc.stderr.read()[-3000:])
         time.sleep(0.2)
     raise AssertionError("the run did not reach step %d" % n)
-
-
-def alive(pid: int) -> bool:
-    """Whether a process runs (Linux; a zombie, ended and not yet reaped by whoever adopted it, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def spawned_children(pid: int) -> list:
-    """A process's child processes started by multiprocessing's spawn, from any of its threads (a server's engine
-    process, not its resource tracker) (Linux)."""
-    from app.bench import children
-
-    out = []
-    for k in children(pid):
-        try:
-            with open(f"/proc/{k}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out.append(k)
-        except OSError:
-            continue
-    return out
 
 
 def machine(monkeypatch, cores: int, platforms: str = "cpu", started: bool = False, **env) -> None:

@@ -252,13 +252,13 @@ def test_the_profile_times_the_engine_s_parts_and_records_each_call_s_steps_and_
     backend = engine.backend
     inserts = []
     insert = backend.insert
-    backend.insert = lambda *a: (inserts.append(a[1]), insert(*a))[1]
+    backend.insert = lambda joiners: (inserts.append(len(joiners)), insert(joiners))[1]
     p = serve.profile_parts(engine, reqs)
     assert p["decoding_calls"] == len(backend.ns) > 0
     assert p["steps_per_decoding_call"] == pytest.approx(np.mean(backend.ns))
     assert None not in backend.spans
     assert p["attention_span_asked_per_decoding_call"] == pytest.approx(np.mean(backend.spans))
-    assert p["inserts"] == len(inserts) and sum(inserts) >= len(reqs)
+    assert p["inserts"] == len(inserts) and sum(inserts) == len(reqs)  # every request joins once
     assert p["tokens"] == sum(r["max_tokens"] for r in reqs)
     parts = p["host_ms_per_decoding_call"]
     assert set(parts) == {"dispatching the decoding call", "dispatching inserts", "waiting for the device (reading)",
@@ -284,7 +284,8 @@ def test_the_profile_s_engine_gets_the_flags_each_server_of_the_run_gets():
         flags = serve.server_argv(a, "base", k, reqs, ["--tensor_parallel", "1"], args)
         got, over = parse_args("inference", "t", "tiny", flags, server_flags)
         assert got.config == "base"  # (the preset's precision: the checkpoint carries the shape alone)
-        assert (got.slots, got.max_queue, got.prompt_widths) == (4, 6, list(serve.server_widths(reqs)))
+        assert (got.slots, got.max_queue, got.prompt_width) == (4, 6, serve.server_width(reqs))
+        assert got.prompt_width % 8 == 0 and got.prompt_width >= max(len(r["prompt"].split()) for r in reqs) + 2
         assert (int(over["output_length"]), int(over["tensor_parallel"])) == (32, 1)  # (as given: strings)
         if "--attention_spans" in args:
             assert (got.attention_spans, got.steps_per_call) == (2, k)
@@ -341,8 +342,6 @@ def test_the_profile_sets_xla_s_threads_as_the_server_does(monkeypatch, profiled
             serve.main(differ + ["--profile", "--configs", "no_such_preset"])
     with pytest.raises(SystemExit, match=r"their defaults differ: \[0, 3\]"):  # (by their slots)
         serve.run_profile(serve.parse(profiled + ["--server_args=", heavy]), [])
-    with pytest.raises(SystemExit, match="drop --engine_process"):  # (it profiles the engine in its own process)
-        serve.run_profile(serve.parse(profiled + ["--server_args=", "--server_args=--engine_process"]), [])
     assert passed == [want]
 
 

@@ -99,10 +99,10 @@ def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_v
     every other leaf, 10 of them the state's (slots / dp rows each)."""
     from config import load_config
     from decoder.engine import Decoder
-    from decoder.slots import JOINER_COLUMNS, SlotPrograms
+    from decoder.slots import SlotPrograms, joiner_words
 
     g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
-    sp = SlotPrograms(g, 4, (8,), (1,), 6, 3, eos_id=1, pad_id=0)
+    sp = SlotPrograms(g, 4, 8, (1,), 6, 3)
     sp.params = g.abstract_decode_params()
     cache = jax.eval_shape(sp._empty_cache)
     kv = [x for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -115,9 +115,9 @@ def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_v
     advance = jax.eval_shape(sp._advance_program(), sp.params, apart, words,
                              jax.ShapeDtypeStruct((4,), jnp.bool_, sharding=sp.rows),
                              jax.ShapeDtypeStruct((), jnp.int32, sharding=sp.replicated))
-    insert = jax.eval_shape(sp._insert_program(), sp.params, apart, words,
-                            jax.ShapeDtypeStruct((1, 2 * 8 + JOINER_COLUMNS), jnp.int32, sharding=sp.rows2))
-    for out, lead in ((advance, (4, 3)), (insert, (1,))):
+    insert = jax.eval_shape(sp._insert_program(2), sp.params, apart, words,
+                            jax.ShapeDtypeStruct((1, joiner_words(2, 8, 4)), jnp.int32, sharding=sp.rows2))
+    for out, lead in ((advance, (4, 3)), (insert, (4,))):
         assert len(jax.tree.leaves(out)) == 2 + len(kv) + 1
         tokens, scored, kv_out, words_out = out
         assert tokens.shape == lead and scored.shape == lead + (1 + 2 * sp.top,)
@@ -134,7 +134,7 @@ def test_reset_leaves_every_row_empty_and_the_cache_zeros_on_every_device():
     from decoder.slots import SlotPrograms
 
     g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=2, data_parallel=2)))
-    sp = SlotPrograms(g, 4, (8,), (1,), 6, 3, eos_id=1, pad_id=0)
+    sp = SlotPrograms(g, 4, 8, (1,), 6, 3)
     sp.params = g.abstract_decode_params()
     sp.reset()
     assert sp.words.shape == (2, 2, sp.carry.words) and all(x.shape[:2] == (2, 2) for x in sp.apart)
@@ -156,7 +156,7 @@ def test_a_narrow_span_s_program_steps_a_narrow_copy_of_the_cache():
     from decoder.slots import SlotPrograms, attention_spans
 
     g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
-    sp = SlotPrograms(g, 4, (8,), (1,), 40, 3, eos_id=1, pad_id=0, spans=4)
+    sp = SlotPrograms(g, 4, 8, (1,), 40, 3, spans=4)
     sp.params = g.abstract_decode_params()
     cache = jax.eval_shape(sp._empty_cache)
     local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), cache)

@@ -299,7 +299,7 @@ def test_the_server_s_plan_counts_the_slots_cache(preset):
 
     cfg = load_config("inference", preset, dict(eval=True, data_parallel=2, tensor_parallel=2, output_length=12))
     g = Decoder.of_config(cfg)
-    slots = SlotPrograms(g, 4, (8, 16), (1, 2), cfg.inference.output_length, 4, eos_id=1, pad_id=0)
+    slots = SlotPrograms(g, 4, 16, (1, 2), cfg.inference.output_length, 4)
     slots.params = g.abstract_decode_params()
     cache = slots._empty_cache()
     one_device = sum(s.data.nbytes for x in jax.tree.leaves(cache) for s in x.addressable_shards
@@ -320,11 +320,11 @@ def test_the_server_prints_its_plan_and_refuses_a_streamed_encoder(tmp_path, cap
     hf = str(tmp_path / "hf")
     T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16,
                                         decoder_start_token_id=0)).save_pretrained(hf)
-    run_server.main(["--hf_model", hf, "--slots", "6", "--prompt_widths", "8", "16", "--plan", "--data_parallel", "1",
+    run_server.main(["--hf_model", hf, "--slots", "6", "--prompt_width", "16", "--plan", "--data_parallel", "1",
                      "--tensor_parallel", "1"])
     out = capsys.readouterr().out
     assert "KV cache" in out and "weights" in out
-    assert "6 rows, prompts of 16 tokens" in out  # --slots rows of the widest prompt width the server compiles
+    assert "6 rows, prompts of 16 tokens" in out  # --slots rows of the prompt width the server takes
     with pytest.raises(SystemExit) as e:
         run_server.main(["--hf_model", hf, "--stream_encoder", "--plan", "--data_parallel", "1",
                          "--tensor_parallel", "1"])

@@ -170,7 +170,7 @@ def test_a_backend_that_raises_fails_the_calls_sequences_and_the_loop_goes_on():
 
 
 def test_a_failing_insert_fails_its_joiners_only():
-    h = Harness(slots=4, steps=2, joins=(1,))
+    h = Harness(slots=4, steps=2)
     a = h.seq("the cat", 20)
     h.s.submit([a])
     h.s._round()
@@ -372,8 +372,8 @@ def test_a_score_only_sequence_queued_when_a_call_fails_is_still_served():
 
 
 def test_logprobs_of_the_tokens_and_of_the_prompt():
-    for right_aligned in (False, True):
-        h = Harness(slots=2, steps=3, right_aligned=right_aligned)
+    for after_prompt in (False, True):
+        h = Harness(slots=2, steps=3, after_prompt=after_prompt)
         s = h.seq("the cat sleeps in", 6, logprobs=2, prompt_logprobs=True)  # (its last call: 2 of 3 columns)
         score_only = h.seq("a dog runs", 0, prompt_logprobs=True)
         h.s.submit([s, score_only])
@@ -537,7 +537,7 @@ def test_whichever_call_fails_every_sequence_ends_exactly_once_and_the_rest_fini
     every sequence held ends exactly once, the failed ones with the error, and none is left held (a row whose last
     tokens were in flight, its slot already freed, once stayed held forever: its client never answered). What a
     round decided before the failure (a sequence that ended) is sent too."""
-    h = Harness(slots=2, steps=2, joins=(1, 2))
+    h = Harness(slots=2, steps=2)
     seqs = [h.seq(p, n) for p, n in (("the cat", 3), ("a dog", 1), ("red bird", 6), ("the cat sleeps", 4),
                                       ("a", 2), ("bird", 5))]
     seqs.append(h.seq("a dog runs", 0, prompt_logprobs=True))
@@ -619,31 +619,34 @@ def test_fewer_waiting_than_min_join_join_at_once_when_they_all_fit():
 
 
 def test_joiners_are_spread_over_the_dp_shards_in_one_insert():
-    h = Harness(slots=4, dp=2, steps=2, joins=(1, 2))
+    h = Harness(slots=4, dp=2, steps=2)
     seqs = [h.seq(p, 5) for p in ("the cat", "a dog", "red bird", "old man")]
     h.s.submit(seqs)
     h.run()
-    assert [join for kind, _, join in h.b.shapes if kind == "insert"] == [2]  # dp x the widest join at once
+    assert [sorted(slots) for slots in h.b.inserts] == [[0, 1, 2, 3]]  # every free slot at once
+    assert [s.slot // 2 for s in seqs] == [0, 1, 0, 1]  # each to the shard with the most free slots left
     assert sorted(s.slot for s in seqs) == [0, 1, 2, 3]
     for s in seqs:
         assert h.tokens(s) == expected(s.ids, 5)[0]
 
 
-def test_a_prompt_takes_the_narrowest_width_that_holds_it_and_joiners_the_smallest_join():
-    h = Harness(slots=2, widths=(8, 16), joins=(1,))
+def test_every_waiting_sequence_that_a_free_slot_takes_joins_in_one_insert_and_prompts_are_scored_whole():
+    """Joiners go to the backend as their prompts' ids, all the free slots take in one insert (the backend packs
+    them: decoder/slots.py); a prompt as long as the widest taken joins; prompts scored alone go in one score call,
+    each as its ids."""
+    h = Harness(slots=4, max_prompt=16)
     words = ids("the cat sleeps in the park the dog runs in the house")
-    eight, sixteen = h.seq((words * 2)[:8], 3), h.seq((words * 2)[:16], 3)
-    h.s.submit([eight, sixteen])
+    seqs = [h.seq((words * 2)[:n], 3) for n in (16, 1, 5, 9, 2)]
+    h.s.submit(seqs)
+    h.s._round()
+    assert [len(slots) for slots in h.b.inserts] == [4] and seqs[4].slot is None  # 4 slots: 4 join, one waits
     h.run()
-    assert h.b.shapes == [("insert", 8, 1), ("insert", 16, 1)]  # exactly a width wide: that width (the widest too)
-    assert h.tokens(sixteen) == expected(sixteen.ids, 3)[0]
-    h.s.submit([h.seq((words * 2)[:8], 0, prompt_logprobs=True)])  # a prompt scored alone: the same rule
+    assert [len(slots) for slots in h.b.inserts] == [4, 1]
+    assert all(h.tokens(s) == expected(s.ids, 3)[0] for s in seqs)
+    scored = [h.seq((words * 2)[:n], 0, prompt_logprobs=True) for n in (16, 3)]
+    h.s.submit(scored)
     h.run()
-    assert h.b.shapes[2:] == [("score", 8, None)]
-    h = Harness(slots=4, widths=(8, 16), joins=(1, 2, 4))
-    h.s.submit([h.seq("the cat", 3), h.seq("a dog", 3)])
-    h.run()
-    assert h.b.shapes == [("insert", 8, 2)]  # and the smallest join compiled that holds the joiners
+    assert h.b.scores == [[s.ids for s in scored]]
 
 
 def test_only_calls_failing_in_a_row_stop_the_loop():
@@ -828,7 +831,7 @@ def test_the_inter_token_latency_is_the_time_between_a_sequence_s_calls(monkeypa
 
 
 def test_a_score_only_sequence_without_log_probabilities_takes_no_call_and_prompt_tokens_are_counted():
-    h = Harness(slots=2, steps=2, joins=(1,))  # a score call of one prompt
+    h = Harness(slots=2, steps=2, score_rows=1)  # a score call of one prompt
     echo_only, scored = h.seq("the cat", 0), h.seq("a dog runs", 0, prompt_logprobs=True)
     running = h.seq("red bird", 3)
     h.s.submit([echo_only, scored, running])
@@ -895,18 +898,18 @@ def test_an_update_with_nothing_new_for_the_client_sends_no_event():
 @pytest.mark.parametrize("after_prompt", [True, False])
 def test_each_advance_asks_for_the_columns_its_running_rows_write_and_no_more(after_prompt):
     """An advance's span: the furthest column a running sequence writes in its n steps, + 1. A sequence with d tokens
-    dispatched writes ``first_token_column(width of its insert)`` + d - 1 on, a column a step until its last token
+    dispatched writes ``first_token_column(its prompt's length)`` + d - 1 on, a column a step until its last token
     is out: at most min(n, max_tokens - d) of them (the fake raises on a row writing past its span). A causal
-    model's cache column 0 is its prompt's first (width 8 or 16 here), T5's decoder's the start token (new token i
+    model's cache holds its prompt from column 0 (2 and 10 tokens here), T5's decoder's the start token (new token i
     at 1 + i). Ended and cancelled sequences ask for nothing."""
-    h = Harness(slots=2, steps=2, widths=(8, 16), after_prompt=after_prompt)
+    h = Harness(slots=2, steps=2, after_prompt=after_prompt)
     short, wide = h.seq("the cat", 6), h.seq(" ".join(["a"] * 10), 3)
     h.s.submit([short])
-    h.s._round()  # short joins (width 8: 1 dispatched), then 2 steps: columns c + 0, c + 1
-    c8, c16 = (8, 16) if after_prompt else (1, 1)
+    h.s._round()  # short joins (2 tokens: 1 dispatched), then 2 steps: columns c + 0, c + 1
+    c8, c16 = (len(short.ids), len(wide.ids)) if after_prompt else (1, 1)
     assert h.b.spans == [c8 + 2]
     h.s.submit([wide])
-    h.s._round()  # wide joins (width 16), both step: short from c8 + 2, wide from c16
+    h.s._round()  # wide joins (10 tokens), both step: short from c8 + 2, wide from c16
     assert h.b.spans[-1] == max(c8 + 3 - 1 + 2, c16 + 1 - 1 + 2)
     h.s._round()  # wide's last token (3 dispatched) went out: only short runs, 5 dispatched, its last 1 to go
     assert h.b.spans[-1] == c8 + 5 - 1 + 1
@@ -922,9 +925,8 @@ def test_the_fake_refuses_a_span_its_writing_rows_would_write_at_or_past():
     of that last column is refused, one past it taken; a row that no longer writes (or is not kept) asks nothing."""
     from tests.fake_backend import SpanTooNarrow
 
-    b = FakeBackend(slots=2, widths=(8,), joins=(1, 2), steps=4)
-    ids = np.full((2, 8), 5)
-    b.insert(8, 2, ids, np.ones((2, 8), int), np.array([0, 1]), None, np.array([10, 3]))
+    b = FakeBackend(slots=2, max_prompt=8, steps=4)
+    b.insert([(0, [5] * 8, None, 10), (1, [5] * 8, None, 3)])
     # row 0: index 0, 10 tokens, 4 steps: columns 8 .. 11; row 1: 3 tokens, 2 left: columns 8, 9
     with pytest.raises(SpanTooNarrow, match="span 11: rows \\[0\\]"):
         b.advance(np.array([True, True]), 4, 11)

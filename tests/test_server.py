@@ -11,7 +11,7 @@ What needs no model (the HTTP layer's refusals, the fuzz corpus, 429, clients th
 tests/test_server_api.py's, over a fake backend; the scheduler's own rules are tests/test_scheduler.py's.
 
 Cheap by design: one random-init tiny checkpoint per family, saved in-process; one server process per family for
-the whole module (4 slots, two prompt widths, one join size), started together; every request loop bounded in count
+the whole module (4 slots, prompts up to 32 tokens), started together; every request loop bounded in count
 and time.
 """
 
@@ -41,7 +41,7 @@ from config.presets import load_config, to_dict
 from data.tasks import load_tokenizer
 from graphs.graphs import Graphs
 from modelling import decoding, slots
-from tests.helpers import alive, machine, spawned_children, threads_passed
+from tests.helpers import machine, threads_passed
 from utils import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow  # (a server process per family, each compiling its programs)
@@ -74,7 +74,7 @@ class Server:
     def __init__(self, name: str, load: str, *flags: str):
         self.name, self.load = name, load
         cmd = [sys.executable, os.path.join(ROOT, "run_server.py"), "--load", load, "--port", "0", "--slots", "4",
-               "--max_queue", "16", "--prompt_widths", "16", "32", "--join_sizes", "4", "--output_length", "256",
+               "--max_queue", "16", "--prompt_width", "32", "--output_length", "256",
                "--max_body_bytes", "65536", "--max_prompt_chars", "2000", *flags]
         env = {**os.environ, "FLAN_T5_API_KEY": KEY}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -152,12 +152,11 @@ def checkpoints(models):
 @pytest.fixture(scope="module")
 def servers(checkpoints):
     """Both servers, started together (each compiles while the other does); T5's drains for 60 s on SIGTERM,
-    GPT-J's ends its held requests at once (and takes up to 1024 new tokens: requests that outlast a signal).
-    GPT-J's decoding loop runs in an engine process of its own (serving/remote.py), T5's in the server's: every test
-    of both goes through both."""
+    GPT-J's ends its held requests at once (and takes up to 1024 new tokens: requests that outlast a signal): every
+    test of both goes through both."""
     started = {"t5": Server("t5", checkpoints["t5"], "--grace_period", "60"),
                "gptj": Server("gptj", checkpoints["gptj"], "--grace_period", "0", "--output_length", "1024",
-                              "--cpu_threads", "1", "--engine_process")}
+                              "--cpu_threads", "1")}
     try:
         yield {k: s.ready() for k, s in started.items()}
     finally:
@@ -629,20 +628,11 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits_0(servers):
     assert server.proc.wait(WAIT) == 0
 
 
-def engine_of(pid: int) -> int:
-    """A server's engine process (Linux)."""
-    found = spawned_children(pid)
-    assert len(found) == 1, found
-    return found[0]
-
-
 def test_sigterm_after_the_grace_period_ends_the_requests_with_an_error_then_exits_0(servers):
-    server = servers["gptj"]  # --grace_period 0, its decoding loop in an engine process
-    engine = engine_of(server.proc.pid)
+    server = servers["gptj"]  # --grace_period 0
     text = server.long_prompt(1024)
     streams = [_open_stream(server, {"prompt": text, "max_tokens": 1024, "temperature": 0}) for _ in range(2)]
     server.proc.send_signal(signal.SIGTERM)
-    os.kill(engine, signal.SIGTERM)  # (as a supervisor's control group sends it to both: the server's to handle)
     for client, response, lines in streams:
         events = [line for line in lines if line]
         response.close()
@@ -651,35 +641,13 @@ def test_sigterm_after_the_grace_period_ends_the_requests_with_an_error_then_exi
         error = json.loads(events[-2][6:])["error"]  # ended, not silently dropped
         assert error["code"] == "shutting_down" and "shut down" in error["message"]
     assert server.proc.wait(WAIT) == 0
-    assert not alive(engine)  # the engine process stopped with it
     with pytest.raises(httpx.ConnectError):  # it no longer listens
         httpx.get(server.url + "/health", timeout=WAIT)
 
 
-def test_a_server_whose_engine_process_dies_answers_its_requests_and_exits_non_zero(checkpoints):
-    """The engine process killed (out of memory, a crash): the requests in flight get an error event, the server
-    exits 1 saying why (for its supervisor to restart it), not a live server that fails every request."""
-    server = Server("gptj", checkpoints["gptj"], "--engine_process", "--attention_spans", "1", "--join_sizes", "1",
-                    "--output_length", "1024", "--max_steps_per_call", "8").ready()  # (few programs to compile)
-    try:
-        engine = engine_of(server.proc.pid)
-        text = server.long_prompt(1024)
-        client, response, lines = _open_stream(server, {"prompt": text, "max_tokens": 1024, "temperature": 0})
-        os.kill(engine, signal.SIGKILL)
-        events = [line for line in lines if line]
-        response.close()
-        client.close()
-        error = json.loads(events[-2][6:])["error"]
-        assert events[-1] == "data: [DONE]" and "engine process stopped (exit code -9)" in error["message"], error
-        assert server.proc.wait(WAIT) == 1
-        assert "the engine process stopped (exit code -9): restart the server" in "".join(server.err)
-    finally:
-        server.stop()
-
-
 def test_each_server_compiles_its_attention_spans_and_times_them(servers):
     """--attention_spans 4 (the default) reaches the programs: four decoding programs, the cache's columns in quarters
-    (T5's: its 256 new tokens; GPT-J's: the widest prompt width, 32, and its 1024 new tokens), each timed at
+    (T5's: its 256 new tokens; GPT-J's: the prompt width, 32, and its 1024 new tokens), each timed at
     start-up."""
     for name, spans in (("t5", [64, 128, 192, 256]), ("gptj", [264, 528, 792, 1056])):
         deadline = time.monotonic() + WAIT

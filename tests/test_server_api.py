@@ -51,10 +51,9 @@ def words(text: str) -> list:
 class FakeServer:
     """serving/http.py's Server over an Engine over the fake backend, on a free port, in a thread of this process."""
 
-    def __init__(self, max_queue: int = 8, scores_prompts: bool = True, right_aligned: bool = True, **kw):
-        self.backend = FakeBackend(slots=4, widths=(16, 32), joins=(1, 2, 4), steps=2, vocab=64, top=5,
-                                   scores_prompts=scores_prompts, right_aligned=right_aligned)
-        options = ServeOptions(slots=4, max_queue=max_queue, widths=(16, 32), joins=(1, 2, 4), steps=2,
+    def __init__(self, max_queue: int = 8, scores_prompts: bool = True, **kw):
+        self.backend = FakeBackend(slots=4, max_prompt=32, steps=2, vocab=64, top=5, scores_prompts=scores_prompts)
+        options = ServeOptions(slots=4, max_queue=max_queue, width=32, insert_rows=(1, 4), steps=2,
                                max_new_tokens=kw.pop("max_new_tokens", 64), max_prompt_chars=2000,
                                max_body_bytes=65536, model_id=MODEL, max_logprobs=5)
         self.engine = Engine(self.backend, TOK, encode, options)
@@ -556,9 +555,9 @@ def test_a_chat_message_is_the_task_s_input_read_as_validation_and_run_inference
 
     cfg = load_config("inference", preset, {"eval": True})
     family, tok = registry.checked(cfg), load_tokenizer(cfg.data.tokenizer)
-    options = ServeOptions(slots=4, max_queue=8, widths=(16, 32), joins=(1, 2, 4), steps=2, max_new_tokens=8,
+    options = ServeOptions(slots=4, max_queue=8, width=32, insert_rows=(1, 4), steps=2, max_new_tokens=8,
                            max_prompt_chars=2000, max_body_bytes=65536, model_id=MODEL)
-    engine = Engine(FakeBackend(slots=4, widths=(16, 32), vocab=tok.vocab_size), tok, prompt_encoder(family, tok),
+    engine = Engine(FakeBackend(slots=4, max_prompt=32, vocab=tok.vocab_size), tok, prompt_encoder(family, tok),
                     options, prompt_format=family.prompt)
     text = "mnli hypothesis: the cat sleeps premise: the cat sleeps in the park"
     chat = engine.tokenize(engine.render_chat(({"role": "user", "content": text},)))
@@ -954,11 +953,11 @@ def test_a_media_type_is_read_case_insensitively(server):
     assert server.post(b"{}", headers={"Content-Type": "text/plain"}).status_code == 415
 
 
-def test_a_prompt_as_long_as_the_widest_width_is_read_one_token_more_is_refused():
+def test_a_prompt_as_long_as_the_prompt_width_is_read_one_token_more_is_refused():
     from serving.engine import PromptError
 
-    backend = FakeBackend(slots=4, widths=(8, 16), joins=(1, 2, 4))
-    options = ServeOptions(slots=4, max_queue=8, widths=(8, 16), joins=(1, 2, 4), steps=2, max_new_tokens=8,
+    backend = FakeBackend(slots=4, max_prompt=16)
+    options = ServeOptions(slots=4, max_queue=8, width=16, insert_rows=(1, 4), steps=2, max_new_tokens=8,
                            max_prompt_chars=2000, max_body_bytes=65536, model_id=MODEL)
     engine = Engine(backend, TOK, encode, options)
     text = " ".join(["cat"] * 15)  # 15 words and T5's end-of-text: 16 tokens
@@ -969,29 +968,27 @@ def test_a_prompt_as_long_as_the_widest_width_is_read_one_token_more_is_refused(
 
 
 def test_the_server_s_defaults_scale_with_its_slots():
-    """Joins of 1, 4, 16 ... and all the slots of a shard; on a CPU a free slot joins at once, on an accelerator half
-    the slots (at most the rows one insert takes) wait to join together, the engine choosing by its backend's
-    devices, --min_join over both; a queue of 256 or 4 per slot, whichever is more."""
+    """Inserts of 1, 4, 16 ... packed rows and all the slots of a shard; on a CPU a free slot joins at once, on an
+    accelerator half the slots wait to join together, the engine choosing by its backend's devices, --min_join over
+    both; a queue of 256 or 4 per slot, whichever is more."""
     import argparse
 
     from config import load_config
-    from serving.engine import default_joins, default_min_join, server_flags
+    from serving.engine import default_insert_rows, default_min_join, server_flags
     from utils.errors import ConfigError
 
-    assert [default_joins(n) for n in (1, 2, 4, 8, 32, 64)] == [[1], [1, 2], [1, 4], [1, 4, 8], [1, 4, 16, 32],
-                                                                [1, 4, 16, 64]]
-    shapes = ((1, 1), (8, 8), (8, 2), (32, 16), (32, 64))
-    assert [default_min_join(s, most, "gpu") for s, most in shapes] == [1, 4, 2, 16, 16]
-    assert [default_min_join(s, most, "tpu") for s, most in shapes] == [1, 4, 2, 16, 16]
-    assert [default_min_join(s, most, "cpu") for s, most in shapes] == [1] * 5
+    assert [default_insert_rows(n) for n in (1, 2, 4, 8, 32, 64)] == [[1], [1, 2], [1, 4], [1, 4, 8], [1, 4, 16, 32],
+                                                                      [1, 4, 16, 64]]
+    assert [default_min_join(s, "gpu") for s in (1, 2, 8, 33)] == [1, 1, 4, 16]
+    assert [default_min_join(s, "tpu") for s in (1, 2, 8, 33)] == [1, 1, 4, 16]
+    assert [default_min_join(s, "cpu") for s in (1, 2, 8, 33)] == [1] * 4
     p = argparse.ArgumentParser()
     server_flags(p)
     cfg = load_config("inference", "tiny", {"eval": True})
-    # 8 slots, joins of 1 and 2 rows a dp shard: one insert takes 2 x dp rows, the most that wait on an accelerator
-    for platform, dp, flags, want in (("cpu", 1, [], 1), ("cpu", 2, [], 1), ("gpu", 1, [], 2), ("gpu", 2, [], 4),
+    for platform, dp, flags, want in (("cpu", 1, [], 1), ("cpu", 2, [], 1), ("gpu", 1, [], 4), ("gpu", 2, [], 4),
                                       ("gpu", 1, ["--min_join", "3"], 3), ("cpu", 1, ["--min_join", "3"], 3)):
         o = ServeOptions.of(p.parse_args(["--slots", "8", *flags]), cfg)
-        got = Engine(FakeBackend(slots=8, dp=dp, joins=(1, 2), platform=platform), TOK, encode, o)
+        got = Engine(FakeBackend(slots=8, dp=dp, platform=platform), TOK, encode, o)
         assert got.min_join == got.scheduler.min_join == want, (platform, dp, flags)
     for slots, queue in ((8, 256), (64, 256), (100, 400)):
         args = p.parse_args(["--slots", str(slots)])
@@ -1010,10 +1007,13 @@ def test_the_server_s_defaults_scale_with_its_slots():
     # attention spans: 4 by default, as given otherwise (1: every call attends over the whole cache)
     assert ServeOptions.of(p.parse_args([]), cfg).attention_spans == 4
     assert ServeOptions.of(p.parse_args(["--attention_spans", "1"]), cfg).attention_spans == 1
-    # the widest join is always all the slots of a shard; a prompt's characters: 64 a token of the widest width
-    o = ServeOptions.of(p.parse_args(["--slots", "8", "--join_sizes", "1", "2", "16", "--prompt_widths", "16", "48"]),
+    # the most packed rows are always all the slots of a shard; a prompt's characters: 64 a token of the width; the
+    # width by default sequence_length (64 in tiny), rounded up to a multiple of 8
+    o = ServeOptions.of(p.parse_args(["--slots", "8", "--insert_rows", "1", "2", "16", "--prompt_width", "48"]),
                         load_config("inference", "tiny", {"eval": True, "data_parallel": 1}))
-    assert o.joins == (1, 2, 8) and o.widths == (16, 48) and o.max_prompt_chars == 64 * 48
+    assert o.insert_rows == (1, 2, 8) and o.width == 48 and o.max_prompt_chars == 64 * 48
+    assert ServeOptions.of(p.parse_args([]), load_config("inference", "tiny", {"eval": True, "sequence_length": 61})
+                           ).width == 64
     # logprobs at most what the slots compute a token (--max_logprobs 20, the programs' top 5 here)
     assert Engine(FakeBackend(slots=4, top=5), TOK, encode, o).limits.max_logprobs == 5
 

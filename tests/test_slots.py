@@ -1,6 +1,6 @@
 """The slots' per-device programs (modelling/slots.py) on a small random GPT-J, one device: what the scheduler
-(serving/scheduler.py) and its fake (tests/fake_backend.py) count on. Rows inserted into free slots decode greedy
-decoding's tokens; the device carries each row's position from call to call; a row ends at its limit, at the
+(serving/scheduler.py) and its fake (tests/fake_backend.py) count on. Rows inserted into free slots, their prompts
+read packed several to a row, decode greedy decoding's tokens; the device carries each row's position from call to call; a row ends at its limit, at the
 end-of-text token, or when the host clears its ``keep`` flag, and writes ``pad_id`` after; a row left alone is not
 disturbed by others joining; each row's log-probabilities are the log-softmax of the model's own logits.
 """
@@ -34,26 +34,51 @@ def model():
     family = registry.get("gptj")
     opts = family.options_of(Config(model=m))
     params = jax.tree.map(jnp.asarray, gptj.params_from_hf(hf.state_dict(), m))
-    dp = family.decoding_params(params, opts)
+    w = family.decoding_params(params, opts)
 
     def insert(cache, state, ids, mask, rows, s, limit, eos):
-        return S.insert(family, dp, opts, cache, state, ids, mask, rows, s, limit, WIDTH, NEW, eos, TOP)
+        """Rows ids/mask (laid out for decoding) joining slots ``rows`` (a slot past the cache's: a filler), packed."""
+        block, at, lengths = joining([r[m > 0].tolist() for r, m in zip(np.asarray(ids), np.asarray(mask))],
+                                     len(rows), WIDTH)
+        return insert_packed(cache, state, block, at, lengths, jnp.asarray(rows), s, jnp.asarray(limit), eos)
 
     def advance(cache, state, keep, eos, n):
-        return S.advance(family, dp, opts, cache, state, keep, STEPS, eos, 0, TOP, n=n)
+        return S.advance(family, w, opts, cache, state, keep, STEPS, eos, 0, TOP, n=n)
 
-    def empty():
-        ids = jnp.zeros((SLOTS, WIDTH), jnp.int32)
-        _, cache = family.decode_start(dp, ids, ids, opts, NEW)
-        cache = jax.tree.map(jnp.zeros_like, family.widen_cache(cache, WIDTH, WIDTH))
-        z = jnp.zeros(SLOTS, jnp.int32)
-        rows = S.Rows(z, z, z, jnp.zeros(SLOTS, bool))
-        return cache, (rows, S.Sampling(z.astype(jnp.float32), z, z.astype(jnp.float32), z.astype(jnp.uint32),
-                                        z.astype(jnp.uint32), z - 1))
-
+    insert_packed = jax.jit(lambda cache, state, block, at, lengths, rows, s, limit, eos: S.insert(
+        family, w, opts, cache, state, block, at, lengths, rows, s, limit, NEW, eos, TOP), static_argnums=8)
     advance = jax.jit(advance, static_argnums=3)  # (the step count traced: one program for every count)
-    return (family, opts, params, jax.jit(insert, static_argnums=7),
-            lambda cache, state, keep, eos, n=STEPS: advance(cache, state, keep, eos, jnp.int32(n)), empty)
+    return (family, opts, params, insert,
+            lambda cache, state, keep, eos, n=STEPS: advance(cache, state, keep, eos, jnp.int32(n)),
+            lambda: empty(family, w, opts, WIDTH, NEW))
+
+
+def joining(prompts_ids: list, rows: int, width: int) -> tuple:
+    """What modelling/slots.py's insert reads of prompts (id lists; an empty one: a filler): the packed rows (ids,
+    segments, positions) [rows, width] (decoder/slots.py's first-fit decreasing), each prompt's first position in
+    them flattened, and its length."""
+    from decoder.slots import pack_rows
+
+    placed = pack_rows([len(p) for p in prompts_ids], width)
+    block, segment = np.zeros((3, rows, width), np.int32), np.zeros(rows, np.int32)
+    for p, (r, c) in zip(prompts_ids, placed):
+        if p:
+            segment[r] += 1
+            block[:, r, c:c + len(p)] = [p, [segment[r]] * len(p), range(len(p))]
+    at = [r * width + c for r, c in placed]
+    return tuple(jnp.asarray(b) for b in block), jnp.asarray(at, jnp.int32), jnp.asarray([len(p) for p in prompts_ids],
+                                                                                         jnp.int32)
+
+
+def empty(family, w, opts, width: int, new: int) -> tuple:
+    """The slots' cache (prompts up to ``width`` tokens, ``new`` new ones) and state, every row empty."""
+    z = jnp.zeros((1, width), jnp.int32)
+    _, cache = family.decode_start_packed(w, z, z, z, jnp.zeros((SLOTS, width), jnp.int32), jnp.ones(SLOTS, jnp.int32),
+                                          opts, new)
+    zs = jnp.zeros(SLOTS, jnp.int32)
+    rows = S.Rows(zs, zs, zs, jnp.zeros(SLOTS, bool))
+    return jax.tree.map(jnp.zeros_like, cache), (rows, S.Sampling(zs.astype(jnp.float32), zs, zs.astype(jnp.float32),
+                                                                 zs.astype(jnp.uint32), zs.astype(jnp.uint32), zs - 1))
 
 
 def prompts(family, lengths: list, seed: int) -> tuple:
@@ -78,8 +103,8 @@ def test_rows_decode_greedy_tokens_and_end_at_their_limit_eos_or_keep(model):
     assert eos not in ref[0].tolist() and eos not in ref[1, :3].tolist() and eos not in ref[2, :5].tolist()
     cache, state = empty()
     # rows a (limit 12) and b (limit 3) join slots 1 and 3; a filler row (slot index 4: past the cache) is dropped
-    first, scored, cache, state = insert(cache, state, jnp.asarray(ids[[0, 1, 0]]), jnp.asarray(mask[[0, 1, 0]]),
-                                         jnp.asarray([1, 3, SLOTS]), sampling(3, 2), jnp.asarray([NEW, 3, NEW]), eos)
+    first, scored, cache, state = insert(cache, state, ids[[0, 1, 0]], mask[[0, 1, 0]], [1, 3, SLOTS], sampling(3, 2),
+                                         [NEW, 3, NEW], eos)
     assert first[:2].tolist() == ref[:2, 0].tolist()
     keep = jnp.asarray([False, True, False, True])
     out1, _, cache, state = advance(cache, state, keep, eos)
@@ -87,8 +112,8 @@ def test_rows_decode_greedy_tokens_and_end_at_their_limit_eos_or_keep(model):
     assert out1[3].tolist() == ref[1, 1:3].tolist() + [0, 0]  # its limit of 3 tokens: then pads
     assert out1[0].tolist() == out1[2].tolist() == [0] * STEPS  # empty slots write nothing
     # row c joins slot 0 while a goes on, untouched (two fillers: one insert shape compiled)
-    first_c, _, cache, state = insert(cache, state, jnp.asarray(ids[[2, 2, 2]]), jnp.asarray(mask[[2, 2, 2]]),
-                                      jnp.asarray([0, SLOTS, SLOTS]), sampling(3), jnp.asarray([NEW] * 3), eos)
+    first_c, _, cache, state = insert(cache, state, ids[[2, 2, 2]], mask[[2, 2, 2]], [0, SLOTS, SLOTS], sampling(3),
+                                      [NEW] * 3, eos)
     keep = jnp.asarray([True, True, False, False])
     out2, scored, cache, state = advance(cache, state, keep, eos)
     assert out2[1].tolist() == ref[0, 5:9].tolist() and int(first_c[0]) == ref[2, 0]
@@ -108,8 +133,7 @@ def test_an_advance_runs_the_steps_it_is_given_and_the_next_goes_on_from_there(m
     ids, mask = prompts(family, [5, 3], seed=1)
     ref = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, NEW, eos_id=-1))
     cache, state = empty()
-    first, _, cache, state = insert(cache, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray([0, 2]),
-                                    sampling(2, 1), jnp.asarray([NEW, 3]), -1)
+    first, _, cache, state = insert(cache, state, ids, mask, [0, 2], sampling(2, 1), [NEW, 3], -1)
     keep = jnp.asarray([True] * SLOTS)
     got = [[int(first[0])], [int(first[1])]]
     for n in (1, STEPS - 1, STEPS, 2):
@@ -125,21 +149,33 @@ def test_an_advance_runs_the_steps_it_is_given_and_the_next_goes_on_from_there(m
 
 
 def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
-    """decoder/slots.py packs what an insert reads into one int32 array (one host-to-device copy): every field comes
-    back as it went, with its type, seeds' 32 bits and the floats' bits included."""
-    from decoder.slots import pack_joiners, unpack_joiners
+    """decoder/slots.py packs what a shard's insert reads into one int32 vector (one host-to-device copy): the
+    prompts packed into rows (first-fit decreasing: the longest first, each into the first row with room), their
+    segments and positions, and every joiner's field as it went, with its type, seeds' 32 bits and the floats' bits
+    included; the slots past the joiners' are fillers (a slot past the shard's, length 0)."""
+    from decoder.slots import JOINER_COLUMNS, joiner_words, pack_joiners, pack_rows, unpack_joiners
 
-    ids, mask = np.arange(6).reshape(2, 3), np.array([[1, 1, 0], [1, 1, 1]])
-    sampling = ([0.5, float("nan")], [3, 0], [0.1, -0.0], [2 ** 32 - 1, 7], [2 ** 31, 0], [-1, 4])
-    packed = pack_joiners(ids, mask, [0, 5], sampling, [9, 2])
-    assert packed.dtype == np.int32 and packed.shape == (2, 2 * 3 + 8)
-    got = unpack_joiners(jnp.asarray(packed))
-    for a, b in zip(got[:3] + (got[4],), (ids, mask, [0, 5], [9, 2])):
-        assert np.asarray(a).tolist() == np.asarray(b).tolist()
+    prompts = [[5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15]]
+    placed = pack_rows([len(p) for p in prompts], 8)
+    assert placed == [(0, 6), (0, 0), (1, 0)]  # 6 first (row 0), 3 (no room in row 0: row 1), 2 (row 0 after 6)
+    assert pack_rows([8, 1, 8], 8) == [(0, 0), (2, 0), (1, 0)] and pack_rows([], 8) == []
+    sampling = [(0.5, 3, 0.1, 2 ** 32 - 1, 2 ** 31, -1), (float("nan"), 0, -0.0, 7, 0, 4), (1.0, 1, 0.0, 0, 1, 0)]
+    shard = [(k, slot, p, smp, limit) for k, (slot, p, smp, limit) in enumerate(zip([3, 0, 1], prompts, sampling,
+                                                                                  [9, 2, 5]))]
+    local = 4
+    packed = pack_joiners(shard, placed, 2, 8, local)
+    assert packed.dtype == np.int32 and packed.shape == (joiner_words(2, 8, local),) == (3 * 2 * 8 + 4 * JOINER_COLUMNS,)
+    (ids, segments, positions), at, lengths, slots, s, limit = (jax.tree.map(np.asarray, x) for x in
+                                                                unpack_joiners(jnp.asarray(packed), 2, 8, local))
+    assert ids.tolist() == [[7, 8, 9, 10, 11, 12, 5, 6], [13, 14, 15, 0, 0, 0, 0, 0]]
+    assert segments.tolist() == [[2, 2, 2, 2, 2, 2, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0]]  # (numbered as the joiners come)
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 0, 0, 0, 0, 0]]
+    assert at.tolist() == [6, 0, 8, 0] and lengths.tolist() == [2, 6, 3, 0]
+    assert slots.tolist() == [3, 0, 1, local] and limit.tolist() == [9, 2, 5, 0]
     dtypes = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
-    for field, want, dt in zip(S.Sampling.__dataclass_fields__, sampling, dtypes):
-        value = getattr(got[3], field)
-        assert value.dtype == dt and np.asarray(value).tobytes() == np.asarray(want, dt).tobytes(), field
+    for i, (field, dt) in enumerate(zip(S.Sampling.__dataclass_fields__, dtypes)):
+        value = getattr(s, field)
+        assert value.dtype == dt and value[:3].tobytes() == np.asarray([x[i] for x in sampling], dt).tobytes(), field
 
 
 def test_each_row_chooses_as_its_own_options_and_key_say_and_is_scored_before_warping():
@@ -181,8 +217,7 @@ def test_a_sampled_row_draws_its_nth_token_with_its_key_folded_with_n_and_a_one_
     s = S.Sampling(jnp.full(3, 1.5, jnp.float32), jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.float32),
                    jnp.asarray([5, 5, 5], jnp.uint32), jnp.asarray([0, 1, 2], jnp.uint32), jnp.full(3, -1, jnp.int32))
     cache, state = empty()
-    first, _, cache, state = insert(cache, state, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray([0, 2, 1]), s,
-                                    jnp.asarray([NEW, NEW, 1]), -1)
+    first, _, cache, state = insert(cache, state, ids, mask, [0, 2, 1], s, [NEW, NEW, 1], -1)
     out, _, cache, state = advance(cache, state, jnp.ones(SLOTS, bool), -1)
     assert np.asarray(out)[1].tolist() == [0] * STEPS and not bool(state[0].alive[1])  # the one-token row
     got = np.concatenate([np.asarray(first)[:2, None], np.asarray(out)[[0, 2]]], axis=1)  # [2, 1 + STEPS]
@@ -205,7 +240,7 @@ def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only
     from decoder.slots import SlotPrograms
 
     g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
-    sp = SlotPrograms(g, 4, (8,), (1,), 4, 3, eos_id=1, pad_id=0)
+    sp = SlotPrograms(g, 4, 8, (1,), 4, 3)
     seen, ns = [], []
     sp.spans = (20,)
     sp._advance = {20: lambda p, cache, state, keep, n: (seen.append(keep), ns.append(n),
@@ -231,10 +266,10 @@ def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least
     from decoder.slots import SlotPrograms, attention_spans
 
     g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
-    sp = SlotPrograms(g, 4, (8,), (1,), 4, 5, eos_id=1, pad_id=0)
+    sp = SlotPrograms(g, 4, 8, (1,), 4, 5)
     ran = []
     sp.spans = (16, 32, 48)
-    assert sp.first_token_column(8) == 8  # (GPT-J's: after the prompt's columns)
+    assert sp.first_token_column(5) == 5  # (GPT-J's: after the prompt's tokens)
     sp._advance = {s: (lambda s: lambda p, a, w, keep, n: (ran.append(s), (None, None, a, w))[1])(s) for s in sp.spans}
     keep = np.ones(4, bool)
     for span, n, want in ((1, 1, 16), (16, 5, 16), (17, 5, 32), (33, 3, 48), (None, 2, 48)):
@@ -263,44 +298,42 @@ def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
 def test_an_advance_attends_over_the_span_its_rows_write_in_and_no_less(preset):
     """``advance(..., span)``: rows at different positions (three joined, one of them ending by its limit of 2 in
-    three steps, then a fourth joined; prompts laid out 8 wide in a cache that holds 16) step the same in the
+    three steps, then a fourth joined; prompts of 5, 3, 5 and 7 tokens in a cache that holds 16) step the same in the
     cache's first ``span`` columns as in all of it, tokens and log-probabilities, with one of the furthest rows
     cancelled by the host (keep False), and the next call goes on from the written-back cache the same, as long as
-    ``span`` holds the last column any row still writing writes: the scheduler's rule, ``first_token_column(width)``
-    + dispatched + n - 2 (serving/scheduler.py's ``_span``). One column less and the row that writes it steps
-    otherwise."""
+    ``span`` holds the last column any row still writing writes: the scheduler's rule, ``first_token_column(its
+    prompt's length)`` + dispatched + n - 2 (serving/scheduler.py's ``_span``). One column less and the row that
+    writes it steps otherwise."""
     from config import load_config
     from decoder.engine import Decoder
 
     g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
     family, opts = g.family, g.opts
-    dp = family.decoding_params(g.to_decoding(g.place.init_params()), opts)
-    new, n = 12, 3
-    ids = np.arange(2, 2 + 3 * WIDTH).reshape(3, WIDTH) % 100 + 2
-    mask = (np.arange(WIDTH)[None] < np.array([[5], [3], [7]])).astype(np.int32)
-    ids, mask = family.layout_prompts(ids * mask, mask)
+    w = family.decoding_params(g.to_decoding(g.place.init_params()), opts)
+    new, n, width = 12, 3, 2 * WIDTH
+    base = np.arange(2, 2 + 3 * WIDTH).reshape(3, WIDTH) % 100 + 2
+    prompts_ids = [base[r, :k].tolist() for r, k in enumerate((5, 3, 7))]
+
+    def insert(cache, state, ps, rows, limit):
+        block, at, lengths = joining(ps, len(rows), width)
+        return S.insert(family, w, opts, cache, state, block, at, lengths, jnp.asarray(rows), sampling(len(rows), 2),
+                        jnp.asarray(limit), new, -1, TOP)[2:]
 
     @jax.jit
     def start():
-        z = jnp.zeros((SLOTS, WIDTH), jnp.int32)
-        _, cache = family.decode_start(dp, z, z, opts, new)
-        cache = jax.tree.map(jnp.zeros_like, family.widen_cache(cache, WIDTH, 2 * WIDTH))
-        zs = jnp.zeros(SLOTS, jnp.int32)
-        state = (S.Rows(zs, zs, zs, jnp.zeros(SLOTS, bool)), S.Sampling(zs.astype(jnp.float32), zs,
-                 zs.astype(jnp.float32), zs.astype(jnp.uint32), zs.astype(jnp.uint32), zs - 1))
-        cache, state = S.insert(family, dp, opts, cache, state, jnp.asarray(ids[[0, 1, 0]]),
-                                jnp.asarray(mask[[0, 1, 0]]), jnp.asarray([0, 2, 3]), sampling(3, 2),
-                                jnp.asarray([new, new, 2]), 2 * WIDTH, new, -1, TOP)[2:]
-        cache, state = S.advance(family, dp, opts, cache, state, jnp.ones(SLOTS, bool), n, -1, 0, TOP)[2:]
-        return S.insert(family, dp, opts, cache, state, jnp.asarray(ids[2:]), jnp.asarray(mask[2:]),
-                        jnp.asarray([1]), sampling(1, 2), jnp.full(1, new), 2 * WIDTH, new, -1, TOP)[2:]
+        cache, state = empty(family, w, opts, width, new)
+        cache, state = insert(cache, state, [prompts_ids[0], prompts_ids[1], prompts_ids[0]], [0, 2, 3],
+                              [new, new, 2])
+        cache, state = S.advance(family, w, opts, cache, state, jnp.ones(SLOTS, bool), n, -1, 0, TOP)[2:]
+        return insert(cache, state, [prompts_ids[2]], [1], [new])
 
     keep = jnp.asarray([True, True, False, True])  # slot 2 (one of the furthest) cancelled; slot 3 ended already
-    step = jax.jit(lambda cache, state, span: S.advance(family, dp, opts, cache, state, keep, n, -1, 0, TOP,
+    step = jax.jit(lambda cache, state, span: S.advance(family, w, opts, cache, state, keep, n, -1, 0, TOP,
                                                         span=span), static_argnums=2)
     full = S.cache_span(family, start()[0])
-    need = family.first_token_column(WIDTH) + (1 + n) + n - 2 + 1  # (the furthest rows: 1 + n dispatched)
-    assert need < full
+    # the furthest row still writing: slot 0, its prompt of 5 tokens, 1 + n dispatched (slot 1: 7 tokens, 1)
+    need = family.first_token_column(5) + (1 + n) + n - 2 + 1
+    assert need > family.first_token_column(7) + 1 + n - 2 + 1 and need < full
     ref = step(*start(), None)
     ref_next = step(*ref[2:], None)
     for span in (need, need + 1):

@@ -295,10 +295,28 @@ def _gloo_line(line: bytes) -> bool:
     return b"[Gloo]" in line or b"connected peer ranks" in line
 
 
-def setup_jax() -> Optional[str]:
-    """Starts multi-process JAX when configured, and switches on the persistent compilation
-    cache from JAX_COMPILATION_CACHE_DIR (or the original's POPXL_CACHE_DIR); returns its path.
+CACHE_VARIABLE = "FLAN_T5_COMPILATION_CACHE"  # a directory for compiled programs, or "off"
+CACHE_MAX_BYTES = 8 << 30  # the cache's size bound: its least recently used entries go past it
 
+
+def compilation_cache_dir() -> Optional[str]:
+    """Where compiled programs are kept between runs, on by default: $FLAN_T5_COMPILATION_CACHE (a directory; "off"
+    or "0": none), else JAX's own JAX_COMPILATION_CACHE_DIR or the original's POPXL_CACHE_DIR, else ``xla`` under
+    the data cache's root ($FLAN_T5_CACHE, else ~/.cache/flan_t5), as other serving engines keep theirs."""
+    own = os.environ.get(CACHE_VARIABLE)
+    if own is not None and own.strip().lower() in ("off", "0", "false", "none", ""):
+        return None
+    path = own or os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("POPXL_CACHE_DIR") or \
+        os.path.join(os.environ.get("FLAN_T5_CACHE") or "~/.cache/flan_t5", "xla")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def setup_jax() -> Optional[str]:
+    """Starts multi-process JAX when configured, and switches on the persistent compilation cache
+    (``compilation_cache_dir``: on by default); returns its path (None: off).
+
+    The cache is bounded (``CACHE_MAX_BYTES``), which makes JAX take a file lock around every read and write of it:
+    processes that share it (a server and its validation, two runs at once) never read an entry half written.
     In a multi-process run only process 0 logs at INFO; the others log warnings and errors.
     """
     maybe_initialize_distributed()
@@ -310,12 +328,14 @@ def setup_jax() -> Optional[str]:
         if jax.process_count() > 1 and jax.local_devices()[0].platform == "cpu":
             filter_stdout_lines(_gloo_line)  # CPU collectives (gloo) announce every connection on stdout
         watch_for_failures()
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("POPXL_CACHE_DIR")
-    if not path:
-        return None
     import jax
 
+    path = compilation_cache_dir()
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
     # programs that compile in under half a second are not worth a cache entry, unless the environment says otherwise
     # (JAX reads its own variable: the tests set it where the same small programs compile in process after process)
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:

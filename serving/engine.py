@@ -1,5 +1,7 @@
-"""The model behind the server, as the HTTP layer (serving/http.py) uses it: ``submit``, ``cancel``, ``drain``,
-``abort``; its tokenizer, chat template and limits. Below it, the scheduler (serving/scheduler.py) drives a
+"""The model behind the server, as the HTTP layer (serving/http.py) uses it: ``generate`` (a checked request in, a
+``Generation`` out: its sequences submitted, the events of its answer as they come), ``drain``, ``abort``; its
+tokenizer, chat template and limits. A request's ``n`` and ``best_of`` candidates, each prompt's, are sequences of
+their own, built here (each with its own seed: ``choice_seed``), and ranked here (``Generation.chosen``). Below it, the scheduler (serving/scheduler.py) drives a
 ``Backend`` (decoder/slots.py's SlotPrograms: a checkpoint's, or an HF model's, compiled slot programs; the tests'
 fake) and the output processor (serving/output.py) turns its tokens into text. No JAX here.
 
@@ -20,16 +22,18 @@ alone. A single user message is read as that text rendered by ``Family.prompt`` 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from serving.api import Limits
 from serving.metrics import Metrics
-from serving.output import OutputProcessor
-from serving.scheduler import Scheduler, SchedulerError
+from serving.output import Output, OutputProcessor
+from serving.scheduler import Scheduler, SchedulerError, Sequence
 from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
@@ -219,6 +223,78 @@ def read_template(path: Optional[str]) -> Optional[str]:
         return f.read()
 
 
+def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
+    """The seed of a prompt's j-th candidate: the request's for the first (n=1 is the request alone), then a 64-bit
+    mix of (seed, j) (SplitMix64's finalizer), so that each choice is reproducible on its own."""
+    if seed is None or j == 0:
+        return seed
+    z = (seed + j * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return z ^ (z >> 31)
+
+
+class Generation:
+    """One request in flight (``Engine.generate``): its sequences (each prompt's best_of candidates, in that order),
+    the queue their events arrive on (serving/output.py's ``Event``; the HTTP layer's own marks too), and what the
+    events said so far of each candidate: its text, token ids, log-probabilities, finish reason, token count and
+    cumulative log-probability."""
+
+    def __init__(self, engine, req, prompts: list):
+        self.engine, self.req = engine, req
+        self.gone = False  # its client went away
+        self.prompt_ids = [ids for ids, _ in prompts]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        ranked = req.best_of > req.n
+        wants = req.logprobs if req.logprobs is not None else (0 if ranked else None)
+        self.seqs = []
+        for i, (ids, text) in enumerate(prompts):
+            for j in range(req.best_of):
+                out = Output(i * req.best_of + j, self.queue, req.stop, req.stream, req.logprobs,
+                             text if req.echo else None, ids if req.echo and req.logprobs is not None else None,
+                             distinct=not req.chat)  # (the legacy top_logprobs: keyed by text)
+                self.seqs.append(Sequence(ids, req.max_tokens, req.temperature, req.top_p, req.top_k,
+                                          choice_seed(req.seed, j), wants, out.echo_ids is not None, out))
+        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        n = len(self.seqs)
+        self.texts, self.token_ids, self.logprobs = [""] * n, [[] for _ in range(n)], [None] * n
+        self.reasons: list = [None] * n
+        self.counts, self.cumulative = [0] * n, [0.0] * n
+
+    def pending(self) -> int:
+        """Candidates not finished."""
+        return sum(r is None for r in self.reasons)
+
+    def take(self, ev) -> None:
+        """An event without an error (an error ends the request: the HTTP layer answers it)."""
+        i = ev.index
+        self.texts[i] += ev.text
+        self.token_ids[i] += ev.token_ids
+        if ev.logprobs is not None:
+            self.logprobs[i] = (self.logprobs[i] or []) + ev.logprobs
+        self.counts[i], self.cumulative[i] = ev.completion_tokens, ev.cumulative_logprob
+        if ev.finish_reason:
+            self.reasons[i] = ev.finish_reason
+
+    def chosen(self) -> list:
+        """The candidates answered, in choice order: each prompt's n most likely (all of them without best_of; ties
+        in candidate order)."""
+        req, out = self.req, []
+        for p in range(len(self.prompt_ids)):
+            group = list(range(p * req.best_of, (p + 1) * req.best_of))
+            if req.best_of > req.n:
+                group = sorted(group, key=lambda i: -self.cumulative[i])[:req.n]
+            out += group
+        return out
+
+    def cancel(self) -> None:
+        """Its client went away or its answer was cut short: the candidates still running leave their slots before
+        the next decoding call."""
+        if self.pending():
+            self.engine.cancel(self.seqs)
+
+
 class Engine:
     """The model served (see the module docstring): ``encode(texts) -> ids`` reads prompts as the model does;
     ``prompt_format(text) -> text`` renders a task's input as the model was trained to read it (``Family.prompt``:
@@ -286,9 +362,17 @@ class Engine:
         self.scheduler.stop()
         self.output.stop()
 
+    def generate(self, req, prompts: list) -> Generation:
+        """A checked request (serving/api.py's) of ``prompts`` [(ids, text)] -> its Generation, every candidate
+        submitted: its events come on ``Generation.queue`` (``start``'s ``deliver`` puts them there). Raises the
+        scheduler's QueueFull, ShuttingDown or Failed (nothing submitted)."""
+        generation = Generation(self, req, prompts)
+        self.submit(generation.seqs)
+        return generation
+
     def submit(self, seqs: list) -> None:
-        """Queues a request's sequences (scheduler.Sequence, each with its output.Output), all or none; raises the
-        scheduler's QueueFull, ShuttingDown or Failed."""
+        """Queues sequences (scheduler.Sequence, each with its output.Output), all or none; raises the scheduler's
+        QueueFull, ShuttingDown or Failed."""
         self.scheduler.submit(seqs)
 
     def cancel(self, seqs: list) -> None:

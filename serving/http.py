@@ -1,6 +1,7 @@
 """The HTTP layer: OpenAI's completions and chat completions APIs on FastAPI (Starlette) served by uvicorn. It knows
-nothing of models: it checks requests (serving/api.py), asks the engine (serving/engine.py) to tokenize, submit,
-cancel and drain, streams what the output side's events say, and maps every error to a status code (here alone).
+nothing of models: it checks requests (serving/api.py), asks the engine (serving/engine.py) to tokenize and
+``generate`` them, writes the bodies and streams of what the engine's events say, and maps every error to a status
+code (here alone).
 
 FastAPI + uvicorn: the maintained ASGI stack that vLLM's and TGI's OpenAI front ends use, with a lifespan for the
 engine's threads, and uvicorn's graceful shutdown, on which SIGTERM's drain is built (``Server``). The two completions
@@ -37,7 +38,6 @@ import hmac
 import json
 import logging
 import time
-import uuid
 from contextlib import aclosing, asynccontextmanager
 from typing import Optional
 
@@ -49,9 +49,8 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from serving import api
-from serving.engine import PromptError
-from serving.output import Output
-from serving.scheduler import Failed, QueueFull, SchedulerError, Sequence, ShuttingDown
+from serving.engine import Generation, PromptError
+from serving.scheduler import Failed, QueueFull, SchedulerError, ShuttingDown
 
 logger = logging.getLogger("flan_t5")
 OPEN_PATHS = ("/health",)
@@ -212,89 +211,33 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
         timer.cancel()
 
 
-def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
-    """The seed of a prompt's j-th candidate: the request's for the first (n=1 is the request alone), then a 64-bit
-    mix of (seed, j) (SplitMix64's finalizer), so that each choice is reproducible on its own."""
-    if seed is None or j == 0:
-        return seed
-    z = (seed + j * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return z ^ (z >> 31)
+def body(reply: Generation) -> dict:
+    """A whole completion's body: the chosen candidates, their usage."""
+    chosen = reply.chosen()
+    choices = [api.choice(reply.req, k, reply.texts[i], reply.reasons[i], reply.logprobs[i], *_ids(reply, i))
+               for k, i in enumerate(chosen)]
+    return api.completion(reply.req, reply.id, reply.created, reply.engine.model_id, choices, usage(reply, chosen))
 
 
-class _Reply:
-    """One request in flight: its sequences (each prompt's best_of candidates), the queue their events arrive on."""
+def chunk(reply: Generation, ev) -> dict:
+    """A streamed event's chunk (before ``take`` counts it)."""
+    first = reply.counts[ev.index] == 0 and not reply.texts[ev.index]
+    ids, prompt = _ids(reply, ev.index)
+    c = api.choice(reply.req, ev.index, ev.text, ev.finish_reason, ev.logprobs, ev.token_ids if ids is not None
+                   else None, prompt if first else None, delta=first if reply.req.chat else None)
+    return api.completion(reply.req, reply.id, reply.created, reply.engine.model_id, [c], None, chunk=True)
 
-    def __init__(self, engine, req: api.Request, prompts: list):
-        self.engine, self.req = engine, req
-        self.gone = False  # its client went away
-        self.prompt_ids = [ids for ids, _ in prompts]
-        self.queue: asyncio.Queue = asyncio.Queue()
-        ranked = req.best_of > req.n
-        wants = req.logprobs if req.logprobs is not None else (0 if ranked else None)
-        self.seqs = []
-        for i, (ids, text) in enumerate(prompts):
-            for j in range(req.best_of):
-                out = Output(i * req.best_of + j, self.queue, req.stop, req.stream, req.logprobs,
-                             text if req.echo else None, ids if req.echo and req.logprobs is not None else None,
-                             distinct=not req.chat)  # (the legacy top_logprobs: keyed by text)
-                self.seqs.append(Sequence(ids, req.max_tokens, req.temperature, req.top_p, req.top_k,
-                                          choice_seed(req.seed, j), wants, out.echo_ids is not None, out))
-        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        n = len(self.seqs)
-        self.texts, self.token_ids, self.logprobs = [""] * n, [[] for _ in range(n)], [None] * n
-        self.reasons: list = [None] * n
-        self.counts, self.cumulative = [0] * n, [0.0] * n
 
-    def pending(self) -> int:
-        return sum(r is None for r in self.reasons)
+def usage(reply: Generation, seqs: list) -> dict:
+    return api.usage(sum(map(len, reply.prompt_ids)), sum(reply.counts[i] for i in seqs))
 
-    def take(self, ev) -> None:
-        """An event without an error (an error ends the reply: ``_whole``, ``_stream``)."""
-        i = ev.index
-        self.texts[i] += ev.text
-        self.token_ids[i] += ev.token_ids
-        if ev.logprobs is not None:
-            self.logprobs[i] = (self.logprobs[i] or []) + ev.logprobs
-        self.counts[i], self.cumulative[i] = ev.completion_tokens, ev.cumulative_logprob
-        if ev.finish_reason:
-            self.reasons[i] = ev.finish_reason
 
-    def chosen(self) -> list:
-        """The sequences answered, in choice order: each prompt's n most likely candidates (all of them without
-        best_of)."""
-        req, out = self.req, []
-        for p in range(len(self.prompt_ids)):
-            group = list(range(p * req.best_of, (p + 1) * req.best_of))
-            if req.best_of > req.n:
-                group = sorted(group, key=lambda i: -self.cumulative[i])[:req.n]
-            out += group
-        return out
-
-    def usage(self, seqs: list) -> dict:
-        return api.usage(sum(map(len, self.prompt_ids)), sum(self.counts[i] for i in seqs))
-
-    def _ids(self, i: int) -> tuple:
-        return (self.token_ids[i], self.prompt_ids[i // self.req.best_of]) if self.req.return_token_ids else (None,
+def _ids(reply: Generation, i: int) -> tuple:
+    return (reply.token_ids[i], reply.prompt_ids[i // reply.req.best_of]) if reply.req.return_token_ids else (None,
                                                                                                             None)
 
-    def body(self) -> dict:
-        chosen = self.chosen()
-        choices = [api.choice(self.req, k, self.texts[i], self.reasons[i], self.logprobs[i], *self._ids(i))
-                   for k, i in enumerate(chosen)]
-        return api.completion(self.req, self.id, self.created, self.engine.model_id, choices, self.usage(chosen))
 
-    def chunk(self, ev) -> dict:
-        first = self.counts[ev.index] == 0 and not self.texts[ev.index]
-        ids, prompt = self._ids(ev.index)
-        c = api.choice(self.req, ev.index, ev.text, ev.finish_reason, ev.logprobs, ev.token_ids if ids is not None
-                       else None, prompt if first else None, delta=first if self.req.chat else None)
-        return api.completion(self.req, self.id, self.created, self.engine.model_id, [c], None, chunk=True)
-
-
-def _ended(reply: _Reply, error: api.ApiError) -> api.ApiError:
+def _ended(reply: Generation, error: api.ApiError) -> api.ApiError:
     """A request that an error ended (a failed decoding call, a shutdown's grace period over): one line, no
     traceback (the error is the scheduler's, the same for every request it ended; what failed is logged once, where
     it failed), whatever the number of requests it ends."""
@@ -302,7 +245,7 @@ def _ended(reply: _Reply, error: api.ApiError) -> api.ApiError:
     return error
 
 
-async def _whole(reply: _Reply):
+async def _whole(reply: Generation):
     """A completion's body at its end, or the ApiError that ended it; None when its client went away (its sequences
     cancelled: their slots freed before the next call)."""
     try:
@@ -313,13 +256,12 @@ async def _whole(reply: _Reply):
             if ev.error is not None:
                 return _ended(reply, to_api_error(ev.error))
             reply.take(ev)
-        return reply.body()
+        return body(reply)
     finally:
-        if reply.pending():  # gone, failed, or the task cancelled: the slots freed before the next call
-            reply.engine.cancel(reply.seqs)
+        reply.cancel()  # (gone, failed, or the task cancelled: the slots freed before the next call)
 
 
-async def _stream(reply: _Reply):
+async def _stream(reply: Generation):
     """Server-sent events: a chunk per sequence with something new (the events that came while the last write was
     made go out in one write), the last with its finish_reason, the usage
     (stream_options.include_usage), ``[DONE]``; an error as an error event. A client that goes away (``GONE``)
@@ -337,24 +279,23 @@ async def _stream(reply: _Reply):
                     out.append(_sse(_ended(reply, to_api_error(ev.error)).body()))
                     failed = True
                     break
-                body = reply.chunk(ev)
+                piece = chunk(reply, ev)
                 reply.take(ev)
-                out.append(_sse(body))
+                out.append(_sse(piece))
             if not reply.pending() and reply.req.include_usage:  # (an error leaves its sequence pending)
                 last = api.completion(reply.req, reply.id, reply.created, reply.engine.model_id, [], None, chunk=True)
-                out.append(_sse({**last, "usage": reply.usage(list(range(len(reply.seqs))))}))
+                out.append(_sse({**last, "usage": usage(reply, list(range(len(reply.seqs))))}))
             if not reply.pending() or failed:
                 out.append("data: [DONE]\n\n")
             yield "".join(out)
     finally:
-        if reply.pending():
-            reply.engine.cancel(reply.seqs)
+        reply.cancel()
 
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
-def _watched(f: asyncio.Future, reply: _Reply) -> None:
+def _watched(f: asyncio.Future, reply: Generation) -> None:
     """The task waiting on ``receive`` after the body ended: a disconnect (or an error reading) is the client gone."""
     if f.cancelled():
         return
@@ -388,8 +329,7 @@ class Completions:
         try:
             raw = await _read_body(scope, receive, self.engine.limits.max_body_bytes, self.body_timeout)
             req, prompts = parse(raw)
-            reply = _Reply(self.engine, req, prompts)
-            self.engine.submit(reply.seqs)
+            reply = self.engine.generate(req, prompts)
         except _Gone:
             return await GONE_RESPONSE(scope, receive, send)
         except (api.ApiError, PromptError, SchedulerError) as e:  # refusals (anything else: StatusCounter's 500)
@@ -406,11 +346,11 @@ class Completions:
                 if not reply.gone:  # (a client gone gets nothing more)
                     await send({"type": "http.response.body", "body": b""})
             else:
-                body = await _whole(reply)
-                if isinstance(body, api.ApiError):
-                    await JSONResponse(body.body(), body.status, body.headers)(scope, receive, send)
+                whole = await _whole(reply)
+                if isinstance(whole, api.ApiError):
+                    await JSONResponse(whole.body(), whole.status, whole.headers)(scope, receive, send)
                 else:
-                    await (GONE_RESPONSE if body is None else JSONResponse(body))(scope, receive, send)
+                    await (GONE_RESPONSE if whole is None else JSONResponse(whole))(scope, receive, send)
         finally:
             watch.cancel()
 

@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("FLAN_T5_COMPILATION_CACHE", None)  # (a developer's own cache is never the session's)
 # one folder for the session's every process: pytest-xdist's workers share its run id (each worker imports this
 # file itself, so a folder made here per process would give each worker a cache of its own)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -32,6 +33,7 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_compilation_cache_max_size", 8 << 30)  # (bounded: JAX locks it, as app/runtime.py does)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 

@@ -1019,10 +1019,10 @@ def test_the_server_s_defaults_scale_with_its_slots():
 
 
 def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_candidate_order():
-    from serving.http import _Reply
+    from serving.engine import Generation
     from serving.output import Event
 
-    reply = _Reply(None, completion(prompt=["a", "b"], n=2, best_of=4), [([5], "a"), ([6], "b")])
+    reply = Generation(None, completion(prompt=["a", "b"], n=2, best_of=4), [([5], "a"), ([6], "b")])
     for i, c in enumerate([-3.0, -1.0, -2.0, -0.5, -1.0, -1.0, -2.0, -1.0]):
         reply.take(Event(i, cumulative_logprob=c, finish_reason="length"))
     assert reply.chosen() == [3, 1, 4, 5]
@@ -1031,10 +1031,10 @@ def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_
 def test_a_completion_s_choices_show_distinct_texts_a_chat_s_tokens():
     """The legacy top_logprobs is keyed by text: its candidates are the most likely distinct texts; chat's is a
     list: the most likely tokens (serving/output.py; tests/test_scheduler.py shows both)."""
-    from serving.http import _Reply
+    from serving.engine import Generation
 
-    assert _Reply(None, completion(logprobs=2), [([5], "a")]).seqs[0].out.distinct
-    assert not _Reply(None, chat_request(logprobs=True, top_logprobs=2), [([5], "a")]).seqs[0].out.distinct
+    assert Generation(None, completion(logprobs=2), [([5], "a")]).seqs[0].out.distinct
+    assert not Generation(None, chat_request(logprobs=True, top_logprobs=2), [([5], "a")]).seqs[0].out.distinct
 
 
 def test_events_that_came_during_the_last_write_go_out_in_one_write_each_its_own_event():
@@ -1043,7 +1043,8 @@ def test_events_that_came_during_the_last_write_go_out_in_one_write_each_its_own
     cancels what it held."""
     from types import SimpleNamespace
 
-    from serving.http import _Reply, _stream
+    from serving.engine import Generation
+    from serving.http import _stream
     from serving.output import Event
     from serving.scheduler import Failed
 
@@ -1051,7 +1052,7 @@ def test_events_that_came_during_the_last_write_go_out_in_one_write_each_its_own
         """events: the batches put on the queue before each read -> (each write's events, the reply, cancels)."""
         req = completion(prompt=["a", "b"], stream=True, stream_options={"include_usage": usage})
         cancels: list = []
-        reply = _Reply(SimpleNamespace(model_id=MODEL, cancel=cancels.append), req, [([5], "a"), ([6], "b")])
+        reply = Generation(SimpleNamespace(model_id=MODEL, cancel=cancels.append), req, [([5], "a"), ([6], "b")])
 
         async def go():
             gen, writes = _stream(reply), []

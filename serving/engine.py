@@ -39,7 +39,7 @@ from utils.errors import ConfigError
 logger = logging.getLogger("flan_t5")
 SMALLEST_WIDTH = 16
 MAX_STEPS_FACTOR = 4  # the most steps a call takes with every slot taken, by default: 4 x --steps_per_call
-DEFAULT_SPANS = 4  # advance programs, each attending over a prefix of the cache: 1/4, 2/4, 3/4 and all of it
+DEFAULT_SPANS = 1  # advance programs (N: each attending over a prefix of the cache, 1/N ... N/N of it)
 DEFAULT_QUEUE = 256  # sequences waiting for a slot (at least; 4 x slots where more): a burst waits, not a 429
 KEY_VARIABLE = "FLAN_T5_API_KEY"  # the API key's environment variable
 DEFAULT_CHAT_TEMPLATE = (
@@ -154,9 +154,11 @@ def server_flags(p) -> None:
                         "stop string or a cancel, is refilled after the next call)")
     s.add_argument("--attention_spans", type=int, default=None,
                    help="decoding programs compiled, each attending over a prefix of the slots' cache: 1/N, 2/N ... "
-                        "of it (default 4). A call runs in the one whose prefix holds every running request's tokens "
-                        "and whose steps were timed fastest at start-up (a narrower prefix attends over fewer "
-                        "positions but copies them in and out once a call); 1: every call attends over all of it")
+                        "of it (default 1: every call attends over all of it). A call runs in the one whose prefix "
+                        "holds every running request's tokens and whose steps were timed fastest at start-up (a "
+                        "narrower prefix attends over fewer positions but copies them in and out once a call; the "
+                        "timing costs start-up time: a base-sized T5's server on a 2-core CPU took 110 s to start "
+                        "with 4, 20 s with 1)")
     s.add_argument("--cpu_threads", type=int, default=None,
                    help="threads of XLA's CPU thread pool (default: all the cores but one, which is left to the "
                         "server's own threads: HTTP, scheduling, text; all of them where the CPU decodes and a "

@@ -154,9 +154,9 @@ def servers(checkpoints):
     """Both servers, started together (each compiles while the other does); T5's drains for 60 s on SIGTERM,
     GPT-J's ends its held requests at once (and takes up to 1024 new tokens: requests that outlast a signal): every
     test of both goes through both."""
-    started = {"t5": Server("t5", checkpoints["t5"], "--grace_period", "60"),
+    started = {"t5": Server("t5", checkpoints["t5"], "--grace_period", "60", "--attention_spans", "4"),
                "gptj": Server("gptj", checkpoints["gptj"], "--grace_period", "0", "--output_length", "1024",
-                              "--cpu_threads", "1")}
+                              "--cpu_threads", "1", "--attention_spans", "4")}
     try:
         yield {k: s.ready() for k, s in started.items()}
     finally:
@@ -646,9 +646,10 @@ def test_sigterm_after_the_grace_period_ends_the_requests_with_an_error_then_exi
 
 
 def test_each_server_compiles_its_attention_spans_and_times_them(servers):
-    """--attention_spans 4 (the default) reaches the programs: four decoding programs, the cache's columns in quarters
-    (T5's: its 256 new tokens; GPT-J's: the prompt width, 32, and its 1024 new tokens), each timed at
-    start-up."""
+    """--attention_spans 4 reaches the programs: four decoding programs, the cache's columns in quarters (T5's: its
+    256 new tokens; GPT-J's: the prompt width, 32, and its 1024 new tokens), each timed at start-up; beside them the
+    inserts of 1 and 4 packed rows (4 slots: --insert_rows' default) and GPT-J's one score program, whatever the
+    prompts' lengths: the start-up line counts them."""
     for name, spans in (("t5", [64, 128, 192, 256]), ("gptj", [264, 528, 792, 1056])):
         deadline = time.monotonic() + WAIT
         while "attention spans' decoding calls" not in "".join(servers[name].err) and time.monotonic() < deadline:
@@ -657,3 +658,5 @@ def test_each_server_compiles_its_attention_spans_and_times_them(servers):
         assert f"attention spans {spans})" in text and "attention spans' decoding calls" in text, name
         timed = text.split("attention spans' decoding calls")[1].splitlines()[0]
         assert [int(x.split(":")[0]) for x in timed.split("ms): ")[1].split(", ")[::2]] == spans, timed
+        programs = 2 + len(spans) + (name == "gptj")
+        assert f"compiled {programs} slot programs in " in text and "packed into 1/4 rows an insert" in text, name

@@ -1004,9 +1004,10 @@ def test_the_server_s_defaults_scale_with_its_slots():
     with pytest.raises(ConfigError, match="--max_steps_per_call 4 must be at least 5"):
         ServeOptions.of(p.parse_args(["--steps_per_call", "5", "--max_steps_per_call", "4"]), cfg)
     assert dataclasses.replace(o, steps=6, max_steps=0).most_steps == 6  # (0: the base) what the programs compile
-    # attention spans: 4 by default, as given otherwise (1: every call attends over the whole cache)
-    assert ServeOptions.of(p.parse_args([]), cfg).attention_spans == 4
-    assert ServeOptions.of(p.parse_args(["--attention_spans", "1"]), cfg).attention_spans == 1
+    # attention spans: 1 by default (every call attends over the whole cache: one decoding program, none timed at
+    # start-up), as given otherwise
+    assert ServeOptions.of(p.parse_args([]), cfg).attention_spans == 1
+    assert ServeOptions.of(p.parse_args(["--attention_spans", "4"]), cfg).attention_spans == 4
     # the most packed rows are always all the slots of a shard; a prompt's characters: 64 a token of the width; the
     # width by default sequence_length (64 in tiny), rounded up to a multiple of 8
     o = ServeOptions.of(p.parse_args(["--slots", "8", "--insert_rows", "1", "2", "16", "--prompt_width", "48"]),

@@ -138,6 +138,15 @@ def _smoke_commands() -> dict:
         "f15_int8": ["inference.py", *_decode_args("tiny", "32", "float32", "4", "4"), "--quantize", "int8"],
         "f15_hlo": ["benchmarks/int8_hlo.py", "--config", "tiny", "--batch", "4", "--prompt_length", "32",
                     "--output_length", "4"],
+        # the decoding plan's runs (``DECODING``) at tiny shapes
+        "dec_startup": ["benchmarks/startup.py", "--models", "t5_tiny:tiny:", "gptj_tiny:gptj_tiny:",
+                        "--server_args=--slots 4 --output_length 16 --tensor_parallel 1 --data_parallel 1"],
+        "dec_serve": ["benchmarks/serve.py", "--configs", "gptj_tiny", "--requests", "6", "--slots", "4", "--max_new", "16",
+                      "--steps_per_call", "4", "--repeats", "1", "--hf_requests", "1",
+                      "--model_flags=--tensor_parallel 1 --data_parallel 1"],
+        "dec_f32": ["benchmarks/serve.py", "--configs", "tiny", "--requests", "6", "--slots", "4", "--max_new", "16",
+                    "--steps_per_call", "4", "--repeats", "1", "--hf_requests", "2",
+                    "--model_flags=--tensor_parallel 1 --data_parallel 1 --precision float32"],
         "serve": ["benchmarks/serve.py", "--configs", "tiny", "--requests", "6", "--slots", "2", "--min_new", "4",
                   "--max_new", "8", "--min_prompt", "3", "--max_prompt", "8", "--steps_per_call", "8", "--repeats",
                   "1", "--hf_requests", "2"],
@@ -212,6 +221,16 @@ def _gpu_commands() -> dict:
         "serve_xl": ["benchmarks/serve.py", "--configs", "xl", "--requests", "256", "--slots", "32",
                      "--steps_per_call", "8", "--repeats", "1", "--hf_requests", "2",
                      "--model_flags=--tensor_parallel 1 --data_parallel 1"],
+        # the decoding plan: servers of base and xl started cold and warm; base served against static batching at
+        # 512 requests; a float32 server's greedy tokens against static batching's and HF's ("highest" precision)
+        "dec_startup": ["benchmarks/startup.py", "--models", "t5_base:base:", "t5_xl:xl:",
+                        "--server_args=--slots 32 --output_length 64 --tensor_parallel 1 --data_parallel 1"],
+        "dec_serve": ["benchmarks/serve.py", "--configs", "base", "--requests", "512", "--slots", "32",
+                      "--steps_per_call", "8", "--repeats", "1", "--hf_requests", "8",
+                      "--model_flags=--tensor_parallel 1 --data_parallel 1"],
+        "dec_f32": ["benchmarks/serve.py", "--configs", "base", "--requests", "64", "--slots", "32",
+                    "--steps_per_call", "8", "--repeats", "1", "--hf_requests", "16",
+                    "--model_flags=--tensor_parallel 1 --data_parallel 1 --precision float32"],
     }
 
 
@@ -254,7 +273,7 @@ def parts(smoke: bool) -> list:
         Part("serve_xl", "the server against static batching and HF generate for xl (256 requests, one round, 2 join "
              "sizes, 2 requests for HF)", 530, [Run("serve", c["serve_xl"])], _serve_figures),
     ]
-    out += fifteen(c)
+    out += fifteen(c) + decoding(c)
     if smoke:  # CPU seconds at tiny shapes: a tenth of the GPU estimates
         for q in out:
             q.estimate_s /= 10
@@ -286,7 +305,35 @@ def fifteen(c: dict) -> list:
     ]
 
 
+# The decoding plan (``--only decoding``; bash benchmarks/lent_gpu.sh decoding): the decoder's GPU figures, within 480 s
+# of one command on a bare one-GPU machine: how fast a server starts (base and xl, cold and from the compilation
+# cache), the server against static batching at 512 requests (base), and a float32 server's greedy tokens against
+# static batching's and HF's on every request.
+DECODING = ("dec_startup", "dec_serve", "dec_f32")
+
+
+def decoding(c: dict) -> list:
+    """The decoding plan's parts (estimates: a base server starts in about 20 s on the 2-core CPU, most of it the
+    weights; on a GPU the xl checkpoint's saving and loading dominate)."""
+    return [
+        Part("dec_startup", "(a) run_server.py to /health 200, cold and warm: base and xl, 32 slots, 64 new tokens",
+             160, [Run("startup", c["dec_startup"])], _startup_figures),
+        Part("dec_serve", "(b) the server against static batching and HF generate one by one: base, 512 Poisson "
+             "requests, one round", 200, [Run("serve", c["dec_serve"])], _serve_figures),
+        Part("dec_f32", "(c) float32 (matmuls at 'highest'): the server's greedy tokens against static batching's and "
+             "HF's on every request (base, 64 requests, 16 of them for HF)", 110, [Run("serve", c["dec_f32"])],
+             _serve_figures),
+    ]
+
+
 # --------------------------------------------------------------------------- figures of each part
+
+
+def _startup_figures(reports: dict) -> dict:
+    """{model: cold and warm seconds to healthy, the programs compiled} of benchmarks/startup.py's report."""
+    return {name: {k: m[k] for k in ("cold_s", "warm_s", "programs", "cold_compile_s", "warm_compile_s")}
+            for name, m in reports["startup"]["models"].items()}
+
 
 
 def _step_figures(r: dict) -> dict:
@@ -415,7 +462,9 @@ def _serve_figures(reports: dict) -> dict:
         methods = {k: v for k, v in m.items() if isinstance(v, dict) and "tokens_per_s" in v}
         out[model] = {"tokens_per_s": {k: v["tokens_per_s"] for k, v in methods.items()},
                       "ttft_s": {k: v["ttft_s"] for k, v in methods.items()},
-                      "itl_s": {k: v["itl_s"] for k, v in methods.items()}, "ratios": m["ratios"]}
+                      "itl_s": {k: v["itl_s"] for k, v in methods.items()}, "ratios": m["ratios"],
+                      "same_tokens": {k: v.get("same_tokens_as_server") for k, v in methods.items()
+                                      if "same_tokens_as_server" in v}}
     return out
 
 
@@ -666,9 +715,14 @@ def _other_head(part: str, f: dict) -> str:
     elif part == "workstation" and f:
         head = "; ".join(f"{n}: {v['status']}, step {_fmt(min(v['step_s'][1:] or v['step_s'] or [None]), ' s')}"
                          for n, v in f.items())
-    elif part in ("serve", "serve_xl") and f:
+    elif part in ("serve", "serve_xl", "dec_serve", "dec_f32") and f:
         head = "; ".join(f"{model}: " + ", ".join(f"{k} {_fmt(v, 'x')}" for k, v in m["ratios"].items())
+                         + "".join(f", {k}'s tokens the server's on {_fmt(100 * v, '%')} of requests"
+                                   for k, v in m.get("same_tokens", {}).items() if v is not None)
                          for model, m in f.items() if isinstance(m, dict) and "ratios" in m)
+    elif part == "dec_startup" and f:
+        head = "; ".join(f"{n}: cold {_fmt(v['cold_s'], ' s')}, warm {_fmt(v['warm_s'], ' s')} ({v['programs']} "
+                         "programs)" for n, v in f.items())
     return head
 
 
@@ -741,8 +795,9 @@ def chosen_parts(available: list, only: str | None) -> list:
     """The parts ``--only`` names (``fifteen``: the fifteen-minute plan's), in the suite's order; without it every
     part but the fifteen-minute plan's (their measurements are the whole suite's)."""
     if not only:
-        return [q for q in available if q.name not in FIFTEEN]
-    names = [n for x in only.split(",") for n in (FIFTEEN if x == "fifteen" else (x,))]
+        return [q for q in available if q.name not in FIFTEEN + DECODING]
+    plans = {"fifteen": FIFTEEN, "decoding": DECODING}
+    names = [n for x in only.split(",") for n in plans.get(x, (x,))]
     unknown = set(names) - {q.name for q in available}
     if unknown:
         raise SystemExit(f"unknown part(s) {', '.join(sorted(unknown))}: choose among "

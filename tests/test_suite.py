@@ -57,6 +57,29 @@ def test_the_fifteen_minute_plan_s_smoke_run_writes_each_part_s_figures(tmp_path
     assert all(f"| {name} | ok | smoke (tiny shapes on CPU" in summary for name in FIFTEEN)
 
 
+DECODING = ["dec_startup", "dec_serve", "dec_f32"]
+
+
+@pytest.mark.slow
+def test_the_decoding_plan_s_smoke_run_writes_each_part_s_figures(tmp_path):
+    """`bash benchmarks/lent_gpu.sh decoding`'s parts at tiny shapes on CPU: servers started cold and warm (the warm
+    start reading the compilation cache the cold one filled: it compiles nothing new, as many programs), the server
+    against static batching and HF, the float32 server's tokens against both."""
+    out = tmp_path / "suite"
+    suite("--smoke", "--out", str(out), "--only", "decoding")
+    dec = {name: json.load(open(out / f"{name}.json")) for name in DECODING}
+    assert all(r["status"] == "ok" and r["figures"] and "error" not in r["figures"] for r in dec.values()), \
+        {n: r["status"] for n, r in dec.items()}
+    for model in ("t5_tiny", "gptj_tiny"):
+        m = dec["dec_startup"]["figures"][model]
+        assert 0 < m["warm_s"] and 0 < m["cold_s"] and m["programs"] >= 2, m
+    f32 = dec["dec_f32"]["figures"]
+    (model,) = f32
+    assert set(f32[model]["same_tokens"]) == {"static", "hf"} and f32[model]["ratios"]
+    summary = open(out / "summary.md").read()
+    assert all(f"| {name} | ok | smoke (tiny shapes on CPU" in summary for name in DECODING)
+
+
 @pytest.mark.slow
 def test_smoke_runs_every_part_and_writes_its_json(tmp_path):
     """Every other part of the suite at tiny shapes on CPU (a long test: make test-all)."""

@@ -1,7 +1,9 @@
-"""The documentation against the code: every command shown in README.md and docs/ names a driver that exists, flags
-its parser knows and presets its preset file holds (the copy-pasteable ones parse whole, their values checked by the
-config); every driver flag and every preset is documented in docs/; docs/configuration.md is the config's own
-reference, regenerated; the README stays a front page; the make targets set up what is missing and run."""
+"""The documentation against the code: every command shown in README.md, docs/ and benchmarks/README.md names a
+driver that exists, flags its parser knows and presets its preset file holds (the copy-pasteable ones parse whole,
+their values checked by the config); every driver flag and every preset is documented in docs/, every driver's own
+flags in docs/commands.md's synopses; docs/configuration.md is the config's own reference, regenerated; the README
+stays a front page (at most 200 lines, no date, no commit hash: history goes to benchmarks/results/LOG.md); every
+result file the docs name exists; the make targets set up what is missing and run."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ from unittest import mock
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOC_FILES = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+README = os.path.join(ROOT, "README.md")
+DOC_FILES = [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + \
+    [os.path.join(ROOT, "benchmarks", "README.md")]
+# every page that names result files: the docs, and the benchmarks' own pages and log
+RESULT_PAGES = DOC_FILES + [os.path.join(ROOT, "benchmarks", p) for p in
+                            ("probes/README.md", "results/README.md", "results/LOG.md")]
 
 # script (as a command names it) -> (module, {flag naming a preset: the preset file's kind})
 DRIVERS = {
@@ -141,23 +148,26 @@ def split_command(line: str, variables: dict):
     return found
 
 
-def doc_commands():
-    """(file:line, script, args, whole) of every python3 command in the docs; whole: a copy-pasteable line of a
+def commands_in(text: str, name: str):
+    """(name:line, script, args, whole) of every python3 command in a page's text; whole: a copy-pasteable line of a
     code block (else an inline synopsis such as `run_validation.py --load CKPT [--limit N]`)."""
+    for start, lines in code_blocks(text):
+        variables = {}
+        for i, line in enumerate(lines):
+            m = re.match(r'^([A-Z_][A-Z0-9_]*)="([^"]*)"\s*$', line)
+            if m:
+                variables[m.group(1)] = m.group(2)
+            for script, args in split_command(line, variables):
+                yield f"{name}:{start + i}", script, args, True
+    for line, span in inline_spans(text):
+        for script, args in split_command(span.replace("\\|", "|"), {}):
+            yield f"{name}:{line}", script, args, False
+
+
+def doc_commands():
+    """commands_in every page of the docs."""
     for path in DOC_FILES:
-        text = open(path).read()
-        name = os.path.relpath(path, ROOT)
-        for start, lines in code_blocks(text):
-            variables = {}
-            for i, line in enumerate(lines):
-                m = re.match(r'^([A-Z_][A-Z0-9_]*)="([^"]*)"\s*$', line)
-                if m:
-                    variables[m.group(1)] = m.group(2)
-                for script, args in split_command(line, variables):
-                    yield f"{name}:{start + i}", script, args, True
-        for line, span in inline_spans(text):
-            for script, args in split_command(span.replace("\\|", "|"), {}):
-                yield f"{name}:{line}", script, args, False
+        yield from commands_in(open(path).read(), os.path.relpath(path, ROOT))
 
 
 def flag_tokens(args: list):
@@ -340,15 +350,98 @@ def test_docs_configuration_is_the_config_s_own_reference():
         "docs/configuration.md is stale: python3 -m app.reference --output docs/configuration.md"
 
 
+README_LINES = 200  # a front page, as vLLM's, PEFT's and t5x's: what it is, the set-up, the main commands, links
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")  # a hash holds digits and letters
+
+
+def front_page_problems(text: str, pages: list) -> list:
+    """What keeps a README from being a front page: more than README_LINES lines, a page of docs/ it does not link,
+    a date or a commit hash (what happened when belongs in benchmarks/results/LOG.md)."""
+    lines = text.splitlines()
+    problems = [f"{len(lines)} lines (at most {README_LINES})"] if len(lines) > README_LINES else []
+    problems += [f"no link to docs/{page}" for page in pages if f"](docs/{page})" not in text]
+    for n, line in enumerate(lines, 1):
+        problems += [f"line {n}: a date, {m.group(0)}" for m in DATE.finditer(line)]
+        problems += [f"line {n}: a commit hash, {m.group(0)}" for m in COMMIT.finditer(line)]
+    return problems
+
+
 def test_the_readme_is_a_front_page_that_links_every_doc():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert len(readme.splitlines()) <= 300
+    pages = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    assert front_page_problems(open(README).read(), pages) == []
+    # the rule bites on a diary line, a page left unlinked, a page too long
+    diary = "[install](docs/install.md)\nCI: 8.1 minutes (797 tests, 2026-11-28 02:51, code 3813f1b)\n"
+    assert front_page_problems(diary, ["install.md", "serving.md"]) == \
+        ["no link to docs/serving.md", "line 2: a date, 2026-11-28", "line 2: a commit hash, 3813f1b"]
+    assert front_page_problems("a line\n" * (README_LINES + 1), []) == [f"{README_LINES + 1} lines (at most 200)"]
+    # and not on what is no history: a shape, a count, a port, a word of hex letters, a preset's name
+    assert front_page_problems("a 2048x2048 GEMM, 1000000 rows, --port 8000, defaced, f15_xxl_1gpu\n", []) == []
+
+
+def test_every_link_of_the_readme_and_docs_leads_to_a_file():
+    """Pages and figures: README.md's links into docs/, benchmarks/ and imgs/, and every relative link of docs/ (a
+    page or an image, which docs/ reads from ../imgs/)."""
+    links = re.findall(r"\]\(((?:docs|benchmarks|imgs)/[^)#]+)", open(README).read())
     for path in glob.glob(os.path.join(ROOT, "docs", "*.md")):
-        assert f"](docs/{os.path.basename(path)})" in readme, f"README.md does not link {path}"
-    links = re.findall(r"\]\(((?:docs|benchmarks|imgs)/[^)#]+)", readme)
-    for path in glob.glob(os.path.join(ROOT, "docs", "*.md")):
-        links += [os.path.join("docs", l) for l in re.findall(r"\]\(([^)#:]+\.md)", open(path).read())]
-    assert [l for l in links if not os.path.exists(os.path.join(ROOT, os.path.normpath(l)))] == []
+        links += [os.path.join("docs", link) for link in
+                  re.findall(r"\]\(([^)#:]+\.(?:md|png|json))", open(path).read())]
+    assert len(links) > 40
+    assert [link for link in links if not os.path.exists(os.path.join(ROOT, os.path.normpath(link)))] == []
+
+
+RESULT = re.compile(r"(?<![\w/.-])((?:benchmarks/)?results/[\w./-]*\w)")
+
+
+def missing_results(text: str, here: str) -> list:
+    """Each result file or folder a page names that does not exist: `benchmarks/results/...` from the root, and
+    `results/...` from the page's own folder (benchmarks/): a figure whose JSON is gone, or was archived without its
+    page being told."""
+    found = [m.group(1) for m in RESULT.finditer(text)]
+    return [p for p in found if not os.path.exists(os.path.join(ROOT if p.startswith("benchmarks/") else here, p))]
+
+
+def test_every_result_file_the_docs_name_exists():
+    named = 0
+    for path in RESULT_PAGES:
+        text = open(path).read()
+        named += len(RESULT.findall(text))
+        assert missing_results(text, os.path.dirname(path)) == [], os.path.relpath(path, ROOT)
+    assert named > 40
+    # the rule bites: a run moved to archive/ that a page still names where it was, a file never written
+    page = "`benchmarks/results/cpu/startup.json`, `benchmarks/results/cpu/serve_1434.json`, `results/cpu/none.json`"
+    assert missing_results(page, os.path.join(ROOT, "benchmarks")) == \
+        ["benchmarks/results/cpu/serve_1434.json", "results/cpu/none.json"]
+
+
+def own_flags() -> dict:
+    """{script: the flags its --help lists that are its own (config fields are docs/configuration.md's)}."""
+    import modelling.registry  # noqa: F401 (the families' own fields are flags too, whatever ran before)
+    from config.schema import FIELDS
+
+    config = {f"--{f}" for f in FIELDS}
+    return {s: {f for f in documented_flags(parser_of(s))
+                if not (f in config and (s in CONFIG_DRIVERS or s.endswith("hf_baseline.py")))} for s in DRIVERS}
+
+
+def flags_missing_from(text: str, name: str, own: dict) -> list:
+    """"SCRIPT --FLAG" for each of a driver's own flags that no command of that driver in a page's text names."""
+    shown = {}
+    for _, script, args, _ in commands_in(text, name):
+        shown.setdefault(script, set()).update(flag_tokens(args))
+    return [f"{s} {f}" for s, flags in sorted(own.items()) for f in sorted(flags) if f not in shown.get(s, ())]
+
+
+def test_docs_commands_names_every_driver_s_own_flags():
+    """docs/commands.md is where a user looks a flag up: every driver's own flags in its synopsis (a flag shown only
+    somewhere else in docs/ is not enough); the presets' side is test_the_presets_section_... below."""
+    path = os.path.join(ROOT, "docs", "commands.md")
+    text, own = open(path).read(), own_flags()
+    assert flags_missing_from(text, "docs/commands.md", own) == []
+    # the rule bites: a flag taken out of run_server.py's synopsis (its row comes before benchmarks/serve.py's)
+    assert text.index("python3 run_server.py (--load") < text.index("[--insert_rows N ...] ")
+    assert flags_missing_from(text.replace("[--insert_rows N ...] ", "", 1), "docs/commands.md", own) == \
+        ["run_server.py --insert_rows"]
 
 
 def test_the_gpu_suite_table_lives_between_its_markers_in_docs_and_is_current(tmp_path):

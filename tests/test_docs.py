@@ -434,7 +434,7 @@ def flags_missing_from(text: str, name: str, own: dict) -> list:
 
 def test_docs_commands_names_every_driver_s_own_flags():
     """docs/commands.md is where a user looks a flag up: every driver's own flags in its synopsis (a flag shown only
-    somewhere else in docs/ is not enough); the presets' side is test_the_presets_section_... below."""
+    somewhere else in docs/ is not enough); the presets' side is test_the_presets_section_of_docs_commands_lists_every_preset."""
     path = os.path.join(ROOT, "docs", "commands.md")
     text, own = open(path).read(), own_flags()
     assert flags_missing_from(text, "docs/commands.md", own) == []

@@ -3,7 +3,7 @@ same requests: Poisson arrivals, prompt and output lengths drawn from a spread.
 
     python3 benchmarks/serve.py --model_flags="--tensor_parallel 1 --data_parallel 1" --hf_requests 16 \
         --model_flags="--hidden_size 256 --d_ff 1024 --d_kv 64 --tensor_parallel 1 --data_parallel 1" \
-        --repeats 3 --json benchmarks/results/cpu/serve.json           # CPU: tiny T5 and GPT-J, and 4x wider
+        --repeats 3 --json benchmarks/results/cpu/serve_readme.json    # CPU: tiny T5 and GPT-J, and 4x wider
     python3 benchmarks/serve.py --configs base xl --requests 128 --slots 32 --hf_requests 16 \
         --model_flags="--tensor_parallel 1 --data_parallel 1"                        # one GPU
 

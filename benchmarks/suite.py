@@ -317,11 +317,11 @@ def decoding(c: dict) -> list:
     weights; on a GPU the xl checkpoint's saving and loading dominate)."""
     return [
         Part("dec_startup", "(a) run_server.py to /health 200, cold and warm: base and xl, 32 slots, 64 new tokens",
-             160, [Run("startup", c["dec_startup"])], _startup_figures),
+             150, [Run("startup", c["dec_startup"])], _startup_figures),
         Part("dec_serve", "(b) the server against static batching and HF generate one by one: base, 512 Poisson "
-             "requests, one round", 200, [Run("serve", c["dec_serve"])], _serve_figures),
+             "requests, one round", 180, [Run("serve", c["dec_serve"])], _serve_figures),
         Part("dec_f32", "(c) float32 (matmuls at 'highest'): the server's greedy tokens against static batching's and "
-             "HF's on every request (base, 64 requests, 16 of them for HF)", 110, [Run("serve", c["dec_f32"])],
+             "HF's on every request (base, 64 requests, 16 of them for HF)", 100, [Run("serve", c["dec_f32"])],
              _serve_figures),
     ]
 

@@ -74,7 +74,7 @@ class Carry:
     arrays as it can be.
 
     JAX's dispatch lets go of Python's interpreter lock and takes it back about once for every array a call returns
-    (jaxlib 0.10.2; benchmarks/gil_waits.py), and in the server another thread (HTTP's) holds that lock in between:
+    (jaxlib 0.10.2; benchmarks/probes/README.md), and in the server another thread (HTTP's) holds that lock in between:
     each array is a wait of the decoding thread. So the cache's floating-point leaves (its keys and values, updated
     in place: too big to copy each call; T5's cross-attention bias too) stay apart, one array each, and every other
     leaf, the cache's and the state's (a mask, positions, a few numbers a row), travels in one int32 vector a device,

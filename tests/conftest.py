@@ -64,6 +64,24 @@ def long_tests() -> set:
         return {line.rsplit(maxsplit=1)[0] for line in f if line.strip() and not line.startswith("#")}
 
 
+@pytest.fixture(scope="session")
+def two_models(tmp_path_factory):
+    """Two random-init checkpoints of the tiny preset (other weights: another seed), saved as run_finetuning saves
+    one, and a file of 11 rows in the task's format (MNLI's columns, no label)."""
+    import json
+
+    from tests.helpers import save_random_checkpoint
+
+    d = tmp_path_factory.mktemp("models")
+    a, b = str(d / "a"), str(d / "b")
+    save_random_checkpoint("tiny", a)
+    save_random_checkpoint("tiny", b, seed=8)
+    rows = d / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"premise": f"the cat sleeps in the park {i}", "hypothesis": "the cat sleeps"})
+                            + "\n" for i in range(11)))
+    return a, b, str(rows)
+
+
 def pytest_collection_modifyitems(config, items):
     """The tests of tests/long.txt are marked ``long`` (CI's `make test` runs ``-m "not long"``; `make test-all`
     runs them too); ``gpu`` tests (pyproject.toml's marker) are skipped, with the reason, where JAX sees no GPU."""

@@ -1,9 +1,11 @@
-"""What several test modules share (no tests here): the tiny preset's small run, reading a checkpoint back,
-relative errors, a driver's one-line failure, a driver in a process of its own. HF models and the batches they are
+"""What several test modules share (no tests here): the tiny presets' small runs, a random-init checkpoint, data files
+of a few rows, reading a checkpoint back, relative errors, a driver's one-line failure, a driver in a process of its
+own. HF models and the batches they are
 compared on are in tests/hf_utils.py; the environment of the processes tests start in tests/env.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,9 +22,13 @@ from tests.env import ROOT, child_env
 SMALL = ["--config", "tiny", "--sequence_length", "16", "--global_batch_size", "8", "--micro_batch_size", "2",
          "--warmup_steps", "0"]
 
-__all__ = ["ROOT", "SMALL", "build", "fails", "fro_rel", "leaves", "max_rel", "params_at", "start", "tiny",
-           "update_rel", "wait_for_lines", "assert_trained_alike", "machine",
-           "threads_passed"]
+# the gptj_tiny preset at a small shape, with dropout and warm-up
+GPTJ_SMALL = ["--config", "gptj_tiny", "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "2",
+              "--warmup_steps", "3", "--dropout_prob", "0.1"]
+
+__all__ = ["ROOT", "SMALL", "GPTJ_SMALL", "build", "fails", "fro_rel", "leaves", "max_rel", "params_at", "start",
+           "tiny", "update_rel", "wait_for_lines", "assert_trained_alike", "machine", "threads_passed", "train",
+           "save_random_checkpoint", "write_jsonl", "nli_file", "qa_dir"]
 
 
 def tiny(**overrides):
@@ -40,6 +46,50 @@ def build(cfg):
 
     executor = run_finetuning.build_executor(cfg)
     return executor, training_data(cfg, executor.g.family)
+
+
+def train(save, steps, *extra):
+    """``steps`` steps of the SMALL run saved in ``save`` (run_finetuning.py in this process)."""
+    import run_finetuning
+
+    run_finetuning.main(SMALL + ["--steps", str(steps), "--save", save, *extra])
+
+
+def save_random_checkpoint(preset: str, directory: str, seed: int = 7, step: int = 1) -> None:
+    """A random-init checkpoint of a preset, saved as run_finetuning saves one."""
+    from config import load_config
+    from config.presets import to_dict
+    from graphs.graphs import Graphs
+    from utils import checkpoint as ckpt
+
+    cfg = load_config("finetuning", preset, {})
+    mgr = ckpt.manager(directory)
+    ckpt.save(mgr, step, Graphs(cfg).init_params(seed), None, {"step": step, "seed": cfg.model.seed,
+                                                               "config": to_dict(cfg)})
+    mgr.wait_until_finished()
+    mgr.close()
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def nli_file(path, n=200, seed=9):
+    """A JSONL file of ``n`` synthetic NLI rows."""
+    from data.synthetic import generate_split
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in generate_split("train", n, seed=seed)))
+    return str(path)
+
+
+def qa_dir(path, splits=("train", "validation")):
+    """A directory of split files (``splits``) of 40 question/answer rows each."""
+    path.mkdir()
+    for split in splits:
+        (path / f"{split}.jsonl").write_text("".join(json.dumps({"question": f"what is {i} plus one ?",
+                                                                 "answer": str(i + 1)}) + "\n" for i in range(40)))
+    return str(path)
 
 
 def params_at(directory, step):

@@ -13,6 +13,10 @@ Floors, lowest first (a module may import its own floor and those below it):
     serving     the server: a scheduler of decode slots and its HTTP layer
     (top)       the drivers, the benchmarks, the notebook
 
+Tests are found by module: tests/ mirrors the packages (tests/app/test_trainer.py states app/trainer.py's contract),
+the drivers' end-to-end tests are in tests/drivers/, and docs/testing.md's table maps every module to the test files
+that state its contract, which import it (or the table says why not).
+
 Every rule is a function of a tree of sources ({path: text}); each test runs it on the project and on a small
 synthetic tree that breaks it, so that a rule that could never fail would fail its own test.
 """
@@ -28,6 +32,8 @@ import pytest
 from modelling import registry
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+TESTING = ROOT / "docs" / "testing.md"
+TABLE = "## Where each module is tested"  # docs/testing.md's section holding the table from module to test files
 FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "graphs": 4, "decoder": 4, "app": 5, "serving": 6}
 # Training's modules (the optimizer, the executors, the training data path): nothing decoding imports reaches them
 TRAINING = ("graphs.graphs", "graphs.optim", "graphs.executor", "graphs.fused", "graphs.phased", "graphs.phases",
@@ -57,6 +63,11 @@ def project() -> dict:
             continue
         out[str(rel)] = p.read_text()
     return out
+
+
+def sources_of_tests() -> dict:
+    """{path relative to the root: source} of tests/'s Python files, its folders' included."""
+    return {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "tests").rglob("*.py"))}
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +251,69 @@ def imports_of_test_modules(tree: dict) -> list:
             if dep.rpartition(".")[2].startswith("test_") and dep != m]
 
 
+def module_table(text: str) -> dict:
+    """{path: ([test files], why)} of docs/testing.md's table (its section ``TABLE``): a row a module (or another file
+    whose contract tests state: the README, the Makefile, the notebook), the test files that state its contract, and
+    why none of them imports it, where none does (else empty)."""
+    rows = {}
+    for line in text.split(TABLE, 1)[1].split("\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = ([f.strip() for f in cells[1].split(",") if f.strip() not in ("", "—")],
+                                         cells[2])
+    return rows
+
+
+def _is_test(module: str) -> bool:
+    return module.split(".")[0] == "tests" and module.rpartition(".")[2].startswith("test_")
+
+
+def importers(tree: dict) -> dict:
+    """{project module: {test files importing it}} of a tree of the project's and the tests' sources: imported by the
+    test file itself or by a helper module of tests/ that it imports (tests/toy_family.py, tests/hf_utils.py ...)."""
+    found = imports(tree)
+    out = {}
+    for m, (path, _) in found.items():
+        if not _is_test(m):
+            continue
+        seen, todo = set(), [m]
+        while todo:
+            for d, _, _ in found[todo.pop()][1]:
+                if d not in seen:
+                    seen.add(d)
+                    if d.split(".")[0] == "tests" and not _is_test(d):
+                        todo.append(d)
+        for d in seen:
+            if d.split(".")[0] != "tests":
+                out.setdefault(d, set()).add(path)
+    return out
+
+
+def table_problems(tree: dict, rows: dict, others: set) -> list:
+    """docs/testing.md's table against a tree of sources: every module of the project (``__init__.py`` aside) has a
+    row, every row names a module of the tree or one of ``others`` (files that exist), every test file a row names
+    exists, every module is imported by a test file of its row or the row says why not in one line (and only then),
+    and every test file of tests/ is named in a row."""
+    modules = {p for p in tree if p.endswith(".py") and not p.startswith("tests/") and not p.endswith("__init__.py")}
+    test_files = {p for p in tree if _is_test(_module(p))}
+    by = importers(tree)
+    out = [f"{m} has no row in docs/testing.md's table" for m in sorted(modules - set(rows))]
+    for path, (files, why) in sorted(rows.items()):
+        if path not in modules and path not in others:
+            out.append(f"{path}'s row names no file of the project")
+        out += [f"{path}'s row names {f}, which does not exist" for f in files if f not in test_files]
+        if path in modules:
+            importing = sorted(set(files) & by.get(_module(path), set()))
+            if not importing and not why:
+                out.append(f"{path} is imported by none of {', '.join(files) or 'no test file'}: name one that "
+                           "imports it, or say why not in its row")
+            if importing and why:
+                out.append(f"{path}'s row says why not imported, but {importing[0]} imports it")
+    named = {f for files, _ in rows.values() for f in files}
+    out += [f"{f} is named in no row of docs/testing.md's table" for f in sorted(test_files - named)]
+    return out
+
+
 def _family_facts() -> tuple:
     names = set(registry.names()) | set(registry.hf_model_types())
     keys = [set(f.batch_keys) for f in registry.FAMILIES.values()]
@@ -271,8 +345,8 @@ def test_no_driver_is_imported_by_anything(tree):
 
 
 def test_no_test_module_imports_another():
-    tests = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "tests").glob("*.py"))}
-    assert not imports_of_test_modules(tests), "\n".join(imports_of_test_modules(tests))
+    found = imports_of_test_modules(sources_of_tests())
+    assert not found, "\n".join(found)
     _bites(imports_of_test_modules, {"tests/test_a.py": "from tests.test_b import params_at\n", "tests/test_b.py": ""},
            expect="tests/test_a.py:1")
     _bites(imports_of_test_modules, {"tests/test_a.py": "def f():\n    from tests import test_b as B\n",
@@ -333,67 +407,30 @@ def test_no_function_over_60_lines(tree):
     _bites(long_functions, {"app/a.py": f"def f():\n{body}"}, expect="f: 61 lines")
 
 
-def test_the_family_interface_is_enforced_and_the_registry_is_its_one_list():
-    """A family that leaves a question of the interface unanswered cannot be made; the registry lists each family
-    once, and the config's choices and the HF model types come from it."""
-    from modelling.causal import CausalLM
-
-    class Incomplete(CausalLM):  # no parameters, no block
-        name = "incomplete"
-
-    with pytest.raises(TypeError, match="abstract"):
-        Incomplete()
-    types = registry.hf_model_types()
-    assert {types[t] for t in types} == set(registry.names()) == set(registry.FAMILIES)
-    text = (ROOT / "modelling" / "registry.py").read_text()
-    assert text.count("Family()") == len(registry.FAMILIES)  # one entry a family, in one place
-
-
-def test_each_family_s_options_are_the_config_s_fields_and_its_own():
-    """A family's options (``Family.options``) hold every field of the config's model and lora sections that no
-    family declares as its own, with the config's default, plus the execution fields and exactly the fields the
-    family declares (``config_options``): a field added to the config and not to ModelOptions, a default that
-    drifts, or a family reading another's options fails here."""
-    import dataclasses
-
-    from config.presets import load_config
-    from config.schema import FIELDS
-    from modelling.family import EXECUTION_FIELDS, ModelOptions
-
-    common = {f for f, r in FIELDS.items() if r.path[0] in ("model", "lora")} - set(registry.owners())
-    assert {f.name: f.default for f in dataclasses.fields(ModelOptions)} == \
-        {**{f: FIELDS[f].default for f in common}, **{f: FIELDS[f].default for f in EXECUTION_FIELDS}}
-    for family in registry.FAMILIES.values():
-        own = registry.own_fields(family)
-        assert own and {f.name for f in dataclasses.fields(family.options)} == common | set(EXECUTION_FIELDS) | own
-        assert issubclass(family.options, ModelOptions)
-    assert {f.name for f in dataclasses.fields(registry.get("t5").options)} & {"rotary_dim", "kv_heads"} == set()
-    cfg = load_config("finetuning", "tiny", {"layers": 3, "dropout_prob": 0.1, "relative_attention_num_buckets": 16})
-    opts = registry.of_config(cfg).options_of(cfg)
-    assert (opts.layers, opts.dropout_prob, opts.relative_attention_num_buckets) == (3, 0.1, 16)
-    cfg.model.eval = True
-    assert registry.of_config(cfg).options_of(cfg).dropout_prob == 0.0  # no dropout when built for evaluation
-    hash(opts)  # static under jit
-    gptj = load_config("finetuning", "gptj_tiny", {"rotary_positional_embeddings_base": 500.0})
-    assert registry.of_config(gptj).options_of(gptj).rotary_positional_embeddings_base == 500.0
-
-
-def test_ipu_only_fields_are_said_once_never_silently_ignored(caplog):
-    from app.args import make_config
-
-    with caplog.at_level("WARNING", logger="flan_t5"):
-        make_config("finetuning", "tiny", {})
-    assert not [r for r in caplog.records if "IPUs" in r.getMessage()]
-    with caplog.at_level("WARNING", logger="flan_t5"):
-        make_config("finetuning", "tiny", {"io_tiles": 128, "available_memory_proportion": [0.2]})
-    said = [r.getMessage() for r in caplog.records if "IPUs" in r.getMessage()]
-    assert len(said) == 2 and "io_tiles=128" in said[0] and "no effect" in said[0]
-
-
-def test_each_family_names_the_shape_fields_it_reads():
-    from config.schema import MODEL_SHAPE
-
-    for family in registry.FAMILIES.values():
-        assert set(family.shape_fields) <= set(MODEL_SHAPE) and "family" in family.shape_fields
-    assert "relative_attention_num_buckets" not in registry.get("gptj").shape_fields
-    assert "rotary_dim" not in registry.get("t5").shape_fields
+def test_docs_testing_md_maps_every_module_to_the_tests_that_state_its_contract(tree):
+    """A reader who opens a module finds its tests: docs/testing.md's table names, for every module, the test files
+    that state its contract, and one of them imports it (or the row says why not)."""
+    rows = module_table(TESTING.read_text())
+    others = {p for p in rows if not p.endswith(".py") and (ROOT / p).exists()}
+    found = table_problems({**tree, **sources_of_tests()}, rows, others)
+    assert not found, "\n".join(found)
+    small = {"data/a.py": "", "data/b.py": "", "tests/data/test_a.py": "from data import a\n",
+             "tests/helpers.py": "import data.b\n", "tests/data/test_b.py": "from tests.helpers import x\n"}
+    ok = {"data/a.py": (["tests/data/test_a.py"], ""), "data/b.py": (["tests/data/test_b.py"], ""),
+          "Makefile": (["tests/data/test_b.py"], "")}
+    assert not table_problems(small, ok, {"Makefile"})  # (data/b.py imported through the helper)
+    _bites(table_problems, small, {k: v for k, v in ok.items() if k != "data/b.py"}, {"Makefile"},
+           expect="data/b.py has no row")
+    _bites(table_problems, small, ok, set(), expect="Makefile's row names no file")
+    _bites(table_problems, small, {**ok, "data/b.py": (["tests/data/test_c.py"], "")}, {"Makefile"},
+           expect="names tests/data/test_c.py, which does not exist")
+    _bites(table_problems, small, {**ok, "data/a.py": (["tests/data/test_b.py"], "")}, {"Makefile"},
+           expect="data/a.py is imported by none of tests/data/test_b.py")
+    _bites(table_problems, small, {**ok, "data/a.py": (["tests/data/test_a.py"], "run by a driver")}, {"Makefile"},
+           expect="says why not imported, but tests/data/test_a.py imports it")
+    _bites(table_problems, {**small, "tests/data/test_c.py": ""}, ok, {"Makefile"},
+           expect="tests/data/test_c.py is named in no row")
+    assert module_table(f"# T\n\n{TABLE}\n\n| module | tests | why |\n|---|---|---|\n"
+                        "| `data/a.py` | tests/data/test_a.py, tests/data/test_b.py | |\n| `x.py` | — | run by hand |\n"
+                        "\n## Next\n\n| `y.py` | tests/test_y.py | |\n") == {
+        "data/a.py": (["tests/data/test_a.py", "tests/data/test_b.py"], ""), "x.py": ([], "run by hand")}

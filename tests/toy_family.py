@@ -1,5 +1,5 @@
-"""A third model family in one module, for tests/test_toy_family.py: a LLaMA-style decoder that shares no block with
-GPT-J (RMSNorm before attention and before the MLP, in sequence; a SwiGLU MLP; rotate-half rotary; fewer key/value
+"""A third model family in one module, for tests/modelling/test_family.py: a LLaMA-style decoder that shares no
+block with GPT-J (RMSNorm before attention and before the MLP, in sequence; a SwiGLU MLP; rotate-half rotary; fewer key/value
 heads than query heads; no biases). Everything else (embeddings, attention context, head and loss, text format,
 decoding with a KV cache, serving slots, FLOPs, config checks) is modelling/causal.py's. Registering it is one line:
 ``registry.add(ToyLlama())``; its config fields (``kv_heads``, the rotary base) are the causal base's own

@@ -1,0 +1,272 @@
+"""What decoder/slots.py's programs carry from call to call, and return, in few arrays: each array a call returns is a
+release and a retaking of Python's interpreter lock by JAX's dispatch, a wait of the server's decoding thread
+behind its HTTP thread. ``Carry`` packs every leaf of the cache but its floating-point ones (the keys and values),
+and every leaf of the rows' state, into one int32 vector a device and back, bit for bit; ``pack_scored`` does the
+same for a call's log-probabilities; the advance program returns the tokens, the scores, the keys and values, and
+the vector, nothing more. An insert's inputs travel in one array; each advance gets its call's keep flags, copied to
+the device only when they change, and runs in the span program that holds its rows and costs least."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decoder.slots import Carry, pack_scored, unpack_scored
+from modelling import slots as S
+from modelling import slots as slot_lib
+
+DTYPES = {"bool": jnp.bool_, "int32": jnp.int32, "uint32": jnp.uint32, "float32": jnp.float32}
+
+
+def _values(rng, shape, dtype):
+    """Every bit pattern a leaf may hold: the full uint32 range, negative zero, infinities and NaN's bits."""
+    if dtype == jnp.bool_:
+        return rng.random(shape) < 0.5
+    bits = rng.integers(0, 2 ** 32, size=shape, dtype=np.uint64).astype(np.uint32)
+    flat = bits.reshape(-1)
+    special = np.array([0, 2 ** 31, 2 ** 32 - 1, 0x7F800000, 0xFF800000, 0x7FC00001], np.uint32)  # -0.0, inf, NaN
+    flat[:min(len(flat), len(special))] = special[:len(flat)]
+    return bits.view(np.dtype(dtype))
+
+
+leaf = st.tuples(st.lists(st.integers(1, 3), min_size=0, max_size=3), st.sampled_from(sorted(DTYPES)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(leaf, min_size=1, max_size=5), st.lists(leaf, min_size=1, max_size=4), st.integers(0, 2 ** 31))
+def test_carry_packs_and_unpacks_any_leaves_bit_for_bit(cache_leaves, state_leaves, seed):
+    rng = np.random.default_rng(seed)
+    cache = {f"c{i}": jnp.asarray(_values(rng, tuple(s), DTYPES[d])) for i, (s, d) in enumerate(cache_leaves)}
+    state = tuple(jnp.asarray(_values(rng, tuple(s), DTYPES[d])) for s, d in state_leaves)
+    carry = Carry(jax.eval_shape(lambda: cache), jax.eval_shape(lambda: state))
+    apart, words = jax.jit(carry.pack)(cache, state)
+    assert words.dtype == jnp.int32 and words.shape == (carry.words,)
+    got_cache, got_state = jax.jit(carry.unpack)(apart, words)
+    assert jax.tree.structure((got_cache, got_state)) == jax.tree.structure((cache, state))
+    for want, got in zip(jax.tree.leaves((cache, state)), jax.tree.leaves((got_cache, got_state))):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()  # the bits, NaN's and -0.0's included
+
+
+def test_only_the_cache_s_floating_leaves_and_leaves_of_another_size_stay_apart():
+    """The keys and values (floating, any precision) stay one array each, in their order; the cache's masks and
+    positions and every state leaf, floats included, go in the vector; a leaf that is not 4 bytes (or a bool)
+    cannot, and stays apart, in its place."""
+    a = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)  # noqa: E731
+    cache = {"kv": [(a((2, 3), jnp.float32), a((2, 3), jnp.bfloat16))], "key_ok": a((2, 5), jnp.bool_),
+             "start": a((2,), jnp.int32)}
+    state = (a((2,), jnp.float32), a((2,), jnp.uint32), a((2,), jnp.int8))
+    carry = Carry(cache, state)
+    # jax.tree order: the cache's key_ok, kv, start, then the state's leaves
+    assert carry.packed == [True, False, False, True, True, True, False]
+    assert carry.words == 2 * 5 + 2 + 2 + 2
+    apart, words = carry.pack(*jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), (cache, state)))
+    assert [(x.shape, x.dtype) for x in apart] == [((2, 3), jnp.float32), ((2, 3), jnp.bfloat16), ((2,), jnp.int8)]
+    assert words.shape == (carry.words,)
+    # a program whose cache or state comes back of another make is refused where it is traced, not misread
+    ones = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), (cache, state))
+    for bad in ({**ones[0], "start": jnp.ones((2,), jnp.float32)}, {**ones[0], "extra": jnp.ones(2, jnp.int32)}):
+        with pytest.raises(ValueError, match="changed their make"):
+            carry.pack(bad, ones[1])
+
+
+@pytest.mark.parametrize("lead", [(4,), (2, 3)])
+def test_a_call_s_scores_travel_as_one_array_and_come_back_bit_for_bit(lead):
+    rng = np.random.default_rng(0)
+    top = 3
+    scored = slot_lib.Scored(jnp.asarray(_values(rng, lead, jnp.float32)),
+                             jnp.asarray(rng.integers(0, 1000, lead + (top,)), jnp.int32),
+                             jnp.asarray(_values(rng, lead + (top,), jnp.float32)))
+    packed = np.asarray(jax.jit(pack_scored)(scored))
+    assert packed.dtype == np.int32 and packed.shape == lead + (1 + 2 * top,)
+    from decoder.slots import PackedScored, SlotPrograms
+
+    # as the host reads it: the array fetched, or SlotPrograms.fetch of the device handle (alone or in a tree)
+    for got in (unpack_scored(packed), SlotPrograms.fetch(PackedScored(jnp.asarray(packed))),
+                SlotPrograms.fetch((jnp.zeros(2), PackedScored(jnp.asarray(packed))))[1]):
+        for field in ("logprob", "top_ids", "top_logprobs"):
+            want, have = np.asarray(getattr(scored, field)), getattr(got, field)
+            assert have.dtype == want.dtype and have.shape == want.shape, field
+            assert have.tobytes() == want.tobytes(), field
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
+def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_vector(preset):
+    """Traced, not compiled: the advance and insert programs of both families return 2 arrays (tokens, scores),
+    the cache's floating leaves, and one int32 vector a device, whatever the cache and state hold; the vector is
+    every other leaf, 10 of them the state's (slots / dp rows each)."""
+    from config import load_config
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms, joiner_words
+
+    g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    sp = SlotPrograms(g, 4, 8, (1,), 6, 3)
+    sp.params = g.abstract_decode_params()
+    cache = jax.eval_shape(sp._empty_cache)
+    kv = [x for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating)]
+    sp.carry = Carry(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), cache),
+                     jax.tree.map(lambda x: jax.ShapeDtypeStruct((4,), x.dtype), sp._empty_state()))
+    small = sum(int(np.prod(x.shape[2:])) for x in jax.tree.leaves(cache) if not jnp.issubdtype(x.dtype, jnp.floating))
+    assert sp.carry.words == small + 10 * 4
+    apart = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sp.pieces) for x in kv)
+    words = jax.ShapeDtypeStruct((1, 1, sp.carry.words), jnp.int32, sharding=sp.pieces)
+    advance = jax.eval_shape(sp._advance_program(), sp.params, apart, words,
+                             jax.ShapeDtypeStruct((4,), jnp.bool_, sharding=sp.rows),
+                             jax.ShapeDtypeStruct((), jnp.int32, sharding=sp.replicated))
+    insert = jax.eval_shape(sp._insert_program(2), sp.params, apart, words,
+                            jax.ShapeDtypeStruct((1, joiner_words(2, 8, 4)), jnp.int32, sharding=sp.rows2))
+    for out, lead in ((advance, (4, 3)), (insert, (4,))):
+        assert len(jax.tree.leaves(out)) == 2 + len(kv) + 1
+        tokens, scored, kv_out, words_out = out
+        assert tokens.shape == lead and scored.shape == lead + (1 + 2 * sp.top,)
+        assert [(x.shape, x.dtype) for x in kv_out] == [(x.shape, x.dtype) for x in kv]
+        assert (words_out.shape, words_out.dtype) == ((1, 1, sp.carry.words), jnp.int32)
+
+
+def test_reset_leaves_every_row_empty_and_the_cache_zeros_on_every_device():
+    """``reset`` (at start, and after a failed call took the donated arrays): on a dp 2 x tp 2 mesh, each device's
+    piece unpacks to a cache of zeros and rows that do not write (alive False, limit 0) and ask for no
+    log-probabilities (-1), the state of that device's dp shard."""
+    from config import load_config
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms
+
+    g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=2, data_parallel=2)))
+    sp = SlotPrograms(g, 4, 8, (1,), 6, 3)
+    sp.params = g.abstract_decode_params()
+    sp.reset()
+    assert sp.words.shape == (2, 2, sp.carry.words) and all(x.shape[:2] == (2, 2) for x in sp.apart)
+    words, apart = np.asarray(sp.words), [np.asarray(x) for x in sp.apart]
+    for d in range(2):
+        for t in range(2):
+            cache, (rows, sampling) = jax.jit(sp.carry.unpack)(tuple(x[d, t] for x in apart), words[d, t])
+            assert all(not np.asarray(x).any() for x in jax.tree.leaves(cache))
+            assert np.asarray(rows.alive).tolist() == [False, False] and np.asarray(rows.limit).tolist() == [0, 0]
+            assert np.asarray(sampling.logprobs).tolist() == [-1, -1]
+            assert not any(np.asarray(x).any() for x in (rows.token, rows.index, sampling.temperature, sampling.seed))
+
+
+def test_a_narrow_span_s_program_steps_a_narrow_copy_of_the_cache():
+    """Lowered, not compiled: the advance program of a span narrower than the cache (GPT-J: 8 prompt columns and 40
+    new, spans 16, 24, 40, 48) steps keys and values 24 columns wide; the whole cache's program never makes them."""
+    from config import load_config
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms, attention_spans
+
+    g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    sp = SlotPrograms(g, 4, 8, (1,), 40, 3, spans=4)
+    sp.params = g.abstract_decode_params()
+    cache = jax.eval_shape(sp._empty_cache)
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), cache)
+    assert attention_spans(g.family, local, 4) == (16, 24, 40, 48)
+    sp.carry = Carry(local, jax.tree.map(lambda x: jax.ShapeDtypeStruct((4,), x.dtype), sp._empty_state()))
+    kv = [x for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating)]
+    apart = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sp.pieces) for x in kv)
+    words = jax.ShapeDtypeStruct((1, 1, sp.carry.words), jnp.int32, sharding=sp.pieces)
+    args = (sp.params, apart, words, jax.ShapeDtypeStruct((4,), jnp.bool_, sharding=sp.rows),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=sp.replicated))
+    d_kv = kv[0].shape[-1]
+    texts = {span: sp._advance_program(span).lower(*args).as_text() for span in (24, 48)}
+    assert f"x24x{d_kv}xf32>" in texts[24] and f"x48x{d_kv}xf32>" in texts[24]  # (the cache, whole, around it)
+    assert f"x24x{d_kv}xf32>" not in texts[48]
+
+
+@pytest.mark.slow
+def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
+    """decoder/slots.py packs what a shard's insert reads into one int32 vector (one host-to-device copy): the
+    prompts packed into rows (first-fit decreasing: the longest first, each into the first row with room), their
+    segments and positions, and every joiner's field as it went, with its type, seeds' 32 bits and the floats' bits
+    included; the slots past the joiners' are fillers (a slot past the shard's, length 0)."""
+    from decoder.slots import JOINER_COLUMNS, joiner_words, pack_joiners, unpack_joiners
+    from modelling.rows import first_fit
+
+    prompts = [[5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15]]
+    placed = first_fit([len(p) for p in prompts], 8)
+    assert placed == [(0, 6), (0, 0), (1, 0)]  # 6 first (row 0), 3 (no room in row 0: row 1), 2 (row 0 after 6)
+    assert first_fit([8, 1, 8], 8) == [(0, 0), (2, 0), (1, 0)] and first_fit([], 8) == []
+    sampling = [(0.5, 3, 0.1, 2 ** 32 - 1, 2 ** 31, -1), (float("nan"), 0, -0.0, 7, 0, 4), (1.0, 1, 0.0, 0, 1, 0)]
+    shard = [(k, slot, p, smp, limit) for k, (slot, p, smp, limit) in enumerate(zip([3, 0, 1], prompts, sampling,
+                                                                                  [9, 2, 5]))]
+    local = 4
+    packed = pack_joiners(shard, placed, 2, 8, local)
+    assert packed.dtype == np.int32 and packed.shape == (joiner_words(2, 8, local),) == (3 * 2 * 8 + 4 * JOINER_COLUMNS,)
+    (ids, segments, positions), at, lengths, slots, s, limit = (jax.tree.map(np.asarray, x) for x in
+                                                                unpack_joiners(jnp.asarray(packed), 2, 8, local))
+    assert ids.tolist() == [[7, 8, 9, 10, 11, 12, 5, 6], [13, 14, 15, 0, 0, 0, 0, 0]]
+    assert segments.tolist() == [[2, 2, 2, 2, 2, 2, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0]]  # (numbered as the joiners come)
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 0, 0, 0, 0, 0]]
+    assert at.tolist() == [6, 0, 8, 0] and lengths.tolist() == [2, 6, 3, 0]
+    assert slots.tolist() == [3, 0, 1, local] and limit.tolist() == [9, 2, 5, 0]
+    dtypes = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
+    for i, (field, dt) in enumerate(zip(S.Sampling.__dataclass_fields__, dtypes)):
+        value = getattr(s, field)
+        assert value.dtype == dt and value[:3].tobytes() == np.asarray([x[i] for x in sampling], dt).tobytes(), field
+
+
+@pytest.mark.slow
+def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only_when_they_change():
+    """decoder/slots.py's ``advance`` (its program stubbed: no compile): a call gets the flags the host passed to it;
+    an unchanged set of flags reuses the device copy of the last."""
+    from config import load_config
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms
+
+    g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    sp = SlotPrograms(g, 4, 8, (1,), 4, 3)
+    seen, ns = [], []
+    sp.spans = (20,)
+    sp._advance = {20: lambda p, cache, state, keep, n: (seen.append(keep), ns.append(n),
+                                                         (None, None, cache, state))[2]}
+    flags = [[True] * 4, [True, False, True, True], [True, False, True, True], [True] * 4]
+    for keep, n in zip(flags, (3, 1, 3, None)):
+        sp.advance(np.array(keep), n)
+    assert [np.asarray(k).tolist() for k in seen] == flags
+    assert seen[2] is seen[1] and seen[3] is not seen[0]  # copied when they change, and only then
+    assert [int(n) for n in ns] == [3, 1, 3, 3] and ns[2] is ns[0] and ns[3] is ns[0]  # each step count copied once
+    for n in (0, 4):  # 1 to the steps compiled
+        with pytest.raises(ValueError, match=f"1 to 3 steps, not {n}"):
+            sp.advance(np.array(flags[0]), n)
+
+
+@pytest.mark.slow
+def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least():
+    """decoder/slots.py's span choice (programs stubbed: no compile): of the spans at or past the one asked, the one
+    whose n steps cost least on the line through its two timed figures (1 step and ``steps``); ties: the
+    narrower; untimed: the narrowest that holds it; none asked: the whole cache; past the whole cache: an error.
+    The spans compiled: the cache's columns in equal parts, each rounded up to a multiple of 8, the last all."""
+    from config import load_config
+    from decoder.engine import Decoder
+    from decoder.slots import SlotPrograms, attention_spans
+
+    g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    sp = SlotPrograms(g, 4, 8, (1,), 4, 5)
+    ran = []
+    sp.spans = (16, 32, 48)
+    assert sp.first_token_column(5) == 5  # (GPT-J's: after the prompt's tokens)
+    sp._advance = {s: (lambda s: lambda p, a, w, keep, n: (ran.append(s), (None, None, a, w))[1])(s) for s in sp.spans}
+    keep = np.ones(4, bool)
+    for span, n, want in ((1, 1, 16), (16, 5, 16), (17, 5, 32), (33, 3, 48), (None, 2, 48)):
+        sp.advance(keep, n, span)
+        assert ran[-1] == want, (span, n)
+    with pytest.raises(ValueError, match="at most 48 positions, not 49"):
+        sp.advance(keep, 1, 49)
+    # timed: 16 costs 1 ms a call + 1 a step, 32 costs 4 + 0.25 a step (a copy cheaper per step), 48 the most
+    sp.costs = {16: (2.0, 6.0), 32: (4.25, 5.25), 48: (9.0, 9.0)}
+    assert sp.cost(32, 3) == 4.75 and sp.cost(16, 1) == 2.0 and sp.cost(16, 5) == 6.0
+    for span, n, want in ((8, 1, 16), (8, 5, 32), (8, 4, 16), (17, 1, 32), (33, 5, 48)):  # (8, 4): 5 and 5
+        assert sp.span_for(span, n) == want, (span, n)
+    sp.costs = {16: (2.0, 6.0), 32: (2.0, 6.0), 48: (2.0, 6.0)}
+    assert sp.span_for(1, 3) == 16  # a tie: the narrower
+    cache = {"kv": (jnp.zeros((4, 3, 2, 100, 8)),) * 2, "key_ok": jnp.zeros((4, 100), bool),
+             "next_pos": jnp.zeros(4, jnp.int32), "start": jnp.zeros(4, jnp.int32)}
+    assert attention_spans(g.family, cache, 4) == (32, 56, 80, 100)
+    assert attention_spans(g.family, cache, 1) == (100,)
+    assert attention_spans(g.family, cache, 200) == tuple(range(8, 100, 8)) + (100,)
+    # a family whose steps read all of their cache: one span, the whole cache, and no column asked of the family
+    sp.spans, sp._advance = (None,), {None: sp._advance[48]}
+    sp.family = type("Whole", (), {"first_token_column": lambda self, w: 1 / 0})()
+    assert sp.first_token_column(8) == 0 and sp.span_for(5, 1) is None and sp.span_for(None, 1) is None

@@ -1,0 +1,280 @@
+"""The slots' per-device programs (modelling/slots.py) on a small random GPT-J, one device: what the scheduler
+(serving/scheduler.py) and its fake (tests/fake_backend.py) count on. Rows inserted into free slots, their prompts
+read packed several to a row, decode greedy decoding's tokens; the device carries each row's position from call to
+call; a row ends at its limit, at the end-of-text token, or when the host clears its ``keep`` flag, and writes
+``pad_id`` after; a row left alone is not disturbed by others joining; each row's log-probabilities are the
+log-softmax of the model's own logits; each row's warped scores are decoding.warp's with its own options; an advance
+in the narrowest attention span that holds its rows steps as in the whole cache. The compiled programs around them
+(decoder/slots.py) are tests/decoder/test_slots.py's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from modelling import decoding, gptj, registry, slots
+from modelling import slots as S
+
+
+SLOTS, WIDTH, NEW, STEPS, TOP = 4, 8, 12, 4, 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    from config.schema import Config
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(4)
+    hf = GPTJForCausalLM(GPTJConfig(vocab_size=96, n_positions=64, n_embd=48, n_layer=2, n_head=4, rotary_dim=8,
+                                    n_inner=96, bos_token_id=1, eos_token_id=1, tie_word_embeddings=False))
+    with torch.no_grad():  # larger embeddings: the random model's greedy tokens vary (no token repeated at once)
+        hf.transformer.wte.weight.mul_(4.0)
+    m = gptj.config_from_hf(hf.config.to_dict())
+    family = registry.get("gptj")
+    opts = family.options_of(Config(model=m))
+    params = jax.tree.map(jnp.asarray, gptj.params_from_hf(hf.state_dict(), m))
+    w = family.decoding_params(params, opts)
+
+    def insert(cache, state, ids, mask, rows, s, limit, eos):
+        """Rows ids/mask (laid out for decoding) joining slots ``rows`` (a slot past the cache's: a filler), packed."""
+        block, at, lengths = joining([r[m > 0].tolist() for r, m in zip(np.asarray(ids), np.asarray(mask))],
+                                     len(rows), WIDTH)
+        return insert_packed(cache, state, block, at, lengths, jnp.asarray(rows), s, jnp.asarray(limit), eos)
+
+    def advance(cache, state, keep, eos, n):
+        return S.advance(family, w, opts, cache, state, keep, STEPS, eos, 0, TOP, n=n)
+
+    insert_packed = jax.jit(lambda cache, state, block, at, lengths, rows, s, limit, eos: S.insert(
+        family, w, opts, cache, state, block, at, lengths, rows, s, limit, NEW, eos, TOP), static_argnums=8)
+    advance = jax.jit(advance, static_argnums=3)  # (the step count traced: one program for every count)
+    return (family, opts, params, insert,
+            lambda cache, state, keep, eos, n=STEPS: advance(cache, state, keep, eos, jnp.int32(n)),
+            lambda: empty(family, w, opts, WIDTH, NEW))
+
+
+def joining(prompts_ids: list, rows: int, width: int) -> tuple:
+    """What modelling/slots.py's insert reads of prompts (id lists; an empty one: a filler): the packed rows (ids,
+    segments, positions) [rows, width] (decoder/slots.py's first-fit decreasing), each prompt's first position in
+    them flattened, and its length."""
+    from modelling.rows import first_fit
+
+    placed = first_fit([len(p) for p in prompts_ids], width)
+    block, segment = np.zeros((3, rows, width), np.int32), np.zeros(rows, np.int32)
+    for p, (r, c) in zip(prompts_ids, placed):
+        if p:
+            segment[r] += 1
+            block[:, r, c:c + len(p)] = [p, [segment[r]] * len(p), range(len(p))]
+    at = [r * width + c for r, c in placed]
+    return tuple(jnp.asarray(b) for b in block), jnp.asarray(at, jnp.int32), jnp.asarray([len(p) for p in prompts_ids],
+                                                                                         jnp.int32)
+
+
+def empty(family, w, opts, width: int, new: int) -> tuple:
+    """The slots' cache (prompts up to ``width`` tokens, ``new`` new ones) and state, every row empty."""
+    z = jnp.zeros((1, width), jnp.int32)
+    _, cache = family.decode_start_packed(w, z, z, z, jnp.zeros((SLOTS, width), jnp.int32), jnp.ones(SLOTS, jnp.int32),
+                                          opts, new)
+    zs = jnp.zeros(SLOTS, jnp.int32)
+    rows = S.Rows(zs, zs, zs, jnp.zeros(SLOTS, bool))
+    return jax.tree.map(jnp.zeros_like, cache), (rows, S.Sampling(zs.astype(jnp.float32), zs, zs.astype(jnp.float32),
+                                                                 zs.astype(jnp.uint32), zs.astype(jnp.uint32), zs - 1))
+
+
+def prompts(family, lengths: list, seed: int) -> tuple:
+    rng = np.random.default_rng(seed)
+    ids, mask = np.zeros((len(lengths), WIDTH), np.int32), np.zeros((len(lengths), WIDTH), np.int32)
+    for r, n in enumerate(lengths):
+        ids[r, :n], mask[r, :n] = rng.integers(2, 96, n), 1
+    return family.layout_prompts(ids, mask)
+
+
+def sampling(n: int, logprobs: int = -1) -> S.Sampling:
+    z = jnp.zeros(n, jnp.int32)
+    return S.Sampling(z.astype(jnp.float32), z, z.astype(jnp.float32), z.astype(jnp.uint32), z.astype(jnp.uint32),
+                      z + logprobs)
+
+
+@pytest.mark.slow
+def test_rows_decode_greedy_tokens_and_end_at_their_limit_eos_or_keep(model):
+    family, opts, params, insert, advance, empty = model
+    ids, mask = prompts(family, [5, 3, 7], seed=0)
+    ref = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, NEW, eos_id=-1))
+    eos = int(ref[2, 5])  # row c's sixth greedy token, taken as the end-of-text: it ends there
+    assert eos not in ref[0].tolist() and eos not in ref[1, :3].tolist() and eos not in ref[2, :5].tolist()
+    cache, state = empty()
+    # rows a (limit 12) and b (limit 3) join slots 1 and 3; a filler row (slot index 4: past the cache) is dropped
+    first, scored, cache, state = insert(cache, state, ids[[0, 1, 0]], mask[[0, 1, 0]], [1, 3, SLOTS], sampling(3, 2),
+                                         [NEW, 3, NEW], eos)
+    assert first[:2].tolist() == ref[:2, 0].tolist()
+    keep = jnp.asarray([False, True, False, True])
+    out1, _, cache, state = advance(cache, state, keep, eos)
+    assert out1[1].tolist() == ref[0, 1:5].tolist()
+    assert out1[3].tolist() == ref[1, 1:3].tolist() + [0, 0]  # its limit of 3 tokens: then pads
+    assert out1[0].tolist() == out1[2].tolist() == [0] * STEPS  # empty slots write nothing
+    # row c joins slot 0 while a goes on, untouched (two fillers: one insert shape compiled)
+    first_c, _, cache, state = insert(cache, state, ids[[2, 2, 2]], mask[[2, 2, 2]], [0, SLOTS, SLOTS], sampling(3),
+                                      [NEW] * 3, eos)
+    keep = jnp.asarray([True, True, False, False])
+    out2, scored, cache, state = advance(cache, state, keep, eos)
+    assert out2[1].tolist() == ref[0, 5:9].tolist() and int(first_c[0]) == ref[2, 0]
+    assert out2[0].tolist() == ref[2, 1:5].tolist()
+    # a's log-probabilities (it asked for 2): the chosen (greedy) token is the most likely
+    np.testing.assert_allclose(scored.logprob[1], scored.top_logprobs[1, :, 0], rtol=1e-6)
+    assert scored.top_ids[1, :, 0].tolist() == out2[1].tolist() and (scored.logprob[1] < 0).all()
+    out3, _, cache, state = advance(cache, state, jnp.asarray([True, False, False, False]), eos)
+    assert out3[1].tolist() == [0] * STEPS and not bool(state[0].alive[1])  # a cleared by the host: pads
+    assert out3[0].tolist() == [ref[2, 5], 0, 0, 0] and not bool(state[0].alive[0])  # c ends at its end-of-text
+
+
+@pytest.mark.slow
+def test_an_advance_runs_the_steps_it_is_given_and_the_next_goes_on_from_there(model):
+    """One program runs 1 .. STEPS steps (a traced count): its tokens and scores past them are padding, and the rows
+    go on from where it stopped, as if the calls were one."""
+    family, opts, params, insert, advance, empty = model
+    ids, mask = prompts(family, [5, 3], seed=1)
+    ref = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, NEW, eos_id=-1))
+    cache, state = empty()
+    first, _, cache, state = insert(cache, state, ids, mask, [0, 2], sampling(2, 1), [NEW, 3], -1)
+    keep = jnp.asarray([True] * SLOTS)
+    got = [[int(first[0])], [int(first[1])]]
+    for n in (1, STEPS - 1, STEPS, 2):
+        out, scored, cache, state = advance(cache, state, keep, -1, n)
+        out = np.asarray(out)
+        assert (out[:, n:] == 0).all() and (np.asarray(scored.logprob)[:, n:] == 0).all(), n  # past n: padding
+        assert (np.asarray(scored.logprob)[0, :n] < 0).all()  # (row a asked for its log-probabilities)
+        got[0] += out[0, :n].tolist()
+        got[1] += out[2, :n].tolist()
+    assert got[0] == ref[0, :1 + 1 + STEPS - 1 + STEPS + 2].tolist()
+    assert got[1] == ref[1, :3].tolist() + [0] * (len(got[1]) - 3)  # b ends at its limit of 3, whatever the calls
+    assert int(state[0].index[0]) == 2 * STEPS + 2  # a's last token's index: every step counted, none twice
+
+
+@pytest.mark.slow
+def test_each_row_chooses_as_its_own_options_and_key_say_and_is_scored_before_warping():
+    """``choose`` on logits alone (no model): a greedy row takes the most likely token; a sampled row draws from
+    decoding.warp's scores with its options, keyed fold_in(fold_in(key(seed low), seed high), token index); a row
+    that asks for log-probabilities gets the log-softmax of the logits as they came (before temperature, top-k and
+    top-p) and the k most likely tokens."""
+    vocab, top = 32, 3
+    rows = [(0.0, 0, 1.0, 0, 0), (0.7, 5, 1.0, 11, 3), (1.3, 0, 0.8, 2 ** 32 - 1, 9), (0.5, 0, 1.0, 11, 4)]
+    rows += [(t, k, 1.0, 100 + i, 0) for i, (t, k) in enumerate([(0.25, 0), (2.0, 2), (0.25, 3), (2.0, 0)] * 3)]
+    b = len(rows)
+    logits = jax.random.normal(jax.random.key(1), (b, vocab)) * 2
+    s = S.Sampling(jnp.asarray([r[0] for r in rows], jnp.float32), jnp.asarray([r[1] for r in rows], jnp.int32),
+                   jnp.asarray([1.0 - r[2] if r[2] < 1 else 0.0 for r in rows], jnp.float32),
+                   jnp.asarray([r[3] for r in rows], jnp.uint32), jnp.asarray([r[4] for r in rows], jnp.uint32),
+                   jnp.asarray([-1, 2, -1, 0] + [-1] * (b - 4), jnp.int32))
+    index = jnp.asarray([0, 5, 1, 5] + list(range(b - 4)), jnp.int32)
+    token, scored = jax.jit(lambda lg, s, i: S.choose(lg, s, i, None, top))(logits, s, index)
+    assert int(token[0]) == int(jnp.argmax(logits[0]))
+    for r in range(1, b):
+        t, k, p, low, high = rows[r]
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(low), high), int(index[r]))
+        warped = decoding.warp(logits[r:r + 1], decoding.Options(1, temperature=t, top_k=k, top_p=p))
+        assert int(token[r]) == int(jax.random.categorical(key, warped[0])), r
+    lsm = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    for r in (1, 3):
+        np.testing.assert_allclose(float(scored.logprob[r]), lsm[r, int(token[r])], rtol=1e-6)
+        assert scored.top_ids[r].tolist() == np.argsort(-lsm[r])[:top].tolist()
+        np.testing.assert_allclose(np.asarray(scored.top_logprobs[r]), np.sort(lsm[r])[::-1][:top], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_sampled_row_draws_its_nth_token_with_its_key_folded_with_n_and_a_one_token_row_never_writes(model):
+    """Through insert and advance: each token of a sampled row is the draw, with the key of its index in the
+    output (the first 0), from the model's own scores after the prompt and the tokens before it (the prompt and the
+    row's tokens read again whole, no cache). A row of one token (its limit 1) is done at its insert and writes
+    nothing after."""
+    family, opts, params, insert, advance, empty = model
+    ids, mask = prompts(family, [6, 4, 5], seed=3)
+    s = S.Sampling(jnp.full(3, 1.5, jnp.float32), jnp.zeros(3, jnp.int32), jnp.zeros(3, jnp.float32),
+                   jnp.asarray([5, 5, 5], jnp.uint32), jnp.asarray([0, 1, 2], jnp.uint32), jnp.full(3, -1, jnp.int32))
+    cache, state = empty()
+    first, _, cache, state = insert(cache, state, ids, mask, [0, 2, 1], s, [NEW, NEW, 1], -1)
+    out, _, cache, state = advance(cache, state, jnp.ones(SLOTS, bool), -1)
+    assert np.asarray(out)[1].tolist() == [0] * STEPS and not bool(state[0].alive[1])  # the one-token row
+    got = np.concatenate([np.asarray(first)[:2, None], np.asarray(out)[[0, 2]]], axis=1)  # [2, 1 + STEPS]
+    # every position's scores at once: the left-padded prompts, then the rows' tokens (the last needs none after it)
+    whole = np.concatenate([ids[:2], got[:, :-1]], axis=1)
+    logits = family.prompt_logits(family.decoding_params(params, opts), jnp.asarray(whole),
+                                  jnp.asarray(np.concatenate([mask[:2], np.ones_like(got[:, :-1])], axis=1)), opts)
+    for r in range(2):
+        for n in range(1 + STEPS):
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(5), r), n)
+            scores = logits[r, WIDTH - 1 + n].astype(jnp.float32) / 1.5
+            assert int(got[r, n]) == int(jax.random.categorical(key, scores)), (r, n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
+def test_an_advance_attends_over_the_span_its_rows_write_in_and_no_less(preset):
+    """``advance(..., span)``: rows at different positions (three joined, one of them ending by its limit of 2 in
+    three steps, then a fourth joined; prompts of 5, 3, 5 and 7 tokens in a cache that holds 16) step the same in the
+    cache's first ``span`` columns as in all of it, tokens and log-probabilities, with one of the furthest rows
+    cancelled by the host (keep False), and the next call goes on from the written-back cache the same, as long as
+    ``span`` holds the last column any row still writing writes: the scheduler's rule, ``first_token_column(its
+    prompt's length)`` + dispatched + n - 2 (serving/scheduler.py's ``_span``). One column less and the row that
+    writes it steps otherwise."""
+    from config import load_config
+    from decoder.engine import Decoder
+
+    g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    family, opts = g.family, g.opts
+    w = family.decoding_params(g.to_decoding(g.place.init_params()), opts)
+    new, n, width = 12, 3, 2 * WIDTH
+    base = np.arange(2, 2 + 3 * WIDTH).reshape(3, WIDTH) % 100 + 2
+    prompts_ids = [base[r, :k].tolist() for r, k in enumerate((5, 3, 7))]
+
+    def insert(cache, state, ps, rows, limit):
+        block, at, lengths = joining(ps, len(rows), width)
+        return S.insert(family, w, opts, cache, state, block, at, lengths, jnp.asarray(rows), sampling(len(rows), 2),
+                        jnp.asarray(limit), new, -1, TOP)[2:]
+
+    @jax.jit
+    def start():
+        cache, state = empty(family, w, opts, width, new)
+        cache, state = insert(cache, state, [prompts_ids[0], prompts_ids[1], prompts_ids[0]], [0, 2, 3],
+                              [new, new, 2])
+        cache, state = S.advance(family, w, opts, cache, state, jnp.ones(SLOTS, bool), n, -1, 0, TOP)[2:]
+        return insert(cache, state, [prompts_ids[2]], [1], [new])
+
+    keep = jnp.asarray([True, True, False, True])  # slot 2 (one of the furthest) cancelled; slot 3 ended already
+    step = jax.jit(lambda cache, state, span: S.advance(family, w, opts, cache, state, keep, n, -1, 0, TOP,
+                                                        span=span), static_argnums=2)
+    full = S.cache_span(family, start()[0])
+    # the furthest row still writing: slot 0, its prompt of 5 tokens, 1 + n dispatched (slot 1: 7 tokens, 1)
+    need = family.first_token_column(5) + (1 + n) + n - 2 + 1
+    assert need > family.first_token_column(7) + 1 + n - 2 + 1 and need < full
+    ref = step(*start(), None)
+    ref_next = step(*ref[2:], None)
+    for span in (need, need + 1):
+        got = step(*start(), span)
+        assert (np.asarray(got[0]) == np.asarray(ref[0])).all()
+        np.testing.assert_allclose(got[1].logprob, ref[1].logprob, rtol=1e-6, atol=1e-6)
+        got_next = step(*got[2:], None)  # from the cache written back
+        assert (np.asarray(got_next[0]) == np.asarray(ref_next[0])).all()
+        np.testing.assert_allclose(got_next[1].logprob, ref_next[1].logprob, rtol=1e-6, atol=1e-6)
+    short = step(*start(), need - 1)
+    assert (np.asarray(ref[0])[2:] == 0).all()  # (the cancelled and the ended rows write nothing)
+    short_lp, ref_lp = np.asarray(short[1].logprob), np.asarray(ref[1].logprob)
+    assert not np.allclose(short_lp[0], ref_lp[0], atol=1e-4)  # the furthest row still writing (slot 0)
+    np.testing.assert_allclose(short_lp[1], ref_lp[1], rtol=1e-6, atol=1e-6)  # (the nearer one)
+
+
+@pytest.mark.slow
+def test_per_row_warpers_equal_the_batch_warpers():
+    """Sampling in the slots: each row's warped scores are decoding.warp's with that row's options."""
+    rows = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.5, 12, 0.6), (1.0, 200, 0.95)]
+    scores = jax.random.normal(jax.random.key(0), (len(rows), 64)) * 3
+    s = slots.Sampling(jnp.asarray([r[0] for r in rows], jnp.float32), jnp.asarray([r[1] for r in rows], jnp.int32),
+                       jnp.asarray([1.0 - r[2] if r[2] < 1 else 0.0 for r in rows], jnp.float32),
+                       jnp.zeros(len(rows), jnp.uint32), jnp.zeros(len(rows), jnp.uint32),
+                       jnp.full(len(rows), -1, jnp.int32))
+    ours = np.asarray(slots.warp_rows(scores, s))
+    for i, (t, k, p) in enumerate(rows):
+        theirs = np.asarray(decoding.warp(scores[i:i + 1], decoding.Options(1, temperature=t, top_k=k, top_p=p)))
+        np.testing.assert_array_equal(ours[i], theirs[0])
+    assert np.isinf(ours[1]).sum() == 64 - 5 and np.isinf(ours[3]).sum() >= 64 - 12

@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 # make quickstart STEPS=200: shorter runs; VALIDATE="--limit 100": fewer validation samples
 STEPS ?=
 VALIDATE ?=
-# make test TESTS="tests/test_config.py -x": a part of the suite. CI's `make test` leaves out the long tests
+# make test TESTS="tests/config -x": a part of the suite. CI's `make test` leaves out the long tests
 # (tests/long.txt: its 20 minutes); `make test-all` runs every test
 TESTS ?= -m "not long" -n 2 --dist loadfile tests
 OFFLINE := JAX_PLATFORMS=cpu HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline

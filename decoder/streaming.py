@@ -11,7 +11,7 @@ prompt] scores) whatever the batch.
 
 The programs are the families' own phase bodies, those the phased executor composes for training
 (``Family.embeddings``, ``context``, ``block``, ``stack_output``), so the encoder computes what it computes inside
-the decoding program: tests/test_streaming.py holds the two equal token for token.
+the decoding program: tests/decoder/test_streaming.py holds the two equal token for token.
 """
 
 from __future__ import annotations

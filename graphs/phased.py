@@ -44,7 +44,7 @@ and stored in the compute dtype (bfloat16 halves their host memory and transfers
 
 Device memory then holds about two layers' weights (one computing, one arriving), one phase's
 activations and the small non-layer gradients. The per-layer programs are compiled once and
-reused by every layer. Numerically the result equals the fused executor (tests/test_phased.py).
+reused by every layer. Numerically the result equals the fused executor (tests/graphs/test_phased.py).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class ModelOptions:
     """The config fields the model functions read, under the config's flag names (frozen, hashable: static under
     jit): every field of the config's ``model`` and ``lora`` sections, and the execution fields that shape a layer's
     program. A family reads its own options from a subclass of this (``Family.options``) that adds the fields it
-    declares (``Family.config_options``); tests/test_architecture.py holds each family's to the config's fields."""
+    declares (``Family.config_options``); tests/modelling/test_family.py holds each family's to the config's fields."""
 
     family: str = "t5"
     layers: int = 24

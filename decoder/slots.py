@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from graphs import sharding as S
 from modelling import slots as slot_lib
+from modelling.rows import first_fit
 from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
@@ -316,7 +317,7 @@ class SlotPrograms:
             if not 0 < len(ids) <= self.width:
                 raise ValueError(f"a prompt of {len(ids)} tokens: an insert reads 1 to {self.width}")
             shards[slot // self.local].append((k, slot % self.local, ids, sampling, limit))
-        placed = [pack_rows([len(j[2]) for j in shard], self.width) for shard in shards]
+        placed = [first_fit([len(j[2]) for j in shard], self.width) for shard in shards]
         used = max([1] + [1 + max(r for r, _ in pl) for pl in placed if pl])
         rows = next(r for r in self.insert_rows if r >= used)
         packed = np.stack([pack_joiners(shard, pl, rows, self.width, self.local) for shard, pl in zip(shards, placed)])
@@ -453,20 +454,6 @@ JOINER_COLUMNS = 10  # a joiner's: its slot in its shard, where its prompt start
 # length, top_k, seed, seed_hi (the seeds' bits), logprobs, limit, and the bits of temperature and drop_mass
 
 
-def pack_rows(lengths: list, width: int) -> list:
-    """Prompts of ``lengths`` tokens packed into rows ``width`` wide, first-fit decreasing -> [(row, column)] of each
-    prompt, in the order given (a prompt's tokens from that column on)."""
-    free, out = [], [None] * len(lengths)
-    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
-        row = next((r for r, f in enumerate(free) if f >= lengths[k]), None)
-        if row is None:
-            free.append(width)
-            row = len(free) - 1
-        out[k] = (row, width - free[row])
-        free[row] -= lengths[k]
-    return out
-
-
 def joiner_words(rows: int, width: int, local: int) -> int:
     """The int32 words of a shard's insert (``pack_joiners``)."""
     return 3 * rows * width + local * JOINER_COLUMNS
@@ -476,7 +463,7 @@ def pack_joiners(shard: list, placed: list, rows: int, width: int, local: int) -
     """What a shard's insert reads, in one int32 vector (``joiner_words`` long): the packed rows' ids, segment ids
     (from 1 in each row) and positions (from 0 in each prompt), each [rows, width], then ``local`` joiners of
     ``JOINER_COLUMNS`` (fillers: slot ``local``, length 0). shard: [(k, slot in the shard, ids, sampling, limit)];
-    placed: each one's (row, column) (``pack_rows``)."""
+    placed: each one's (row, column) (modelling/rows.py's ``first_fit``)."""
     block = np.zeros((3, rows, width), np.int32)
     cols = np.zeros((local, JOINER_COLUMNS), np.int32)
     cols[:, 0] = local  # fillers: a slot past the shard's, dropped

@@ -342,6 +342,21 @@ def concat_rows(examples, stream, pending: tuple, n_rows: int, sequence_length: 
 # --------------------------------------------------------------------------- prompts packed for decoding
 
 
+def first_fit(lengths: list, width: int) -> list:
+    """Prompts of ``lengths`` tokens (each at most ``width``) packed into rows ``width`` wide, first-fit decreasing (the
+    longest first, each into the first row with room) -> [(row, column)] of each prompt, in the order given (its
+    tokens from that column on)."""
+    free, out = [], [None] * len(lengths)
+    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        row = next((r for r, f in enumerate(free) if f >= lengths[k]), None)
+        if row is None:
+            free.append(width)
+            row = len(free) - 1
+        out[k] = (row, width - free[row])
+        free[row] -= lengths[k]
+    return out
+
+
 def pack_prompts(ids: np.ndarray, mask: np.ndarray, groups: int = 1, width: int | None = None, multiple: int = 1):
     """Right-padded prompt rows ids/mask [B, k] packed into fewer rows ``width`` wide (default k), for an encoder to read
     without its padding (decoding's first and largest cost: a batch of mixed lengths spends a third of the encoder
@@ -359,16 +374,9 @@ def pack_prompts(ids: np.ndarray, mask: np.ndarray, groups: int = 1, width: int 
     bins_of, counts = [], []
     for g in range(groups):
         rows = range(g * per, (g + 1) * per)
-        free, place = [], {}
-        for r in sorted(rows, key=lambda r: -lengths[r]):
-            j = next((i for i, f in enumerate(free) if f >= lengths[r]), None)
-            if j is None:
-                free.append(w)
-                j = len(free) - 1
-            place[r] = (j, w - free[j])
-            free[j] -= lengths[r]
-        bins_of.append(place)
-        counts.append(len(free))
+        placed = first_fit([int(lengths[r]) for r in rows], w)
+        bins_of.append(dict(zip(rows, placed)))
+        counts.append(1 + max(j for j, _ in placed))
     p = -(-max(counts) // multiple) * multiple
     if p >= per:
         return None

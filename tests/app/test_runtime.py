@@ -57,6 +57,7 @@ def test_setup_jax_points_jax_at_the_cache_bounded_or_switches_it_off(bare, monk
     before = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_compilation_cache_max_size",
                                                   "jax_enable_compilation_cache")}
     try:
+        jax.config.update("jax_compilation_cache_max_size", -1)  # (unbounded, JAX's default: no lock)
         assert runtime.setup_jax() == str(bare / ".cache" / "flan_t5" / "xla")
         assert jax.config.jax_compilation_cache_dir == str(bare / ".cache" / "flan_t5" / "xla")
         assert jax.config.jax_compilation_cache_max_size == runtime.CACHE_MAX_BYTES > 0  # (bounded: JAX locks it)

@@ -217,6 +217,7 @@ def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only
 
     g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, 8, (1,), 4, 3)
+    assert sp.insert_rows == (1, 4)  # (every slot of a shard can join in one insert, whatever was asked)
     seen, ns = [], []
     sp.spans = (20,)
     sp._advance = {20: lambda p, cache, state, keep, n: (seen.append(keep), ns.append(n),

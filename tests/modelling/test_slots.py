@@ -278,3 +278,40 @@ def test_per_row_warpers_equal_the_batch_warpers():
         theirs = np.asarray(decoding.warp(scores[i:i + 1], decoding.Options(1, temperature=t, top_k=k, top_p=p)))
         np.testing.assert_array_equal(ours[i], theirs[0])
     assert np.isinf(ours[1]).sum() == 64 - 5 and np.isinf(ours[3]).sum() >= 64 - 12
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
+def test_prompts_read_packed_start_as_each_read_alone_and_step_on_alike(preset):
+    """``Family.decode_start_packed`` (serving's inserts): prompts of 5, 3, 7 and 2 tokens packed first-fit into rows
+    8 wide (two to a row, segments and positions restarting) give each prompt's first logits as ``decode_start`` of
+    that prompt alone does, and a cache from which the next step (each row at its own position) gives that prompt's
+    next logits too: T5's cross-attention keys gathered out of the packed encoder's output, GPT-J's keys and values
+    out of the packed prefill, each row's mask, start and position."""
+    from config import load_config
+    from decoder.engine import Decoder
+    from modelling.rows import first_fit
+
+    g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    family, opts = g.family, g.opts
+    w = family.decoding_params(g.to_decoding(g.place.init_params()), opts)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 100, n).tolist() for n in (5, 3, 7, 2)]
+    placed = first_fit([len(p) for p in prompts], WIDTH)
+    rows = 1 + max(r for r, _ in placed)
+    assert rows < len(prompts)  # (some share a row)
+    block, segment = np.zeros((3, rows, WIDTH), np.int32), np.zeros(rows, np.int32)
+    where = np.full((len(prompts), WIDTH), rows * WIDTH, np.int32)
+    for j, (p, (r, c)) in enumerate(zip(prompts, placed)):
+        segment[r] += 1
+        block[:, r, c:c + len(p)] = [p, [segment[r]] * len(p), range(len(p))]
+        where[j, :len(p)] = r * WIDTH + c + np.arange(len(p))
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    logits, cache = family.decode_start_packed(w, *map(jnp.asarray, block), jnp.asarray(where), lengths, opts, NEW)
+    token = jnp.argmax(logits, -1).astype(jnp.int32)
+    step, _ = family.decode_step(w, token, jnp.zeros(len(prompts), jnp.int32), cache, opts)
+    for j, p in enumerate(prompts):
+        ids, mask = family.layout_prompts(np.asarray([p], np.int32), np.ones((1, len(p)), np.int32))
+        alone, alone_cache = family.decode_start(w, jnp.asarray(ids), jnp.asarray(mask), opts, NEW)
+        np.testing.assert_allclose(logits[j], alone[0], rtol=1e-5, atol=1e-5, err_msg=f"prompt {j}")
+        alone_step, _ = family.decode_step(w, token[j:j + 1], 0, alone_cache, opts)
+        np.testing.assert_allclose(step[j], alone_step[0], rtol=1e-5, atol=1e-5, err_msg=f"prompt {j}, next step")

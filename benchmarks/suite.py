@@ -221,17 +221,21 @@ def _gpu_commands() -> dict:
         "serve_xl": ["benchmarks/serve.py", "--configs", "xl", "--requests", "256", "--slots", "32",
                      "--steps_per_call", "8", "--repeats", "1", "--hf_requests", "2",
                      "--model_flags=--tensor_parallel 1 --data_parallel 1"],
-        # the decoding plan: servers of base and xl started cold and warm; base served against static batching at
-        # 512 requests; a float32 server's greedy tokens against static batching's and HF's ("highest" precision)
-        "dec_startup": ["benchmarks/startup.py", "--models", "t5_base:base:", "t5_xl:xl:",
-                        "--server_args=--slots 32 --output_length 64 --tensor_parallel 1 --data_parallel 1"],
-        "dec_serve": ["benchmarks/serve.py", "--configs", "base", "--requests", "512", "--slots", "32",
-                      "--steps_per_call", "8", "--repeats", "1", "--hf_requests", "8",
-                      "--model_flags=--tensor_parallel 1 --data_parallel 1"],
-        "dec_f32": ["benchmarks/serve.py", "--configs", "base", "--requests", "64", "--slots", "32",
-                    "--steps_per_call", "8", "--repeats", "1", "--hf_requests", "16",
-                    "--model_flags=--tensor_parallel 1 --data_parallel 1 --precision float32"],
+        **DECODING_GPU,
     }
+
+
+# the decoding plan on one GPU: servers of base and xl started cold and warm; base served against static batching at
+# 512 requests; a float32 server's greedy tokens against static batching's and HF's ("highest" precision)
+DECODING_GPU = {
+    "dec_startup": ["benchmarks/startup.py", "--models", "t5_base:base:", "t5_xl:xl:",
+                    "--server_args=--slots 32 --output_length 64 --tensor_parallel 1 --data_parallel 1"],
+    "dec_serve": ["benchmarks/serve.py", "--configs", "base", "--requests", "512", "--slots", "32", "--steps_per_call",
+                  "8", "--repeats", "1", "--hf_requests", "8", "--model_flags=--tensor_parallel 1 --data_parallel 1"],
+    "dec_f32": ["benchmarks/serve.py", "--configs", "base", "--requests", "64", "--slots", "32", "--steps_per_call", "8",
+                "--repeats", "1", "--hf_requests", "16",
+                "--model_flags=--tensor_parallel 1 --data_parallel 1 --precision float32"],
+}
 
 
 def parts(smoke: bool) -> list:

@@ -35,13 +35,12 @@ from data.tasks import pad_id
 from decoder.streaming import PromptStream
 from decoder.weights import Weights
 from graphs import sharding as S
+from graphs.host_state import HOST  # (the memory a streamed stack's layers wait in)
 from graphs.placement import Placement
 from modelling import decoding, quant
 from modelling.params import is_spec
 from modelling.rows import pack_prompts
 from utils.errors import ConfigError
-
-HOST = "pinned_host"  # the memory a streamed stack's layers wait in
 
 
 def decoding_config(cfg):
@@ -99,8 +98,7 @@ class Decoder:
             raise ConfigError(f"--stream_encoder streams an encoder's layers, and the {self.family.name} family has "
                               "no encoder (every layer decodes token by token): drop --stream_encoder (--quantize "
                               "int8 halves its weights' bytes)")
-        self._search = None
-        self._weights = None
+        self._search = self._weights = self._abstract = None
 
     @classmethod
     def of_config(cls, cfg, tokenizer=None, mesh=None, eos: int | None = None, pad: int | None = None) -> "Decoder":
@@ -150,7 +148,13 @@ class Decoder:
         return {**tree, **{s: {**tree[s], "layers": ()} for s in self.prompt_stacks}}
 
     def abstract_decode_params(self) -> dict:
-        """ShapeDtypeStructs of decoding's weights (decoder/weights.py places them), with their shardings."""
+        """ShapeDtypeStructs of decoding's weights (decoder/weights.py places them), with their shardings (made once:
+        ``is_decoding_layout`` reads them at every batch)."""
+        if self._abstract is None:
+            self._abstract = self._abstract_decode_params()
+        return self._abstract
+
+    def _abstract_decode_params(self) -> dict:
         def dtype(path):
             return np.float32 if self.family.keeps_f32(path[-1]) else self.opts.compute_dtype
 

@@ -37,7 +37,6 @@ from serving.scheduler import Scheduler, SchedulerError, Sequence
 from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
-SMALLEST_WIDTH = 16
 MAX_STEPS_FACTOR = 4  # the most steps a call takes with every slot taken, by default: 4 x --steps_per_call
 DEFAULT_SPANS = 1  # advance programs (N: each attending over a prefix of the cache, 1/N ... N/N of it)
 DEFAULT_QUEUE = 256  # sequences waiting for a slot (at least; 4 x slots where more): a burst waits, not a 429

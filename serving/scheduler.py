@@ -159,9 +159,6 @@ class _Call:
     steps: int = 0  # an advance's steps (its tokens' columns past them are padding)
 
 
-SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
-
-
 def admit(failure: Optional[SchedulerError], admitting: bool, held: int, joining: int, slots: int,
           max_queue: int) -> None:
     """What refuses ``joining`` more sequences beside the ``held`` ones, raised: the loop's ``failure`` (Failed),

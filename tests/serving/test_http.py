@@ -102,6 +102,16 @@ class FakeServer:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == "the cat", r.text  # its prompt, then its end-of-text
 
+    def gated_stream(self) -> tuple:
+        """A streamed request of 9 tokens held by the fake device (its advances read only once ``gate`` is set) ->
+        (gate, its client, its streamed response)."""
+        gate = threading.Event()
+        self.backend.gate = gate
+        client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
+        stream = client.send(client.build_request("POST", self.url + "/v1/completions", json={
+            "model": MODEL, "prompt": words("the cat"), "max_tokens": 9, "stream": True}), stream=True)
+        return gate, client, stream
+
     def wait_for(self, check, what: str) -> None:
         deadline = time.monotonic() + WAIT
         while not check():
@@ -687,11 +697,7 @@ def test_a_request_as_large_as_the_server_holds_is_admitted_beside_others_one_la
     had to fit beside the held ones: under steady traffic a 429 for good); 13 are refused at once, naming why."""
     s = FakeServer(max_queue=8)
     try:
-        gate = threading.Event()
-        s.backend.gate = gate
-        client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
-        stream = client.send(client.build_request("POST", s.url + "/v1/completions", json={
-            "model": MODEL, "prompt": words("the cat"), "max_tokens": 9, "stream": True}), stream=True)
+        gate, client, stream = s.gated_stream()
         s.wait_for(lambda: s.engine.held() == 1, "a request running")
         with ThreadPoolExecutor(1) as pool:
             large = pool.submit(s.post, {"model": MODEL, "prompt": [words("a dog")] * 3, "n": 4, "max_tokens": 2})
@@ -819,11 +825,7 @@ def test_a_loop_that_fails_for_good_stops_the_server():
 def test_drain_finishes_the_held_requests_and_refuses_new_ones():
     s = FakeServer(grace=30)
     try:
-        gate = threading.Event()
-        s.backend.gate = gate
-        client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
-        stream = client.send(client.build_request("POST", s.url + "/v1/completions", json={
-            "model": MODEL, "prompt": words("the cat"), "max_tokens": 9, "stream": True}), stream=True)
+        gate, client, stream = s.gated_stream()
         s.wait_for(lambda: s.engine.held() == 1, "the request held")
         s.server.handle_exit(15, None)
         refused = s.post({"model": MODEL, "prompt": "a", "max_tokens": 2})

@@ -98,11 +98,11 @@ def measure(executor, state, batch, profile_dir, primary: bool) -> tuple:
 def make_report(cfg, args, executor, stats: list, times: list, losses: list, compile_s: float, estimate: int,
                 by_phase, timing=None) -> dict:
     """The benchmark's figures: throughput in rows, examples and tokens, model FLOP/s and MFU, memory."""
+    from app.bench import device_header, median, peak_rss_bytes
+    from app.flops import peak_tflops, train_flops_per_sample
     from modelling.params import count_params
     from modelling.rows import RowShape
-    from app.bench import device_header, median, peak_rss_bytes
-    from graphs.memory import peak_device_bytes
-    from app.flops import peak_tflops, train_flops_per_sample
+    from partitioning.memory import peak_device_bytes
 
     plan = executor.plan(exact=False)  # the plan's figures from shapes, beside the measured ones
     samples = cfg.training.global_batch_size  # rows of sequence_length tokens

@@ -36,7 +36,7 @@ def programs(g, n: int) -> tuple:
     of output_length is timed."""
     from jax.sharding import PartitionSpec as P
 
-    from graphs import sharding as S
+    from partitioning import sharding as S
 
     family, opts = g.family, g.opts
     options = g.options
@@ -64,7 +64,7 @@ def time_decoding(params, ids, mask, gen, gen1, start, iterations: int, g) -> tu
     validation reads them."""
     import jax
 
-    from graphs import sharding as S
+    from partitioning import sharding as S
 
     placed = S.put_global(ids, g.row_sharding), S.put_global(mask, g.row_sharding)
     t0 = time.perf_counter()
@@ -97,8 +97,8 @@ def main(argv=None) -> dict:
         die(f"--iterations={args.iterations} must be at least 1")
     start_devices(cfg)
     from app.bench import device_header, median, write_json
-    from decoder.engine import Decoder
-    from graphs.memory import peak_device_bytes
+    from decoder.decoder import Decoder
+    from partitioning.memory import peak_device_bytes
 
     g = Decoder.of_config(cfg, eos=-1)  # (never stopping early: every step of output_length is timed)
     n = cfg.inference.output_length

@@ -61,8 +61,8 @@ def main(argv=None) -> str:
         raise FlanT5Error("run_export.py runs in one process: start it without the launcher (it needs no more "
                           "devices than the checkpoint's tensor parallelism, simulated on a CPU)")
     from app.export import export_model, export_peft
-    from decoder.engine import Decoder
-    from data.tasks import load_tokenizer
+    from data.tokenizer import load_tokenizer
+    from decoder.decoder import Decoder
     from utils import checkpoint as ckpt
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)

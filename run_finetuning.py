@@ -130,7 +130,8 @@ def train(cfg, args, point, warm) -> None:
     from app.train_data import training_data
     from app.trainer import Trainer, run_name
     from graphs.loss_scale import LossScale
-    from graphs.plan import check_fits, human_bytes
+    from graphs.plan import check_fits
+    from partitioning.plan import human_bytes
     from utils import checkpoint as ckpt
 
     if cfg.training.eval_every:  # what it would score exists and is not the training rows (before reading any)

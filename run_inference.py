@@ -61,8 +61,8 @@ def main(argv=None) -> list:
     from app import predict
     from app.train_data import run_tasks
     from data.mixture import inference_task
-    from data.tasks import load_tokenizer
-    from decoder.engine import Decoder
+    from data.tokenizer import load_tokenizer
+    from decoder.decoder import Decoder
     from utils import checkpoint as ckpt
 
     # a mixture's checkpoint predicts with the task --task_name names (its first without the flag)

@@ -30,7 +30,7 @@ import logging
 import os
 import sys
 
-from app.args import command_line
+from app.args import KEY_VARIABLE, command_line, server_flags
 from app.entry import entry
 
 logger = logging.getLogger("flan_t5")
@@ -38,13 +38,11 @@ logger = logging.getLogger("flan_t5")
 
 @entry
 def main(argv=None) -> None:
-    from serving.engine import server_flags
-
     args, overrides = command_line("inference", __doc__, argv, server_flags)
     from app.flops import decode_step_flops
     from app.predict import decoding_config, print_plan
     from app.runtime import check_cpu_threads, server_cpu_threads, set_cpu_threads, start_devices
-    from serving.engine import KEY_VARIABLE, ServeOptions, check_exposure
+    from serving.engine import ServeOptions, check_exposure
 
     check_cpu_threads(args.cpu_threads)  # (a bad value named before anything is read)
     cfg = decoding_config(args, overrides, "serve")
@@ -64,7 +62,7 @@ def main(argv=None) -> None:
                 "--cpu_threads" if args.cpu_threads is not None else "the default: --cpu_threads to choose",
                 options.slots, step / 1e6)
     start_devices(cfg)
-    from serving.backend import build_engine
+    from serving.build import build_engine
     from serving.http import serve
 
     api_key = args.api_key or os.environ.get(KEY_VARIABLE) or None

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
         print_plan(cfg, cfg.execution.rows_per_micro_batch, exact=args.plan_exact)
         return
     from app.evaluate import Validation
-    from data.tasks import load_tokenizer
+    from data.tokenizer import load_tokenizer
     from utils import checkpoint as ckpt
 
     targets = ckpt.resolve(cfg.checkpoint.load) if cfg.checkpoint.load else [(None, None)]

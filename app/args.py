@@ -1,5 +1,6 @@
 """Command-line arguments shared by the drivers: a preset + one flat flag per config field, resolved into one
-validated config (the config's own checks, then its model family's)."""
+validated config (the config's own checks, then its model family's); and the server's own flags (``server_flags``:
+run_server.py's, which benchmarks/serve.py parses too; serving/engine.py's ``ServeOptions.of`` reads them)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from config.carry import model_shape, saved_value, travelling
 from config.fields import _base_type, coerce, get_path
 from config.presets import config_from_mapping, load_config, preset_path, read_presets
 from config.schema import Config, FIELDS, MODEL_SHAPE, ipu_only_notices
-from utils.errors import ConfigError
+from data.tokenizer import TRAINED
 from modelling import registry
 from modelling.hf_mapping import model_config_from_hf, read_hf_config, resolve_hf_dir
+from utils.errors import ConfigError
 from utils.errors import FlanT5Error
 
 
@@ -237,7 +239,6 @@ def resumed_fields(overrides: dict) -> tuple:
     optimizer, schedule, layout and checkpointing), so that a resume continues the run as it was and a flag changes
     only what it names; the overrides, with ``--tokenizer train`` meaning the tokenizer that run learnt). A flag that
     changes the task or the data order is refused by ``app.resume.resume_point``, every one named at once."""
-    from data.tasks import TRAINED  # (the data library: --help need not pay for it)
     from utils import checkpoint as ckpt
 
     directory, step = ckpt.resolve(overrides["load"])[-1]
@@ -275,3 +276,88 @@ def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:
         raise ConfigError(f"{flag} {path} cannot be written ({e.strerror or e}): choose a path you can write to") from None
     finally:
         remove_if_empty(made)
+
+
+# --------------------------------------------------------------------------- run_server.py's own flags
+
+KEY_VARIABLE = "FLAN_T5_API_KEY"  # the API key's environment variable (--api_key's default)
+
+
+def server_flags(p) -> None:
+    """run_server.py's own flags (ServeOptions.of reads them; benchmarks/serve.py --profile parses the same)."""
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
+                                                       "only)")
+    s.add_argument("--port", type=int, default=8000, help="the port (0: any free one; the start-up line names it)")
+    s.add_argument("--api_key", default=None, metavar="KEY",
+                   help=f"the key every endpoint but /health requires (Authorization: Bearer KEY); default: the "
+                        f"{KEY_VARIABLE} environment variable, which keeps it out of the process list")
+    s.add_argument("--model_name", default=None, help="the model id clients name (default: the checkpoint "
+                                                       "directory's name, or the --hf_model)")
+    s.add_argument("--slots", type=int, default=None,
+                   help="decoding slots: requests decoded at once (default: micro_batch_size * data_parallel)")
+    s.add_argument("--max_queue", type=int, default=None,
+                   help="sequences that may wait for a slot; while that many wait a request gets 429 with "
+                        "Retry-After, which the openai client retries (default: 256, or 4 x slots where more)")
+    s.add_argument("--prompt_width", type=int, default=None, metavar="N",
+                   help="the longest prompt taken, in tokens: joining prompts are read packed several to a row this "
+                        "wide (default: sequence_length, rounded up to a multiple of 8)")
+    s.add_argument("--insert_rows", type=int, nargs="+", default=None, metavar="N",
+                   help="packed rows (per dp shard) one insert reads, a program compiled for each: joining prompts "
+                        "take the fewest that hold them (default: 1, 4, 16 ... and the slots per shard)")
+    s.add_argument("--steps_per_call", type=int, default=8,
+                   help="decoding steps per call of the slots' program (default 8: the host's work per call spread "
+                        "over 8 tokens; 1 with --max_steps_per_call 1: a token streamed at a time and joins at every "
+                        "step, at more host work per token)")
+    s.add_argument("--max_steps_per_call", type=int, default=None,
+                   help="the most decoding steps one call may take while every slot is taken: as many as the fewest "
+                        "tokens any slot has left, so that no request waits for a slot it could have had (default: 4 "
+                        "x --steps_per_call; a slot whose request ends inside a call, by its end-of-text token, a "
+                        "stop string or a cancel, is refilled after the next call)")
+    s.add_argument("--attention_spans", type=int, default=None,
+                   help="decoding programs compiled, each attending over a prefix of the slots' cache: 1/N, 2/N ... "
+                        "of it (default 1: every call attends over all of it). A call runs in the one whose prefix "
+                        "holds every running request's tokens and whose steps were timed fastest at start-up (a "
+                        "narrower prefix attends over fewer positions but copies them in and out once a call; the "
+                        "timing costs start-up time: a base-sized T5's server on a 2-core CPU took 110 s to start "
+                        "with 4, 20 s with 1)")
+    s.add_argument("--cpu_threads", type=int, default=None,
+                   help="threads of XLA's CPU thread pool (default: all the cores but one, which is left to the "
+                        "server's own threads: HTTP, scheduling, text; all of them where the CPU decodes and a "
+                        "decoding step of every slot is 40 MFLOP or more; at least one a simulated device; 0: XLA's "
+                        "own default, all the cores, or PJRT_NPROC or NPROC where the environment sets them, "
+                        "which the default leaves too); docs/serving.md")
+    s.add_argument("--min_join", type=int, default=None,
+                   help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
+                        "join together in one insert (default: 1 on a CPU, where a free slot joins at once; else half "
+                        "the slots)")
+    s.add_argument("--max_logprobs", type=int, default=20,
+                   help="the most likely tokens a request may ask to see beside each token (logprobs, top_logprobs; "
+                        "default 20, as vLLM's)")
+    s.add_argument("--chat_template", default=None, metavar="FILE",
+                   help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's, else the last "
+                        "message with the earlier ones as 'Role: text' lines before it)")
+    limit_flags(s)
+
+
+def limit_flags(s) -> None:
+    """The server's limits, its shutdown and --plan."""
+    s.add_argument("--header_timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's head before it is closed")
+    s.add_argument("--body_timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive (408 past it)")
+    s.add_argument("--max_connections", type=int, default=1024,
+                   help="open connections served at once: while more are open a request is a 503 with "
+                        "Retry-After, and its connection is closed")
+    s.add_argument("--grace_period", type=float, default=30.0,
+                   help="seconds a SIGTERM leaves the held requests to finish before they end with an error")
+    s.add_argument("--max_body_bytes", type=int, default=1 << 20, help="the largest request body (413 past it)")
+    s.add_argument("--max_prompt_chars", type=int, default=None,
+                   help="the longest prompt in characters (413 past it; default 64 x the widest prompt width)")
+    s.add_argument("--plan", action="store_true",
+                   help="print the memory plan of serving (device and host bytes: the weights, the KV cache of --slots "
+                        "rows of the widest prompt width and output_length new tokens, activations; from shapes, "
+                        "nothing loaded) and exit")
+    s.add_argument("--plan_exact", action="store_true",
+                   help="with --plan: count decoding's temporaries as XLA compiles them for this backend (a batch of "
+                        "--slots rows)")

@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: report headers, medians, JSON output, the scripts they run (device memory:
-graphs/memory.py)."""
+partitioning/memory.py)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from app.train_data import run_tasks
 from data.metrics import headline, primary, score
 from data.mixture import evaluation_sets
 from data.tasks import tokenize_prompts
-from decoder.engine import Decoder
-from graphs.memory import peak_device_bytes
+from decoder.decoder import Decoder
+from partitioning.memory import peak_device_bytes
 from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")

@@ -11,10 +11,10 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from data.tasks import pad_id
-from graphs.state import device_base
+from data.tokenizer import pad_id
 from modelling import lora
 from modelling.hf_mapping import save_hf_model
+from partitioning.base import device_base
 from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
 

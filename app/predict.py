@@ -1,4 +1,4 @@
-"""Prediction: what the decoding drivers share above the decoder (decoder/engine.py): the decoding config, a
+"""Prediction: what the decoding drivers share above the decoder (decoder/decoder.py): the decoding config, a
 task's prompts as features, the inputs run_inference.py decodes, its predictions file and the record of what wrote
 it, HF ``generate`` beside ours, and decoding's memory plan.
 
@@ -29,11 +29,12 @@ from config.schema import FIELDS
 from data import sources
 from data.mixture import evaluation_set
 from data.sources import DataError
-from data.tasks import Example, pad_id, tokenize_prompts, unknown_share
-from decoder.engine import Decoder
+from data.tasks import Example, tokenize_prompts
+from data.tokenizer import pad_id, unknown_share
+from decoder.decoder import Decoder
 from decoder.plan import decode_plan, format_plan
-from graphs.plan import device_memory_limit, host_memory_limit, human_bytes
-from graphs.state import fingerprint
+from partitioning.base import fingerprint
+from partitioning.plan import device_memory_limit, host_memory_limit, human_bytes
 from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
 
@@ -160,7 +161,7 @@ def written_by(cfg, directory, step, params) -> dict:
         "checkpoint": os.path.abspath(directory) if directory else None,
         "step": step,
         "hf_model": None if directory else cfg.data.hf_model,
-        "weights": fingerprint(params),  # a digest of the weights decoded (graphs/state.py)
+        "weights": fingerprint(params),  # a digest of the weights decoded (partitioning/base.py)
         "tokenizer": cfg.data.tokenizer,
         "decoding": {r.flag: get_path(cfg, r.path) for r in FIELDS.values() if r.path[0] == "inference"},
         # the weights' storage format when decoding reads a narrower one (None: as trained)

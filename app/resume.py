@@ -11,8 +11,8 @@ import shutil
 from app.rundir import RunLock
 from app.runtime import barrier, is_main_process
 from config.presets import to_dict
-from graphs.state import describe_base
 from modelling.hf_mapping import load_hf_model
+from partitioning.base import describe_base
 from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
 

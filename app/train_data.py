@@ -16,7 +16,7 @@ from app.runtime import agree
 from data import cache, mixture
 from data.loader import TaskStream, TrainLoader
 from data.sources import DataError, cache_root
-from data.tasks import TRAINED, check_unknown, load_tokenizer, pad_id
+from data.tokenizer import TRAINED, check_unknown, load_tokenizer, pad_id
 from modelling.rows import RowShape
 from utils.errors import FlanT5Error
 

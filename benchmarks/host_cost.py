@@ -27,7 +27,7 @@ from app.bench import write_json  # noqa: E402
 def fake_engine(requests: int, slots: int, steps: int):
     """The server's engine (as run_server.py builds it for ``steps`` a call, up to 4x with every slot taken, prompts
     up to 64 tokens, 256 new) over the tests' fake device (``engine.backend``) and the synthetic tokenizer."""
-    from data.tasks import load_tokenizer
+    from data.tokenizer import load_tokenizer
     from serving.engine import Engine, ServeOptions, default_insert_rows
     from tests.fake_backend import FakeBackend
 

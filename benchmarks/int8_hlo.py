@@ -71,9 +71,9 @@ def main(argv=None) -> dict:
 
     from app.bench import write_json
     from config import load_config
-    from graphs import sharding as S
-    from decoder.engine import Decoder
+    from decoder.decoder import Decoder
     from modelling import decoding, quant
+    from partitioning import sharding as S
 
     def program(q: str):
         cfg = load_config("inference", a.config, dict(eval=True, quantize=q, data_parallel=1, tensor_parallel=1,

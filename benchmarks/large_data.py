@@ -51,7 +51,7 @@ def tokenizer_rate(path: str, n: int = 200_000) -> float:
     """Rows per second of the tokenizer's own batch encoding (HF tokenizers, Rust, all cores) on the first n rows'
     prompts, in this process: the ceiling of the tokenizing map (which adds reading, the family's format and the
     writing of the ids)."""
-    from data.tasks import load_tokenizer
+    from data.tokenizer import load_tokenizer
 
     with open(path) as f:
         rows = [json.loads(next(f)) for _ in range(n)]

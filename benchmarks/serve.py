@@ -12,7 +12,7 @@ downloaded; the weights do not matter for speed), saved once. Its requests (``--
 process of ``--rate`` per second; prompts of ``--min_prompt``..``--max_prompt`` words, outputs of ``--min_new``..
 ``--max_new`` tokens, log-uniform: many short answers, a few long ones) go, all greedy:
   - server: run_server.py with ``--slots`` slots, over HTTP, streamed (each request sent at its arrival time);
-  - static: run_inference.py's batches (decoder/engine.py's Decoder: rows of micro_batch_size * dp =
+  - static: run_inference.py's batches (decoder/decoder.py's Decoder: rows of micro_batch_size * dp =
     ``--slots``, padded to their longest prompt, decoded up to the output length every request may ask for,
     ``--max_new``, or until every row has written its end-of-text); a batch takes the requests that have arrived
     when the previous one ends (or waits for the next);
@@ -160,8 +160,8 @@ def decoding_setup(a, extra: list, overrides: dict):
     flags = ["--config", a.config, "--load", a.ckpt] + [x for k, v in overrides.items() for x in (f"--{k}", str(v))]
     args, over = parse_args("inference", "serve benchmark", a.config, flags + extra)
     cfg = start_decoding(args, over)
-    from data.tasks import load_tokenizer
-    from decoder.engine import Decoder
+    from data.tokenizer import load_tokenizer
+    from decoder.decoder import Decoder
     from utils import checkpoint as ckpt
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -180,7 +180,7 @@ def make_checkpoint(a, extra: list) -> dict:
                       fixed={"eval": True, "rts": False})
     ensure_host_devices(cfg.devices)
     from config.presets import to_dict
-    from graphs.placement import Placement
+    from partitioning.placement import Placement
     from utils import checkpoint as ckpt
 
     mgr = ckpt.manager(a.ckpt)
@@ -290,9 +290,9 @@ class _Timed:
 def server_setup(a, steps: int, args: str, extra: list, reqs: list) -> tuple:
     """(config, ServeOptions) of a server of this run (``args``: its --server_args) for the requests, as run_server.py
     reads them from its flags, before JAX starts."""
-    from app.args import parse_args
+    from app.args import parse_args, server_flags
     from app.predict import decoding_config
-    from serving.engine import ServeOptions, server_flags
+    from serving.engine import ServeOptions
 
     flags = ["--load", a.ckpt, *server_argv(a, a.config, steps, reqs, extra, args)]
     server, over = parse_args("inference", "serve benchmark", a.config, flags, server_flags)
@@ -305,7 +305,7 @@ def profile_engine(cfg, options, steps: int, args: str, reqs: list) -> dict:
     server of this run gets (``server_setup``; ``args``: its --server_args): its parts' host time per decoding
     call."""
     from app.runtime import start_devices
-    from serving.backend import build_engine
+    from serving.build import build_engine
 
     start_devices(cfg)
     engine = build_engine(cfg, options)
@@ -424,7 +424,7 @@ def run_profile(a, extra: list) -> dict:
 def own_flag(args: str, name: str):
     """The value a server's own flags (``--server_args``) give one of its flags (``name``: its dest, as
     ``cpu_threads``), as run_server.py parses them (``--flag=value`` too, the last one winning), else None."""
-    from serving.engine import server_flags
+    from app.args import server_flags
 
     p = argparse.ArgumentParser(add_help=False)
     server_flags(p)

@@ -43,7 +43,8 @@ import pyarrow as pa
 from data.loader import holdout_indices
 from data.packing import Examples, FileRagged, Ragged
 from data.sources import DataError, Source
-from data.tasks import TRAINED, Example, Task, encoder_of, load_tokenizer, train_tokenizer, vocabulary_fit
+from data.tasks import Example, Task
+from data.tokenizer import TRAINED, encoder_of, load_tokenizer, train_tokenizer, vocabulary_fit
 from modelling import registry
 from utils.errors import FlanT5Error
 

@@ -27,7 +27,7 @@ from typing import Optional
 import datasets
 
 from data import synthetic
-from utils.errors import FlanT5Error
+from utils.errors import DataError
 from utils.hub import fetch
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv")
@@ -35,10 +35,6 @@ SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".tsv")
 HUB_ALIASES = {"glue/mnli": ("nyu-mll/glue", "mnli"), "mnli": ("nyu-mll/glue", "mnli"),
                "nyu-mll/glue": ("nyu-mll/glue", "mnli")}
 GENERATOR_VERSION = 1  # bumped when a generated set's rows change: their caches are then rebuilt
-
-
-class DataError(FlanT5Error, ValueError):
-    """A missing, unreadable or malformed dataset; the message names the file, row and column."""
 
 
 def cache_root(cache_dir: Optional[str] = None) -> str:

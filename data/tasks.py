@@ -1,6 +1,6 @@
 """Tasks: how a row becomes an example (an input text and a target text, and for a label set the label), and what
-is the same for every task: the row checks that name the row, the column and the columns present; the tokenizer
-(loaded, learnt from the task's texts, its pad id); prompts in a model family's format.
+is the same for every task: the row checks that name the row, the column and the columns present; examples and
+prompts as tokens in a model family's format (the tokenizer itself: data/tokenizer.py).
 
 A task is data (the config's ``task`` section, or one task of a ``mixture``; MNLI's are the defaults): an input
 template over the row's columns (or one input column), a target column, a label set when the target is a label, and
@@ -19,22 +19,17 @@ import logging
 import math
 import os
 import string
-import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
 from config.schema import template_fields
-from data import synthetic
 from data.packing import Examples
 from data.sources import DataError, Rows
-from utils.hub import fetch
+from data.tokenizer import check_unknown, pad_id, unknown_share
 
 logger = logging.getLogger("flan_t5")
-
-TRAINED = "train"  # --tokenizer train: learn one from the training data (train_tokenizer)
-
 
 @dataclass(frozen=True)
 class Example:
@@ -241,42 +236,6 @@ def parse_label(value, labels: tuple):
 # --------------------------------------------------------------------------- tokens
 
 
-class FastEncoder:
-    """A fast tokenizer's encoding as the family's ``encode_inputs`` / ``encode_targets`` call it
-    (``tok(texts, add_special_tokens=...)["input_ids"]``), through the Rust tokenizer directly: the same ids
-    without transformers' per-row dictionaries (half the time of a large tokenization). One text (a server's
-    prompt) goes to the backend's ``encode``, not its batch path: about a third of transformers' call's time on
-    this project's CPU machine, where a server's main thread tokenized each prompt in 0.3 ms through
-    transformers."""
-
-    def __init__(self, tokenizer):
-        from tokenizers import Tokenizer
-
-        # its own copy of the Rust tokenizer, set as transformers' call sets it for every call (no truncation, no
-        # padding: a tokenizer.json may carry either, and the one shared with transformers keeps what its last call
-        # set; special tokens split or not as the tokenizer says)
-        self.backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
-        self.backend.no_truncation()
-        self.backend.no_padding()
-        self.backend.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
-        self.eos_token_id = tokenizer.eos_token_id
-        self._encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-
-    def __call__(self, texts: list, add_special_tokens: bool = True) -> dict:
-        if len(texts) == 1:
-            return {"input_ids": [self.backend.encode(texts[0], add_special_tokens=add_special_tokens).ids]}
-        return {"input_ids": [e.ids for e in self._encode(list(texts), add_special_tokens=add_special_tokens)]}
-
-
-def encoder_of(tokenizer):
-    """What encodes a batch of texts: ``FastEncoder`` for a fast tokenizer whose encoding is transformers' own (not a
-    class that encodes its own way), else the tokenizer itself."""
-    from transformers import PreTrainedTokenizerFast
-
-    own = getattr(type(tokenizer), "_encode_plus", None) is not getattr(PreTrainedTokenizerFast, "_encode_plus", None)
-    return FastEncoder(tokenizer) if getattr(tokenizer, "is_fast", False) and not own else tokenizer
-
-
 def tokenize_examples(examples: list, tokenizer, family) -> Examples:
     """Input and target ids of every example (nothing truncated yet): the input of padding or packing
     (data/packing.py), in the family's format (``Family.prompt``, ``encode_inputs``, ``encode_targets``)."""
@@ -297,123 +256,6 @@ def tokenize_prompts(examples: list, tokenizer, family, length: Optional[int] = 
         x = x[:length]
         ids[i, : len(x)], mask[i, : len(x)] = x, 1
     return {"input_ids": ids, "attention_mask": mask}
-
-
-def pad_id(tokenizer) -> int:
-    """The id that pads a row and follows a finished output: the tokenizer's pad token, else its end-of-text token
-    (what Hugging Face ``generate`` pads with when the model's config sets no pad token: GPT-J's and GPT-2's
-    tokenizers have none). Padding is masked everywhere, so which id it is never changes a result."""
-    if tokenizer.pad_token_id is not None:
-        return tokenizer.pad_token_id
-    if tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    raise DataError("the tokenizer has neither a pad token nor an end-of-text token: give it one (e.g. "
-                    "tokenizer.add_special_tokens({'eos_token': '</s>'}) and save_pretrained) or pass another "
-                    "--tokenizer")
-
-
-def train_tokenizer(batches, vocab_size: int, out_dir: str, labels: Optional[tuple] = None):
-    """A BPE tokenizer learnt in seconds, no download, from ``batches``: an iterable of lists of texts (the inputs as
-    the family reads them, and the targets; read twice: for the alphabet, then for the merges): at most
-    ``vocab_size`` tokens (the model's), <pad> 0, </s> 1, <unk> 2 as T5's, every character of the data in its
-    alphabet (so no word of the data is unknown), saved to ``out_dir`` (a directory AutoTokenizer loads, which
-    checkpoints name and validation uses). A label set's words are frequent: they become whole tokens.
-    ``batches`` is a callable giving a fresh iterable each time."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = set(" ".join(labels or ()))
-    for texts in batches():
-        chars.update(*texts)
-    alphabet = sorted({c for c in chars if not c.isspace()} | {"\u2581"})  # + Metaspace's word marker
-    specials = ["<pad>", "</s>", "<unk>"]
-    if len(alphabet) + len(specials) + 1 > vocab_size:
-        raise DataError(f"the training data has {len(alphabet)} distinct characters but vocab_size is {vocab_size}: "
-                        f"a tokenizer needs at least {len(alphabet) + len(specials) + 1} tokens; raise --vocab_size")
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-
-    def texts():
-        for part in batches():
-            yield from part
-        yield from labels or ()
-
-    tok.train_from_iterator(texts(), trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                                         initial_alphabet=alphabet, limit_alphabet=len(alphabet),
-                                                         show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(out_dir)
-    return fast
-
-
-FRAGMENTED = 1.5  # tokens a word above which a learnt tokenizer that filled its vocabulary is said to split words
-
-
-def vocabulary_fit(tok, sample: list, vocab_size: int, cap: int = 1 << 15) -> Optional[str]:
-    """One line when a tokenizer learnt with ``vocab_size`` tokens filled them and still splits the words of
-    ``sample`` (texts of the data) into more than ``FRAGMENTED`` tokens each on average, which a model learns
-    poorly, naming the size that holds the sample's words whole (a BPE learnt from the sample with up to ``cap``
-    tokens, rounded up to a multiple of 128); else None. The model's vocabulary stays the config's: it is part of
-    the model's shape, which no data changes behind the user's back."""
-    words = sum(len(text.split()) for text in sample)
-    if len(tok) < vocab_size or not words:
-        return None
-    pieces = sum(len(ids) for ids in tok(sample, add_special_tokens=False)["input_ids"])
-    if pieces / words <= FRAGMENTED:
-        return None
-    with tempfile.TemporaryDirectory() as scratch:
-        whole = len(train_tokenizer(lambda: [sample], cap, scratch))
-    need = "more than %d" % cap if whole >= cap else str(-(-whole // 128) * 128)
-    return (f"the learnt tokenizer filled --vocab_size {vocab_size} (the model's vocabulary) and splits the data's "
-            f"words into {pieces / words:.1f} tokens each on average, which a model learns poorly: {need} tokens "
-            f"hold them whole; pass --vocab_size {need.split()[-1]}")
-
-
-def load_tokenizer(name: str):
-    """The tokenizer: 'synthetic' (the NLI task's offline word-level one) or an HF name/directory."""
-    if name == "synthetic":
-        return synthetic.make_tokenizer()
-    if name == TRAINED:
-        raise DataError("--tokenizer train learns a tokenizer from the training data: run_finetuning.py does that; "
-                        "validation then uses the one saved with the checkpoint")
-    from transformers import AutoTokenizer
-
-    fix = ("pass --tokenizer train to learn one from the training data offline, or download it elsewhere "
-           f"(huggingface-cli download {name} --local-dir DIR), copy DIR here and pass --tokenizer DIR")
-    try:
-        if os.path.isdir(name):
-            return AutoTokenizer.from_pretrained(name)
-        return fetch(lambda **kw: AutoTokenizer.from_pretrained(name, **kw), name, "tokenizer", fix, DataError)
-    except DataError:
-        raise
-    except Exception as e:
-        raise DataError(f"cannot load tokenizer '{name}' ({type(e).__name__}): {fix}") from None
-
-
-def unknown_share(ids: list, tokenizer, sample: int = 5000) -> float:
-    """The share of the token ids (a list of id sequences) that are the tokenizer's <unk> (0 without one)."""
-    unk = getattr(tokenizer, "unk_token_id", None)
-    ids = ids[:sample]
-    total = sum(len(x) for x in ids)
-    if unk is None or not total:
-        return 0.0
-    return sum(int(np.sum(np.asarray(x) == unk)) for x in ids) / total
-
-
-def check_unknown(share: float, name: str, dataset: str, limit: float = 0.01) -> float:
-    """``share`` of the input tokens unknown (<unk>) to tokenizer ``name``; DataError above ``limit``, naming a
-    tokenizer that fits (a word-level synthetic tokenizer turns other text into almost nothing but <unk>)."""
-    if share > limit:
-        hint = ("the synthetic tokenizer knows only the synthetic NLI task's words: pass --tokenizer train to learn "
-                "one from this data (offline, seconds), or the model's tokenizer, e.g. --tokenizer "
-                "google/flan-t5-small (a hub name or a local directory) with a preset of that model"
-                if name == "synthetic" else "pass the tokenizer of the model this data is for (--tokenizer "
-                                            "NAME_OR_DIR)")
-        raise DataError(f"{share:.0%} of the prompt tokens of {dataset} are unknown (<unk>) to tokenizer {name!r}: "
-                        f"{hint}")
-    return share
 
 
 def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str, limit: float = 0.01) -> float:

@@ -16,11 +16,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from graphs import sharding as S
-from graphs.plan import HOST_KINDS, MemoryPlan, format_items, human_bytes
-from graphs.sharding import shard_bytes
 from decoder.streaming import PromptStream, chunk_rows
 from modelling import decoding, quant
+from partitioning import sharding as S
+from partitioning.plan import MemoryPlan, format_items, human_bytes
+from partitioning.sharding import HOST_KINDS, shard_bytes
 
 
 def _on_device(x) -> bool:

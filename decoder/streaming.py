@@ -20,7 +20,7 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from graphs import sharding as S
+from partitioning import sharding as S
 
 CHUNK_ROWS = 8  # rows through a layer at once (a device's share of the batch, in pieces of at most this many)
 

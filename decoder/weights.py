@@ -1,7 +1,7 @@
 """The weights a decoding run reads: where they come from (an HF model, a checkpoint, LoRA adapters on the base they
 were trained on) and how they are placed on the devices (``Weights.load``).
 
-Decoding's layout is ``Decoder.decode_shardings`` (decoder/engine.py): every weight whole on the devices of its tp group, in the
+Decoding's layout is ``Decoder.decode_shardings`` (decoder/decoder.py): every weight whole on the devices of its tp group, in the
 compute dtype (the family's float32 weights kept float32), and with ``--quantize int8`` its matmul weights as
 int8 values with a float32 scale per output channel (modelling/quant.py). A quantized model is never whole in the
 compute dtype on a device: the weights come from host memory (a checkpoint restored there, an HF model's numpy
@@ -24,13 +24,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from config.carry import saved_value
 from config.fields import set_path
 from config.schema import FIELDS
-from graphs import sharding as S
-from graphs.placement import Placement
-from graphs.host_state import HOST
-from graphs.sharding import put_global
-from graphs.state import describe_base, device_base, fingerprint, fingerprint_rows, load_base
 from modelling import lora, quant
 from modelling.hf_mapping import load_hf_model
+from partitioning import sharding as S
+from partitioning.base import describe_base, device_base, fingerprint, fingerprint_rows, load_base
+from partitioning.placement import Placement
+from partitioning.sharding import HOST, put_global
 from utils import checkpoint as ckpt
 from utils.errors import FlanT5Error
 
@@ -43,7 +42,7 @@ def _key(path) -> tuple:
 
 
 class Weights:
-    """The weights of one Decoder (decoder/engine.py): loaded, merged and placed in its layout."""
+    """The weights of one Decoder (decoder/decoder.py): loaded, merged and placed in its layout."""
 
     def __init__(self, decoder):
         self.decoder, self.placement, self.cfg = decoder, decoder.place, decoder.cfg

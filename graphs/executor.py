@@ -7,7 +7,7 @@
     loss_and_grads(state, batch, rng, loss_scale)        -> (mean token loss, float32 gradients in the stacked
                                                             layout, unscaled); the state is not changed
     to_checkpoint(state)              -> TrainState in the stacked layout that checkpoints hold
-    plan(exact=False)                 -> MemoryPlan from shapes alone (graphs/plan.py), nothing allocated
+    plan(exact=False)                 -> TrainingPlan from shapes alone (graphs/plan.py), nothing allocated
     memory_report(state, batch)       -> (state, device bytes at the step's peak, {phase: bytes} or None)
     timing_report(state, batch)       -> (state, {load_s, store_s, compute_s, serial_step_s} or None)
     weights(state)                    -> the model's weights, stacked, as decoding reads them (LoRA: merged)
@@ -15,10 +15,10 @@
 LoRA (modelling/lora.py): the trained weights are the adapters; the frozen base is the executor's own, kept where it
 reads it (fused: on the devices; phased: in host memory, streamed in a layer at a time):
 
-    use_base(source)                  the base a ``base_source`` names (graphs/state.py), and ``base``: its record
+    use_base(source)                  the base a ``base_source`` names (partitioning/base.py), and ``base``: its record
                                       (source and fingerprint) for checkpoints
     set_base(params=None)             the base from weights (None: the random init)
-    base_fingerprint()                -> graphs/state.py's fingerprint of the base
+    base_fingerprint()                -> partitioning/base.py's fingerprint of the base
 
 Both executors read and write the same checkpoints (stacked weights, optimizer state per
 weight group), so a run may switch executors on ``--load``.

@@ -17,14 +17,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from graphs import sharding as S
-from graphs.memory import live_device_bytes, program_bytes
 from graphs.phases import PhaseBodies, accumulate, micro_key
-from graphs.plan import MemoryPlan, shard_bytes
-from graphs.state import (TrainState, base_record, device_base, fingerprint, restore_base, restore_train_state,
-                          step_key)
+from graphs.plan import TrainingPlan
+from graphs.state import TrainState, restore_train_state, step_key
 from modelling import lora
 from modelling.params import init_params
+from partitioning import sharding as S
+from partitioning.base import base_record, device_base, fingerprint, restore_base
+from partitioning.memory import live_device_bytes, program_bytes
+from partitioning.sharding import shard_bytes
 
 
 class FusedExecutor:
@@ -38,7 +39,7 @@ class FusedExecutor:
         self._step = None
         self._loss_and_grads = None
         self.frozen = None  # LoRA: the frozen base weights (compute dtype, RTS layout), an input of every step
-        self.base = None  # LoRA: where the base comes from and its fingerprint (graphs/state.py), as checkpoints say
+        self.base = None  # LoRA: where the base comes from and its fingerprint (partitioning/base.py), as checkpoints say
 
     def set_base(self, params=None) -> None:
         """LoRA: the frozen base weights: None (the family's random init), host (numpy) weights, or arrays in the
@@ -54,11 +55,11 @@ class FusedExecutor:
             self.frozen = jax.jit(g.frozen, out_shardings=g.base_shardings)(params)
 
     def base_fingerprint(self) -> str:
-        """LoRA: graphs/state.py's ``fingerprint`` of the frozen base."""
+        """LoRA: partitioning/base.py's ``fingerprint`` of the frozen base."""
         return fingerprint(self.frozen)
 
     def use_base(self, source: dict) -> None:
-        """LoRA: the frozen base a ``base_source`` names (graphs/state.py) on the devices, and ``base``, its record."""
+        """LoRA: the frozen base a ``base_source`` names (partitioning/base.py) on the devices, and ``base``, its record."""
         self.set_base(device_base(self.g, source))
         self.base = base_record(source, self.base_fingerprint())
 
@@ -224,7 +225,7 @@ class FusedExecutor:
                                  out_shardings=(self.state_shardings(state), self.g.replicated))
         return self._step
 
-    def plan(self, exact: bool = False) -> MemoryPlan:
+    def plan(self, exact: bool = False) -> TrainingPlan:
         """The memory plan of this executor's runs (graphs/plan.py): the step's state and batch, and with ``exact``
         XLA's count of its temporaries (the step compiled from shapes); else a lower bound (state, gradient
         accumulator, weights cast to the compute dtype)."""
@@ -261,7 +262,7 @@ class FusedExecutor:
             if g.opts.compute_dtype != jnp.float32:
                 items["weights in the compute dtype"] = tp_bytes // 2
             notes.append("activations not counted: --plan compiles the step and counts them")
-        return MemoryPlan("fused", sum(items.values()), "training step", items, 0, "no host-resident state", {}, exact,
+        return TrainingPlan("fused", sum(items.values()), "training step", items, 0, "no host-resident state", {}, exact,
                           notes)
 
     def memory_report(self, state: TrainState, batch: dict) -> tuple:

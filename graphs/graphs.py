@@ -1,5 +1,5 @@
 """The Graphs builder: a training config resolved, once, into what the engine runs on: its placement
-(graphs/placement.py: the model family and its options, the mesh, weight layouts and shardings), the updater
+(partitioning/placement.py: the model family and its options, the mesh, weight layouts and shardings), the updater
 (optimizer, clipping, stochastic rounding), the step options and the batches' layout.
 
 The executors (graphs/fused.py, graphs/phased.py) read these objects, never the config itself:
@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from graphs import optim
-from graphs import sharding as S
-from graphs.placement import Placement
+from partitioning import sharding as S
+from partitioning.placement import Placement
 
 @dataclass(frozen=True)
 class StepOptions:

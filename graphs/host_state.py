@@ -19,9 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from graphs.sharding import put_global
-
-HOST = "pinned_host"
+from partitioning.sharding import HOST, put_global
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Optimizer: AdamW or Adafactor (T5X's defaults), applied one weight group at a time.
 
-Weight groups (graphs/tree.py) are the unit of an optimizer update in both executors: the
+Weight groups (partitioning/tree.py) are the unit of an optimizer update in both executors: the
 embedding, the LM head, the small weights (norms, biases, relative-position tables), and one group
 per layer of each stack.
 
@@ -141,7 +141,7 @@ def round_like(new, old, key):
 
 
 def init_state(optimizer, params: dict, tree) -> dict:
-    """{group: state} for a whole (stacked) parameter tree; ``tree``: its TreeStructure (graphs/tree.py)."""
+    """{group: state} for a whole (stacked) parameter tree; ``tree``: its TreeStructure (partitioning/tree.py)."""
     return {name: init_group(optimizer, p, tree.is_layer_group(name)) for name, p in tree.split_groups(params).items()}
 
 

@@ -12,10 +12,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from graphs import sharding as S
-from graphs.host_state import HOST
-from graphs.memory import live_device_bytes, program_bytes
 from graphs.transfers import Transfers
+from partitioning import sharding as S
+from partitioning.memory import live_device_bytes, program_bytes
+from partitioning.sharding import HOST
 
 
 def prefetch(n: int, load, reverse: bool = False):

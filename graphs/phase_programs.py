@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from graphs import sharding as S
 from graphs.host_state import row_sharding
 from graphs.phases import PhaseBodies, accumulate, micro_key, stream_key
 from modelling import lora
 from modelling.family import Stack, leaf_name
+from partitioning import sharding as S
 
 F32 = jnp.float32
 MICRO = P(None, S.DP, None)  # [GA, dp * micro_batch, length] token-level inputs

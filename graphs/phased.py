@@ -64,11 +64,11 @@ from graphs.phase_ops import DeviceOps, prefetch, serial_collectives
 from graphs.phase_programs import PhasePrograms
 from graphs.phased_state import PhasedStates
 from graphs.phases import context_weights, stack_meta
-from graphs.plan import MemoryPlan
+from graphs.plan import TrainingPlan
 from graphs.state import step_key
-from graphs.tree import flat_paths, from_flat
 from modelling import lora
 from modelling.family import leaf_name
+from partitioning.tree import flat_paths, from_flat
 
 F32 = jnp.float32
 
@@ -439,7 +439,7 @@ class PhasedExecutor(PhasedStates):
 
     # ------------------------------------------------------------------ plans and reports (graphs/phased_reports.py)
 
-    def plan(self, exact: bool = False) -> MemoryPlan:
+    def plan(self, exact: bool = False) -> TrainingPlan:
         """The memory plan (graphs/plan.py): this step's own schedule run once on placeholders."""
         return phased_reports.plan(self, exact)
 

@@ -9,17 +9,17 @@ import time
 import jax
 import jax.numpy as jnp
 
-from graphs import sharding as S
-from graphs.host_state import HOST, PhasedState
+from graphs.host_state import PhasedState
 from graphs.phase_ops import DeviceOps, PhaseMemory, TimingOps, serial_collectives
-from graphs.plan import MemoryPlan, PlanOps
-from graphs.sharding import shard_bytes
+from graphs.plan import PlanOps, TrainingPlan
 from graphs.transfers import floor, tree_bytes, weight_costs
+from partitioning import sharding as S
+from partitioning.sharding import HOST, shard_bytes
 
 F32 = jnp.float32
 
 
-def plan(ex, exact: bool = False) -> MemoryPlan:
+def plan(ex, exact: bool = False) -> TrainingPlan:
     """The memory plan (graphs/plan.py): this step's own schedule run once on placeholders (``PlanOps``)."""
     g, ops = ex.g, PlanOps(exact)
     host = lambda sh: S.with_memory_kind(sh, HOST)  # noqa: E731

@@ -8,9 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphs import sharding as S
-from graphs.host_state import HOST, PhasedState, from_rows, rows_taken, to_host, to_rows
-from graphs.state import (TrainState, base_record, fingerprint_rows, load_base, restore_base, restore_train_state)
+from graphs.host_state import PhasedState, from_rows, rows_taken, to_host, to_rows
+from graphs.state import TrainState, restore_train_state
+from partitioning import sharding as S
+from partitioning.base import base_record, fingerprint_rows, load_base, restore_base
+from partitioning.sharding import HOST
 
 
 class PhasedStates:
@@ -53,13 +55,13 @@ class PhasedStates:
                                           for i in range(self.depth[s.name])]
 
     def base_fingerprint(self) -> str:
-        """LoRA: graphs/state.py's ``fingerprint`` of the frozen base, read row by row from host memory."""
+        """LoRA: partitioning/base.py's ``fingerprint`` of the frozen base, read row by row from host memory."""
         rows = {s: jax.tree.map(lambda *r: _Rows(r), *self.frozen_layers[s]) for s in self.frozen_layers}
         tree = self.g.model_tree.with_layers(jax.tree.map(lambda x: _Rows([x]), self.frozen_rest), rows)
         return fingerprint_rows([r.rows for r in jax.tree.leaves(tree)])
 
     def use_base(self, source: dict) -> None:
-        """LoRA: the frozen base a ``base_source`` names (graphs/state.py) in host memory, and ``base``, its record."""
+        """LoRA: the frozen base a ``base_source`` names (partitioning/base.py) in host memory, and ``base``, its record."""
         self.set_base(load_base(self.g, source, HOST))
         self.base = base_record(source, self.base_fingerprint())
 

@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from graphs.tree import TreeStructure, layer_list
 from modelling import family as families
 from modelling import layers as L
 from modelling import lora
 from modelling.family import Family, Stack
+from partitioning.tree import TreeStructure, layer_list
 
 
 def stack_meta(stack: Stack, batch: dict) -> dict:

@@ -1,6 +1,7 @@
 """Memory plan: the device and host bytes a training run needs, from shapes alone, before any allocation.
 
-Each executor computes its own plan (``plan(exact)``) with what this module provides.
+Each executor computes its own plan (``plan(exact)``: a ``TrainingPlan``) with what this module provides; what a plan
+is and the machine's memory it is checked against are partitioning/plan.py's.
 
 Phased executor: the training step's own schedule runs once on placeholders (``PlanOps``)
 instead of arrays. A placeholder has a shape, a dtype and a sharding; its bytes count as live
@@ -19,37 +20,21 @@ Device bytes are per device (the busiest); host bytes per process.
 
 from __future__ import annotations
 
-import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 
-from graphs import sharding as S
-from graphs.sharding import shard_bytes
 from graphs.transfers import Transfers, format_bytes_table
+from partitioning import sharding as S
+from partitioning.plan import GIB, MemoryPlan, format_items, host_memory_limit, device_memory_limit, human_bytes
+from partitioning.sharding import HOST_KINDS, shard_bytes
+from utils.errors import FlanT5Error
 
 # the bandwidth at which the plan says how long a step waits on the host link: PCIe 5.0 x16 pinned copies, as
 # measured on an H100 machine (~52 GB/s each way); finetuning.py measures the machine's own
 LINK_GB_PER_S = 52.0
-from utils.errors import FlanT5Error
-
-GIB = 2 ** 30
-HOST_KINDS = ("pinned_host", "unpinned_host")
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in the unit that reads best: 512 B, 3.4 MiB, 62.7 GiB."""
-    for unit, size in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if n >= size:
-            return f"{n / size:.{1 if n >= 10 * size else 2}f} {unit}"
-    return f"{int(n)} B"
-
-
-def format_items(items: dict) -> str:
-    """{name: bytes} as a plan prints it: "name 1.5 GiB, ...", the largest first, the empty left out."""
-    return ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(items.items(), key=lambda kv: -kv[1]) if v)
 
 
 class PlanError(FlanT5Error, RuntimeError):
@@ -136,7 +121,7 @@ class PlanOps:
 
     def store(self, tree, shardings, label: str = "stored"):
         self.moved.add("store", label, tree, shardings)
-        host = S.with_memory_kind(shardings, "pinned_host")
+        host = S.with_memory_kind(shardings, S.HOST)
         return jax.tree.map(lambda x, s: self.new(x.shape, x.dtype, s, label), tree, host, is_leaf=_is_placeholder)
 
     def zeros(self, shape, dtype, sharding, label: str = "gradient sums"):
@@ -145,10 +130,10 @@ class PlanOps:
     def is_finite(self, x) -> bool:
         return True  # the plan follows a step that updates
 
-    def plan(self, executor: str) -> "MemoryPlan":
+    def plan(self, executor: str) -> "TrainingPlan":
         """The plan of the schedule just run on these placeholders: its device and host peaks."""
         dev, host = self.ledger.peak["device"], self.ledger.peak["host"]
-        return MemoryPlan(executor, dev[0], dev[1], dev[2], host[0], host[1], host[2], self.exact,
+        return TrainingPlan(executor, dev[0], dev[1], dev[2], host[0], host[1], host[2], self.exact,
                           transfers=self.moved.summary())
 
     def run(self, name: str, program, *args, label: str = "phase outputs"):
@@ -176,18 +161,10 @@ class PlanOps:
 
 
 @dataclass
-class MemoryPlan:
-    """Device bytes (per device) and host bytes (per process) of a run, at their peaks."""
+class TrainingPlan(MemoryPlan):
+    """A training run's plan (partitioning/plan.py's ``MemoryPlan``), with the phased executor's traffic over the
+    host link; it prints the traffic's table and names the knobs of a run that does not fit."""
 
-    executor: str
-    device_peak: int
-    device_phase: str
-    device_items: dict
-    host_peak: int
-    host_phase: str
-    host_items: dict
-    exact: bool
-    notes: list = field(default_factory=list)
     transfers: dict | None = None  # phased: what a step moves over the host link (graphs/transfers.py's summary)
     transfer_floor: dict | None = None  # phased: the least a step of its layout moves (graphs/transfers.py's floor)
 
@@ -243,45 +220,19 @@ class MemoryPlan:
                             + f") but {human_bytes(host_limit)} is available: try {', '.join(knobs)}")
 
 
-def device_memory_limit() -> int | None:
-    """Bytes an accelerator device can allocate (None on CPU, where device memory is host RAM)."""
-    d = jax.local_devices()[0]
-    if d.platform == "cpu":
-        return None
-    try:
-        return (d.memory_stats() or {}).get("bytes_limit")
-    except Exception:
-        return None
-
-
-def host_memory_limit() -> int | None:
-    """This machine's available RAM (MemAvailable), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def plan(executor, exact: bool = False) -> MemoryPlan:
+def plan(executor, exact: bool = False) -> TrainingPlan:
     """The memory plan of a run with this executor (its own ``plan``)."""
     return executor.plan(exact)
 
 
-def check_fits(executor, cfg) -> MemoryPlan:
+def check_fits(executor, cfg) -> TrainingPlan:
     """The plan from shapes (fast: no compilation), checked against this machine: PlanError if the run will
     not fit. On a CPU the devices' memory is host RAM, so both figures count against it."""
     p = plan(executor, exact=False)
     host_limit, device_limit = host_memory_limit(), device_memory_limit()
     if jax.local_devices()[0].platform == "cpu":
         need = p.host_peak + p.device_peak * len(jax.local_devices())
-        combined = MemoryPlan(p.executor, 0, p.device_phase, {}, need, "host and simulated devices together",
+        combined = TrainingPlan(p.executor, 0, p.device_phase, {}, need, "host and simulated devices together",
                               {**{f"host: {k}": v for k, v in p.host_items.items()},
                                "simulated devices": p.device_peak * len(jax.local_devices())}, p.exact)
         combined.check(None, host_limit, cfg)

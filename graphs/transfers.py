@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import jax
 
-from graphs.sharding import shard_bytes
+from partitioning.sharding import shard_bytes
 
 PHASES = ("forward", "head", "backward", "optimizer")
 

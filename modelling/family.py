@@ -6,7 +6,7 @@ The family answers for
 
 - its kind: ``causal`` (one causal stack, prompt and target in one sequence: GPT-J) or an
   encoder-decoder (T5), and whether decoding left-pads its prompts;
-- its parameters: ``param_specs`` with logical axes (graphs/sharding.py maps them to mesh axes, so a
+- its parameters: ``param_specs`` with logical axes (partitioning/sharding.py maps them to mesh axes, so a
   family needs no sharding code), ``keeps_f32``, ``decays``, ``is_dense``, ``head_paths``;
 - its stacks as data (``Stack``) and the per-device bodies of a training step (``embeddings``,
   ``context``, ``block``, ``stack_output``, ``head_loss``) that graphs/phases.py composes for both
@@ -24,7 +24,7 @@ The family answers for
 
 The parameter tree of every family has the same top level: ``shared`` (the token embedding), the
 head weights, and one subtree per stack holding ``layers`` (stacked on a leading axis) and the
-stack's own small weights. graphs/tree.py owns that structure.
+stack's own small weights. partitioning/tree.py owns that structure.
 """
 
 from __future__ import annotations

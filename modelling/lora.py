@@ -7,7 +7,7 @@ B [rank, out dims...]; the layer computes x W + (alpha / rank) (dropout(x) A) B.
 In the parameter tree the adapters sit beside their weight in a stack's ``layers`` (stacked on the
 same leading axis): ``q`` has ``q_lora_a`` and ``q_lora_b``. ``adapter_specs`` gives their specs
 (logical axes: A keeps W's input axes, B its output axes, the rank axis ``lora_rank`` is never
-split), so graphs/sharding.py lays them out like any weight:
+split), so partitioning/sharding.py lays them out like any weight:
 
 - a column-parallel weight (its output split over tp: q, k, v, wi, fc_in) has a replicated A and
   a B split like W's output;
@@ -34,7 +34,7 @@ from modelling.params import ParamSpec
 from utils.errors import ConfigError
 
 A, B = "_lora_a", "_lora_b"
-RANK = "lora_rank"  # the logical axis of the rank (replicated: graphs/sharding.py's RULES do not name it)
+RANK = "lora_rank"  # the logical axis of the rank (replicated: partitioning/sharding.py's RULES do not name it)
 
 
 def enabled(opts) -> bool:

@@ -5,7 +5,7 @@ leading ``layers`` axis (scanned over in the fused executor; streamed one row
 at a time by the phased executor, like the original's remote buffers).
 
 Logical axes: ``layers``, ``embed``, ``heads``, ``kv``, ``mlp``, ``vocab``,
-``relpos_buckets``. ``graphs/sharding.py`` maps them to mesh axes.
+``relpos_buckets``. ``partitioning/sharding.py`` maps them to mesh axes.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 ``Generation`` out: its sequences submitted, the events of its answer as they come), ``drain``, ``abort``; its
 tokenizer, chat template and limits. A request's ``n`` and ``best_of`` candidates, each prompt's, are sequences of
 their own, built here (each with its own seed: ``choice_seed``), and ranked here (``Generation.chosen``). Below it, the scheduler (serving/scheduler.py) drives a
-``Backend`` (decoder/slots.py's SlotPrograms: a checkpoint's, or an HF model's, compiled slot programs; the tests'
+``Backend`` (decoder/slot_programs.py's SlotPrograms: a checkpoint's, or an HF model's, compiled slot programs; the tests'
 fake) and the output processor (serving/output.py) turns its tokens into text. No JAX here.
 
-    engine = backend.build_engine(cfg, ServeOptions.of(args, cfg))     # run_server.py: everything compiled
+    engine = build.build_engine(cfg, ServeOptions.of(args, cfg))     # run_server.py: everything compiled
 
 What a request may ask (serving/api.py's Limits): /v1/completions prompts as given (the whole text the model reads,
 a raw continuation as OpenAI's: T5 ends it with its end-of-text token, GPT-J continues it; a list of token ids is read
@@ -40,7 +40,6 @@ logger = logging.getLogger("flan_t5")
 MAX_STEPS_FACTOR = 4  # the most steps a call takes with every slot taken, by default: 4 x --steps_per_call
 DEFAULT_SPANS = 1  # advance programs (N: each attending over a prefix of the cache, 1/N ... N/N of it)
 DEFAULT_QUEUE = 256  # sequences waiting for a slot (at least; 4 x slots where more): a burst waits, not a 429
-KEY_VARIABLE = "FLAN_T5_API_KEY"  # the API key's environment variable
 DEFAULT_CHAT_TEMPLATE = (
     "{%- for m in messages[:-1] %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor -%}"
     "{{ messages[-1]['content'] }}")
@@ -64,7 +63,7 @@ def powers_of_two(low: int, high: int) -> list:
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """How the server runs (run_server.py's flags, resolved against the config)."""
+    """How the server runs (run_server.py's flags: app/args.py's ``server_flags``, resolved against the config)."""
 
     slots: int  # decoding slots (rows decoded together)
     max_queue: int  # sequences waiting for a slot beyond the slots (429 past it)
@@ -79,7 +78,7 @@ class ServeOptions:
     min_join: Optional[int] = None  # free slots that wait (two calls at most) for a group (None: by the device)
     chat_template: Optional[str] = None  # --chat_template's text
     max_steps: int = 0  # the most steps per call, taken while every slot is taken (0: ``steps``)
-    attention_spans: int = 1  # advance programs, each attending over a prefix of the cache (decoder/slots.py)
+    attention_spans: int = 1  # advance programs, each attending over a prefix of the cache (decoder/slot_programs.py)
 
     @property
     def most_steps(self) -> int:
@@ -118,86 +117,6 @@ class ServeOptions:
                    args.min_join,
                    read_template(args.chat_template), args.max_steps_per_call or MAX_STEPS_FACTOR * args.steps_per_call,
                    DEFAULT_SPANS if args.attention_spans is None else args.attention_spans)
-
-
-def server_flags(p) -> None:
-    """run_server.py's own flags (ServeOptions.of reads them; benchmarks/serve.py --profile parses the same)."""
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine "
-                                                       "only)")
-    s.add_argument("--port", type=int, default=8000, help="the port (0: any free one; the start-up line names it)")
-    s.add_argument("--api_key", default=None, metavar="KEY",
-                   help=f"the key every endpoint but /health requires (Authorization: Bearer KEY); default: the "
-                        f"{KEY_VARIABLE} environment variable, which keeps it out of the process list")
-    s.add_argument("--model_name", default=None, help="the model id clients name (default: the checkpoint "
-                                                       "directory's name, or the --hf_model)")
-    s.add_argument("--slots", type=int, default=None,
-                   help="decoding slots: requests decoded at once (default: micro_batch_size * data_parallel)")
-    s.add_argument("--max_queue", type=int, default=None,
-                   help="sequences that may wait for a slot; while that many wait a request gets 429 with "
-                        "Retry-After, which the openai client retries (default: 256, or 4 x slots where more)")
-    s.add_argument("--prompt_width", type=int, default=None, metavar="N",
-                   help="the longest prompt taken, in tokens: joining prompts are read packed several to a row this "
-                        "wide (default: sequence_length, rounded up to a multiple of 8)")
-    s.add_argument("--insert_rows", type=int, nargs="+", default=None, metavar="N",
-                   help="packed rows (per dp shard) one insert reads, a program compiled for each: joining prompts "
-                        "take the fewest that hold them (default: 1, 4, 16 ... and the slots per shard)")
-    s.add_argument("--steps_per_call", type=int, default=8,
-                   help="decoding steps per call of the slots' program (default 8: the host's work per call spread "
-                        "over 8 tokens; 1 with --max_steps_per_call 1: a token streamed at a time and joins at every "
-                        "step, at more host work per token)")
-    s.add_argument("--max_steps_per_call", type=int, default=None,
-                   help="the most decoding steps one call may take while every slot is taken: as many as the fewest "
-                        "tokens any slot has left, so that no request waits for a slot it could have had (default: 4 "
-                        "x --steps_per_call; a slot whose request ends inside a call, by its end-of-text token, a "
-                        "stop string or a cancel, is refilled after the next call)")
-    s.add_argument("--attention_spans", type=int, default=None,
-                   help="decoding programs compiled, each attending over a prefix of the slots' cache: 1/N, 2/N ... "
-                        "of it (default 1: every call attends over all of it). A call runs in the one whose prefix "
-                        "holds every running request's tokens and whose steps were timed fastest at start-up (a "
-                        "narrower prefix attends over fewer positions but copies them in and out once a call; the "
-                        "timing costs start-up time: a base-sized T5's server on a 2-core CPU took 110 s to start "
-                        "with 4, 20 s with 1)")
-    s.add_argument("--cpu_threads", type=int, default=None,
-                   help="threads of XLA's CPU thread pool (default: all the cores but one, which is left to the "
-                        "server's own threads: HTTP, scheduling, text; all of them where the CPU decodes and a "
-                        "decoding step of every slot is 40 MFLOP or more; at least one a simulated device; 0: XLA's "
-                        "own default, all the cores, or PJRT_NPROC or NPROC where the environment sets them, "
-                        "which the default leaves too); docs/serving.md")
-    s.add_argument("--min_join", type=int, default=None,
-                   help="free slots that wait (two decoding calls at most) for others to free, so that waiting prompts "
-                        "join together in one insert (default: 1 on a CPU, where a free slot joins at once; else half "
-                        "the slots)")
-    s.add_argument("--max_logprobs", type=int, default=20,
-                   help="the most likely tokens a request may ask to see beside each token (logprobs, top_logprobs; "
-                        "default 20, as vLLM's)")
-    s.add_argument("--chat_template", default=None, metavar="FILE",
-                   help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's, else the last "
-                        "message with the earlier ones as 'Role: text' lines before it)")
-    limit_flags(s)
-
-
-def limit_flags(s) -> None:
-    """The server's limits, its shutdown and --plan."""
-    s.add_argument("--header_timeout", type=float, default=10.0,
-                   help="seconds a connection may take to send a request's head before it is closed")
-    s.add_argument("--body_timeout", type=float, default=30.0,
-                   help="seconds a request's body may take to arrive (408 past it)")
-    s.add_argument("--max_connections", type=int, default=1024,
-                   help="open connections served at once: while more are open a request is a 503 with "
-                        "Retry-After, and its connection is closed")
-    s.add_argument("--grace_period", type=float, default=30.0,
-                   help="seconds a SIGTERM leaves the held requests to finish before they end with an error")
-    s.add_argument("--max_body_bytes", type=int, default=1 << 20, help="the largest request body (413 past it)")
-    s.add_argument("--max_prompt_chars", type=int, default=None,
-                   help="the longest prompt in characters (413 past it; default 64 x the widest prompt width)")
-    s.add_argument("--plan", action="store_true",
-                   help="print the memory plan of serving (device and host bytes: the weights, the KV cache of --slots "
-                        "rows of the widest prompt width and output_length new tokens, activations; from shapes, "
-                        "nothing loaded) and exit")
-    s.add_argument("--plan_exact", action="store_true",
-                   help="with --plan: count decoding's temporaries as XLA compiles them for this backend (a batch of "
-                        "--slots rows)")
 
 
 def default_insert_rows(local: int) -> list:

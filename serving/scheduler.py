@@ -63,10 +63,10 @@ class Failed(SchedulerError):
 
 
 class Backend(Protocol):
-    """The slots as the scheduler drives them (decoder/slots.py's SlotPrograms; the tests' fake). Calls return
+    """The slots as the scheduler drives them (decoder/slot_programs.py's SlotPrograms; the tests' fake). Calls return
     handles that ``fetch`` turns into numpy: insert -> (first tokens [n], Scored [n]) in the joiners' order; advance
     -> (tokens [slots, steps], Scored [slots, steps]); score -> Scored [score_rows, max_prompt - 1] (row r, column c:
-    prompt r's token c + 1), where Scored is (logprob, top_ids, top_logprobs) as modelling/slots.py's."""
+    prompt r's token c + 1), where Scored is (logprob, top_ids, top_logprobs) as modelling/continuous.py's."""
 
     slots: int  # decoding rows
     local: int  # rows per dp shard
@@ -512,5 +512,5 @@ class Scheduler:
 
 
 def _fields(scored) -> tuple:
-    """(logprob, top_ids, top_logprobs) of a Scored (modelling/slots.py's, or any object with those fields)."""
+    """(logprob, top_ids, top_logprobs) of a Scored (modelling/continuous.py's, or any object with those fields)."""
     return scored.logprob, scored.top_ids, scored.top_logprobs

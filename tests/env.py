@@ -8,7 +8,7 @@ steps 2-4x slower, so they run their drivers in a child process at -O1 (``RUN_FA
 
 Measured on this 2-core machine (CPU seconds): tests/modelling/test_t5.py + tests/modelling/test_layers.py 155 with
 -O0 and no expensive passes alone, 101 with the elemental emitters too, 91 with one code-generation piece as well
-(the whole suite: 1797 -> 1293); tests/modelling/test_t5.py + tests/graphs/test_sharding.py 304 with XLA's defaults,
+(the whole suite: 1797 -> 1293); tests/modelling/test_t5.py + tests/graphs/test_graphs.py 304 with XLA's defaults,
 196 with -O0 and no expensive passes. The tiny preset's 300 bfloat16 steps: 40 at -O1 (with either emitter), 68 at -O0 with the fusion
 emitters, 120 at -O0 with the elemental ones. Runs and benchmarks keep XLA's defaults.
 """

@@ -4,7 +4,7 @@ whose outputs a test knows in advance.
 The model: a row's token i is its prompt's token i (cycled): a prompt holding the end-of-text id ends there, a
 prompt of words repeats them. A token's log-probability is ``logprob(token, i)``, its top candidates the token and
 the ones after it; a prompt's token is scored ``logprob(token, the token before it)``. Rows hold their state as the
-device does (modelling/slots.py's Rows): ``insert`` writes the joining rows into the slots it is given (two joiners
+device does (modelling/continuous.py's Rows): ``insert`` writes the joining rows into the slots it is given (two joiners
 in one slot: an error), ``advance`` moves every row that is alive and kept, ends rows at their
 end-of-text or limit and pads after, so the scheduler's bookkeeping is checked against the same rules. A row writes
 its new token i at cache column ``first_token_column(p)`` + i (its prompt's length p, as a causal LM's cache;

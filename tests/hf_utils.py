@@ -202,7 +202,7 @@ def hf_greedy(hf, batch: dict, n: int, eos: int = 1) -> np.ndarray:
 def sharded_greedy(m, params, batch: dict, n: int, tp: int, eos: int = 1, cached: bool = True) -> np.ndarray:
     """Our greedy decoding of a T5 model ``m`` [rows, n] over ``tp`` devices (the decoding graphs' program)."""
     from config.schema import T5Config
-    from decoder.engine import Decoder
+    from decoder.decoder import Decoder
 
     cfg = T5Config(model=m)
     cfg.model.eval = True

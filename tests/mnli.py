@@ -16,10 +16,10 @@ from __future__ import annotations
 from config.schema import Task as TaskSection
 from data import metrics, sources
 from data.packing import Examples
-from modelling.rows import pad_rows
 from data.tasks import Example, Task, parse_label, tokenize_prompts
 from data.tasks import tokenize_examples as _tokenize
-from data.tasks import train_tokenizer as _train_tokenizer
+from data.tokenizer import train_tokenizer as _train_tokenizer
+from modelling.rows import pad_rows
 
 MNLI = Task(TaskSection())  # the config's task defaults
 CLASS_LABELS = list(MNLI.labels)

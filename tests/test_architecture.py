@@ -7,9 +7,12 @@ Floors, lowest first (a module may import its own floor and those below it):
     config      the typed config, presets, validation
     modelling   the model families (one module each, plus the registry) and what they share
     data        rows, tasks, tokenisation, batches
-    graphs      the engine: placement (mesh, sharding), phase programs, executors, memory plan
-    decoder     decoding as an engine of its own: its weights' layout, search and slot programs, its plan
-    app         the library under the drivers: training, prediction, evaluation, export, process set-up
+    partitioning  what training and decoding both build on: placement (mesh, sharding, the tree), LoRA's base,
+                the memory plan's shared part, device memory
+    graphs      the training graphs: phase programs, executors, the optimizer, training's memory plan
+    decoder     decoding as an engine of its own (nothing of graphs/): its weights' layout, search and slot
+                programs, its plan
+    app         the library under the drivers: training, prediction, evaluation, export, process set-up, flags
     serving     the server: a scheduler of decode slots and its HTTP layer
     (top)       the drivers, the benchmarks, the notebook
 
@@ -34,20 +37,20 @@ from modelling import registry
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TESTING = ROOT / "docs" / "testing.md"
 TABLE = "## Where each module is tested"  # docs/testing.md's section holding the table from module to test files
-FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "graphs": 4, "decoder": 4, "app": 5, "serving": 6}
+FLOORS = {"utils": 0, "config": 1, "modelling": 2, "data": 3, "partitioning": 4, "graphs": 5, "decoder": 5, "app": 6,
+          "serving": 7}
 # Training's modules (the optimizer, the executors, the training data path): nothing decoding imports reaches them
 TRAINING = ("graphs.graphs", "graphs.optim", "graphs.executor", "graphs.fused", "graphs.phased", "graphs.phases",
             "data.loader", "data.cache", "data.mixture", "app.train_data", "app.trainer", "app.resume")
 DECODING = ("decoder", "serving")  # the packages of the decoding path
 TRAINING_LIBRARIES = ("optax",)
-TOP = 7  # the drivers (top-level scripts) and benchmarks/
+TOP = 8  # the drivers (top-level scripts) and benchmarks/
 DRIVERS = ("run_finetuning", "run_validation", "run_inference", "run_export", "run_server", "finetuning",
            "inference")
 # Function-level imports of project modules are how the drivers defer JAX (and orbax) until the run's devices are
 # set up and keep --help fast; below the top floor they would hide circles. The exceptions, each with its reason:
 DEFERRED = {("app/args.py", "utils.checkpoint"): "orbax is slow to import: --help and config errors need not pay for it",
-            ("app/predict.py", "app.hf_generate"): "torch: imported only when HF generate's outputs are compared",
-            ("app/args.py", "data.tasks"): "datasets is slow to import: read only when a resume resolves --tokenizer"}
+            ("app/predict.py", "app.hf_generate"): "torch: imported only when HF generate's outputs are compared"}
 # A family's name outside modelling/: the config field's own default (the config cannot ask the registry: it sits
 # below modelling).
 NAMED = {("config/schema.py", "t5")}
@@ -228,11 +231,12 @@ def training_on_the_decoding_path(tree: dict) -> list:
 
 
 def engine_reading_config(tree: dict) -> list:
-    """graphs/: the config is resolved once into Graphs (graphs/graphs.py: the family, options, updater, step
-    options; graphs/placement.py: the mesh and the weights' layouts); the executors, programs and plans read those,
-    never ``cfg`` parked on an object."""
+    """graphs/ and partitioning/: the config is resolved once (partitioning/placement.py: the family, its options,
+    the mesh and the weights' layouts; graphs/graphs.py: the updater and the step options); the executors, programs
+    and plans read those, never ``cfg`` parked on an object."""
     return [f"{rel}:{node.lineno} reads .cfg" for rel, text in tree.items()
-            if rel.startswith("graphs/") and rel not in ("graphs/graphs.py", "graphs/placement.py")
+            if rel.startswith(("graphs/", "partitioning/")) and rel not in ("graphs/graphs.py",
+                                                                            "partitioning/placement.py")
             for node in ast.walk(ast.parse(text)) if isinstance(node, ast.Attribute) and node.attr == "cfg"]
 
 
@@ -398,6 +402,7 @@ def test_nothing_on_the_decoding_path_imports_training(tree):
 def test_the_engine_reads_resolved_objects_not_the_config(tree):
     assert not engine_reading_config(tree), "\n".join(engine_reading_config(tree))
     _bites(engine_reading_config, {"graphs/phased.py": "x = self.g.cfg.model\n"}, expect="graphs/phased.py:1")
+    _bites(engine_reading_config, {"partitioning/plan.py": "x = g.cfg\n"}, expect="partitioning/plan.py:1")
     assert not engine_reading_config({"graphs/graphs.py": "x = self.cfg\n"})  # where the config is resolved
 
 

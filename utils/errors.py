@@ -18,6 +18,10 @@ class ConfigError(FlanT5Error, ValueError):
     """A configuration problem; its message names the field and the fix."""
 
 
+class DataError(FlanT5Error, ValueError):
+    """A missing, unreadable or malformed dataset; the message names the file, row and column."""
+
+
 class CheckpointError(FlanT5Error, RuntimeError):
     """A missing or unreadable model checkpoint; the message says how to fix it."""
 

@@ -38,8 +38,8 @@ def test_every_driver_shares_the_entry_wrapper_and_the_error_base():
     from config import ConfigError
     from data.sources import DataError
     from graphs.plan import PlanError
-    from graphs.sharding import DeviceCountError
     from modelling.hf_mapping import CheckpointError
+    from partitioning.sharding import DeviceCountError
     from utils.errors import FlanT5Error
 
     for module in (run_finetuning, run_validation, finetuning, inference, hf_baseline):

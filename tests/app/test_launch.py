@@ -189,7 +189,7 @@ ensure_host_devices(4)
 setup_jax()
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from graphs.sharding import fetch, make_mesh, put_global
+from partitioning.sharding import fetch, make_mesh, put_global
 mesh = make_mesh(2, 2)
 x = put_global(np.arange(8.0).reshape(4, 2), NamedSharding(mesh, P("dp")))
 total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)

@@ -110,9 +110,8 @@ def test_the_profile_s_engine_gets_the_flags_each_server_of_the_run_gets():
     """benchmarks/serve.py: a server's flags (the run's slots, queue, widths, steps; the model's flags; its own
     --server_args last, so they win) are what --profile's engine parses with run_server.py's own flags, and the
     profile's worker gets every --server_args (before, it built its options apart and left the spans at 1)."""
-    from app.args import parse_args
+    from app.args import parse_args, server_flags
     from benchmarks import serve
-    from serving.engine import server_flags
 
     a = serve.parse(["--requests", "6", "--slots", "4", "--max_new", "32", "--server_args=--attention_spans 2",
                      "--server_args=--steps_per_call 2 --min_join 3"])

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from data import cache, sources, synthetic
 from data.packing import FileRagged, Ragged
 from data.sources import DataError
-from data.tasks import TRAINED, Task, load_tokenizer
+from data.tasks import Task
+from data.tokenizer import TRAINED, load_tokenizer
 from modelling import registry
 from tests.helpers import write_jsonl
 
@@ -281,7 +282,7 @@ def test_a_learnt_tokenizer_that_fills_a_small_vocabulary_says_so_with_the_size_
     assert size % 128 == 0 and size > 128
     assert learn(128) == (folder, said)  # the cached tokenizer: said again, nothing learnt again
     bigger, quiet = learn(size)
-    from data.tasks import load_tokenizer
+    from data.tokenizer import load_tokenizer
 
     assert quiet == [] and len(load_tokenizer(bigger)) <= size
     assert len(load_tokenizer(bigger)("sort: 5 712 48", add_special_tokens=False)["input_ids"]) == 4  # words whole

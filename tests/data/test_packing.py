@@ -208,11 +208,11 @@ def test_greedy_decoding_of_a_packed_trained_model_matches_hf(tmp_path):
     from transformers import T5Config as HFConfig, T5ForConditionalGeneration
 
     import run_finetuning
-    from data.tasks import load_tokenizer
-    from tests.mnli import load_rows, tokenize_inputs
+    from data.tokenizer import load_tokenizer
     from modelling.hf_mapping import hf_config_dict, hf_state_dict_from_params
-    from tests.hf_utils import hf_greedy, sharded_greedy
     from tests.helpers import SMALL, params_at
+    from tests.hf_utils import hf_greedy, sharded_greedy
+    from tests.mnli import load_rows, tokenize_inputs
 
     save = str(tmp_path / "ck")
     run_finetuning.main(SMALL + ["--steps", "3", "--learning_rate", "3e-3", "--save", save,

@@ -3,15 +3,15 @@
 - Every source kind (JSONL, JSON, CSV, TSV, Parquet, a directory of split files, datasets' save_to_disk) gives
   the same examples; a bad row is one line naming the row, the column and the columns present, before any work;
   labels given as class names, blank cells named by row; a tokenizer that does not know the text is refused.
-- MNLI's rows as the original apps tokenize them (hand-written ids, truncation); the Rust tokenizer's fast paths
-  give the tokenizer's own ids.
+- MNLI's rows as the original apps tokenize them (hand-written ids, truncation) (the Rust tokenizer's fast paths:
+  tests/data/test_tokenizer.py).
 - The metrics are the libraries' own (rouge-score, sacrebleu), on fixed strings.
 - The generated free-text task (headlines) trains the tiny T5 and the tiny GPT-J to an exact match far above
   chance with a tokenizer learnt from the data; the task travels with the checkpoint (validation and inference
   need no task flags); --eval_every logs held-out scores without changing the run; predictions for a file.
 - Tokenizers without a pad token (GPT-J's and GPT-2's have none; their config.json sets no pad_token_id): both
   families train, validate and decode with one, padding with the end-of-text token as Hugging Face ``generate``
-  does (``data.tasks.pad_id``), and our greedy outputs equal HF ``generate``'s."""
+  does (``data.tokenizer.pad_id``), and our greedy outputs equal HF ``generate``'s."""
 
 import json
 import logging
@@ -21,8 +21,6 @@ import re
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import GPTJConfig, GPTJForCausalLM, PreTrainedTokenizerFast, T5ForConditionalGeneration
 from transformers import T5Config as HFT5Config
@@ -305,70 +303,6 @@ def test_truncation_to_sequence_length(tmp_path):
     np.testing.assert_array_equal(f["labels"], [[13]])
 
 
-def test_the_fast_batch_encoding_gives_the_tokenizer_s_own_ids(tmp_path):
-    """The cache tokenizes through the Rust tokenizer directly (data.tasks.FastEncoder): the family's inputs and
-    targets get the ids the transformers tokenizer gives them (the word-level one and a learnt BPE one)."""
-    from tests.mnli import train_tokenizer
-    from data.tasks import encoder_of
-
-    rows = synthetic.generate_split("train", 64, seed=4)
-    texts = [f"premise: {r['premise']} hypothesis: {r['hypothesis']}" for r in rows] + ["", "unknown wörds"]
-    for tok in (synthetic.make_tokenizer(), train_tokenizer(rows, 128, str(tmp_path / "bpe"), registry.get("t5"))):
-        for family in (registry.get("t5"), registry.get("gptj")):
-            assert family.encode_inputs(encoder_of(tok), texts) == family.encode_inputs(tok, texts)
-            assert family.encode_targets(encoder_of(tok), texts) == family.encode_targets(tok, texts)
-
-
-_TOKENIZERS: list = []
-
-
-def _both_tokenizers() -> list:
-    """The word-level tokenizer and a learnt BPE one (learnt once per test process)."""
-    if not _TOKENIZERS:
-        import tempfile
-        from tests.mnli import train_tokenizer
-
-        rows = synthetic.generate_split("train", 64, seed=4)
-        with tempfile.TemporaryDirectory() as scratch:
-            _TOKENIZERS.extend([synthetic.make_tokenizer(), train_tokenizer(rows, 128, scratch, registry.get("t5"))])
-    return _TOKENIZERS
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.sampled_from(synthetic.vocabulary() + ["</s>", "<pad>", "wörds", "é", "\u4e2d", "  ", "\n",
-                                                            "x" * 9, ".", "the cat", ""]), max_size=12),
-       st.sampled_from([" ", "", "  "]))
-def test_one_prompt_through_the_rust_tokenizer_gets_the_tokenizer_s_ids(words, sep):
-    """A server's prompt goes alone to the Rust tokenizer's ``encode`` (data.tasks.FastEncoder, not its batch path):
-    each family's inputs and targets get exactly the ids the transformers tokenizer gives that one text (special
-    tokens written in the text, unknown words and characters, empty and blank texts included)."""
-    from data.tasks import encoder_of
-
-    text = sep.join(words)
-    for tok in _both_tokenizers():
-        for family in (registry.get("t5"), registry.get("gptj")):
-            assert family.encode_inputs(encoder_of(tok), [text]) == family.encode_inputs(tok, [text]), text
-            assert family.encode_targets(encoder_of(tok), [text]) == family.encode_targets(tok, [text]), text
-
-
-def test_the_rust_encoding_ignores_truncation_and_padding_left_in_the_tokenizer():
-    """A tokenizer.json may carry truncation and padding, and transformers' call sets them per call on the Rust
-    tokenizer it shares: FastEncoder's copy has neither, so one text or several get the tokenizer's own ids, before
-    and after a call of the tokenizer that set them."""
-    from data.tasks import encoder_of
-
-    tok = synthetic.make_tokenizer()
-    tok.backend_tokenizer.enable_truncation(3)
-    tok.backend_tokenizer.enable_padding(length=9)
-    texts = ["the cat sleeps in the park .", "a dog"]
-    encoder = encoder_of(tok)
-    want = [tok([t])["input_ids"][0] for t in texts]
-    assert [len(x) for x in want] == [8, 3]  # (the call itself neither truncates nor pads)
-    assert [encoder([t])["input_ids"][0] for t in texts] == want and encoder(texts)["input_ids"] == want
-    tok(texts, truncation=True, max_length=2, padding="max_length")  # a call that leaves both set
-    assert [encoder([t])["input_ids"][0] for t in texts] == want and encoder(texts)["input_ids"] == want
-
-
 def _csv(path, rows):
     import pandas as pd
 
@@ -469,8 +403,9 @@ def test_without_a_pad_token_prompts_and_finished_outputs_are_padded_with_end_of
     would read or write "the". The decoding program our Decoder builds stops at end-of-text and pads with it
     (as HF ``generate`` does when the model sets no pad token), and prompts are padded with it."""
     from config import load_config
-    from data.tasks import Example, pad_id, tokenize_prompts
-    from decoder.engine import Decoder
+    from data.tasks import Example, tokenize_prompts
+    from data.tokenizer import pad_id
+    from decoder.decoder import Decoder
     from modelling import registry
 
     tok = tokenizer_without_pad(tmp_path / "tok", eos, t5=family == "t5")

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from config import load_config
-from decoder.engine import Decoder
-from graphs.plan import GIB
+from decoder.decoder import Decoder
+from partitioning.plan import GIB
 
 pytestmark = pytest.mark.slow  # every test here compiles a step or plans a large model
 
 
 # --------------------------------------------------------------------------- decoding's plan (decoder/plan.py)
 def _decode_graphs(preset, **kw):
-    from graphs import sharding as S
+    from partitioning import sharding as S
 
     over = dict(eval=True, lora_rank=0, phased=False, rts=False, micro_batch_size=32, output_length=128,
                 data_parallel=1, tensor_parallel=1, **kw)
@@ -63,9 +63,9 @@ def test_the_decode_plan_counts_what_decoding_places(flags):
     cache the bytes of the cache decoding makes (the family's decode_start under shard_map, on a device)."""
     from jax.sharding import PartitionSpec as P
 
-    from graphs import sharding as S
     from decoder.plan import cache_bytes, decode_plan
     from modelling.params import is_spec
+    from partitioning import sharding as S
 
     flags = dict(flags)
     preset = flags.pop("family_preset", "tiny")
@@ -102,11 +102,11 @@ def test_the_decode_plan_counts_what_decoding_places(flags):
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
 def test_the_server_s_plan_counts_the_slots_cache(preset):
     """run_server.py --plan: the KV cache of --slots rows of the widest prompt width and output_length new tokens is
-    the cache the slots hold (decoder/slots.py's, each device's piece), for both families."""
+    the cache the slots hold (decoder/slot_programs.py's, each device's piece), for both families."""
     from app.predict import decoding_plan
     from decoder.plan import cache_bytes, format_plan
-    from graphs.plan import human_bytes
-    from decoder.slots import SlotPrograms
+    from decoder.slot_programs import SlotPrograms
+    from partitioning.plan import human_bytes
 
     cfg = load_config("inference", preset, dict(eval=True, data_parallel=2, tensor_parallel=2, output_length=12))
     g = Decoder.of_config(cfg)

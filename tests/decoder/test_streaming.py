@@ -9,11 +9,11 @@ from hypothesis import given, strategies as st
 
 from config import load_config
 from data.generated import generated_batch
-from graphs import sharding as S
-from decoder.engine import Decoder
+from decoder.decoder import Decoder
 from decoder.streaming import CHUNK_ROWS, chunk_rows
 from modelling.decoding import Options
 from modelling.params import is_spec
+from partitioning import sharding as S
 from utils.errors import ConfigError
 
 

@@ -18,11 +18,11 @@ from jax.sharding import PartitionSpec as P
 
 from config import load_config
 from data.generated import generated_batch
-from decoder.engine import Decoder
-from graphs import sharding as S
-from graphs.placement import Placement
+from decoder.decoder import Decoder
 from modelling import quant
 from modelling.params import is_spec
+from partitioning import sharding as S
+from partitioning.placement import Placement
 
 
 # --------------------------------------------------------------------------- decoding with int8 weights

@@ -37,7 +37,7 @@ import torch
 
 from app.hf_generate import hf_model_of
 from config.presets import load_config, to_dict
-from data.tasks import load_tokenizer
+from data.tokenizer import load_tokenizer
 from graphs.graphs import Graphs
 from tests.helpers import ROOT, machine, threads_passed
 from utils import checkpoint as ckpt
@@ -179,7 +179,7 @@ def prompts(n: int, seed: int) -> list:
 def run_inference_tokens(load: str, texts: list, monkeypatch) -> np.ndarray:
     """run_inference.py --prompt's greedy tokens [n, OUTPUT] (and its texts), the driver run as a user runs it."""
     import run_inference
-    from decoder.engine import Decoder
+    from decoder.decoder import Decoder
 
     seen = []
     original = Decoder.predict_tokens

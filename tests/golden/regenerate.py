@@ -10,8 +10,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from config import load_config  # noqa: E402
-from graphs import sharding as S  # noqa: E402
 from modelling import registry  # noqa: E402
+from partitioning import sharding as S  # noqa: E402
 
 cfg = load_config("finetuning", "tiny")
 mesh = S.make_mesh(cfg.execution.data_parallel, cfg.execution.tensor_parallel)

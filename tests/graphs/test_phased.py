@@ -3,7 +3,7 @@
 Tolerances reached: loss 1e-6 relative (measured ~1e-7); gradients max |a - b| / max |b| per
 weight < 1e-5 (measured < 1e-6: the two executors sum the same terms in another order, e.g.
 the relative-bias gradient per layer instead of once per stack); weights after two AdamW
-steps ||a - b|| / ||b|| < 1e-5 (see tests/graphs/test_sharding.py for why not an elementwise max).
+steps ||a - b|| / ||b|| < 1e-5 (see tests/graphs/test_graphs.py for why not an elementwise max).
 """
 
 import jax
@@ -13,12 +13,12 @@ import pytest
 from data.generated import generated_batch
 from graphs.fused import FusedExecutor
 from graphs.graphs import Graphs
-from graphs.state import TrainState
-from graphs.host_state import HOST
 from graphs.phase_ops import DeviceOps, PhaseMemory
 from graphs.phased import PhasedExecutor
-from graphs.memory import live_device_bytes
+from graphs.state import TrainState
 from modelling import t5
+from partitioning.memory import live_device_bytes
+from partitioning.sharding import HOST
 from tests.helpers import fro_rel, leaves, max_rel, tiny
 
 pytestmark = pytest.mark.slow  # every test here compiles and runs phased and fused steps
@@ -40,7 +40,7 @@ def _both(cfg, steps=2):
     params = jax.tree.map(np.asarray, params)
     pparams = jax.tree.map(np.asarray, pparams)
     # the fused steps as the fused program runs them (loss_and_grads, then the optimizer phase update) without
-    # compiling the fused step a second time: this file compares executors, tests/graphs/test_sharding.py the fused step
+    # compiling the fused step a second time: this file compares executors, tests/graphs/test_graphs.py the fused step
     state = f.init_state(params)
     update = jax.jit(f.update)
     stale = cfg.execution.update_in_backward  # both clip with the previous step's norm (none at the first)
@@ -117,7 +117,7 @@ def test_phased_adafactor_equals_fused_adafactor():
     r = _both(cfg)
     # Adafactor's first moment holds normalised updates g / sqrt(v) of unfactored weights (q: [128, 4, 16]
     # has one dim >= 128): where v is tiny, float32 summation-order noise of g is amplified, as for Adam's
-    # update (see tests/graphs/test_sharding.py); measured 2.6e-5, while the weights agree to 1e-5
+    # update (see tests/graphs/test_graphs.py); measured 2.6e-5, while the weights agree to 1e-5
     _check(r, state_tol=1e-4)
     state = r["state"].opt_state["encoder"]
     factored = [x for x in jax.tree.leaves(state) if x.ndim == 2 and x.shape[0] == 2]  # [layers, dim] rows/cols

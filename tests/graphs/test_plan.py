@@ -14,10 +14,11 @@ from config import load_config
 from data.generated import generated_batch
 from graphs.executor import make_executor
 from graphs.graphs import Graphs
-from graphs.memory import live_device_bytes
 from graphs.phase_ops import DeviceOps, PhaseMemory
-from graphs.plan import GIB, PlanError, plan
+from graphs.plan import PlanError, plan
 from modelling.params import count_params
+from partitioning.memory import live_device_bytes
+from partitioning.plan import GIB
 
 pytestmark = pytest.mark.slow  # every test here compiles a step or plans a large model
 
@@ -81,7 +82,7 @@ def test_fused_plan_equals_the_compiled_step():
     cfg = load_config("finetuning", "tiny", dict(global_batch_size=8, micro_batch_size=2, sequence_length=32))
     ex = make_executor(Graphs(cfg))
     p = plan(ex, exact=True)
-    from graphs.memory import program_bytes
+    from partitioning.memory import program_bytes
 
     before = _kept_alive_bytes()
     state = ex.init_state()

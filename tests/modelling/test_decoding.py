@@ -18,7 +18,7 @@ import torch
 from transformers import GPTJConfig, GPTJForCausalLM
 
 from config.schema import Config
-from decoder.engine import Decoder
+from decoder.decoder import Decoder
 from modelling import decoding, gptj, registry
 from modelling.decoding import Options
 from modelling.hf_mapping import params_from_hf_state_dict

@@ -17,8 +17,8 @@ from transformers import GPTJConfig, GPTJForCausalLM
 
 from config import load_config
 from data.packing import Examples, causal_packer
+from decoder.decoder import Decoder
 from graphs.executor import make_executor
-from decoder.engine import Decoder
 from graphs.graphs import Graphs
 from modelling import gptj, registry
 from modelling import layers
@@ -163,7 +163,7 @@ def tiny_cfg(**overrides):
 
 def synthetic_batches(cfg, n=2):
     from data.loader import TrainLoader
-    from data.tasks import load_tokenizer
+    from data.tokenizer import load_tokenizer
     from tests.mnli import load_rows, tokenize_examples
 
     tok = load_tokenizer("synthetic")
@@ -274,7 +274,8 @@ def test_generated_benchmark_data_is_causal():
 
 def test_plan_of_gptj_1gpu_fits_one_box():
     """gptj_1gpu (GPT-J 6B, phased, one device) plans within 75 GiB of device and 110 GiB of host memory."""
-    from graphs.plan import GIB, plan
+    from graphs.plan import plan
+    from partitioning.plan import GIB
 
     cfg = load_config("finetuning", "gptj_1gpu", {})
     p = plan(make_executor(Graphs(cfg, mesh=jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1),

@@ -399,10 +399,10 @@ def test_a_phased_lora_run_on_an_hf_base_resumes_exactly_and_validates(tmp_path,
         np.testing.assert_array_equal(x, y)  # exact resume
     # validation merges a phased run's adapters a layer at a time from host memory: the base is never placed whole
     # on the devices, and the merged weights are the ones merging on the devices gives, bit for bit
-    import app.predict
-    import decoder.weights
-    from decoder.engine import Decoder
     from app.args import parse_args
+    import app.predict
+    from decoder.decoder import Decoder
+    import decoder.weights
     from utils import checkpoint as ckpt
 
     def whole_base(*a, **kw):

@@ -18,8 +18,8 @@ import torch
 from transformers import T5ForConditionalGeneration, UMT5ForConditionalGeneration
 
 from config.schema import T5Config
+from decoder.decoder import Decoder
 from graphs.executor import make_executor
-from decoder.engine import Decoder
 from graphs.graphs import Graphs
 from modelling.hf_mapping import hf_state_dict_from_params, params_from_hf_state_dict, save_hf_model
 from tests.hf_utils import T5_DEC, T5_ENC, from_pretrained, random_batch, rel_err, t5_with_norms_off_one

@@ -568,12 +568,13 @@ def test_a_chat_message_is_the_task_s_input_read_as_validation_and_run_inference
     """A chat message's token ids are validation's and run_inference.py --prompt's of the same text (the family's
     prompt format: GPT-J's ' target:' after it, which it was trained to answer; once they were the text alone, and
     GPT-J answered 'target: ...'); /v1/completions' prompt stays the text as given. The engine the server builds
-    (serving/backend.py's; run_server.py's engine process's in tests/drivers/test_run_server.py) renders as this one."""
+    (serving/build.py's; run_server.py's engine process's in tests/drivers/test_run_server.py) renders as this one."""
     from config import load_config
-    from data.tasks import Example, load_tokenizer, tokenize_prompts
+    from data.tasks import Example, tokenize_prompts
+    from data.tokenizer import load_tokenizer
     from modelling import registry
-    from serving import backend
-    from serving.backend import prompt_encoder
+    from serving import build
+    from serving.build import prompt_encoder
 
     cfg = load_config("inference", preset, {"eval": True})
     family, tok = registry.checked(cfg), load_tokenizer(cfg.data.tokenizer)
@@ -591,8 +592,8 @@ def test_a_chat_message_is_the_task_s_input_read_as_validation_and_run_inference
         assert chat == raw + target and engine.render_chat(({"role": "user", "content": text},)) == text + " target:"
     else:
         assert chat == raw  # T5's input is the text (and its end-of-text)
-    monkeypatch.setattr(backend, "build_backend", lambda *a: (engine.backend, tok, engine.encode))  # (no programs)
-    built = backend.build_engine(cfg, options)
+    monkeypatch.setattr(build, "build_backend", lambda *a: (engine.backend, tok, engine.encode))  # (no programs)
+    built = build.build_engine(cfg, options)
     assert built.tokenize(built.render_chat(({"role": "user", "content": text},))) == chat
 
 
@@ -627,8 +628,8 @@ def test_a_server_flag_out_of_its_range_is_one_line_naming_it(flag, value):
     is refused at start-up, naming the flag, not served quietly."""
     import argparse
 
+    from app.args import server_flags
     from config import load_config
-    from serving.engine import server_flags
     from utils.errors import ConfigError
 
     p = argparse.ArgumentParser()
@@ -985,8 +986,9 @@ def test_the_server_s_defaults_scale_with_its_slots():
     both; a queue of 256 or 4 per slot, whichever is more."""
     import argparse
 
+    from app.args import server_flags
     from config import load_config
-    from serving.engine import default_insert_rows, default_min_join, server_flags
+    from serving.engine import default_insert_rows, default_min_join
     from utils.errors import ConfigError
 
     assert [default_insert_rows(n) for n in (1, 2, 4, 8, 32, 64)] == [[1], [1, 2], [1, 4], [1, 4, 8], [1, 4, 16, 32],

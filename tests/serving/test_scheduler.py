@@ -488,7 +488,7 @@ def test_joiners_are_spread_over_the_dp_shards_in_one_insert():
 
 def test_every_waiting_sequence_that_a_free_slot_takes_joins_in_one_insert_and_prompts_are_scored_whole():
     """Joiners go to the backend as their prompts' ids, all the free slots take in one insert (the backend packs
-    them: decoder/slots.py); a prompt as long as the widest taken joins; prompts scored alone go in one score call,
+    them: decoder/slot_programs.py); a prompt as long as the widest taken joins; prompts scored alone go in one score call,
     each as its ids."""
     h = Harness(slots=4, max_prompt=16)
     words = ids("the cat sleeps in the park the dog runs in the house")
@@ -581,7 +581,7 @@ def test_each_advance_asks_for_the_columns_its_running_rows_write_and_no_more(af
 
 
 def test_the_fake_refuses_a_span_its_writing_rows_would_write_at_or_past():
-    """The fake's side of the span contract (the slots' programs': tests/modelling/test_slots.py): a row at index i
+    """The fake's side of the span contract (the slots' programs': tests/modelling/test_continuous.py): a row at index i
     that still writes writes columns first_token_column + i .. + i + min(n, limit - 1 - i) - 1 in an advance of n steps; a span
     of that last column is refused, one past it taken; a row that no longer writes (or is not kept) asks nothing."""
     from tests.fake_backend import SpanTooNarrow

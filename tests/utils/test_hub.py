@@ -9,7 +9,7 @@ import pytest
 
 def test_no_network_is_one_line_at_once_naming_the_offline_choice(monkeypatch):
     from data.sources import DataError
-    from data.tasks import load_tokenizer
+    from data.tokenizer import load_tokenizer
     from utils import hub
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

@@ -15,11 +15,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from config.carry import shape_hint
-from graphs import sharding as S
-from graphs.tree import TreeStructure
 from modelling import lora, registry
 from modelling.family import cast_params, leaf_name
 from modelling.params import ParamSpec, init_leaf, init_params, is_spec, zero_padded_vocab
+from partitioning import sharding as S
+from partitioning.tree import TreeStructure
 
 
 class Placement:

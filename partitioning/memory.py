@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from graphs.sharding import per_device_bytes
+from partitioning.sharding import per_device_bytes
 
 
 def peak_device_bytes() -> int | None:

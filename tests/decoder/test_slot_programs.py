@@ -1,4 +1,4 @@
-"""What decoder/slots.py's programs carry from call to call, and return, in few arrays: each array a call returns is a
+"""What decoder/slot_programs.py's programs carry from call to call, and return, in few arrays: each array a call returns is a
 release and a retaking of Python's interpreter lock by JAX's dispatch, a wait of the server's decoding thread
 behind its HTTP thread. ``Carry`` packs every leaf of the cache but its floating-point ones (the keys and values),
 and every leaf of the rows' state, into one int32 vector a device and back, bit for bit; ``pack_scored`` does the
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoder.slots import Carry, pack_scored, unpack_scored
-from modelling import slots as S
-from modelling import slots as slot_lib
+from decoder.slot_programs import Carry, pack_scored, unpack_scored
+from modelling import continuous
+from modelling import continuous as S
 
 DTYPES = {"bool": jnp.bool_, "int32": jnp.int32, "uint32": jnp.uint32, "float32": jnp.float32}
 
@@ -78,12 +78,12 @@ def test_only_the_cache_s_floating_leaves_and_leaves_of_another_size_stay_apart(
 def test_a_call_s_scores_travel_as_one_array_and_come_back_bit_for_bit(lead):
     rng = np.random.default_rng(0)
     top = 3
-    scored = slot_lib.Scored(jnp.asarray(_values(rng, lead, jnp.float32)),
+    scored = continuous.Scored(jnp.asarray(_values(rng, lead, jnp.float32)),
                              jnp.asarray(rng.integers(0, 1000, lead + (top,)), jnp.int32),
                              jnp.asarray(_values(rng, lead + (top,), jnp.float32)))
     packed = np.asarray(jax.jit(pack_scored)(scored))
     assert packed.dtype == np.int32 and packed.shape == lead + (1 + 2 * top,)
-    from decoder.slots import PackedScored, SlotPrograms
+    from decoder.slot_programs import PackedScored, SlotPrograms
 
     # as the host reads it: the array fetched, or SlotPrograms.fetch of the device handle (alone or in a tree)
     for got in (unpack_scored(packed), SlotPrograms.fetch(PackedScored(jnp.asarray(packed))),
@@ -100,8 +100,8 @@ def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_v
     the cache's floating leaves, and one int32 vector a device, whatever the cache and state hold; the vector is
     every other leaf, 10 of them the state's (slots / dp rows each)."""
     from config import load_config
-    from decoder.engine import Decoder
-    from decoder.slots import SlotPrograms, joiner_words
+    from decoder.decoder import Decoder
+    from decoder.slot_programs import SlotPrograms, joiner_words
 
     g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, 8, (1,), 6, 3)
@@ -132,8 +132,8 @@ def test_reset_leaves_every_row_empty_and_the_cache_zeros_on_every_device():
     piece unpacks to a cache of zeros and rows that do not write (alive False, limit 0) and ask for no
     log-probabilities (-1), the state of that device's dp shard."""
     from config import load_config
-    from decoder.engine import Decoder
-    from decoder.slots import SlotPrograms
+    from decoder.decoder import Decoder
+    from decoder.slot_programs import SlotPrograms
 
     g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=2, data_parallel=2)))
     sp = SlotPrograms(g, 4, 8, (1,), 6, 3)
@@ -154,8 +154,8 @@ def test_a_narrow_span_s_program_steps_a_narrow_copy_of_the_cache():
     """Lowered, not compiled: the advance program of a span narrower than the cache (GPT-J: 8 prompt columns and 40
     new, spans 16, 24, 40, 48) steps keys and values 24 columns wide; the whole cache's program never makes them."""
     from config import load_config
-    from decoder.engine import Decoder
-    from decoder.slots import SlotPrograms, attention_spans
+    from decoder.decoder import Decoder
+    from decoder.slot_programs import SlotPrograms, attention_spans
 
     g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, 8, (1,), 40, 3, spans=4)
@@ -177,11 +177,11 @@ def test_a_narrow_span_s_program_steps_a_narrow_copy_of_the_cache():
 
 @pytest.mark.slow
 def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
-    """decoder/slots.py packs what a shard's insert reads into one int32 vector (one host-to-device copy): the
+    """decoder/slot_programs.py packs what a shard's insert reads into one int32 vector (one host-to-device copy): the
     prompts packed into rows (first-fit decreasing: the longest first, each into the first row with room), their
     segments and positions, and every joiner's field as it went, with its type, seeds' 32 bits and the floats' bits
     included; the slots past the joiners' are fillers (a slot past the shard's, length 0)."""
-    from decoder.slots import JOINER_COLUMNS, joiner_words, pack_joiners, unpack_joiners
+    from decoder.slot_programs import JOINER_COLUMNS, joiner_words, pack_joiners, unpack_joiners
     from modelling.rows import first_fit
 
     prompts = [[5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15]]
@@ -209,11 +209,11 @@ def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
 
 @pytest.mark.slow
 def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only_when_they_change():
-    """decoder/slots.py's ``advance`` (its program stubbed: no compile): a call gets the flags the host passed to it;
+    """decoder/slot_programs.py's ``advance`` (its program stubbed: no compile): a call gets the flags the host passed to it;
     an unchanged set of flags reuses the device copy of the last."""
     from config import load_config
-    from decoder.engine import Decoder
-    from decoder.slots import SlotPrograms
+    from decoder.decoder import Decoder
+    from decoder.slot_programs import SlotPrograms
 
     g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, 8, (1,), 4, 3)
@@ -235,13 +235,13 @@ def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only
 
 @pytest.mark.slow
 def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least():
-    """decoder/slots.py's span choice (programs stubbed: no compile): of the spans at or past the one asked, the one
+    """decoder/slot_programs.py's span choice (programs stubbed: no compile): of the spans at or past the one asked, the one
     whose n steps cost least on the line through its two timed figures (1 step and ``steps``); ties: the
     narrower; untimed: the narrowest that holds it; none asked: the whole cache; past the whole cache: an error.
     The spans compiled: the cache's columns in equal parts, each rounded up to a multiple of 8, the last all."""
     from config import load_config
-    from decoder.engine import Decoder
-    from decoder.slots import SlotPrograms, attention_spans
+    from decoder.decoder import Decoder
+    from decoder.slot_programs import SlotPrograms, attention_spans
 
     g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
     sp = SlotPrograms(g, 4, 8, (1,), 4, 5)

@@ -1,5 +1,5 @@
 """The decoding slots of continuous batching, compiled on the run's mesh: their KV cache and the programs that
-fill and advance it (modelling/slots.py's per-device bodies under shard_map). ``SlotPrograms`` is the scheduler's
+fill and advance it (modelling/continuous.py's per-device bodies under shard_map). ``SlotPrograms`` is the scheduler's
 Backend (serving/scheduler.py) itself.
 
 Slots are rows split over dp (slot s lives on dp shard s // (slots / dp)), weights over tp, as every decoding
@@ -21,7 +21,7 @@ A handful of programs, whatever the slots and the prompts' lengths, all compiled
 - ``score``, for a family that scores its prompts (a causal LM: ``Family.scores_prompts``): one.
 
 Calls only dispatch: each returns device arrays, read with ``fetch`` when the host needs them. Where each row is
-and how it samples stay on the device (modelling/slots.py's ``Rows`` and ``Sampling``), so ``advance`` needs from the
+and how it samples stay on the device (modelling/continuous.py's ``Rows`` and ``Sampling``), so ``advance`` needs from the
 host only which rows it still holds, and the host dispatches call N + 1 before it reads call N's tokens.
 """
 
@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from graphs import sharding as S
-from modelling import slots as slot_lib
+from modelling import continuous
 from modelling.rows import first_fit
+from partitioning import sharding as S
 from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
@@ -168,7 +168,7 @@ class SlotPrograms:
     # ------------------------------------------------------------------ the programs
 
     def _state_specs(self):
-        return (slot_lib.Rows(*(P(S.DP),) * 4), slot_lib.Sampling(*(P(S.DP),) * 6))
+        return (continuous.Rows(*(P(S.DP),) * 4), continuous.Sampling(*(P(S.DP),) * 6))
 
     def _scored_specs(self, lead: tuple):  # ``pack_scored``'s array
         return P(*lead, None)
@@ -182,7 +182,7 @@ class SlotPrograms:
             w = family.decoding_params(p, opts)
             block, at, lengths, slot, s, limit = unpack_joiners(joiners[0], rows, width, local)
             cache, state = self.carry.unpack(_local(apart), words[0, 0])
-            first, scored, cache, state = slot_lib.insert(family, w, opts, cache, state, block, at, lengths, slot, s,
+            first, scored, cache, state = continuous.insert(family, w, opts, cache, state, block, at, lengths, slot, s,
                                                           limit, n, eos, top, S.TP)
             return (first, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
@@ -198,7 +198,7 @@ class SlotPrograms:
         def fn(p, apart, words, keep, n):
             w = family.decoding_params(p, opts)
             cache, state = self.carry.unpack(_local(apart), words[0, 0])
-            out, scored, cache, state = slot_lib.advance(family, w, opts, cache, state, keep, steps, eos, pad, top,
+            out, scored, cache, state = continuous.advance(family, w, opts, cache, state, keep, steps, eos, pad, top,
                                                          S.TP, n, span)
             return (out, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
@@ -213,7 +213,7 @@ class SlotPrograms:
 
         def fn(p, ids_mask):
             ids, mask = jnp.split(ids_mask, 2, axis=1)
-            return pack_scored(slot_lib.score_prompts(family, family.decoding_params(p, opts), opts, ids, mask, top,
+            return pack_scored(continuous.score_prompts(family, family.decoding_params(p, opts), opts, ids, mask, top,
                                                       S.TP))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
@@ -245,8 +245,8 @@ class SlotPrograms:
     def _empty_state(self) -> tuple:
         """Every row empty: not writing, asking for no log-probabilities."""
         z = lambda dt, v=0: np.full(self.slots, v, dt)  # noqa: E731
-        rows = slot_lib.Rows(z(np.int32), z(np.int32), z(np.int32), z(bool))
-        sampling = slot_lib.Sampling(z(np.float32), z(np.int32), z(np.float32), z(np.uint32), z(np.uint32),
+        rows = continuous.Rows(z(np.int32), z(np.int32), z(np.int32), z(bool))
+        sampling = continuous.Sampling(z(np.float32), z(np.int32), z(np.float32), z(np.uint32), z(np.uint32),
                                      z(np.int32, -1))
         return jax.tree.map(lambda x: S.put_global(x, self.rows), (rows, sampling))
 
@@ -413,10 +413,10 @@ class SlotPrograms:
 
 
 def attention_spans(family, cache, n: int) -> tuple:
-    """The spans of ``n`` advance programs over one device's ``cache``: its positions (``slot_lib.cache_span``) in
+    """The spans of ``n`` advance programs over one device's ``cache``: its positions (``continuous.cache_span``) in
     ``n`` equal parts, each rounded up to a multiple of 8, ascending, the last all of them; one span, all of them, for
     a family whose steps read all of their cache."""
-    full = slot_lib.cache_span(family, cache)
+    full = continuous.cache_span(family, cache)
     if full is None:
         return (None,)
     return tuple(sorted({min(full, -(-full * k // n // 8) * 8) for k in range(1, n + 1)}))
@@ -438,16 +438,16 @@ class PackedScored(Picked):
     """A Scored on the device as ``pack_scored``'s one array (``SlotPrograms.fetch`` reads it back, in ``order``)."""
 
 
-def pack_scored(s: slot_lib.Scored) -> jax.Array:
+def pack_scored(s: continuous.Scored) -> jax.Array:
     """A Scored [...] as one int32 array [..., 1 + 2 top]: the logprob's bits, the top ids, the top logprobs' bits
     (one array a call returns, not three: ``Carry`` says why)."""
     return jnp.concatenate([_words(s.logprob)[..., None], s.top_ids, _words(s.top_logprobs)], axis=-1)
 
 
-def unpack_scored(x: np.ndarray) -> slot_lib.Scored:
+def unpack_scored(x: np.ndarray) -> continuous.Scored:
     """``pack_scored``'s array, fetched -> a Scored of numpy arrays."""
     top = (x.shape[-1] - 1) // 2
-    return slot_lib.Scored(x[..., 0].view(np.float32), x[..., 1:1 + top], x[..., 1 + top:].view(np.float32))
+    return continuous.Scored(x[..., 0].view(np.float32), x[..., 1:1 + top], x[..., 1 + top:].view(np.float32))
 
 
 JOINER_COLUMNS = 10  # a joiner's: its slot in its shard, where its prompt starts in the packed rows flattened, its
@@ -486,6 +486,6 @@ def unpack_joiners(words, rows: int, width: int, local: int) -> tuple:
     block = words[:3 * rows * width].reshape(3, rows, width)
     cols = words[3 * rows * width:].reshape(local, JOINER_COLUMNS)
     col = lambda i: cols[:, i]  # noqa: E731
-    s = slot_lib.Sampling(_from_words(col(8), jnp.float32), col(3), _from_words(col(9), jnp.float32),
+    s = continuous.Sampling(_from_words(col(8), jnp.float32), col(3), _from_words(col(9), jnp.float32),
                           _from_words(col(4), jnp.uint32), _from_words(col(5), jnp.uint32), col(6))
     return (block[0], block[1], block[2]), col(1), col(2), col(0), s, col(7)

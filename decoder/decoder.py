@@ -3,7 +3,7 @@ dp x tp devices, the inference options, the tokenizer's end-of-text and padding 
 the training data. It owns the weights' decoding layout, the searches' programs (greedy, beam search, sampling:
 modelling/decoding.py) and the prompts' reading (packed for an encoder, or streamed from host memory), and it
 decodes batches of prompts for validation, inference, --eval_every and export's comparison. The server's slots
-(decoder/slots.py), the weights' loading (decoder/weights.py), the streamed encoder (decoder/streaming.py) and
+(decoder/slot_programs.py), the weights' loading (decoder/weights.py), the streamed encoder (decoder/streaming.py) and
 decoding's memory plan (decoder/plan.py) are built on it.
 
     decoder = Decoder.of_config(cfg, tokenizer)     # a decoding config (app/predict.py's decoding_config)
@@ -31,15 +31,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from data.tasks import pad_id
+from data.tokenizer import pad_id
 from decoder.streaming import PromptStream
 from decoder.weights import Weights
-from graphs import sharding as S
-from graphs.host_state import HOST  # (the memory a streamed stack's layers wait in)
-from graphs.placement import Placement
 from modelling import decoding, quant
 from modelling.params import is_spec
 from modelling.rows import pack_prompts
+from partitioning import sharding as S
+from partitioning.placement import Placement
+from partitioning.sharding import HOST  # (the memory a streamed stack's layers wait in)
 from utils.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""The engine over a model's compiled slot programs (decoder/slots.py's SlotPrograms: the scheduler's Backend).
+"""The engine over a model's compiled slot programs (decoder/slot_programs.py's SlotPrograms: the scheduler's Backend).
 
     engine = build_engine(cfg, ServeOptions.of(args, cfg))     # run_server.py
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import time
 
-from data.tasks import encoder_of, load_tokenizer
-from decoder.engine import Decoder
-from decoder.slots import SlotPrograms
+from data.tokenizer import encoder_of, load_tokenizer
+from decoder.decoder import Decoder
+from decoder.slot_programs import SlotPrograms
 from modelling import registry
 from serving.engine import Engine, ServeOptions
 from utils import checkpoint as ckpt

@@ -1,4 +1,4 @@
-"""The decoder (decoder/engine.py) decoding batches of prompts: batches that do not divide the split score every
+"""The decoder (decoder/decoder.py) decoding batches of prompts: batches that do not divide the split score every
 sample once, each as it decodes alone; prompts packed for the encoder (modelling/rows.py's ``pack_prompts``,
 ``Decoder.pack``): every prompt token read once, in its own segment with its own positions, each data-parallel group
 apart, and packed prompts decoding the tokens padded ones do, for every search, at dp x tp."""
@@ -12,18 +12,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from config import load_config
-from decoder.engine import Decoder
-from graphs import sharding as S
+from decoder.decoder import Decoder
 from modelling.decoding import Options
 from modelling.params import is_spec
 from modelling.rows import pack_prompts
+from partitioning import sharding as S
 
 
 @pytest.mark.slow
 def test_batches_that_do_not_divide_the_split_score_every_sample_once(tmp_path):
     from config import load_config
-    from data.tasks import load_tokenizer
-    from decoder.engine import Decoder
+    from data.tokenizer import load_tokenizer
+    from decoder.decoder import Decoder
     from tests.mnli import load_rows, tokenize_inputs
 
     cfg = load_config("inference", "tiny", {"micro_batch_size": 4, "tensor_parallel": 2, "rts": False})

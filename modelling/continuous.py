@@ -1,4 +1,4 @@
-"""Decoding slots: the per-device programs of continuous batching (serving/), for any family.
+"""Continuous batching: the per-device programs of its decoding slots (serving/), for any family.
 
 A fixed number of rows ("slots") share one KV cache, each row holding its own request at its own position:
 ``insert`` reads joining prompts packed several to a row (the family's ``decode_start_packed``: T5's encoder and

@@ -1,11 +1,11 @@
-"""The slots' per-device programs (modelling/slots.py) on a small random GPT-J, one device: what the scheduler
+"""The slots' per-device programs (modelling/continuous.py) on a small random GPT-J, one device: what the scheduler
 (serving/scheduler.py) and its fake (tests/fake_backend.py) count on. Rows inserted into free slots, their prompts
 read packed several to a row, decode greedy decoding's tokens; the device carries each row's position from call to
 call; a row ends at its limit, at the end-of-text token, or when the host clears its ``keep`` flag, and writes
 ``pad_id`` after; a row left alone is not disturbed by others joining; each row's log-probabilities are the
 log-softmax of the model's own logits; each row's warped scores are decoding.warp's with its own options; an advance
 in the narrowest attention span that holds its rows steps as in the whole cache. The compiled programs around them
-(decoder/slots.py) are tests/decoder/test_slots.py's."""
+(decoder/slot_programs.py) are tests/decoder/test_slot_programs.py's."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from modelling import decoding, gptj, registry, slots
-from modelling import slots as S
+from modelling import continuous as S
+from modelling import continuous, decoding, gptj, registry
 
 
 SLOTS, WIDTH, NEW, STEPS, TOP = 4, 8, 12, 4, 3
@@ -56,8 +56,8 @@ def model():
 
 
 def joining(prompts_ids: list, rows: int, width: int) -> tuple:
-    """What modelling/slots.py's insert reads of prompts (id lists; an empty one: a filler): the packed rows (ids,
-    segments, positions) [rows, width] (decoder/slots.py's first-fit decreasing), each prompt's first position in
+    """What modelling/continuous.py's insert reads of prompts (id lists; an empty one: a filler): the packed rows (ids,
+    segments, positions) [rows, width] (decoder/slot_programs.py's first-fit decreasing), each prompt's first position in
     them flattened, and its length."""
     from modelling.rows import first_fit
 
@@ -219,7 +219,7 @@ def test_an_advance_attends_over_the_span_its_rows_write_in_and_no_less(preset):
     prompt's length)`` + dispatched + n - 2 (serving/scheduler.py's ``_span``). One column less and the row that
     writes it steps otherwise."""
     from config import load_config
-    from decoder.engine import Decoder
+    from decoder.decoder import Decoder
 
     g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))
     family, opts = g.family, g.opts
@@ -269,11 +269,11 @@ def test_per_row_warpers_equal_the_batch_warpers():
     """Sampling in the slots: each row's warped scores are decoding.warp's with that row's options."""
     rows = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.5, 12, 0.6), (1.0, 200, 0.95)]
     scores = jax.random.normal(jax.random.key(0), (len(rows), 64)) * 3
-    s = slots.Sampling(jnp.asarray([r[0] for r in rows], jnp.float32), jnp.asarray([r[1] for r in rows], jnp.int32),
+    s = continuous.Sampling(jnp.asarray([r[0] for r in rows], jnp.float32), jnp.asarray([r[1] for r in rows], jnp.int32),
                        jnp.asarray([1.0 - r[2] if r[2] < 1 else 0.0 for r in rows], jnp.float32),
                        jnp.zeros(len(rows), jnp.uint32), jnp.zeros(len(rows), jnp.uint32),
                        jnp.full(len(rows), -1, jnp.int32))
-    ours = np.asarray(slots.warp_rows(scores, s))
+    ours = np.asarray(continuous.warp_rows(scores, s))
     for i, (t, k, p) in enumerate(rows):
         theirs = np.asarray(decoding.warp(scores[i:i + 1], decoding.Options(1, temperature=t, top_k=k, top_p=p)))
         np.testing.assert_array_equal(ours[i], theirs[0])
@@ -288,7 +288,7 @@ def test_prompts_read_packed_start_as_each_read_alone_and_step_on_alike(preset):
     next logits too: T5's cross-attention keys gathered out of the packed encoder's output, GPT-J's keys and values
     out of the packed prefill, each row's mask, start and position."""
     from config import load_config
-    from decoder.engine import Decoder
+    from decoder.decoder import Decoder
     from modelling.rows import first_fit
 
     g = Decoder.of_config(load_config("inference", preset, dict(eval=True, tensor_parallel=1, data_parallel=1)))

@@ -1,4 +1,4 @@
-"""Mesh, logical-axis rules, replica groupings and RTS layouts.
+"""Mesh, logical-axis rules, replica groupings and RTS layouts; the memory kinds of host memory.
 
 The mesh has axes ('dp', 'tp'). Model code names logical axes only; RULES maps
 them to mesh axes. Every weight is identical over the mesh axes it is not
@@ -29,6 +29,8 @@ DP, TP = "dp", "tp"
 # (embedding rows and LM-head columns) and the relative-bias heads split over tp;
 # everything else (embed, kv, layers, buckets) is whole on every tp device.
 RULES = {"heads": TP, "kv_heads": TP, "mlp": TP, "vocab": TP}
+HOST = "pinned_host"  # the host memory weights wait in (the phased executor's state, a streamed encoder's layers)
+HOST_KINDS = (HOST, "unpinned_host")  # the memory kinds of host memory
 
 
 class DeviceCountError(FlanT5Error, RuntimeError):
@@ -128,7 +130,7 @@ def follow_params(abstract_state, params, param_shardings, default):
 
 
 def with_memory_kind(shardings, kind: str):
-    """The same shardings in another memory (``"pinned_host"`` for the phased executor's remote buffers)."""
+    """The same shardings in another memory (``HOST`` for the phased executor's remote buffers)."""
     return jax.tree.map(lambda s: s.with_memory_kind(kind), shardings)
 
 

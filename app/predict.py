@@ -26,9 +26,6 @@ from app.entry import keeping, written_whole
 from app.runtime import is_main_process, start_devices
 from config.fields import get_path
 from config.schema import FIELDS
-from data import sources
-from data.mixture import evaluation_set
-from data.sources import DataError
 from data.tasks import Example, tokenize_prompts
 from data.tokenizer import pad_id, unknown_share
 from decoder.decoder import Decoder
@@ -36,7 +33,7 @@ from decoder.plan import decode_plan, format_plan
 from partitioning.base import fingerprint
 from partitioning.plan import device_memory_limit, host_memory_limit, human_bytes
 from utils import checkpoint as ckpt
-from utils.errors import FlanT5Error
+from utils.errors import DataError, FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 
@@ -117,6 +114,9 @@ def prompt_features(examples: list, tokenizer, family, sequence_length: int, giv
 def inference_inputs(prompts, input_file, limit, cfg, td) -> list:
     """The examples run_inference.py decodes: prompt texts (the task's inputs), a file's rows (the first ``limit``, or
     all), or the held-out examples of the task ``td`` (data.mixture.TaskData: the first ``limit``, 4 by default)."""
+    from data import sources  # (the data sets' library: the server, which reads its config here, needs none)
+    from data.mixture import evaluation_set
+
     task = td.task
     if limit is not None and limit < 1:
         raise FlanT5Error(f"--limit {limit} must be at least 1")

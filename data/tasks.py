@@ -26,8 +26,8 @@ import numpy as np
 
 from config.schema import template_fields
 from data.packing import Examples
-from data.sources import DataError, Rows
 from data.tokenizer import check_unknown, pad_id, unknown_share
+from utils.errors import DataError
 
 logger = logging.getLogger("flan_t5")
 
@@ -115,9 +115,9 @@ class Task:
         return {"input": [inputs[k] for k in keep], "target": [tgt[k] for k in keep],
                 "label": [labels[k] for k in keep]}
 
-    def examples(self, rows: Rows, targets: bool = True) -> list:
-        """The examples of rows (small sets: evaluation, prediction), each checked as ``render`` checks it; rows
-        whose label is -1 (unlabelled) are dropped with a count in the log."""
+    def examples(self, rows, targets: bool = True) -> list:
+        """The examples of rows (data/sources.py's ``Rows``; small sets: evaluation, prediction), each checked as
+        ``render`` checks it; rows whose label is -1 (unlabelled) are dropped with a count in the log."""
         out = []
         for start, batch in rows.batches():
             r = self.render(batch, start, rows.where, rows.first_line, targets)

@@ -44,13 +44,16 @@ TRAINING = ("graphs.graphs", "graphs.optim", "graphs.executor", "graphs.fused", 
             "data.loader", "data.cache", "data.mixture", "app.train_data", "app.trainer", "app.resume")
 DECODING = ("decoder", "serving")  # the packages of the decoding path
 TRAINING_LIBRARIES = ("optax",)
+DATA_LIBRARIES = ("datasets",)  # the data sets' library: nothing on the decoding path imports it
 TOP = 8  # the drivers (top-level scripts) and benchmarks/
 DRIVERS = ("run_finetuning", "run_validation", "run_inference", "run_export", "run_server", "finetuning",
            "inference")
 # Function-level imports of project modules are how the drivers defer JAX (and orbax) until the run's devices are
 # set up and keep --help fast; below the top floor they would hide circles. The exceptions, each with its reason:
 DEFERRED = {("app/args.py", "utils.checkpoint"): "orbax is slow to import: --help and config errors need not pay for it",
-            ("app/predict.py", "app.hf_generate"): "torch: imported only when HF generate's outputs are compared"}
+            ("app/predict.py", "app.hf_generate"): "torch: imported only when HF generate's outputs are compared",
+            ("app/predict.py", "data.sources"): "datasets: run_server.py reads its decoding config and plan here, no data",
+            ("app/predict.py", "data.mixture"): "datasets: run_server.py reads its decoding config and plan here, no data"}
 # A family's name outside modelling/: the config field's own default (the config cannot ask the registry: it sits
 # below modelling).
 NAMED = {("config/schema.py", "t5")}
@@ -200,13 +203,9 @@ def family_questions(tree: dict, names: set, specific_keys: set) -> list:
     return out
 
 
-def training_on_the_decoding_path(tree: dict) -> list:
-    """Decoding is an engine of its own: every module of decoder/ and serving/, and everything they import in turn,
-    stays clear of training's modules (the optimizer, the executors, the training data path: ``TRAINING``) and of
-    the optimizer's library, so that a server or a validation run never builds, imports or waits for them."""
-    found = imports(tree)
-    edges = {m: {d for d, _, _ in deps} for m, (_, deps) in found.items()}
-    libraries = {}
+def _libraries(tree: dict, wanted: tuple) -> dict:
+    """{module: the libraries of ``wanted`` it imports (top-level names, function-level imports included)}."""
+    out = {}
     for rel, text in tree.items():
         names = set()
         for node in ast.walk(ast.parse(text)):
@@ -214,20 +213,56 @@ def training_on_the_decoding_path(tree: dict) -> list:
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-        libraries[_module(rel)] = names & set(TRAINING_LIBRARIES)
-    out = []
+        out[_module(rel)] = names & set(wanted)
+    return out
+
+
+def _decoding_path(tree: dict) -> dict:
+    """{every module of decoder/ and serving/: {each module it imports in turn (itself included): the import path
+    from it}}, every import counted (deferred ones too)."""
+    found = imports(tree)
+    edges = {m: {d for d, _, _ in deps} for m, (_, deps) in found.items()}
+    out = {}
     for start in sorted(m for m in found if m.split(".")[0] in DECODING):
-        path, seen, todo = {start: [start]}, {start}, [start]
+        path, todo = {start: [start]}, [start]
         while todo:
             m = todo.pop()
             for d in sorted(edges.get(m, ())):
-                if d not in seen:
-                    seen.add(d)
+                if d not in path:
                     path[d] = path[m] + [d]
                     todo.append(d)
-        out += [f"{start} reaches {m} ({' -> '.join(path[m])})" for m in sorted(seen) if m.startswith(TRAINING)]
-        out += [f"{start} reaches {lib} ({' -> '.join(path[m])})" for m in sorted(seen) for lib in libraries.get(m, ())]
+        out[start] = path
     return out
+
+
+def _reaching(tree: dict, modules, libraries: tuple) -> list:
+    """The decoding path's modules reaching a module that ``modules(name)`` says yes to, or one of ``libraries``."""
+    libs = _libraries(tree, libraries)
+    out = []
+    for start, path in _decoding_path(tree).items():
+        out += [f"{start} reaches {m} ({' -> '.join(path[m])})" for m in sorted(path) if modules(m)]
+        out += [f"{start} reaches {lib} ({' -> '.join(path[m])})" for m in sorted(path) for lib in sorted(libs.get(m, ()))]
+    return out
+
+
+def training_on_the_decoding_path(tree: dict) -> list:
+    """Decoding is an engine of its own: every module of decoder/ and serving/, and everything they import in turn,
+    stays clear of training's modules (the optimizer, the executors, the training data path: ``TRAINING``) and of
+    the optimizer's library, so that a server or a validation run never builds, imports or waits for them."""
+    return _reaching(tree, lambda m: m.startswith(TRAINING), TRAINING_LIBRARIES)
+
+
+def graphs_on_the_decoding_path(tree: dict) -> list:
+    """decoder/ and serving/ build on partitioning/ (placement, sharding, LoRA's base, the memory plan's shared part),
+    never on graphs/, the training graphs: nothing they import, in turn, is a module of graphs/."""
+    return _reaching(tree, lambda m: m.split(".")[0] == "graphs", ())
+
+
+def data_library_on_the_decoding_path(tree: dict) -> list:
+    """Nothing decoder/ and serving/ import, in turn, imports Hugging Face ``datasets`` (``DATA_LIBRARIES``): a server
+    reads its tokenizer and its padding id from data/tokenizer.py, never from the data sets' modules (data/tasks.py
+    -> data/sources.py), and never waits for the data library's import."""
+    return _reaching(tree, lambda m: False, DATA_LIBRARIES)
 
 
 def engine_reading_config(tree: dict) -> list:
@@ -397,6 +432,31 @@ def test_nothing_on_the_decoding_path_imports_training(tree):
     _bites(training_on_the_decoding_path, {"serving/a.py": "import graphs.b\n", "graphs/b.py": "import optax\n"},
            expect="serving.a reaches optax")
     assert not training_on_the_decoding_path({"app/a.py": "import graphs.optim\n", "graphs/optim.py": ""})
+
+
+def test_the_decoding_path_imports_nothing_of_graphs(tree):
+    assert not graphs_on_the_decoding_path(tree), "\n".join(graphs_on_the_decoding_path(tree))
+    _bites(graphs_on_the_decoding_path, {"decoder/a.py": "from graphs.state import fingerprint\n",
+                                         "graphs/state.py": ""}, expect="decoder.a reaches graphs.state")
+    _bites(graphs_on_the_decoding_path, {"serving/a.py": "import decoder.b\n", "graphs/host_state.py": "",
+                                         "decoder/b.py": "def f():\n    from graphs import host_state\n"},
+           expect="serving.a -> decoder.b -> graphs.host_state")
+    assert not graphs_on_the_decoding_path({"decoder/a.py": "from partitioning import sharding\n",
+                                            "partitioning/sharding.py": "", "app/b.py": "import graphs.plan\n",
+                                            "graphs/plan.py": ""})  # (partitioning/, and graphs/ off the path)
+
+
+def test_nothing_on_the_decoding_path_imports_the_data_library(tree):
+    assert not data_library_on_the_decoding_path(tree), "\n".join(data_library_on_the_decoding_path(tree))
+    _bites(data_library_on_the_decoding_path, {"serving/a.py": "from data.tasks import pad_id\n",
+                                               "data/tasks.py": "from data.sources import Rows\n",
+                                               "data/sources.py": "import datasets\n"},
+           expect="serving.a reaches datasets (serving.a -> data.tasks -> data.sources)")
+    _bites(data_library_on_the_decoding_path, {"decoder/a.py": "def f():\n    from datasets import load_dataset\n"},
+           expect="decoder.a reaches datasets (decoder.a)")
+    assert not data_library_on_the_decoding_path({"decoder/a.py": "from data import tokenizer\n",
+                                                  "data/tokenizer.py": "import numpy\n",
+                                                  "app/b.py": "import datasets\n"})
 
 
 def test_the_engine_reads_resolved_objects_not_the_config(tree):

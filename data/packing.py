@@ -127,13 +127,6 @@ class Packer:
         packer.size, (packer.L, packer.D) = size, capacity
         return packer
 
-    @classmethod
-    def for_examples(cls, examples: Examples, sequence_length: int, target_length: int, decoder_length: int):
-        """A packer of these examples' prompts and targets (encoder-decoder rows)."""
-        n = np.arange(len(examples))
-        return cls(lengths(examples.inputs, n), lengths(examples.targets, n), sequence_length, target_length,
-                   decoder_length)
-
     def fill(self, n_rows: int, pending: list, stream) -> tuple:
         """(rows: [[example index]], held over: [example index]) for one batch of ``n_rows`` rows.
 

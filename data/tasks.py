@@ -26,7 +26,7 @@ import numpy as np
 
 from config.schema import template_fields
 from data.packing import Examples
-from data.tokenizer import check_unknown, pad_id, unknown_share
+from data.tokenizer import pad_id
 from utils.errors import DataError
 
 logger = logging.getLogger("flan_t5")
@@ -256,8 +256,3 @@ def tokenize_prompts(examples: list, tokenizer, family, length: Optional[int] = 
         x = x[:length]
         ids[i, : len(x)], mask[i, : len(x)] = x, 1
     return {"input_ids": ids, "attention_mask": mask}
-
-
-def check_unknown_tokens(examples: Examples, tokenizer, name: str, dataset: str, limit: float = 0.01) -> float:
-    """The share of the examples' input tokens unknown to the tokenizer, refused above ``limit`` (``check_unknown``)."""
-    return check_unknown(unknown_share(examples.inputs, tokenizer), name, dataset, limit)

@@ -133,7 +133,3 @@ class ActivationBuffer:
         row = self[i]
         self.rows[i] = None
         return row
-
-    def live_bytes(self) -> int:
-        """Bytes of the rows still held (on this process)."""
-        return sum(s.data.nbytes for r in self.rows if r is not None for s in r.addressable_shards)

@@ -28,8 +28,6 @@ import jax
 
 from partitioning.sharding import shard_bytes
 
-PHASES = ("forward", "head", "backward", "optimizer")
-
 
 def tree_bytes(tree, shardings) -> int:
     """Bytes of one device's shards of a tree of arrays (or placeholders, ShapeDtypeStructs) laid out in

@@ -21,11 +21,6 @@ from utils.errors import CheckpointError
 from utils.hub import fetch
 
 
-def family_of_hf(hf: Mapping) -> str:
-    """Our family name of an HF config (dict form); CheckpointError naming the supported types."""
-    return registry.of_hf_config(hf).name
-
-
 def model_config_from_hf(hf: Mapping) -> ModelConfig:
     """Our ModelConfig from an HF config of any supported family (dict form)."""
     return registry.of_hf_config(hf).hf.model_config(hf)

@@ -220,27 +220,6 @@ def relative_position_bucket(relative_position: jax.Array, bidirectional: bool,
     return (ret + jnp.where(is_small, rp, large)).astype(jnp.int32)
 
 
-def position_bias(table: jax.Array, query_pos: jax.Array, key_len: int, bidirectional: bool,
-                  num_buckets: int, max_distance: int) -> jax.Array:
-    """Relative position bias. table [buckets, h], query_pos int [q] -> float32 [1, h, q, key_len]."""
-    rel = jnp.arange(key_len, dtype=jnp.int32)[None, :] - query_pos.astype(jnp.int32)[:, None]
-    buckets = relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
-    values = jnp.take(table.astype(F32), buckets, axis=0)  # [q, k, h]
-    return jnp.transpose(values, (2, 0, 1))[None]
-
-
-def relative_position_bias(table: jax.Array, query_pos: jax.Array, key_pos: jax.Array, bidirectional: bool,
-                           num_buckets: int, max_distance: int) -> jax.Array:
-    """Relative position bias from per-row positions (packed rows: positions restart at 0 in every segment).
-
-    table [buckets, h], query_pos int [b, q], key_pos int [b, k] -> float32 [b, h, q, k].
-    """
-    rel = key_pos.astype(jnp.int32)[:, None, :] - query_pos.astype(jnp.int32)[:, :, None]
-    buckets = relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
-    values = jnp.take(table.astype(F32), buckets, axis=0)  # [b, q, k, h]
-    return jnp.transpose(values, (0, 3, 1, 2))
-
-
 def segment_mask_bias(query_segments: jax.Array, key_segments: jax.Array) -> jax.Array:
     """Additive bias that keeps attention inside a segment of a packed row.
 

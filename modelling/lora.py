@@ -16,7 +16,7 @@ split), so partitioning/sharding.py lays them out like any weight:
 
 ``attach`` turns one layer's tree into the one the family's block reads (each adapted weight a
 ``layers.Adapted``); ``merged`` folds the adapters into their weights (inference, the merged
-export); ``peft_state_dict`` / ``from_peft_state_dict`` map them to and from PEFT's names.
+export); ``peft_state_dict`` maps them to PEFT's names (the PEFT export).
 """
 
 from __future__ import annotations
@@ -164,19 +164,6 @@ def peft_state_dict(family, adapters: dict, m) -> dict:
         sd[f"{PEFT_PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
         sd[f"{PEFT_PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
     return sd
-
-
-def from_peft_state_dict(family, sd, like: dict, m) -> dict:
-    """Our adapters (numpy float32, shaped as ``like``: an adapter tree or its specs) from a PEFT state dict."""
-    out = {s: {"layers": {k: np.zeros(v.shape, np.float32) for k, v in sub["layers"].items()}}
-           for s, sub in like.items()}
-    for stack, i, name, module in _modules(family, like, m):
-        ours = out[stack]["layers"]
-        a = np.asarray(sd[f"{PEFT_PREFIX}{module}.lora_A.weight"], np.float32)
-        b = np.asarray(sd[f"{PEFT_PREFIX}{module}.lora_B.weight"], np.float32)
-        ours[name + A][i] = a.T.reshape(ours[name + A].shape[1:])
-        ours[name + B][i] = b.T.reshape(ours[name + B].shape[1:])
-    return out
 
 
 def peft_config(family, adapters: dict, m, opts, base: str) -> dict:

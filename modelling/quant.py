@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 QMAX = 127  # symmetric: -127..127 (never -128, so that -q is representable and the grid is centred on 0)
-CHOICES = ("none", "int8")
 
 
 @jax.tree_util.register_pytree_node_class

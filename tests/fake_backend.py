@@ -148,33 +148,3 @@ class SpanTooNarrow(Exception):
 class _Pending:
     out: np.ndarray
     gate: object
-
-
-class FailOnce:
-    """A ``fail`` hook that makes the ``at``-th call of ``kind`` raise (picklable: it crosses to an engine process)."""
-
-    def __init__(self, kind: str, at: int = 1):
-        self.kind, self.at, self.seen = kind, at, 0
-
-    def __call__(self, kind: str):
-        if kind == self.kind:
-            self.seen += 1
-            if self.seen == self.at:
-                return RuntimeError(f"{kind} {self.at} failed")
-        return None
-
-
-class SlowFake(FakeBackend):
-    """A fake whose advances' tokens are read ``delay`` seconds after they are asked for: sequences that surely run
-    a while (a test cancels them meanwhile)."""
-
-    def __init__(self, delay: float = 0.01, **kw):
-        super().__init__(**kw)
-        self.delay = delay
-
-    def fetch(self, handle):
-        if isinstance(handle, _Pending):
-            import time
-
-            time.sleep(self.delay)
-        return super().fetch(handle)

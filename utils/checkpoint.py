@@ -239,8 +239,3 @@ def _cause(e: BaseException, limit: int = 160) -> str:
 def has_item(directory: str, step: int, item: str) -> bool:
     """Whether a saved step holds an item (e.g. 'opt_state': saved with --optim_state false, it does not)."""
     return os.path.isdir(os.path.join(directory, str(step), item))
-
-
-def latest_step(directory: str) -> Optional[int]:
-    steps = saved_steps(directory)
-    return steps[-1] if steps else None

@@ -47,12 +47,14 @@ def test_rms_norm_matches_hf(v11):
 
 @pytest.mark.parametrize("stack,bidirectional", [("encoder", True), ("decoder", False)])
 def test_position_bias_matches_hf(v11, stack, bidirectional):
+    """T5's relative-position bias as its stacks compute it (``self_masks``' buckets, ``bucket_bias``), the encoder's
+    bidirectional and the decoder's causal, equal to HF's ``compute_bias``."""
     hf, m, params = v11
     n = 37  # longer than max_distance=20, so the log buckets and the clamp are exercised
     att = getattr(hf, stack).block[0].layer[0].SelfAttention
     ref = att.compute_bias(n, n).detach().numpy()
-    ours = L.position_bias(params[stack]["relpos"], jnp.arange(n), n, bidirectional,
-                           m.attention.relative_attention_num_buckets, m.attention.relative_attention_max_distance)
+    buckets, _ = t5.self_masks(not bidirectional, n, options(m))
+    ours = t5.bucket_bias(params[stack]["relpos"], buckets)
     np.testing.assert_allclose(np.asarray(ours), ref, rtol=0, atol=1e-7)
 
 

@@ -49,6 +49,8 @@ DRIVERS = {
     "benchmarks/int8_hlo.py": ("benchmarks.int8_hlo", {"--config": "inference"}),
     "benchmarks/host_cost.py": ("benchmarks.host_cost", {}),
     "benchmarks/startup.py": ("benchmarks.startup", {}),
+    "benchmarks/plans.py": ("benchmarks.plans", {}),
+    "benchmarks/results_page.py": ("benchmarks.results_page", {}),
     "-m app.launch": ("app.launch", {}),
     "-m app.reference": ("app.reference", {}),
 }

@@ -90,18 +90,12 @@ class Table:
 
 
 def load(path: str, results: str = RESULTS):
-    full = os.path.join(results, path)
-    if path.endswith(".jsonl"):
-        with open(full) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    with open(full) as f:
+    with open(os.path.join(results, path)) as f:
         return json.load(f)
 
 
-def _date(doc) -> Optional[str]:
-    if isinstance(doc, dict):
-        return doc.get("date") or (doc.get("env") or {}).get("date")
-    return None
+def _date(doc: dict) -> Optional[str]:
+    return doc.get("date") or (doc.get("env") or {}).get("date")
 
 
 # ------------------------------------------------------------------------------------------------ the 2-core CPU
@@ -777,8 +771,7 @@ def _cell(cell, table: Table, results: str) -> str:
 
 def _table(t: Table, results: str) -> list:
     first = load(t.sources[0], results)
-    own = (first.get("command") or "; ".join(first.get("commands", []))) if isinstance(first, dict) else None
-    command = t.command or own
+    command = t.command or first.get("command") or "; ".join(first.get("commands", []))
     if not command:
         raise ValueError(f"table {t.anchor}: no command given and none in {t.sources[0]}")
     dates = sorted({d for d in (_date(load(s, results)) for s in t.sources) if d})

@@ -49,6 +49,8 @@ DRIVERS = {
     "benchmarks/int8_hlo.py": ("benchmarks.int8_hlo", {"--config": "inference"}),
     "benchmarks/host_cost.py": ("benchmarks.host_cost", {}),
     "benchmarks/startup.py": ("benchmarks.startup", {}),
+    "benchmarks/plans.py": ("benchmarks.plans", {}),
+    "benchmarks/results_page.py": ("benchmarks.results_page", {}),
     "-m app.launch": ("app.launch", {}),
     "-m app.reference": ("app.reference", {}),
 }
@@ -348,6 +350,23 @@ def test_docs_configuration_is_the_config_s_own_reference():
 
     assert open(os.path.join(ROOT, "docs", "configuration.md")).read() == markdown(), \
         "docs/configuration.md is stale: python3 -m app.reference --output docs/configuration.md"
+
+
+def set_up_block(text: str) -> list:
+    """The lines of a page's first code block holding `make quickstart` (its set-up), comments dropped."""
+    block = next(lines for _, lines in code_blocks(text) if any(x.startswith("make quickstart") for x in lines))
+    return [x.split("#", 1)[0].strip() for x in block if x.split("#", 1)[0].strip()]
+
+
+def test_the_set_up_the_docs_print_activates_the_environment_make_builds():
+    """Every command the docs print runs as printed after the set-up: the README's and docs/install.md's set-up
+    blocks end by activating the virtual environment the Makefile builds (a `python3` of the system may lack JAX);
+    tests/test_install.py runs a driver so on a fresh clone."""
+    venv = re.search(r"^VENV \?= (\S+)$", open(os.path.join(ROOT, "Makefile")).read(), re.M).group(1)
+    for page in (README, os.path.join(ROOT, "docs", "install.md")):
+        assert set_up_block(open(page).read()) == ["make quickstart", "make test", f"source {venv}/bin/activate"], page
+    # the check reads what it must: a set-up without the activation fails it
+    assert set_up_block("```bash\nmake quickstart   # x\nmake test\n```\n") == ["make quickstart", "make test"]
 
 
 README_LINES = 200  # a front page, as vLLM's, PEFT's and t5x's: what it is, the set-up, the main commands, links

@@ -52,6 +52,13 @@ def test_make_quickstart_and_make_test_on_a_fresh_clone(tmp_path):
     for run in ("tiny", "gptj"):
         assert os.path.isfile(os.path.join(repo, "ckpt", run, "2", "commit_success.txt")), out[-2000:]
     assert out.count("accuracy") >= 2, out[-2000:]  # each validated
+    # then, as the docs' set-up says, a driver runs as printed in the environment activated (not this Python)
+    shell = {k: v for k, v in child_env().items() if k not in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH")}
+    run = subprocess.run(["bash", "-c", "source .venv/bin/activate && python3 -c 'import sys; print(sys.prefix)' && "
+                          "python3 run_finetuning.py --help"], cwd=repo, env=shell, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert os.path.realpath(run.stdout.splitlines()[0]) == os.path.realpath(os.path.join(repo, ".venv"))
+    assert "--config" in run.stdout
     again = make(repo, "quickstart", "VALIDATE=--limit 8")  # set up and trained already: validated again alone
     assert "pip install" not in again and "holds a trained tiny run" in again and "training" not in again
     tests = make(repo, "test", "TESTS=tests/test_docs.py -k front_page")

@@ -323,7 +323,14 @@ class Scheduler:
 
     def _gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.waiting) + len(self.scoring))
-        self.metrics.running.set(sum(s is not None for s in self.running))
+        self.metrics.running.set(self.decoding())
+
+    def decoding(self) -> int:
+        """Slots decoding: those whose sequence has not ended, its last tokens dispatched or not (a sequence whose
+        last token is on its way leaves ``running`` at once, for a joiner, but still decodes until that call is
+        read; counted by ``running`` alone, the gauge read 0 between such rounds with every slot busy)."""
+        with self.cv:
+            return len({s.slot for s in self.held_seqs if s.slot is not None})
 
     def _end(self, s: Sequence, updates: list, reason: Optional[str], error: Optional[SchedulerError] = None,
              **kw) -> None:

@@ -91,6 +91,25 @@ def test_sequences_join_free_slots_and_leave_at_their_end():
     assert h.metrics.generated._value.get() == sum(len(h.tokens(s)) for s in seqs)
 
 
+def test_the_running_gauge_counts_every_slot_whose_sequence_still_decodes():
+    """flan_t5_running_slots says what decodes: a sequence whose last token is on its way (its slot already free for
+    a joiner, the call not yet read) still decodes; it once read 0 between such rounds, with every slot busy and
+    sequences queued. Two slots, six sequences of 3 tokens: 2 after every round until the last are read, then 0."""
+    h = Harness(slots=2, steps=2)
+    seqs = [h.seq("the cat sleeps", 3) for _ in range(6)]
+    h.s.submit(seqs)
+    seen = []
+    while h.s.held_seqs or h.s.pending:
+        h.s._round()
+        seen.append(h.metrics.running._value.get())
+    assert seen[:3] == [2, 2, 2] and seen[-1] == 0, seen
+    assert all(h.end(s).reason == "length" for s in seqs)
+    h = Harness(slots=4, steps=2)  # one sequence in four slots: 1, not the slots
+    h.s.submit([h.seq("the cat sleeps", 9)])
+    h.s._round()
+    assert h.metrics.running._value.get() == 1
+
+
 def test_a_sequence_of_one_token_never_advances():
     h = Harness(slots=2, steps=4)
     one = h.seq("the cat", 1)

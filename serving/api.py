@@ -248,8 +248,8 @@ def _prompt(x, limits: Limits):
         raise _bad("prompt", f"token id lists must be non-empty lists of integers from 0 to {limits.vocab_size - 1}"
                              f" (got {_show(x)})")
     if len(x) > limits.max_prompt_tokens:
-        raise _bad("prompt", f"is {len(x)} tokens long: this server reads at most {limits.max_prompt_tokens} (the "
-                             "widest of --prompt_widths)", "context_length_exceeded")
+        raise _bad("prompt", f"is {len(x)} tokens long: this server reads at most {limits.max_prompt_tokens} "
+                             "(--prompt_width)", "context_length_exceeded")
     return tuple(x)
 
 

@@ -307,7 +307,13 @@ class Engine:
         self.scheduler.abort_all(error)
 
     def held(self) -> int:
+        """Sequences held (a request holds one per candidate: its prompts x best_of)."""
         return self.scheduler.held()
+
+    def held_requests(self) -> int:
+        """Requests held: their sequences counted by the request they answer (its Generation's queue)."""
+        with self.scheduler.cv:
+            return len({id(s.out.sink) for s in self.scheduler.held_seqs})
 
     @property
     def healthy(self) -> bool:

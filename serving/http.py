@@ -480,8 +480,8 @@ class Server(uvicorn.Server):
         if self.deadline is None:
             self.engine.drain()
             self.deadline = time.monotonic() + self.grace
-            logger.info("signal %d: no new requests; finishing the %d held (grace period %g s)", sig,
-                        self.engine.held(), self.grace)
+            logger.info("signal %d: no new requests; finishing the %d requests held (grace period %g s)", sig,
+                        self.engine.held_requests(), self.grace)
         else:
             self.deadline = time.monotonic()
         if time.monotonic() >= self.deadline:  # no grace: the held requests end at the next decoding call, not tick
@@ -494,9 +494,9 @@ class Server(uvicorn.Server):
 
     def _abort(self) -> None:
         """Every request still held ends with an error (once)."""
-        held = self.engine.held()
-        if held and not self.aborted:
-            logger.warning("grace period over: ending the %d requests still held with an error", held)
+        if self.engine.held() and not self.aborted:
+            logger.warning("grace period over: ending the %d requests still held with an error",
+                           self.engine.held_requests())
             self.engine.abort(ShuttingDown("the server shut down before this request finished"))
             self.aborted = True
 

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -216,17 +217,29 @@ def corpus() -> list:
 def test_no_malformed_request_gets_a_5xx_or_a_hang_and_the_server_serves_after_each(server):
     cases = corpus()
     assert len(cases) >= 80
-    statuses = {}
+    statuses, messages = {}, []
     for body, path, headers in cases:
         r = server.post(body, path, headers)  # a hang is httpx's timeout: an error here
         assert 400 <= r.status_code < 500, (body, path, headers, r.status_code, r.text)
         error = r.json()["error"]
         assert error["message"] and "\n" not in error["message"], error
+        messages.append(error["message"])
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         server.serves()
     assert set(statuses) >= {400, 404, 405, 413, 415}
+    assert_flags_exist(messages)
     for status, n in statuses.items():  # every refusal counted by its status (the key check's too)
         assert server.metric(f'flan_t5_rejected_requests_total{{status="{status}"}}') >= n
+
+
+def assert_flags_exist(messages: list) -> None:
+    """Every flag a refusal names is one of run_server.py's (a token-id prompt's once named --prompt_widths, a flag
+    gone since)."""
+    from app.args import build_parser, server_flags
+
+    known = {o for a in build_parser("inference", "", "tiny", server_flags)._actions for o in a.option_strings}
+    named = {flag for m in messages for flag in re.findall(r"--[a-z_]+", m)}
+    assert named and named <= known, named - known
 
 
 def test_an_unexpected_error_on_any_path_is_a_json_500_and_a_trailing_slash_is_served():
@@ -809,6 +822,30 @@ def test_each_request_an_error_ends_is_one_log_line_without_a_traceback(caplog, 
     finally:
         gate.set()
         s.backend.fail = None
+        s.stop()
+
+
+def test_the_shutdown_lines_count_requests_not_their_sequences(caplog):
+    """Two requests of n=2 held (four sequences): SIGTERM says it finishes 2 requests, the grace period over that it
+    ends 2 (it once said 4: a request's candidates counted as requests)."""
+    caplog.set_level(logging.INFO)
+    s = FakeServer(grace=0)
+    gate = threading.Event()
+    s.backend.gate = gate
+    try:
+        body = {"model": MODEL, "prompt": words("the cat"), "max_tokens": 40, "n": 2}
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(s.post, body) for _ in range(2)]
+            s.wait_for(lambda: s.engine.held() == 4, "four sequences held")
+            assert s.engine.held_requests() == 2
+            s.server.handle_exit(15, None)
+            gate.set()
+            assert all(a.result().status_code == 503 for a in answers)
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("signal 15", "grace period"))]
+        assert said == ["signal 15: no new requests; finishing the 2 requests held (grace period 0 s)",
+                        "grace period over: ending the 2 requests still held with an error"], said
+    finally:
+        gate.set()
         s.stop()
 
 

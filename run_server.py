@@ -63,7 +63,7 @@ def main(argv=None) -> None:
                 options.slots, step / 1e6)
     start_devices(cfg)
     from serving.build import build_engine
-    from serving.http import serve
+    from serving.http import LOG_LEVELS, serve
 
     api_key = args.api_key or os.environ.get(KEY_VARIABLE) or None
     exposed = check_exposure(args.host, api_key)
@@ -72,7 +72,8 @@ def main(argv=None) -> None:
     engine = build_engine(cfg, options)
     serve(engine, args.host, args.port, api_key, args.grace_period,
           lambda host, port: print(engine.describe(host, port), flush=True), args.header_timeout, args.body_timeout,
-          max_connections=args.max_connections)
+          max_connections=args.max_connections, max_header_bytes=args.max_header_bytes,
+          log_requests=LOG_LEVELS[args.log_requests], access_log=args.access_log)
 
 
 if __name__ == "__main__":

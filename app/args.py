@@ -349,6 +349,14 @@ def limit_flags(s) -> None:
     s.add_argument("--max_connections", type=int, default=1024,
                    help="open connections served at once: while more are open a request is a 503 with "
                         "Retry-After, and its connection is closed")
+    s.add_argument("--max_header_bytes", type=int, default=16384,
+                   help="the largest request head, its line and headers (431 past it; default 16384, h11's)")
+    s.add_argument("--log_requests", choices=("off", "debug", "info", "warning"), default="info",
+                   help="the level of the one log line each refusal (a response of status 400 or more) gets, saying "
+                        "whose request it was and why (default info; off: none; vLLM's --disable-log-requests is "
+                        "the inverse convention)")
+    s.add_argument("--access_log", action="store_true",
+                   help="uvicorn's access log: a line for every request (client, method, path, status)")
     s.add_argument("--grace_period", type=float, default=30.0,
                    help="seconds a SIGTERM leaves the held requests to finish before they end with an error")
     s.add_argument("--max_body_bytes", type=int, default=1 << 20, help="the largest request body (413 past it)")

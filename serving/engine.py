@@ -105,6 +105,7 @@ class ServeOptions:
                                  ("--prompt_width", width, 1), ("--insert_rows", min(rows), 1),
                                  ("--max_prompt_chars", args.max_prompt_chars, 1),
                                  ("--max_body_bytes", args.max_body_bytes, 1024),
+                                 ("--max_header_bytes", args.max_header_bytes, 1024),
                                  ("--max_logprobs", args.max_logprobs, 0), ("--min_join", args.min_join, 1),
                                  ("--attention_spans", args.attention_spans, 1)):
             if value is not None and value < low:

@@ -14,17 +14,19 @@ server-sent events written straight to uvicorn, a client that goes away noticed 
     POST /v1/completions         serving/api.py's fields; SSE with stream (then ``data: [DONE]``)
     POST /v1/chat/completions    the same, from chat messages through the chat template
 
-Status codes: 400 a bad field (``param`` names it), 401 no or a wrong key, 404 another model or path, 405 another
-method, 408 a body that did not arrive in time, 413 past a size limit, 415 a body that is not JSON, 429 the queue
-full (``Retry-After``), 500 a decoding call that failed (the requests it held; the server goes on), 503 shutting
-down or past the open connections' limit (``Retry-After``). Every response with a status of 400 or more is counted
-in ``flan_t5_rejected_requests_total{status}``.
+Status codes: 400 a bad field (``param`` names it) or a request that is not HTTP, 401 no or a wrong key, 404 another
+model or path, 405 another method, 408 a body that did not arrive in time, 413 past a size limit, 415 a body that is
+not JSON, 429 the queue full (``Retry-After``), 431 a request head past its bound, 500 a decoding call that failed
+(the requests it held; the server goes on), 503 shutting down (a body still arriving is answered at once) or past the
+open connections' limit (``Retry-After``). Every response with a status of 400 or more, whichever layer wrote it, is
+OpenAI's error body, counted in ``flan_t5_rejected_requests_total{status}`` and logged in one line at
+``--log_requests``' level (``Refusals``).
 
 Connections: a connection that has not sent a whole request head within ``header_timeout`` seconds (of its opening,
 or of the first byte of a later request on it) is closed, a body that has not arrived within ``body_timeout`` is a
 408, an idle keep-alive connection is closed after ``keep_alive`` seconds, and while more than ``max_connections``
 are open a request is a 503 (``Retry-After``) and its connection closed: slow or idle clients cannot hold the
-server's file handles.
+server's file handles. /health and /metrics keep a small reserve past that limit (``ConnectionLimit``).
 
 Who may call: with an API key every path but /health needs ``Authorization: Bearer KEY`` (401 otherwise; the key
 compared in constant time, through SHA-256 so that not even its length shows, and never logged).
@@ -35,18 +37,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import http
 import json
 import logging
 import time
 from contextlib import aclosing, asynccontextmanager
 from typing import Optional
 
+import httptools
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from serving import api
 from serving.engine import Generation, PromptError
@@ -54,7 +58,11 @@ from serving.scheduler import Failed, QueueFull, SchedulerError, ShuttingDown
 
 logger = logging.getLogger("flan_t5")
 OPEN_PATHS = ("/health",)
+MONITOR_PATHS = ("/health", "/metrics")
+MONITOR_RESERVE = 4  # /health and /metrics requests answered at once past --max_connections (a probe's, a scraper's)
 RETRY_AFTER = 1  # seconds a 429 asks the client to wait
+MAX_HEADER_BYTES = 16384  # a request's head (its line and headers) by default: h11's bound (httptools has none)
+LOG_LEVELS = {"off": None, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 
 
 def _digest(key: str | bytes) -> bytes:
@@ -77,24 +85,60 @@ def to_api_error(e: Exception) -> api.ApiError:
     return api.ApiError(500, f"internal error ({type(e).__name__})", code="server_error")
 
 
-class StatusCounter:
-    """ASGI middleware, the outermost: counts every response of status 400 or more by status, and answers an
-    exception nothing else caught with a JSON 500 (logged once), never a dropped connection."""
+class Refusals:
+    """Every response of status 400 or more: counted in ``flan_t5_rejected_requests_total{status}`` (``metrics``: the
+    engine's; None: not counted) and, at ``level`` (--log_requests'; None: not logged), one log line saying what was
+    refused, whose, and why (the error body's message), so that an operator finds the reason a client was given."""
 
-    def __init__(self, app, metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, metrics, level: Optional[int] = logging.INFO):
+        self.metrics, self.level = metrics, level
+
+    def __call__(self, status: int, why: str, what: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(str(status)).inc()
+        if self.level is not None:
+            logger.log(self.level, "refused %s: %d %s", what, status, why)
+
+
+def _request_of(scope) -> str:
+    """A request as a refusal's log line names it: method, path, client."""
+    client = scope.get("client")
+    return "%s %s from %s" % (scope.get("method", "?"), scope.get("path", "?"),
+                              "%s:%s" % tuple(client) if client else "?")
+
+
+def _why(status: int, body: bytes) -> str:
+    """A refusal's reason: its error body's message, else its status's name."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        try:
+            return http.HTTPStatus(status).phrase
+        except ValueError:
+            return ""
+
+
+class StatusCounter:
+    """ASGI middleware, the outermost: every response of status 400 or more counted and logged (``Refusals``), and an
+    exception nothing else caught answered with a JSON 500 (logged once), never a dropped connection. ``reading``:
+    the bodies being read (``Completions``'), which ``Server`` refuses at shutdown."""
+
+    def __init__(self, app, refusals: Refusals, reading: Optional["Reading"] = None):
+        self.app, self.refusals, self.reading = app, refusals, reading
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
+        started, status, body = False, 0, []
 
         async def counted(message):
-            nonlocal started
+            nonlocal started, status
             if message["type"] == "http.response.start":
-                started = True
-                if message["status"] >= 400:
-                    self.metrics.rejected.labels(str(message["status"])).inc()
+                started, status = True, message["status"]
+            elif status >= 400 and message["type"] == "http.response.body":
+                body.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    self.refusals(status, _why(status, b"".join(body)), _request_of(scope))
             await send(message)
 
         try:
@@ -121,20 +165,37 @@ class Connections:
 class ConnectionLimit:
     """ASGI middleware: while more than ``--max_connections`` connections are open, a request is answered 503 with
     OpenAI's error body and ``Retry-After``, and its connection closed (what uvicorn's own limit answered was a
-    text/plain 503 without either, which the metrics never saw: this sits inside StatusCounter)."""
+    text/plain 503 without either, which the metrics never saw: this sits inside StatusCounter). /health and /metrics
+    keep a reserve of their own: up to ``reserve`` of them answered at once past the limit (their connections closed
+    after), so that health checks and monitoring still see a flooded server."""
 
-    def __init__(self, app, connections: Connections):
-        self.app, self.connections = app, connections
+    def __init__(self, app, connections: Connections, reserve: int = MONITOR_RESERVE):
+        self.app, self.connections, self.reserve = app, connections, reserve
+        self.monitoring = 0  # /health and /metrics requests being answered past the limit
 
     async def __call__(self, scope, receive, send):
         c = self.connections
         if scope["type"] == "http" and c.over:
+            if scope["path"] in MONITOR_PATHS and self.monitoring < self.reserve:
+                return await self._monitor(scope, receive, send)
             error = api.ApiError(503, f"the server has {c.open} connections open, more than it serves at once "
                                       f"(--max_connections {c.limit}): retry after {RETRY_AFTER} s",
                                  code="too_many_connections")
             headers = {"Retry-After": str(RETRY_AFTER), "Connection": "close"}
             return await JSONResponse(error.body(), 503, headers)(scope, receive, send)
         return await self.app(scope, receive, send)
+
+    async def _monitor(self, scope, receive, send):
+        async def closing(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        self.monitoring += 1
+        try:
+            await self.app(scope, receive, closing)
+        finally:
+            self.monitoring -= 1
 
 
 class BearerAuth:
@@ -164,11 +225,30 @@ class _Gone(Exception):
 
 
 GONE = object()  # put on a reply's queue when its client goes away
+TIMED_OUT, CLOSING = "timed out", "closing"  # why _read_body's task was cancelled by this layer
 
 
-async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
+class Reading:
+    """The requests whose bodies are being read (their tasks, each with its list of why it was cancelled). At shutdown
+    (``refuse``) each is answered 503 at once, and a body that begins after is not read: none can be admitted. (Left
+    to uvicorn's shutdown, they were waited for, then cancelled: a text/plain 500 and a 26-line traceback each.)"""
+
+    def __init__(self):
+        self.tasks: dict = {}
+        self.closing = False
+
+    def refuse(self) -> None:
+        self.closing = True
+        for task, why in list(self.tasks.items()):
+            if not why:
+                why.append(CLOSING)
+                task.cancel()
+
+
+async def _read_body(scope, receive, limit: int, timeout: float, reading: Optional[Reading] = None) -> bytes:
     """A JSON body, refused (413) as soon as it is known to pass ``limit`` bytes, (408) when it has not arrived in
-    ``timeout`` seconds, (415) when it is not declared JSON."""
+    ``timeout`` seconds, (415) when it is not declared JSON, (503: ShuttingDown) when the server shuts down before it
+    has arrived (``reading``: where it is registered meanwhile)."""
     headers = Headers(scope=scope)
     kind = headers.get("content-type", "")
     if kind.split(";")[0].strip().lower() != "application/json":
@@ -182,19 +262,21 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
 
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_big()
+    reading = reading or Reading()
+    if reading.closing:
+        raise ShuttingDown("the server is shutting down: no new requests")
     chunks, n = [], 0
     # the timeout as a timer that cancels this task (no task of its own, as asyncio.wait_for would make; and
     # asyncio.timeout needs Python 3.11)
     task, fired = asyncio.current_task(), []
-    timer = asyncio.get_running_loop().call_later(timeout, lambda: (fired.append(True), task.cancel()))
+    timer = asyncio.get_running_loop().call_later(
+        timeout, lambda: fired or (fired.append(TIMED_OUT), task.cancel()))
+    reading.tasks[task] = fired
     try:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                client = scope.get("client")
-                logger.info("a client (%s) went away while sending its request (%d bytes read)",
-                            "%s:%s" % tuple(client) if client else "?", n)
-                raise _Gone()
+                raise _Gone(f"the client went away while sending its request ({n} bytes read)")
             n += len(message.get("body", b""))
             if n > limit:
                 raise too_big()
@@ -202,13 +284,16 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
             if not message.get("more_body", False):
                 return b"".join(chunks)
     except asyncio.CancelledError:
-        if not fired:  # a cancellation from elsewhere (shutdown): it goes on
+        if not fired:  # a cancellation from elsewhere: it goes on
             raise
         if hasattr(task, "uncancel"):  # (Python 3.11+: the task is not left marked as being cancelled)
             task.uncancel()
+        if fired[0] == CLOSING:
+            raise ShuttingDown("the server shut down before this request's body arrived") from None
         raise api.ApiError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
     finally:
         timer.cancel()
+        reading.tasks.pop(task, None)
 
 
 def body(reply: Generation) -> dict:
@@ -304,7 +389,9 @@ def _watched(f: asyncio.Future, reply: Generation) -> None:
         reply.queue.put_nowait(GONE)
 
 
-GONE_RESPONSE = Response(status_code=499)  # nginx's "client closed request": written nowhere, counted in the metrics
+def _gone(why: str) -> JSONResponse:
+    """nginx's "client closed request", 499: written nowhere, counted and logged (StatusCounter) with ``why``."""
+    return JSONResponse(api.ApiError(499, why, code="client_gone").body(), 499)
 
 
 class Completions:
@@ -318,6 +405,7 @@ class Completions:
     def __init__(self, app, engine, body_timeout: float):
         self.app, self.engine, self.body_timeout = app, engine, body_timeout
         self.paths = {"/v1/completions": self._completion, "/v1/chat/completions": self._chat}
+        self.reading = Reading()
 
     async def __call__(self, scope, receive, send):
         parse = self.paths.get(scope["path"].rstrip("/")) if scope["type"] == "http" else None
@@ -327,11 +415,12 @@ class Completions:
             return await JSONResponse(api.error_body("Method Not Allowed", "invalid_request_error"), 405,
                                       {"Allow": "POST"})(scope, receive, send)
         try:
-            raw = await _read_body(scope, receive, self.engine.limits.max_body_bytes, self.body_timeout)
+            raw = await _read_body(scope, receive, self.engine.limits.max_body_bytes, self.body_timeout,
+                                   self.reading)
             req, prompts = parse(raw)
             reply = self.engine.generate(req, prompts)
-        except _Gone:
-            return await GONE_RESPONSE(scope, receive, send)
+        except _Gone as e:
+            return await _gone(str(e))(scope, receive, send)
         except (api.ApiError, PromptError, SchedulerError) as e:  # refusals (anything else: StatusCounter's 500)
             error = to_api_error(e)
             return await JSONResponse(error.body(), error.status, error.headers)(scope, receive, send)
@@ -350,7 +439,8 @@ class Completions:
                 if isinstance(whole, api.ApiError):
                     await JSONResponse(whole.body(), whole.status, whole.headers)(scope, receive, send)
                 else:
-                    await (GONE_RESPONSE if whole is None else JSONResponse(whole))(scope, receive, send)
+                    await (_gone("the client went away before its answer") if whole is None else
+                           JSONResponse(whole))(scope, receive, send)
         finally:
             watch.cancel()
 
@@ -367,9 +457,10 @@ class Completions:
 
 
 def make_app(engine, api_key: Optional[str] = None, body_timeout: float = 30.0, on_fatal=lambda error: None,
-             connections: Optional[Connections] = None):
+             connections: Optional[Connections] = None, refusals: Optional[Refusals] = None):
     """The ASGI application over ``engine`` (see the module docstring); ``connections``: the open connections that
-    ``header_timeout_protocol`` counts, and their limit."""
+    ``header_timeout_protocol`` counts, and their limit; ``refusals``: where a refusal is counted and logged (the
+    engine's metrics, at INFO, by default)."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -387,11 +478,12 @@ def make_app(engine, api_key: Optional[str] = None, body_timeout: float = 30.0, 
     _error_handlers(app)
     _info_routes(app, engine)
     outer = Completions(app, engine, body_timeout)
+    reading = outer.reading
     if api_key:
         outer = BearerAuth(outer, key=api_key)
     if connections is not None:
         outer = ConnectionLimit(outer, connections)
-    return StatusCounter(outer, metrics=engine.metrics)
+    return StatusCounter(outer, refusals or Refusals(engine.metrics), reading)
 
 
 def _error_handlers(app) -> None:
@@ -426,41 +518,103 @@ def _info_routes(app, engine) -> None:
         return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def header_timeout_protocol(timeout: float, connections: Optional[Connections] = None):
-    """uvicorn's HTTP protocol, closing a connection that has not sent a whole request head within ``timeout``
-    seconds: of opening, for its first request; of the first byte of the next, for each later one. (uvicorn's
-    keep-alive timeout closes a connection idle after a response, but only until a byte arrives: a connection that
-    sent one byte of its next request and then nothing was held open for good.) ``connections``: counts the open
-    ones."""
-    counted = connections or Connections()
+class Protocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol (httptools'), closing a connection that has not sent a whole request head within
+    ``timeout`` seconds: of opening, for its first request; of the first byte of the next, for each later one.
+    (uvicorn's keep-alive timeout closes a connection idle after a response, but only until a byte arrives: a
+    connection that sent one byte of its next request and then nothing was held open for good.) ``counted``: the open
+    connections. What the application never sees is answered as it answers: a head past ``max_header_bytes`` (its
+    request line and headers; httptools has no bound, and held a 69 MB header) a 431, and a request that is not HTTP
+    (``Content-Length: -5``, TLS on the plain port) a 400, each OpenAI's error body, counted and logged by
+    ``refusals`` (uvicorn's own were a text/plain 400, uncounted, its line without a time). ``header_timeout_protocol``
+    makes one with its settings."""
 
-    class Protocol(AutoHTTPProtocol):
-        def connection_made(self, transport) -> None:
-            counted.open += 1
-            super().connection_made(transport)
-            self.header_timer = self.loop.call_later(timeout, self.header_timeout)
+    timeout: float = 10.0
+    counted: Connections = Connections()
+    refusals: Optional[Refusals] = None
+    max_header_bytes: int = MAX_HEADER_BYTES
 
-        def data_received(self, data: bytes) -> None:
-            cycle = self.cycle
-            if self.header_timer is None and (cycle is None or cycle.response_complete):  # a next request begins
-                self.header_timer = self.loop.call_later(timeout, self.header_timeout)
-            super().data_received(data)
-            if self.cycle is not cycle and self.header_timer is not None:  # a whole head came: its request runs
-                self.header_timer.cancel()
-                self.header_timer = None
+    def connection_made(self, transport) -> None:
+        self.counted.open += 1
+        super().connection_made(transport)
+        self.header_timer = self.loop.call_later(self.timeout, self.header_timeout)
+        self.head_bytes = 0  # bytes read while the head being read was incomplete
 
-        def header_timeout(self) -> None:
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        if self.header_timer is None and (cycle is None or cycle.response_complete):  # a next request begins
+            self.header_timer = self.loop.call_later(self.timeout, self.header_timeout)
+            self.head_bytes = 0
+        if self.header_timer is not None:
+            self.head_bytes += len(data)
+        if not self._parse(data):
+            return
+        if self.cycle is not cycle and self.header_timer is not None:  # a whole head came: its request runs
+            self.header_timer.cancel()
             self.header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
+        elif self.header_timer is not None and self.head_bytes > self.max_header_bytes:  # a head that goes on
+            self._too_large()
 
-        def connection_lost(self, exc) -> None:
-            counted.open -= 1
-            if self.header_timer is not None:
-                self.header_timer.cancel()
-            super().connection_lost(exc)
+    def _parse(self, data: bytes) -> bool:
+        """uvicorn's parsing (HttpToolsProtocol.data_received), a malformed request refused as the application
+        refuses one -> whether the connection goes on."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+        except httptools.HttpParserError as e:
+            if self.head_bytes > self.max_header_bytes:  # (raised by on_headers_complete)
+                self._too_large()
+            else:
+                self.refuse(400, f"a malformed HTTP request ({str(e)[:100]}): this server reads plain HTTP/1.1",
+                            "malformed_request")
+            return False
+        return True
 
-    return Protocol
+    def on_headers_complete(self) -> None:
+        size = len(self.url) + sum(len(k) + len(v) for k, v in self.headers)
+        if size > self.max_header_bytes:
+            self.head_bytes = size
+            raise ValueError("head too large")  # (the parser stops: _parse refuses it)
+        super().on_headers_complete()
+
+    def _too_large(self) -> None:
+        self.refuse(431, f"the request's head (its line and headers) is larger than {self.max_header_bytes} bytes "
+                         "(--max_header_bytes)", "header_too_large")
+
+    def refuse(self, status: int, message: str, code: str) -> None:
+        """Answers ``status`` with OpenAI's error body and closes the connection."""
+        body = json.dumps(api.ApiError(status, message, code=code).body()).encode()
+        head = [STATUS_LINE[status]] + [b"%s: %s\r\n" % kv for kv in self.server_state.default_headers]
+        head += [b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+        if self.refusals is not None:
+            self.refusals(status, message, "a request from %s" % ("%s:%s" % tuple(self.client) if self.client else "?"))
+
+    def header_timeout(self) -> None:
+        self.header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        self.counted.open -= 1
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+        super().connection_lost(exc)
+
+
+def header_timeout_protocol(timeout: float, connections: Optional[Connections] = None,
+                            refusals: Optional[Refusals] = None, max_header_bytes: int = MAX_HEADER_BYTES):
+    """``Protocol`` with these settings (uvicorn's ``http``): a head within ``timeout`` seconds and
+    ``max_header_bytes``, the open connections counted in ``connections``, refusals counted and logged by
+    ``refusals``."""
+    return type("Protocol", (Protocol,), dict(timeout=timeout, counted=connections or Connections(),
+                                              refusals=refusals, max_header_bytes=max_header_bytes))
 
 
 class Server(uvicorn.Server):
@@ -472,6 +626,7 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine, grace: float, banner):
         super().__init__(config)
         self.engine, self.grace, self.banner = engine, grace, banner
+        self.reading: Optional[Reading] = getattr(config.app, "reading", None)  # (make_app's)
         self.deadline: Optional[float] = None
         self.aborted = False
         self.fatal: Optional[Exception] = None
@@ -508,6 +663,8 @@ class Server(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.deadline is not None:
+            if self.reading is not None:  # the bodies still arriving: 503 at once (none can be admitted)
+                self.reading.refuse()
             if time.monotonic() >= self.deadline:
                 self._abort()
             if not self.engine.held():
@@ -516,19 +673,25 @@ class Server(uvicorn.Server):
 
 
 def serve(engine, host: str, port: int, api_key: Optional[str], grace: float, banner, header_timeout: float = 10.0,
-          body_timeout: float = 30.0, keep_alive: int = 30, max_connections: Optional[int] = 1024) -> None:
+          body_timeout: float = 30.0, keep_alive: int = 30, max_connections: Optional[int] = 1024,
+          max_header_bytes: int = MAX_HEADER_BYTES, log_requests: Optional[int] = logging.INFO,
+          access_log: bool = False) -> None:
     """Serves ``engine`` until a signal (see ``Server``); ``banner(host, port)`` once it listens. SystemExit(1) when
-    the decoding loop stopped for good."""
+    the decoding loop stopped for good. ``log_requests``: the level of a refusal's line (None: none); ``access_log``:
+    uvicorn's line a request. uvicorn's own lines go through this process's logging (its format, with the time)."""
     holder: list = []
     connections = Connections(max_connections)
+    refusals = Refusals(engine.metrics, log_requests)
     app = make_app(engine, api_key, body_timeout, on_fatal=lambda error: holder[0].stop_fatally(error),
-                   connections=connections)
+                   connections=connections, refusals=refusals)
     # keep-alive 30 s (uvicorn's 5): pooled client connections (the openai client's) are closed under them less
     # often, the race where a request starts on a connection the server is closing. The connection limit is the
     # app's (ConnectionLimit), not uvicorn's limit_concurrency
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=access_log, log_config=None,
                             timeout_graceful_shutdown=10, timeout_keep_alive=keep_alive, lifespan="on",
-                            http=header_timeout_protocol(header_timeout, connections))
+                            http=header_timeout_protocol(header_timeout, connections, refusals, max_header_bytes))
+    if access_log:
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = Server(config, engine, grace, banner)
     holder.append(server)
     server.run()

@@ -1,13 +1,13 @@
 """The server's Prometheus metrics (``GET /metrics``, the text format), in a registry of their own.
 
     flan_t5_queue_depth                        requests waiting for a slot
-    flan_t5_running_slots / flan_t5_slots      slots decoding now / in all
+    flan_t5_running_slots / flan_t5_slots      slots decoding now (their last tokens on the way included) / in all
     flan_t5_generated_tokens_total             tokens generated
     flan_t5_prompt_tokens_total                prompt tokens read
     flan_t5_requests_total{outcome}            sequences ended: stop, length, cancelled (client gone), aborted
                                                (shutdown), error (a decoding call failed)
     flan_t5_rejected_requests_total{status}    responses of status 400 or more, by status (every refusal: 400,
-                                               401, 404, 405, 408, 413, 415, 429, 499 (the client went away
+                                               401, 404, 405, 408, 413, 415, 429, 431, 499 (the client went away
                                                first), 500, 503)
     flan_t5_time_to_first_token_seconds        histogram: arrival to the first token
     flan_t5_inter_token_latency_seconds        histogram: between two decoding calls' tokens of a sequence (a call's

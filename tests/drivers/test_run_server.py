@@ -162,7 +162,8 @@ def servers(checkpoints):
     test of both goes through both."""
     started = {"t5": Server("t5", checkpoints["t5"], "--grace_period", "60", "--attention_spans", "4"),
                "gptj": Server("gptj", checkpoints["gptj"], "--grace_period", "0", "--output_length", "1024",
-                              "--cpu_threads", "1", "--attention_spans", "4")}
+                              "--cpu_threads", "1", "--attention_spans", "4", "--access_log", "--log_requests",
+                              "warning")}
     try:
         yield {k: s.ready() for k, s in started.items()}
     finally:
@@ -443,6 +444,42 @@ def test_size_limits_are_a_413(servers):
     assert long.status_code == 413 and long.json()["error"]["param"] == "prompt" and "2000" in long.text
     many = server.post({"prompt": ["a"] * 21})  # more prompts than the server holds (4 slots + 16 queued)
     assert many.status_code == 413 and "at most 20" in many.json()["error"]["message"]
+
+
+def test_each_refusal_is_a_line_at_log_requests_level_the_access_log_on_request_and_bad_http_a_json_400(servers):
+    """--log_requests warning: a refusal is one WARNING line naming the request and why; --access_log: uvicorn's
+    line a request, with this process's time and level, as a malformed request's 400 (OpenAI's JSON, counted) is;
+    the T5 server (neither flag) logs its refusals at INFO and has no access log."""
+    import re
+    import socket
+
+    stamped = re.compile(r"^\d\d:\d\d:\d\d (INFO|WARNING) ")
+    server = servers["gptj"]
+    assert server.post({"prompt": "a", "max_tokens": 0}).status_code == 400
+    host, port = server.url.split("//")[1].split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+    sock.settimeout(WAIT)
+    reply = b""
+    while chunk := sock.recv(4096):
+        reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400 ") and json.loads(reply.split(b"\r\n\r\n")[1])["error"]["code"] == \
+        "malformed_request"
+    assert server.metric('flan_t5_rejected_requests_total{status="400"}') >= 2
+
+    def lines(s, words):
+        return [x for x in s.err if words in x]
+
+    server.wait_for(lambda: lines(server, "a malformed HTTP request") and lines(server, '"GET /metrics HTTP/1.1" 200'),
+                    "the lines")
+    refused = lines(server, "refused POST /v1/completions from 127.0.0.1:")
+    assert any("400 max_tokens" in x for x in refused), refused
+    assert all(stamped.match(x) and " WARNING " in x for x in refused + lines(server, "a malformed HTTP request"))
+    assert all(stamped.match(x) for x in lines(server, '"GET /metrics HTTP/1.1" 200'))
+    t5 = servers["t5"]
+    assert t5.post({"prompt": "a", "max_tokens": 0}).status_code == 400
+    t5.wait_for(lambda: lines(t5, "refused POST /v1/completions"), "the T5 server's line")
+    assert all(" INFO " in x for x in lines(t5, "refused POST")) and not lines(t5, '"POST /v1/completions HTTP/1.1"')
 
 
 def _open_stream(server, body: dict):

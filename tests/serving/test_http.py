@@ -29,13 +29,14 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from fastapi.responses import JSONResponse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from data.synthetic import make_tokenizer
 from serving import api
 from serving.engine import Engine, ServeOptions
-from serving.http import Connections, Server, header_timeout_protocol, make_app
+from serving.http import MAX_HEADER_BYTES, Connections, Refusals, Server, header_timeout_protocol, make_app
 from tests.fake_backend import FakeBackend, logprob
 
 TOK = make_tokenizer()
@@ -68,10 +69,13 @@ class FakeServer:
                                max_body_bytes=65536, model_id=MODEL, max_logprobs=5)
         self.engine = Engine(self.backend, TOK, encode, options)
         self.connections = Connections(kw.pop("max_connections", None))
+        self.refusals = Refusals(self.engine.metrics, kw.pop("log_requests", logging.INFO))
         app = make_app(self.engine, KEY, body_timeout=kw.pop("body_timeout", 5.0),
-                       on_fatal=lambda e: self.server.stop_fatally(e), connections=self.connections)
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                http=header_timeout_protocol(kw.pop("header_timeout", 5.0), self.connections),
+                       on_fatal=lambda e: self.server.stop_fatally(e), connections=self.connections,
+                       refusals=self.refusals)
+        protocol = header_timeout_protocol(kw.pop("header_timeout", 5.0), self.connections, self.refusals,
+                                           kw.pop("max_header_bytes", MAX_HEADER_BYTES))
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", http=protocol,
                                 timeout_keep_alive=5)
         self.server = Server(config, self.engine, kw.pop("grace", 30.0), self._listening)
         self.url = None
@@ -400,6 +404,134 @@ def test_idle_and_slow_connections_are_closed_and_a_body_cut_short_is_one_line(c
         s.stop()
 
 
+def head_of(sock: socket.socket) -> tuple:
+    """(status, headers, body) of the one response the server writes before it closes the connection."""
+    sock.settimeout(WAIT)
+    data = b""
+    while True:
+        got = sock.recv(65536)
+        if not got:
+            break
+        data += got
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_sigterm_while_a_body_arrives_answers_it_openai_s_503_in_one_line_and_the_server_exits(caplog):
+    """A request still sending its body when SIGTERM comes is answered at once, OpenAI's JSON 503 (it cannot be
+    admitted), one log line, no traceback, and the server exits without waiting for it (uvicorn's shutdown waited
+    its own grace, then cancelled it: a text/plain 500 and a 26-line CancelledError traceback each)."""
+    caplog.set_level(logging.INFO)
+    s = FakeServer(body_timeout=WAIT)  # (no 408 first)
+    try:
+        socks = []
+        for _ in range(2):
+            sock = socket.create_connection((s.host, s.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                         b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
+            socks.append(sock)
+        s.wait_for(lambda: len(s.server.reading.tasks) == 2, "two bodies being read")
+        s.server.handle_exit(15, None)
+        for sock in socks:
+            status, headers, body = head_of(sock)
+            error = json.loads(body)["error"]
+            assert status == 503 and headers["content-type"] == "application/json", (status, body)
+            assert error["code"] == "shutting_down" and "body" in error["message"], error
+        s.thread.join(WAIT)
+        assert not s.thread.is_alive() and s.server.fatal is None
+    finally:
+        s.stop()
+    assert s.metric('flan_t5_rejected_requests_total{status="503"}') == 2
+    lines = [r for r in caplog.records if "503" in r.getMessage()]
+    assert len(lines) == 2 and all(r.name == "flan_t5" and not r.exc_info for r in lines), lines
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+def test_a_head_larger_than_max_header_bytes_is_a_counted_431_one_at_the_bound_is_served(caplog):
+    """A request's head (its line and headers: httptools has no bound, and held a 69 MB header) is read up to
+    ``max_header_bytes``; past it, OpenAI's JSON 431, counted, its connection closed, whether it came whole or is
+    still coming."""
+    caplog.set_level(logging.INFO)
+    s = FakeServer(max_header_bytes=1000)
+    try:
+        def get(pad: int) -> socket.socket:  # a head of len("/health") + len("host") + len("x") + 5 + pad bytes
+            sock = socket.create_connection((s.host, s.port))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nx-pad: " + b"a" * pad + b"\r\nConnection: close\r\n\r\n")
+            return sock
+
+        close = len("connection") + len("close")
+        status, _, body = head_of(get(1000 - 7 - 5 - 5 - close))
+        assert status == 200 and json.loads(body) == {"status": "ok"}
+        status, headers, body = head_of(get(1000 - 7 - 5 - 5 - close + 1))
+        error = json.loads(body)["error"]
+        assert status == 431 and error["code"] == "header_too_large" and "--max_header_bytes" in error["message"]
+        assert headers["connection"] == "close" and headers["content-type"] == "application/json"
+        endless = socket.create_connection((s.host, s.port))  # a head that goes on and on: refused while it comes
+        endless.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nx-pad: " + b"a" * 5000)
+        assert head_of(endless)[0] == 431
+        assert s.metric('flan_t5_rejected_requests_total{status="431"}') == 2
+        assert len([r for r in caplog.records if "431" in r.getMessage()]) == 2
+        s.serves()
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("raw", [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+                                 bytes.fromhex("16030100a5010000a10303") + b"\x00" * 40])
+def test_a_request_that_is_not_http_is_a_counted_json_400_in_one_line_of_this_process_s_log(raw, caplog):
+    """Content-Length: -5, or TLS bytes on the plain port: OpenAI's JSON 400, counted, one line through this
+    process's logger (uvicorn's was text/plain, uncounted, its line without a time)."""
+    caplog.set_level(logging.INFO)
+    s = FakeServer()
+    try:
+        sock = socket.create_connection((s.host, s.port))
+        sock.sendall(raw)
+        status, headers, body = head_of(sock)
+        error = json.loads(body)["error"]
+        assert status == 400 and headers["content-type"] == "application/json" and error["code"] == "malformed_request"
+        assert s.metric('flan_t5_rejected_requests_total{status="400"}') == 1
+        lines = [r for r in caplog.records if r.levelno >= logging.INFO and r.name != "httpx"]
+        assert len(lines) == 1 and lines[0].name == "flan_t5" and "400 a malformed HTTP request" in lines[0].getMessage()
+        s.serves()
+    finally:
+        s.stop()
+
+
+def test_log_requests_chooses_the_level_of_a_refusal_s_line_or_none_and_every_refusal_is_counted(caplog):
+    """--log_requests LEVEL: each refusal one line at LEVEL naming the request and why; off: none; counted either
+    way. The flag's choices and --max_header_bytes' default are the HTTP layer's."""
+    import argparse
+
+    from app.args import server_flags
+    from serving.http import LOG_LEVELS
+
+    caplog.set_level(logging.DEBUG, logger="flan_t5")
+    for name, level in (("warning", logging.WARNING), ("debug", logging.DEBUG), ("off", None)):
+        s = FakeServer(log_requests=LOG_LEVELS[name])
+        try:
+            caplog.clear()
+            r = s.post({"model": MODEL, "prompt": "the cat", "max_tokens": 65})
+            assert r.status_code == 400
+            assert s.metric('flan_t5_rejected_requests_total{status="400"}') == 1
+            lines = [x for x in caplog.records if x.getMessage().startswith("refused")]
+            if level is None:
+                assert not lines
+                continue
+            (line,) = lines
+            assert line.levelno == level and line.getMessage().startswith("refused POST /v1/completions from "
+                                                                         "127.0.0.1:")
+            assert line.getMessage().endswith(": 400 " + r.json()["error"]["message"])
+        finally:
+            s.stop()
+    p = argparse.ArgumentParser()
+    server_flags(p)
+    args = p.parse_args([])
+    assert args.max_header_bytes == MAX_HEADER_BYTES and args.log_requests == "info" and not args.access_log
+    assert set(next(a.choices for a in p._actions if a.dest == "log_requests")) == set(LOG_LEVELS)
+
+
 def read_response(sock: socket.socket) -> bytes:
     """One whole HTTP response (its head and its Content-Length of body) off a socket."""
     data = b""
@@ -415,27 +547,68 @@ def read_response(sock: socket.socket) -> bytes:
 
 def test_past_max_connections_a_request_is_an_openai_503_with_retry_after_counted_and_its_connection_closed():
     """While more connections are open than --max_connections, a request gets OpenAI's error body, Retry-After, a
-    count in the metrics and its connection closed (uvicorn's own limit answered text/plain, uncounted); once some
-    close, requests are served again."""
+    count in the metrics and its connection closed (uvicorn's own limit answered text/plain, uncounted); /health and
+    /metrics are still answered (their connections closed after: they once got the 503 too, so health checks failed
+    and monitoring went blind during a flood); once some close, requests are served again."""
     s = FakeServer(max_connections=2)
     try:
         idle = [socket.create_connection((s.host, s.port)) for _ in range(2)]
         s.wait_for(lambda: s.connections.open == 2, "two connections open")
         before = s.metric('flan_t5_rejected_requests_total{status="503"}')
-        for path in ("/v1/completions", "/health"):
-            r = httpx.post(s.url + path, json={"model": MODEL, "prompt": "the cat"}, timeout=WAIT,
-                           headers={"Authorization": f"Bearer {KEY}"})
-            error = r.json()["error"]
-            assert r.status_code == 503 and error["code"] == "too_many_connections", r.text
-            assert error["type"] == "service_unavailable_error" and "--max_connections 2" in error["message"]
-            assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
-        assert s.metric('flan_t5_rejected_requests_total{status="503"}') - before == 2
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "the cat"}, timeout=WAIT,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["code"] == "too_many_connections", r.text
+        assert error["type"] == "service_unavailable_error" and "--max_connections 2" in error["message"]
+        assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+        assert s.metric('flan_t5_rejected_requests_total{status="503"}') - before == 1
+        for path in ("/health", "/metrics"):
+            r = httpx.get(s.url + path, timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
+            assert r.status_code == 200 and r.headers["connection"] == "close", (path, r.text)
+        assert "flan_t5_slots 4.0" in r.text
         for sock in idle:
             sock.close()
         s.wait_for(lambda: s.connections.open == 0, "the connections closed")
         s.serves()
     finally:
         s.stop()
+
+
+def test_past_max_connections_health_and_metrics_take_their_reserve_and_no_more():
+    """Past the limit, up to ``reserve`` /health and /metrics requests are answered at once; one more is the 503,
+    as is any other path, even with the reserve free."""
+    from serving.http import ConnectionLimit
+
+    async def go(reserve: int, paths: list) -> list:
+        release, inside = asyncio.Event(), []
+
+        async def app(scope, receive, send):  # holds every request it is given until released
+            inside.append(scope["path"])
+            await release.wait()
+            await JSONResponse({"ok": 1})(scope, receive, send)
+
+        over = Connections(1)
+        over.open = 5
+        limit, statuses = ConnectionLimit(app, over, reserve=reserve), {}
+
+        async def call(k, path):
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    statuses[k] = message["status"]
+
+            await limit({"type": "http", "path": path, "method": "GET", "headers": []}, None, send)
+
+        tasks = [asyncio.ensure_future(call(k, p)) for k, p in enumerate(paths)]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(*tasks)
+        assert limit.monitoring == 0  # (each one given back)
+        return [statuses[k] for k in range(len(paths))]
+
+    assert asyncio.run(go(2, ["/health", "/metrics", "/health"])) == [200, 200, 503]
+    assert asyncio.run(go(3, ["/health", "/metrics", "/health"])) == [200, 200, 200]
+    assert asyncio.run(go(2, ["/v1/models", "/health"])) == [503, 200]
 
 
 def test_a_kept_alive_connection_that_begins_a_request_and_stops_is_closed_after_the_header_timeout():

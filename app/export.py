@@ -4,6 +4,7 @@ base they were trained on named where PEFT can load it (an HF model), else writt
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -38,8 +39,25 @@ def special_tokens(tokenizer) -> dict:
 def export_model(params, model_config, tokenizer, family, output: str) -> str:
     """Weights (any memory, stacked) with their tokenizer as an HF model directory -> its architecture's name."""
     save_hf_model(jax.tree.map(np.asarray, params), model_config, output, special_tokens(tokenizer))
-    tokenizer.save_pretrained(output)
+    as_read(tokenizer, family).save_pretrained(output)
     return family.hf.config_dict(model_config)["architectures"][0]
+
+
+PROBE = ["the cat"]  # a text whose ids show what a tokenizer adds around any text
+
+
+def as_read(tokenizer, family):
+    """The tokenizer an export carries: its default encoding (``tokenizer(text)``, what transformers' users and
+    pipelines call) gives the ids the family reads a prompt as. A decoder-only family reads a prompt with no special
+    tokens, but a tokenizer made for T5's (the synthetic one, a learnt one) appends its end-of-text to every text:
+    exported as it was, ``GPTJForCausalLM.generate`` on the export read every prompt with an end-of-text after it and
+    answered differently from this project; such a tokenizer is exported without its post-processor."""
+    if tokenizer(PROBE)["input_ids"] == family.encode_inputs(tokenizer, PROBE) or \
+            getattr(tokenizer, "backend_tokenizer", None) is None:
+        return tokenizer
+    out = copy.deepcopy(tokenizer)
+    out.backend_tokenizer.post_processor = None
+    return out
 
 
 def export_peft(decoder, directory: str, step: int, tokenizer, output: str) -> dict:

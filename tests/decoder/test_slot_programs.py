@@ -4,7 +4,9 @@ behind its HTTP thread. ``Carry`` packs every leaf of the cache but its floating
 and every leaf of the rows' state, into one int32 vector a device and back, bit for bit; ``pack_scored`` does the
 same for a call's log-probabilities; the advance program returns the tokens, the scores, the keys and values, and
 the vector, nothing more. An insert's inputs travel in one array; each advance gets its call's keep flags, copied to
-the device only when they change, and runs in the span program that holds its rows and costs least."""
+the device only when they change, and runs in the span program that holds its rows and costs least. An insert (its
+programs stubbed) reads several packed rows, both dp shards and a prompt as long as its width, its rows back in the
+joiners' order."""
 
 from __future__ import annotations
 
@@ -231,6 +233,73 @@ def test_every_advance_gets_the_keep_flags_of_its_call_copied_to_the_device_only
     for n in (0, 4):  # 1 to the steps compiled
         with pytest.raises(ValueError, match=f"1 to 3 steps, not {n}"):
             sp.advance(np.array(flags[0]), n)
+
+
+def stubbed_inserts(dp: int, slots: int, width: int, insert_rows: tuple):
+    """decoder/slot_programs.py's SlotPrograms on a dp x 1 mesh with its insert programs stubbed (no compile): each
+    reads its packed joiners as the program does (``unpack_joiners``) and gives, at joiner j of shard d's output
+    row (d x local + j), 1000 x its prompt's first token (read where the packing put it) + its slot, so a
+    test sees which prompt and slot each output row holds -> (the SlotPrograms, the rows each insert read)."""
+    from config import load_config
+    from decoder.decoder import Decoder
+    from decoder.slot_programs import SlotPrograms, unpack_joiners
+
+    g = Decoder.of_config(load_config("inference", "gptj_tiny", dict(eval=True, tensor_parallel=1, data_parallel=dp)))
+    sp = SlotPrograms(g, slots, width, insert_rows, 4, 3)
+    called = []
+
+    def program(rows):
+        def run(params, apart, words, joiners):
+            called.append(rows)
+            first = []
+            for d, shard in enumerate(np.asarray(joiners)):
+                (ids, _, _), at, lengths, local_slots, _, _ = unpack_joiners(jnp.asarray(shard), rows, width, sp.local)
+                ids, at, local_slots = np.asarray(ids).ravel(), np.asarray(at), np.asarray(local_slots)
+                first += [1000 * int(ids[at[j]]) + d * sp.local + int(local_slots[j]) for j in range(sp.local)]
+            scored = np.zeros((dp * sp.local, 1 + 2 * sp.top), np.int32)
+            return jnp.asarray(first), jnp.asarray(scored), apart, words
+        return run
+
+    sp._insert = {rows: program(rows) for rows in sp.insert_rows}
+    return sp, called
+
+
+def joiner(slot: int, ids: list) -> tuple:
+    return slot, ids, (0.0, 0, 0.0, 0, 0, -1), 4
+
+
+@pytest.mark.slow
+def test_an_insert_of_several_packed_rows_reads_each_prompt_where_it_was_packed_in_the_joiners_order():
+    """Four prompts that fill two rows 8 wide (6 + 2, 5 + 3): the insert of 2 rows runs (the fewest compiled that hold
+    them) and its output rows come back in the joiners' order, each its own prompt's and slot's."""
+    sp, called = stubbed_inserts(1, 4, 8, (1, 2, 4))
+    joiners = [joiner(2, [11, 3, 4, 5, 6]), joiner(0, [12, 3, 4, 5, 6, 7]), joiner(3, [13, 3]), joiner(1, [14, 3, 4])]
+    first, _ = sp.insert(joiners)
+    assert called == [2] and sp.fetch(first).tolist() == [11002, 12000, 13003, 14001]
+    sp.insert(joiners[:1])
+    assert called[-1] == 1
+
+
+@pytest.mark.slow
+def test_an_insert_at_dp_2_returns_each_shard_s_rows_in_the_joiners_order():
+    """Joiners to both dp shards, interleaved: shard d's j-th joiner comes back from output row d x local + j, read
+    in the joiners' order (read at j alone, the second shard's rows were the first's)."""
+    sp, called = stubbed_inserts(2, 4, 8, (1,))
+    assert sp.local == 2 and sp.dp == 2
+    joiners = [joiner(3, [21, 3]), joiner(0, [22, 3]), joiner(2, [23, 3, 4]), joiner(1, [24])]
+    first, scored = sp.insert(joiners)
+    assert sp.fetch(first).tolist() == [21003, 22000, 23002, 24001]
+    assert sp.fetch(scored).logprob.shape == (4,)  # (the scores read in the same order)
+
+
+@pytest.mark.slow
+def test_an_insert_reads_a_prompt_as_long_as_its_width_and_refuses_one_longer_or_empty():
+    sp, _ = stubbed_inserts(1, 4, 8, (1,))
+    first, _ = sp.insert([joiner(1, list(range(30, 38)))])  # 8 tokens: the width
+    assert sp.fetch(first).tolist() == [30001]
+    for ids in (list(range(30, 39)), []):
+        with pytest.raises(ValueError, match="an insert reads 1 to 8"):
+            sp.insert([joiner(1, ids)])
 
 
 @pytest.mark.slow

@@ -152,3 +152,24 @@ def test_a_lora_checkpoint_is_merged_then_quantized_layer_by_layer(preset):
     assert any(not np.array_equal(np.asarray(a.q), np.asarray(b.q)) for a, b in zip(
         jax.tree.leaves(got, is_leaf=quant.is_int8), jax.tree.leaves(unmerged, is_leaf=quant.is_int8))
         if quant.is_int8(a))
+
+
+def test_merging_from_host_refuses_a_base_that_changed(monkeypatch):
+    """The phased / int8 merge path (Weights.merged_from_host, its reads stubbed) checks the base's fingerprint as the
+    device merge does: a LoRA checkpoint over a base that changed is one line, never decoded silently."""
+    from types import SimpleNamespace
+
+    from decoder import weights as W
+    from utils.errors import FlanT5Error
+
+    g8 = _graphs("tiny", 1, "int8")
+    host = _host_params(g8)
+    monkeypatch.setattr(W, "load_base", lambda lg, source, kind: host)
+    monkeypatch.setattr(g8.weights, "lora_parts", lambda *a, **kw: (SimpleNamespace(opts=None), {}, None))
+    monkeypatch.setattr(g8.weights, "place", lambda base, adapters=None, opts=None: ("placed", base))
+    trained_on = W.fingerprint_rows([[x] for x in jax.tree.leaves(host)])
+    saved = {"lora_base": {"source": {"hf_model": "base"}, "fingerprint": trained_on}}
+    assert g8.weights.merged_from_host("ck", 3, saved) == ("placed", host)
+    saved["lora_base"]["fingerprint"] = "f" * len(trained_on)
+    with pytest.raises(FlanT5Error, match="ck step 3 holds adapters trained on other weights than"):
+        g8.weights.merged_from_host("ck", 3, saved)

@@ -574,6 +574,22 @@ def test_past_max_connections_a_request_is_an_openai_503_with_retry_after_counte
         s.stop()
 
 
+def test_max_connections_is_inclusive_one_connection_is_served_under_max_connections_1():
+    """--max_connections N serves N connections at once and refuses a request while N + 1 are open (``>=`` answered
+    every request 503 under --max_connections 1)."""
+    s = FakeServer(max_connections=1)
+    try:
+        s.serves()  # (its one pooled connection)
+        idle = socket.create_connection((s.host, s.port))
+        s.wait_for(lambda: s.connections.open == 2, "two connections open")
+        assert s.post({"model": MODEL, "prompt": "the cat", "max_tokens": 2}).status_code == 503
+        idle.close()
+        s.wait_for(lambda: s.connections.open <= 1, "the idle connection closed")
+        s.serves()
+    finally:
+        s.stop()
+
+
 def test_past_max_connections_health_and_metrics_take_their_reserve_and_no_more():
     """Past the limit, up to ``reserve`` /health and /metrics requests are answered at once; one more is the 503,
     as is any other path, even with the reserve free."""
@@ -1251,6 +1267,18 @@ def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_
     for i, c in enumerate([-3.0, -1.0, -2.0, -0.5, -1.0, -1.0, -2.0, -1.0]):
         reply.take(Event(i, cumulative_logprob=c, finish_reason="length"))
     assert reply.chosen() == [3, 1, 4, 5]
+
+
+def test_each_candidate_of_each_prompt_is_its_own_choice_index_and_two_prompts_with_best_of_are_answered(server):
+    """A request's candidates, prompt by prompt, are indexed 0 .. prompts x best_of - 1 (``i * best_of + j``; with
+    ``i * n + j`` two prompts with best_of > n shared indices and never finished: a hang)."""
+    from serving.engine import Generation
+
+    reply = Generation(None, completion(prompt=["a", "b"], n=1, best_of=3), [([5], "a"), ([6], "b")])
+    assert [s.out.index for s in reply.seqs] == list(range(6))
+    r = server.post({"model": MODEL, "prompt": [words("the cat"), words("a dog")], "n": 1, "best_of": 2,
+                     "max_tokens": 3}, timeout=10)
+    assert r.status_code == 200 and [c["text"] for c in r.json()["choices"]] == ["the cat the", "a dog a"], r.text
 
 
 def test_a_completion_s_choices_show_distinct_texts_a_chat_s_tokens():

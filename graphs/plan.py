@@ -160,6 +160,23 @@ class PlanOps:
             self.ledger.quiet = False
 
 
+# A phased run as one H100 ran it: Flan-T5-XXL (xxl_1gpu), 16 packed rows at MNLI-like lengths, --plan_exact
+# (benchmarks/results/h100/fifteen/2_xxl_pool110_workstation/f15_xxl_1gpu.json, figures.rows16; docs/results.md's
+# xxl-1gpu table; tests/graphs/test_plan.py holds these to that file): the allocator's peak over the exact plan's
+# device bytes, the process's RSS over the host plan, the step over its floor. A phased plan says them where it
+# prints, until a GPU run shows the plan counts what the run holds.
+GPU_PHASED_MEASURED = {"device_over_plan": 2.51, "host_rss_over_plan": 1.78, "over_bound": 1.95}
+
+
+def gpu_phased_note() -> str:
+    """The line a phased plan prints: what it under-counts on a GPU, by the measured factors."""
+    m = GPU_PHASED_MEASURED
+    return (f"on a GPU this plan under-counts a phased run: on one H100 (xxl_1gpu, 16 rows, --plan_exact) the "
+            f"allocator's peak was {m['device_over_plan']:.2f}x the exact device plan, the process's RSS "
+            f"{m['host_rss_over_plan']:.2f}x the host plan (and the step {m['over_bound']:.2f}x its floor): size the "
+            "GPU and the host by those factors (docs/results.md#xxl-1gpu)")
+
+
 @dataclass
 class TrainingPlan(MemoryPlan):
     """A training run's plan (partitioning/plan.py's ``MemoryPlan``), with the phased executor's traffic over the
@@ -177,7 +194,8 @@ class TrainingPlan(MemoryPlan):
                  f"{format_items(self.host_items) or 'nothing'}"]
         if self.transfers and self.transfer_floor:
             lines.append(format_bytes_table(self.transfers, self.transfer_floor, LINK_GB_PER_S))
-        return "\n".join(lines + [f"  {n}" for n in self.notes])
+        notes = self.notes + ([gpu_phased_note()] if self.executor == "phased" else [])
+        return "\n".join(lines + [f"  {n}" for n in notes])
 
     def check(self, device_limit: int | None, host_limit: int | None, cfg) -> None:
         """Raises PlanError (one line: what does not fit, and the knobs) if a limit is exceeded."""

@@ -49,7 +49,8 @@ def test_the_24_gb_lora_presets_decode_within_22_gib(preset, fits, short):
 
 def test_ul2_lora_1gpu_is_served_with_int8_weights_within_22_gib_at_8_slots():
     """The server keeps every weight on the device (no streamed encoder): UL2's int8 weights and the KV cache of 8
-    slots of 512-token prompts and 128 new tokens within 22 GiB (measured from shapes: 21.0 GiB), 16 slots not."""
+    slots of 512-token prompts and 128 new tokens within 22 GiB (from shapes: 20.9 GiB, docs/results.md's
+    plan-serve-ul2-lora-1gpu-quantize-int8-device), 16 slots not."""
     from decoder.plan import decode_plan
 
     assert decode_plan(_decode_graphs("ul2_lora_1gpu", quantize="int8"), 8, 512, 128).device_peak < 22 * GIB

@@ -197,3 +197,24 @@ def test_a_task_with_longer_targets_is_planned_with_its_longer_decoder():
     for item in ("batch", "activations"):
         assert long.device_items[item] > short.device_items[item] * 1.5, (short.format(), long.format())
     assert long.device_peak > 2 * short.device_peak
+
+
+def test_a_phased_plan_says_what_it_under_counts_on_a_gpu_by_the_factors_measured_there():
+    """Where a phased plan prints, it says the factors one H100 measured (the allocator's peak over the exact device
+    plan, the RSS over the host plan, the step over its floor), each the figure the run's JSON holds (the one
+    source docs/results.md's xxl-1gpu table reads); a fused plan does not say it."""
+    import json
+    import os
+    import re
+
+    from graphs.plan import TrainingPlan
+    from tests.helpers import ROOT
+
+    rows16 = json.load(open(os.path.join(ROOT, "benchmarks", "results", "h100", "fifteen", "2_xxl_pool110_workstation",
+                                         "f15_xxl_1gpu.json")))["figures"]["rows16"]
+    want = [f"{rows16[k]:.2f}x" for k in ("device_over_plan", "host_rss_over_plan", "over_bound")]
+    printed = TrainingPlan("phased", 1, "a", {"x": 1}, 2, "b", {"y": 2}, True).format()
+    (line,) = [x for x in printed.splitlines() if "under-counts" in x]
+    assert re.findall(r"\d+\.\d+x", line) == want, (line, want)
+    assert "results.md#xxl-1gpu" in line
+    assert "under-counts" not in TrainingPlan("fused", 1, "a", {"x": 1}, 2, "b", {"y": 2}, True).format()

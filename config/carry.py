@@ -47,6 +47,8 @@ def shape_hint(current: Optional[Config], saved: Optional[dict]) -> str:
     if not saved:
         return "use the preset and flags of the run that wrote it"
     theirs = model_shape(saved)
+    if not theirs.get("lora_rank"):  # weights without adapters are any LoRA run's base: its LoRA fields are no
+        theirs = {k: v for k, v in theirs.items() if FIELDS[k].path[0] != "lora"}  # part of their shape
     ours = model_shape(current) if current is not None else {k: FIELDS[k].default for k in theirs}
     return ("it was trained with " + " ".join(f"--{k} {v}" for k, v in theirs.items() if v != ours[k])
             + ": pass the same (or that run's preset)")

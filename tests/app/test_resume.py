@@ -193,3 +193,19 @@ def test_a_resume_takes_the_task_from_the_checkpoint_and_names_every_disagreemen
                                ("input_template", "q: {question}", "question: {question}")):
         assert f"--{flag} {ours} (it was trained with --{flag} {theirs})" in err, err
     assert ckpt.saved_steps(save)[-1] == 3
+
+
+def test_a_shape_mismatch_hint_names_a_base_s_own_shape_flags_never_lora_s():
+    """A LoRA run over weights of another vocabulary (--init_from a full checkpoint): the hint names the flags the
+    weights were trained with (--vocab_size 64), not the adapters' fields that checkpoint never had (--lora_rank 0
+    told a LoRA run to drop its adapters); a LoRA checkpoint's own rank is named where it differs."""
+    from config import load_config
+    from config.carry import shape_hint
+    from config.presets import to_dict
+
+    base = to_dict(load_config("finetuning", "tiny", {"vocab_size": 64}))
+    lora_run = load_config("finetuning", "tiny", {"vocab_size": 128, "lora_rank": 4, "lora_targets": ["q", "v"]})
+    assert shape_hint(lora_run, base) == "it was trained with --vocab_size 64: pass the same (or that run's preset)"
+    adapters = to_dict(load_config("finetuning", "tiny", {"vocab_size": 128, "lora_rank": 8,
+                                                          "lora_targets": ["q", "v"]}))
+    assert shape_hint(lora_run, adapters) == "it was trained with --lora_rank 8: pass the same (or that run's preset)"

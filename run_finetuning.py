@@ -90,6 +90,9 @@ def check_args(cfg, args) -> None:
 def main(argv=None) -> None:
     args, overrides = command_line("finetuning", __doc__, argv, extra_flags)
     cfg = config_of("finetuning", args, overrides, resume=True)
+    from app.resume import base_tokenizer
+
+    base_tokenizer(cfg, args.init_from, "tokenizer" in overrides)
     check_args(cfg, args)
     start_devices(cfg, pinned=True)
     if args.plan:

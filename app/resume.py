@@ -10,7 +10,9 @@ import shutil
 
 from app.rundir import RunLock
 from app.runtime import barrier, is_main_process
+from config.carry import saved_value
 from config.presets import to_dict
+from data.tokenizer import TRAINED
 from modelling.hf_mapping import load_hf_model
 from partitioning.base import describe_base
 from utils import checkpoint as ckpt
@@ -83,6 +85,38 @@ def init_point(cfg, init_from):
                           f"whole weights: resume it with --load {directory}, or start from its base, or export the "
                           f"merged model (run_export.py --load {directory}) and pass that as --hf_model")
     return directory, step
+
+
+def base_tokenizer(cfg, init_from, given: bool) -> None:
+    """A run from a base's weights reads text with that base's tokenizer: its embedding's rows are that tokenizer's
+    ids. --init_from's checkpoint names its tokenizer: a run given none (``given``) takes it (one line); a LoRA run
+    given another, or ``--tokenizer train``, is refused, naming why (its embedding is frozen: a tokenizer learnt anew
+    kept 72 of 512 ids' meaning, and the adapters learnt 8.5% exact match where the base's gave 83%); a full
+    fine-tune given another is said in one line. ``--tokenizer train`` on an --hf_model base is refused the same."""
+    lora = bool(cfg.lora.rank)
+    if lora and cfg.data.tokenizer == TRAINED and (init_from or cfg.data.hf_model):
+        base = init_from or cfg.data.hf_model
+        raise FlanT5Error(f"--tokenizer train learns a new tokenizer, but LoRA adapters read their base's frozen "
+                          f"embedding, whose rows are the ids of the tokenizer {base} was trained with: drop "
+                          "--tokenizer (the base's is the default)"
+                          + ("" if init_from else f", or pass --tokenizer {base} where it holds its tokenizer"))
+    if not init_from:
+        return
+    directory, step = ckpt.resolve(init_from)[-1]
+    saved = saved_value((ckpt.read_meta(directory, step) or {}).get("config") or {}, "tokenizer")
+    if saved == cfg.data.tokenizer or saved == TRAINED:
+        return
+    if not given:
+        logger.info("the tokenizer of %s/%d, whose ids its weights read: %s", directory, step, saved)
+        cfg.data.tokenizer = saved
+        return
+    what = (f"the tokenizer {saved}, which {directory}/{step} was trained with (its embedding's rows are that "
+            f"tokenizer's ids), not --tokenizer {cfg.data.tokenizer}")
+    if lora:
+        raise FlanT5Error(f"LoRA adapters read their base's frozen embedding: they need {what}: drop --tokenizer (the "
+                          "base's is the default)")
+    logger.warning("a run from %s/%d reads text with %s: each id now means another word to its embedding (drop "
+                   "--tokenizer to use the checkpoint's)", directory, step, what)
 
 
 def initial_state(cfg, executor, loader, point, warm=None, scaler=None):

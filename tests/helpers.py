@@ -55,14 +55,14 @@ def train(save, steps, *extra):
     run_finetuning.main(SMALL + ["--steps", str(steps), "--save", save, *extra])
 
 
-def save_random_checkpoint(preset: str, directory: str, seed: int = 7, step: int = 1) -> None:
-    """A random-init checkpoint of a preset, saved as run_finetuning saves one."""
+def save_random_checkpoint(preset: str, directory: str, seed: int = 7, step: int = 1, **overrides) -> None:
+    """A random-init checkpoint of a preset (its fields ``overrides``), saved as run_finetuning saves one."""
     from config import load_config
     from config.presets import to_dict
     from graphs.graphs import Graphs
     from utils import checkpoint as ckpt
 
-    cfg = load_config("finetuning", preset, {})
+    cfg = load_config("finetuning", preset, overrides)
     mgr = ckpt.manager(directory)
     ckpt.save(mgr, step, Graphs(cfg).init_params(seed), None, {"step": step, "seed": cfg.model.seed,
                                                                "config": to_dict(cfg)})

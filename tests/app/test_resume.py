@@ -209,3 +209,48 @@ def test_a_shape_mismatch_hint_names_a_base_s_own_shape_flags_never_lora_s():
     adapters = to_dict(load_config("finetuning", "tiny", {"vocab_size": 128, "lora_rank": 8,
                                                           "lora_targets": ["q", "v"]}))
     assert shape_hint(lora_run, adapters) == "it was trained with --lora_rank 8: pass the same (or that run's preset)"
+
+
+def test_a_run_from_a_base_reads_text_with_the_base_s_tokenizer_and_lora_is_refused_another(tmp_path, capsys, caplog):
+    """--init_from's checkpoint names the tokenizer its embedding's rows are the ids of: a run given none takes it;
+    a LoRA run given another, or --tokenizer train (which once learnt one keeping 72 of 512 ids' meaning, without a
+    word), is refused in one line before anything is written; a full fine-tune given another is warned; --tokenizer
+    train on an --hf_model base is refused too."""
+    import logging
+
+    import run_finetuning
+    from app.resume import base_tokenizer
+    from config import load_config
+    from data.synthetic import make_tokenizer
+    from tests.helpers import save_random_checkpoint
+    from utils.errors import FlanT5Error
+
+    learnt = str(tmp_path / "learnt")
+    make_tokenizer().save_pretrained(learnt)
+    ck = str(tmp_path / "base")
+    save_random_checkpoint("tiny", ck, tokenizer=learnt)
+
+    def cfg(**kw):
+        return load_config("finetuning", "tiny", kw)
+
+    run = cfg(lora_rank=2)
+    base_tokenizer(run, ck, given=False)
+    assert run.data.tokenizer == learnt
+    for lora, tokenizer in ((2, "train"), (2, "synthetic")):
+        with pytest.raises(FlanT5Error, match="LoRA adapters read their base's frozen embedding") as e:
+            base_tokenizer(cfg(lora_rank=lora, tokenizer=tokenizer), ck, given=True)
+        assert "drop --tokenizer" in str(e.value) and "\n" not in str(e.value)
+    with caplog.at_level(logging.WARNING, logger="flan_t5"):
+        full = cfg(tokenizer="synthetic")
+        base_tokenizer(full, ck, given=True)
+    assert full.data.tokenizer == "synthetic" and f"the tokenizer {learnt}, which {ck}/1 was trained" in caplog.text
+    same = cfg(lora_rank=2, tokenizer=learnt)
+    base_tokenizer(same, ck, given=True)  # (the base's own: taken)
+    with pytest.raises(FlanT5Error, match="--tokenizer train learns a new tokenizer"):
+        base_tokenizer(cfg(lora_rank=2, tokenizer="train", hf_model=str(tmp_path)), None, given=True)
+    base_tokenizer(cfg(lora_rank=2, tokenizer="train"), None, given=True)  # (a random base: nothing to keep)
+    save = tmp_path / "lora"
+    fails(capsys, run_finetuning.main, SMALL + ["--init_from", ck, "--lora_rank", "2", "--tokenizer", "train",
+                                                "--save", str(save), "--steps", "1"],
+          "--tokenizer train learns a new tokenizer, but LoRA adapters read their base's frozen embedding")
+    assert not save.exists()

@@ -90,8 +90,10 @@ def check_args(cfg, args) -> None:
 def main(argv=None) -> None:
     args, overrides = command_line("finetuning", __doc__, argv, extra_flags)
     cfg = config_of("finetuning", args, overrides, resume=True)
+    from app.args import local_paths_absolute
     from app.resume import base_tokenizer
 
+    local_paths_absolute(cfg)
     base_tokenizer(cfg, args.init_from, "tokenizer" in overrides)
     check_args(cfg, args)
     start_devices(cfg, pinned=True)

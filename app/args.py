@@ -249,7 +249,20 @@ def resumed_fields(overrides: dict) -> tuple:
     if overrides.get("tokenizer") == TRAINED and run.get("tokenizer", TRAINED) != TRAINED:
         logger.info("--tokenizer train: resuming with the tokenizer %s learnt, %s", directory, run["tokenizer"])
         del overrides["tokenizer"]
+    elif same_files(overrides.get("tokenizer"), run.get("tokenizer")):  # the directory its checkpoint holds a copy of
+        del overrides["tokenizer"]
     return {**run, **shape}, overrides
+
+
+def same_files(a, b) -> bool:
+    """Whether two local directories hold the same files, byte for byte (a tokenizer and its copy)."""
+    import filecmp
+
+    if not (isinstance(a, str) and isinstance(b, str) and os.path.isdir(a) and os.path.isdir(b)):
+        return False
+    names = sorted(set(os.listdir(a)) | set(os.listdir(b)))
+    match, _, _ = filecmp.cmpfiles(a, b, names, shallow=False)
+    return len(match) == len(names)
 
 
 def _saved(saved: dict, flag: str) -> bool:
@@ -260,6 +273,31 @@ def _saved(saved: dict, flag: str) -> bool:
             return False
         value = value[p]
     return True
+
+
+def local_path(value):
+    """A value naming a local file or directory (relative to this directory) as its absolute path; a mixture task's
+    mapping with its data set's so; a list of them each; anything else (a hub name, a generated data set's name, a
+    number) as it is."""
+    if isinstance(value, str):
+        return os.path.abspath(value) if value and os.path.exists(value) else value
+    if isinstance(value, dict) and "dataset" in value:
+        return {**value, "dataset": local_path(value["dataset"])}
+    if isinstance(value, (list, tuple)):
+        return type(value)(local_path(v) for v in value)
+    return value
+
+
+def local_paths_absolute(cfg) -> None:
+    """A training run's local paths (its data set, tokenizer, HF model, data cache, each mixture task's data set) made
+    absolute, as its checkpoints then record them: validated, resumed or exported from another directory, a
+    checkpoint finds its files (a relative data set was read there as a hub name: "cannot download data set
+    weather.csv ... no network")."""
+    data = cfg.data
+    for name in ("dataset", "tokenizer", "hf_model"):
+        setattr(data, name, local_path(getattr(data, name)))
+    data.cache_dir = os.path.abspath(data.cache_dir) if data.cache_dir else data.cache_dir
+    cfg.mixture.tasks = local_path(cfg.mixture.tasks)
 
 
 def ensure_writable(path: str, flag: str, is_dir: bool = True) -> None:

@@ -62,11 +62,12 @@ def as_read(tokenizer, family):
 
 def export_peft(decoder, directory: str, step: int, tokenizer, output: str) -> dict:
     """A LoRA checkpoint's adapters in PEFT's format (modelling/lora.py names them) -> the adapter config. Its
-    ``base_model_name_or_path`` is the base's HF name or directory; a base that is no HF model (a random init, a
-    checkpoint of ours: --init_from) is exported beside the adapters, into OUTPUT/base, and named by that path as
-    --output was given (relative to the current directory when it was: as PEFT itself records a base loaded from a
-    local path), so that ``AutoPeftModel...from_pretrained(OUTPUT)`` loads both there, and wherever the folder
-    holding them moves with its contents (an absolute path broke on any move)."""
+    ``base_model_name_or_path`` is the base's HF name or directory (a directory by its absolute path); a base that is
+    no HF model (a random init, a checkpoint of ours: --init_from) is exported beside the adapters, into
+    OUTPUT/base, named by its absolute path, so that ``AutoPeftModel...from_pretrained(OUTPUT)`` loads both from any
+    directory (PEFT reads the path from the current directory: a relative one loaded only from the directory it was
+    exported in). A folder moved since loads with its base named: ``PeftModel.from_pretrained(
+    AutoModel...from_pretrained("MOVED/base"), "MOVED")``."""
     saved = ckpt.load_meta(directory, step) if directory else {}
     if not saved.get("lora_base"):
         raise FlanT5Error(f"--peft exports LoRA adapters, but {directory or 'the model'} was not trained with "
@@ -77,8 +78,9 @@ def export_peft(decoder, directory: str, step: int, tokenizer, output: str) -> d
     os.makedirs(output, exist_ok=True)
     if "hf_model" in source:
         base = source["hf_model"]
+        base = os.path.abspath(base) if os.path.isdir(base) else base
     else:  # PEFT loads its base by name: write ours where it can find it
-        base = os.path.normpath(os.path.join(output, BASE_DIR))
+        base = os.path.abspath(os.path.join(output, BASE_DIR))
         frozen = device_base(lg, source)
         export_model(frozen, lg.cfg.model, tokenizer, lg.family, base)
         del frozen

@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 
+from app.args import local_path
 from app.rundir import RunLock
 from app.runtime import barrier, is_main_process
 from config.carry import saved_value
@@ -47,7 +48,7 @@ def resume_point(cfg):
     for flag, (section, key) in KEPT:
         if key not in saved.get(section, {}):  # a checkpoint older than the field: nothing to compare
             continue
-        theirs, ours = saved[section][key], getattr(getattr(cfg, section), key)
+        theirs, ours = local_path(saved[section][key]), getattr(getattr(cfg, section), key)
         ours = list(ours) if isinstance(ours, tuple) else ours  # a saved tuple is a list
         if theirs != ours:  # (None against a value too: --hub_config where there was none is other data)
             differ.append((flag, _flag_value(ours), _flag_value(theirs)))
@@ -103,7 +104,7 @@ def base_tokenizer(cfg, init_from, given: bool) -> None:
     if not init_from:
         return
     directory, step = ckpt.resolve(init_from)[-1]
-    saved = saved_value((ckpt.read_meta(directory, step) or {}).get("config") or {}, "tokenizer")
+    saved = local_path(saved_value((ckpt.read_meta(directory, step) or {}).get("config") or {}, "tokenizer"))
     if saved == cfg.data.tokenizer or saved == TRAINED:
         return
     if not given:
@@ -175,8 +176,8 @@ def set_lora_base(cfg, executor, point, warm=None) -> None:
 def base_source(cfg, init_from=None) -> dict:
     """LoRA: where a run's frozen base weights come from, as its checkpoints record it (``load_base`` reads it back):
     a checkpoint's weights (--init_from), an HF model (--hf_model), or the family's random init of the seed."""
-    if init_from:
-        return {"init_from": [str(init_from[0]), int(init_from[1])]}
+    if init_from:  # (absolute: the checkpoint resumed, validated or exported from another directory finds it)
+        return {"init_from": [os.path.abspath(str(init_from[0])), int(init_from[1])]}
     if cfg.data.hf_model:
         return {"hf_model": cfg.data.hf_model}
     return {"random_init_seed": cfg.model.seed}

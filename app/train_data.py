@@ -63,11 +63,24 @@ def training_tokenizer(cfg, name: str, run_dir):
             return out
 
         cfg.data.tokenizer = agree("tokenizer", copy)  # what checkpoints record
+    elif cfg.checkpoint.save and os.path.isdir(cfg.data.tokenizer):  # a local tokenizer travels with the checkpoint
+        cfg.data.tokenizer = agree("tokenizer", lambda: copied_tokenizer(cfg.data.tokenizer, cfg.checkpoint.save))
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if len(tokenizer) > cfg.model.embedding.vocab_size:
         raise FlanT5Error(f"tokenizer has {len(tokenizer)} tokens but vocab_size={cfg.model.embedding.vocab_size}: "
                           "raise --vocab_size or use the tokenizer of this model")
     return tokenizer
+
+
+def copied_tokenizer(directory: str, save: str) -> str:
+    """A --tokenizer DIR copied into the --save directory (SAVE/tokenizer, absolute), which the config then names: a
+    checkpoint holds its tokenizer, as one learnt with --tokenizer train (a moved or deleted DIR once left it
+    unreadable)."""
+    out = os.path.abspath(os.path.join(save, "tokenizer"))
+    if os.path.abspath(directory) != out:
+        shutil.copytree(directory, out, dirs_exist_ok=True)
+        logger.info("the tokenizer %s -> %s (the checkpoints hold it)", directory, out)
+    return out
 
 
 def training_loader(cfg, tasks: list, sets: list, streams: list, tokenizer, family) -> TrainLoader:

@@ -1,6 +1,7 @@
-"""Export (app/export.py, through run_export.py): a LoRA checkpoint's adapters in PEFT's format name their base as
---output was given, so PEFT loads them after their folder moves; a GPT-J export's tokenizer reads prompts as GPT-J
-does here, so transformers' generate on the export answers as this project decodes."""
+"""Export (app/export.py, through run_export.py): a LoRA checkpoint's adapters in PEFT's format name their base by
+its absolute path, so PEFT loads them from any directory (and, moved, with the base named); a GPT-J export's
+tokenizer reads prompts as GPT-J does here, so transformers' generate on the export answers as this project
+decodes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from tests.helpers import SMALL
 
 # ------------------------------------------------------------------ 15. PEFT's base path, 16. hf/ in .gitignore
 @pytest.mark.slow
-def test_a_peft_export_names_its_base_as_output_was_given_and_loads_after_its_folder_moves(tmp_path, monkeypatch):
+def test_a_peft_export_names_its_base_by_its_absolute_path_and_loads_from_any_directory(tmp_path, monkeypatch):
+    """Exported with a relative --output, the adapters name the base written beside them by its absolute path:
+    ``AutoPeftModel...from_pretrained`` loads both from another directory (PEFT reads the path from the current
+    directory: a relative one loaded only where it was exported); a moved folder loads with its base named."""
     import run_export
     import run_finetuning
 
@@ -24,13 +28,19 @@ def test_a_peft_export_names_its_base_as_output_was_given_and_loads_after_its_fo
     run_finetuning.main(SMALL + ["--lora_rank", "2", "--lora_random_base", "--steps", "1", "--save", "ck"])
     run_export.main(["--load", "ck", "--output", "hf/lora", "--peft"])
     config = json.load(open(project / "hf" / "lora" / "adapter_config.json"))
-    assert config["base_model_name_or_path"] == os.path.join("hf", "lora", "base")
-    moved = tmp_path / "moved"
-    os.rename(project, moved)
-    monkeypatch.chdir(moved)
+    assert config["base_model_name_or_path"] == str(project / "hf" / "lora" / "base")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     peft = pytest.importorskip("peft")
-    model = peft.AutoPeftModelForSeq2SeqLM.from_pretrained("hf/lora")  # base and adapters, found where they moved
+    model = peft.AutoPeftModelForSeq2SeqLM.from_pretrained(str(project / "hf" / "lora"))  # base and adapters
     assert model.peft_config["default"].r == 2
+    moved = tmp_path / "moved"
+    os.rename(project / "hf" / "lora", moved)
+    from transformers import T5ForConditionalGeneration
+
+    base = T5ForConditionalGeneration.from_pretrained(str(moved / "base"))
+    assert peft.PeftModel.from_pretrained(base, str(moved)).peft_config["default"].r == 2
 
 
 def test_a_gptj_export_generates_in_transformers_as_it_decodes_here(tmp_path, monkeypatch):

@@ -254,3 +254,20 @@ def test_a_run_from_a_base_reads_text_with_the_base_s_tokenizer_and_lora_is_refu
                                                 "--save", str(save), "--steps", "1"],
           "--tokenizer train learns a new tokenizer, but LoRA adapters read their base's frozen embedding")
     assert not save.exists()
+
+
+def test_a_checkpoint_that_recorded_a_relative_path_resumes_with_its_absolute_form(tmp_path, monkeypatch):
+    """A run's local paths are now absolute; a checkpoint that recorded one relative (before) resumes from the
+    directory it was trained in: the same file, not 'another data order'."""
+    from app.resume import resume_point
+    from config import load_config
+    from tests.helpers import nli_file, save_random_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    nli_file(tmp_path / "own.jsonl", n=8)
+    save_random_checkpoint("tiny", "ck", dataset="own.jsonl")
+    cfg = load_config("finetuning", "tiny", {"dataset": str(tmp_path / "own.jsonl"), "load": "ck", "steps": 5})
+    assert resume_point(cfg) == ("ck", 1)
+    other = load_config("finetuning", "tiny", {"dataset": "synthetic", "load": "ck", "steps": 5})
+    with pytest.raises(Exception, match="--dataset synthetic"):
+        resume_point(other)

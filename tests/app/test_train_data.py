@@ -63,3 +63,34 @@ def test_truncation_and_unknown_counts_are_in_the_first_metrics_line(tmp_path, c
     line = [r.getMessage() for r in caplog.records if "targets" in r.getMessage()]
     assert len(line) == 1 and "are longer than decoder_sequence_length 1 tokens and are cut" in line[0]
     assert "pass --decoder_sequence_length 2 to keep them whole" in line[0]
+
+
+def test_a_checkpoint_holds_absolute_paths_and_its_tokenizer_so_it_runs_from_another_directory(tmp_path, monkeypatch):
+    """Trained in a project directory on a relative data file with --tokenizer DIR (relative too): the checkpoint
+    records both by their absolute paths and holds a copy of the tokenizer (SAVE/tokenizer, which it names), so
+    validation from another directory reads the same local file (once "cannot download data set ... no network");
+    a resume naming the same --tokenizer DIR again is the same tokenizer; DIR deleted, validation still runs."""
+    import shutil
+
+    import run_finetuning
+    import run_validation
+    from data.synthetic import make_tokenizer
+    from tests.helpers import SMALL, nli_file, params_at
+
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(project)
+    nli_file(project / "own.jsonl", n=64)
+    make_tokenizer().save_pretrained(str(project / "tok"))
+    run_finetuning.main(SMALL + ["--dataset", "own.jsonl", "--tokenizer", "tok", "--holdout", "8", "--steps", "1",
+                                 "--save", "ck"])
+    config = params_at(str(project / "ck"), 1)[0]["config"]
+    assert config["data"]["dataset"] == str(project / "own.jsonl")
+    assert config["data"]["tokenizer"] == str(project / "ck" / "tokenizer")
+    assert os.path.isfile(project / "ck" / "tokenizer" / "tokenizer.json")
+    run_finetuning.main(SMALL + ["--load", "ck", "--save", "ck", "--tokenizer", "tok", "--steps", "2"])
+    shutil.rmtree(project / "tok")
+    monkeypatch.chdir(elsewhere)
+    run_validation.main(["--load", str(project / "ck"), "--limit", "4"])
+    assert any(name.startswith("validation_heldout_step2") for name in os.listdir(project / "ck"))

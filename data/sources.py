@@ -198,9 +198,14 @@ def read_file(path: str, cache_dir: Optional[str] = None, shown: Optional[str] =
             ds = datasets.load_dataset(builder, data_files=path, split="train",
                                        cache_dir=os.path.join(cache_root(cache_dir), "arrow"), **kw)
     except Exception as e:  # datasets and pyarrow raise many types for unreadable files
-        if builder == "json":
-            _find_bad_line(path, shown)
         cause = e.__cause__ or e
+        try:
+            if isinstance(cause, UnicodeDecodeError):
+                raise cause
+            if builder == "json":
+                _find_bad_line(path, shown)
+        except UnicodeDecodeError:
+            raise DataError(not_utf8(path, shown)) from None
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
         raise DataError(f"{shown}: cannot be read as {kind} ({type(cause).__name__}: {first})") from None
     if len(ds) == 0:
@@ -220,15 +225,33 @@ def _has_content(path: str, header: bool = False) -> bool:
 
 
 def _delimited(path: str, sep: str, shown: str) -> dict:
-    """datasets' CSV builder options reading every cell as text as written (a header given twice is refused)."""
-    with open(path, newline="") as f:
-        header = next(csv.reader(f, delimiter=sep), [])
+    """datasets' CSV builder options reading every cell as text as written, in UTF-8 with or without a byte-order
+    mark (Excel's "CSV UTF-8" writes one: its first column was named with it, and refused); a header given twice is
+    refused, and so is a file that is not UTF-8 (``not_utf8``)."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            header = next(csv.reader(f, delimiter=sep), [])
+    except UnicodeDecodeError:
+        raise DataError(not_utf8(path, shown)) from None
     dup = sorted({c for c in header if header.count(c) > 1})
     if dup:
         raise DataError(f"{shown}: line 1: column(s) {', '.join(dup)} appear more than once in the header: keep one "
                         "of each")
-    return {"sep": sep, "keep_default_na": False,
+    return {"sep": sep, "keep_default_na": False, "encoding": "utf-8-sig",
             "features": datasets.Features({c: datasets.Value("string") for c in header})}
+
+
+def not_utf8(path: str, shown: str) -> str:
+    """The one line for a text file that is not UTF-8: its first such line, and the fix."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"{shown}: line {n} is not UTF-8 (byte 0x{line[e.start]:02x}, byte {e.start + 1} of the line; "
+                        "a Latin-1 or Windows-1252 file?): save it as UTF-8 (Excel: \"CSV UTF-8\"; or iconv -f "
+                        f"latin1 -t utf-8 {shown}) and pass that")
+    return f"{shown}: is not UTF-8: save it as UTF-8 and pass that"
 
 
 def _find_bad_line(path: str, shown: str) -> None:

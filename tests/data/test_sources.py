@@ -107,3 +107,24 @@ def test_a_header_only_csv_and_a_null_target_are_named_as_what_they_are(tmp_path
     pd.DataFrame([{"question": "a", "answer": "b"}, {"question": "c", "answer": None}]).to_parquet(parquet)
     with pytest.raises(DataError, match=r"row 1: column 'answer' is null \(or absent from this row\)"):
         task.examples(sources.read(str(parquet), "train"))
+
+
+def test_a_csv_with_a_utf8_byte_order_mark_is_read_and_one_not_in_utf8_is_one_line_naming_its_line(tmp_path):
+    """Excel's "CSV UTF-8" starts with a byte-order mark: read, its first column named without it (it was refused
+    with a KeyError on the first field); a Latin-1 file is one line naming the first line that is not UTF-8 and the
+    fix (it was a 43-line traceback), in the header, early, or past the first block read."""
+    from data.sources import read
+
+    body = "premise,hypothesis,label\nthe cat sleeps .,the cat sleeps .,entailment\n"
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf" + body.encode())
+    rows = read(str(tmp_path / "bom.csv"), "train").rows
+    assert rows.column_names == ["premise", "hypothesis", "label"] and rows[0]["premise"] == "the cat sleeps ."
+    many = "".join(f"the cat {i} .,a .,neutral\n" for i in range(2000))
+    for name, data, line in (("head.csv", "prémise,b,c\na,b,c\n", 1), ("early.csv", body + "the café .,a .,c\n", 3),
+                             ("late.csv", body + many + "the café .,a .,c\n", 2003)):
+        (tmp_path / name).write_bytes(data.encode("latin-1"))
+        with pytest.raises(DataError) as e:
+            read(str(tmp_path / name), "train")
+        message = str(e.value)
+        assert message.startswith(f"{tmp_path / name}: line {line} is not UTF-8 (byte 0xe9") and "\n" not in message
+        assert "save it as UTF-8" in message

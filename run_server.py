@@ -40,13 +40,13 @@ logger = logging.getLogger("flan_t5")
 def main(argv=None) -> None:
     args, overrides = command_line("inference", __doc__, argv, server_flags)
     from app.flops import decode_step_flops
-    from app.predict import decoding_config, print_plan
+    from app.predict import decoding_config, print_plan, trained_prompt_length
     from app.runtime import check_cpu_threads, server_cpu_threads, set_cpu_threads, start_devices
     from serving.engine import ServeOptions, check_exposure
 
     check_cpu_threads(args.cpu_threads)  # (a bad value named before anything is read)
     cfg = decoding_config(args, overrides, "serve")
-    options = ServeOptions.of(args, cfg)
+    options = ServeOptions.of(args, cfg, trained_prompt_length(cfg))
     plan = args.plan or args.plan_exact
     # (a core is left to the server's threads where it serves, unless the CPU decodes heavy steps; --plan serves
     # nothing: the flag as given)

@@ -339,7 +339,8 @@ def server_flags(p) -> None:
                         "Retry-After, which the openai client retries (default: 256, or 4 x slots where more)")
     s.add_argument("--prompt_width", type=int, default=None, metavar="N",
                    help="the longest prompt taken, in tokens: joining prompts are read packed several to a row this "
-                        "wide (default: sequence_length, rounded up to a multiple of 8)")
+                        "wide (default: the longest prompt of the rows the checkpoint's task was trained on, and at "
+                        "least sequence_length, rounded up to a multiple of 8)")
     s.add_argument("--insert_rows", type=int, nargs="+", default=None, metavar="N",
                    help="packed rows (per dp shard) one insert reads, a program compiled for each: joining prompts "
                         "take the fewest that hold them (default: 1, 4, 16 ... and the slots per shard)")

@@ -63,6 +63,15 @@ def start_decoding(args, overrides: dict, purpose: str = "validate or decode"):
     return cfg
 
 
+def trained_prompt_length(cfg) -> int | None:
+    """The longest prompt (tokens, as the model reads it) of the rows the checkpoint --load names was trained on, as
+    its meta records it (None: an HF model, or a checkpoint older than the record)."""
+    if not cfg.checkpoint.load:
+        return None
+    directory, step = ckpt.resolve(cfg.checkpoint.load)[-1]
+    return (ckpt.read_meta(directory, step) or {}).get("longest_prompt")
+
+
 def decoding_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = None):
     """The memory plan (decoder/plan.py) of decoding ``rows`` prompts of ``prompt_length`` tokens (default
     ``sequence_length``) to ``output_length`` new ones with this config's weights: a LoRA checkpoint's base counted

@@ -271,6 +271,9 @@ class Saver:
                 "loss_scale": self.scaler.state()}  # the loss scale and the last gradient norm, for an exact resume
         if self.executor.g.lora:  # the adapters alone are saved: where their frozen base comes from
             meta["lora_base"] = self.executor.base
+        longest = getattr(self.loader, "report", {}).get("longest_prompt")
+        if longest is not None:  # the longest prompt the task's rows hold: the server reads that many by default
+            meta["longest_prompt"] = longest
         stacked = self.executor.to_checkpoint(state)
         ckpt.save(self.mgr, step, stacked.params, stacked.opt_state if cfg.checkpoint.optim_state else None, meta)
         self.last, self.pending = f"{cfg.checkpoint.save}/{step}", step

@@ -142,7 +142,8 @@ def report_lengths(cfg, tasks: list, sets: list, tokenizer, family, shape) -> di
                        cut["target_flag"], keep, f" (and --output_length {keep} to decode them whole)"
                        if cfg.inference.output_length < keep - 1 else "")
     return {"truncated_examples": cut["cut_examples"], "truncated_share": share,
-            "truncated_targets": cut["cut_targets"], "unknown_token_share": unknown}
+            "truncated_targets": cut["cut_targets"], "unknown_token_share": unknown,
+            "longest_prompt": int(len(hist["input"]) - 1)}  # (its checkpoints record it: the server's default width)
 
 
 def _sum(hists: list) -> np.ndarray:

@@ -86,7 +86,9 @@ class ServeOptions:
         return max(self.steps, self.max_steps)
 
     @classmethod
-    def of(cls, args, cfg) -> "ServeOptions":
+    def of(cls, args, cfg, longest_prompt: Optional[int] = None) -> "ServeOptions":
+        """The options of run_server.py's flags ``args`` over ``cfg``; ``longest_prompt``: the longest prompt (tokens)
+        of the rows the checkpoint was trained on, which the default --prompt_width reads (``default_width``)."""
         if cfg.inference.stream_encoder:
             raise ConfigError("--stream_encoder reads the encoder from host memory a batch of prompts at a time "
                               "(run_validation.py, run_inference.py); the server keeps every weight on the devices: "
@@ -94,7 +96,7 @@ class ServeOptions:
         ex = cfg.execution
         slots = args.slots or ex.rows_per_micro_batch
         local = slots // ex.data_parallel if slots % ex.data_parallel == 0 else slots
-        width = args.prompt_width or -(-cfg.model.sequence_length // 8) * 8
+        width = args.prompt_width or default_width(cfg.model.sequence_length, longest_prompt)
         rows = sorted({min(r, local) for r in args.insert_rows} | {local}) if args.insert_rows else \
             default_insert_rows(local)
         for flag, value, low in (("--slots", args.slots, 1), ("--header_timeout", args.header_timeout, 0.1),
@@ -118,6 +120,13 @@ class ServeOptions:
                    args.min_join,
                    read_template(args.chat_template), args.max_steps_per_call or MAX_STEPS_FACTOR * args.steps_per_call,
                    DEFAULT_SPANS if args.attention_spans is None else args.attention_spans)
+
+
+def default_width(sequence_length: int, longest_prompt: Optional[int] = None) -> int:
+    """The default --prompt_width: every prompt of the rows the checkpoint's task was trained on (``longest_prompt``,
+    which validation and inference decode whole), and at least ``sequence_length``, rounded up to a multiple of 8.
+    (It was sequence_length alone: a server of a checkpoint trained at 64 refused the task's own longer rows.)"""
+    return -(-max(sequence_length, longest_prompt or 0) // 8) * 8
 
 
 def default_insert_rows(local: int) -> list:

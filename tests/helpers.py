@@ -55,8 +55,10 @@ def train(save, steps, *extra):
     run_finetuning.main(SMALL + ["--steps", str(steps), "--save", save, *extra])
 
 
-def save_random_checkpoint(preset: str, directory: str, seed: int = 7, step: int = 1, **overrides) -> None:
-    """A random-init checkpoint of a preset (its fields ``overrides``), saved as run_finetuning saves one."""
+def save_random_checkpoint(preset: str, directory: str, seed: int = 7, step: int = 1, meta: dict | None = None,
+                           **overrides) -> None:
+    """A random-init checkpoint of a preset (its fields ``overrides``; ``meta``: more of its meta), saved as
+    run_finetuning saves one."""
     from config import load_config
     from config.presets import to_dict
     from graphs.graphs import Graphs
@@ -65,7 +67,7 @@ def save_random_checkpoint(preset: str, directory: str, seed: int = 7, step: int
     cfg = load_config("finetuning", preset, overrides)
     mgr = ckpt.manager(directory)
     ckpt.save(mgr, step, Graphs(cfg).init_params(seed), None, {"step": step, "seed": cfg.model.seed,
-                                                               "config": to_dict(cfg)})
+                                                               "config": to_dict(cfg), **(meta or {})})
     mgr.wait_until_finished()
     mgr.close()
 

@@ -74,6 +74,7 @@ def test_a_checkpoint_holds_absolute_paths_and_its_tokenizer_so_it_runs_from_ano
 
     import run_finetuning
     import run_validation
+    from app.train_data import run_tasks
     from data.synthetic import make_tokenizer
     from tests.helpers import SMALL, nli_file, params_at
 
@@ -85,8 +86,19 @@ def test_a_checkpoint_holds_absolute_paths_and_its_tokenizer_so_it_runs_from_ano
     make_tokenizer().save_pretrained(str(project / "tok"))
     run_finetuning.main(SMALL + ["--dataset", "own.jsonl", "--tokenizer", "tok", "--holdout", "8", "--steps", "1",
                                  "--save", "ck"])
-    config = params_at(str(project / "ck"), 1)[0]["config"]
+    meta = params_at(str(project / "ck"), 1)[0]
+    config = meta["config"]
     assert config["data"]["dataset"] == str(project / "own.jsonl")
+    # the longest prompt of the task's rows (as the model reads it), which the server's default width then reads
+    from config.presets import config_from_mapping
+    from data.sources import read
+    from modelling import registry
+
+    run_cfg = config_from_mapping(config)
+    family, task = registry.of_config(run_cfg), run_tasks(run_cfg)[0].task
+    prompts = [family.prompt(e.input) for e in task.examples(read(str(project / "own.jsonl"), "train"))]
+    longest = max(map(len, family.encode_inputs(make_tokenizer(), prompts)))
+    assert meta["longest_prompt"] == longest > 16  # (past SMALL's sequence_length: those rows were cut)
     assert config["data"]["tokenizer"] == str(project / "ck" / "tokenizer")
     assert os.path.isfile(project / "ck" / "tokenizer" / "tokenizer.json")
     run_finetuning.main(SMALL + ["--load", "ck", "--save", "ck", "--tokenizer", "tok", "--steps", "2"])

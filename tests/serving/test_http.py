@@ -1259,6 +1259,45 @@ def test_the_server_s_defaults_scale_with_its_slots():
     assert Engine(FakeBackend(slots=4, top=5), TOK, encode, o).limits.max_logprobs == 5
 
 
+def test_the_default_prompt_width_reads_every_prompt_the_checkpoint_s_task_was_trained_on():
+    """--prompt_width's default: the longest prompt of the rows the checkpoint's task was trained on (its meta's
+    record), and at least sequence_length, each rounded up to a multiple of 8 (it was sequence_length alone: the
+    task's own longer rows, which validation and inference decode, were refused); a flag over both."""
+    import argparse
+
+    from app.args import server_flags
+    from config import load_config
+    from serving.engine import default_width
+
+    assert [default_width(64, n) for n in (None, 0, 10, 64, 65, 72, 73)] == [64, 64, 64, 64, 72, 72, 80]
+    assert default_width(61) == 64
+    p = argparse.ArgumentParser()
+    server_flags(p)
+    cfg = load_config("inference", "tiny", {"eval": True})  # sequence_length 64
+    assert ServeOptions.of(p.parse_args([]), cfg, 100).width == 104
+    assert ServeOptions.of(p.parse_args([]), cfg).width == 64
+    assert ServeOptions.of(p.parse_args(["--prompt_width", "32"]), cfg, 100).width == 32
+
+
+def test_run_server_reads_its_default_width_from_the_checkpoint_s_record(tmp_path, monkeypatch):
+    import run_server
+    from serving import engine
+    from tests.helpers import save_random_checkpoint
+
+    ck = str(tmp_path / "ck")
+    save_random_checkpoint("tiny", ck, meta={"longest_prompt": 93})
+    seen = []
+
+    def stop(args, cfg, longest_prompt=None):
+        seen.append(longest_prompt)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(engine.ServeOptions, "of", stop)
+    with pytest.raises(SystemExit):
+        run_server.main(["--load", ck])
+    assert seen == [93]
+
+
 def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_candidate_order():
     from serving.engine import Generation
     from serving.output import Event

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
 import sys
 import time
@@ -49,16 +50,20 @@ def missing_chain(directory: str) -> list:
     return chain
 
 
-def remove_if_empty(chain: list, leftovers: tuple = ()) -> None:
+def remove_if_empty(chain: list, leftovers: tuple = (), folders: tuple = ()) -> None:
     """Removes the folders of ``chain`` (deepest first: those a run created) while they hold nothing but
-    ``leftovers`` (its own bookkeeping: the lock, an empty metrics.jsonl), the leftovers with them."""
+    ``leftovers`` (its own bookkeeping: the lock, an empty metrics.jsonl) and ``folders`` (what the run put there
+    before any result: the tokenizer it learnt or copied), these with them."""
     for d in chain:
         try:
             names = os.listdir(d)
-            if any(n not in leftovers or (os.path.getsize(os.path.join(d, n)) and n != LOCK) for n in names):
+            kept = [n for n in names if not (n in folders and os.path.isdir(os.path.join(d, n)))
+                    and (n not in leftovers or (os.path.getsize(os.path.join(d, n)) and n != LOCK))]
+            if kept:
                 return
             for n in names:
-                os.remove(os.path.join(d, n))
+                path = os.path.join(d, n)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             os.rmdir(d)
         except OSError:
             return
@@ -66,8 +71,8 @@ def remove_if_empty(chain: list, leftovers: tuple = ()) -> None:
 
 class RunLock:
     """An exclusive lock on a directory, held until ``release`` or the process's end. A directory the lock made
-    that holds nothing of the run at release (a run that failed before writing: its lock, an empty metrics.jsonl)
-    is removed again, with the folders made for it."""
+    that holds nothing of the run at release (a run refused before writing: its lock, an empty metrics.jsonl, the
+    tokenizer it learnt or copied) is removed again, with the folders made for it."""
 
     def __init__(self, directory: str):
         self.made = missing_chain(directory)
@@ -91,7 +96,7 @@ class RunLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
-            remove_if_empty(self.made, (LOCK, "metrics.jsonl"))
+            remove_if_empty(self.made, (LOCK, "metrics.jsonl"), ("tokenizer",))
 
 
 def fresh_run_dir(root: str, name: str) -> str:

@@ -66,3 +66,28 @@ def test_a_failed_run_s_lock_leaves_the_directories_it_made_and_nothing_else(tmp
     theirs.mkdir()
     RunLock(str(theirs)).release()
     assert theirs.exists()
+
+
+def test_a_run_refused_after_it_learnt_its_tokenizer_leaves_no_directory(tmp_path, capsys, monkeypatch):
+    """--holdout as large as the data is refused after --tokenizer train learnt a tokenizer into the run directory:
+    the directory it made goes, lock and tokenizer with it (docs/training.md: a refused run leaves none), with or
+    without --save; a tokenizer beside a checkpoint step, or in a directory the run did not make, stays."""
+    from app.rundir import RunLock
+    from tests.helpers import nli_file
+
+    monkeypatch.chdir(tmp_path)
+    data = nli_file(tmp_path / "small.jsonl", n=8)
+    run = SMALL + ["--dataset", data, "--holdout", "8", "--tokenizer", "train", "--steps", "1"]
+    for extra in (["--save", "r1"], []):
+        fails(capsys, run_finetuning.main, run + extra, "--holdout 8 holds out every one of the 8 training examples")
+        assert not (tmp_path / "r1").exists() and not (tmp_path / "runs").exists(), os.listdir(tmp_path)
+    made = tmp_path / "r2"
+    lock = RunLock(str(made))
+    (made / "tokenizer").mkdir()
+    (made / "1").mkdir()  # a step: the run's result
+    lock.release()
+    assert (made / "tokenizer").exists()
+    theirs = tmp_path / "theirs"
+    (theirs / "tokenizer").mkdir(parents=True)
+    RunLock(str(theirs)).release()
+    assert (theirs / "tokenizer").exists()

@@ -5,6 +5,7 @@ validates the result; ``to_dict`` / ``dumps_yaml`` write a config back out."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import typing
@@ -76,8 +77,10 @@ def load_config(kind_or_path: str, name: str, overrides: Optional[dict] = None) 
     path = kind_or_path if kind_or_path.endswith((".yml", ".yaml")) else preset_path(kind_or_path)
     presets = read_presets(path)
     if name not in presets:
+        close = difflib.get_close_matches(name, list(presets), n=1)
         raise ConfigError(
-            f"unknown preset '{name}' in {os.path.relpath(path)}: choose one of {', '.join(presets)}"
+            f"unknown preset '{name}' in {os.path.relpath(path)}" + (f" (did you mean {close[0]}?)" if close else "")
+            + f": choose one of {', '.join(presets)}"
         )
     cfg = config_from_mapping(presets[name] or {})
     mnli_preset = not own_task(resolve_mixture(config_from_mapping(presets[name] or {})))

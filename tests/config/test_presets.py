@@ -85,9 +85,15 @@ def test_overrides_apply_with_types():
     assert cfg.gradient_accumulation == 32 // (2 * 4)
 
 
-def test_unknown_preset_lists_the_choices():
+def test_unknown_preset_lists_the_choices_and_names_a_close_one():
     with pytest.raises(ConfigError, match="unknown preset 'xxl_pod4'.*choose one of .*xxl_pod16"):
         load_config("finetuning", "xxl_pod4")
+    for kind, typo, meant in (("finetuning", "tinyy", "tiny"), ("inference", "gptj_tnyi", "gptj_tiny")):
+        with pytest.raises(ConfigError, match=rf"unknown preset '{typo}' in .* \(did you mean {meant}\?\): choose"):
+            load_config(kind, typo)
+    with pytest.raises(ConfigError) as e:
+        load_config("finetuning", "zzzzzz")
+    assert "did you mean" not in str(e.value)
 
 
 def test_unknown_yaml_key_is_an_error(tmp_path):

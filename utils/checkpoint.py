@@ -136,6 +136,9 @@ def resolve(path: str) -> list:
                                                      p, later[-1], p, steps[-1])
             found.append((p, steps[-1]))
     if not found:
+        if os.path.isfile(os.path.join(path, "config.json")):  # run_export.py's output, or any HF model
+            raise CheckpointNotFound(f"{path} is a Hugging Face model (it holds a config.json), not a checkpoint of "
+                                     f"ours: pass --hf_model {path} instead (every driver reads one there)")
         raise CheckpointNotFound(
             f"no checkpoint at {path}: pass the --save directory of a run (or one of its step directories)")
     return sorted(set(found), key=lambda x: x[1])

@@ -118,3 +118,21 @@ def test_checkpoint_write_killed_half_way_leaves_the_earlier_one_loadable(tmp_pa
     assert meta["step"] == 1 and all(np.all(np.isfinite(x)) for x in jax.tree.leaves(params))
     run_finetuning.main(SMALL + ["--steps", "2", "--save", save, "--load", save])  # resumes from step 1
     assert ckpt.saved_steps(save) == [1, 2]
+
+
+def test_load_of_a_hugging_face_model_points_to_hf_model(tmp_path, capsys):
+    """--load (or --init_from) of run_export.py's output, or any HF model directory, is one line naming --hf_model
+    (it was "no checkpoint at DIR"); a directory of neither keeps its own line."""
+    import run_validation
+    from tests.helpers import fails
+    from utils.checkpoint import CheckpointNotFound, resolve
+
+    export = tmp_path / "hf"
+    export.mkdir()
+    (export / "config.json").write_text('{"model_type": "t5"}')
+    with pytest.raises(CheckpointNotFound, match=rf"{export} is a Hugging Face model .*: pass --hf_model {export} "
+                                                 "instead"):
+        resolve(str(export))
+    with pytest.raises(CheckpointNotFound, match="no checkpoint at"):
+        resolve(str(tmp_path))
+    fails(capsys, run_validation.main, ["--load", str(export)], f"pass --hf_model {export} instead")

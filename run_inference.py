@@ -13,7 +13,8 @@ format). The model's shape, family and task come from the checkpoint or the --hf
 greedy unless --num_beams or --do_sample say otherwise.
 
 With --input the predictions go to a JSONL file (--predictions; default: beside the input, NAME.predictions.jsonl),
-one line a row in the input's order ({"row", "input", "prediction"} and "reference" where the row has a target),
+one line a row in the input's order ({"row", "input", "prediction"}, "reference" where the row has a target, and the
+row's id where the input has an id column: id, idx, uid or guid),
 written batch by batch: an interrupted run keeps what it finished, and the same command continues after it. What
 wrote them (the checkpoint and step, a fingerprint of the weights, the tokenizer, every decoding option) is recorded
 beside it (NAME.meta.json): another model or setting does not continue the file, it names each difference.

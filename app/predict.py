@@ -138,8 +138,32 @@ def inference_inputs(prompts, input_file, limit, cfg, td) -> list:
         if not os.path.exists(input_file):
             raise DataError(f"--input {input_file} does not exist: pass --input with an existing file of rows "
                             f"(jsonl, json, csv, tsv, parquet) holding the task's columns ({', '.join(task.fields)})")
-        return task.examples(sources.read(input_file, "", cfg.model.seed), targets=False)[:limit]
+        rows, kept = sources.read(input_file, "", cfg.model.seed), []
+        examples = task.examples(rows, targets=False, kept=kept)[:limit]
+        column = id_column(rows, task)
+        if column is not None:  # each example's row's id, carried to its prediction (predict_file)
+            examples = [Named(e, column, rows.rows[int(i)][column]) for e, i in zip(examples, kept)]
+        return examples
     return evaluation_set(td).examples[:4 if limit is None else limit]
+
+
+ID_COLUMNS = ("id", "idx", "uid", "guid")  # (any case) the column that names a row, kept in its prediction
+
+
+def id_column(rows, task):
+    """The input's column that names each row (``ID_COLUMNS``, in any case; the task's own columns excluded), or
+    None."""
+    names = getattr(rows.rows, "column_names", None) or list(dict.fromkeys(k for r in rows.rows for k in r))
+    return next((c for c in names if c.lower() in ID_COLUMNS and c not in task.fields), None)
+
+
+class Named(Example):
+    """An example with its row's id (``column``: the input's name for it), kept in its prediction."""
+
+    def __init__(self, example: Example, column: str, id_):
+        super().__init__(example.input, example.target, example.label)
+        object.__setattr__(self, "column", column)  # (Example is frozen)
+        object.__setattr__(self, "id", id_)
 
 
 def side_by_side(decoder, params, examples: list, feats: dict, tokenizer, compare_hf: bool = False) -> list:
@@ -210,7 +234,7 @@ def write_record(path: str, writer: dict) -> None:
 
 def predict_file(decoder, params, examples: list, feats: dict, path: str, writer: dict) -> tuple:
     """Predictions of a file's rows appended to the JSONL ``path`` batch by batch, in the input's order
-    ({row, input, prediction[, reference]}), with what wrote them (``writer``: ``written_by``) in its record; a file
+    ({row[, its id], input, prediction[, reference]}), with what wrote them (``writer``: ``written_by``) in its record; a file
     that already holds the first rows' predictions (an interrupted run's) is continued after them, by the same
     weights and settings only. Each batch's lines are written whole (a signal waits for them) and Ctrl-C's line names
     the rows kept. -> (the lines written, how many rows were done before)."""
@@ -234,7 +258,7 @@ def predict_file(decoder, params, examples: list, feats: dict, path: str, writer
             for start in tqdm(range(done, len(examples), decoder.batch_size), desc="predicting", unit="batch",
                               disable=None if primary else True):
                 idx = np.arange(start, min(start + decoder.batch_size, len(examples)))
-                lines = [{"row": int(i), "input": examples[i].input, "prediction": text,
+                lines = [{"row": int(i), **named(examples[i]), "input": examples[i].input, "prediction": text,
                           **({"reference": examples[i].target} if examples[i].target else {})}
                          for i, text in zip(idx, decoder.predict_batch(params, feats, idx))]
                 with written_whole():  # a batch's lines reach the file whole: Ctrl-C stops after them
@@ -246,6 +270,11 @@ def predict_file(decoder, params, examples: list, feats: dict, path: str, writer
         finally:
             keeping(None)
     return out, done
+
+
+def named(example) -> dict:
+    """{its input's id column: its row's id} of a ``Named`` example, else nothing."""
+    return {example.column: example.id} if isinstance(example, Named) else {}
 
 
 def finished_rows(path: str, examples: list) -> int:

@@ -81,11 +81,18 @@ class Task:
     # ------------------------------------------------------------------ rows -> examples
 
     def render(self, batch: dict, start: int, where: str, first_line: Optional[int] = None,
-               targets: bool = True) -> dict:
+               targets: bool = True, kept: Optional[list] = None) -> dict:
         """{input: [str], target: [str], label: [int]} of a batch of rows ({column: [values]}, the first being row
         ``start`` of ``where``), each checked (DataError naming the row, its line, the column and the row's columns);
-        rows labelled -1 (unlabelled) are left out. ``targets=False``: inputs only (rows to predict), the target
-        where there is one."""
+        rows labelled -1 (unlabelled) are left out (``kept``: a list given gets the indices of the rows kept).
+        ``targets=False``: inputs only (rows to predict), the target where there is one."""
+        out = self._render(batch, start, where, first_line, targets)
+        rows = out.pop("_kept", None)
+        if kept is not None:
+            kept += list(range(start, start + len(out["input"]))) if rows is None else rows
+        return out
+
+    def _render(self, batch: dict, start: int, where: str, first_line: Optional[int], targets: bool) -> dict:
         n = len(next(iter(batch.values()))) if batch else 0
         at = _Where(batch, start, where, first_line, self, targets)
         need = self.columns if targets else self.fields
@@ -113,14 +120,15 @@ class Task:
             return {"input": inputs, "target": tgt, "label": labels}
         keep = sorted(set(range(n)) - set(dropped))
         return {"input": [inputs[k] for k in keep], "target": [tgt[k] for k in keep],
-                "label": [labels[k] for k in keep]}
+                "label": [labels[k] for k in keep], "_kept": [start + k for k in keep]}
 
-    def examples(self, rows, targets: bool = True) -> list:
+    def examples(self, rows, targets: bool = True, kept: Optional[list] = None) -> list:
         """The examples of rows (data/sources.py's ``Rows``; small sets: evaluation, prediction), each checked as
-        ``render`` checks it; rows whose label is -1 (unlabelled) are dropped with a count in the log."""
+        ``render`` checks it; rows whose label is -1 (unlabelled) are dropped with a count in the log (``kept``: a
+        list given gets each example's row index)."""
         out = []
         for start, batch in rows.batches():
-            r = self.render(batch, start, rows.where, rows.first_line, targets)
+            r = self.render(batch, start, rows.where, rows.first_line, targets, kept)
             out += [Example(*e) for e in zip(r["input"], r["target"], r["label"])]
         dropped = len(rows) - len(out)
         if dropped:

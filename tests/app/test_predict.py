@@ -138,3 +138,23 @@ def test_validation_never_cuts_a_prompt(tmp_path):
         run_validation.main(["--load", save, "--limit", "12", "--sequence_length", length, "--output", str(out)])
         outs.append(json.load(open(out))["generated"])
     assert outs[0] == outs[1]
+
+
+def test_the_predictions_keep_the_input_s_id_column_row_for_row(two_models, tmp_path):
+    """An input with an id column (id, idx, uid or guid, in any case): each prediction carries its own row's id, under
+    the input's name for it, a dropped row (label -1) skipped without shifting the others (the column was dropped);
+    an input without one gets none."""
+    a, _, _ = two_models
+    rows = [{"ID": f"t-{i}", "premise": f"the cat sleeps in the park {i}", "hypothesis": "the cat sleeps",
+             "label": -1 if i == 1 else 0} for i in range(4)]
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    run_inference.main(["--load", a, "--input", str(src), "--predictions", str(out)])
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["row"], x["ID"]) for x in lines] == [(0, "t-0"), (1, "t-2"), (2, "t-3")]
+    assert [x["input"].split("park ")[1].split()[0] for x in lines] == ["0", "2", "3"]  # (each its own row's)
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "ID"}) + "\n" for r in rows))
+    run_inference.main(["--load", a, "--input", str(plain), "--predictions", str(tmp_path / "p.jsonl")])
+    assert all(set(json.loads(x)) == {"row", "input", "prediction", "reference"} for x in open(tmp_path / "p.jsonl"))

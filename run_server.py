@@ -57,6 +57,9 @@ def main(argv=None) -> None:
         start_devices(cfg)
         print_plan(cfg, options.slots, exact=args.plan_exact, prompt_length=options.width)
         return
+    from serving.http import check_port
+
+    check_port(args.host, args.port)  # (before anything is loaded or compiled)
     logger.info("XLA's CPU pool: %s (%s; a decoding step of the %d slots: %.1f MFLOP)",
                 f"{threads} thread(s)" if threads else "XLA's default size (the cores, or PJRT_NPROC or NPROC)",
                 "--cpu_threads" if args.cpu_threads is not None else "the default: --cpu_threads to choose",

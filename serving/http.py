@@ -40,6 +40,7 @@ import hmac
 import http
 import json
 import logging
+import socket
 import time
 from contextlib import aclosing, asynccontextmanager
 from typing import Optional
@@ -55,6 +56,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from serving import api
 from serving.engine import Generation, PromptError
 from serving.scheduler import Failed, QueueFull, SchedulerError, ShuttingDown
+from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
 OPEN_PATHS = ("/health",)
@@ -670,6 +672,27 @@ class Server(uvicorn.Server):
             if not self.engine.held():
                 self.should_exit = True
         return await super().on_tick(counter)
+
+
+def check_port(host: str, port: int) -> None:
+    """ConfigError (one line) when ``port`` on ``host`` cannot be listened on (another process holds it), found
+    before the model is loaded and compiled: uvicorn found it after them (Errno 98, exit 3). Bound as uvicorn binds
+    (SO_REUSEADDR), then released; port 0 (any free one) is never taken."""
+    if not port:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host} is no address of this machine ({e.strerror}): pass one it has (127.0.0.1, "
+                          "0.0.0.0)") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ConfigError(f"port {port} on {host} cannot be listened on ({e.strerror}: another server holds "
+                              "it?): stop it, or pass another --port (0: any free one)") from None
 
 
 def serve(engine, host: str, port: int, api_key: Optional[str], grace: float, banner, header_timeout: float = 10.0,

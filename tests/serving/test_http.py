@@ -1298,6 +1298,29 @@ def test_run_server_reads_its_default_width_from_the_checkpoint_s_record(tmp_pat
     assert seen == [93]
 
 
+def test_a_port_in_use_is_one_line_before_anything_is_loaded_or_compiled(two_models, capsys, monkeypatch):
+    """Another process listening on --port: run_server.py says so in one line before it loads or compiles anything
+    (uvicorn's Errno 98 came after both, exit 3); a free port passes the check."""
+    import run_server
+    from serving import build
+    from serving.http import check_port
+    from tests.helpers import fails
+
+    def loaded(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(build, "build_engine", loaded)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = fails(capsys, run_server.main, ["--load", two_models[0], "--port", str(port)],
+                     f"port {port} on 127.0.0.1 cannot be listened on")
+        assert "--port" in line and "\n" not in line.strip()
+    check_port("127.0.0.1", port)  # (released: free again)
+    check_port("127.0.0.1", 0)
+
+
 def test_best_of_returns_the_n_most_likely_candidates_most_likely_first_ties_in_candidate_order():
     from serving.engine import Generation
     from serving.output import Event

@@ -11,6 +11,7 @@ import pytest
 
 import run_inference
 import run_validation
+from data.tasks import Example
 from tests.helpers import fails as _fails
 from tests.helpers import train
 
@@ -154,7 +155,12 @@ def test_the_predictions_keep_the_input_s_id_column_row_for_row(two_models, tmp_
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [(x["row"], x["ID"]) for x in lines] == [(0, "t-0"), (1, "t-2"), (2, "t-3")]
     assert [x["input"].split("park ")[1].split()[0] for x in lines] == ["0", "2", "3"]  # (each its own row's)
-    plain = tmp_path / "plain.jsonl"
-    plain.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "ID"}) + "\n" for r in rows))
-    run_inference.main(["--load", a, "--input", str(plain), "--predictions", str(tmp_path / "p.jsonl")])
-    assert all(set(json.loads(x)) == {"row", "input", "prediction", "reference"} for x in open(tmp_path / "p.jsonl"))
+    from types import SimpleNamespace
+
+    from app.predict import id_column, named
+
+    task = SimpleNamespace(fields=("premise", "hypothesis"))
+    assert id_column(SimpleNamespace(rows=[{"premise": "a", "hypothesis": "b"}]), task) is None
+    assert id_column(SimpleNamespace(rows=[{"premise": "a", "Guid": 3}]), task) == "Guid"
+    assert id_column(SimpleNamespace(rows=[{"id": "a"}]), SimpleNamespace(fields=("id",))) is None  # (the task's own)
+    assert named(Example("a", "")) == {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import filecmp
 import logging
 import os
 import re
@@ -256,8 +257,6 @@ def resumed_fields(overrides: dict) -> tuple:
 
 def same_files(a, b) -> bool:
     """Whether two local directories hold the same files, byte for byte (a tokenizer and its copy)."""
-    import filecmp
-
     if not (isinstance(a, str) and isinstance(b, str) and os.path.isdir(a) and os.path.isdir(b)):
         return False
     names = sorted(set(os.listdir(a)) | set(os.listdir(b)))

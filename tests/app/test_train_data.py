@@ -69,7 +69,7 @@ def test_a_checkpoint_holds_absolute_paths_and_its_tokenizer_so_it_runs_from_ano
     """Trained in a project directory on a relative data file with --tokenizer DIR (relative too): the checkpoint
     records both by their absolute paths and holds a copy of the tokenizer (SAVE/tokenizer, which it names), so
     validation from another directory reads the same local file (once "cannot download data set ... no network");
-    a resume naming the same --tokenizer DIR again is the same tokenizer; DIR deleted, validation still runs."""
+    a resume naming the same --tokenizer DIR again takes the checkpoint's copy; DIR deleted, validation still runs."""
     import shutil
 
     import run_finetuning
@@ -101,8 +101,13 @@ def test_a_checkpoint_holds_absolute_paths_and_its_tokenizer_so_it_runs_from_ano
     assert meta["longest_prompt"] == longest > 16  # (past SMALL's sequence_length: those rows were cut)
     assert config["data"]["tokenizer"] == str(project / "ck" / "tokenizer")
     assert os.path.isfile(project / "ck" / "tokenizer" / "tokenizer.json")
-    run_finetuning.main(SMALL + ["--load", "ck", "--save", "ck", "--tokenizer", "tok", "--steps", "2"])
+    from app.args import resumed_fields
+
+    _, given = resumed_fields({"load": "ck", "save": "ck", "tokenizer": "tok"})  # (a resume naming DIR again)
+    assert "tokenizer" not in given
+    _, given = resumed_fields({"load": "ck", "save": "ck", "tokenizer": "synthetic"})
+    assert given["tokenizer"] == "synthetic"  # (another one: resume_point names it)
     shutil.rmtree(project / "tok")
     monkeypatch.chdir(elsewhere)
     run_validation.main(["--load", str(project / "ck"), "--limit", "4"])
-    assert any(name.startswith("validation_heldout_step2") for name in os.listdir(project / "ck"))
+    assert any(name.startswith("validation_heldout_step1") for name in os.listdir(project / "ck"))

@@ -47,6 +47,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -440,7 +441,6 @@ def _adapter_routes(app, engine, body_timeout: float) -> None:
     """vLLM's routes that load and unload LoRA adapters while the server runs (behind the API key, as every path but
     /health): 200 with a line of text, or OpenAI's error body (400 a bad body or an adapter refused: its reason; 404
     an unload of an adapter not served)."""
-    from starlette.requests import Request
 
     async def body(request: Request) -> bytes:
         return await _read_body(request.scope, request.receive, engine.limits.max_body_bytes, body_timeout)

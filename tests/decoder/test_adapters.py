@@ -26,7 +26,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from config import load_config
-from config.presets import to_dict
 from decoder.adapters import Adapter, AdapterError, AdapterStack, make_stack
 from decoder.decoder import Decoder
 from decoder.slot_programs import SlotPrograms
@@ -34,6 +33,7 @@ from modelling import continuous, lora, lora_stack
 from partitioning import sharding as S
 from partitioning.base import fingerprint
 from partitioning.placement import Placement
+from tests.helpers import save_lora_checkpoint
 from utils import checkpoint as ckpt
 
 SLOTS, WIDTH, NEW, STEPS = 8, 16, 8, 4
@@ -209,20 +209,6 @@ def test_an_adapter_written_after_compiling_is_served_by_the_same_programs_and_a
 # --------------------------------------------------------------------------- reading adapters from checkpoints
 
 
-def save_lora(directory: str, cfg, adapters: dict, rank: int, alpha: float, base_fingerprint: str,
-              targets=("q", "v")) -> str:
-    """A LoRA checkpoint as run_finetuning.py --lora_rank saves one: the adapters, and its meta's config and base."""
-    saved = to_dict(cfg)
-    saved["lora"] = {**saved.get("lora", {}), "rank": rank, "alpha": alpha, "targets": list(targets)}
-    mgr = ckpt.manager(directory)
-    ckpt.save(mgr, 1, adapters, None, {"step": 1, "seed": 0, "config": saved,
-                                      "lora_base": {"source": {"init_from": ["ckpt/base", 1]},
-                                                    "fingerprint": base_fingerprint}})
-    mgr.wait_until_finished()
-    mgr.close()
-    return directory
-
-
 @pytest.fixture(scope="module")
 def lora_checkpoints(tmp_path_factory):
     """A tiny GPT-J base's fingerprint and LoRA checkpoints over it: q and v of rank 4 and 8; o of rank 2; and one of
@@ -230,19 +216,14 @@ def lora_checkpoints(tmp_path_factory):
     d = tmp_path_factory.mktemp("loras")
     cfg = load_config("inference", "gptj_tiny", overrides(1, 1))
     g = Decoder.of_config(cfg, eos=1, pad=0)
-    base = Placement(g.cfg).init_params(3)
-    digest = fingerprint(base)
-    rng = np.random.default_rng(0)
+    digest = fingerprint(Placement(g.cfg).init_params(3))
 
-    def tree(r, targets):
-        opts = type("O", (), {"lora_rank": r, "lora_targets": targets})()
-        return jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32),
-                            lora.adapter_specs(g.family, g.specs, opts), is_leaf=lambda x: hasattr(x, "axes"))
+    def saved(name, rank, alpha, targets=("q", "v"), base_digest=digest):
+        return save_lora_checkpoint("gptj_tiny", str(d / name), "ckpt/base", base_digest, rank, alpha, targets,
+                                    scale=1.0)
 
-    paths = {"r4": save_lora(str(d / "r4"), cfg, tree(4, ("q", "v")), 4, 8.0, digest),
-             "r8": save_lora(str(d / "r8"), cfg, tree(8, ("q", "v")), 8, 16.0, digest),
-             "o": save_lora(str(d / "o"), cfg, tree(2, ("o",)), 2, 4.0, digest, ("o",)),
-             "other": save_lora(str(d / "other"), cfg, tree(4, ("q", "v")), 4, 8.0, "0123456789abcdef")}
+    paths = {"r4": saved("r4", 4, 8.0), "r8": saved("r8", 8, 16.0), "o": saved("o", 2, 4.0, ("o",)),
+             "other": saved("other", 4, 8.0, base_digest="0123456789abcdef")}
     return g, digest, paths, str(d)
 
 

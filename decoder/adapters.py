@@ -78,13 +78,19 @@ def saved_lora(path: str) -> tuple:
     return tuple(saved_value(config, "lora_targets") or ()), int(saved_value(config, "lora_rank") or 0)
 
 
-def make_stack(decoder, loras: tuple, slots: int, rank: int, targets: tuple, base: tuple) -> "AdapterStack":
-    """The stack of a server (``slots`` of rank ``rank``, 0: the largest of the ``loras`` adapters', else
-    ``DEFAULT_RANK``; of the weights ``targets``, (): ``stack_targets``) with the adapters ``loras`` [(name, path)]
-    read and written into its first slots. AdapterError (one line) for the first one refused."""
+def stack_of(decoder, loras: tuple, slots: int, rank: int, targets: tuple, base: tuple = ("-", "-")) -> "AdapterStack":
+    """The stack of a server, nothing placed (``make_stack``'s, and what the memory plan counts): ``slots`` of rank
+    ``rank`` (0: the largest of the ``loras`` adapters' [(name, path)], read from their metadata, else
+    ``DEFAULT_RANK``) of the weights ``targets`` ((): ``stack_targets``)."""
     saved = [saved_lora(path) for _, path in loras]
     rank = rank or max([r for _, r in saved] + [0]) or DEFAULT_RANK
-    stack = AdapterStack(decoder, slots, rank, stack_targets(decoder.family, targets, [t for t, _ in saved]), base)
+    return AdapterStack(decoder, slots, rank, stack_targets(decoder.family, targets, [t for t, _ in saved]), base)
+
+
+def make_stack(decoder, loras: tuple, slots: int, rank: int, targets: tuple, base: tuple) -> "AdapterStack":
+    """The stack of a server (``stack_of``) with the adapters ``loras`` [(name, path)] read and written into its
+    first slots. AdapterError (one line) for the first one refused."""
+    stack = stack_of(decoder, loras, slots, rank, targets, base)
     read = [stack.read(name, path) for name, path in loras]  # (every one checked before any is placed)
     stack.place()
     for adapter in read:

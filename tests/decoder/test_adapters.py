@@ -272,3 +272,25 @@ def test_every_slot_taken_is_one_line(lora_checkpoints):
         stack.install(stack.read("b", paths["r4"]))
     stack.remove(0)
     assert stack.install(stack.read("b", paths["r4"])) == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_plan_counts_the_stack_beside_the_weights_and_prints_each_adapter_s_slot(tp):
+    """decoder/plan.py with a stack: a device holds the stack's every A and B (a column-parallel weight's B and a
+    row-parallel one's A split over tp, the rest whole) and the scales, in the compute dtype (float32 scales), beside
+    the weights; one line says the stack, one each adapter's slot, one the free slots."""
+    from decoder.plan import decode_plan
+
+    g = Decoder.of_config(load_config("inference", "tiny", overrides(tp, 1, precision="bfloat16")), eos=1, pad=0)
+    stack = AdapterStack(g, 3, 8, ("q", "o"), ("-", "-"))
+    m = g.cfg.model
+    d, inner, layers = m.hidden_size, m.attention.heads * m.attention.d_kv, m.layers + (m.decoder_layers or m.layers)
+    per_slot = layers * 8 * (d + inner // tp + inner // tp + d) * 2  # q: A whole, B split; o: A split, B whole
+    assert stack.nbytes == 3 * per_slot + 3 * 4
+    plan = decode_plan(g, 4, 16, 8, stack=stack, loras=(("sql", "ckpt/sql"),))
+    without = decode_plan(g, 4, 16, 8)
+    assert plan.device_items["LoRA adapter stack"] == stack.nbytes
+    assert plan.device_peak == without.device_peak + stack.nbytes
+    lines = "\n".join(plan.notes)
+    assert "LoRA adapter stack: 3 slots of rank 8 for o, q:" in lines
+    assert "slot 0: adapter sql (ckpt/sql)" in lines and "slots 1..2: free" in lines

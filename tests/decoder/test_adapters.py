@@ -294,3 +294,28 @@ def test_the_plan_counts_the_stack_beside_the_weights_and_prints_each_adapter_s_
     lines = "\n".join(plan.notes)
     assert "LoRA adapter stack: 3 slots of rank 8 for o, q:" in lines
     assert "slot 0: adapter sql (ckpt/sql)" in lines and "slots 1..2: free" in lines
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "checkpoint int8", "hf"])
+def test_the_served_base_s_fingerprint_is_the_one_a_lora_run_over_it_records(source, tmp_path):
+    """``load_params(base=True)``'s fingerprint of a base (a checkpoint, its int8 decoding read from host memory, an
+    HF model directory) equals what a LoRA run over that base records (partitioning/base.py's ``device_base`` in the
+    run's frozen layout): adapters trained on it are served over it."""
+    from app.hf_generate import hf_model_of
+    from partitioning.base import device_base
+    from tests.helpers import params_at, save_random_checkpoint
+
+    directory = str(tmp_path / "base")
+    save_random_checkpoint("gptj_tiny", directory)
+    quantize = "int8" if source.endswith("int8") else "none"
+    cfg = load_config("inference", "gptj_tiny", {**overrides(1, 1, quantize), "micro_batch_size": 2})
+    g = Decoder.of_config(cfg, eos=1, pad=0)
+    if source == "hf":
+        hf_model_of(cfg, g.family, params_at(directory, 1)[1]).save_pretrained(str(tmp_path / "hf"))
+        where, args = {"hf_model": str(tmp_path / "hf")}, (None, None, str(tmp_path / "hf"))
+    else:
+        where, args = {"init_from": [directory, 1]}, (directory, 1)
+    _, digest = g.load_params(*args, base=True)
+    lcfg = load_config("finetuning", "gptj_tiny", {"lora_rank": 4, "precision": "bfloat16", "data_parallel": 1,
+                                                   "tensor_parallel": 1})
+    assert digest == fingerprint(device_base(Placement(lcfg), where))

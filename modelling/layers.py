@@ -149,7 +149,7 @@ class MultiAdapted:
     rank (0: none). The product is taken for every slot at once and masked to the token's own: z = x a (a read as
     [in, slots * rank]), z's columns of other slots zeroed and the token's scaled, then z b (b read as [slots * rank,
     out]): exactly the token's own scale (x a_t) b_t, at slots * rank / out of the base matmul's work. (A gather of
-    each token's a_t and b_t, the BGMV form S-LoRA and Punica run on GPUs, was 1.4 to 20x slower than this on XLA:CPU
+    each token's a_t and b_t, the BGMV form S-LoRA and Punica run on GPUs, was 1.1 to 10x slower than this on XLA:CPU
     at serving's shapes: benchmarks/probes/README.md, ``lora_forms.py``.)
 
     Under tensor parallelism a and b are split as training splits a weight's adapter (``Adapted``): a column-parallel

@@ -19,6 +19,7 @@ from decoder.slot_programs import SlotPrograms
 from modelling import registry
 from serving.engine import Engine, ServeOptions
 from utils import checkpoint as ckpt
+from utils.errors import ConfigError
 
 logger = logging.getLogger("flan_t5")
 
@@ -37,6 +38,9 @@ def build_backend(cfg, options: ServeOptions, params=None) -> tuple:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     decoder = Decoder.of_config(cfg, tokenizer)
     stack = None
+    if params is not None and options.max_loras:
+        raise ConfigError("LoRA adapters are served over a base read from --load or --hf_model (its fingerprint "
+                          "checked against theirs), not over weights given")
     if params is None:
         directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
         hf_model = None if directory else cfg.data.hf_model

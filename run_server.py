@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     set_cpu_threads(threads)  # (before JAX starts)
     if plan:
         start_devices(cfg)
-        print_plan(cfg, options.slots, exact=args.plan_exact, prompt_length=options.width)
+        print_plan(cfg, options.slots, exact=args.plan_exact, prompt_length=options.width, adapters=options)
         return
     from serving.http import check_port
 

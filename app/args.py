@@ -375,7 +375,25 @@ def server_flags(p) -> None:
     s.add_argument("--chat_template", default=None, metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's, else the last "
                         "message with the earlier ones as 'Role: text' lines before it)")
+    lora_flags(s)
     limit_flags(s)
+
+
+def lora_flags(s) -> None:
+    """The LoRA adapters served side by side over the base (docs/serving.md, "Many adapters, one base")."""
+    s.add_argument("--lora", nargs="+", default=None, metavar="NAME=CKPT",
+                   help="LoRA adapters served unmerged over the --load (or --hf_model) base, each under its own model "
+                        "id NAME (a request's model picks it; GET /v1/models lists them): CKPT a --save directory of "
+                        "run_finetuning.py --lora_rank N trained on that base")
+    s.add_argument("--max_loras", type=int, default=None, metavar="N",
+                   help="adapter slots on the devices (default: as many as --lora names); more leave room to load "
+                        "adapters while the server runs (POST /v1/load_lora_adapter) without compiling again")
+    s.add_argument("--max_lora_rank", type=int, default=None, metavar="R",
+                   help="the largest adapter rank served (every adapter's rank is padded to it; default: the largest "
+                        "of the --lora adapters', else 16)")
+    s.add_argument("--lora_target_modules", nargs="+", default=None, metavar="NAME",
+                   help="the layer weights the adapter stack holds adapters of, named as --lora_targets names them "
+                        "(default: those the --lora adapters adapt, else the family's default)")
 
 
 def limit_flags(s) -> None:

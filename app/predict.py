@@ -28,6 +28,7 @@ from config.fields import get_path
 from config.schema import FIELDS
 from data.tasks import Example, tokenize_prompts
 from data.tokenizer import pad_id, unknown_share
+from decoder.adapters import stack_of
 from decoder.decoder import Decoder
 from decoder.plan import decode_plan, format_plan
 from partitioning.base import fingerprint
@@ -72,25 +73,34 @@ def trained_prompt_length(cfg) -> int | None:
     return (ckpt.read_meta(directory, step) or {}).get("longest_prompt")
 
 
-def decoding_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = None):
+def decoding_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = None, adapters=None):
     """The memory plan (decoder/plan.py) of decoding ``rows`` prompts of ``prompt_length`` tokens (default
     ``sequence_length``) to ``output_length`` new ones with this config's weights: a LoRA checkpoint's base counted
-    in host memory while its adapters are merged."""
+    in host memory while its adapters are merged. ``adapters``: a server's ServeOptions with LoRA adapters served
+    side by side (their stack counted beside the weights)."""
     g = Decoder.of_config(cfg)
+    stack = None
+    if adapters is not None and adapters.max_loras:
+        stack = stack_of(g, adapters.loras, adapters.max_loras, adapters.max_lora_rank, adapters.lora_targets)
     base = 0
     load = cfg.checkpoint.load
     if load:
         directory, step = ckpt.resolve(load)[-1]
         saved = ckpt.read_meta(directory, step)
+        if saved.get("lora_base") and stack is not None:
+            raise FlanT5Error(f"--load {directory} holds LoRA adapters, and adapters are served over the model they "
+                              "were trained on: --load that base (a full checkpoint, or --hf_model) and name this one "
+                              f"with --lora NAME={directory}")
         if saved.get("lora_base"):
             lg = g.weights.lora_graphs(saved)
             base = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(lg.abstract_base()))
-    return decode_plan(g, rows, prompt_length or cfg.model.sequence_length, cfg.inference.output_length, exact, base)
+    return decode_plan(g, rows, prompt_length or cfg.model.sequence_length, cfg.inference.output_length, exact, base,
+                       stack, adapters.loras if stack is not None else ())
 
 
-def print_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = None):
+def print_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = None, adapters=None):
     """``decoding_plan`` printed, and checked against this machine's memory (a line saying what does not fit)."""
-    plan = decoding_plan(cfg, rows, exact, prompt_length)
+    plan = decoding_plan(cfg, rows, exact, prompt_length, adapters)
     print(format_plan(plan), flush=True)
     dev, host = device_memory_limit(), host_memory_limit()
     if dev and plan.device_peak > dev:

@@ -53,6 +53,14 @@ DECODE_PLANS = [
     ("run_validation.py", "ul2_lora_1gpu", "--quantize int8 --stream_encoder"),
     ("run_server.py", "ul2_lora_1gpu", "--quantize int8"),
 ]
+# the server's plans with LoRA adapters served side by side (``--adapters``): xxl's base alone, and with 8 adapters
+# of rank 16, of the family's default weights (q, v, cq, cv) and of every weight; each over a full checkpoint's meta
+ADAPTER_PLANS = [
+    ("run_server.py", "xxl_lora_1gpu", ""),
+    ("run_server.py", "xxl_lora_1gpu", "--max_loras 8 --max_lora_rank 16"),
+    ("run_server.py", "xxl_lora_1gpu", "--max_loras 8 --max_lora_rank 16 --lora_target_modules q k v o cq ck cv co "
+                                       "wi_0 wi_1 wo"),
+]
 ONE_DEVICE = "--precision bfloat16 --tensor_parallel 1 --data_parallel 1 --output_length 128"
 DECODE_FLAGS = {"run_validation.py": f"{ONE_DEVICE} --micro_batch_size 32 --sequence_length 512",
                 "run_server.py": f"{ONE_DEVICE} --slots 8 --prompt_width 512"}
@@ -67,11 +75,11 @@ def plan_name(preset: str, flags: str, driver: str = "run_finetuning.py") -> str
     return f"{lead}{preset} {flags}".strip()
 
 
-def command(preset: str, flags: str, driver: str = "run_finetuning.py") -> str:
+def command(preset: str, flags: str, driver: str = "run_finetuning.py", lora: bool = True) -> str:
     if driver == "run_finetuning.py":
         return f"python3 run_finetuning.py --config {preset} {flags} --plan".replace("  ", " ")
-    return (f"python3 {driver} --load CKPT {DECODE_FLAGS[driver]} {flags} --plan (CKPT: a LoRA checkpoint of "
-            f"{preset})").replace("  ", " ")
+    return (f"python3 {driver} --load CKPT {DECODE_FLAGS[driver]} {flags} --plan (CKPT: a "
+            f"{'LoRA' if lora else 'full'} checkpoint of {preset})").replace("  ", " ")
 
 
 def _bytes(text: str) -> int:
@@ -113,41 +121,44 @@ def parse(output: str) -> dict:
     return plan
 
 
-def lora_checkpoint(preset: str, directory: str) -> str:
+def lora_checkpoint(preset: str, directory: str, lora: bool = True) -> str:
     """The metadata of a LoRA checkpoint of ``preset`` (step 1: its config and its base's source), as a run of the
-    preset saves it, in ``directory``, without its weights: what decoding's plan reads of a checkpoint."""
+    preset saves it, in ``directory``, without its weights: what decoding's plan reads of a checkpoint; with
+    ``lora`` False, of a full checkpoint of its shape (a base LoRA adapters are served over)."""
     sys.path.insert(0, ROOT)
     import modelling.registry  # noqa: F401 (the families' own fields are config keys)
     from config import load_config
     from config.presets import to_dict
 
-    cfg = load_config("finetuning", preset, {})
+    cfg = load_config("finetuning", preset, {} if lora else {"lora_rank": 0})
     step = os.path.join(directory, "1")
     os.makedirs(os.path.join(step, "meta"), exist_ok=True)
+    meta = {"step": 1, "seed": cfg.model.seed, "config": to_dict(cfg)}
+    if lora:
+        meta["lora_base"] = {"source": cfg.data.hf_model or "random", "fingerprint": "-"}
     with open(os.path.join(step, "meta", "metadata"), "w") as f:
-        json.dump({"step": 1, "seed": cfg.model.seed, "config": to_dict(cfg),
-                   "lora_base": {"source": cfg.data.hf_model or "random", "fingerprint": "-"}}, f)
+        json.dump(meta, f)
     for done in (step, os.path.join(step, "meta")):
         open(os.path.join(done, "commit_success.txt"), "w").close()
     return directory
 
 
-def run_plan(preset: str, flags: str, driver: str = "run_finetuning.py") -> dict:
+def run_plan(preset: str, flags: str, driver: str = "run_finetuning.py", lora: bool = True) -> dict:
     """The plan of ``preset`` with ``flags`` as ``driver``'s `--plan` prints it on this machine's CPU (decoding's: of
-    a LoRA checkpoint of the preset)."""
+    a LoRA checkpoint of the preset; ``lora`` False: of a full checkpoint of its shape)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         if driver == "run_finetuning.py":
             argv = ["--config", preset, *flags.split()]
         else:
-            argv = ["--load", lora_checkpoint(preset, os.path.join(tmp, preset)), *DECODE_FLAGS[driver].split(),
+            argv = ["--load", lora_checkpoint(preset, os.path.join(tmp, preset), lora), *DECODE_FLAGS[driver].split(),
                     *flags.split()]
         p = subprocess.run([sys.executable, driver, *argv, "--plan"], cwd=ROOT, env=env, capture_output=True,
                            text=True)
     lines = [line for line in p.stdout.splitlines() if line.strip() and not line.startswith("does not fit")]
     if p.returncode != 0 or not lines:
-        raise RuntimeError(f"{command(preset, flags, driver)} exited {p.returncode}: {p.stderr.strip()[-500:]}")
-    return {"command": command(preset, flags, driver), "output": lines, **parse(p.stdout)}
+        raise RuntimeError(f"{command(preset, flags, driver, lora)} exited {p.returncode}: {p.stderr.strip()[-500:]}")
+    return {"command": command(preset, flags, driver, lora), "output": lines, **parse(p.stdout)}
 
 
 def every_plan() -> list:
@@ -159,7 +170,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "cpu", "plans.json"))
     p.add_argument("--only", nargs="*", default=None, help="plan names (the preset and its flags) to run alone")
+    p.add_argument("--adapters", action="store_true",
+                   help="the server's plans with LoRA adapters served side by side instead (ADAPTER_PLANS): xxl alone "
+                        "and with 8 adapters of rank 16, each one's device peak over the base alone's")
     args = p.parse_args(argv)
+    if args.adapters:
+        return adapter_plans(args.json)
     plans = {}
     for driver, preset, flags in every_plan():
         name = plan_name(preset, flags, driver)
@@ -172,6 +188,24 @@ def main(argv=None) -> None:
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
         f.write("\n")
+
+
+def adapter_plans(path: str) -> dict:
+    """``ADAPTER_PLANS`` (over a full checkpoint of the preset's shape), each with its device peak over the first's
+    (the base alone), into ``path``."""
+    plans = {plan_name(preset, flags, driver): run_plan(preset, flags, driver, lora=False)
+             for driver, preset, flags in ADAPTER_PLANS}
+    alone = next(iter(plans.values()))["device"]["peak_bytes"]
+    for name, plan in plans.items():
+        plan["device_peak_over_the_base_alone"] = plan["device"]["peak_bytes"] / alone
+        print(name, plan["device"]["peak"], f"{plan['device_peak_over_the_base_alone']:.3f}x", flush=True)
+    report = {"command": f"python3 benchmarks/plans.py --adapters --json {os.path.relpath(path, ROOT)}",
+              "what": "run_server.py --plan of xxl's shape (CKPT: a full checkpoint) alone and with 8 LoRA adapters of "
+                      "rank 16 served side by side (their stack on the device beside the weights)", "plans": plans}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+    return report
 
 
 if __name__ == "__main__":

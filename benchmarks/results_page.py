@@ -491,6 +491,25 @@ PLAN_NAMES = ["xxl_1gpu", "xxl_1gpu --update_in_backward false", "xxl_1gpu --com
               "ul2_1gpu", "ul2_1gpu --update_in_backward false", "ul2_1gpu --stochastic_rounding false",
               "ul2_1gpu --stochastic_rounding false --update_in_backward false", "gptj_1gpu",
               "gptj_1gpu --compute_copy false", "xxl_lora_1gpu", "ul2_lora_1gpu", "gptj_lora_1gpu"]
+ADAPTER_PLANS = "cpu/plans_adapters.json"
+ADAPTER_PLAN_ROWS = [
+    ("the base alone", "run_server.py xxl_lora_1gpu", "alone"),
+    ("8 adapters of rank 16 of q, v, cq, cv (the default)", "run_server.py xxl_lora_1gpu --max_loras 8 "
+     "--max_lora_rank 16", "default"),
+    ("8 adapters of rank 16 of every weight", "run_server.py xxl_lora_1gpu --max_loras 8 --max_lora_rank 16 "
+     "--lora_target_modules q k v o cq ck cv co wi_0 wi_1 wo", "every"),
+]
+
+
+def _adapter_plan_row(label, name, key):
+    p = ("plans", name)
+    stack = Figure(f"plan-adapters-{key}-stack", at(*p, "device", "items", "LoRA adapter stack"), "{}") \
+        if key != "alone" else ""
+    over = ratio(f"plan-adapters-{key}-over-alone", at(*p, "device_peak_over_the_base_alone"), 3) \
+        if key != "alone" else ""
+    return (label, Figure(f"plan-adapters-{key}-device", at(*p, "device", "peak"), "{}"), stack, over)
+
+
 PLAN_TABLES = [
     Table("plans", "Memory plans of the one-GPU presets", (PLANS,), None,
           "`run_finetuning.py --config PRESET [FLAGS] --plan` on the CPU: shapes alone, the program temporaries "
@@ -535,6 +554,12 @@ PLAN_TABLES = [
           "them).",
           ("decoding", "device peak", "weights", "KV cache", "host peak", "of it, the LoRA base while merging"),
           [_decode_plan_row(label, name) for label, name in DECODE_PLAN_ROWS]),
+    Table("adapter-plans", "The server's memory plan with LoRA adapters side by side", (ADAPTER_PLANS,), None,
+          "`run_server.py --load CKPT --plan` of a full checkpoint of xxl's shape, bfloat16 on one device, 8 slots of "
+          "512-token prompts and 128 new tokens: alone, and with a stack of 8 LoRA adapters of rank 16 on the device "
+          "beside the weights (`--max_loras 8 --max_lora_rank 16`; docs/serving.md, \"Many adapters, one base\").",
+          ("served", "device peak", "the adapter stack", "over the base alone"),
+          [_adapter_plan_row(*row) for row in ADAPTER_PLAN_ROWS]),
 ]
 
 # ---------------------------------------------------------------------------------------------- one NVIDIA H100

@@ -22,6 +22,13 @@ with a load generator as light as can be (one connection per request, HTTP/1.1 o
 machine: the server's figures carry its HTTP layer and its clients' work, static batching's carry neither.
 ``--model_flags`` given several times runs every preset once per value (another shape of the same preset).
 
+``--loras N``: LoRA adapters served side by side instead, against one adapter merged: N random LoRA checkpoints over
+the model's checkpoint (rank ``--lora_rank``, the family's default weights, B not zero), and two servers taking
+turns in the same rounds on the same requests: ``merged`` (run_server.py --load the first adapter: merged into its
+base, the fastest way to serve one) and ``adapters`` (--load the base --lora a0=... with every adapter unmerged in
+one stack, each request naming one of them in turn); reported: each one's tokens/s and adapters / merged, per round
+and their median. Static batching and HF generate do not run.
+
 ``--profile``: where a decoding call's time goes on the host instead: the server's engine in this process (no HTTP;
 built from the flags each server of the run gets, ``--server_args`` included), the same requests submitted at once,
 its parts timed (dispatching the decoding and insert calls, waiting for the device, the scheduler's own bookkeeping,
@@ -102,7 +109,11 @@ def parse(argv):
                         "every preset runs once per value (another shape: --model_flags='--hidden_size 256')")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="where a decoding call's time goes on the host (above)")
-    p.add_argument("--method", choices=("checkpoint", "static", "hf", "profile"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--loras", type=int, default=0, metavar="N",
+                   help="N LoRA adapters served side by side against one merged (above), instead of static and HF")
+    p.add_argument("--lora_rank", type=int, default=8, help="the --loras adapters' rank")
+    p.add_argument("--method", choices=("checkpoint", "loras", "static", "hf", "profile"), default=None,
+                   help=argparse.SUPPRESS)
     p.add_argument("--config", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ckpt", default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
@@ -188,6 +199,43 @@ def make_checkpoint(a, extra: list) -> dict:
     mgr.wait_until_finished()
     mgr.close()
     return {"checkpoint": a.ckpt}
+
+
+def make_loras(a, extra: list) -> dict:
+    """``--loras`` LoRA checkpoints over the checkpoint ``--ckpt`` (random adapters of rank ``--lora_rank`` of the
+    family's default weights, B not zero, seeds 1..N), saved as run_finetuning.py --lora_rank --init_from saves one
+    (its base's fingerprint recorded), in ``--ckpt``_lora0 ... -> {"loras": [directories]}."""
+    from app.args import make_config, parse_args
+    from app.runtime import ensure_host_devices
+
+    _, over = parse_args("inference", "serve benchmark", a.config, ["--config", a.config] + extra)
+    over = {**over, "tokenizer": "synthetic", "hf_model": None}
+    base_cfg = make_config("inference", a.config, over, fixed={"eval": True, "rts": False})
+    ensure_host_devices(base_cfg.devices)
+    import jax
+
+    from config.presets import to_dict
+    from modelling.params import is_spec
+    from partitioning.base import base_record, fingerprint
+    from partitioning.placement import Placement
+    from utils import checkpoint as ckpt
+
+    digest = fingerprint(Placement(base_cfg).init_params(a.seed))  # (make_checkpoint's weights, made again)
+    out = []
+    for i in range(a.loras):
+        cfg = make_config("inference", a.config, {**over, "lora_rank": a.lora_rank, "lora_alpha": 2.0 * a.lora_rank},
+                          fixed={"eval": True, "rts": False})
+        rng = np.random.default_rng(a.seed + 1 + i)
+        adapters = jax.tree.map(lambda sp: (0.05 * rng.standard_normal(sp.shape)).astype(np.float32),
+                                Placement(cfg).specs, is_leaf=is_spec)
+        directory = f"{a.ckpt}_lora{i}"
+        mgr = ckpt.manager(directory)
+        ckpt.save(mgr, 1, adapters, None, {"step": 1, "seed": a.seed + 1 + i, "config": to_dict(cfg),
+                                           "lora_base": base_record({"init_from": [a.ckpt, 1]}, digest)})
+        mgr.wait_until_finished()
+        mgr.close()
+        out.append(directory)
+    return {"loras": out}
 
 
 def run_static(a, extra: list) -> dict:
@@ -508,8 +556,8 @@ async def _one(url: str, model: str, r: dict, t0: float) -> dict:
     await asyncio.sleep(max(t0 + r["arrival"] - time.perf_counter(), 0))
     host, port = url.split("//")[1].rsplit(":", 1)
     sent, times, tokens = time.perf_counter(), [], []
-    body = {"model": model, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0, "stream": True,
-            "return_token_ids": True}
+    body = {"model": r.get("model", model), "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0,
+            "stream": True, "return_token_ids": True}
     async for event in _post_stream(host, int(port), body):
         ids = event["choices"][0].get("token_ids") or []
         now = time.perf_counter()
@@ -648,6 +696,39 @@ def interleaved(a, config: str, ckpt: str, work: str, flags: str, reqs: list) ->
     return out
 
 
+def adapters_against_merged(a, config: str, ckpt: str, loras: list, flags: str, reqs: list) -> dict:
+    """``--loras``: the merged server and the adapters' server (see the module docstring), each compiled once, their
+    runs taking turns (the order turned each round) on the same requests -> their reports and the ratios."""
+    names = [f"a{i}" for i in range(len(loras))]
+    mixed = [{**r, "model": names[i % len(names)]} for i, r in enumerate(reqs)]  # (each adapter in turn)
+    servers = {}
+    for name, load, args in (("merged", loras[0], ""),
+                             ("adapters", ckpt, "--lora " + " ".join(f"{n}={p}" for n, p in zip(names, loras)))):
+        t = time.perf_counter()
+        servers[name] = start_server(a, config, a.steps_per_call[0], load, reqs, shlex.split(flags), args)
+        progress(f"{config}: the {name} server started, its programs compiled", t)
+    runs = {name: [] for name in servers}
+    try:
+        for r in range(a.repeats):
+            for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+                proc, url, model = servers[name]
+                runs[name].append(server_run(url, model, mixed if name == "adapters" else reqs, pid=proc.pid))
+                progress(f"{config}: round {r + 1} of {a.repeats}, {name}: {runs[name][-1]['tokens_per_s']:.0f} "
+                         "tokens/s")
+    finally:
+        for proc, _, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+    per_round = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs["adapters"], runs["merged"])]
+    out = {name: {**median_run(runs[name]), "slots": a.slots, "steps_per_call": a.steps_per_call[0]} for name in runs}
+    for name in out:
+        out[name].pop("outputs")
+    out["adapters"].update(loras=len(loras), lora_rank=a.lora_rank, over_merged_per_round=per_round)
+    out["ratios"] = {"adapters / merged tokens_per_s": out["adapters"]["tokens_per_s"] / out["merged"]["tokens_per_s"],
+                     "adapters / merged, median of rounds": float(np.median(per_round))}
+    return out
+
+
 # --------------------------------------------------------------------------- the whole run
 
 
@@ -662,6 +743,7 @@ def _method_cmd(a, name: str, config: str, ckpt: str, work: str, flags: str, out
     cmd += ["--max_steps_per_call", str(a.max_steps_per_call)] if a.max_steps_per_call else []
     cmd += ["--insert_rows", *map(str, a.insert_rows)] if a.insert_rows else []
     cmd += [f"--server_args={args}" for args in a.server_args or []]
+    cmd += ["--loras", str(a.loras), "--lora_rank", str(a.lora_rank)] if a.loras else []
     return cmd + (["--hf_requests", str(a.hf_requests)] if a.hf_requests else [])
 
 
@@ -687,6 +769,9 @@ def one_model(a, config: str, flags: str, tmp: str) -> dict:
     t = time.perf_counter()
     method(a, "checkpoint", config, ckpt, work, flags, tmp)
     progress(f"{config}: checkpoint saved", t)
+    if a.loras:
+        return adapters_against_merged(a, config, ckpt, method(a, "loras", config, ckpt, work, flags, tmp)["loras"],
+                                       flags, reqs)
     if a.profile:
         return method(a, "profile", config, ckpt, work, flags, tmp)
     servers = [name for name, _, _ in server_variants(a)]
@@ -711,8 +796,8 @@ def main(argv=None) -> dict:
     a = parse(own)
     variants = a.model_flags or [""]
     if a.method:
-        report = {"checkpoint": make_checkpoint, "static": run_static, "hf": run_hf, "profile": run_profile}[a.method](
-            a, shlex.split(variants[0]))
+        report = {"checkpoint": make_checkpoint, "loras": make_loras, "static": run_static, "hf": run_hf,
+                  "profile": run_profile}[a.method](a, shlex.split(variants[0]))
         write_json(a.json, report)
         return report
     if a.profile:
@@ -722,7 +807,7 @@ def main(argv=None) -> dict:
               "workload": {k: getattr(a, k) for k in ("requests", "rate", "slots", "steps_per_call",
                                                       "max_steps_per_call", "server_args", "min_prompt",
                                                       "max_prompt", "min_new", "max_new", "hf_requests", "repeats",
-                                                      "seed")},
+                                                      "seed", "loras", "lora_rank")},
               "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for flags, config in [(f, c) for f in variants for c in a.configs]:

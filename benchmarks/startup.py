@@ -10,6 +10,13 @@ and its model flags; the synthetic tokenizer: nothing is downloaded), saved once
 compiled and the seconds the server says they took (its start-up line), and the warm start over the cold; per
 depth pair, the deep model's cold start over the shallow one's (the same width: compile time should not grow with
 depth). Each start is a fresh process; ``--repeats`` starts each server that many times (medians).
+
+``--loras N``: each model's server also starts with N LoRA adapters served side by side (``--lora a0=... ``: random
+LoRA checkpoints of rank ``--lora_rank`` over its checkpoint, benchmarks/serve.py's), cold and warm, beside the base
+alone in the same round; reported: its seconds and the adapters' start over the base alone's.
+
+    python3 benchmarks/startup.py --models "t5_d256_4:tiny:--hidden_size 256 --d_ff 1024 --d_kv 64 --heads 4" \
+        --loras 8 --repeats 2 --json benchmarks/results/cpu/startup_adapters.json
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ def parse(argv=None):
     p.add_argument("--server_args", default=SERVER, help=f"every server's flags (default: {SERVER!r})")
     p.add_argument("--repeats", type=int, default=1, help="cold and warm starts of each server (medians)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a start may take before it counts as failed")
+    p.add_argument("--loras", type=int, default=0, metavar="N", help="also start each server with N LoRA adapters")
+    p.add_argument("--lora_rank", type=int, default=8, help="the --loras adapters' rank")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -54,6 +63,16 @@ def checkpoint(preset: str, flags: str, directory: str) -> None:
     cmd = [sys.executable, os.path.join("benchmarks", "serve.py"), "--method", "checkpoint", "--config", preset,
            "--ckpt", directory, f"--model_flags={flags}", "--json", os.path.join(directory + ".json")]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+
+
+def loras(preset: str, flags: str, ckpt: str, n: int, rank: int) -> str:
+    """``--lora`` flags of n random LoRA checkpoints over ``ckpt`` (benchmarks/serve.py's ``make_loras``)."""
+    cmd = [sys.executable, os.path.join("benchmarks", "serve.py"), "--method", "loras", "--config", preset, "--ckpt",
+           ckpt, f"--model_flags={flags}", "--loras", str(n), "--lora_rank", str(rank), "--json", ckpt + "_loras.json"]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    with open(ckpt + "_loras.json") as f:
+        paths = json.load(f)["loras"]
+    return "--lora " + " ".join(f"a{i}={p}" for i, p in enumerate(paths))
 
 
 def start(preset: str, ckpt: str, server_args: str, cache: str, timeout: float) -> dict:
@@ -106,9 +125,29 @@ def one_model(spec: str, a, tmp: str) -> dict:
               f"{colds[-1]['compile_s']} s), warm {warms[-1]['seconds_to_healthy']:.1f} s", flush=True)
     med = lambda runs, k: median(x[k] for x in runs if x[k] is not None)  # noqa: E731
     cold, warm = med(colds, "seconds_to_healthy"), med(warms, "seconds_to_healthy")
-    return {"preset": preset, "model_flags": flags, "cold_s": cold, "warm_s": warm, "warm_over_cold": warm / cold,
-            "programs": colds[0]["programs"], "cold_compile_s": med(colds, "compile_s"),
-            "warm_compile_s": med(warms, "compile_s"), "runs": {"cold": colds, "warm": warms}}
+    out = {"preset": preset, "model_flags": flags, "cold_s": cold, "warm_s": warm, "warm_over_cold": warm / cold,
+           "programs": colds[0]["programs"], "cold_compile_s": med(colds, "compile_s"),
+           "warm_compile_s": med(warms, "compile_s"), "runs": {"cold": colds, "warm": warms}}
+    if a.loras:
+        out["adapters"] = with_adapters(a, name, preset, flags, ckpt, tmp, out)
+    return out
+
+
+def with_adapters(a, name: str, preset: str, flags: str, ckpt: str, tmp: str, alone: dict) -> dict:
+    """The same server started with ``--loras`` adapters (cold, then warm, a cache of its own each repeat) -> its
+    medians and each over the base alone's."""
+    args = f"{a.server_args} {loras(preset, flags, ckpt, a.loras, a.lora_rank)}"
+    colds, warms = [], []
+    for r in range(a.repeats):
+        cache = os.path.join(tmp, f"{name}_lora_cache_{r}")
+        colds.append(start(preset, ckpt, args, cache, a.timeout))
+        warms.append(start(preset, ckpt, args, cache, a.timeout))
+        print(f"{name} with {a.loras} adapters: cold {colds[-1]['seconds_to_healthy']:.1f} s, warm "
+              f"{warms[-1]['seconds_to_healthy']:.1f} s", flush=True)
+    cold, warm = (median(x["seconds_to_healthy"] for x in runs) for runs in (colds, warms))
+    return {"loras": a.loras, "lora_rank": a.lora_rank, "cold_s": cold, "warm_s": warm,
+            "cold_over_alone": cold / alone["cold_s"], "warm_over_alone": warm / alone["warm_s"],
+            "runs": {"cold": colds, "warm": warms}}
 
 
 def main(argv=None) -> dict:
@@ -126,6 +165,10 @@ def main(argv=None) -> dict:
         print(f"16 layers over 4, cold: {report['deep_over_shallow_cold']:.2f}x", flush=True)
     write_json(a.json, report)
     print(json.dumps({k: {x: v[x] for x in ("cold_s", "warm_s", "programs")} for k, v in models.items()}), flush=True)
+    for k, v in models.items():
+        if "adapters" in v:
+            print(f"{k} with {a.loras} adapters over alone: cold {v['adapters']['cold_over_alone']:.2f}x, warm "
+                  f"{v['adapters']['warm_over_alone']:.2f}x", flush=True)
     return report
 
 

@@ -121,10 +121,11 @@ class Decoder:
             self._weights = Weights(self)
         return self._weights
 
-    def load_params(self, directory=None, step=None, hf_model=None):
+    def load_params(self, directory=None, step=None, hf_model=None, base: bool = False):
         """The weights decoded, on the devices (decoder/weights.py): an HF model's, a checkpoint's, or a LoRA
-        checkpoint's adapters merged into the base they were trained on; int8 with --quantize int8."""
-        return self.weights.load(directory, step, hf_model)
+        checkpoint's adapters merged into the base they were trained on; int8 with --quantize int8. ``base``: the
+        base of adapters served unmerged: -> (weights, their fingerprint)."""
+        return self.weights.load(directory, step, hf_model, base)
 
     # ------------------------------------------------------------------ decoding's layout of the weights
 

@@ -107,10 +107,12 @@ def exact_temporaries(g, rows: int, prompt_length: int, output_length: int) -> d
 
 
 def decode_plan(g, rows: int, prompt_length: int, output_length: int, exact: bool = False,
-                lora_base_bytes: int = 0) -> MemoryPlan:
+                lora_base_bytes: int = 0, stack=None, loras: tuple = ()) -> MemoryPlan:
     """The plan of decoding ``rows`` prompts ``prompt_length`` wide to ``output_length`` new tokens with the weights
     of the decoder ``g`` (its quantize and stream_encoder settings). ``lora_base_bytes``: a LoRA checkpoint's
-    frozen base, held in host memory while its adapters are merged.
+    frozen base, held in host memory while its adapters are merged. ``stack``: a server's LoRA adapters served side
+    by side (decoder/adapters.py's AdapterStack, on the devices beside the weights), ``loras`` [(name, path)] those
+    it starts with: the stack and each slot's bytes printed, each adapter's slot.
 
     A device holds decoding's weights throughout, and then the larger of two phases: reading the prompts (the
     encoder's activations, and a streamed encoder's two layers) and decoding (the KV cache, the encoder's output
@@ -145,6 +147,9 @@ def decode_plan(g, rows: int, prompt_length: int, output_length: int, exact: boo
     if sum(rest.values()):
         notes.insert(0, f"{other} (beside the weights): {format_items(rest)}")
     items = {"weights": _bytes(weights, _on_device), **peak}
+    if stack is not None:
+        items = {"weights": items.pop("weights"), "LoRA adapter stack": stack.nbytes, **items}
+        notes += stack_notes(stack, loras, items["weights"])
     host = {"streamed encoder layers": _host_bytes(weights)} if g.prompt_stacks else {}
     loading = dict(host)
     if lora_base_bytes:
@@ -155,6 +160,20 @@ def decode_plan(g, rows: int, prompt_length: int, output_length: int, exact: boo
         (", the encoder streamed from host memory" if g.prompt_stacks else "")
     return MemoryPlan(f"decoding: {kind}; {rows} rows, prompts of {prompt_length} tokens, {output_length} new",
                       sum(items.values()), phase, items, host_peak, host_phase, host_items, exact, notes=notes)
+
+
+def stack_notes(stack, loras: tuple, weights: int) -> list:
+    """The plan's lines of a stack of LoRA adapters: its slots, their rank and weights, its share of the weights'
+    bytes; then a line per adapter (its slot) and the free slots."""
+    lines = [f"LoRA adapter stack: {stack.slots} slots of rank {stack.rank} for {', '.join(stack.targets)}: "
+             f"{human_bytes(stack.nbytes)} ({human_bytes(stack.slot_bytes)} an adapter), "
+             f"{100 * stack.nbytes / max(weights, 1):.1f}% of the weights' bytes"]
+    for slot, (name, path) in enumerate(loras):
+        lines.append(f"  slot {slot}: adapter {name} ({path}): {human_bytes(stack.slot_bytes)}")
+    if stack.slots > len(loras):
+        lines.append(f"  slots {len(loras)}..{stack.slots - 1}: free (POST /v1/load_lora_adapter): "
+                     f"{human_bytes(stack.slot_bytes)} each")
+    return lines
 
 
 def weight_bytes(g) -> dict:

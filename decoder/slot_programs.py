@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from modelling import continuous
+from modelling import continuous, lora_stack
 from modelling.rows import first_fit
 from partitioning import sharding as S
 from utils.errors import ConfigError
@@ -126,7 +126,7 @@ class SlotPrograms:
     module docstring): the scheduler's Backend."""
 
     def __init__(self, decoder, slots: int, width: int, insert_rows: tuple, max_new_tokens: int, steps: int,
-                 top: int = 20, spans: int = 1):
+                 top: int = 20, spans: int = 1, adapters=None):
         if slots < 1 or slots % decoder.dp:
             raise ConfigError(f"--slots {slots} must be a positive multiple of data_parallel={decoder.dp} (the slots "
                               f"are split over dp): pass --slots {max(decoder.dp, slots - slots % decoder.dp)}")
@@ -154,6 +154,9 @@ class SlotPrograms:
         self._keep = (None, None)  # (the host's last keep flags, their device copy)
         self._n: dict = {}  # steps an advance runs -> its device copy (a scalar)
         self._local = None  # _local_cache's
+        # LoRA adapters served side by side (decoder/adapters.py's AdapterStack; None: the base alone): every program
+        # reads the stack's arrays beside the weights, each row its slot's adapter (its index carried with its state)
+        self.adapters = adapters
 
     @property
     def max_prompt(self) -> int:
@@ -168,7 +171,15 @@ class SlotPrograms:
     # ------------------------------------------------------------------ the programs
 
     def _state_specs(self):
-        return (continuous.Rows(*(P(S.DP),) * 4), continuous.Sampling(*(P(S.DP),) * 6))
+        """Every row's state: where it is, how it samples, and its adapter's slot in the stack (-1: none)."""
+        return (continuous.Rows(*(P(S.DP),) * 4), continuous.Sampling(*(P(S.DP),) * 6), P(S.DP))
+
+    def _weights(self):
+        """What every program reads first: (the weights, the adapter stack's arrays or {})."""
+        return self.params, ({} if self.adapters is None else self.adapters.arrays)
+
+    def _weight_specs(self):
+        return self.g.decode_specs(), ({} if self.adapters is None else self.adapters.decode_specs)
 
     def _scored_specs(self, lead: tuple):  # ``pack_scored``'s array
         return P(*lead, None)
@@ -179,15 +190,16 @@ class SlotPrograms:
         local = self.local
 
         def fn(p, apart, words, joiners):
-            w = family.decoding_params(p, opts)
-            block, at, lengths, slot, s, limit = unpack_joiners(joiners[0], rows, width, local)
-            cache, state = self.carry.unpack(_local(apart), words[0, 0])
-            first, scored, cache, state = continuous.insert(family, w, opts, cache, state, block, at, lengths, slot, s,
-                                                          limit, n, eos, top, S.TP)
+            block, at, lengths, slot, s, limit, adapter = unpack_joiners(joiners[0], rows, width, local)
+            w = lora_stack.bind(family.decoding_params(p[0], opts), p[1], adapter)  # (each joiner its adapter)
+            cache, (r, smp, adapters) = self.carry.unpack(_local(apart), words[0, 0])
+            first, scored, cache, state = continuous.insert(family, w, opts, cache, (r, smp), block, at, lengths,
+                                                            slot, s, limit, n, eos, top, S.TP)
+            state = (*state, adapters.at[slot].set(adapter, mode="drop"))
             return (first, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), P(S.DP, S.TP), P(S.DP, None)),
+                               in_specs=(self._weight_specs(), P(S.DP, S.TP), P(S.DP, S.TP), P(S.DP, None)),
                                out_specs=(P(S.DP), self._scored_specs((S.DP,)), P(S.DP, S.TP), P(S.DP, S.TP)))
         return jax.jit(mapped, donate_argnums=(1, 2))
 
@@ -196,14 +208,14 @@ class SlotPrograms:
                                               self.top)
 
         def fn(p, apart, words, keep, n):
-            w = family.decoding_params(p, opts)
-            cache, state = self.carry.unpack(_local(apart), words[0, 0])
-            out, scored, cache, state = continuous.advance(family, w, opts, cache, state, keep, steps, eos, pad, top,
-                                                         S.TP, n, span)
-            return (out, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
+            cache, (r, smp, adapters) = self.carry.unpack(_local(apart), words[0, 0])
+            w = lora_stack.bind(family.decoding_params(p[0], opts), p[1], adapters)  # (each row its adapter)
+            out, scored, cache, state = continuous.advance(family, w, opts, cache, (r, smp), keep, steps, eos, pad,
+                                                           top, S.TP, n, span)
+            return (out, pack_scored(scored)) + _carried(self.carry.pack(cache, (*state, adapters)))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.decode_specs(), P(S.DP, S.TP), P(S.DP, S.TP), P(S.DP), P()),
+                               in_specs=(self._weight_specs(), P(S.DP, S.TP), P(S.DP, S.TP), P(S.DP), P()),
                                out_specs=(P(S.DP, None), self._scored_specs((S.DP, None)), P(S.DP, S.TP),
                                           P(S.DP, S.TP)))
         return jax.jit(mapped, donate_argnums=(1, 2))
@@ -212,12 +224,13 @@ class SlotPrograms:
         family, opts, top = self.family, self.opts, self.top
 
         def fn(p, ids_mask):
-            ids, mask = jnp.split(ids_mask, 2, axis=1)
-            return pack_scored(continuous.score_prompts(family, family.decoding_params(p, opts), opts, ids, mask, top,
-                                                      S.TP))
+            ids, mask = jnp.split(ids_mask[:, :-1], 2, axis=1)
+            # each prompt's adapter (the last column), for each of its tokens (the prefill reads them row by row)
+            w = lora_stack.bind(family.decoding_params(p[0], opts), p[1], jnp.repeat(ids_mask[:, -1], ids.shape[1]))
+            return pack_scored(continuous.score_prompts(family, w, opts, ids, mask, top, S.TP))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
-                               in_specs=(self.g.decode_specs(), P(S.DP, None)),
+                               in_specs=(self._weight_specs(), P(S.DP, None)),
                                out_specs=self._scored_specs((S.DP, None)))
         return jax.jit(mapped)
 
@@ -248,7 +261,7 @@ class SlotPrograms:
         rows = continuous.Rows(z(np.int32), z(np.int32), z(np.int32), z(bool))
         sampling = continuous.Sampling(z(np.float32), z(np.int32), z(np.float32), z(np.uint32), z(np.uint32),
                                      z(np.int32, -1))
-        return jax.tree.map(lambda x: S.put_global(x, self.rows), (rows, sampling))
+        return jax.tree.map(lambda x: S.put_global(x, self.rows), (rows, sampling, z(np.int32, -1)))
 
     def _local_cache(self):
         """One device's piece of the slots' cache, abstract (traced once: ``reset``, ``compile`` and every reset
@@ -282,21 +295,24 @@ class SlotPrograms:
         t0 = time.perf_counter()
         g = self.g
         self.params = params if g.is_decoding_layout(params) else g.to_decoding(params)
+        if self.adapters is not None and self.adapters.arrays is None:
+            self.adapters.place()
         self.reset()
+        weights = jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, x.sharding), self._weights())
         apart, words = (jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, x.sharding), t)
                         for t in (self.apart, self.words))
         for rows in self.insert_rows:
             joiners = self._abstract((self.dp, joiner_words(rows, self.width, self.local)), jnp.int32, self.rows2)
-            self._insert[rows] = self._insert_program(rows).lower(self.params, apart, words, joiners).compile()
+            self._insert[rows] = self._insert_program(rows).lower(weights, apart, words, joiners).compile()
         keep = self._abstract((self.slots,), jnp.bool_, self.rows)
         n = self._abstract((), jnp.int32, self.replicated)
         self.spans = attention_spans(self.family, self._local_cache(), self.n_spans)
         for span in self.spans:
-            self._advance[span] = self._advance_program(span).lower(self.params, apart, words, keep, n).compile()
+            self._advance[span] = self._advance_program(span).lower(weights, apart, words, keep, n).compile()
         self.costs = self._time_spans() if len(self.spans) > 1 else {}
         if self.scores_prompts:
-            ids_mask = self._abstract((self.score_rows, 2 * self.width), jnp.int32, self.rows2)
-            self._score = self._score_program().lower(self.params, ids_mask).compile()
+            ids_mask = self._abstract((self.score_rows, 2 * self.width + 1), jnp.int32, self.rows2)
+            self._score = self._score_program().lower(weights, ids_mask).compile()
         seconds = time.perf_counter() - t0
         logger.info("compiled %d slot programs in %.1f s (%d slots, prompts up to %d tokens packed into %s rows an "
                     "insert, %d new tokens, attention spans %s)", self.programs, seconds, self.slots, self.width,
@@ -306,22 +322,23 @@ class SlotPrograms:
     # ------------------------------------------------------------------ calls (host arrays in, device arrays out)
 
     def insert(self, joiners: list) -> tuple:
-        """Joining prompts into the slots: joiners [(slot, ids, sampling, limit)], ``slot`` a free slot, ``ids`` a prompt
-        of at most ``width`` tokens, ``sampling`` its (temperature, top_k, drop_mass, seed, seed_hi, logprobs),
-        ``limit`` its most tokens -> (their first tokens, their Scored), on the device, in ``joiners``' order. Each dp
+        """Joining prompts into the slots: joiners [(slot, ids, sampling, limit[, adapter])], ``slot`` a free slot,
+        ``ids`` a prompt of at most ``width`` tokens, ``sampling`` its (temperature, top_k, drop_mass, seed, seed_hi,
+        logprobs), ``limit`` its most tokens, ``adapter`` the stack's slot of its LoRA adapter (-1 or none given: the
+        base alone) -> (their first tokens, their Scored), on the device, in ``joiners``' order. Each dp
         shard's prompts are packed into the fewest rows ``width`` wide (first-fit decreasing) and read by the program
         of the fewest ``insert_rows`` that hold them. One host-to-device copy, whatever the joiners ask (each copy
         costs the host about a millisecond on a CPU, as much as the rest of the call)."""
         shards = [[] for _ in range(self.dp)]
-        for k, (slot, ids, sampling, limit) in enumerate(joiners):
+        for k, (slot, ids, sampling, limit, *adapter) in enumerate(joiners):
             if not 0 < len(ids) <= self.width:
                 raise ValueError(f"a prompt of {len(ids)} tokens: an insert reads 1 to {self.width}")
-            shards[slot // self.local].append((k, slot % self.local, ids, sampling, limit))
+            shards[slot // self.local].append((k, slot % self.local, ids, sampling, limit, *adapter))
         placed = [first_fit([len(j[2]) for j in shard], self.width) for shard in shards]
         used = max([1] + [1 + max(r for r, _ in pl) for pl in placed if pl])
         rows = next(r for r in self.insert_rows if r >= used)
         packed = np.stack([pack_joiners(shard, pl, rows, self.width, self.local) for shard, pl in zip(shards, placed)])
-        first, scored, self.apart, self.words = self._insert[rows](self.params, self.apart, self.words,
+        first, scored, self.apart, self.words = self._insert[rows](self._weights(), self.apart, self.words,
                                                                    S.put_global(packed, self.rows2))
         order = np.zeros(len(joiners), np.int64)  # each joiner's row of the outputs ([dp, local] flattened)
         for d, shard in enumerate(shards):
@@ -387,18 +404,22 @@ class SlotPrograms:
             self._keep = (keep.copy(), S.put_global(keep, self.rows))
         if n not in self._n:
             self._n[n] = S.put_global(np.int32(n), self.replicated)
-        out, scored, self.apart, self.words = program(self.params, self.apart, self.words, self._keep[1], self._n[n])
+        out, scored, self.apart, self.words = program(self._weights(), self.apart, self.words, self._keep[1],
+                                                      self._n[n])
         return out, PackedScored(scored)
 
-    def score(self, prompts: list) -> "PackedScored":
+    def score(self, prompts: list, adapters: list | None = None) -> "PackedScored":
         """The prompts' own log-probabilities: prompts (at most ``score_rows`` of them, each of at most ``width``
-        tokens) -> their Scored [score_rows, width - 1] (row r, column c: prompt r's token c + 1), on the device."""
+        tokens), ``adapters`` each one's adapter's slot (-1 or None: the base alone) -> their Scored [score_rows,
+        width - 1] (row r, column c: prompt r's token c + 1), on the device."""
         ids = np.full((self.score_rows, self.width), self.pad_id, np.int32)
         mask = np.zeros((self.score_rows, self.width), np.int32)
+        chosen = np.full((self.score_rows, 1), -1, np.int32)
         for r, p in enumerate(prompts):
             ids[r, :len(p)], mask[r, :len(p)] = p, 1
-        ids_mask = np.concatenate([ids, mask], axis=1)
-        return PackedScored(self._score(self.params, S.put_global(ids_mask, self.rows2)))
+            chosen[r] = -1 if adapters is None else adapters[r]
+        ids_mask = np.concatenate([ids, mask, chosen], axis=1)
+        return PackedScored(self._score(self._weights(), S.put_global(ids_mask, self.rows2)))
 
     @staticmethod
     def fetch(x):
@@ -450,8 +471,9 @@ def unpack_scored(x: np.ndarray) -> continuous.Scored:
     return continuous.Scored(x[..., 0].view(np.float32), x[..., 1:1 + top], x[..., 1 + top:].view(np.float32))
 
 
-JOINER_COLUMNS = 10  # a joiner's: its slot in its shard, where its prompt starts in the packed rows flattened, its
-# length, top_k, seed, seed_hi (the seeds' bits), logprobs, limit, and the bits of temperature and drop_mass
+JOINER_COLUMNS = 11  # a joiner's: its slot in its shard, where its prompt starts in the packed rows flattened, its
+# length, top_k, seed, seed_hi (the seeds' bits), logprobs, limit, the bits of temperature and drop_mass, and its LoRA
+# adapter's slot in the stack (-1: none)
 
 
 def joiner_words(rows: int, width: int, local: int) -> int:
@@ -462,30 +484,31 @@ def joiner_words(rows: int, width: int, local: int) -> int:
 def pack_joiners(shard: list, placed: list, rows: int, width: int, local: int) -> np.ndarray:
     """What a shard's insert reads, in one int32 vector (``joiner_words`` long): the packed rows' ids, segment ids
     (from 1 in each row) and positions (from 0 in each prompt), each [rows, width], then ``local`` joiners of
-    ``JOINER_COLUMNS`` (fillers: slot ``local``, length 0). shard: [(k, slot in the shard, ids, sampling, limit)];
-    placed: each one's (row, column) (modelling/rows.py's ``first_fit``)."""
+    ``JOINER_COLUMNS`` (fillers: slot ``local``, length 0, no adapter). shard: [(k, slot in the shard, ids, sampling,
+    limit[, adapter])]; placed: each one's (row, column) (modelling/rows.py's ``first_fit``)."""
     block = np.zeros((3, rows, width), np.int32)
     cols = np.zeros((local, JOINER_COLUMNS), np.int32)
     cols[:, 0] = local  # fillers: a slot past the shard's, dropped
+    cols[:, 10] = -1
     segment = np.zeros(rows, np.int32)
     bits = lambda x, dt: np.asarray(x, dt).view(np.int32)  # noqa: E731
-    for j, ((_, slot, ids, sampling, limit), (row, col)) in enumerate(zip(shard, placed)):
+    for j, ((_, slot, ids, sampling, limit, *adapter), (row, col)) in enumerate(zip(shard, placed)):
         n = len(ids)
         segment[row] += 1
         block[0, row, col:col + n], block[1, row, col:col + n], block[2, row, col:col + n] = ids, segment[row], \
             np.arange(n)
         temperature, top_k, drop_mass, seed, seed_hi, logprobs = sampling
         cols[j] = [slot, row * width + col, n, top_k, bits(seed, np.uint32), bits(seed_hi, np.uint32), logprobs, limit,
-                   bits(temperature, np.float32), bits(drop_mass, np.float32)]
+                   bits(temperature, np.float32), bits(drop_mass, np.float32), adapter[0] if adapter else -1]
     return np.concatenate([block.ravel(), cols.ravel()])
 
 
 def unpack_joiners(words, rows: int, width: int, local: int) -> tuple:
     """``pack_joiners``' vector (on the device) -> ((ids, segments, positions) [rows, width], at, lengths, slots,
-    Sampling, limit)."""
+    Sampling, limit, adapters)."""
     block = words[:3 * rows * width].reshape(3, rows, width)
     cols = words[3 * rows * width:].reshape(local, JOINER_COLUMNS)
     col = lambda i: cols[:, i]  # noqa: E731
     s = continuous.Sampling(_from_words(col(8), jnp.float32), col(3), _from_words(col(9), jnp.float32),
                           _from_words(col(4), jnp.uint32), _from_words(col(5), jnp.uint32), col(6))
-    return (block[0], block[1], block[2]), col(1), col(2), col(0), s, col(7)
+    return (block[0], block[1], block[2]), col(1), col(2), col(0), s, col(7), col(10)

@@ -50,20 +50,32 @@ class Weights:
 
     # ------------------------------------------------------------------ sources
 
-    def load(self, directory=None, step=None, hf_model=None):
+    def load(self, directory=None, step=None, hf_model=None, base: bool = False):
         """The weights decoded, on the devices: an HF model's, a checkpoint's, or a LoRA checkpoint's adapters merged
-        into the base they were trained on; quantized (``--quantize int8``) one layer at a time from host memory."""
+        into the base they were trained on; quantized (``--quantize int8``) one layer at a time from host memory.
+        ``base``: they are a base adapters are served over (decoder/adapters.py): -> (the weights, their
+        fingerprint, partitioning/base.py's: what a LoRA checkpoint records of the base it was trained on), and a
+        LoRA checkpoint is refused (one line)."""
         g, direct = self.placement, self.decoder.quantize == "none"
         if hf_model:
             _, host = load_hf_model(hf_model, g.tp, expect=self.cfg.model)
-            return self.convert(g.shard_params(host)) if direct else self.place(host)
+            params = self.convert(g.shard_params(host)) if direct else self.place(host)
+            return (params, fingerprint_rows([[x] for x in jax.tree.leaves(host)])) if base else params
         saved = ckpt.load_meta(directory, step)
         if saved.get("lora_base"):
+            if base:
+                raise FlanT5Error(f"--load {directory} holds LoRA adapters, and adapters are served over the model "
+                                  "they were trained on: --load that base (a full checkpoint, or --hf_model) and "
+                                  f"name this one with --lora NAME={directory}")
             return self.convert(self.merged_params(directory, step, saved))
         shardings = g.param_shardings if direct else S.with_memory_kind(g.param_shardings, HOST)
         params, _, _ = ckpt.load(directory, step, ckpt.abstract_like(g.abstract_params(), shardings),
                                  hint=g.shape_hint)
-        return self.convert(params) if direct else self.place(params)
+        digest = None
+        if base:  # (of the weights as stored, before any conversion: the digest a LoRA run took of its frozen base)
+            digest = fingerprint(params) if direct else fingerprint_rows([[x] for x in jax.tree.leaves(params)])
+        params = self.convert(params) if direct else self.place(params)
+        return (params, digest) if base else params
 
     def convert(self, params: dict) -> dict:
         """Weights on the devices in training's layout -> decoding's, in one program (``Decoder.to_decoding``); a tree

@@ -33,6 +33,7 @@ from config.fields import spec
 from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L
+from modelling import lora_stack
 from modelling.family import Family, HFMapping, ModelOptions, Stack
 from modelling.rows import CausalRows
 from modelling.tp import tp_index
@@ -373,11 +374,13 @@ class CausalLM(Family):
         ids/segments/positions [R, W] (causal within each prompt, rotary positions restarting at 0 in each), each
         prompt's keys and values gathered out (``where`` int [J, W]: its positions in the rows flattened, R * W past
         its ``lengths`` [J]) into columns 0 .. length - 1 of its cache row, new tokens from column ``length`` on ->
-        (logits [J, Vl] after each prompt's last token, the cache of J rows of W + max_new_tokens columns)."""
+        (logits [J, Vl] after each prompt's last token, the cache of J rows of W + max_new_tokens columns). Adapters
+        served side by side (modelling/lora_stack.py: ``p`` bound with one index a prompt): each packed token reads its
+        prompt's."""
         r, w = ids.shape
         sin, cos = self.rotary(positions, opts)
         bias = L.causal_mask_bias(w, w) + L.segment_mask_bias(segments, segments)
-        x, kv = self._prefill_rows(p, ids, bias, sin, cos, opts, 0, tp_axis)
+        x, kv = self._prefill_rows(lora_stack.per_token(p, where, ids.size), ids, bias, sin, cos, opts, 0, tp_axis)
         room = ((0, 0), (0, 0), (0, 0), (0, max_new_tokens), (0, 0))
         kv = tuple(jnp.pad(L.gather_packed(t, where, 3), room) for t in kv)
         last = jnp.take_along_axis(where, (lengths - 1)[:, None], axis=1)  # each prompt's last token, flat [J, 1]

@@ -138,6 +138,49 @@ class Adapted:
         return share_of_sum(out, self.tp) if self.row else out
 
 
+@jax.tree_util.register_pytree_node_class
+class MultiAdapted:
+    """A frozen weight with the LoRA adapters of many fine-tuned tasks stacked beside it (modelling/lora_stack.py),
+    each token reading its own: ``dense`` computes x w + scale_t (x a_t) b_t with token t's adapter, x w alone for a
+    token of none.
+
+    a [in..., slots, rank] and b [slots, rank, out...] hold every slot's adapter (its rank padded with zeros; an
+    empty slot all zeros); index int32 [n]: each token's slot (-1: none); scale float32 [n]: its adapter's alpha /
+    rank (0: none). The product is taken for every slot at once and masked to the token's own: z = x a (a read as
+    [in, slots * rank]), z's columns of other slots zeroed and the token's scaled, then z b (b read as [slots * rank,
+    out]): exactly the token's own scale (x a_t) b_t, at slots * rank / out of the base matmul's work. (A gather of
+    each token's a_t and b_t, the BGMV form S-LoRA and Punica run on GPUs, was 1.1 to 10x slower than this on XLA:CPU
+    at serving's shapes: benchmarks/probes/README.md, ``lora_forms.py``.)
+
+    Under tensor parallelism a and b are split as training splits a weight's adapter (``Adapted``): a column-parallel
+    weight has a replicated a and a b split like its output, so each device gets its share of the output; a
+    row-parallel weight has an a split like its input and a replicated b, so each device's delta is its partial
+    product, which the family's own sum over tp of the weight's partial outputs completes (no collective of its
+    own). A pytree: a scan over stacked layers slices w, a, b, index and scale alike (index and scale then
+    [layers, n])."""
+
+    def __init__(self, w, a, b, index, scale):
+        self.w, self.a, self.b, self.index, self.scale = w, a, b, index, scale
+
+    shape = property(lambda self: self.w.shape)
+    dtype = property(lambda self: self.w.dtype)
+
+    def tree_flatten(self):
+        return (self.w, self.a, self.b, self.index, self.scale), None
+
+    @classmethod
+    def tree_unflatten(cls, _aux, children):
+        return cls(*children)
+
+    def delta(self, x: jax.Array) -> jax.Array:
+        """Each token's scale (x a_t) b_t, float32 [n, out] (x [n, in]; this device's share, or partial product)."""
+        slots, rank = self.b.shape[0], self.b.shape[1]
+        z = einsum_f32("ni,ic->nc", x.astype(self.a.dtype), self.a.reshape(x.shape[-1], slots * rank))
+        owner = jnp.arange(slots * rank) // rank  # the slot of each of z's columns
+        z = jnp.where(owner[None] == self.index[:, None], z * self.scale[:, None], 0.0)
+        return einsum_f32("nc,co->no", z.astype(self.b.dtype), self.b.reshape(slots * rank, -1))
+
+
 DENSE = "dense"  # the name of every weight matmul's output (jax.checkpoint policies)
 
 
@@ -146,12 +189,13 @@ def dense(x: jax.Array, w, f32_out: bool = False) -> jax.Array:
 
     The result is float32 (``f32_out``, accumulated in float32 as ``einsum_f32``) or in the weight's
     dtype. ``w`` may be an ``Accumulating`` weight, whose gradient goes into its accumulator, an ``Adapted`` one
-    (LoRA) or an ``Int8`` one (modelling/quant.py: decoding with int8 weights).
+    (LoRA), a ``MultiAdapted`` one (many adapters, each token its own: serving) or an ``Int8`` one
+    (modelling/quant.py: decoding with int8 weights).
     """
     if isinstance(w, Int8):  # weight-only int8 (decoding): converted inside the product, scaled per channel
         out = quant_matmul(x, w)
         return checkpoint_name(out if f32_out else out.astype(w.dtype), DENSE)
-    if isinstance(w, Adapted):
+    if isinstance(w, (Adapted, MultiAdapted)):
         out = dense(x, w.w, f32_out)
         return (out.astype(F32) + w.delta(x.astype(w.dtype))).astype(out.dtype)
     if isinstance(w, Accumulating):

@@ -54,7 +54,7 @@ def scale(opts) -> float:
     return opts.lora_alpha / opts.lora_rank
 
 
-def _split(spec: ParamSpec) -> int:
+def input_dims(spec: ParamSpec) -> int:
     """How many of a stacked weight's dims (after ``layers``) are its input: all but the last when its output is
     the residual stream (``embed``, a row-parallel weight), else the first."""
     axes = spec.axes[1:]
@@ -76,7 +76,7 @@ def adapter_specs(family, base_specs: dict, opts) -> dict:
                 continue
             found.add(name)
             spec = layers[name]
-            k = _split(spec)
+            k = input_dims(spec)
             n, ins, outs = spec.shape[0], spec.shape[1:1 + k], spec.shape[1 + k:]
             fan_in, fan_out = math.prod(ins), math.prod(outs)
             if r > min(fan_in, fan_out):

@@ -24,6 +24,7 @@ from config.schema import ModelConfig
 from modelling import decoding
 from modelling import family as fam
 from modelling import layers as L
+from modelling import lora_stack
 from modelling.family import Family, HFMapping, ModelOptions, Stack
 from modelling.hf_weights import kept_as, state_dict_reader, vocab_padder
 from modelling.params import ParamSpec, padded_vocab
@@ -452,9 +453,12 @@ def decode_start_packed(p: dict, ids, segments, positions, where, lengths, opts,
     ids/segments/positions [R, W] (segment ids from 1, positions restarting at 0 in each prompt), the cross-attention
     keys and values of its output, and each prompt's of them gathered out (``where`` int [J, W]: each prompt's
     positions in the rows flattened, R * W past its ``lengths`` [J]) -> (logits [J, Vl], the cache of J rows with room
-    for prompts W wide)."""
-    enc = encode(p, ids, segments, opts, tp_axis, positions=positions)
-    ck, cv = (L.gather_packed(t, where, 3) for t in cross_kv(p["decoder"]["layers"], enc.astype(opts.compute_dtype)))
+    for prompts W wide). Adapters served side by side (modelling/lora_stack.py: ``p`` bound with one index a prompt):
+    each packed token reads its prompt's."""
+    tokens = lora_stack.per_token(p, where, ids.size)
+    enc = encode(tokens, ids, segments, opts, tp_axis, positions=positions)
+    ck, cv = (L.gather_packed(t, where, 3) for t in cross_kv(tokens["decoder"]["layers"],
+                                                             enc.astype(opts.compute_dtype)))
     j, n, h, _, kv = ck.shape
     empty = jnp.zeros((j, n, h, max_new_tokens, kv), opts.compute_dtype)
     mask = jnp.arange(where.shape[1])[None] < lengths[:, None]

@@ -103,6 +103,7 @@ class Request:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    model: str = ""  # the model id it named: the base's, or a LoRA adapter's (docs/serving.md, "Many adapters")
 
 
 def _bad(field: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -195,7 +196,9 @@ def _same(x, a) -> bool:
     return x == a
 
 
-def _fields(body: dict, fields: tuple, unsupported: dict, model_id: str) -> None:
+def _fields(body: dict, fields: tuple, unsupported: dict, models) -> str:
+    """The body's fields checked -> the model id it names, one of ``models`` (the ids served: one, or a collection:
+    the base's and each LoRA adapter's; 404 for another)."""
     unknown = sorted(set(body) - set(fields) - set(unsupported))
     if unknown:
         raise ApiError(400, f"unrecognized request argument supplied: {', '.join(map(repr, unknown))[:200]}",
@@ -204,15 +207,18 @@ def _fields(body: dict, fields: tuple, unsupported: dict, model_id: str) -> None
         raise ApiError(400, "model is required: the id GET /v1/models lists", param="model",
                        code="missing_required_parameter")
     model = text("model", body["model"])
-    if model != model_id:
-        raise ApiError(404, f"the model {_show(model)} does not exist: this server serves {model_id!r}",
-                       param="model", code="model_not_found")
+    served = (models,) if isinstance(models, str) else tuple(models)
+    if model not in served:
+        names = ", ".join(map(repr, served[:8])) + (f" and {len(served) - 8} more" if len(served) > 8 else "")
+        raise ApiError(404, f"the model {_show(model)} does not exist: this server serves {names} (GET /v1/models "
+                            "lists them)", param="model", code="model_not_found")
     for field, allowed in unsupported.items():
         if field in body and not any(_same(body[field], a) for a in allowed):
             raise ApiError(400, f"{field}={_show(body[field])} is not supported by this server (leave it out, or "
                                 f"pass {json.dumps(allowed[-1])})", param=field, code="unsupported_value")
     if body.get("user") is not None:
         text("user", body["user"])
+    return model
 
 
 def _prompts(body: dict, limits: Limits) -> tuple:
@@ -290,7 +296,7 @@ CHAT_FIELDS = COMMON + ("messages", "max_completion_tokens", "top_logprobs")
 
 
 def _sampling(body: dict, limits: Limits, max_tokens: int, logprobs, echo: bool, chat: bool, prompts: tuple,
-              messages: tuple) -> Request:
+              messages: tuple, model: str = "") -> Request:
     stream = _flag(body, "stream")
     n, best_of = _choices(body, stream)
     sequences = len(prompts or [messages]) * best_of
@@ -305,14 +311,14 @@ def _sampling(body: dict, limits: Limits, max_tokens: int, logprobs, echo: bool,
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=_int(body, "top_k", 0, -1, limits.vocab_size), seed=None if seed is None else seed % 2 ** 64,
         stop=_stop(body), n=n, best_of=best_of, logprobs=logprobs, echo=echo, stream=stream,
-        include_usage=_stream_options(body, stream), return_token_ids=_flag(body, "return_token_ids"))
+        include_usage=_stream_options(body, stream), return_token_ids=_flag(body, "return_token_ids"), model=model)
 
 
-def parse_completion(raw: bytes, limits: Limits, model_id: str) -> Request:
+def parse_completion(raw: bytes, limits: Limits, models) -> Request:
     """A /v1/completions body -> the checked request, or ApiError (400: malformed JSON, an unknown field, a value of
-    the wrong type or out of range; 404: another model; 413: past the size limits)."""
+    the wrong type or out of range; 404: a model not among ``models``, the ids served; 413: past the size limits)."""
     body = _json(raw)
-    _fields(body, COMPLETION_FIELDS, UNSUPPORTED, model_id)
+    model = _fields(body, COMPLETION_FIELDS, UNSUPPORTED, models)
     echo = _flag(body, "echo")
     logprobs = _int(body, "logprobs", None, 0, limits.max_logprobs)
     if echo and logprobs is not None and not limits.scores_prompts:
@@ -320,7 +326,7 @@ def parse_completion(raw: bytes, limits: Limits, model_id: str) -> Request:
                            "gives no log-probabilities of the prompt's tokens (echo alone returns the prompt's text)",
                    "unsupported_value")
     max_tokens = _int(body, "max_tokens", limits.default_max_tokens, 0 if echo else 1, limits.max_tokens)
-    return _sampling(body, limits, max_tokens, logprobs, echo, False, _prompts(body, limits), ())
+    return _sampling(body, limits, max_tokens, logprobs, echo, False, _prompts(body, limits), (), model)
 
 
 def _content(i: int, content) -> str:
@@ -357,10 +363,10 @@ def _messages(body: dict, limits: Limits) -> tuple:
     return tuple(out)
 
 
-def parse_chat(raw: bytes, limits: Limits, model_id: str) -> Request:
+def parse_chat(raw: bytes, limits: Limits, models) -> Request:
     """A /v1/chat/completions body -> the checked request, or ApiError (as parse_completion)."""
     body = _json(raw)
-    _fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED, model_id)
+    model = _fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED, models)
     messages = _messages(body, limits)
     wants = _flag(body, "logprobs")
     top = _int(body, "top_logprobs", None, 0, limits.max_logprobs)
@@ -368,7 +374,7 @@ def parse_chat(raw: bytes, limits: Limits, model_id: str) -> Request:
         raise _bad("top_logprobs", "is only taken with logprobs=true")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, limits.default_max_tokens, 1, limits.max_tokens)
-    return _sampling(body, limits, max_tokens, (top or 0) if wants else None, False, True, (), messages)
+    return _sampling(body, limits, max_tokens, (top or 0) if wants else None, False, True, (), messages, model)
 
 
 # --------------------------------------------------------------------------- response bodies
@@ -439,5 +445,37 @@ def completion(req: Request, rid: str, created: int, model: str, choices: list, 
     return body
 
 
-def models(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "flan-t5"}]}
+def models(model: str, created: int, adapters: tuple = (), root=None) -> dict:
+    """GET /v1/models: the base ``model`` (``root``: where its weights come from) and each LoRA adapter served over
+    it, ``adapters`` [(name, path)], as vLLM lists them: the adapter's ``root`` its path, its ``parent`` the base."""
+    card = lambda i, r, parent: {"id": i, "object": "model", "created": created, "owned_by": "flan-t5",  # noqa: E731
+                                 "root": r, "parent": parent}
+    return {"object": "list", "data": [card(model, root or model, None)] + [card(n, p, model) for n, p in adapters]}
+
+
+# --------------------------------------------------------------------------- loading and unloading LoRA adapters
+
+
+def parse_load_adapter(raw: bytes) -> tuple:
+    """POST /v1/load_lora_adapter's body (vLLM's: {"lora_name": ..., "lora_path": ...}) -> (name, path), or ApiError
+    (400: malformed JSON, an unknown field, a name or path missing or not a non-empty string)."""
+    body = _json(raw)
+    return _adapter_fields(body, ("lora_name", "lora_path"))
+
+
+def parse_unload_adapter(raw: bytes) -> str:
+    """POST /v1/unload_lora_adapter's body (vLLM's: {"lora_name": ...}) -> the name, or ApiError (400)."""
+    return _adapter_fields(_json(raw), ("lora_name",))[0]
+
+
+def _adapter_fields(body: dict, fields: tuple) -> tuple:
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise ApiError(400, f"unrecognized request argument supplied: {', '.join(map(repr, unknown))[:200]}",
+                       param=unknown[0][:100], code="unknown_parameter")
+    out = []
+    for field in fields:
+        if body.get(field) is None:
+            raise ApiError(400, f"{field} is required", param=field, code="missing_required_parameter")
+        out.append(text(field, body[field], empty_ok=False))
+    return tuple(out)

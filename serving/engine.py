@@ -34,7 +34,7 @@ from serving.api import Limits
 from serving.metrics import Metrics
 from serving.output import Output, OutputProcessor
 from serving.scheduler import Scheduler, SchedulerError, Sequence
-from utils.errors import ConfigError
+from utils.errors import ConfigError, FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 MAX_STEPS_FACTOR = 4  # the most steps a call takes with every slot taken, by default: 4 x --steps_per_call
@@ -51,6 +51,15 @@ class PromptError(Exception):
     def __init__(self, field: str, message: str, code: str = "invalid_value"):
         super().__init__(f"{field} {message}")
         self.field, self.code = field, code
+
+
+class AdapterRequestError(Exception):
+    """A LoRA adapter that cannot be loaded or unloaded: why, and OpenAI's error code (the HTTP layer answers 404 for
+    ``model_not_found``, 400 otherwise)."""
+
+    def __init__(self, message: str, code: str = "invalid_lora"):
+        super().__init__(message)
+        self.code = code
 
 
 def powers_of_two(low: int, high: int) -> list:
@@ -79,6 +88,10 @@ class ServeOptions:
     chat_template: Optional[str] = None  # --chat_template's text
     max_steps: int = 0  # the most steps per call, taken while every slot is taken (0: ``steps``)
     attention_spans: int = 1  # advance programs, each attending over a prefix of the cache (decoder/slot_programs.py)
+    loras: tuple = ()  # ((name, path), ...): LoRA adapters served side by side over the base from the start
+    max_loras: int = 0  # adapter slots (0: no adapter stack: the base alone)
+    max_lora_rank: int = 0  # the stack's rank (0: the largest of the start-up adapters', else DEFAULT_LORA_RANK)
+    lora_targets: tuple = ()  # the weights the stack holds adapters of (): the start-up adapters', else the family's
 
     @property
     def most_steps(self) -> int:
@@ -109,7 +122,8 @@ class ServeOptions:
                                  ("--max_body_bytes", args.max_body_bytes, 1024),
                                  ("--max_header_bytes", args.max_header_bytes, 1024),
                                  ("--max_logprobs", args.max_logprobs, 0), ("--min_join", args.min_join, 1),
-                                 ("--attention_spans", args.attention_spans, 1)):
+                                 ("--attention_spans", args.attention_spans, 1),
+                                 ("--max_lora_rank", getattr(args, "max_lora_rank", None), 1)):
             if value is not None and value < low:
                 raise ConfigError(f"{flag} {value} must be at least {low}")
         load = cfg.checkpoint.load
@@ -119,7 +133,34 @@ class ServeOptions:
                    args.max_prompt_chars or 64 * width, args.max_body_bytes, model_id, args.max_logprobs,
                    args.min_join,
                    read_template(args.chat_template), args.max_steps_per_call or MAX_STEPS_FACTOR * args.steps_per_call,
-                   DEFAULT_SPANS if args.attention_spans is None else args.attention_spans)
+                   DEFAULT_SPANS if args.attention_spans is None else args.attention_spans,
+                   **lora_options(args, model_id))
+
+
+def lora_options(args, model_id: str) -> dict:
+    """ServeOptions' LoRA fields from run_server.py's --lora NAME=CKPT..., --max_loras, --max_lora_rank and
+    --lora_target_modules (app/args.py's ``lora_flags``); ConfigError (one line) for a malformed or repeated NAME=CKPT,
+    a name that is the base's, or fewer slots than adapters."""
+    loras = []
+    for item in getattr(args, "lora", None) or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"--lora {item}: give each adapter as NAME=CKPT (a model id, and the --save directory "
+                              "of its LoRA run)")
+        if name == model_id or name in dict(loras):
+            raise ConfigError(f"--lora {item}: the model id {name!r} is already served ("
+                              f"{'the base' if name == model_id else 'another adapter'}): give each adapter a name of "
+                              "its own (the base's is --model_name)")
+        loras.append((name, path))
+    slots = getattr(args, "max_loras", None)
+    if slots is not None and slots < max(1, len(loras)):
+        raise ConfigError(f"--max_loras {slots}: at least 1, and at least the {len(loras)} adapters --lora names")
+    rank, targets = getattr(args, "max_lora_rank", None) or 0, tuple(getattr(args, "lora_target_modules", None) or ())
+    if (rank or targets) and not (loras or slots):
+        raise ConfigError(f"{'--max_lora_rank' if rank else '--lora_target_modules'} shapes the stack of LoRA adapters, "
+                          "and this server has none: pass --lora NAME=CKPT or --max_loras N too")
+    return {"loras": tuple(loras), "max_loras": slots if slots is not None else len(loras), "max_lora_rank": rank,
+            "lora_targets": targets}
 
 
 def default_width(sequence_length: int, longest_prompt: Optional[int] = None) -> int:
@@ -246,6 +287,14 @@ class Engine:
         self.min_join = options.min_join or default_min_join(options.slots, backend.platform)
         self.scheduler = Scheduler(backend, options.max_queue, self.metrics, self.min_join, options.steps)
         self.output = OutputProcessor(tokenizer, self.metrics, self.scheduler.finish)
+        # the model ids served: the base (-1) and each LoRA adapter in the backend's stack (its slot)
+        self.stack = getattr(backend, "adapters", None)
+        self.served = {self.model_id: -1}
+        self.paths: dict = {}  # adapter name -> the path it was read from
+        for slot, adapter in enumerate(self.stack.held if self.stack is not None else ()):
+            if adapter is not None:
+                self.add_adapter(adapter.name, adapter.path, slot)
+        self.changing: set = set()  # adapter names being loaded or unloaded
 
     # ------------------------------------------------------------------ prompts
 
@@ -294,9 +343,16 @@ class Engine:
 
     def generate(self, req, prompts: list) -> Generation:
         """A checked request (serving/api.py's) of ``prompts`` [(ids, text)] -> its Generation, every candidate
-        submitted: its events come on ``Generation.queue`` (``start``'s ``deliver`` puts them there). Raises the
-        scheduler's QueueFull, ShuttingDown or Failed (nothing submitted)."""
+        submitted, each reading the LoRA adapter its ``model`` names (the base: none): its events come on
+        ``Generation.queue`` (``start``'s ``deliver`` puts them there). Raises AdapterRequestError for a model no
+        longer served (an adapter unloaded), the scheduler's QueueFull, ShuttingDown or Failed (nothing submitted)."""
+        model = req.model or self.model_id
+        if model not in self.served:
+            raise AdapterRequestError(f"the model {model!r} does not exist (any more): GET /v1/models lists those "
+                                      "served", "model_not_found")
         generation = Generation(self, req, prompts)
+        for s in generation.seqs:
+            s.adapter = self.served[model]
         self.submit(generation.seqs)
         return generation
 
@@ -324,6 +380,58 @@ class Engine:
         """Requests held: their sequences counted by the request they answer (its Generation's queue)."""
         with self.scheduler.cv:
             return len({id(s.out.sink) for s in self.scheduler.held_seqs})
+
+    # ------------------------------------------------------------------ LoRA adapters (the HTTP layer's awaits)
+
+    @property
+    def model_ids(self) -> tuple:
+        """The model ids a request may name: the base's, then each adapter's."""
+        return tuple(self.served)
+
+    def models(self) -> list:
+        """[(adapter name, path)] of every adapter served."""
+        return [(name, self.paths[name]) for name in self.served if name != self.model_id]
+
+    def add_adapter(self, name: str, path: str, slot: int) -> None:
+        self.served[name], self.paths[name] = slot, path
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """The LoRA adapter at ``path`` read and checked (a worker thread), written into a free slot of the stack (the
+        decoding thread, between its calls: the programs are not compiled again) and served as ``name``.
+        AdapterRequestError: no stack, a name served or being changed, an adapter the stack refuses (its
+        message)."""
+        if self.stack is None:
+            raise AdapterRequestError("this server serves no LoRA adapters: start it with --max_loras N (and --lora "
+                                      "NAME=CKPT) to load them", "lora_not_enabled")
+        if name in self.served or name in self.changing:
+            raise AdapterRequestError(f"the LoRA adapter {name!r} has already been loaded (or is being loaded or "
+                                      "unloaded): unload it first, or choose another name", "lora_exists")
+        self.changing.add(name)
+        try:
+            adapter = await asyncio.to_thread(self.stack.read, name, path)
+            slot = await asyncio.wrap_future(self.scheduler.between_calls(lambda: self.stack.install(adapter)))
+        except FlanT5Error as e:
+            raise AdapterRequestError(str(e)) from None
+        finally:
+            self.changing.discard(name)
+        self.add_adapter(name, path, slot)
+
+    async def unload_adapter(self, name: str, poll: float = 0.02) -> None:
+        """The LoRA adapter ``name`` no longer served: a request naming it from now on is a 404, the requests that
+        hold it finish first (this waits for them), then its slot is emptied and free. AdapterRequestError
+        (``model_not_found``) for a name not served."""
+        if name not in self.served or name == self.model_id:
+            raise AdapterRequestError(f"the LoRA adapter {name!r} cannot be found: GET /v1/models lists the "
+                                      "adapters served", "model_not_found")
+        slot = self.served.pop(name)
+        self.paths.pop(name)
+        self.changing.add(name)
+        try:
+            while self.scheduler.holds_adapter(slot):
+                await asyncio.sleep(poll)
+            await asyncio.wrap_future(self.scheduler.between_calls(lambda: self.stack.remove(slot)))
+        finally:
+            self.changing.discard(name)
 
     @property
     def healthy(self) -> bool:

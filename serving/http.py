@@ -9,10 +9,12 @@ endpoints, which every token passes through, are a lean ASGI layer in front of F
 server-sent events written straight to uvicorn, a client that goes away noticed by a task waiting on ``receive``.
 
     GET  /health                 200 when serving, 503 while shutting down (no key needed)
-    GET  /v1/models              the model served
+    GET  /v1/models              the model served, and each LoRA adapter served over it (``parent``: the base)
     GET  /metrics                Prometheus text (serving/metrics.py)
     POST /v1/completions         serving/api.py's fields; SSE with stream (then ``data: [DONE]``)
     POST /v1/chat/completions    the same, from chat messages through the chat template
+    POST /v1/load_lora_adapter   vLLM's {"lora_name", "lora_path"}: a LoRA adapter served from now on
+    POST /v1/unload_lora_adapter vLLM's {"lora_name"}: no longer served (the requests holding it finish first)
 
 Status codes: 400 a bad field (``param`` names it) or a request that is not HTTP, 401 no or a wrong key, 404 another
 model or path, 405 another method, 408 a body that did not arrive in time, 413 past a size limit, 415 a body that is
@@ -50,11 +52,12 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from serving import api
-from serving.engine import Generation, PromptError
+from serving.engine import AdapterRequestError, Generation, PromptError
 from serving.scheduler import Failed, QueueFull, SchedulerError, ShuttingDown
 from utils.errors import ConfigError
 
@@ -77,6 +80,8 @@ def to_api_error(e: Exception) -> api.ApiError:
         return e
     if isinstance(e, PromptError):
         return api.ApiError(400, str(e), param=e.field, code=e.code)
+    if isinstance(e, AdapterRequestError):  # (a request naming an adapter unloaded meanwhile too)
+        return api.ApiError(404 if e.code == "model_not_found" else 400, str(e), code=e.code)
     if isinstance(e, QueueFull):
         return api.ApiError(429, f"{e}: the queue absorbs bursts up to --max_queue sequences; retry after "
                                  f"{RETRY_AFTER} s", code="queue_full", headers={"Retry-After": str(RETRY_AFTER)})
@@ -303,7 +308,7 @@ def body(reply: Generation) -> dict:
     chosen = reply.chosen()
     choices = [api.choice(reply.req, k, reply.texts[i], reply.reasons[i], reply.logprobs[i], *_ids(reply, i))
                for k, i in enumerate(chosen)]
-    return api.completion(reply.req, reply.id, reply.created, reply.engine.model_id, choices, usage(reply, chosen))
+    return api.completion(reply.req, reply.id, reply.created, _model(reply), choices, usage(reply, chosen))
 
 
 def chunk(reply: Generation, ev) -> dict:
@@ -312,7 +317,12 @@ def chunk(reply: Generation, ev) -> dict:
     ids, prompt = _ids(reply, ev.index)
     c = api.choice(reply.req, ev.index, ev.text, ev.finish_reason, ev.logprobs, ev.token_ids if ids is not None
                    else None, prompt if first else None, delta=first if reply.req.chat else None)
-    return api.completion(reply.req, reply.id, reply.created, reply.engine.model_id, [c], None, chunk=True)
+    return api.completion(reply.req, reply.id, reply.created, _model(reply), [c], None, chunk=True)
+
+
+def _model(reply: Generation) -> str:
+    """The model id a completion names: the one its request named (the base's, or a LoRA adapter's)."""
+    return reply.req.model or reply.engine.model_id
 
 
 def usage(reply: Generation, seqs: list) -> dict:
@@ -370,7 +380,7 @@ async def _stream(reply: Generation):
                 reply.take(ev)
                 out.append(_sse(piece))
             if not reply.pending() and reply.req.include_usage:  # (an error leaves its sequence pending)
-                last = api.completion(reply.req, reply.id, reply.created, reply.engine.model_id, [], None, chunk=True)
+                last = api.completion(reply.req, reply.id, reply.created, _model(reply), [], None, chunk=True)
                 out.append(_sse({**last, "usage": usage(reply, list(range(len(reply.seqs))))}))
             if not reply.pending() or failed:
                 out.append("data: [DONE]\n\n")
@@ -423,7 +433,7 @@ class Completions:
             reply = self.engine.generate(req, prompts)
         except _Gone as e:
             return await _gone(str(e))(scope, receive, send)
-        except (api.ApiError, PromptError, SchedulerError) as e:  # refusals (anything else: StatusCounter's 500)
+        except (api.ApiError, PromptError, AdapterRequestError, SchedulerError) as e:  # refusals (else: a 500)
             error = to_api_error(e)
             return await JSONResponse(error.body(), error.status, error.headers)(scope, receive, send)
         watch = asyncio.ensure_future(receive())  # the body is read: the next message says the client went away
@@ -448,12 +458,12 @@ class Completions:
 
     def _completion(self, raw: bytes) -> tuple:
         engine = self.engine
-        req = api.parse_completion(raw, engine.limits, engine.model_id)
+        req = api.parse_completion(raw, engine.limits, engine.model_ids)
         return req, [(engine.tokenize(p), engine.prompt_text(p) if req.echo else None) for p in req.prompts]
 
     def _chat(self, raw: bytes) -> tuple:
         engine = self.engine
-        req = api.parse_chat(raw, engine.limits, engine.model_id)
+        req = api.parse_chat(raw, engine.limits, engine.model_ids)
         text = engine.render_chat(req.messages)
         return req, [(engine.tokenize(text), text)]
 
@@ -479,6 +489,7 @@ def make_app(engine, api_key: Optional[str] = None, body_timeout: float = 30.0, 
     app = FastAPI(title="flan-t5 server", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _error_handlers(app)
     _info_routes(app, engine)
+    _adapter_routes(app, engine, body_timeout)
     outer = Completions(app, engine, body_timeout)
     reading = outer.reading
     if api_key:
@@ -513,11 +524,38 @@ def _info_routes(app, engine) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return api.models(engine.model_id, engine.created)
+        return api.models(engine.model_id, engine.created, engine.models())
 
     @app.get("/metrics")
     async def prometheus():
         return Response(engine.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _adapter_routes(app, engine, body_timeout: float) -> None:
+    """vLLM's routes that load and unload LoRA adapters while the server runs (behind the API key, as every path but
+    /health): 200 with a line of text, or OpenAI's error body (400 a bad body or an adapter refused: its reason; 404
+    an unload of an adapter not served)."""
+
+    async def body(request: Request) -> bytes:
+        return await _read_body(request.scope, request.receive, engine.limits.max_body_bytes, body_timeout)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load(request: Request):
+        name, path = api.parse_load_adapter(await body(request))
+        try:
+            await engine.load_adapter(name, path)
+        except AdapterRequestError as e:
+            raise to_api_error(e) from None
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload(request: Request):
+        name = api.parse_unload_adapter(await body(request))
+        try:
+            await engine.unload_adapter(name)
+        except AdapterRequestError as e:
+            raise to_api_error(e) from None
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
 
 class Protocol(HttpToolsProtocol):

@@ -28,6 +28,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
@@ -81,7 +82,8 @@ class Backend(Protocol):
     score_rows: int  # prompts one ``score`` reads
     platform: str  # the devices' ("cpu", "gpu", "tpu"): what an insert costs there sets how free slots join
 
-    # joiners: [(a free slot, the prompt's ids, its sampling tuple (``Sequence.sampling``), its most tokens)]
+    # joiners: [(a free slot, the prompt's ids, its sampling tuple (``Sequence.sampling``), its most tokens, its LoRA
+    # adapter's slot (``Sequence.adapter``))]
     def insert(self, joiners: list) -> Any: ...
 
     # ``span``: every row still writing writes its cache below column ``span`` in these n steps (a row whose prompt
@@ -91,7 +93,7 @@ class Backend(Protocol):
 
     def first_token_column(self, prompt_length: int) -> int: ...
 
-    def score(self, prompts: list) -> Any: ...  # at most score_rows prompts' ids
+    def score(self, prompts: list, adapters: list) -> Any: ...  # at most score_rows prompts' ids, their adapters' slots
 
     def fetch(self, handle: Any) -> Any: ...
 
@@ -113,6 +115,7 @@ class Sequence:
     prompt_logprobs: bool = False  # the prompt's own log-probabilities (a causal model's)
     out: Any = None
     arrival: float = field(default_factory=time.perf_counter)
+    adapter: int = -1  # the slot of its LoRA adapter in the backend's stack (-1: the base alone)
     # state: the scheduler's thread writes it; ``cancel``, ``finish`` and ``abort`` only set their flags
     count: int = 0  # tokens read
     dispatched: int = 0  # tokens the calls dispatched so far give at most
@@ -202,6 +205,7 @@ class Scheduler:
         self.deferred = 0  # calls the free slots waited for a group
         self.max_wait = JOIN_WAIT
         self.depth = 1  # decoding calls left in flight, unread, while the host works
+        self.tasks: deque = deque()  # (fn, Future): work for the decoding thread between its calls (``between_calls``)
 
     # ------------------------------------------------------------------ any thread
 
@@ -249,6 +253,25 @@ class Scheduler:
         with self.cv:
             return len(self.held_seqs)
 
+    def holds_adapter(self, slot: int) -> bool:
+        """Whether a sequence held (waiting, joining, running, or its last tokens not yet read) reads the LoRA adapter
+        in the backend's slot ``slot``."""
+        with self.cv:
+            return any(s.adapter == slot for s in self.held_seqs)
+
+    def between_calls(self, fn: Callable) -> Future:
+        """``fn()`` run by the decoding thread before its next call, where no other work of the backend's runs beside
+        it (an adapter written into the backend's stack, whose arrays every call reads) -> a Future of its result.
+        Before the thread starts, or once it has stopped, it runs here and now."""
+        future: Future = Future()
+        with self.cv:
+            if self.thread is not None and self.thread.is_alive() and not self.stopping:
+                self.tasks.append((fn, future))
+                self.cv.notify()
+                return future
+        _run(fn, future)
+        return future
+
     def stop(self) -> None:
         with self.cv:
             self.stopping = True
@@ -264,9 +287,12 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.cv:
-                while not self.stopping and self._idle() and not self.flagged:
+                while not self.stopping and self._idle() and not self.flagged and not self.tasks:
                     self.cv.wait()
                 if self.stopping:
+                    for fn, future in self.tasks:  # (each caller answered, none left waiting)
+                        future.set_exception(ShuttingDown("the server is shutting down"))
+                    self.tasks.clear()
                     return
             try:
                 self._round()
@@ -277,6 +303,10 @@ class Scheduler:
     def _round(self) -> None:
         """One round: leavers out, joiners in, an advance dispatched, every call but the newest advance read."""
         updates: list = []
+        with self.cv:
+            tasks, self.tasks = list(self.tasks), deque()
+        for fn, future in tasks:
+            _run(fn, future)
         try:
             self._leave(updates)
             self._score_only()
@@ -379,7 +409,8 @@ class Scheduler:
         b = self.b
         for i in range(0, len(seqs), b.score_rows):
             group = seqs[i:i + b.score_rows]
-            self.pending.append(_Call("score", b.score([s.ids for s in group]), list(enumerate(group))))
+            self.pending.append(_Call("score", b.score([s.ids for s in group], [s.adapter for s in group]),
+                                      list(enumerate(group))))
 
     def _free(self) -> list:
         b = self.b
@@ -414,7 +445,7 @@ class Scheduler:
         scored = [s for s in placed if s.prompt_logprobs]
         if scored:
             self._score(scored)
-        call = b.insert([(s.slot, s.ids, s.sampling(), s.max_tokens) for s in placed])
+        call = b.insert([(s.slot, s.ids, s.sampling(), s.max_tokens, s.adapter) for s in placed])
         self.pending.append(_Call("insert", call, list(enumerate(placed))))
         for s in placed:
             self.cleared.discard(s.slot)
@@ -516,6 +547,14 @@ class Scheduler:
         if fatal:
             self.on_fatal(self.failure)
         return not fatal
+
+
+def _run(fn: Callable, future: Future) -> None:
+    """``fn()``'s result, or what it raised, into ``future``."""
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 (the caller's to handle: it waits on the future)
+        future.set_exception(e)
 
 
 def _fields(scored) -> tuple:

@@ -13,6 +13,11 @@ writing would write at ``span`` or past it in these n steps, up to its last toke
 ``spans``). A test can make a call raise (``fail``), hold the reading of calls (``gate``: a threading.Event the
 scheduler's fetch waits on), and read the calls made (``calls``; ``inserts``: each insert's joiners' slots;
 ``scores``: each score call's prompts).
+
+LoRA adapters (``lora_slots``: a stack of that many, ``FakeStack``): an adapter "read" from the path ``shift:K`` holds
+the shift K; a row that joined with slot s's adapter writes each token t (not end-of-text or padding) as
+``shifted(t, K)``, K read from the slot when each call runs, as the device reads the stack: a row still running when
+its slot gets another adapter writes that one's tokens, which a test sees.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+from utils.errors import FlanT5Error
 
 
 @dataclass
@@ -34,10 +41,49 @@ def logprob(token, i) -> np.ndarray:
     return -((np.asarray(token) * 7 + np.asarray(i) * 3) % 11 + 1) / 8.0
 
 
+@dataclass
+class FakeAdapter:
+    name: str
+    path: str
+    shift: int
+
+
+def shifted(token: int, shift: int, vocab: int, eos_id: int = 1, pad_id: int = 0) -> int:
+    """The token an adapter of ``shift`` writes where the base writes ``token`` (end-of-text and padding kept)."""
+    if token in (eos_id, pad_id) or not shift:
+        return token
+    return 2 + (token - 2 + shift) % (vocab - 2)
+
+
+class FakeStack:
+    """A stack of ``slots`` adapters (decoder/adapters.py's AdapterStack's contract): ``read`` (a path ``shift:K``, else
+    FlanT5Error), ``install`` into the first free slot (FlanT5Error when full), ``remove``; ``writes`` counts both."""
+
+    def __init__(self, slots: int):
+        self.slots, self.held, self.shift, self.writes = slots, [None] * slots, [0] * slots, 0
+
+    def read(self, name: str, path: str) -> FakeAdapter:
+        if not path.startswith("shift:"):
+            raise FlanT5Error(f"adapter {name}: no checkpoint at {path}")
+        return FakeAdapter(name, path, int(path[len("shift:"):]))
+
+    def install(self, adapter: FakeAdapter) -> int:
+        free = [s for s, a in enumerate(self.held) if a is None]
+        if not free:
+            raise FlanT5Error(f"adapter {adapter.name}: every slot holds an adapter")
+        self.held[free[0]], self.shift[free[0]] = adapter, adapter.shift
+        self.writes += 1
+        return free[0]
+
+    def remove(self, slot: int) -> None:
+        self.held[slot], self.shift[slot] = None, 0
+        self.writes += 1
+
+
 class FakeBackend:
     def __init__(self, slots: int = 4, dp: int = 1, max_prompt: int = 16, steps: int = 2, eos_id: int = 1,
                  pad_id: int = 0, vocab: int = 64, top: int = 4, scores_prompts: bool = True, after_prompt: bool = True,
-                 platform: str = "cpu", score_rows: int = 4):
+                 platform: str = "cpu", score_rows: int = 4, lora_slots: int = 0):
         self.slots, self.dp, self.local, self.platform, self.max_prompt = slots, dp, slots // dp, platform, max_prompt
         self.steps, self.eos_id, self.pad_id, self.vocab_size, self.top = steps, eos_id, pad_id, vocab, top
         self.scores_prompts, self.score_rows, self.after_prompt = scores_prompts, score_rows, after_prompt
@@ -51,6 +97,7 @@ class FakeBackend:
         self.gate = None  # threading.Event the reading of an advance waits for
         self.resets = 0
         self.lock = threading.Lock()
+        self.adapters = FakeStack(lora_slots) if lora_slots else None
         self.reset()
 
     def reset(self) -> None:
@@ -60,6 +107,7 @@ class FakeBackend:
         self.limit = np.zeros(self.slots, int)
         self.alive = np.zeros(self.slots, bool)
         self.column = np.zeros(self.slots, int)  # each row's first_token_column
+        self.adapter = np.full(self.slots, -1)  # each row's adapter's slot
 
     def _check(self, kind: str):
         self.calls.append(kind)
@@ -73,7 +121,9 @@ class FakeBackend:
 
     def token(self, slot: int, i: int) -> int:
         p = self.prompts[slot]
-        return p[i % len(p)]
+        a = self.adapter[slot]
+        return p[i % len(p)] if a < 0 else shifted(p[i % len(p)], self.adapters.shift[a], self.vocab_size,
+                                                   self.eos_id, self.pad_id)
 
     def _scored(self, tokens: np.ndarray, i: np.ndarray) -> Scored:
         """The token first among its candidates (the next ids), each 0.25 less likely than the one before."""
@@ -87,8 +137,9 @@ class FakeBackend:
         assert len(set(slots)) == len(slots) and all(0 <= s < self.slots for s in slots), slots  # one joiner a slot
         self.inserts.append(slots)
         first = np.full(len(joiners), self.pad_id)
-        for k, (slot, ids, sampling, limit) in enumerate(joiners):
+        for k, (slot, ids, sampling, limit, *adapter) in enumerate(joiners):
             assert 0 < len(ids) <= self.max_prompt, len(ids)
+            self.adapter[slot] = adapter[0] if adapter else -1
             self.prompts[slot], self.index[slot], self.limit[slot] = list(ids), 0, limit
             self.column[slot] = self.first_token_column(len(ids))
             self.limits.append(int(limit))
@@ -122,7 +173,7 @@ class FakeBackend:
         self.alive = alive
         return _Pending(out, self.gate), self._scored(out, idx)
 
-    def score(self, prompts):
+    def score(self, prompts, adapters=None):
         self._check("score")
         assert 0 < len(prompts) <= self.score_rows, len(prompts)
         self.scores.append([list(p) for p in prompts])

@@ -28,7 +28,7 @@ GPTJ_SMALL = ["--config", "gptj_tiny", "--sequence_length", "32", "--global_batc
 
 __all__ = ["ROOT", "SMALL", "GPTJ_SMALL", "build", "fails", "fro_rel", "leaves", "max_rel", "params_at", "start",
            "tiny", "update_rel", "wait_for_lines", "assert_trained_alike", "machine", "threads_passed", "train",
-           "save_random_checkpoint", "write_jsonl", "nli_file", "qa_dir"]
+           "save_random_checkpoint", "save_lora_checkpoint", "base_fingerprint", "write_jsonl", "nli_file", "qa_dir"]
 
 
 def tiny(**overrides):
@@ -70,6 +70,36 @@ def save_random_checkpoint(preset: str, directory: str, seed: int = 7, step: int
                                                                "config": to_dict(cfg), **(meta or {})})
     mgr.wait_until_finished()
     mgr.close()
+
+
+def base_fingerprint(directory: str, step: int = 1) -> str:
+    """The fingerprint (partitioning/base.py) a LoRA run over this full checkpoint records of its base."""
+    from partitioning.base import fingerprint
+
+    return fingerprint(jax.tree.map(jax.numpy.asarray, params_at(directory, step)[1]))
+
+
+def save_lora_checkpoint(preset: str, directory: str, base: str, digest: str, rank: int = 4, alpha: float = 8.0,
+                         targets: tuple = ("q", "v"), seed: int = 0, scale: float = 0.3) -> str:
+    """A LoRA checkpoint as run_finetuning.py --lora_rank RANK --init_from BASE saves one, of random adapters (B not
+    zero: they change the model; each value ``scale`` times a standard normal) -> its directory. ``digest``: the
+    fingerprint its meta records of the base (``base_fingerprint(base)``, or another's)."""
+    from config.presets import to_dict
+    from modelling.params import is_spec
+    from partitioning.base import base_record
+    from partitioning.placement import Placement
+    from utils import checkpoint as ckpt
+
+    cfg = load_config("finetuning", preset, {"lora_rank": rank, "lora_alpha": alpha, "lora_targets": list(targets)})
+    rng = np.random.default_rng(seed)
+    adapters = jax.tree.map(lambda s: (scale * rng.standard_normal(s.shape)).astype(np.float32), Placement(cfg).specs,
+                            is_leaf=is_spec)
+    mgr = ckpt.manager(directory)
+    ckpt.save(mgr, 1, adapters, None, {"step": 1, "seed": seed, "config": to_dict(cfg),
+                                       "lora_base": base_record({"init_from": [base, 1]}, digest)})
+    mgr.wait_until_finished()
+    mgr.close()
+    return directory
 
 
 def write_jsonl(path, rows):

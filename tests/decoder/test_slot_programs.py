@@ -100,7 +100,7 @@ def test_a_call_s_scores_travel_as_one_array_and_come_back_bit_for_bit(lead):
 def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_vector(preset):
     """Traced, not compiled: the advance and insert programs of both families return 2 arrays (tokens, scores),
     the cache's floating leaves, and one int32 vector a device, whatever the cache and state hold; the vector is
-    every other leaf, 10 of them the state's (slots / dp rows each)."""
+    every other leaf, 11 of them the state's (slots / dp rows each: where a row is, how it samples, its adapter)."""
     from config import load_config
     from decoder.decoder import Decoder
     from decoder.slot_programs import SlotPrograms, joiner_words
@@ -113,13 +113,13 @@ def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_v
     sp.carry = Carry(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), cache),
                      jax.tree.map(lambda x: jax.ShapeDtypeStruct((4,), x.dtype), sp._empty_state()))
     small = sum(int(np.prod(x.shape[2:])) for x in jax.tree.leaves(cache) if not jnp.issubdtype(x.dtype, jnp.floating))
-    assert sp.carry.words == small + 10 * 4
+    assert sp.carry.words == small + 11 * 4
     apart = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sp.pieces) for x in kv)
     words = jax.ShapeDtypeStruct((1, 1, sp.carry.words), jnp.int32, sharding=sp.pieces)
-    advance = jax.eval_shape(sp._advance_program(), sp.params, apart, words,
+    advance = jax.eval_shape(sp._advance_program(), sp._weights(), apart, words,
                              jax.ShapeDtypeStruct((4,), jnp.bool_, sharding=sp.rows),
                              jax.ShapeDtypeStruct((), jnp.int32, sharding=sp.replicated))
-    insert = jax.eval_shape(sp._insert_program(2), sp.params, apart, words,
+    insert = jax.eval_shape(sp._insert_program(2), sp._weights(), apart, words,
                             jax.ShapeDtypeStruct((1, joiner_words(2, 8, 4)), jnp.int32, sharding=sp.rows2))
     for out, lead in ((advance, (4, 3)), (insert, (4,))):
         assert len(jax.tree.leaves(out)) == 2 + len(kv) + 1
@@ -132,7 +132,7 @@ def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_v
 def test_reset_leaves_every_row_empty_and_the_cache_zeros_on_every_device():
     """``reset`` (at start, and after a failed call took the donated arrays): on a dp 2 x tp 2 mesh, each device's
     piece unpacks to a cache of zeros and rows that do not write (alive False, limit 0) and ask for no
-    log-probabilities (-1), the state of that device's dp shard."""
+    log-probabilities (-1) and read no adapter (-1), the state of that device's dp shard."""
     from config import load_config
     from decoder.decoder import Decoder
     from decoder.slot_programs import SlotPrograms
@@ -145,10 +145,10 @@ def test_reset_leaves_every_row_empty_and_the_cache_zeros_on_every_device():
     words, apart = np.asarray(sp.words), [np.asarray(x) for x in sp.apart]
     for d in range(2):
         for t in range(2):
-            cache, (rows, sampling) = jax.jit(sp.carry.unpack)(tuple(x[d, t] for x in apart), words[d, t])
+            cache, (rows, sampling, adapter) = jax.jit(sp.carry.unpack)(tuple(x[d, t] for x in apart), words[d, t])
             assert all(not np.asarray(x).any() for x in jax.tree.leaves(cache))
             assert np.asarray(rows.alive).tolist() == [False, False] and np.asarray(rows.limit).tolist() == [0, 0]
-            assert np.asarray(sampling.logprobs).tolist() == [-1, -1]
+            assert np.asarray(sampling.logprobs).tolist() == [-1, -1] and np.asarray(adapter).tolist() == [-1, -1]
             assert not any(np.asarray(x).any() for x in (rows.token, rows.index, sampling.temperature, sampling.seed))
 
 
@@ -169,7 +169,7 @@ def test_a_narrow_span_s_program_steps_a_narrow_copy_of_the_cache():
     kv = [x for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating)]
     apart = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sp.pieces) for x in kv)
     words = jax.ShapeDtypeStruct((1, 1, sp.carry.words), jnp.int32, sharding=sp.pieces)
-    args = (sp.params, apart, words, jax.ShapeDtypeStruct((4,), jnp.bool_, sharding=sp.rows),
+    args = (sp._weights(), apart, words, jax.ShapeDtypeStruct((4,), jnp.bool_, sharding=sp.rows),
             jax.ShapeDtypeStruct((), jnp.int32, sharding=sp.replicated))
     d_kv = kv[0].shape[-1]
     texts = {span: sp._advance_program(span).lower(*args).as_text() for span in (24, 48)}
@@ -182,7 +182,8 @@ def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
     """decoder/slot_programs.py packs what a shard's insert reads into one int32 vector (one host-to-device copy): the
     prompts packed into rows (first-fit decreasing: the longest first, each into the first row with room), their
     segments and positions, and every joiner's field as it went, with its type, seeds' 32 bits and the floats' bits
-    included; the slots past the joiners' are fillers (a slot past the shard's, length 0)."""
+    included, its LoRA adapter's slot (-1 where it names none); the slots past the joiners' are fillers (a slot past
+    the shard's, length 0, no adapter)."""
     from decoder.slot_programs import JOINER_COLUMNS, joiner_words, pack_joiners, unpack_joiners
     from modelling.rows import first_fit
 
@@ -193,16 +194,18 @@ def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
     sampling = [(0.5, 3, 0.1, 2 ** 32 - 1, 2 ** 31, -1), (float("nan"), 0, -0.0, 7, 0, 4), (1.0, 1, 0.0, 0, 1, 0)]
     shard = [(k, slot, p, smp, limit) for k, (slot, p, smp, limit) in enumerate(zip([3, 0, 1], prompts, sampling,
                                                                                   [9, 2, 5]))]
+    shard = [shard[0] + (2,), shard[1] + (0,), shard[2]]  # adapters 2, 0 and none
     local = 4
     packed = pack_joiners(shard, placed, 2, 8, local)
     assert packed.dtype == np.int32 and packed.shape == (joiner_words(2, 8, local),) == (3 * 2 * 8 + 4 * JOINER_COLUMNS,)
-    (ids, segments, positions), at, lengths, slots, s, limit = (jax.tree.map(np.asarray, x) for x in
-                                                                unpack_joiners(jnp.asarray(packed), 2, 8, local))
+    (ids, segments, positions), at, lengths, slots, s, limit, adapters = (
+        jax.tree.map(np.asarray, x) for x in unpack_joiners(jnp.asarray(packed), 2, 8, local))
     assert ids.tolist() == [[7, 8, 9, 10, 11, 12, 5, 6], [13, 14, 15, 0, 0, 0, 0, 0]]
     assert segments.tolist() == [[2, 2, 2, 2, 2, 2, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0]]  # (numbered as the joiners come)
     assert positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 0, 0, 0, 0, 0]]
     assert at.tolist() == [6, 0, 8, 0] and lengths.tolist() == [2, 6, 3, 0]
     assert slots.tolist() == [3, 0, 1, local] and limit.tolist() == [9, 2, 5, 0]
+    assert adapters.tolist() == [2, 0, -1, -1]
     dtypes = (np.float32, np.int32, np.float32, np.uint32, np.uint32, np.int32)
     for i, (field, dt) in enumerate(zip(S.Sampling.__dataclass_fields__, dtypes)):
         value = getattr(s, field)
@@ -253,7 +256,7 @@ def stubbed_inserts(dp: int, slots: int, width: int, insert_rows: tuple):
             called.append(rows)
             first = []
             for d, shard in enumerate(np.asarray(joiners)):
-                (ids, _, _), at, lengths, local_slots, _, _ = unpack_joiners(jnp.asarray(shard), rows, width, sp.local)
+                (ids, _, _), at, lengths, local_slots, *_ = unpack_joiners(jnp.asarray(shard), rows, width, sp.local)
                 ids, at, local_slots = np.asarray(ids).ravel(), np.asarray(at), np.asarray(local_slots)
                 first += [1000 * int(ids[at[j]]) + d * sp.local + int(local_slots[j]) for j in range(sp.local)]
             scored = np.zeros((dp * sp.local, 1 + 2 * sp.top), np.int32)

@@ -549,3 +549,94 @@ def test_each_server_compiles_its_attention_spans_and_times_them(servers):
         assert [int(x.split(":")[0]) for x in timed.split("ms): ")[1].split(", ")[::2]] == spans, timed
         programs = 2 + len(spans) + (name == "gptj")
         assert f"compiled {programs} slot programs in " in text and "packed into 1/4 rows an insert" in text, name
+
+
+# --------------------------------------------------------------------------- LoRA adapters served side by side
+
+
+@pytest.fixture(scope="module")
+def loras(models, tmp_path_factory):
+    """(the T5 checkpoint served, {name: LoRA checkpoint over it}): sql (q, v; rank 2), chat (q, v, o, wo; rank 4),
+    code (q, v; rank 4: loaded while the server runs), big (rank 8), and other (over other weights)."""
+    from tests.helpers import base_fingerprint, save_lora_checkpoint
+
+    root, base = tmp_path_factory.mktemp("loras"), models["t5"][0]
+    digest = base_fingerprint(base)
+    specs = {"sql": (2, 8.0, ("q", "v")), "chat": (4, 16.0, ("q", "v", "o", "wo")), "code": (4, 4.0, ("q", "v")),
+             "big": (8, 16.0, ("q", "v")), "other": (2, 8.0, ("q", "v"))}
+    return base, {name: save_lora_checkpoint("tiny", str(root / name), base, "0123456789abcdef" if name == "other"
+                                             else digest, r, alpha, targets, seed=i)
+                  for i, (name, (r, alpha, targets)) in enumerate(specs.items())}
+
+
+@pytest.fixture(scope="module")
+def lora_server(loras):
+    base, paths = loras
+    server = Server("t5 adapters", base, "--model_name", "base", "--lora", f"sql={paths['sql']}",
+                    f"chat={paths['chat']}", "--max_loras", "3", "--lora_target_modules", "q", "v", "o", "wo")
+    try:
+        yield server.ready()
+    finally:
+        server.stop()
+
+
+def test_adapters_served_side_by_side_answer_as_each_merged_alone_and_load_and_unload(lora_server, loras, monkeypatch):
+    """12 concurrent requests of the base and two adapters mixed: each one's greedy tokens equal run_inference.py's of
+    its own checkpoint (an adapter's: merged into its base); GET /v1/models lists the three (parent: the base); an
+    adapter loaded over HTTP is served at once as its run_inference.py; one unloaded is a 404 after; a bad path
+    and a rank above the stack's are 400s naming why."""
+    base, paths = loras
+    server = lora_server
+    texts = prompts(12, seed=21)
+    names = ["base", "sql", "chat"]
+    refs = {name: run_inference_tokens(base if name == "base" else paths[name], texts, monkeypatch)[0]
+            for name in names + ["code"]}
+    assert sum(refs["sql"][i].tolist() != refs["base"][i].tolist() for i in range(12)) >= 6  # (adapters matter)
+    tokenizer, client = load_tokenizer("synthetic"), server.client()
+    cards = {m.id: m for m in client.models.list().data}
+    assert list(cards) == names and cards["sql"].parent == cards["chat"].parent == "base"
+
+    def ask(i, model=None):
+        model = model or names[i % 3]
+        a = client.completions.create(model=model, prompt=texts[i], max_tokens=OUTPUT, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        return model, a
+
+    with ThreadPoolExecutor(12) as pool:
+        for i, (model, a) in enumerate(pool.map(ask, range(12))):
+            assert a.model == model and a.choices[0].token_ids == expected(refs[model][i], OUTPUT,
+                                                                           tokenizer.eos_token_id)[0], (i, model)
+    admin = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "code", "lora_path": paths["code"]},
+                   headers=admin, timeout=WAIT)
+    assert r.status_code == 200, r.text
+    for i in (0, 5):
+        assert ask(i, "code")[1].choices[0].token_ids == expected(refs["code"][i], OUTPUT, tokenizer.eos_token_id)[0]
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=admin,
+                      timeout=WAIT).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        ask(0, "sql")
+    assert [m.id for m in client.models.list().data] == ["base", "chat", "code"]
+    for name, path, why in (("x", "/no/such/ckpt", "no checkpoint at /no/such/ckpt"),
+                            ("big", paths["big"], "its rank is 8, above the server's --max_lora_rank 4")):
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},
+                       headers=admin, timeout=WAIT)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("case,message", [
+    ("other", "adapter x ({other}) was trained on the weights of {base}/1 (fingerprint 0123456789abcdef), not on the "
+              "base served, {base} (fingerprint "),
+    ("missing", "adapter x: no checkpoint at /no/such/ckpt"),
+    ("big", "adapter x ({big}): its rank is 8, above the server's --max_lora_rank 4: restart it with "
+            "--max_lora_rank 8"),
+    ("lora_load", "holds LoRA adapters, and adapters are served over the model they were trained on")])
+def test_an_adapter_the_server_cannot_serve_is_refused_at_start_up_in_one_line(loras, capsys, case, message):
+    import run_server
+    from tests.helpers import fails
+
+    base, paths = loras
+    load = paths["sql"] if case == "lora_load" else base
+    path = "/no/such/ckpt" if case == "missing" else paths.get(case, paths["sql"])
+    argv = ["--load", load, "--lora", f"x={path}", "--max_lora_rank", "4", "--cpu_threads", "0", "--port", "0"]
+    fails(capsys, run_server.main, argv, message.format(base=base, **paths))

@@ -4,7 +4,10 @@ headers and connections: never a 5xx, never a hang, a normal request served afte
 status, every bound of a request inclusive at its limit, the OpenAI shapes (logprobs, echo, n and best_of, token-id
 prompts, chat, streaming) as the openai client reads them, 429 past the queue and the client's own retry of it, a
 client that goes away mid-body or mid-stream, a decoding call that fails, drain, the engine's defaults and limits,
-a server on a non-local address without a key.
+a server on a non-local address without a key; LoRA adapters served side by side (GET /v1/models lists them, a
+request's model picks one, an unknown id is a 404; loaded and unloaded while requests run, nothing dropped and
+nothing answered by another adapter, the requests holding one finishing before its slot is emptied; each refusal
+one line).
 
 The fake model's outputs are known in advance (each row repeats its prompt), so each test states what a client gets;
 the real models' numbers are tests/drivers/test_run_server.py's. No JAX, no compilation: the whole file takes
@@ -35,9 +38,9 @@ from hypothesis import strategies as st
 
 from data.synthetic import make_tokenizer
 from serving import api
-from serving.engine import Engine, ServeOptions
+from serving.engine import Engine, ServeOptions, lora_options
 from serving.http import MAX_HEADER_BYTES, Connections, Refusals, Server, header_timeout_protocol, make_app
-from tests.fake_backend import FakeBackend, logprob
+from tests.fake_backend import FakeBackend, logprob, shifted
 
 TOK = make_tokenizer()
 
@@ -63,7 +66,10 @@ class FakeServer:
     """serving/http.py's Server over an Engine over the fake backend, on a free port, in a thread of this process."""
 
     def __init__(self, max_queue: int = 8, scores_prompts: bool = True, **kw):
-        self.backend = FakeBackend(slots=4, max_prompt=32, steps=2, vocab=64, top=5, scores_prompts=scores_prompts)
+        self.backend = FakeBackend(slots=4, max_prompt=32, steps=2, vocab=64, top=5, scores_prompts=scores_prompts,
+                                   lora_slots=kw.pop("lora_slots", 0))
+        for name, path in kw.pop("loras", ()):  # LoRA adapters served from the start (tests/serving/test_adapters.py)
+            self.backend.adapters.install(self.backend.adapters.read(name, path))
         options = ServeOptions(slots=4, max_queue=max_queue, width=32, insert_rows=(1, 4), steps=2,
                                max_new_tokens=kw.pop("max_new_tokens", 64), max_prompt_chars=2000,
                                max_body_bytes=65536, model_id=MODEL, max_logprobs=5)
@@ -1468,3 +1474,169 @@ def test_a_server_on_a_non_local_address_without_a_key_says_so():
     assert check_exposure("0.0.0.0", "k") is None and check_exposure("127.0.0.1", None) is None
     assert check_exposure("localhost", None) is None and check_exposure("::1", None) is None  # (IPv6 loopback)
     assert check_exposure("::", None) is not None
+
+# --------------------------------------------------------------------------- LoRA adapters served side by side
+# (the fake backend's stack, tests/fake_backend.py: an adapter ``shift:K`` shifts its rows' tokens by K, read from its
+# slot when each call runs, so a row that outlives its adapter's slot, or reads another's, writes tokens a test sees)
+
+
+@pytest.fixture()
+def lora_server():
+    s = FakeServer(lora_slots=3, loras=(("sql", "shift:3"), ("chat", "shift:5")))
+    yield s
+    s.stop()
+
+
+def expected_lora(prompt: list, max_tokens: int, shift: int) -> list:
+    """The fake model's tokens for a prompt read with an adapter of ``shift`` (0: the base)."""
+    return [shifted(t, shift, 64) for t in fake_completion(prompt, max_tokens)[0]]
+
+
+def complete(s: FakeServer, model: str, prompt: list, max_tokens: int = 6, **kw) -> httpx.Response:
+    return s.post({"model": model, "prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True, **kw})
+
+
+def load(s: FakeServer, name: str, path: str, key: str = KEY) -> httpx.Response:
+    return s.post({"lora_name": name, "lora_path": path}, "/v1/load_lora_adapter", {"Authorization": f"Bearer {key}"})
+
+
+def unload(s: FakeServer, name: str) -> httpx.Response:
+    return s.post({"lora_name": name}, "/v1/unload_lora_adapter")
+
+
+def test_models_lists_the_base_and_each_adapter_and_a_request_s_model_picks_its_adapter(lora_server):
+    server = lora_server
+    r = server.http.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    cards = {c["id"]: c for c in r.json()["data"]}
+    assert list(cards) == [MODEL, "sql", "chat"]
+    assert cards[MODEL]["parent"] is None and cards["sql"]["parent"] == cards["chat"]["parent"] == MODEL
+    assert cards["sql"]["root"] == "shift:3" and cards["chat"]["root"] == "shift:5"
+    prompt = words("the cat sleeps")
+    for model, shift in ((MODEL, 0), ("sql", 3), ("chat", 5)):
+        r = complete(server, model, prompt)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == model
+        assert r.json()["choices"][0]["token_ids"] == expected_lora(prompt, 6, shift), model
+    chat = server.post({"model": "chat", "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 4},
+                       "/v1/chat/completions")
+    assert chat.status_code == 200 and chat.json()["model"] == "chat"
+    for path, body in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions",
+                                                             {"messages": [{"role": "user", "content": "a"}]})):
+        r = server.post({"model": "sqll", **body}, path)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert "'fake', 'sql', 'chat'" in error["message"]
+    events = [line for line in complete(server, "sql", prompt, stream=True).text.splitlines() if line.startswith(
+        "data: {")]
+    assert events and all('"model": "sql"' in e for e in events)
+
+
+def test_adapters_load_and_unload_while_requests_run_and_each_request_reads_the_adapter_it_named(lora_server):
+    """Requests of the base and two adapters running throughout; ``cat`` loaded into the free slot; ``sql`` unloaded
+    while its requests are held on the device: a new one for it is a 404 at once, the held ones finish with its
+    tokens, and only then is its slot emptied (the unload returns after them); ``dog`` then takes that slot and
+    serves its own tokens. Nothing dropped, nothing answered by another adapter."""
+    server = lora_server
+    prompt = words("the dog runs in the park")
+    shifts = {MODEL: 0, "sql": 3, "chat": 5, "cat": 7, "dog": 11}
+    results, stop = [], threading.Event()
+
+    def client(model):
+        while not stop.is_set():
+            r = complete(server, model, prompt, 8)
+            results.append((model, r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200
+                            else r.json()["error"]["code"]))
+
+    gate = threading.Event()  # sql's requests held on the device while it is unloaded
+    with ThreadPoolExecutor(6) as pool:
+        try:
+            runners = [pool.submit(client, m) for m in (MODEL, "chat", "chat")]
+            assert load(server, "cat", "shift:7").status_code == 200
+            assert complete(server, "cat", prompt, 8).json()["choices"][0]["token_ids"] == expected_lora(prompt, 8, 7)
+            server.backend.gate = gate
+            held = [pool.submit(complete, server, "sql", prompt, 8) for _ in range(2)]
+            server.wait_for(lambda: server.engine.scheduler.holds_adapter(0), "sql's requests held")
+            unloading = pool.submit(unload, server, "sql")
+            server.wait_for(lambda: "sql" not in server.engine.served, "sql no longer served")
+            refused = complete(server, "sql", prompt)
+            assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+            time.sleep(0.2)
+            assert not unloading.done() and server.backend.adapters.held[0] is not None  # (the held requests first)
+            gate.set()
+            server.backend.gate = None
+            assert unloading.result(WAIT).status_code == 200 and server.backend.adapters.held[0] is None
+            for f in held:
+                assert f.result(WAIT).json()["choices"][0]["token_ids"] == expected_lora(prompt, 8, 3)
+            assert load(server, "dog", "shift:11").status_code == 200
+            assert server.engine.served["dog"] == 0  # sql's slot, taken again
+            assert complete(server, "dog", prompt, 8).json()["choices"][0]["token_ids"] == expected_lora(prompt, 8, 11)
+            time.sleep(0.2)
+        finally:
+            stop.set()
+            gate.set()
+            server.backend.gate = None
+        for f in runners:
+            f.result(WAIT)
+    assert len(results) >= 6
+    for model, status, tokens in results:
+        assert status == 200 and tokens == expected_lora(prompt, 8, shifts[model]), (model, status, tokens)
+    models = [c["id"] for c in server.http.get(server.url + "/v1/models",
+                                               headers={"Authorization": f"Bearer {KEY}"}).json()["data"]]
+    assert models == [MODEL, "chat", "cat", "dog"]
+
+
+def test_an_adapter_that_cannot_be_loaded_or_unloaded_is_refused_in_one_line(lora_server):
+    server = lora_server
+    def refused(r, status, code, text):
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["code"] == code and text in error["message"] and "\n" not in error["message"], error
+
+    refused(load(server, "x", "/no/such/dir"), 400, "invalid_lora", "adapter x: no checkpoint at /no/such/dir")
+    refused(load(server, "sql", "shift:1"), 400, "lora_exists", "'sql' has already been loaded")
+    refused(load(server, MODEL, "shift:1"), 400, "lora_exists", f"'{MODEL}' has already been loaded")
+    assert load(server, "third", "shift:2").status_code == 200
+    refused(load(server, "fourth", "shift:2"), 400, "invalid_lora", "every slot holds an adapter")
+    assert "fourth" not in server.engine.served
+    refused(unload(server, "nope"), 404, "model_not_found", "'nope' cannot be found")
+    refused(unload(server, MODEL), 404, "model_not_found", f"'{MODEL}' cannot be found")
+    refused(server.post({"lora_name": "y"}, "/v1/load_lora_adapter"), 400, "missing_required_parameter",
+            "lora_path is required")
+    refused(server.post({"lora_name": "y", "lora_path": "shift:1", "x": 1}, "/v1/load_lora_adapter"), 400,
+            "unknown_parameter", "'x'")
+    refused(server.post({"lora_name": ""}, "/v1/unload_lora_adapter"), 400, "invalid_value", "lora_name must not be")
+    assert load(server, "y", "shift:1", key="wrong").status_code == 401
+    assert "y" not in server.engine.served
+    plain = FakeServer()
+    try:
+        refused(load(plain, "x", "shift:1"), 400, "lora_not_enabled", "start it with --max_loras N")
+    finally:
+        plain.stop()
+
+
+def test_run_server_s_lora_flags_are_each_one_line():
+    from types import SimpleNamespace
+
+    from utils.errors import ConfigError
+
+    def args(lora=None, max_loras=None, max_lora_rank=None, lora_target_modules=None):
+        return SimpleNamespace(lora=lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                               lora_target_modules=lora_target_modules)
+
+    got = lora_options(args(["a=ckpt/a", "b=ckpt/b=2"], 3, 8, ["q", "v"]), "base")
+    assert got == {"loras": (("a", "ckpt/a"), ("b", "ckpt/b=2")), "max_loras": 3, "max_lora_rank": 8,
+                   "lora_targets": ("q", "v")}
+    assert lora_options(args(["a=x"]), "base")["max_loras"] == 1 and lora_options(args(), "base")["max_loras"] == 0
+    for bad, message in ((args(["a"]), "--lora a: give each adapter as NAME=CKPT"),
+                         (args(["=x"]), "--lora =x: give each adapter as NAME=CKPT"),
+                         (args(["a=x", "a=y"]), "--lora a=y: the model id 'a' is already served (another adapter)"),
+                         (args(["base=x"]), "--lora base=x: the model id 'base' is already served (the base)"),
+                         (args(["a=x", "b=y"], 1), "--max_loras 1: at least 1, and at least the 2 adapters"),
+                         (args(max_loras=0), "--max_loras 0: at least 1"),
+                         (args(max_lora_rank=8), "--max_lora_rank shapes the stack of LoRA adapters, and this server "
+                                                 "has none"),
+                         (args(lora_target_modules=["q"]), "--lora_target_modules shapes the stack")):
+        with pytest.raises(ConfigError) as e:
+            lora_options(bad, "base")
+        assert str(e.value).startswith(message), str(e.value)

@@ -141,15 +141,16 @@ class Adapted:
 DENSE = "dense"  # the name of every weight matmul's output (jax.checkpoint policies)
 
 
-def dense(x: jax.Array, w, f32_out: bool = False) -> jax.Array:
+def dense(x: jax.Array, w, f32_out: bool = False, split_axis=None) -> jax.Array:
     """x [n, i] @ w, w of any shape [i..., o...] read as the matrix [i, o] -> [n, o].
 
     The result is float32 (``f32_out``, accumulated in float32 as ``einsum_f32``) or in the weight's
     dtype. ``w`` may be an ``Accumulating`` weight, whose gradient goes into its accumulator, an ``Adapted`` one
-    (LoRA) or an ``Int8`` one (modelling/quant.py: decoding with int8 weights).
+    (LoRA) or an ``Int8`` one (modelling/quant.py: decoding with int8 weights; ``split_axis``: the mesh axis a
+    row-parallel weight's input is split over, where int8 activations take their row's maximum).
     """
-    if isinstance(w, Int8):  # weight-only int8 (decoding): converted inside the product, scaled per channel
-        out = quant_matmul(x, w)
+    if isinstance(w, Int8):  # int8 (decoding): scaled per channel (and per row of x where its products are integer)
+        out = quant_matmul(x, w, split_axis)
         return checkpoint_name(out if f32_out else out.astype(w.dtype), DENSE)
     if isinstance(w, Adapted):
         out = dense(x, w.w, f32_out)
@@ -381,7 +382,7 @@ def attention_output(p: dict, ctx: jax.Array, tp_axis: Optional[str], prefix: st
     """Row-parallel output projection. ctx [b, q, h, kv] -> float32 [b, q, d], summed over tp."""
     w = p[prefix + "o"]
     h, k, d = w.shape
-    out = dense(ctx.reshape(-1, h * k), w, f32_out=True).reshape(*ctx.shape[:-2], d)
+    out = dense(ctx.reshape(-1, h * k), w, f32_out=True, split_axis=tp_axis).reshape(*ctx.shape[:-2], d)
     return identical_grad_inputs(out, tp_axis)
 
 
@@ -438,7 +439,7 @@ def feed_forward(p: dict, x: jax.Array, tp_axis: Optional[str], scale_ff: int = 
     h = dropout(h, dropout_rate, rng)
     if scale_ff != 1:
         h = h / scale_ff
-    out = dense(h, p["wo"], f32_out=True)
+    out = dense(h, p["wo"], f32_out=True, split_axis=tp_axis)
     if scale_ff != 1:
         out = out * scale_ff
     out = out.reshape(*lead, out.shape[-1])

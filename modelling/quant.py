@@ -121,7 +121,10 @@ def matmul(x: jax.Array, w: Int8, split_axis=None) -> jax.Array:
     q2 = w.q.reshape(x.shape[-1], -1)
     if integer_dots():
         xq, sx = quantize_rows(x, split_axis)
-        acc = jax.lax.dot(xq, q2, preferred_element_type=jnp.int32)  # |acc| <= 127^2 i: no overflow below i = 133k
+        n = xq.shape[0]
+        if n == 1:  # XLA:CPU gives a one-row s8 product to no integer kernel: it widens the weight to int32 first
+            xq = jnp.pad(xq, ((0, 1), (0, 0)))
+        acc = jax.lax.dot(xq, q2, preferred_element_type=jnp.int32)[:n]  # |acc| <= 127^2 i: exact below i = 133k
         return acc.astype(jnp.float32) * sx * w.scale.reshape(-1)
     out = jnp.einsum("ni,io->no", x.astype(w.dtype), q2.astype(w.dtype), preferred_element_type=jnp.float32)
     return out * w.scale.reshape(-1)

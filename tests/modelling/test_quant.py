@@ -159,3 +159,19 @@ def test_integer_products_are_a_cpu_s_alone(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert not quant.integer_dots()
     assert dots() == [(("bfloat16", "bfloat16"), "float32")]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_integer_product_of_any_rows_reads_the_int8_weight_itself(rows):
+    """Compiled on the CPU, the integer product hands the int8 weight to an integer kernel as it is: no widened copy
+    of it (XLA:CPU widened a one-row product's weight to int32, 25 ms for the small model's head, so one row is
+    padded to two); and the padded row changes nothing of the product."""
+    rng = np.random.default_rng(4)
+    w = quant.quantize(rng.standard_normal((64, 96)).astype(np.float32), 1, 0, jnp.float32)
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    f = jax.jit(lambda x, q, s: quant.matmul(x, quant.Int8(q, s, jnp.float32)))
+    hlo = f.lower(x, w.q, w.scale).compile().as_text()
+    assert "s32[64,96]" not in hlo and "f32[64,96]" not in hlo  # (the weight neither widened nor dequantized)
+    xq, sx = (np.asarray(a) for a in quant.quantize_rows(jnp.asarray(x)))
+    want = (xq.astype(np.float64) * sx) @ np.asarray(quant.dequantize(w), np.float64)
+    np.testing.assert_allclose(np.asarray(f(x, w.q, w.scale)), want, rtol=1e-5, atol=1e-5)

@@ -333,6 +333,13 @@ def project_kv(p: dict, x: jax.Array, prefix: str = "") -> tuple:
     return _in_proj(x, wk), _in_proj(x, wv)
 
 
+def heads_major_attention() -> bool:
+    """Whether ``attend`` moves the heads in front of the positions before its products: on a CPU, where XLA's
+    products over [b, h, l, kv] ran the attention of an encoder layer (3 rows of 256, 6 heads of 64) in half the
+    time of those over [b, l, h, kv] (and its gradient in 0.84x); elsewhere the products read the heads in place."""
+    return jax.default_backend() == "cpu"
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
            dropout_rate: float = 0.0, rng: Optional[jax.Array] = None, scale: float = 1.0) -> jax.Array:
     """Softmax attention; scores scaled by ``scale`` (T5: 1, no 1/sqrt(kv) scaling; GPT-J: 1/sqrt(kv)).
@@ -340,12 +347,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array,
     q [b, q, h, kv], k/v [b, k, h, kv], bias broadcastable to [b, h, q, k]
     (float32) -> [b, q, h, kv] in v's dtype.
     """
-    scores = einsum_f32("bqhd,bkhd->bhqk", q, k)
+    major = heads_major_attention()
+    if major:  # [b, h, l, kv]: the same sums (see heads_major_attention)
+        q, k, v = (jnp.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
+    scores = einsum_f32("bhqd,bhkd->bhqk" if major else "bqhd,bkhd->bhqk", q, k)
     if scale != 1.0:
         scores = scores * scale
     scores = scores + bias
     probs = jax.nn.softmax(scores, axis=-1)
     probs = dropout(probs, dropout_rate, rng)
+    if major:
+        return jnp.transpose(jnp.einsum("bhqk,bhkd->bhqd", probs.astype(v.dtype), v), (0, 2, 1, 3))
     return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
 

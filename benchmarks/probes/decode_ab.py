@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 CHOICES = {
     "integer_dots": ("modelling.quant", "integer_dots", {"dequantizing": False, "integer": True}),
     "unrolled_decoder": ("decoder.engine", "unrolled_decoder", {"scanned": False, "unrolled": True}),
+    "heads_major_attention": ("modelling.layers", "heads_major_attention", {"positions_major": False,
+                                                                            "heads_major": True}),
 }
 
 

@@ -44,6 +44,9 @@ def extra_flags(p):
     p.add_argument("--link_gbps", type=float, default=None, metavar="GB_S",
                    help="phased: the host link's bandwidth each way (GB/s) at which to say how long a step waits on "
                         "it (default: measured on this machine)")
+    p.add_argument("--worker", action="store_true", help="after the warm-up steps, run steps - warmup_iterations "
+                   "steps at each 'measure' line of stdin and answer with their figures (benchmarks/compare.py "
+                   "alternates engines this way: app/alternate.py)")
     p.add_argument("--lengths", choices=("mnli", "uniform", "summaries"), default="mnli",
                    help="prompt lengths of the generated data: mnli (drawn to MultiNLI's statistics, about 52 tokens "
                         "on average with a long tail) or uniform (in [L/2, L]: rows mostly full)")
@@ -93,6 +96,31 @@ def measure(executor, state, batch, profile_dir, primary: bool) -> tuple:
 
         trace(profile_dir, one_step) if primary else one_step()
     return state, estimate, by_phase, timing
+
+
+def serve_steps(cfg, args, executor, state, batches: list, stats: list) -> dict:
+    """--worker: the warm-up steps (compilation), then ``steps - warmup_iterations`` steps at each 'measure' line of
+    stdin, answered with their median's figures (app/alternate.py) -> what it said when ready."""
+    from app.alternate import serve
+    from app.bench import device_header, median
+
+    state, _, _, compile_s = time_steps(executor, state, batches, args.warmup_iterations, args.warmup_iterations,
+                                        False)
+    samples, n = cfg.training.global_batch_size, cfg.training.steps - args.warmup_iterations
+    examples = sum(s["examples"] for s in stats) / len(stats)
+    tokens = sum(s["tokens"] for s in stats) / len(stats)
+
+    def measure() -> dict:
+        nonlocal state
+        state, times, losses, _ = time_steps(executor, state, batches, n, 0, False)
+        step_s = median(times)
+        return {"median_step_s": step_s, "samples_per_s": samples / step_s, "examples_per_s": examples / step_s,
+                "nonpad_tokens_per_s": tokens / step_s, "losses": losses}
+
+    header = {**device_header(cfg, args.config), "family": cfg.model.family, "global_batch_size": samples,
+              "packing": cfg.data.packing, "lengths": args.lengths, "compile_s": compile_s, "timed_steps": n}
+    serve(measure, header)
+    return header
 
 
 def make_report(cfg, args, executor, stats: list, times: list, losses: list, compile_s: float, estimate: int,
@@ -195,6 +223,8 @@ def main(argv=None) -> dict:
     host_batches = [generated_batch(cfg, seed=i, lengths=args.lengths) for i in range(2)]
     stats = [executor.g.family.rows.stats(b) for b in host_batches]
     batches = [executor.g.shard_batch(b) for b in host_batches]
+    if args.worker:
+        return serve_steps(cfg, args, executor, state, batches, stats)
     state, times, losses, compile_s = time_steps(executor, state, batches, cfg.training.steps,
                                                  args.warmup_iterations, primary)
     state, estimate, by_phase, timing = measure(executor, state, batches[0], args.profile, primary)

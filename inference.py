@@ -27,6 +27,8 @@ from app.runtime import is_main_process, start_devices
 def extra_flags(p):
     p.add_argument("--json", default=None, help="write the report to this JSON file")
     p.add_argument("--iterations", type=int, default=5, help="timed batches (after one warm-up batch)")
+    p.add_argument("--worker", action="store_true", help="after compiling, measure --iterations batches at each "
+                   "'measure' line of stdin (benchmarks/compare.py alternates engines this way: app/alternate.py)")
 
 
 def programs(g, n: int) -> tuple:
@@ -46,22 +48,8 @@ def programs(g, n: int) -> tuple:
     return g.search(options), g.search(one), start
 
 
-def prompts(cfg, g) -> tuple:
-    """Generated prompts, one per row as validation decodes them (left-aligned for a family that says so): numpy,
-    as the decoder hands them to the decoding program (which packs an encoder's prompts where that saves rows)."""
-    from data.generated import generated_batch
-
-    b = cfg.execution.rows_per_micro_batch
-    data = generated_batch(cfg, seed=0, packing=False)
-    L = cfg.model.sequence_length
-    ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
-    return g.family.layout_prompts(ids, mask)
-
-
-def time_decoding(params, ids, mask, gen, gen1, start, iterations: int, g) -> tuple:
-    """(compile seconds, [prompt-reading seconds], [first-token seconds], [whole decoding seconds], tokens). The
-    prompt reading (``start``: the family's decode_start) reads them padded, as placed; the decodings as
-    validation reads them."""
+def compile_decoding(params, ids, mask, gen, gen1, start, g) -> tuple:
+    """(seconds of the first call of each program: their compilation, the prompts placed as ``start`` reads them)."""
     import jax
 
     from partitioning import sharding as S
@@ -69,7 +57,17 @@ def time_decoding(params, ids, mask, gen, gen1, start, iterations: int, g) -> tu
     placed = S.put_global(ids, g.row_sharding), S.put_global(mask, g.row_sharding)
     t0 = time.perf_counter()
     jax.block_until_ready((gen(params, ids, mask), start(params, *placed), gen1(params, ids, mask)))
-    compile_s = time.perf_counter() - t0
+    return time.perf_counter() - t0, placed
+
+
+def time_decoding(params, ids, mask, placed, gen, gen1, start, iterations: int) -> tuple:
+    """([prompt-reading seconds], [first-token seconds], [whole decoding seconds], tokens) of ``iterations`` batches,
+    compiled already. The prompt reading (``start``: the family's decode_start) reads them padded, as placed; the
+    decodings as validation reads them."""
+    import jax
+
+    from partitioning import sharding as S
+
     start_t, first_t, gen_t = [], [], []
     for _ in range(iterations):
         for times, fn, args in ((start_t, start, placed), (first_t, gen1, (ids, mask))):
@@ -79,7 +77,19 @@ def time_decoding(params, ids, mask, gen, gen1, start, iterations: int, g) -> tu
         t = time.perf_counter()
         out = S.fetch(gen(params, ids, mask))
         gen_t.append(time.perf_counter() - t)
-    return compile_s, start_t, first_t, gen_t, out
+    return start_t, first_t, gen_t, out
+
+
+def timing_report(start_t: list, first_t: list, gen_t: list, out, n: int) -> dict:
+    """The medians of one run's timings -> prompt reading, first token, per-token latency, tokens/s."""
+    from app.bench import median
+
+    total, encoder, first = median(gen_t), median(start_t), median(first_t)
+    per_token = (total - first) / (n - 1) if n > 1 else 0.0
+    if per_token <= 0:  # below the timing noise (tiny models): the average over all tokens instead
+        per_token = max(total - encoder, 1e-9) / n
+    return {"encoder_s": encoder, "first_token_s": first, "generate_s": total, "decode_token_latency_s": per_token,
+            "generated_tokens_per_s": out.size / total, "samples_per_s": out.shape[0] / total}
 
 
 def weight_bytes(params) -> int:
@@ -96,37 +106,41 @@ def main(argv=None) -> dict:
     if args.iterations < 1:
         die(f"--iterations={args.iterations} must be at least 1")
     start_devices(cfg)
-    from app.bench import device_header, median, write_json
+    from app.bench import device_header, write_json
+    from data.generated import generated_prompts
     from decoder.decoder import Decoder
     from partitioning.memory import peak_device_bytes
 
     g = Decoder.of_config(cfg, eos=-1)  # (never stopping early: every step of output_length is timed)
     n = cfg.inference.output_length
-    ids, mask = prompts(cfg, g)
+    ids, mask = generated_prompts(cfg)
     params = g.weights.convert(g.place.init_params())  # as decoding holds them: the compute dtype, or int8 (--quantize)
-    compile_s, start_t, first_t, gen_t, out = time_decoding(params, ids, mask, *programs(g, n), args.iterations, g)
+    gen, gen1, start = programs(g, n)
+    compile_s, placed = compile_decoding(params, ids, mask, gen, gen1, start, g)
     packed = g.pack(ids, mask) if g.family.packs_prompts and not g.prompt_stacks else None
-    total, encoder, first = median(gen_t), median(start_t), median(first_t)
-    per_token = (total - first) / (n - 1) if n > 1 else 0.0
-    if per_token <= 0:  # below the timing noise (tiny models): the average over all tokens instead
-        per_token = max(total - encoder, 1e-9) / n
-    b = ids.shape[0]
-    report = {
-        **device_header(cfg, args.config), "family": cfg.model.family, "batch_size": b,
+    header = {
+        **device_header(cfg, args.config), "family": cfg.model.family, "batch_size": ids.shape[0],
         "num_beams": cfg.inference.num_beams, "do_sample": cfg.inference.do_sample,
         "quantize": cfg.inference.quantize, "weight_bytes": weight_bytes(params),
         "prompt_tokens": int((mask > 0).sum()), "encoder_rows": ids.shape[0] if packed is None else
-        int(packed[0].shape[0]),
-        "encoder_length": cfg.model.sequence_length, "output_length": n, "compile_s": compile_s,
-        "encoder_s": encoder, "first_token_s": first, "generate_s": total, "decode_token_latency_s": per_token,
-        "generated_tokens_per_s": out.size / total, "samples_per_s": b / total, "peak_device_bytes": peak_device_bytes(),
-    }
+        int(packed[0].shape[0]), "encoder_length": cfg.model.sequence_length, "output_length": n,
+        "compile_s": compile_s}
+
+    def measure() -> dict:
+        return timing_report(*time_decoding(params, ids, mask, placed, gen, gen1, start, args.iterations), n)
+
+    if args.worker:  # measured on demand, alternated with other engines (benchmarks/compare.py: app/alternate.py)
+        from app.alternate import serve
+
+        serve(measure, header)
+        return header
+    report = {**header, **measure(), "peak_device_bytes": peak_device_bytes()}
     if not is_main_process():  # process 0 of a multi-process run prints and writes the report
         return report
-    print(f"batch {b} | prompts read {encoder * 1e3:.1f} ms | first token {first * 1e3:.1f} ms | per-token decode "
-          f"{per_token * 1e3:.2f} ms | {report['generated_tokens_per_s']:.0f} generated tokens/s | "
-          f"{report['samples_per_s']:.1f} samples/s | encoder rows {report['encoder_rows']} of {b} (packed prompts) | "
-          f"compile {compile_s:.1f} s")
+    print(f"batch {ids.shape[0]} | prompts read {report['encoder_s'] * 1e3:.1f} ms | first token "
+          f"{report['first_token_s'] * 1e3:.1f} ms | per-token decode {report['decode_token_latency_s'] * 1e3:.2f} ms"
+          f" | {report['generated_tokens_per_s']:.0f} generated tokens/s | {report['samples_per_s']:.1f} samples/s | "
+          f"encoder rows {report['encoder_rows']} of {ids.shape[0]} (packed prompts) | compile {compile_s:.1f} s")
     write_json(args.json, report)
     return report
 

@@ -46,6 +46,8 @@ def extra_flags(p):
                         "sequence_length")
     p.add_argument("--warmup_iterations", type=int, default=2)
     p.add_argument("--iterations", type=int, default=5, help="timed steps / batches")
+    p.add_argument("--worker", action="store_true", help="after the warm-up, measure --iterations steps / batches at "
+                   "each 'measure' line of stdin (benchmarks/compare.py alternates engines this way)")
 
 
 def hf_model(cfg):
@@ -84,7 +86,8 @@ def micro_batches(cfg, args, dev, seed: int) -> list:
     return out
 
 
-def train(cfg, args) -> dict:
+def train(cfg, args) -> tuple:
+    """(what runs, measure: ``args.iterations`` more steps -> their median's figures), warmed up already."""
     import torch
 
     from app.bench import median
@@ -106,9 +109,9 @@ def train(cfg, args) -> dict:
         opt = torch.optim.AdamW(model.parameters(), **kw)
         run = model
     batches = [micro_batches(cfg, args, dev, seed) for seed in (0, 1)]  # alternated, as ours
-    times, losses = [], []
-    for step in range(args.warmup_iterations + args.iterations):
-        batch = batches[step % 2]
+    losses = []
+
+    def step(batch) -> float:
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=dev)
@@ -121,36 +124,39 @@ def train(cfg, args) -> dict:
         losses.append(float(total) / len(batch))  # one host read a step
         if dev == "cuda":
             torch.cuda.synchronize()
-        if step >= args.warmup_iterations:
-            times.append(time.perf_counter() - t0)
-    step_s = median(times)
+        return time.perf_counter() - t0
+
+    for i in range(args.warmup_iterations):
+        step(batches[i % 2])
     samples = cfg.training.global_batch_size
     family = registry.of_config(cfg)
     tokens = sum(family.hf.nonpad_tokens({k: v.cpu().numpy() for k, v in mb.items()}) for b in batches for mb in b) / 2
-    return {"framework": "transformers+torch" + (" (torch.compile)" if args.compile else " (eager)"), "device": dev,
-            "compiled": args.compile, "compile_backend": args.compile_backend if args.compile else None,
-            "optimizer": optimizer, "precision_policy": str(dtype).replace("torch.", ""),
-            "lengths": args.lengths, "padding": args.padding, "median_step_s": step_s,
-            "samples_per_s": samples / step_s, "examples_per_s": samples / step_s,
-            "nonpad_tokens_per_s": tokens / step_s, "losses": losses, "global_batch_size": samples}
+    header = {"framework": "transformers+torch" + (" (torch.compile)" if args.compile else " (eager)"), "device": dev,
+              "compiled": args.compile, "compile_backend": args.compile_backend if args.compile else None,
+              "optimizer": optimizer, "precision_policy": str(dtype).replace("torch.", ""),
+              "lengths": args.lengths, "padding": args.padding, "global_batch_size": samples}
+
+    def measure() -> dict:
+        step_s = median([step(batches[i % 2]) for i in range(args.iterations)])
+        return {"median_step_s": step_s, "samples_per_s": samples / step_s, "examples_per_s": samples / step_s,
+                "nonpad_tokens_per_s": tokens / step_s, "losses": list(losses)}
+
+    return header, measure
 
 
-def generate(cfg, args) -> dict:
+def generate(cfg, args) -> tuple:
+    """(what runs, measure: ``args.iterations`` batches -> their medians' figures), warmed up already."""
     import torch
 
-    from data.generated import generated_batch
     from app.bench import median
+    from data.generated import generated_prompts
 
     model, dev, _ = hf_model(cfg)
     model.eval()
     n = cfg.inference.output_length
-    b = cfg.execution.rows_per_micro_batch
-    data = generated_batch(cfg, packing=False)  # one prompt per row
-    L = cfg.model.sequence_length
-    ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
     family = registry.of_config(cfg)
     extra = family.hf.generate_kwargs
-    ids, mask = family.layout_prompts(ids, mask)
+    ids, mask = generated_prompts(cfg)
     ids = torch.tensor(ids, dtype=torch.long, device=dev)
     mask = torch.tensor(mask, dtype=torch.long, device=dev)
 
@@ -162,19 +168,26 @@ def generate(cfg, args) -> dict:
             torch.cuda.synchronize()
         return time.perf_counter() - t0, out
 
-    times, first = [], []
-    with torch.no_grad():
-        for it in range(args.warmup_iterations + args.iterations):
-            t1, _ = timed(1)
-            t, out = timed(n)
-            if it >= args.warmup_iterations:
+    def iterations(count: int) -> tuple:
+        times, first = [], []
+        with torch.no_grad():
+            for _ in range(count):
+                first.append(timed(1)[0])
+                t, out = timed(n)
                 times.append(t)
-                first.append(t1)
-    t, t1 = median(times), median(first)
-    generated = b * n
-    return {"framework": "transformers+torch", "device": dev, "generate_s": t, "first_token_s": t1,
-            "decode_token_latency_s": (t - t1) / (n - 1) if n > 1 else t,
-            "generated_tokens_per_s": generated / t, "samples_per_s": b / t, "batch_size": b}
+        return times, first, out
+
+    iterations(args.warmup_iterations)
+    b = ids.shape[0]
+
+    def measure() -> dict:
+        times, first, out = iterations(args.iterations)
+        t, t1 = median(times), median(first)
+        return {"generate_s": t, "first_token_s": t1, "decode_token_latency_s": (t - t1) / (n - 1) if n > 1 else t,
+                "generated_tokens_per_s": b * n / t, "samples_per_s": b / t,
+                "tokens": family.hf.new_tokens(out.cpu().numpy(), ids.shape[1]).tolist()}
+
+    return {"framework": "transformers+torch", "device": dev, "batch_size": b}, measure
 
 
 @entry
@@ -184,13 +197,17 @@ def main(argv=None) -> dict:
         die("first argument must be 'train' or 'generate'")
     kind = "finetuning" if argv[0] == "train" else "inference"
     cfg, args = parse_config(kind, "HF baseline", "small", argv[1:], extra_flags)
-    report = (train if argv[0] == "train" else generate)(cfg, args)
-    report["config"] = args.config
+    header, measure = (train if argv[0] == "train" else generate)(cfg, args)
     import torch
 
     cuda = torch.cuda.is_available()
-    report["device_kind"] = torch.cuda.get_device_name() if cuda else "cpu"
-    report["peak_device_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
+    header = {**header, "config": args.config, "device_kind": torch.cuda.get_device_name() if cuda else "cpu"}
+    if args.worker:  # measured on demand, alternated with other engines (benchmarks/compare.py: app/alternate.py)
+        from app.alternate import serve
+
+        serve(measure, header)
+        return header
+    report = {**header, **measure(), "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None}
     from app.bench import write_json
 
     write_json(args.json, report)

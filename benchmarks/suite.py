@@ -105,8 +105,9 @@ def _smoke_commands() -> dict:
     one = ["--data_parallel", "1", "--tensor_parallel", "1"]
     xxl = _finetune("tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1", *t5, "--global_batch_size",
                     "8", "--micro_batch_size", "4", *one)
+    # (one round, no CTranslate2: the GPU runs' compare.py, whose accelerator starts each engine once a round)
     cmp_small = ["--config", "tiny", "--inference_config", "tiny", "--sequence_length", "32", "--batch", "4",
-                 "--steps", "3", "--hf", "eager", "--decoder_sequence_length", "4"]
+                 "--steps", "3", "--hf", "eager", "--repeats", "1", "--ct2", "off", "--decoder_sequence_length", "4"]
     xl = [_finetune("tiny", "--steps", "3", "--warmup_iterations", "1", *t5, "--global_batch_size", "8",
                     "--micro_batch_size", str(mb), *one, "--recompute", "false") for mb in (4, 8)]
     c = {
@@ -123,7 +124,7 @@ def _smoke_commands() -> dict:
         "gptj_6B": _finetune("gptj_tiny", "--phased", "true", "--steps", "3", "--warmup_iterations", "1",
                           "--sequence_length", "32", "--global_batch_size", "8", "--micro_batch_size", "4", *one),
         "gptj_cmp": ["--config", "gptj_tiny", "--inference_config", "gptj_tiny", "--sequence_length", "32",
-                     "--batch", "4", "--steps", "3", "--hf", "eager", "--only", "train"],
+                     "--batch", "4", "--steps", "3", "--hf", "eager", "--repeats", "1", "--only", "train"],
         "plan_check": [("gptj_lora_1gpu", _finetune("gptj_tiny", "--phased", "true", "--steps", "3",
                                                     "--warmup_iterations", "1", "--sequence_length", "32",
                                                     "--global_batch_size", "8", "--micro_batch_size", "4", *one,

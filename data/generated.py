@@ -97,3 +97,14 @@ def generated_batch(cfg, seed: int = 0, encoder_length: int | None = None, decod
             rows, [], iter(range(len(ex))))
         batch = fmt.packed(ex, filled, shape)
     return {k: v.reshape(ga, rows // ga, -1) for k, v in batch.items()}
+
+
+def generated_prompts(cfg) -> tuple:
+    """The decoding benchmarks' prompts, the same for every engine compared (ours, HF ``generate``, CTranslate2):
+    (ids, mask) int32 [micro-batch rows, sequence_length] numpy, one prompt per row (``uniform`` lengths, seed 0), as
+    the family decodes them (``layout_prompts``: right-padded, or right-aligned for a causal LM)."""
+    b = cfg.execution.rows_per_micro_batch
+    data = generated_batch(cfg, seed=0, packing=False)
+    L = cfg.model.sequence_length
+    ids, mask = data["input_ids"].reshape(-1, L)[:b], data["attention_mask"].reshape(-1, L)[:b]
+    return registry.of_config(cfg).layout_prompts(ids, mask)

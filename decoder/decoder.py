@@ -17,7 +17,8 @@ of 8) and, where an encoder's prompts are packed, one encoder program per packed
 Decoding's layout of the weights: every weight whole on the devices of its tp group (no RTS), in the compute dtype
 (the family's float32 weights kept float32), int8 where ``inference.quantize`` says (modelling/quant.py), stacked
 by layer as a checkpoint holds them; a streamed stack's layers (``inference.stream_encoder``) one tree per layer in
-host memory, loaded a layer at a time.
+host memory, loaded a layer at a time; on a CPU, a decoder of at most ``UNROLL_LAYERS`` layers one tree per layer on
+the devices (``unrolled_decoder``), its steps running the layers one after the other.
 """
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ from partitioning import sharding as S
 from partitioning.placement import Placement
 from partitioning.sharding import HOST  # (the memory a streamed stack's layers wait in)
 from utils.errors import ConfigError
+
+
+# The deepest decoder whose steps run its layers one after the other on a CPU (base's 12): each layer's weights and
+# caches read in place, where a scan over the stacked layers has XLA:CPU copy each layer's slice of them first (a
+# third of a float32 step at the small shape); a program's compile time grows with the layers it runs so
+UNROLL_LAYERS = 12
+
+
+def unrolled_decoder(family, platform: str, layers: int) -> bool:
+    """Whether decoding's layout holds the decoder one tree per layer, its steps running the layers one after the
+    other: on a CPU, for a family whose steps can (``Family.unrolls_decoding``), at most ``UNROLL_LAYERS`` deep.
+    Elsewhere the steps scan the stacked layers (a GPU reads a layer's slice inside its GEMMs)."""
+    return platform == "cpu" and family.unrolls_decoding and layers <= UNROLL_LAYERS
 
 
 def decoding_config(cfg):
@@ -98,7 +112,17 @@ class Decoder:
             raise ConfigError(f"--stream_encoder streams an encoder's layers, and the {self.family.name} family has "
                               "no encoder (every layer decodes token by token): drop --stream_encoder (--quantize "
                               "int8 halves its weights' bytes)")
+        # ... and on a CPU a shallow decoder one tree per layer on the devices (``unrolled_decoder``)
+        last = self.family.stacks[-1].name
+        depth = jax.tree.leaves(self.specs[last]["layers"], is_leaf=is_spec)[0].shape[0]
+        platform = self.mesh.devices.flat[0].platform
+        self.unrolled_stacks = (last,) if unrolled_decoder(self.family, platform, depth) else ()
         self._search = self._weights = self._abstract = None
+
+    @property
+    def layered_stacks(self) -> tuple:
+        """The stacks whose layers decoding's layout holds one tree per layer: streamed, and unrolled."""
+        return self.prompt_stacks + self.unrolled_stacks
 
     @classmethod
     def of_config(cls, cfg, tokenizer=None, mesh=None, eos: int | None = None, pad: int | None = None) -> "Decoder":
@@ -187,7 +211,7 @@ class Decoder:
             return quant.quantize(x, t.n_in, t.lead, t.dtype) if quant.is_int8(t) else x.astype(t.dtype)
 
         def fn(p):
-            for s in self.prompt_stacks:
+            for s in self.layered_stacks:
                 layers = p[s]["layers"]
                 p = {**p, s: {**p[s], "layers": [jax.tree.map(lambda w: w[i], layers)
                                                    for i in range(len(targets[s]["layers"]))]}}
@@ -196,10 +220,11 @@ class Decoder:
         return jax.jit(fn, out_shardings=jax.tree.map(lambda t: t.sharding, targets))(params)
 
     def _decoding(self, plain, scale, row) -> dict:
-        """``decoding_tree`` with the streamed stacks' stacked leaves split into one tree per layer (``row(leaf)``: a
-        stacked leaf's per-layer one): the stream loads them one by one from host memory."""
+        """``decoding_tree`` with the streamed and unrolled stacks' stacked leaves split into one tree per layer
+        (``row(leaf)``: a stacked leaf's per-layer one): the stream loads them one by one from host memory, an
+        unrolled decoder reads each in place."""
         tree = self.decoding_tree(plain, scale)
-        for stack in self.prompt_stacks:
+        for stack in self.layered_stacks:
             n = jax.tree.leaves(self.specs[stack]["layers"], is_leaf=is_spec)[0].shape[0]
             one = jax.tree.map(row, tree[stack]["layers"])
             tree = {**tree, stack: {**tree[stack], "layers": [one] * n}}

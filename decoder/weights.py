@@ -167,16 +167,16 @@ class Weights:
         """Host weights (numpy, or arrays in host memory) in training's layout -> decoding's on the devices
         (``Decoder.decode_shardings``): each weight in its decoding dtype, int8 where decoding quantizes it; a stacked
         weight one layer at a time, merged first with its LoRA adapter (``adapters``: the adapters' tree on the
-        devices) where it has one; a streamed stack's layers one tree per layer."""
+        devices) where it has one; a streamed or unrolled stack's layers one tree per layer."""
         g = self.decoder
         targets = g.abstract_decode_params()
         flat, treedef = jax.tree_util.tree_flatten_with_path(targets, is_leaf=quant.is_int8)
         host_leaves = dict((_key(p), x) for p, x in jax.tree_util.tree_flatten_with_path(host)[0])
-        rows: dict = {}  # (stack, name) -> rows(i) of its host weight, for a streamed stack's one tree per layer
+        rows: dict = {}  # (stack, name) -> rows(i) of its host weight, for a stack held one tree per layer
         out = []
         for path, target in flat:
             key = _key(path)
-            if key[0] in g.prompt_stacks and key[1] == "layers":  # (stack, "layers", i, name): a streamed layer
+            if key[0] in g.layered_stacks and key[1] == "layers":  # (stack, "layers", i, name): one layer's tree
                 i, name = int(key[2]), key[3:]
                 source = (key[0], "layers") + name
                 if source not in rows:

@@ -381,6 +381,9 @@ class Family(abc.ABC):
         ``params``: ``decoding_params``'."""
 
     packs_prompts: bool = False  # its encoder reads prompts packed several to a row (``encode_packed``)
+    # its decoding steps also take the last stack one tree per layer (a list), running the layers one after the other
+    # (decoder/decoder.py's ``unrolled_decoder``: on a CPU), its cache then one tree per layer too
+    unrolls_decoding: bool = False
 
     def encode_packed(self, params, ids, segments, positions, opts, tp_axis=None):
         """The prompt stacks' output for prompts packed several to a row (modelling/rows.py's ``pack_prompts``):

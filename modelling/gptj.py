@@ -93,7 +93,7 @@ def mlp(p: dict, h: jax.Array, tp_axis: Optional[str], scale_ff: int = 1, dropou
     a = jax.nn.gelu(L.dense(x, p["fc_in"]) + p["fc_in_bias"].astype(p["fc_in"].dtype), approximate=True)
     if scale_ff != 1:
         a = a / scale_ff
-    out = L.dense(a, p["fc_out"], f32_out=True)
+    out = L.dense(a, p["fc_out"], f32_out=True, split_axis=tp_axis)
     if scale_ff != 1:
         out = out * scale_ff
     out = identical_grad_inputs(out.reshape(*lead, out.shape[-1]), tp_axis)

@@ -115,7 +115,9 @@ def rank_of(stack_specs: dict) -> int:
 def bind(w: dict, stack: dict, index: jax.Array) -> dict:
     """Decoding's weights ``w`` with each weight the stack adapts a ``layers.MultiAdapted``: index int32 [n] each
     token's slot (-1: the base alone), n the rows of what the layers read (one token a row in a decoding step).
-    ``stack``: the stack's arrays (``specs``' tree); {} (no stack): ``w`` as it is."""
+    ``stack``: the stack's arrays (``specs``' tree); {} (no stack): ``w`` as it is. A stack whose layers decoding's
+    layout holds one tree per layer (decoder/decoder.py's ``unrolled_decoder``) gets each layer's slice of the
+    stack's adapters."""
     if not stack:
         return w
     scales = stack[SCALE]
@@ -124,24 +126,36 @@ def bind(w: dict, stack: dict, index: jax.Array) -> dict:
     for s, sub in stack.items():
         if s == SCALE:
             continue
-        n = jax.tree.leaves(sub)[0].shape[0]
-        idx, sc = (jnp.broadcast_to(x, (n,) + x.shape) for x in (index.astype(jnp.int32), scale))  # each layer's
-        layers = dict(w[s]["layers"])
-        for key in sub["layers"]:
-            if key.endswith(lora.A):
-                name = key[: -len(lora.A)]
-                layers[name] = L.MultiAdapted(layers[name], sub["layers"][key], sub["layers"][name + lora.B], idx, sc)
+        held = w[s]["layers"]
+        if isinstance(held, (list, tuple)):  # one tree per layer: each its slice, the index as it is
+            layers = [_attach(layer, {k: x[i] for k, x in sub["layers"].items()}, index.astype(jnp.int32), scale)
+                      for i, layer in enumerate(held)]
+        else:
+            n = jax.tree.leaves(sub)[0].shape[0]
+            idx, sc = (jnp.broadcast_to(x, (n,) + x.shape) for x in (index.astype(jnp.int32), scale))  # each layer's
+            layers = _attach(held, sub["layers"], idx, sc)
         out[s] = {**w[s], "layers": layers}
     return out
+
+
+def _attach(layers: dict, adapters: dict, idx, sc) -> dict:
+    """A layer tree (or the stacked layers') with each adapted weight a ``MultiAdapted`` over ``adapters``' A and B."""
+    layers = dict(layers)
+    for key in adapters:
+        if key.endswith(lora.A):
+            name = key[: -len(lora.A)]
+            layers[name] = L.MultiAdapted(layers[name], adapters[key], adapters[name + lora.B], idx, sc)
+    return layers
 
 
 def per_token(w: dict, where: jax.Array, n: int) -> dict:
     """``bind``'s weights of J prompts (index [J]) as the weights of the n tokens of the rows they are packed in:
     ``where`` int [J, W] each prompt's positions in the rows flattened (n past its length), a token its prompt's slot
     and scale, a position of no prompt -1 and 0. Weights without adapters come back as they are."""
-    def spread(x, fill):  # [layers, J] -> [layers, n]
-        each = jnp.broadcast_to(x[:, :, None], x.shape + (where.shape[1],)).reshape(x.shape[0], -1)
-        return jnp.full((x.shape[0], n + 1), fill, x.dtype).at[:, where.reshape(-1)].set(each)[:, :n]
+    def spread(x, fill):  # [..., J] -> [..., n] ([layers, J] stacked, [J] a layer's own)
+        lead = x.shape[:-1]
+        each = jnp.broadcast_to(x[..., None], x.shape + (where.shape[1],)).reshape(lead + (-1,))
+        return jnp.full(lead + (n + 1,), fill, x.dtype).at[..., where.reshape(-1)].set(each)[..., :n]
 
     def one(x):
         if not isinstance(x, L.MultiAdapted):

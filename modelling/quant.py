@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from modelling.tp import trivial
+
 QMAX = 127  # symmetric: -127..127 (never -128, so that -q is representable and the grid is centred on 0)
 
 
@@ -90,11 +92,40 @@ def dequantize(w: Int8) -> jax.Array:
     return w.q.astype(jnp.float32) * jnp.expand_dims(w.scale, tuple(range(w.lead, w.lead + w.n_in)))
 
 
-def matmul(x: jax.Array, w: Int8) -> jax.Array:
-    """x [n, i] @ w (one layer's weight, read as [i, o]) -> float32 [n, o]: the int8 values converted to the compute
-    dtype inside the product, accumulated in float32, times the per-channel scale."""
-    q2 = w.q.reshape(x.shape[-1], -1).astype(w.dtype)
-    out = jnp.einsum("ni,io->no", x.astype(w.dtype), q2, preferred_element_type=jnp.float32)
+def integer_dots() -> bool:
+    """Whether an int8 matmul multiplies int8 activations by the int8 weight (``matmul``): on a CPU, where XLA hands an
+    s8 x s8 -> s32 product to YNNPACK's integer kernels (VNNI, AMX); elsewhere the weight is converted inside a
+    product in the compute dtype (XLA:GPU fuses the conversion into the GEMM's operand load), as it always was. On
+    XLA:CPU the converting product forms a float copy of the weight first, which made int8 no faster than float32."""
+    return jax.default_backend() == "cpu"
+
+
+def quantize_rows(x: jax.Array, split_axis=None) -> tuple:
+    """Absmax int8 per row of activations, as CTranslate2's int8 quantizes them at each matmul: x [n, i] -> (int8
+    [n, i], float32 scale [n, 1]), x ~ q * scale. ``split_axis``: the mesh axis x's inputs are split over (a
+    row-parallel weight's input, under tensor parallelism): the row's maximum is taken over every device's share,
+    so the grid and the tokens are the same at any tp."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    if not trivial(split_axis):
+        amax = jax.lax.pmax(amax, split_axis)
+    scale = jnp.where(amax > 0, amax / QMAX, 1.0)
+    return jnp.clip(jnp.round(xf / scale), -QMAX, QMAX).astype(jnp.int8), scale
+
+
+def matmul(x: jax.Array, w: Int8, split_axis=None) -> jax.Array:
+    """x [n, i] @ w (one layer's weight, read as [i, o]) -> float32 [n, o]. Where ``integer_dots``: the rows of x
+    quantized to int8 (``quantize_rows``), an integer product accumulated in int32, times both scales; else the int8
+    values converted to the compute dtype inside the product, accumulated in float32, times the per-channel scale."""
+    q2 = w.q.reshape(x.shape[-1], -1)
+    if integer_dots():
+        xq, sx = quantize_rows(x, split_axis)
+        n = xq.shape[0]
+        if n == 1:  # XLA:CPU gives a one-row s8 product to no integer kernel: it widens the weight to int32 first
+            xq = jnp.pad(xq, ((0, 1), (0, 0)))
+        acc = jax.lax.dot(xq, q2, preferred_element_type=jnp.int32)[:n]  # |acc| <= 127^2 i: exact below i = 133k
+        return acc.astype(jnp.float32) * sx * w.scale.reshape(-1)
+    out = jnp.einsum("ni,io->no", x.astype(w.dtype), q2.astype(w.dtype), preferred_element_type=jnp.float32)
     return out * w.scale.reshape(-1)
 
 

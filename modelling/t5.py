@@ -366,33 +366,67 @@ def param_specs(m, tensor_parallel: int = 1) -> dict:
 #
 # The encoder runs once per batch; cross-attention keys/values are computed once; the decoder's self-attention
 # cache [b, layers, h, max_new_tokens, kv] holds every layer and is written in place at each position. Every layer
-# loop is a scan over the stacked weights: a decoding program's size and compile time do not grow with depth.
+# loop is a scan over the stacked weights: a decoding program's size and compile time do not grow with depth. Where
+# decoding's layout holds the decoder one tree per layer (a shallow model on a CPU: decoder/decoder.py), the step runs
+# its layers one after the other instead, each reading its own weights and its own caches ([b, h, ...], a list of
+# layers) in place: XLA:CPU copies a scanned layer's slice of every stacked weight and cache before reading it.
 
 # The decoder's start token: every T5 checkpoint's decoder_start_token_id (its pad id there), whatever the
 # tokenizer's pad token is; training rows start with it too (data/packing.py's PAD)
 DECODER_START = 0
 
 
-def cross_kv(layers: dict, enc_out: jax.Array) -> tuple:
-    """Cross-attention keys/values of every decoder layer, computed once: (k, v) each [b, layers, h, k, kv].
-    layers: the decoder's stacked layer weights; enc_out [b, k, d] in the compute dtype."""
+def cross_kv(layers, enc_out: jax.Array):
+    """Cross-attention keys/values of every decoder layer, computed once: (k, v) each [b, layers, h, k, kv] of stacked
+    layer weights; of one tree per layer (a list), a list of (k, v) each [b, h, k, kv]. enc_out [b, k, d] in the
+    compute dtype."""
     def one(p):
         return tuple(decoding.heads_major(t) for t in L.project_kv(p, enc_out, "c"))
 
+    if isinstance(layers, list):
+        return [one(p) for p in layers]
     return tuple(jnp.moveaxis(t, 0, 1) for t in lax.map(one, layers))  # a layer at a time: [L, b, ...] -> [b, L, ...]
+
+
+def empty_self_cache(cross, max_new_tokens: int, dtype):
+    """The self-attention keys and values beside ``cross`` (``cross_kv``'s), zeros with room for ``max_new_tokens``
+    positions: (k, v) each [b, layers, h, max_new_tokens, kv], or a list of (k, v) each [b, h, max_new_tokens, kv]."""
+    if isinstance(cross, list):
+        b, h, _, kv = cross[0][0].shape
+        return [(jnp.zeros((b, h, max_new_tokens, kv), dtype),) * 2 for _ in cross]
+    b, n, h, _, kv = cross[0].shape
+    return (jnp.zeros((b, n, h, max_new_tokens, kv), dtype),) * 2
+
+
+def _layer_step(p, x, self_kv: tuple, cross: tuple, bias, xbias, pos, opts, tp_axis, layer=None) -> tuple:
+    """One decoder layer at one position: x float32 [b, 1, d] -> (x, self_kv) with the new key and value written at
+    ``pos``. self_kv: (k, v) [b, h, max_len, kv] of this layer alone, or with ``layer`` (a traced index) every
+    layer's [b, layers, h, max_len, kv]; cross: this layer's cross-attention (k, v) [b, h, K, kv]."""
+    dt, axis = opts.compute_dtype, 2 if layer is None else 3
+    k_all, v_all = self_kv
+    h = L.identical_inputs(L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt), tp_axis)
+    q = L.project_q(p, h)
+    k_new, v_new = L.project_kv(p, h)
+    k_all = L.write_at(k_all, decoding.heads_major(k_new), pos, axis=axis, layer=layer)
+    v_all = L.write_at(v_all, decoding.heads_major(v_new), pos, axis=axis, layer=layer)
+    k_c, v_c = (k_all, v_all) if layer is None else (L.layer_of(k_all, layer), L.layer_of(v_all, layer))
+    x = x + L.attention_output(p, decoding.attend_cached(q, k_c, v_c, bias), tp_axis)
+    h = L.rms_norm(x, p["cross_norm"], opts.eps).astype(dt)
+    x = x + L.attention_output(p, decoding.attend_cached(L.project_q(p, h, "c"), *cross, xbias), tp_axis, "c")
+    h = L.rms_norm(x, p["ff_norm"], opts.eps).astype(dt)
+    return x + L.feed_forward(p, h, tp_axis, opts.scale_ff, proj=opts.feed_forward_proj), (k_all, v_all)
 
 
 def decoder_step(params, token, pos, cache: dict, opts, tp_axis):
     """One decoder position with the cache. token int [b] at position ``pos`` -> (logits [b, Vl], cache).
 
-    cache["self"]: (k, v) each [b, layers, h, max_len, kv], written in place at ``pos``; cache["cross"]: cross_kv's
-    output; cache["cross_bias"]: the encoder padding. ``pos``: one position for the batch, or one per row (int [b]:
+    cache["self"]: (k, v) each [b, layers, h, max_len, kv], written in place at ``pos`` (or a list of each layer's
+    (k, v) [b, h, max_len, kv], with the decoder's weights one tree per layer); cache["cross"]: cross_kv's output;
+    cache["cross_bias"]: the encoder padding. ``pos``: one position for the batch, or one per row (int [b]:
     serving's slots, each at its own)."""
-    dec, dt = params["decoder"], opts.compute_dtype
-    k_all, v_all = cache["self"]
-    ck, cv = cache["cross"]
-    xbias = cache["cross_bias"]
-    max_len = k_all.shape[3]
+    dec, xbias = params["decoder"], cache["cross_bias"]
+    unrolled = isinstance(cache["self"], list)
+    max_len = cache["self"][0][0].shape[2] if unrolled else cache["self"][0].shape[3]
     x = embeddings(params["shared"], token[:, None], opts, tp_axis)  # [b, 1, d]
     at = jnp.reshape(pos, (-1, 1))  # [1 or b, 1]
     rel = jnp.arange(max_len, dtype=jnp.int32)[None] - at
@@ -402,28 +436,25 @@ def decoder_step(params, token, pos, cache: dict, opts, tp_axis):
     per_layer = per_layer_bias(opts)  # UMT5: each layer's own table
     shared_bias = None if per_layer else bucket_bias(dec["relpos"], buckets) + causal
 
-    def body(carry, inputs):
-        x, k_all, v_all = carry
-        p, i = inputs
-        bias = bucket_bias(p["relpos"], buckets) + causal if per_layer else shared_bias
-        h = L.identical_inputs(L.rms_norm(x, p["attn_norm"], opts.eps).astype(dt), tp_axis)
-        q = L.project_q(p, h)
-        k_new, v_new = L.project_kv(p, h)
-        k_all = L.write_at(k_all, decoding.heads_major(k_new), pos, axis=3, layer=i)
-        v_all = L.write_at(v_all, decoding.heads_major(v_new), pos, axis=3, layer=i)
-        ctx = decoding.attend_cached(q, L.layer_of(k_all, i), L.layer_of(v_all, i), bias)
-        x = x + L.attention_output(p, ctx, tp_axis)
-        h = L.rms_norm(x, p["cross_norm"], opts.eps).astype(dt)
-        q = L.project_q(p, h, "c")
-        ctx = decoding.attend_cached(q, L.layer_of(ck, i), L.layer_of(cv, i), xbias)
-        x = x + L.attention_output(p, ctx, tp_axis, "c")
-        h = L.rms_norm(x, p["ff_norm"], opts.eps).astype(dt)
-        x = x + L.feed_forward(p, h, tp_axis, opts.scale_ff, proj=opts.feed_forward_proj)
-        return (x, k_all, v_all), None
+    def bias(p):
+        return bucket_bias(p["relpos"], buckets) + causal if per_layer else shared_bias
 
-    n = k_all.shape[1]
-    (x, k_all, v_all), _ = lax.scan(body, (x, k_all, v_all), (dec["layers"], jnp.arange(n)))
-    return head_logits(params, x, opts, tp_axis)[:, 0], {**cache, "self": (k_all, v_all)}
+    if unrolled:  # each layer's weights and caches its own arrays: read in place
+        selfs = []
+        for p, kv, cross in zip(dec["layers"], cache["self"], cache["cross"]):
+            x, kv = _layer_step(p, x, kv, cross, bias(p), xbias, pos, opts, tp_axis)
+            selfs.append(kv)
+        return head_logits(params, x, opts, tp_axis)[:, 0], {**cache, "self": selfs}
+    ck, cv = cache["cross"]
+
+    def body(carry, inputs):
+        x, kv = carry
+        p, i = inputs
+        x, kv = _layer_step(p, x, kv, (L.layer_of(ck, i), L.layer_of(cv, i)), bias(p), xbias, pos, opts, tp_axis, i)
+        return (x, kv), None
+
+    (x, kv), _ = lax.scan(body, (x, cache["self"]), (dec["layers"], jnp.arange(ck.shape[1])))
+    return head_logits(params, x, opts, tp_axis)[:, 0], {**cache, "self": kv}
 
 
 def decode_start(p: dict, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis=None):
@@ -436,10 +467,10 @@ def decode_start(p: dict, input_ids, attention_mask, opts, max_new_tokens: int, 
 def decode_start_encoded(p: dict, enc, attention_mask, opts, max_new_tokens: int, tp_axis=None):
     """``decode_start`` from the encoder's output enc float32 [b, k, d] (read elsewhere: the encoder streamed from
     host memory, decoder/streaming.py, or over packed prompts) -> (logits [b, Vl] of the first new token, cache)."""
-    ck, cv = cross_kv(p["decoder"]["layers"], enc.astype(opts.compute_dtype))
-    b, n, h, _, kv = ck.shape
-    empty = jnp.zeros((b, n, h, max_new_tokens, kv), opts.compute_dtype)
-    cache = {"self": (empty, empty), "cross": (ck, cv), "cross_bias": L.padding_mask_bias(attention_mask)}
+    cross = cross_kv(p["decoder"]["layers"], enc.astype(opts.compute_dtype))
+    cache = {"self": empty_self_cache(cross, max_new_tokens, opts.compute_dtype), "cross": cross,
+             "cross_bias": L.padding_mask_bias(attention_mask)}
+    b = attention_mask.shape[0]
     return decode_step(p, jnp.full((b,), DECODER_START, jnp.int32), -1, cache, opts, tp_axis)
 
 
@@ -457,18 +488,20 @@ def decode_start_packed(p: dict, ids, segments, positions, where, lengths, opts,
     each packed token reads its prompt's."""
     tokens = lora_stack.per_token(p, where, ids.size)
     enc = encode(tokens, ids, segments, opts, tp_axis, positions=positions)
-    ck, cv = (L.gather_packed(t, where, 3) for t in cross_kv(tokens["decoder"]["layers"],
-                                                             enc.astype(opts.compute_dtype)))
-    j, n, h, _, kv = ck.shape
-    empty = jnp.zeros((j, n, h, max_new_tokens, kv), opts.compute_dtype)
+    cross = jax.tree.map(lambda t: L.gather_packed(t, where, t.ndim - 2),  # (their prompt axis: the next to last)
+                         cross_kv(tokens["decoder"]["layers"], enc.astype(opts.compute_dtype)))
     mask = jnp.arange(where.shape[1])[None] < lengths[:, None]
-    cache = {"self": (empty, empty), "cross": (ck, cv), "cross_bias": L.padding_mask_bias(mask)}
-    return decode_step(p, jnp.full((j,), DECODER_START, jnp.int32), -1, cache, opts, tp_axis)
+    cache = {"self": empty_self_cache(cross, max_new_tokens, opts.compute_dtype), "cross": cross,
+             "cross_bias": L.padding_mask_bias(mask)}
+    return decode_step(p, jnp.full((where.shape[0],), DECODER_START, jnp.int32), -1, cache, opts, tp_axis)
 
 
 def cache_positions(cache: dict) -> dict:
-    """The decoder's self-attention keys and values along axis 3 (after the batch and the layers); the
-    cross-attention's (the prompt's) whole."""
+    """The decoder's self-attention keys and values along axis 3 (after the batch and the layers; axis 2 of each
+    layer's own, one a layer); the cross-attention's (the prompt's) whole."""
+    if isinstance(cache["self"], list):
+        n = len(cache["self"])
+        return {"self": [(2, 2)] * n, "cross": [(-1, -1)] * n, "cross_bias": -1}
     return {"self": (3, 3), "cross": (-1, -1), "cross_bias": -1}
 
 
@@ -767,6 +800,7 @@ class T5Family(Family):
         """The encoder over packed prompts (segment ids and per-prompt positions: training's packed rows)."""
         return encode(params, ids, segments, opts, tp_axis, positions=positions)
     decode_step = staticmethod(decode_step)
+    unrolls_decoding = True
     decode_uncached = staticmethod(decode_uncached)
     decode_start_packed = staticmethod(decode_start_packed)
     cache_positions = staticmethod(cache_positions)

@@ -38,6 +38,7 @@ DRIVERS = {
     "benchmarks/compare.py": ("benchmarks.compare", {"--config": "finetuning", "--inference_config": "inference"}),
     "benchmarks/suite.py": ("benchmarks.suite", {}),
     "benchmarks/hf_baseline.py": ("benchmarks.hf_baseline", {"--config": "finetuning"}),
+    "benchmarks/ct2_baseline.py": ("benchmarks.ct2_baseline", {"--config": "inference"}),
     "benchmarks/phased_memory.py": ("benchmarks.phased_memory", {"--config": "finetuning"}),
     "benchmarks/workstation.py": ("benchmarks.workstation", {"--preset": "finetuning"}),
     "benchmarks/lora.py": ("benchmarks.lora", {"--config": "finetuning"}),
@@ -311,7 +312,8 @@ def test_every_driver_flag_and_every_preset_is_documented_in_docs():
     missing = []
     for script in DRIVERS:
         for flag in sorted(documented_flags(parser_of(script))):
-            if flag in config_flags and (script in CONFIG_DRIVERS or script.endswith("hf_baseline.py")):
+            if flag in config_flags and (script in CONFIG_DRIVERS or script.endswith(("hf_baseline.py",
+                                                                                     "ct2_baseline.py"))):
                 if not re.search(re.escape(f"`{flag}`"), reference):
                     missing.append(f"{script} {flag} (docs/configuration.md)")
             elif flag not in shown.get(script, ()):
@@ -440,7 +442,8 @@ def own_flags() -> dict:
 
     config = {f"--{f}" for f in FIELDS}
     return {s: {f for f in documented_flags(parser_of(s))
-                if not (f in config and (s in CONFIG_DRIVERS or s.endswith("hf_baseline.py")))} for s in DRIVERS}
+                if not (f in config and (s in CONFIG_DRIVERS or s.endswith(("hf_baseline.py", "ct2_baseline.py"))))}
+            for s in DRIVERS}
 
 
 def flags_missing_from(text: str, name: str, own: dict) -> list:

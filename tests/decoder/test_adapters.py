@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from config import load_config
 from decoder.adapters import Adapter, AdapterError, AdapterStack, make_stack
 from decoder.decoder import Decoder
 from decoder.slot_programs import SlotPrograms
-from modelling import continuous, lora, lora_stack
+from modelling import continuous, lora, lora_stack, quant
 from partitioning import sharding as S
 from partitioning.base import fingerprint
 from partitioning.placement import Placement
@@ -61,8 +62,15 @@ def random_adapters(family, specs, seed: int = 0) -> list:
 
 
 @functools.lru_cache(maxsize=None)
-def served(preset: str, tp: int, dp: int, quantize: str = "none", precision: str = "float32"):
-    """(decoder, base weights, adapters, compiled slot programs over a stack holding them in slots 0..3)."""
+def served(preset: str, tp: int, dp: int, quantize: str = "none", precision: str = "float32", integer: bool = True):
+    """(decoder, base weights, adapters, compiled slot programs over a stack holding them in slots 0..3). ``integer``:
+    int8 weights multiplied as a CPU does (modelling/quant.py's ``integer_dots``: the activations rounded to int8
+    too), else as a GPU does (the weight converted: float32 decoding of its dequantized values, exactly)."""
+    with mock.patch.object(quant, "integer_dots", lambda: integer):
+        return _served(preset, tp, dp, quantize, precision)
+
+
+def _served(preset: str, tp: int, dp: int, quantize: str, precision: str):
     g = Decoder.of_config(load_config("inference", preset, overrides(tp, dp, quantize, precision)), eos=1, pad=0)
     base = Placement(g.cfg).init_params(3)
     adapters = random_adapters(g.family, g.specs)
@@ -111,8 +119,11 @@ def feats(ps: list) -> dict:
 @pytest.mark.parametrize("preset,tp,dp,quantize", [("tiny", 1, 1, "none"), ("tiny", 2, 1, "none"),
                                                    ("gptj_tiny", 1, 1, "none"), ("gptj_tiny", 2, 2, "none"),
                                                    ("tiny", 1, 2, "int8")])
-def test_mixed_adapters_decode_as_each_adapter_merged_alone(preset, tp, dp, quantize):
-    g, base, adapters, sp = served(preset, tp, dp, quantize)
+def test_mixed_adapters_decode_as_each_adapter_merged_alone(preset, tp, dp, quantize, monkeypatch):
+    # int8 as a GPU multiplies it (the weight converted), so that float32 decoding of the base's values q * scale with
+    # the adapter merged is the exact reference (a CPU's integer products round the activations too: the next test)
+    monkeypatch.setattr(quant, "integer_dots", lambda: False)
+    g, base, adapters, sp = served(preset, tp, dp, quantize, integer=False)
     ps = prompts()
     got, _ = serve(sp, ps, CHOSEN)
     # the reference: float32 decoding of the base (an int8 base: its values q * scale) with the adapter merged
@@ -127,6 +138,19 @@ def test_mixed_adapters_decode_as_each_adapter_merged_alone(preset, tp, dp, quan
             base_tokens = ref.predict_tokens(jax.tree.map(jnp.asarray, host), feats(ps))
             differ += sum(got[r].tolist() != base_tokens[r].tolist() for r in rows)
     assert differ >= 4  # (the adapters change the tokens: a request read with the wrong one would show)
+
+
+def test_with_a_cpus_integer_products_each_row_decodes_as_it_does_beside_its_own_adapter_alone():
+    """int8 weights multiplied in integers (a CPU's: each row's activations rounded to its own grid), adapters mixed:
+    every request's tokens are those it gets in a batch where every row reads its adapter, and its adapter changes
+    them (a row rounded on another row's grid, or read with another's adapter, would show)."""
+    g, base, adapters, sp = served("tiny", 1, 2, "int8")
+    ps = prompts()
+    got, _ = serve(sp, ps, CHOSEN)
+    alone = {c: serve(sp, ps, [c] * len(ps))[0] for c in sorted(set(CHOSEN))}
+    for r, c in enumerate(CHOSEN):
+        assert got[r].tolist() == alone[c][r].tolist(), (r, c)
+    assert sum(got[r].tolist() != alone[-1][r].tolist() for r, c in enumerate(CHOSEN) if c >= 0) >= 4
 
 
 def test_a_causal_model_s_prompt_scores_are_its_adapter_s():

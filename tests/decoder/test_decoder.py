@@ -1,7 +1,9 @@
 """The decoder (decoder/decoder.py) decoding batches of prompts: batches that do not divide the split score every
 sample once, each as it decodes alone; prompts packed for the encoder (modelling/rows.py's ``pack_prompts``,
 ``Decoder.pack``): every prompt token read once, in its own segment with its own positions, each data-parallel group
-apart, and packed prompts decoding the tokens padded ones do, for every search, at dp x tp."""
+apart, and packed prompts decoding the tokens padded ones do, for every search, at dp x tp; on a CPU a shallow T5
+decoder held one tree per layer (``unrolled_decoder``: by platform, family and depth) decoding the scanned one's
+tokens, for every search, at dp x tp, with int8 weights or without."""
 
 import logging
 
@@ -69,12 +71,13 @@ def test_every_prompt_token_is_read_once_in_a_segment_of_its_own(data, groups, k
     assert (pids != 0).sum() == sum(lengths)  # every token once, nothing else
 
 
-def _decode(dp, tp, options, lengths, packed: bool, quantize="none"):
+def _decode(dp, tp, options, lengths, packed: bool, quantize="none", unrolled=None):
     k = 32
     cfg = load_config("inference", "tiny", dict(eval=True, data_parallel=dp, tensor_parallel=tp,
                                                 micro_batch_size=len(lengths) // dp, quantize=quantize,
                                                 sequence_length=k))
     g = Decoder.of_config(cfg)
+    assert unrolled is None or bool(g.unrolled_stacks) == unrolled
     rng = np.random.default_rng(0)
     host = jax.tree.map(lambda s: (s.std or 0.0) * rng.standard_normal(s.shape).astype(np.float32)
                         + (0.0 if s.std else 1.0), g.specs, is_leaf=is_spec)
@@ -162,3 +165,42 @@ def test_a_group_s_packed_rows_are_a_multiple_of_an_eighth_of_its_rows(dp):
         assert rows // dp == first_fit + first_fit % 2  # (rounded up to the next even number, no further)
         odd += first_fit % 2  # (where rounding did work)
     assert odd > 0
+
+
+def test_a_shallow_t5_decoder_is_held_one_tree_per_layer_on_a_cpu_alone():
+    """The choice: a CPU, a family whose steps take one tree per layer (T5's), at most UNROLL_LAYERS deep; a GPU or
+    a TPU scans (it reads a layer's slice inside its GEMMs), as does GPT-J, and a deeper decoder (compile time)."""
+    from decoder import decoder as engine
+    from modelling import registry
+
+    t5, gptj = registry.get("t5"), registry.get("gptj")
+    assert engine.unrolled_decoder(t5, "cpu", engine.UNROLL_LAYERS) and engine.unrolled_decoder(t5, "cpu", 1)
+    assert not engine.unrolled_decoder(t5, "cpu", engine.UNROLL_LAYERS + 1)
+    assert not engine.unrolled_decoder(t5, "gpu", 2) and not engine.unrolled_decoder(t5, "tpu", 2)
+    assert not engine.unrolled_decoder(gptj, "cpu", 2) and engine.UNROLL_LAYERS == 12  # (base's decoder)
+    g = Decoder.of_config(load_config("inference", "tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    shapes = g.abstract_decode_params()
+    assert g.unrolled_stacks == ("decoder",) and isinstance(shapes["decoder"]["layers"], list)
+    assert len(shapes["decoder"]["layers"]) == g.cfg.model.layers and isinstance(shapes["encoder"]["layers"], dict)
+    deep = Decoder.of_config(load_config("inference", "tiny", dict(eval=True, tensor_parallel=1, data_parallel=1,
+                                                                   layers=13)))
+    assert deep.unrolled_stacks == () and isinstance(deep.abstract_decode_params()["decoder"]["layers"], dict)
+
+
+@pytest.mark.parametrize("dp,tp,options,quantize", [
+    (1, 1, Options(6), "none"),
+    (1, 2, Options(6, num_beams=3), "int8"),
+    (2, 1, Options(6, do_sample=True, top_k=4), "none"),
+])
+@pytest.mark.slow
+def test_the_decoder_held_one_tree_per_layer_decodes_the_scanned_tokens(dp, tp, options, quantize, monkeypatch):
+    """The same weights decoded by the decoder's layers one after the other (each layer's weights and caches its
+    own arrays) and scanned over the stacked layers: the same tokens, every search, packed prompts and padded."""
+    from decoder import decoder as engine
+
+    lengths = [30, 5, 26, 3] * dp
+    unrolled = [_decode(dp, tp, options, lengths, packed, quantize, unrolled=True) for packed in (True, False)]
+    monkeypatch.setattr(engine, "unrolled_decoder", lambda *a: False)
+    scanned = [_decode(dp, tp, options, lengths, packed, quantize, unrolled=False) for packed in (True, False)]
+    assert [x.tolist() for x in unrolled] == [x.tolist() for x in scanned]
+    assert len(set(unrolled[0].ravel().tolist())) > 3  # tokens that tell the layers apart

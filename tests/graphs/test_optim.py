@@ -198,3 +198,22 @@ def test_over_many_steps_16_bit_weights_follow_the_float32_weights_without_bias(
     r = num / den
     print(f"r = {r:+.4f}, {lost.size} weights, {lost.mean():.0%} of them under half a spacing a step")
     assert abs(r) < 0.01, r
+
+
+def test_clipping_scales_every_gradient_by_one_factor_as_optax_does():
+    """Below the threshold (strictly) the gradients come back as they were; at or above it each is multiplied by
+    max_norm / g_norm, optax.clip_by_global_norm's result to float32 rounding; a threshold of 0 clips nothing."""
+    import optax
+
+    rng = np.random.default_rng(0)
+    tree = {"a": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32), "b": jnp.asarray(rng.standard_normal(5))}
+    norm = optax.global_norm(tree)
+    for max_norm in (float(norm) * 2, float(norm) / 3, float(norm)):
+        got = optim.clip_by_norm(tree, norm, max_norm)
+        want, _ = optax.clip_by_global_norm(max_norm).update(tree, optax.EmptyState())
+        for k in tree:
+            np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-6)
+        same = [(np.asarray(got[k]) == np.asarray(tree[k])).all() for k in tree]
+        # below: as they were; above: all scaled; at the threshold the factor is max_norm / g_norm = 1 exactly
+        assert all(same) if max_norm >= float(norm) else not any(same), max_norm
+    assert optim.clip_by_norm(tree, norm, 0.0) is tree

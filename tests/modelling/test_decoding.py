@@ -115,12 +115,17 @@ def _fixture(kind: str, seed: int):
     return registry.get("gptj"), opts, jax.tree.map(jnp.asarray, gptj.params_from_hf(hf.state_dict(), m)), 96
 
 
-def _cached_logits(family, opts, n):
-    """logits [n, b, V] of n positions decoded with the cache, the tokens forced (not chosen)."""
+def _cached_logits(family, opts, n, per_layer: bool = False):
+    """logits [n, b, V] of n positions decoded with the cache, the tokens forced (not chosen); ``per_layer``: the
+    last stack's weights one tree per layer, as decoding's layout holds a shallow decoder on a CPU."""
 
     @jax.jit
     def run(params, ids, mask, tokens):
         dp = family.decoding_params(params, opts)
+        if per_layer:
+            last = family.stacks[-1].name
+            layers, depth = dp[last]["layers"], jax.tree.leaves(dp[last]["layers"])[0].shape[0]
+            dp = {**dp, last: {**dp[last], "layers": [jax.tree.map(lambda w: w[i], layers) for i in range(depth)]}}
         first, cache = family.decode_start(dp, ids, mask, opts, n)
 
         def body(cache, inputs):
@@ -148,20 +153,24 @@ def _whole_model_logits(family, opts, params, ids, mask, tokens):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["1.1", "1.0", "ul2", "mt5", "umt5", "gptj"])
-def test_cached_logits_equal_the_whole_model_at_every_position(kind):
+@pytest.mark.parametrize("kind,per_layer", [("1.1", False), ("1.0", False), ("ul2", False), ("mt5", False),
+                                            ("umt5", False), ("gptj", False), ("1.1", True), ("umt5", True),
+                                            ("mt5", True)])
+def test_cached_logits_equal_the_whole_model_at_every_position(kind, per_layer):
     """Decoding with the KV cache gives, at each of 16 positions, the logits of the whole model run on the whole
     sequence (float32, 1e-5), over three seeds of weights and prompts: a cache that reads another layer's
-    position table, a wrong position or a stale key shows at some position even when the greedy tokens agree."""
+    position table, a wrong position or a stale key shows at some position even when the greedy tokens agree. The
+    decoder's layers scanned, and (``per_layer``, T5's) run one after the other over a tree and a cache per layer."""
     n = 16
     for seed in range(3):
         family, opts, params, vocab = _fixture(kind, seed)
+        assert family.unrolls_decoding or not per_layer
         batch = random_batch(vocab, 3, 9, 2, seed=seed)  # prompts of 9, 5 and 3 tokens
         ids, mask = batch["input_ids"], batch["attention_mask"]
         ids, mask = family.layout_prompts(ids, mask)  # right-aligned where decoding continues each prompt
         ids, mask = jnp.asarray(ids), jnp.asarray(mask)
         tokens = jnp.asarray(np.random.default_rng(seed).integers(2, vocab, (3, n)), jnp.int32)
-        cached = np.asarray(_cached_logits(family, opts, n)(params, ids, mask, tokens))
+        cached = np.asarray(_cached_logits(family, opts, n, per_layer)(params, ids, mask, tokens))
         whole = np.asarray(_whole_model_logits(family, opts, params, ids, mask, tokens))
         assert cached.shape == whole.shape == (n, 3, cached.shape[-1])
         for i in range(n):

@@ -238,3 +238,32 @@ def test_dropout_only_in_training(v11):
     assert float(a) == float(b)
     assert float(a) != float(c)
     assert abs(float(e) - float(t5.loss_sum(params, batch, options(m)))) < 1e-6
+
+
+def test_heads_major_attention_is_the_same_attention_and_a_cpu_s_alone(monkeypatch):
+    """``attend`` with the heads moved in front of the positions (a CPU's products) gives the positions-major
+    attention's outputs and gradients (float32, 1e-5; dropout draws the same mask: the probabilities' shape is
+    the same), and only a CPU moves them."""
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, s, 3, 8)), jnp.float32) for s in (5, 6, 6))
+    bias = jnp.asarray(rng.standard_normal((2, 3, 5, 6)), jnp.float32)
+    key = jax.random.key(1)
+
+    def run(major):
+        monkeypatch.setattr(L, "heads_major_attention", lambda: major)
+        f = lambda q, k, v: L.attend(q, k, v, bias, 0.2, key, scale=0.5)  # noqa: E731
+        out = f(q, k, v)
+        grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+        eqns = [e.params.get("dimension_numbers") for e in jax.make_jaxpr(f)(q, k, v).eqns
+                if e.primitive.name == "dot_general"]
+        return out, grads, eqns
+
+    (out0, g0, dots0), (out1, g1, dots1) = run(False), run(True)
+    np.testing.assert_allclose(np.asarray(out1), np.asarray(out0), rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g0):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert dots0 != dots1  # (the two paths are different products)
+    monkeypatch.undo()
+    assert L.heads_major_attention()  # (the tests run on a CPU)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not L.heads_major_attention()

@@ -3,7 +3,9 @@ tests/decoder/test_weights.py's.
 
 - each int8 value is the nearest of its channel's grid: |w - q * scale| <= scale / 2, scale = max|w| / 127 over the
   channel's inputs; a channel's scale is its own; stacked layers keep their axis;
-- the matmul applies the scale to the accumulator, exactly as to the weight;
+- the matmul applies the scale to the accumulator, exactly as to the weight; on a CPU (integer products) the
+  activations are rounded to their row's int8 grid too, and the product is exactly that of the two grids; a row
+  split over tp takes its maximum over every share; the integer products are a CPU's alone;
 - a weight's inputs are read from its logical axes; a weight that touches no residual stream is refused."""
 
 import jax
@@ -69,9 +71,11 @@ def test_stacked_layers_keep_their_axis_and_slice_like_arrays():
         np.testing.assert_array_equal(np.asarray(row.scale), np.asarray(alone.scale))
 
 
-def test_the_matmul_scales_the_accumulator_as_it_would_the_weight():
+def test_the_matmul_scales_the_accumulator_as_it_would_the_weight(monkeypatch):
     """x @ q * scale (the scale on the float32 accumulator) equals x @ (q * scale) (the dequantized weight) for a
-    weight whose input is several dims (attention's o: [heads, kv, d])."""
+    weight whose input is several dims (attention's o: [heads, kv, d]): the product of a GPU, where the activations
+    stay in the compute dtype."""
+    monkeypatch.setattr(quant, "integer_dots", lambda: False)
     rng = np.random.default_rng(1)
     w = rng.standard_normal((2, 4, 6)).astype(np.float32)
     x = rng.standard_normal((5, 8)).astype(np.float32)
@@ -89,3 +93,85 @@ def test_a_weight_s_inputs_are_read_from_its_axes(axes, n_in):
 def test_a_weight_that_touches_no_residual_stream_is_refused():
     with pytest.raises(ValueError, match="embed"):
         quant.input_dims(("heads", "kv"))
+
+
+# --------------------------------------------------------------------------- integer products (a CPU's)
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 40), st.integers(1, 7), st.integers(0, 2 ** 31 - 1))
+def test_integer_products_are_the_product_of_both_grids(n, i, o, seed):
+    """Each row of x on its own int8 grid (scale max|x_row| / 127, every value within half a step, the row's maximum
+    on the grid's end, a row of zeros scale 1), and the product x_q s_x @ q s_w exact up to float32 rounding: the
+    int32 accumulator loses nothing."""
+    assert quant.integer_dots()  # (the tests run on a CPU)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, i)) * rng.choice([1e-3, 1.0, 30.0])).astype(np.float32)
+    x[0] = 0.0
+    w = quant.quantize(rng.standard_normal((i, o)).astype(np.float32), 1, 0, jnp.float32)
+    xq, sx = (np.asarray(a) for a in quant.quantize_rows(jnp.asarray(x)))
+    amax = np.abs(x).max(1, keepdims=True)
+    np.testing.assert_allclose(sx, np.where(amax > 0, amax / 127, 1.0), rtol=1e-6)
+    assert xq.dtype == np.int8 and (np.abs(x - xq * sx) <= sx / 2 * (1 + 1e-6)).all() and (xq[0] == 0).all()
+    assert (np.abs(xq).max(1)[amax[:, 0] > 0] == 127).all()
+    want = (xq.astype(np.float64) * sx) @ np.asarray(quant.dequantize(w), np.float64)
+    got = np.asarray(quant.matmul(jnp.asarray(x), w))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max() + 1e-30)
+    assert (got[0] == 0).all()
+
+
+def test_a_split_row_takes_its_maximum_over_every_share():
+    """A row-parallel weight (its input split over tp): each device's share of x quantized on the whole row's grid
+    (its maximum over tp), so the summed shares are the unsplit product; on each share's own grid they are not."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    x[:, :8] *= 10  # the first share holds each row's maximum
+    w = quant.quantize(rng.standard_normal((16, 5)).astype(np.float32), 1, 0, jnp.float32)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+
+    def shares(split):
+        def f(x, q, s):
+            part = quant.matmul(x, quant.Int8(q, s, jnp.float32), "tp" if split else None)
+            return jax.lax.psum(part, "tp")
+
+        return np.asarray(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None), P()), out_specs=P())(
+            jnp.asarray(x), w.q, w.scale))
+
+    whole = np.asarray(quant.matmul(jnp.asarray(x), w))
+    np.testing.assert_allclose(shares(True), whole, rtol=1e-5, atol=1e-5)
+    assert np.abs(shares(False) - whole).max() > 1e-4  # (each share's own grid: another product)
+
+
+def test_integer_products_are_a_cpu_s_alone(monkeypatch):
+    """On a CPU the product is int8 x int8 -> int32; on any other backend the weight is converted and the product is
+    in the compute dtype, as before (a GPU's GEMM loads the int8 operand itself)."""
+    w = quant.quantize(np.ones((8, 4), np.float32), 1, 0, jnp.bfloat16)
+    x = jnp.ones((2, 8), jnp.bfloat16)
+
+    def dots():
+        eqns = jax.make_jaxpr(lambda x, w: quant.matmul(x, w))(x, w).eqns
+        return [(tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype)) for e in eqns
+                if e.primitive.name == "dot_general"]
+
+    assert jax.default_backend() == "cpu" and quant.integer_dots()
+    assert dots() == [(("int8", "int8"), "int32")]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not quant.integer_dots()
+    assert dots() == [(("bfloat16", "bfloat16"), "float32")]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_an_integer_product_of_any_rows_reads_the_int8_weight_itself(rows):
+    """Compiled on the CPU, the integer product hands the int8 weight to an integer kernel as it is: no widened copy
+    of it (XLA:CPU widened a one-row product's weight to int32, 25 ms for the small model's head, so one row is
+    padded to two); and the padded row changes nothing of the product."""
+    rng = np.random.default_rng(4)
+    w = quant.quantize(rng.standard_normal((64, 96)).astype(np.float32), 1, 0, jnp.float32)
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    f = jax.jit(lambda x, q, s: quant.matmul(x, quant.Int8(q, s, jnp.float32)))
+    hlo = f.lower(x, w.q, w.scale).compile().as_text()
+    assert "s32[64,96]" not in hlo and "f32[64,96]" not in hlo  # (the weight neither widened nor dequantized)
+    xq, sx = (np.asarray(a) for a in quant.quantize_rows(jnp.asarray(x)))
+    want = (xq.astype(np.float64) * sx) @ np.asarray(quant.dequantize(w), np.float64)
+    np.testing.assert_allclose(np.asarray(f(x, w.q, w.scale)), want, rtol=1e-5, atol=1e-5)

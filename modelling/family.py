@@ -260,6 +260,8 @@ class Family(abc.ABC):
     causal: bool  # one causal stack: a prompt and its target are one sequence (else an encoder-decoder)
     left_pad_prompts: bool = False  # decoding continues each prompt from its last token: prompts right-aligned
     scores_prompts: bool = False  # ``prompt_logits`` gives its prompt's own log-probabilities (a causal LM's)
+    decoder_start: int = 0  # the token an encoder-decoder's decoder reads first (what its processors see before the
+    # new tokens, as HF's decoder_input_ids; a causal LM's decoder reads its prompt)
     stacks: tuple  # its Stacks, in forward order
     head_stream: int  # the dropout stream of the head
     batch_keys: tuple  # the keys of a training batch it reads

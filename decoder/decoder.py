@@ -23,6 +23,7 @@ host memory, loaded a layer at a time.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,9 @@ class Decoder:
         self.specs, self.layouts = place.specs, place.layouts
         self.row_sharding, self.replicated, self.phase = place.row_sharding, place.replicated, place.phase
         self.eos_id, self.pad_id, self.batch_size, self.tokenizer = eos_id, pad_id, rows, tokenizer
-        self.options = decoding.Options.of_config(inference)
+        # the ids a search may choose: the tokenizer's (the embedding's rows past its vocabulary never: issue 69)
+        self.n_tokens = min(len(tokenizer), self.vocab_size) if tokenizer is not None else self.vocab_size
+        self.options = dataclasses.replace(decoding.Options.of_config(inference), vocab=self.n_tokens)
         # decoding's weights: int8 matmul weights when asked (modelling/quant.py)
         self.quantize = inference.quantize
         # ... and the stacks that read the prompt alone (T5's encoder) streamed from host memory a layer at a time

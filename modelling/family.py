@@ -273,6 +273,13 @@ class Family(abc.ABC):
     # section it joins (``section``: "model.attention"); config/schema.py's add_options adds them (registry.py)
     options: type = ModelOptions  # what its model functions read: ModelOptions and its config_options' fields
 
+    @property
+    def continues_prompt(self) -> bool:
+        """Whether its output continues its prompt's text (a causal LM's: its first new token follows the prompt's
+        last, so its text is read after the prompt's, a leading space kept); an encoder-decoder's answer is a text
+        of its own."""
+        return self.causal
+
     def options_of(self, cfg) -> ModelOptions:
         """The options its model functions read, of a config (``options.from_config``)."""
         return self.options.from_config(cfg)

@@ -284,3 +284,97 @@ def decoder_history(family, ids: jax.Array, mask: jax.Array, n: int) -> tuple:
 def bitmask_words(vocab: int) -> int:
     """int32 words of an allowed-token bitmask over ``vocab`` tokens (xgrammar's layout)."""
     return int(np.ceil(vocab / 32))
+
+
+# --------------------------------------------------------------------------- the server's slots: each row its own
+
+TABLE = 320  # a row's sparse table: OpenAI's 300 logit_bias entries, and the end-of-text and stop tokens min_tokens
+# holds back (serving/api.py bounds both)
+UNTIL_ALWAYS = 2 ** 31 - 1
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RowControls:
+    """Each slot row's processors ([b, ...] each), beside its ``Rows`` and ``Sampling`` (modelling/continuous.py):
+    written by ``insert``, read at every step; a row asks for none of them with presence 0, frequency 0, repetition
+    1, min_p 0, grammar 0 and an empty table."""
+
+    presence: jax.Array  # float32 [b]: OpenAI's presence penalty (the output's tokens)
+    frequency: jax.Array  # float32 [b]: OpenAI's frequency penalty
+    repetition: jax.Array  # float32 [b]: HF's (vLLM's) repetition penalty over the decoder's tokens (1: off)
+    min_p: jax.Array  # float32 [b]: the min-p warper's (0: off)
+    ignore_eos: jax.Array  # bool [b]: the end-of-text token does not end the row (vLLM's ignore_eos)
+    grammar: jax.Array  # int32 [b]: the row's key for the host's allowed-token bitmask (0: none; decoder/grammar.py)
+    table: jax.Array  # int32 [b, TABLE, 3]: (token id (-1: none), a float32 bias's bits, the token index it holds
+    # below): logit_bias's entries (held always), min_tokens' (-inf below the minimum)
+    history: jax.Array  # int32 [b, P + max_new]: the tokens the decoder read (a causal LM's prompt or T5's start
+    # token in the first P places, then the row's output), -1 where none
+
+    @staticmethod
+    def prompt_part(family, width: int) -> int:
+        """P: a history's places before the output (a causal LM's prompt, at most ``width`` tokens; else the
+        decoder's start token)."""
+        return width if family.causal else 1
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(x, jnp.float32)
+
+
+def process_rows(scores: jax.Array, c: RowControls, live: jax.Array, index: jax.Array, last: jax.Array,
+                 prompt_part: int, eos_id: int, host: Optional[Callable] = None) -> jax.Array:
+    """Each live row's processors (``RowControls``) on its scores float32 [b, V], in HF's order (the module
+    docstring), for its token ``index`` (int32 [b]) after its token ``last``; a row whose every token is masked
+    (a grammar and min_tokens that disagree) may write its end-of-text token. One ``lax.cond`` for the whole batch
+    (a batch whose live rows ask for nothing pays it alone), and one for each processor some row asks for."""
+    b, vocab = scores.shape
+    has_table = jnp.any(c.table[..., 0] >= 0, axis=1)
+    pens = (c.repetition != 1.0) | (c.presence != 0) | (c.frequency != 0)
+    wants = live & (has_table | pens | (c.grammar > 0))
+
+    def run(x):
+        def bias(x):
+            on = live[:, None] & (c.table[..., 0] >= 0) & (index[:, None] < c.table[..., 2])
+            return add_bias(x, jnp.where(on, c.table[..., 0], vocab), _bits(c.table[..., 1]))
+
+        read = c.history >= 0
+        x = lax.cond(jnp.any(live & has_table), bias, lambda x: x, x)
+        x = lax.cond(jnp.any(live & (c.repetition != 1.0)), lambda x: repetition_penalty(
+            x, c.history, read, jnp.where(live, c.repetition, 1.0)), lambda x: x, x)
+        out = read & (jnp.arange(c.history.shape[1]) >= prompt_part)[None]
+        x = lax.cond(jnp.any(live & ((c.presence != 0) | (c.frequency != 0))), lambda x: presence_frequency(
+            x, c.history, out, jnp.where(live, c.presence, 0.0), jnp.where(live, c.frequency, 0.0)), lambda x: x, x)
+        if host is not None:
+            keys = jnp.where(live, c.grammar, 0)
+            x = lax.cond(jnp.any(keys > 0), lambda x: allowed_bits(
+                x, host_bits(host, bitmask_words(vocab), keys, index, last)), lambda x: x, x)
+        dead = jnp.all(jnp.isneginf(x), axis=1, keepdims=True)
+        return jnp.where(dead & (jnp.arange(vocab)[None] == eos_id), 0.0, x)
+
+    return lax.cond(jnp.any(wants), run, lambda x: x, scores)
+
+
+def joiner_history(family, ids: jax.Array, at: jax.Array, lengths: jax.Array, width: int, size: int,
+                   first: jax.Array) -> jax.Array:
+    """Joining rows' histories int32 [J, size]: a causal LM's prompt (its ``lengths`` tokens of the packed rows'
+    ``ids``, flattened, from ``at``) or the decoder's start token in the first P places
+    (``RowControls.prompt_part``), their ``first`` token after them, -1 elsewhere."""
+    p = RowControls.prompt_part(family, width)
+    j = at.shape[0]
+    if family.causal:
+        cols = jnp.arange(width)[None]
+        flat = ids.reshape(-1)
+        prompt = jnp.where(cols < lengths[:, None], flat[jnp.clip(at[:, None] + cols, 0, flat.size - 1)], NO_TOKEN)
+    else:
+        prompt = jnp.full((j, 1), family.decoder_start, jnp.int32)
+    rest = jnp.full((j, size - p), NO_TOKEN, jnp.int32).at[:, 0].set(first)
+    return jnp.concatenate([prompt.astype(jnp.int32), rest], axis=1)
+
+
+def joiner_table(entries: jax.Array, joiners: int) -> jax.Array:
+    """Joining rows' tables int32 [J, TABLE, 3] from an insert's entries int32 [E, 5]: (the joiner's index in the
+    insert (J or more: none), its place in the row's table, the token id, the bias's bits, the index it holds
+    below)."""
+    table = jnp.full((joiners, TABLE, 3), NO_TOKEN, jnp.int32)
+    return table.at[entries[:, 0], entries[:, 1]].set(entries[:, 2:], mode="drop")

@@ -162,9 +162,26 @@ BAD_VALUES = {
     "user": [1, "\ud83d"],
     "model": ["gpt-4", 1, "\ud800", ""],
     "frobnicate": [1],
-    "presence_penalty": [0.5, "0"],
-    "logit_bias": [{"1": 5}],
+    "presence_penalty": [2.5, "0", True, -3] + BIG,
+    "frequency_penalty": [-2.01, [0]],
+    "logit_bias": [{"1": 500}, {"x": 1}, {"64": 1}, {"-1": 1}, [1], {"1": "a"}, {"1": True}, {str(i): 1 for i in range(301)}],
     "suffix": ["x"],
+    "stop_token_ids": [[64], "1", [-1], [1.5], list(range(17))],
+    "allowed_token_ids": [[], [64], 3],
+    "min_p": [1.5, -0.1, "0"],
+    "min_tokens": [-1, 65, 1.5, True],
+    "repetition_penalty": [0, -1, "1", 10 ** 400],
+    "ignore_eos": ["yes", 1],
+    "skip_special_tokens": [0],
+    "response_format": [{"type": "xml"}, "json", {"type": "json_schema"}, {"type": "json_schema", "json_schema":
+                                                                           {"schema": {}}},
+                        {"type": "json_object", "x": 1}, {"type": "json_object"}],  # (no brace in this vocabulary)
+    "guided_choice": [[], "a", [1], ["\x00"]],
+    "guided_json": ["{not", 5, {"type": "bogus"}],
+    "guided_regex": ["(", "", 7],
+    "guided_grammar": ["root ::= ", 7],
+    "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}, {"json_object": False}, {"whitespace_pattern": "x"},
+                           {"disable_any_whitespace": True, "regex": "a"}, "a"],
 }
 
 
@@ -889,6 +906,23 @@ def chat_request(limits: api.Limits = BOUNDS, **fields) -> api.Request:
     ("top_p", {"top_p": 1e-9}, {"top_p": 0.0}),
     ("seed", {"seed": 2 ** 64 - 1}, {"seed": 2 ** 64}),
     ("seed", {"seed": -2 ** 63}, {"seed": -2 ** 63 - 1}),
+    ("presence_penalty", {"presence_penalty": 2.0}, {"presence_penalty": 2.0000001}),
+    ("presence_penalty", {"presence_penalty": -2}, {"presence_penalty": -2.0000001}),
+    ("frequency_penalty", {"frequency_penalty": -2.0}, {"frequency_penalty": -2.0000001}),
+    ("frequency_penalty", {"frequency_penalty": 2}, {"frequency_penalty": 2.0000001}),
+    ("repetition_penalty", {"repetition_penalty": 1e-9}, {"repetition_penalty": 0}),
+    ("min_p", {"min_p": 1}, {"min_p": 1.0000001}),
+    ("min_p", {"min_p": 0}, {"min_p": -1e-9}),
+    ("min_tokens", {"min_tokens": 7, "max_tokens": 7}, {"min_tokens": 8, "max_tokens": 7}),
+    ("min_tokens", {"min_tokens": 0}, {"min_tokens": -1}),
+    ("logit_bias", {"logit_bias": {"63": 100}}, {"logit_bias": {"63": 100.0000001}}),
+    ("logit_bias", {"logit_bias": {"0": -100}}, {"logit_bias": {"0": -100.0000001}}),
+    ("logit_bias", {"logit_bias": {"63": 1}}, {"logit_bias": {"64": 1}}),
+    ("stop_token_ids", {"stop_token_ids": list(range(api.MAX_STOP_IDS))},
+     {"stop_token_ids": list(range(api.MAX_STOP_IDS + 1))}),
+    ("stop_token_ids", {"stop_token_ids": [63]}, {"stop_token_ids": [64]}),
+    ("allowed_token_ids", {"allowed_token_ids": [63]}, {"allowed_token_ids": [64]}),
+    ("guided_choice", {"guided_choice": ["a"] * 1024}, {"guided_choice": ["a"] * 1025}),
 ])
 def test_each_bound_takes_its_limit_and_refuses_one_past_it(field, at, past):
     """Every limit is inclusive: the value at it is served, one step past it is a 4xx naming the field."""
@@ -896,6 +930,14 @@ def test_each_bound_takes_its_limit_and_refuses_one_past_it(field, at, past):
     with pytest.raises(api.ApiError) as e:
         completion(**past)
     assert 400 <= e.value.status < 500 and e.value.param == field, e.value.message
+
+
+def test_logit_bias_takes_300_token_ids_and_refuses_301_naming_the_field():
+    wide = dataclasses.replace(BOUNDS, vocab_size=1000)
+    assert len(completion(wide, logit_bias={str(i): 1 for i in range(api.MAX_BIAS)}).logit_bias) == 300
+    with pytest.raises(api.ApiError) as e:
+        completion(wide, logit_bias={str(i): 1 for i in range(api.MAX_BIAS + 1)})
+    assert e.value.status == 400 and e.value.param == "logit_bias" and "at most 300" in e.value.message
 
 
 def test_a_seed_is_taken_modulo_two_to_the_64():
@@ -937,8 +979,9 @@ def test_chat_logprobs_without_top_logprobs_gives_each_token_s_alone():
 
 @pytest.mark.parametrize("field, value, ok", [
     ("parallel_tool_calls", True, True), ("parallel_tool_calls", False, True), ("parallel_tool_calls", 1, False),
-    ("parallel_tool_calls", 0, False), ("presence_penalty", 0, True), ("presence_penalty", 0.0, True),
-    ("presence_penalty", False, False), ("presence_penalty", 0.5, False), ("logit_bias", {}, True),
+    ("parallel_tool_calls", 0, False), ("bad_words", [], True), ("bad_words", ["x"], False),
+    ("continue_final_message", False, True), ("continue_final_message", 0, False),
+    ("continue_final_message", True, False),
 ])
 def test_an_unsupported_field_is_taken_at_its_default_alone_true_is_not_1(field, value, ok):
     if ok:

@@ -243,8 +243,8 @@ def _grammar(xgrammar, kind: str, spec):
     G = xgrammar.Grammar
     if kind == "json_schema":
         return G.from_json_schema(json.dumps(spec), any_whitespace=True, strict_mode=True)
-    if kind == "json_object":
-        return G.builtin_json_grammar()
+    if kind == "json_object":  # (OpenAI's JSON mode answers an object; xgrammar's built-in JSON takes any value)
+        return G.from_json_schema(json.dumps({"type": "object"}), any_whitespace=True, strict_mode=False)
     if kind == "regex":
         return G.from_regex(spec)
     if kind == "choice":

@@ -61,11 +61,15 @@ class FakeServer:
     """serving/http.py's Server over an Engine over the fake backend, on a free port, in a thread of this process."""
 
     def __init__(self, max_queue: int = 8, scores_prompts: bool = True, **kw):
-        self.backend = FakeBackend(slots=4, max_prompt=32, steps=2, vocab=64, top=5, scores_prompts=scores_prompts)
+        tok = kw.pop("tokenizer", TOK)  # (another: its prompts read with its own special tokens)
+        self.backend = FakeBackend(slots=4, max_prompt=32, steps=2, vocab=len(tok), top=5,
+                                   scores_prompts=scores_prompts, eos_id=tok.eos_token_id)
         options = ServeOptions(slots=4, max_queue=max_queue, width=32, insert_rows=(1, 4), steps=2,
                                max_new_tokens=kw.pop("max_new_tokens", 64), max_prompt_chars=2000,
-                               max_body_bytes=65536, model_id=MODEL, max_logprobs=5)
-        self.engine = Engine(self.backend, TOK, encode, options)
+                               max_body_bytes=65536, model_id=MODEL, max_logprobs=5,
+                               chat_template=kw.pop("chat_template", None))
+        read = encode if tok is TOK else lambda texts: tok(list(texts), add_special_tokens=True)["input_ids"]
+        self.engine = Engine(self.backend, tok, read, options, continues_prompt=kw.pop("continues_prompt", False))
         self.connections = Connections(kw.pop("max_connections", None))
         app = make_app(self.engine, KEY, body_timeout=kw.pop("body_timeout", 5.0),
                        on_fatal=lambda e: self.server.stop_fatally(e), connections=self.connections)

@@ -101,7 +101,9 @@ class Decoder:
             raise ConfigError(f"--stream_encoder streams an encoder's layers, and the {self.family.name} family has "
                               "no encoder (every layer decodes token by token): drop --stream_encoder (--quantize "
                               "int8 halves its weights' bytes)")
-        self._search = self._weights = self._abstract = None
+        self._weights = self._abstract = None
+        self._searches: dict = {}  # Options -> its search (``predict``'s, one a set of options asked)
+        self._rank = None
 
     @classmethod
     def of_config(cls, cfg, tokenizer=None, mesh=None, eos: int | None = None, pad: int | None = None) -> "Decoder":
@@ -330,25 +332,51 @@ class Decoder:
 
     # ------------------------------------------------------------------ batches of prompts
 
-    def predict(self, params, feats: dict, progress: str = "validating") -> list:
-        """Generated texts for every row of feats (input_ids/attention_mask [n, len]), in row order."""
+    def predict(self, params, feats: dict, progress: str = "validating", options=None) -> list:
+        """Generated texts for every row of feats (input_ids/attention_mask [n, len]), in row order; ``options``:
+        the search's (``self.options`` by default: a task's processors, app/predict.py's ``decoding_options``)."""
         lengths = feats["attention_mask"].sum(1)
         out = [None] * len(lengths)
         for idx in tqdm(length_buckets(lengths, self.batch_size), desc=progress, unit="batch",
                         disable=None if jax.process_index() == 0 else True):  # (process 0 shows the progress)
-            for i, text in zip(idx, self.predict_batch(params, feats, idx)):
+            for i, text in zip(idx, self.predict_batch(params, feats, idx, options=options)):
                 out[i] = text
         return out
 
-    def predict_batch(self, params, feats: dict, idx, tokens: bool = False) -> list:
+    def predict_batch(self, params, feats: dict, idx, tokens: bool = False, options=None) -> list:
         """Generated texts of rows ``idx`` of feats (at most one batch), padded to their longest prompt (a multiple
         of 8: few compilations; no prompt is ever cut); ``tokens``: their token ids [len(idx), output_length]."""
-        if self._search is None:
-            self._search = self.search()
+        options = self.options if options is None else options
+        if options not in self._searches:
+            self._searches[options] = self.search(options)
         ids, mask = batch_rows(feats, idx, self.batch_size)
         ids, mask = self.family.layout_prompts(ids, mask)  # (numpy: the program places them, packed or not)
-        out = S.fetch(self._search(params, ids, mask))[: len(idx)]
+        out = S.fetch(self._searches[options](params, ids, mask))[: len(idx)]
         return out if tokens else self.tokenizer.batch_decode(out, skip_special_tokens=True)
+
+    def rank(self, params, feats: dict, labels: list, progress: str = "ranking") -> np.ndarray:
+        """Rank classification (``decoding.label_scores``): each row's log-likelihood of each label (token id lists,
+        each ending with its end-of-text token) -> float32 [n, len(labels)], in row order."""
+        if self.prompt_stacks:
+            raise ConfigError("--score labels reads the encoder resident on the devices: drop --stream_encoder")
+        width = max(len(x) for x in labels)
+        table = np.full((len(labels), width), -1, np.int32)
+        for r, x in enumerate(labels):
+            table[r, :len(x)] = x
+        if self._rank is None:
+            family, opts, pad = self.family, self.opts, self.pad_id
+            self._rank = self.phase(lambda p, ids, mask, lab: decoding.label_scores(family, p, ids, mask, opts, lab,
+                                                                                    S.TP, pad),
+                                    (self.decode_specs(), P(S.DP, None), P(S.DP, None), P()), P(S.DP, None))
+        p = params if self.is_decoding_layout(params) else self.to_decoding(params)
+        lengths = feats["attention_mask"].sum(1)
+        out = np.zeros((len(lengths), len(labels)), np.float32)
+        for idx in tqdm(length_buckets(lengths, self.batch_size), desc=progress, unit="batch",
+                        disable=None if jax.process_index() == 0 else True):
+            ids, mask = self.family.layout_prompts(*batch_rows(feats, idx, self.batch_size))
+            ids, mask = S.put_global(ids, self.row_sharding), S.put_global(mask, self.row_sharding)
+            out[idx] = S.fetch(self._rank(p, ids, mask, jax.device_put(table, self.replicated)))[: len(idx)]
+        return out
 
     def predict_tokens(self, params, feats: dict) -> np.ndarray:
         """Token ids [n, output_length] of every row of feats, in row order, batch after batch."""

@@ -208,6 +208,30 @@ def gather_vocab(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     return logits if trivial(tp_axis) else lax.all_gather(logits, tp_axis, axis=logits.ndim - 1, tiled=True)
 
 
+def label_scores(family, params: dict, input_ids, attention_mask, opts, labels: jax.Array, tp_axis=None,
+                 pad_id: int = 0, encoded=None) -> jax.Array:
+    """Rank classification (SeqIO's and T5X's way of scoring a label task): each prompt's log-likelihood of each
+    label, the sum of its tokens' log-probabilities (its end-of-text token's included) given the prompt and the
+    tokens before them. ids/mask [b, k], labels int32 [L, T] (-1 past a label's tokens) -> float32 [b, L]. The
+    prompts are read once; each is then followed by every label (as beam search follows its beams)."""
+    w = family.decoding_params(params, opts)
+    logits, cache = start(family, w, input_ids, attention_mask, opts, labels.shape[1], tp_axis, encoded)
+    n, (L, T) = attention_mask.shape[0], labels.shape
+    cache = jax.tree.map(lambda x: jnp.repeat(x, L, axis=0), cache)
+    tokens = jnp.tile(labels, (n, 1))  # [n L, T]: row r * L + l is prompt r followed by label l
+
+    def body(t, carry):
+        logits, cache, total = carry
+        lsm = jax.nn.log_softmax(gather_vocab(logits, tp_axis).astype(jnp.float32), axis=-1)
+        tok = tokens[:, t]
+        total += jnp.where(tok >= 0, jnp.take_along_axis(lsm, jnp.maximum(tok, 0)[:, None], axis=1)[:, 0], 0.0)
+        logits, cache = family.decode_step(w, jnp.where(tok >= 0, tok, pad_id), t, cache, opts, tp_axis)
+        return logits, cache, total
+
+    init = (jnp.repeat(logits, L, axis=0), cache, jnp.zeros(n * L, jnp.float32))
+    return lax.fori_loop(0, T, body, init)[2].reshape(n, L)
+
+
 # --------------------------------------------------------------------------- sampling
 
 

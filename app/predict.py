@@ -13,6 +13,7 @@ Prompts are never cut: each batch is padded to its own longest prompt, and laid 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +30,9 @@ from config.schema import FIELDS
 from data.tasks import Example, tokenize_prompts
 from data.tokenizer import pad_id, unknown_share
 from decoder.decoder import Decoder
+from decoder.grammar import GrammarError, Grammars, HostMasks
 from decoder.plan import decode_plan, format_plan
+from modelling.processors import LabelTrie, Processors, bitmask_words
 from partitioning.base import fingerprint
 from partitioning.plan import device_memory_limit, host_memory_limit, human_bytes
 from utils import checkpoint as ckpt
@@ -70,10 +73,6 @@ def decoding_options(cfg, tokenizer, decoder, task=None):
     it); --constrain labels, the task's labels as a token trie (each label's target tokens, its end-of-text token
     last); --regex or --json_schema FILE, a grammar (decoder/grammar.py) each row follows, asked of the host at each
     step. ``task``: the task decoded (data.tasks.Task; its labels)."""
-    import dataclasses
-
-    from modelling.processors import LabelTrie, Processors, bitmask_words
-
     i, eos = cfg.inference, tokenizer.eos_token_id
     bias = tuple((seq, float("-inf")) for seq in bad_words(tokenizer, i.bad_words, eos))
     trie = None
@@ -101,8 +100,6 @@ def bad_words(tokenizer, words: tuple, eos: int) -> list:
 def grammar_host(inference, tokenizer, decoder):
     """The host side of --regex or --json_schema FILE: the grammar compiled (xgrammar), a matcher for every row of a
     batch (key: its index + 1, each anew at a batch's first token)."""
-    from decoder.grammar import GrammarError, Grammars, HostMasks
-
     flag = "--regex" if inference.regex is not None else "--json_schema"
     if inference.regex is not None:
         kind, spec = "regex", inference.regex

@@ -5,6 +5,7 @@ without importing Hugging Face ``datasets`` (tests/test_architecture.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import Optional
@@ -189,8 +190,6 @@ def _byte_decoder() -> dict:
 
 def _decoders(tokenizer) -> list:
     """The Rust tokenizer's decoder steps, flattened ([{type: ...}, ...]; none: [])."""
-    import json
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return [{"type": "Metaspace", "replacement": "\u2581"}] if hasattr(tokenizer, "sp_model") else []

@@ -32,6 +32,8 @@ from typing import Optional
 
 import numpy as np
 
+from data.tokenizer import token_pieces
+
 logger = logging.getLogger("flan_t5")
 CACHE = 256  # compiled grammars kept (least recently used dropped)
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -192,8 +194,6 @@ class Grammars:
     def compiler(self):
         if self._compiler is None:
             import xgrammar
-
-            from data.tokenizer import token_pieces
 
             pieces, strips = token_pieces(self.tokenizer)
             pieces = (pieces + [b""] * self.vocab)[:self.vocab]

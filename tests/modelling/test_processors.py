@@ -7,7 +7,7 @@ n-grams, the sequence bias (one token and several), bad words, min-p, the label 
 bit for bit.
 
 Then whole searches against ``generate`` with the same processor, token for token, on the tiny random models of both
-families (tests/modelling/test_decoding.py's fixture): greedy with each of repetition_penalty, no_repeat_ngram_size,
+families (tests/hf_utils.py's ``search_models``, as tests/modelling/test_decoding.py's): greedy with each of repetition_penalty, no_repeat_ngram_size,
 bad_words_ids and sequence_bias, the bias and the penalty together (HF's order: the bias first), a label trie with
 greedy and with beam search; and the vocabulary's cut (the embedding's rows past the tokenizer's vocabulary never
 chosen, in greedy, beam search and sampling: HF with those ids suppressed)."""
@@ -24,9 +24,15 @@ from transformers.generation.logits_process import (MinPLogitsWarper, NoBadWords
 
 from modelling import processors as P
 from modelling.decoding import Options
-from tests.modelling.test_decoding import N, fixture, hf_tokens, ours  # noqa: F401 (fixture: pytest's)
+from tests.hf_utils import N, hf_tokens, ours, search_models
+
 
 V = 24
+
+
+@pytest.fixture(scope="module", params=["t5", "gptj"])
+def fixture(request):
+    return search_models(request.param)
 
 
 def _scores(seed: int, b: int = 3) -> np.ndarray:

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from serving.controls import ALWAYS, TABLE
-from tests.serving.test_http import MODEL, TOK, FakeServer, words
+from tests.fake_server import MODEL, TOK, FakeServer, words
 from tests.tokenizer_kinds import make
 
 EOS = TOK.eos_token_id

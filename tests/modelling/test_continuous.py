@@ -409,31 +409,32 @@ def decode_rows(controlled, ids, mask, rows, limits, eos, c, table, calls=3):
 
 @pytest.mark.slow
 def test_each_rows_penalty_and_bias_give_the_batch_searchs_tokens_beside_a_free_row_and_as_alone(controlled):
-    """Three rows decoded together: a free one (greedy's tokens), one with a repetition penalty (the batch search's
+    """Four rows decoded together: a free one (greedy's tokens), one with a repetition penalty (the batch search's
     with HF's processor: the prompt's tokens and its own penalised, tests/modelling/test_processors.py holds that one
-    to generate), one with a logit bias (HF's single-token sequence bias); each the same inserted alone."""
+    to generate), one with a logit bias (HF's single-token sequence bias), one with both (HF's order: the bias
+    first, then the penalty); each the same inserted alone."""
     from modelling.decoding import Options
     from modelling.processors import UNTIL_ALWAYS, Processors
 
     insert, advance, empty, host, params, family, opts = controlled
-    ids, mask = prompts(family, [5, 6, 7], seed=11)
+    ids, mask = prompts(family, [5, 6, 7, 6], seed=11)
     n = 1 + 3 * STEPS
     free = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, n, eos_id=-1))
-    banned = int(free[2, 1])
-    refs = [free[0],
-            decoding.decode(family, params, jnp.asarray(ids[1:2]), jnp.asarray(mask[1:2]), opts,
-                            Options(n, processors=Processors(repetition_penalty=1.8)), eos_id=-1)[0],
-            decoding.decode(family, params, jnp.asarray(ids[2:]), jnp.asarray(mask[2:]), opts,
-                            Options(n, processors=Processors(sequence_bias=(((banned,), -7.5),))), eos_id=-1)[0]]
-    assert not np.array_equal(refs[1], free[1]) and not np.array_equal(refs[2], free[2])  # each bites
-    c = with_controls(3, repetition=[1.0, 1.8, 1.0])
-    table = entries({2: [(banned, -7.5, UNTIL_ALWAYS)]})
-    together, _ = decode_rows(controlled, ids, mask, [0, 2, 3], [n] * 3, -1, c, table)
-    for r in range(3):
-        np.testing.assert_array_equal(together[r], np.asarray(refs[r]), err_msg=f"row {r}")
-        c1 = with_controls(1, repetition=[[1.0, 1.8, 1.0][r]])
-        alone, _ = decode_rows(controlled, ids[r:r + 1], mask[r:r + 1], [1], [n], -1, c1,
-                               entries({0: [(banned, -7.5, UNTIL_ALWAYS)]} if r == 2 else {}))
+    banned, lifted = int(free[2, 1]), int(ids[3][mask[3] > 0][1])  # (row 3: a prompt token, biased up, penalised)
+    procs = [Processors(), Processors(repetition_penalty=1.8), Processors(sequence_bias=(((banned,), -7.5),)),
+             Processors(sequence_bias=(((lifted,), 4.0),), repetition_penalty=1.8)]
+    refs = [np.asarray(decoding.decode(family, params, jnp.asarray(ids[r:r + 1]), jnp.asarray(mask[r:r + 1]), opts,
+                                       Options(n, processors=procs[r]), eos_id=-1))[0] for r in range(4)]
+    assert all(not np.array_equal(refs[r], free[r]) for r in (1, 2, 3))  # each bites
+    tables = [[], [], [(banned, -7.5, UNTIL_ALWAYS)], [(lifted, 4.0, UNTIL_ALWAYS)]]
+    penalties = [1.0, 1.8, 1.0, 1.8]
+    c = with_controls(4, repetition=penalties)
+    together, _ = decode_rows(controlled, ids, mask, [0, 2, 3, 1], [n] * 4, -1, c,
+                              entries({r: t for r, t in enumerate(tables)}))
+    for r in range(4):
+        np.testing.assert_array_equal(together[r], refs[r], err_msg=f"row {r}")
+        alone, _ = decode_rows(controlled, ids[r:r + 1], mask[r:r + 1], [1], [n], -1,
+                               with_controls(1, repetition=[penalties[r]]), entries({0: tables[r]}))
         np.testing.assert_array_equal(alone[0], together[r], err_msg=f"row {r} alone")
 
 

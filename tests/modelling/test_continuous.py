@@ -420,14 +420,16 @@ def test_each_rows_penalty_and_bias_give_the_batch_searchs_tokens_beside_a_free_
     ids, mask = prompts(family, [5, 6, 7, 6], seed=11)
     n = 1 + 3 * STEPS
     free = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, n, eos_id=-1))
-    banned, lifted = int(free[2, 1]), int(ids[3][mask[3] > 0][1])  # (row 3: a prompt token, biased up, penalised)
+    banned = int(free[2, 1])
+    up, down = int(free[3, 2]), int(free[3, 1])  # (row 3: biases that flip scores' signs, then the penalty)
+    both = (((up,), 6.0), ((down,), -6.0))
     procs = [Processors(), Processors(repetition_penalty=1.8), Processors(sequence_bias=(((banned,), -7.5),)),
-             Processors(sequence_bias=(((lifted,), 4.0),), repetition_penalty=1.8)]
+             Processors(sequence_bias=both, repetition_penalty=3.0)]
     refs = [np.asarray(decoding.decode(family, params, jnp.asarray(ids[r:r + 1]), jnp.asarray(mask[r:r + 1]), opts,
                                        Options(n, processors=procs[r]), eos_id=-1))[0] for r in range(4)]
     assert all(not np.array_equal(refs[r], free[r]) for r in (1, 2, 3))  # each bites
-    tables = [[], [], [(banned, -7.5, UNTIL_ALWAYS)], [(lifted, 4.0, UNTIL_ALWAYS)]]
-    penalties = [1.0, 1.8, 1.0, 1.8]
+    tables = [[], [], [(banned, -7.5, UNTIL_ALWAYS)], [(t, b, UNTIL_ALWAYS) for (t,), b in both]]
+    penalties = [1.0, 1.8, 1.0, 3.0]
     c = with_controls(4, repetition=penalties)
     together, _ = decode_rows(controlled, ids, mask, [0, 2, 3, 1], [n] * 4, -1, c,
                               entries({r: t for r, t in enumerate(tables)}))

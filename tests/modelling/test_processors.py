@@ -231,3 +231,50 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_chosen_in_any_search(fixtu
         np.testing.assert_array_equal(ours(m, params, ids, mask, Options(N, num_beams=beams, vocab=vocab)), ref)
     drawn = ours(m, params, ids, mask, Options(N, do_sample=True, temperature=2.0, top_k=0, vocab=vocab), seed=1)
     assert drawn.max() < vocab and len(np.unique(drawn)) > 5
+
+
+@pytest.mark.slow
+def test_a_causal_models_repetition_penalty_reads_its_prompt(fixture):
+    """HF's repetition penalty reads a causal LM's whole input_ids: a prompt holding the token greedy writes first
+    (put in its left padding's last place) keeps it from being written first; ours the same, token for token."""
+    name, hf, m, params, ids, mask = fixture
+    if name != "gptj":
+        pytest.skip("(T5's decoder reads its start token alone: the other cases hold it)")
+    free = hf_tokens(name, hf, ids, mask, do_sample=False)
+    row = int(np.argmax((mask == 0).sum(1)))  # the row with the most padding
+    ids, mask = ids[row:row + 1].copy(), mask[row:row + 1].copy()
+    pad = int((mask[0] == 0).sum())
+    ids[0, pad - 1], mask[0, pad - 1] = free[row, 0], 1  # the prompt now holds its first token
+    again = hf_tokens(name, hf, ids, mask, do_sample=False)
+    ref = hf_tokens(name, hf, ids, mask, do_sample=False, repetition_penalty=50.0)
+    assert again[0, 0] == free[row, 0] and ref[0, 0] != free[row, 0]  # (the prompt's copy alone keeps it away)
+    np.testing.assert_array_equal(ours(m, params, ids, mask, Options(N, processors=P.Processors(
+        repetition_penalty=50.0))), ref)
+
+
+
+def test_the_slots_processors_give_the_batch_processors_scores_in_hfs_order():
+    """modelling/processors.py's ``process_rows`` (each slot row its own bias, penalties and mask) on hand-made
+    scores: a row's scores are the batch ``Processors``' (held to HF's) with that row's settings: a bias of +6 on a
+    token the row has read, whose score is -2, then the penalty of 3 ((-2 + 6) / 3, not -2 x 3 + 6); a row that asks
+    nothing, and a row that no longer writes (its settings ignored), unchanged."""
+    from modelling.processors import TABLE, UNTIL_ALWAYS, RowControls
+
+    scores = _scores(7, 3)
+    scores[:, 5] = -2.0
+    history = np.full((3, 8), P.NO_TOKEN, np.int32)
+    history[:, :3] = [[5, 9, 2], [5, 9, 2], [5, 9, 2]]
+    table = np.full((3, TABLE, 3), -1, np.int32)
+    table[:, 0] = [5, np.asarray(6.0, np.float32).view(np.int32), UNTIL_ALWAYS]
+    table[:, 1] = [11, np.asarray(-1.5, np.float32).view(np.int32), UNTIL_ALWAYS]
+    c = RowControls(jnp.zeros(3), jnp.zeros(3), jnp.asarray([3.0, 1.0, 3.0]), jnp.zeros(3), jnp.zeros(3, bool),
+                    jnp.zeros(3, jnp.int32), jnp.asarray(table).at[1].set(-1), jnp.asarray(history))
+    live = jnp.asarray([True, True, False])
+    got = np.asarray(P.process_rows(jnp.asarray(scores), c, live, jnp.full(3, 3, jnp.int32), jnp.full(3, 2),
+                                    prompt_part=2, eos_id=1))
+    want = P.Processors(sequence_bias=(((5,), 6.0), ((11,), -1.5)), repetition_penalty=3.0)(
+        jnp.asarray(scores[:1]), jnp.asarray(history[:1]), jnp.asarray(history[:1] >= 0), jnp.asarray([3]),
+        jnp.asarray(history[:1, 2:]), jnp.asarray([1]))
+    np.testing.assert_allclose(got[0], np.asarray(want)[0], rtol=1e-6)
+    assert got[0, 5] == pytest.approx(4.0 / 3.0)
+    np.testing.assert_array_equal(got[1:], scores[1:])

@@ -11,8 +11,11 @@ JSON schema (decoder/grammar.py's xgrammar grammar, each constrained row asking 
 every step), the two taking turns ``--repeats`` times on the same compiled programs. Reported: each request's
 tokens/s (its tokens after the first over the time from its first to its last, the median of a kind), the free
 requests' beside the constrained ones against the all-free run's (the goal: 0.9x at least), the constrained ones'
-against the free ones' in the same run (0.5x at least); the host's callback seconds; and a schema's compile time,
-the tokenizer's pieces read once, then a schema's first compile (10 schemas, median and most) and from the cache.
+against the free ones' in the same run (0.5x at least); the host's callback seconds; a schema's compile time, the
+tokenizer's pieces read once, then a schema's first compile (10 schemas, median and most) and from the cache; and
+``--answers`` sampled answers to each of 10 JSON schemas (nested objects, arrays, enums, numbers, required fields),
+a choice and a regular expression, each that its grammar ended checked (jsonschema, the set, the expression; the
+goal: all of them), those ``--max_new`` cut counted apart (a random model's strings run long).
 
 labels: the tiny preset trained ``--label_steps`` steps on the synthetic NLI task (three labels), then validated
 three ways on ``--label_limit`` held-out rows: greedy, ``--constrain labels`` (answers restricted to the labels),
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -55,6 +59,8 @@ def parse(argv):
     p.add_argument("--min_new", type=int, default=16)
     p.add_argument("--max_new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--answers", type=int, default=20,
+                   help="sampled answers to each of 10 JSON schemas, a choice and a regex, each checked (0: none)")
     p.add_argument("--label_steps", type=int, default=300, help="training steps of the label task's model")
     p.add_argument("--label_limit", type=int, default=300, help="held-out rows each validation scores")
     p.add_argument("--seed", type=int, default=0)
@@ -166,6 +172,78 @@ def one_run(engine, listener: list, reqs: list, constrained: set, grammar) -> di
             "host_callback_s": engine.backend.masks.seconds - seconds0}
 
 
+SCHEMAS = [  # ten schemas: nested objects, arrays, enums, numbers, required fields (strings and arrays bounded)
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["a"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "number", "minimum": 0, "maximum": 9}},
+     "required": ["ok", "n"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "old", "small"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"q": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 5}},
+                                             "required": ["q"]}}, "required": ["p"]},
+    {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 9}, "maxItems": 4}},
+     "required": ["xs"]},
+    {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "size": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 3}},
+     "required": ["kind", "size"]},
+    {"type": "object", "properties": {"who": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 4}, "age": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["name", "age"]}, "ok": {"type": "boolean"}}, "required": ["who", "ok"]},
+    {"type": "object", "properties": {"v": {"enum": [1, 2, 3]}, "w": {"type": "array", "items": {"type": "boolean"},
+                                                                        "maxItems": 2}}, "required": ["v", "w"]},
+]
+
+
+def answers(engine, listener: list, per: int, max_new: int) -> dict:
+    """``per`` sampled answers (temperature 1, each its own seed) to each of ``SCHEMAS``, a choice and a regular
+    expression: how many ended by their grammar ("stop") and how many of those validate (jsonschema), are one of
+    the choices, match the expression; those max_new cut are counted apart ("length": a grammar not yet ended)."""
+    import jsonschema
+
+    from serving.controls import Controls
+    from serving.output import Output
+    from serving.scheduler import Sequence
+
+    kinds = [("json_schema", s) for s in SCHEMAS] + [("choice", ["red", "old", "small"]),
+                                                     ("regex", "[a-c]{2,4}-[0-9]{2}")]
+    out = {}
+    for k, (kind, spec) in enumerate(kinds):
+        grammar = engine.grammars.compile(kind, spec, "bench")
+        texts, why, done = [""] * per, [None] * per, threading.Event()
+
+        def deliver(events, texts=texts, why=why, done=done):
+            for _, ev in events:
+                texts[ev.index] += ev.text
+                why[ev.index] = ev.finish_reason or why[ev.index]
+            if all(w is not None for w in why):
+                done.set()
+
+        listener[0] = deliver
+        prompt = engine.tokenize(f"answer {k} :")
+        engine.submit([Sequence(prompt, max_new, 1.0, seed=1000 * k + i, out=Output(i, None),
+                                controls=Controls(constraint=grammar)) for i in range(per)])
+        if not done.wait(3600):
+            raise SystemExit("the answers did not end within an hour")
+        ended = [t for t, w in zip(texts, why) if w == "stop"]
+        ok = 0
+        for t in ended:
+            try:
+                if kind == "json_schema":
+                    jsonschema.validate(json.loads(t, strict=False), spec)
+                    ok += 1
+                else:
+                    ok += bool(t in spec if kind == "choice" else re.fullmatch(spec, t))
+            except (ValueError, jsonschema.ValidationError):
+                pass
+        out[f"{kind} {k}"] = {"answers": per, "ended": len(ended), "valid_of_ended": ok}
+    valid = sum(v["valid_of_ended"] for v in out.values())
+    ended = sum(v["ended"] for v in out.values())
+    return {"per_grammar": out, "ended": ended, "valid": valid, "valid_share_of_ended": valid / max(ended, 1)}
+
+
 def run_serve(a) -> dict:
     from serving.build import build_engine
 
@@ -186,6 +264,7 @@ def run_serve(a) -> dict:
             for r in range(a.repeats):  # the two take turns (the order turned each round)
                 for kind in (("free", "half") if r % 2 == 0 else ("half", "free")):
                     runs[kind].append(one_run(engine, listener, reqs, half if kind == "half" else set(), grammar))
+            valid = answers(engine, listener, a.answers, a.max_new) if a.answers else None
         finally:
             engine.stop()
         med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -193,7 +272,7 @@ def run_serve(a) -> dict:
         free_beside = med([x["median_tokens_per_s"]["free"] for x in runs["half"]])
         constrained = med([x["median_tokens_per_s"]["constrained"] for x in runs["half"]])
         return {"model_flags": a.model_flags, "slots": a.slots, "requests": a.requests, "engine_built_s": built,
-                "runs": runs, "compile": compile_times(engine),
+                "runs": runs, "compile": compile_times(engine), "answers": valid,
                 "free_tokens_per_s_all_free": free_alone, "free_tokens_per_s_half_constrained": free_beside,
                 "constrained_tokens_per_s": constrained,
                 "ratios": {"free beside constrained / all free": free_beside / free_alone,
@@ -204,20 +283,27 @@ def run_serve(a) -> dict:
 
 
 def run_labels(a) -> dict:
-    import run_finetuning
-    import run_validation
+    """The label task's model trained, then validated three ways, each driver in a process of its own (as a user
+    runs them: app/bench.py's ``run_child``)."""
+    from app.bench import run_child
 
     with tempfile.TemporaryDirectory() as tmp:
         save = os.path.join(tmp, "ckpt")
         t0 = time.perf_counter()
-        run_finetuning.main(["--config", "tiny", "--steps", str(a.label_steps), "--save", save])
-        trained = time.perf_counter() - t0
-        out = {"steps": a.label_steps, "train_s": trained, "limit": a.label_limit}
+        log = os.path.join(tmp, "train.log")
+        code, _ = run_child(["run_finetuning.py", "--config", "tiny", "--steps", str(a.label_steps), "--save", save],
+                            log)
+        if code != 0:
+            raise SystemExit(f"training the label task's model failed: {open(log).read()[-2000:]}")
+        out = {"steps": a.label_steps, "train_s": time.perf_counter() - t0, "limit": a.label_limit}
         for name, flags in (("greedy", []), ("constrained", ["--constrain", "labels"]),
                             ("ranked", ["--score", "labels"])):
-            path = os.path.join(tmp, f"{name}.json")
+            path, log = os.path.join(tmp, f"{name}.json"), os.path.join(tmp, f"{name}.log")
             t0 = time.perf_counter()
-            run_validation.main(["--load", save, "--limit", str(a.label_limit), "--output", path, *flags])
+            code, _ = run_child(["run_validation.py", "--load", save, "--limit", str(a.label_limit), "--output", path,
+                                 *flags], log)
+            if code != 0:
+                raise SystemExit(f"validation ({name}) failed: {open(log).read()[-2000:]}")
             r = json.load(open(path))
             out[name] = {"accuracy": (r["ranked"] if name == "ranked" else r)["scores"]["accuracy"],
                          "seconds": time.perf_counter() - t0}
@@ -233,7 +319,9 @@ def main(argv=None) -> dict:
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count()}
     if a.only in (None, "serve"):
         report["serve"] = run_serve(a)
-        print("serve: " + json.dumps({k: report["serve"][k] for k in ("ratios", "compile")}), flush=True)
+        print("serve: " + json.dumps({k: report["serve"][k] for k in ("ratios", "compile")}) + "; answers: "
+              + json.dumps({k: v for k, v in (report["serve"]["answers"] or {}).items() if k != "per_grammar"}),
+              flush=True)
         write_json(a.json, report)
     if a.only in (None, "labels"):
         report["labels"] = run_labels(a)

@@ -19,6 +19,11 @@ runs beside it (bit for bit in one span; ``advance``'s ``span``, which the other
 attention's sums otherwise). A row that asks for log-probabilities (``Sampling.logprobs`` >= 0) gets, for each
 token, the model's own log-probability of it (log-softmax of the float32 logits, before temperature and top-k/top-p,
 as vLLM returns them) and the ``top`` most likely tokens with theirs.
+
+Each row may carry its own logits processors too (modelling/processors.py's ``RowControls``, the state's third
+part: a bias table, penalties over the tokens its decoder read, min-p, ignore_eos, a key for the host's grammar
+bitmask), applied before the warpers in HF's order behind one ``lax.cond`` that a step whose live rows ask for none
+skips; no row ever chooses an id past the tokenizer's vocabulary (``vocab``).
 """
 
 from __future__ import annotations

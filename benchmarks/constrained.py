@@ -72,11 +72,19 @@ def parse(argv):
 
 
 def texts(rng, n: int) -> list:
-    """Prompts of the synthetic task's words and JSON: what the learnt tokenizer reads."""
+    """Prompts of the synthetic task's words and JSON."""
     from data.synthetic import vocabulary
 
     words = [w for w in vocabulary() if not w.startswith("<")]
     return [" ".join(rng.choice(words, int(rng.integers(6, 20)))) + ' {"name": "x", "age": 3}' for _ in range(n)]
+
+
+def tokenizer_texts(rng, n: int) -> list:
+    """What the tokenizer learns from: prompts, and every printable ASCII character (a grammar whose text needs a
+    character the vocabulary lacks can reach a point no token continues, where the row ends)."""
+    import string
+
+    return texts(rng, n) + ["".join(rng.permutation(list(string.printable.strip()))) for _ in range(n // 4)]
 
 
 def served_model(a, tmp: str):
@@ -95,7 +103,8 @@ def served_model(a, tmp: str):
     tok_dir, ckpt_dir = os.path.join(tmp, "tokenizer"), os.path.join(tmp, "ckpt")
     model = shlex.split(a.model_flags)
     vocab = int(model[model.index("--vocab_size") + 1]) if "--vocab_size" in model else 512
-    train_tokenizer(lambda: [texts(rng, 400)], vocab, tok_dir)
+    learnt = tokenizer_texts(rng, 400)
+    train_tokenizer(lambda: [learnt], vocab, tok_dir)
     _, over = parse_args("inference", "constrained benchmark", a.config, ["--config", a.config] + model)
     cfg = make_config("inference", a.config, {**over, "tokenizer": tok_dir, "hf_model": None,
                                               "output_length": a.max_new}, fixed={"eval": True, "rts": False})
@@ -291,8 +300,10 @@ def run_labels(a) -> dict:
         save = os.path.join(tmp, "ckpt")
         t0 = time.perf_counter()
         log = os.path.join(tmp, "train.log")
+        devices = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +  # (the tiny preset's dp 2 x tp 2)
+                                               " --xla_force_host_platform_device_count=4").strip()}
         code, _ = run_child(["run_finetuning.py", "--config", "tiny", "--steps", str(a.label_steps), "--save", save],
-                            log)
+                            log, env=devices)
         if code != 0:
             raise SystemExit(f"training the label task's model failed: {open(log).read()[-2000:]}")
         out = {"steps": a.label_steps, "train_s": time.perf_counter() - t0, "limit": a.label_limit}
@@ -301,7 +312,7 @@ def run_labels(a) -> dict:
             path, log = os.path.join(tmp, f"{name}.json"), os.path.join(tmp, f"{name}.log")
             t0 = time.perf_counter()
             code, _ = run_child(["run_validation.py", "--load", save, "--limit", str(a.label_limit), "--output", path,
-                                 *flags], log)
+                                 *flags], log, env=devices)
             if code != 0:
                 raise SystemExit(f"validation ({name}) failed: {open(log).read()[-2000:]}")
             r = json.load(open(path))

@@ -34,6 +34,7 @@ import sys
 from app.args import command_line
 from app.entry import entry
 from app.runtime import is_main_process
+from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 
@@ -71,9 +72,15 @@ def main(argv=None) -> list:
     examples = predict.inference_inputs(args.prompt, args.input, args.limit, cfg, td)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     decoder = Decoder.of_config(cfg, tokenizer)
+    decoder.options = predict.decoding_options(cfg, tokenizer, decoder, td.task)  # (the processors the flags ask)
     feats, _ = predict.prompt_features(examples, tokenizer, decoder.family, cfg.model.sequence_length)
     directory, step = ckpt.resolve(cfg.checkpoint.load)[-1] if cfg.checkpoint.load else (None, None)
     params = decoder.load_params(directory, step, None if directory else cfg.data.hf_model)
+    ranked = cfg.inference.score == "labels"
+    if ranked and (args.input or not td.task.labels):
+        raise FlanT5Error("--score labels ranks a label task's labels beside a few examples' answers: "
+                          + ("run_validation.py --score labels scores a whole set" if args.input else
+                             f"the task {td.task.name!r} has none (free text): drop --score"))
     if args.input:
         path = args.predictions or os.path.splitext(args.input)[0] + ".predictions.jsonl"
         writer = predict.written_by(cfg, directory, step, params)
@@ -83,6 +90,10 @@ def main(argv=None) -> list:
                   flush=True)
         return out
     out = predict.side_by_side(decoder, params, examples, feats, tokenizer, args.compare_hf)
+    if ranked:  # each example's most likely label (rank classification), beside the decoded answer
+        ll = decoder.rank(params, feats, decoder.family.encode_targets(tokenizer, list(td.task.labels)))
+        for r, j in zip(out, ll.argmax(axis=1)):
+            r["ranked"] = td.task.labels[j]
     if is_main_process():
         show(out, args.compare_hf)
     return out
@@ -93,6 +104,7 @@ def show(out: list, compared: bool) -> None:
     for r in out:
         print(f"prompt: {r['prompt']}\n  ours: {r['ours']!r}" + (f"\n  reference: {r['reference']!r}"
                                                                  if "reference" in r else "")
+              + (f"\n  ranked: {r['ranked']!r}" if "ranked" in r else "")
               + (f"\n  HF:   {r['hf']!r} ({'same tokens' if r['same_tokens'] else 'DIFFERENT tokens'})"
                  if compared else ""))
     if compared:

@@ -11,8 +11,9 @@ import time
 from dataclasses import asdict
 
 import jax
+import numpy as np
 
-from app.predict import prompt_features
+from app.predict import decoding_options, prompt_features
 from app.runtime import is_main_process
 from app.train_data import run_tasks
 from data.metrics import headline, primary, score
@@ -62,12 +63,20 @@ def long_references(examples: list, tokenizer, family, output_length: int, what:
 
 def decoding_name(inference) -> str:
     """The decoding a report holds, as its name and result line say it: greedy, beam4, or sample (with its seed),
-    followed by the weights' quantization when there is one (greedy_int8, beam4_int8)."""
-    if inference.do_sample:
-        name = f"sample{inference.sampling_seed}"
+    followed by what constrains or processes the answers (labels, regex, schema; penalised: a repetition penalty,
+    no repeated n-grams or bad words), the labels ranked beside them (ranked) and the weights' quantization
+    (greedy_int8, beam4_labels, greedy_ranked)."""
+    i = inference
+    if i.do_sample:
+        name = f"sample{i.sampling_seed}"
     else:
-        name = f"beam{inference.num_beams}" if inference.num_beams > 1 else "greedy"
-    return name if inference.quantize == "none" else f"{name}_{inference.quantize}"
+        name = f"beam{i.num_beams}" if i.num_beams > 1 else "greedy"
+    penalised = i.repetition_penalty != 1.0 or i.no_repeat_ngram_size or i.bad_words
+    parts = [name] + [x for x, on in (("labels", i.constrain == "labels"), ("regex", i.regex is not None),
+                                      ("schema", i.json_schema is not None), ("penalised", penalised),
+                                      ("ranked", i.score == "labels")) if on]
+    name = "_".join(parts)
+    return name if i.quantize == "none" else f"{name}_{i.quantize}"
 
 
 def report_name(split: str, step=None, limit=None, decoding: str = "greedy", task: str | None = None) -> str:
@@ -111,13 +120,14 @@ def result_line(report: dict, step, what: str, path: str, mixed: bool = False) -
     figure (after its task's name, for a mixture's)."""
     head = f"{report['checkpoint']}" + (f" step {step}" if step is not None else "")
     how = f" ({report['decoding_name']})" if report.get("decoding_name", "greedy") != "greedy" else ""
+    ranked = f"; ranked: {headline(report['ranked']['scores'])}" if report.get("ranked") else ""
     if "accuracy" in report["scores"]:
         rest = {k: v for k, v in report["scores"].items() if k != "accuracy"}
         return (f"{head}: {report['task'] + ' ' if mixed else ''}accuracy {report['accuracy']:.2%} on "
                 f"{report['samples']} samples of {what}{how} ({report['unknown']} unknown)"
-                + (f", {headline(rest)}" if rest else "") + f" -> {path}")
-    return (f"{head}: {report['task']} on {report['samples']} samples of {what}{how}: {headline(report['scores'])} "
-            f"-> {path}")
+                + (f", {headline(rest)}" if rest else "") + f"{ranked} -> {path}")
+    return (f"{head}: {report['task']} on {report['samples']} samples of {what}{how}: {headline(report['scores'])}"
+            f"{ranked} -> {path}")
 
 
 def mixture_score(sets: list, scores: dict) -> float:
@@ -142,7 +152,11 @@ class Validation:
             examples = data.examples[:limit]
             feats, unknown = prompt_features(examples, tokenizer, self.decoder.family, cfg.model.sequence_length)
             long_references(examples, tokenizer, self.decoder.family, cfg.inference.output_length, data.what)
-            self.inputs.append((data, examples, feats, unknown))
+            if cfg.inference.score == "labels" and not data.task.labels:
+                raise FlanT5Error(f"--score labels ranks a label task's labels, and the task {data.task.name!r} has "
+                                  "none (free text): drop --score")
+            self.inputs.append((data, examples, feats, unknown, decoding_options(cfg, tokenizer, self.decoder,
+                                                                                  data.task)))
 
     def __call__(self, directory, step, n_targets: int = 1):
         """One checkpoint (``directory`` None: the config's --hf_model) decoded, scored, reported -> the report (a
@@ -152,9 +166,11 @@ class Validation:
         reports = [self.one(params, directory, step, n_targets, *x) for x in self.inputs]
         return reports if self.mixed else reports[0]
 
-    def one(self, params, directory, step, n_targets: int, data, examples, feats, unknown) -> dict:
+    def one(self, params, directory, step, n_targets: int, data, examples, feats, unknown, options) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        report = score(data.task, examples, self.decoder.predict(params, feats))
+        report = score(data.task, examples, self.decoder.predict(params, feats, options=options))
+        if cfg.inference.score == "labels":
+            report["ranked"] = self.ranked(params, data.task, examples, feats)
         how = decoding_name(cfg.inference)
         report.update(split=data.name, dataset=data.dataset, single_file=data.single, data=data.what, step=step,
                       limit=self.limit, prompt_tokens_unknown=unknown, longest_prompt=int(feats["attention_mask"]
@@ -170,6 +186,16 @@ class Validation:
             path = write_report(report, path)
             print(result_line(report, step, data.what, path, self.mixed), flush=True)
         return report
+
+    def ranked(self, params, task, examples: list, feats: dict) -> dict:
+        """--score labels: each example's labels ranked by their log-likelihood (their target tokens, the
+        end-of-text token's included: SeqIO's rank classification) -> {scores, generated: the most likely label of
+        each, log_likelihoods [n, labels]} (ties: the first label)."""
+        family = self.decoder.family
+        ll = self.decoder.rank(params, feats, family.encode_targets(self.tokenizer, list(task.labels)))
+        best = [task.labels[j] for j in np.argmax(ll, axis=1)]
+        return {"scores": score(task, examples, best)["scores"], "generated": best,
+                "log_likelihoods": ll.round(4).tolist()}
 
 
 class Evaluator:
@@ -187,7 +213,8 @@ class Evaluator:
         for data in self.sets:
             examples = data.examples[: cfg.training.eval_rows]
             long_references(examples, tokenizer, family, cfg.inference.output_length, data.what)
-            self.inputs.append((examples, tokenize_prompts(examples, tokenizer, family)))
+            self.inputs.append((examples, tokenize_prompts(examples, tokenizer, family),
+                                decoding_options(cfg, tokenizer, self.decoder, data.task)))
             logger.info("--eval_every %d: %d examples of %s", cfg.training.eval_every, len(examples), data.what)
         self.key = "eval_score" if self.mixed else f"eval_{primary(self.sets[0].task)}"
         self.best = best  # (score, step) of the best evaluation so far (a resumed run's: ``best_logged``)
@@ -212,8 +239,9 @@ class Evaluator:
         params = (g.to_decoding(jax.device_put(stacked, g.place.param_shardings)) if g.quantize == "none"
                   else g.weights.place(stacked))
         scores = {}
-        for data, (examples, feats) in zip(self.sets, self.inputs):
-            report = score(data.task, examples, self.decoder.predict(params, feats, progress="evaluating"))
+        for data, (examples, feats, options) in zip(self.sets, self.inputs):
+            report = score(data.task, examples, self.decoder.predict(params, feats, progress="evaluating",
+                                                                     options=options))
             prefix = f"eval_{data.task.name}_" if self.mixed else "eval_"
             scores.update({prefix + k: v for k, v in report["scores"].items()})
             logger.info("step %d: %s%s %s", step, f"{data.task.name} " if self.mixed else "",

@@ -31,15 +31,39 @@ def hf_model_of(cfg, family, host_params):
     return model
 
 
-def hf_generate(cfg, family, host_params, ids, mask, eos: int, pad: int):
-    """HF ``generate`` of the same weights with the same decoding options, on prompts laid out as the family decodes
-    them (``Family.layout_prompts``): tokens [b, output_length] padded with ``pad`` after each end-of-text."""
+def hf_processors(options, family, prompt_width: int, model_vocab: int) -> dict:
+    """Our search's processors (modelling/decoding.py's ``Options``) as HF ``generate``'s arguments: the vocabulary's
+    cut as ``suppress_tokens``, the bias as ``bad_words_ids`` (-inf) and ``sequence_bias``, the penalties, a label
+    trie as ``prefix_allowed_tokens_fn`` (its sentence's new tokens: after the prompt, or T5's start token)."""
+    if options is None:
+        return {}
+    p, kw = options.processors, {}
+    if options.vocab and options.vocab < model_vocab:
+        kw["suppress_tokens"] = list(range(options.vocab, model_vocab))
+    bad = [list(ids) for ids, b in p.sequence_bias if b == float("-inf")]
+    bias = {tuple(ids): b for ids, b in p.sequence_bias if b != float("-inf")}
+    kw.update({k: v for k, v in (("bad_words_ids", bad), ("sequence_bias", bias)) if v})
+    if p.repetition_penalty != 1.0:
+        kw["repetition_penalty"] = p.repetition_penalty
+    if p.no_repeat_ngram_size:
+        kw["no_repeat_ngram_size"] = p.no_repeat_ngram_size
+    if p.trie is not None:
+        start = prompt_width if family.continues_prompt else 1  # (HF's sentence: the prompt, or T5's start token)
+        kw["prefix_allowed_tokens_fn"] = lambda batch_id, sent: p.trie.allowed(sent[start:].tolist())
+    return kw
+
+
+def hf_generate(cfg, family, host_params, ids, mask, eos: int, pad: int, options=None):
+    """HF ``generate`` of the same weights with the same decoding options (``options``: our search's, whose
+    processors HF's own stand beside: ``hf_processors``), on prompts laid out as the family decodes them
+    (``Family.layout_prompts``): tokens [b, output_length] padded with ``pad`` after each end-of-text."""
     model = hf_model_of(cfg, family, host_params)
     n = cfg.inference.output_length
+    extra = hf_processors(options, family, ids.shape[1], cfg.model.embedding.vocab_size)
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=n,
                              eos_token_id=eos, pad_token_id=pad, **hf_decoding(cfg.inference),
-                             **family.hf.generate_kwargs)
+                             **family.hf.generate_kwargs, **extra)
     out = family.hf.new_tokens(out.numpy(), ids.shape[1])
     out = np.pad(out, ((0, 0), (0, n - out.shape[1])), constant_values=pad)
     ended = np.cumsum(out == eos, axis=1) - (out == eos) > 0  # HF's beam search fills after EOS with EOS

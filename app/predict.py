@@ -13,6 +13,7 @@ Prompts are never cut: each batch is padded to its own longest prompt, and laid 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,9 @@ from data.tasks import Example, tokenize_prompts
 from data.tokenizer import pad_id, unknown_share
 from decoder.adapters import stack_of
 from decoder.decoder import Decoder
+from decoder.grammar import GrammarError, Grammars, HostMasks
 from decoder.plan import decode_plan, format_plan
+from modelling.processors import LabelTrie, Processors, bitmask_words
 from partitioning.base import fingerprint
 from partitioning.plan import device_memory_limit, host_memory_limit, human_bytes
 from utils import checkpoint as ckpt
@@ -71,6 +74,60 @@ def trained_prompt_length(cfg) -> int | None:
         return None
     directory, step = ckpt.resolve(cfg.checkpoint.load)[-1]
     return (ckpt.read_meta(directory, step) or {}).get("longest_prompt")
+
+
+def decoding_options(cfg, tokenizer, decoder, task=None):
+    """The decoder's options with the processors the inference flags ask for (modelling/processors.py): HF's
+    repetition penalty and no_repeat_ngram_size; --bad_words, each word's tokens alone and after a space banned as a
+    sequence (HF's bad_words_ids; a word that is the end-of-text token alone is left to end answers, as HF leaves
+    it); --constrain labels, the task's labels as a token trie (each label's target tokens, its end-of-text token
+    last); --regex or --json_schema FILE, a grammar (decoder/grammar.py) each row follows, asked of the host at each
+    step. ``task``: the task decoded (data.tasks.Task; its labels)."""
+    i, eos = cfg.inference, tokenizer.eos_token_id
+    bias = tuple((seq, float("-inf")) for seq in bad_words(tokenizer, i.bad_words, eos))
+    trie = None
+    if i.constrain == "labels":
+        if task is None or not task.labels:
+            raise FlanT5Error(f"--constrain labels restricts answers to the task's label set, and the task "
+                              f"{getattr(task, 'name', '')!r} has none (free text): drop --constrain")
+        trie = LabelTrie.of(decoder.family.encode_targets(tokenizer, list(task.labels)), eos)
+    host = grammar_host(i, tokenizer, decoder) if i.regex is not None or i.json_schema is not None else None
+    procs = Processors(bias, i.repetition_penalty, i.no_repeat_ngram_size, trie, host, bitmask_words(decoder.n_tokens))
+    return dataclasses.replace(decoder.options, processors=procs)
+
+
+def bad_words(tokenizer, words: tuple, eos: int) -> list:
+    """Each word's token sequences, alone and after a space (a word starting a text and inside one), once each."""
+    out = []
+    for word in words:
+        for text in (word.strip(), " " + word.strip()):
+            ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if ids and ids != (eos,) and ids not in out:
+                out.append(ids)
+    return out
+
+
+def grammar_host(inference, tokenizer, decoder):
+    """The host side of --regex or --json_schema FILE: the grammar compiled (xgrammar), a matcher for every row of a
+    batch (key: its index + 1, each anew at a batch's first token)."""
+    flag = "--regex" if inference.regex is not None else "--json_schema"
+    if inference.regex is not None:
+        kind, spec = "regex", inference.regex
+    else:
+        try:
+            with open(inference.json_schema) as f:
+                kind, spec = "json_schema", json.load(f)
+        except (OSError, ValueError) as e:
+            raise FlanT5Error(f"--json_schema {inference.json_schema}: cannot be read as JSON ({e}): pass a file "
+                              "holding a JSON schema") from None
+    try:
+        compiled = Grammars(tokenizer, decoder.n_tokens, tokenizer.eos_token_id).compile(kind, spec, flag)
+    except GrammarError as e:
+        raise FlanT5Error(f"{flag} cannot be followed: {e.reason}") from None
+    masks = HostMasks(decoder.n_tokens, tokenizer.eos_token_id)
+    for key in range(1, decoder.batch_size + 1):
+        masks.open(compiled, key=key)
+    return masks
 
 
 def decoding_plan(cfg, rows: int, exact: bool = False, prompt_length: int | None = None, adapters=None):
@@ -186,10 +243,12 @@ def side_by_side(decoder, params, examples: list, feats: dict, tokenizer, compar
     if compare_hf:
         from app.hf_generate import hf_generate  # torch, only for --compare_hf
 
+        if decoder.options.processors.host is not None:
+            raise FlanT5Error("--compare_hf: HF generate has no grammar to follow --regex or --json_schema: drop one")
         host = decoder.weights.host_tree(params)  # (training's layout; int8 weights dequantized: the same values)
         ids, mask = decoder.family.layout_prompts(feats["input_ids"], feats["attention_mask"])
         hf_tokens = hf_generate(decoder.cfg, decoder.family, host, ids, mask, tokenizer.eos_token_id,
-                                pad_id(tokenizer))
+                                pad_id(tokenizer), decoder.options)
         theirs = tokenizer.batch_decode(hf_tokens, skip_special_tokens=True)
         agree = [bool(np.array_equal(a, h)) for a, h in zip(tokens, hf_tokens)]
     return [{"prompt": e.input, "ours": o, **({"reference": e.target} if e.target else {}),

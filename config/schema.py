@@ -444,6 +444,31 @@ class Inference:
     device then holds the decoder's weights and one encoder layer. For models whose weights, with the KV cache, do
     not fit a device (Flan-UL2 on 24 GB: --plan says)."""
 
+    repetition_penalty: float = spec(1.0, bounds=(0.0, 100.0, False, True, "1.2"))
+    """HF's repetition penalty: each token the decoder has read (a causal LM's prompt and its output, an
+    encoder-decoder's output) has its score divided by it where positive, multiplied where negative (1: off)."""
+
+    no_repeat_ngram_size: int = spec(0, minimum=0)
+    """HF's no_repeat_ngram_size: no n-gram of this size occurs twice in what the decoder has read (0: off)."""
+
+    bad_words: tuple = spec((), items=str)
+    """Words never written (HF's bad_words_ids: each word's tokens, alone and after a space, banned as a
+    sequence)."""
+
+    constrain: str = spec("none", choices=("none", "labels"))
+    """labels: a label task's answers restricted to its label set (a token trie: HF's prefix_allowed_tokens_fn),
+    greedy, sampling or beam search."""
+
+    score: str = spec("none", choices=("none", "labels"))
+    """labels (validation): also rank each example's labels by their log-likelihood and score the most likely
+    (rank classification, as SeqIO and T5X score a label task), beside the decoded answers' scores."""
+
+    regex: Optional[str] = None
+    """A regular expression every answer matches (a grammar: xgrammar), greedy or sampling."""
+
+    json_schema: Optional[str] = None
+    """A JSON schema file every answer is valid JSON against (a grammar: xgrammar), greedy or sampling."""
+
 
 @dataclass
 class Config:
@@ -501,6 +526,7 @@ class Config:
         _check_training(self)
         _check_task(self.task)
         _check_mixture(self.mixture)
+        _check_constraints(self.inference)
         return self
 
 
@@ -554,6 +580,19 @@ def _check_parallelism(cfg: Config) -> None:
     if ex.device_iterations != 1:
         raise ConfigError(f"device_iterations={ex.device_iterations}: this backend runs one optimizer step per call "
                           "from the host (the IPU's device loop has no counterpart here): pass --device_iterations 1")
+
+
+def _check_constraints(i: Inference) -> None:
+    """The answers' constraints: one at a time; a grammar (regex, json_schema) follows one sequence a row (its
+    matcher on the host), so not beam search's."""
+    given = [f"--{f} {v}" for f, v in (("constrain", i.constrain if i.constrain != "none" else None),
+                                      ("regex", i.regex), ("json_schema", i.json_schema)) if v is not None]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)}: an answer takes one constraint: pass one of them")
+    if (i.regex is not None or i.json_schema is not None) and i.num_beams > 1:
+        raise ConfigError(f"{given[0]} constrains greedy decoding or sampling (each row's grammar follows one "
+                          "sequence), not beam search: drop --num_beams (or use --constrain labels, which beams "
+                          "follow)")
 
 
 def _check_lengths(cfg: Config) -> None:

@@ -5,6 +5,7 @@ without importing Hugging Face ``datasets`` (tests/test_architecture.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import Optional
@@ -169,3 +170,67 @@ def check_unknown(share: float, name: str, dataset: str, limit: float = 0.01) ->
         raise DataError(f"{share:.0%} of the prompt tokens of {dataset} are unknown (<unk>) to tokenizer {name!r}: "
                         f"{hint}")
     return share
+
+
+# --------------------------------------------------------------------------- each token's text
+
+
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level alphabet back to bytes: the printable character that stands for each byte -> the byte
+    (the inverse of its ``bytes_to_unicode``, which a byte-level BPE's tokens are spelt in)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, n = list(keep), 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars)}
+
+
+def _decoders(tokenizer) -> list:
+    """The Rust tokenizer's decoder steps, flattened ([{type: ...}, ...]; none: [])."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return [{"type": "Metaspace", "replacement": "\u2581"}] if hasattr(tokenizer, "sp_model") else []
+    dec = json.loads(backend.to_str()).get("decoder")
+    if dec is None:
+        return []
+    return dec.get("decoders", []) if dec.get("type") == "Sequence" else [dec]
+
+
+def _piece(token: str, steps: list, bytes_of: dict) -> bytes:
+    kinds = {d.get("type") for d in steps}
+    if "ByteLevel" in kinds:
+        return bytes(bytes_of[c] for c in token if c in bytes_of)
+    if "ByteFallback" in kinds and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:5], 16)])
+    if "WordPiece" in kinds:
+        return (token[2:] if token.startswith("##") else " " + token).encode()
+    if not kinds:  # no decoder: decode joins the tokens with spaces
+        return (" " + token).encode()
+    for d in steps:
+        if d.get("type") == "Metaspace":
+            token = token.replace(d.get("replacement", "\u2581"), " ")
+        elif d.get("type") == "Replace":
+            token = token.replace(d["pattern"].get("String", "\u0000"), d["content"])
+    return token.encode()
+
+
+def token_pieces(tokenizer) -> tuple:
+    """(the bytes each token id adds to the text of the tokens before it, id by id up to ``len(tokenizer)``; whether
+    ``decode`` strips the first token's leading space): what a grammar matches a token against (decoder/grammar.py),
+    and what the server shows of each token (serving/output.py, where the tokens follow a prompt). A byte-level
+    BPE's tokens as their bytes (GPT-2's alphabet undone), a Metaspace or sentencepiece one's with the word marker
+    a space (byte-fallback tokens their byte), a tokenizer with no decoder (the synthetic word-level one: decode
+    joins the words with spaces) a space and the word; special tokens none (they add no text)."""
+    steps, bytes_of = _decoders(tokenizer), _byte_decoder()
+    special = set(tokenizer.all_special_ids)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    pieces = [b"" if i in special or t is None else _piece(t, steps, bytes_of) for i, t in enumerate(tokens)]
+    ids = [i for i in tokenizer("a b", add_special_tokens=False)["input_ids"] if i not in special][:2]
+    if len(ids) < 2:
+        ids = [i for i in range(len(pieces)) if pieces[i].strip()][:2]
+    joined = b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    return pieces, joined != decoded and joined.startswith(" ") and joined[1:] == decoded

@@ -24,6 +24,7 @@ the devices (``unrolled_decoder``), its steps running the layers one after the o
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -102,7 +103,9 @@ class Decoder:
         self.specs, self.layouts = place.specs, place.layouts
         self.row_sharding, self.replicated, self.phase = place.row_sharding, place.replicated, place.phase
         self.eos_id, self.pad_id, self.batch_size, self.tokenizer = eos_id, pad_id, rows, tokenizer
-        self.options = decoding.Options.of_config(inference)
+        # the ids a search may choose: the tokenizer's (the embedding's rows past its vocabulary never: issue 69)
+        self.n_tokens = min(len(tokenizer), self.vocab_size) if tokenizer is not None else self.vocab_size
+        self.options = dataclasses.replace(decoding.Options.of_config(inference), vocab=self.n_tokens)
         # decoding's weights: int8 matmul weights when asked (modelling/quant.py)
         self.quantize = inference.quantize
         # ... and the stacks that read the prompt alone (T5's encoder) streamed from host memory a layer at a time
@@ -117,7 +120,9 @@ class Decoder:
         depth = jax.tree.leaves(self.specs[last]["layers"], is_leaf=is_spec)[0].shape[0]
         platform = self.mesh.devices.flat[0].platform
         self.unrolled_stacks = (last,) if unrolled_decoder(self.family, platform, depth) else ()
-        self._search = self._weights = self._abstract = None
+        self._weights = self._abstract = None
+        self._searches: dict = {}  # Options -> its search (``predict``'s, one a set of options asked)
+        self._rank = None
 
     @property
     def layered_stacks(self) -> tuple:
@@ -353,25 +358,51 @@ class Decoder:
 
     # ------------------------------------------------------------------ batches of prompts
 
-    def predict(self, params, feats: dict, progress: str = "validating") -> list:
-        """Generated texts for every row of feats (input_ids/attention_mask [n, len]), in row order."""
+    def predict(self, params, feats: dict, progress: str = "validating", options=None) -> list:
+        """Generated texts for every row of feats (input_ids/attention_mask [n, len]), in row order; ``options``:
+        the search's (``self.options`` by default: a task's processors, app/predict.py's ``decoding_options``)."""
         lengths = feats["attention_mask"].sum(1)
         out = [None] * len(lengths)
         for idx in tqdm(length_buckets(lengths, self.batch_size), desc=progress, unit="batch",
                         disable=None if jax.process_index() == 0 else True):  # (process 0 shows the progress)
-            for i, text in zip(idx, self.predict_batch(params, feats, idx)):
+            for i, text in zip(idx, self.predict_batch(params, feats, idx, options=options)):
                 out[i] = text
         return out
 
-    def predict_batch(self, params, feats: dict, idx, tokens: bool = False) -> list:
+    def predict_batch(self, params, feats: dict, idx, tokens: bool = False, options=None) -> list:
         """Generated texts of rows ``idx`` of feats (at most one batch), padded to their longest prompt (a multiple
         of 8: few compilations; no prompt is ever cut); ``tokens``: their token ids [len(idx), output_length]."""
-        if self._search is None:
-            self._search = self.search()
+        options = self.options if options is None else options
+        if options not in self._searches:
+            self._searches[options] = self.search(options)
         ids, mask = batch_rows(feats, idx, self.batch_size)
         ids, mask = self.family.layout_prompts(ids, mask)  # (numpy: the program places them, packed or not)
-        out = S.fetch(self._search(params, ids, mask))[: len(idx)]
+        out = S.fetch(self._searches[options](params, ids, mask))[: len(idx)]
         return out if tokens else self.tokenizer.batch_decode(out, skip_special_tokens=True)
+
+    def rank(self, params, feats: dict, labels: list, progress: str = "ranking") -> np.ndarray:
+        """Rank classification (``decoding.label_scores``): each row's log-likelihood of each label (token id lists,
+        each ending with its end-of-text token) -> float32 [n, len(labels)], in row order."""
+        if self.prompt_stacks:
+            raise ConfigError("--score labels reads the encoder resident on the devices: drop --stream_encoder")
+        width = max(len(x) for x in labels)
+        table = np.full((len(labels), width), -1, np.int32)
+        for r, x in enumerate(labels):
+            table[r, :len(x)] = x
+        if self._rank is None:
+            family, opts, pad = self.family, self.opts, self.pad_id
+            self._rank = self.phase(lambda p, ids, mask, lab: decoding.label_scores(family, p, ids, mask, opts, lab,
+                                                                                    S.TP, pad),
+                                    (self.decode_specs(), P(S.DP, None), P(S.DP, None), P()), P(S.DP, None))
+        p = params if self.is_decoding_layout(params) else self.to_decoding(params)
+        lengths = feats["attention_mask"].sum(1)
+        out = np.zeros((len(lengths), len(labels)), np.float32)
+        for idx in tqdm(length_buckets(lengths, self.batch_size), desc=progress, unit="batch",
+                        disable=None if jax.process_index() == 0 else True):
+            ids, mask = self.family.layout_prompts(*batch_rows(feats, idx, self.batch_size))
+            ids, mask = S.put_global(ids, self.row_sharding), S.put_global(mask, self.row_sharding)
+            out[idx] = S.fetch(self._rank(p, ids, mask, jax.device_put(table, self.replicated)))[: len(idx)]
+        return out
 
     def predict_tokens(self, params, feats: dict) -> np.ndarray:
         """Token ids [n, output_length] of every row of feats, in row order, batch after batch."""

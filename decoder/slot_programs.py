@@ -35,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from modelling import continuous, lora_stack
+from decoder.grammar import HostMasks
+from modelling import continuous, lora_stack, processors
+from modelling.processors import RowControls
 from modelling.rows import first_fit
 from partitioning import sharding as S
 from utils.errors import ConfigError
@@ -79,7 +81,9 @@ class Carry:
     each array is a wait of the decoding thread. So the cache's floating-point leaves (its keys and values, updated
     in place: too big to copy each call; T5's cross-attention bias too) stay apart, one array each, and every other
     leaf, the cache's and the state's (a mask, positions, a few numbers a row), travels in one int32 vector a device,
-    the leaves in turn (a bool as 0 or 1, a 4-byte type its bits). A leaf of another size stays apart.
+    the leaves in turn (a bool as 0 or 1, a 4-byte type its bits). A leaf of another size stays apart, and so does a
+    state leaf of more than one axis (a row's list: its processors' table, its history): the vector is written whole
+    each call, a leaf apart in place.
 
     Built from one device's (abstract) cache and state; ``pack`` and ``unpack`` run inside the programs, on each
     device's pieces."""
@@ -88,8 +92,8 @@ class Carry:
         leaves, self.tree = jax.tree.flatten((cache, state))
         n_cache = len(jax.tree.leaves(cache))
         self.specs = [(tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves]
-        self.packed = [(i >= n_cache or not jnp.issubdtype(dt, jnp.floating))
-                       and (dt == jnp.bool_ or dt.itemsize == 4) for i, (_, dt) in enumerate(self.specs)]
+        self.packed = [(len(shape) <= 1 if i >= n_cache else not jnp.issubdtype(dt, jnp.floating))
+                       and (dt == jnp.bool_ or dt.itemsize == 4) for i, (shape, dt) in enumerate(self.specs)]
         sizes = [int(np.prod(shape)) for (shape, _), p in zip(self.specs, self.packed) if p]
         self.offsets = [int(o) for o in np.cumsum([0] + sizes)]
 
@@ -139,6 +143,11 @@ class SlotPrograms:
         self.insert_rows = tuple(sorted({min(r, self.local) for r in insert_rows} | {self.local}))
         self.max_new_tokens, self.steps = max_new_tokens, steps
         self.eos_id, self.pad_id, self.vocab_size = decoder.eos_id, decoder.pad_id, decoder.opts.vocab_size
+        self.n_tokens = decoder.n_tokens  # the ids a row may choose (the tokenizer's)
+        # each row's processors (modelling/processors.py's RowControls): its history's places before its output, and
+        # the host's answers for constrained rows (decoder/grammar.py)
+        self.prompt_part = RowControls.prompt_part(self.family, width)
+        self.masks = HostMasks(self.n_tokens, self.eos_id)
         self.top = max(1, min(top, decoder.opts.vocab_size))  # lax.top_k's k: at least 1, at most the vocabulary
         self.scores_prompts = self.family.scores_prompts
         self.score_rows = self.local * decoder.dp  # the prompts one ``score`` reads
@@ -171,8 +180,10 @@ class SlotPrograms:
     # ------------------------------------------------------------------ the programs
 
     def _state_specs(self):
-        """Every row's state: where it is, how it samples, and its adapter's slot in the stack (-1: none)."""
-        return (continuous.Rows(*(P(S.DP),) * 4), continuous.Sampling(*(P(S.DP),) * 6), P(S.DP))
+        """Every row's state: where it is, how it samples, its processors, and its adapter's slot in the stack (-1:
+        none)."""
+        return (continuous.Rows(*(P(S.DP),) * 4), continuous.Sampling(*(P(S.DP),) * 6),
+                RowControls(*(P(S.DP),) * len(RowControls.__dataclass_fields__)), P(S.DP))
 
     def _weights(self):
         """What every program reads first: (the weights, the adapter stack's arrays or {})."""
@@ -190,11 +201,13 @@ class SlotPrograms:
         local = self.local
 
         def fn(p, apart, words, joiners):
-            block, at, lengths, slot, s, limit, adapter = unpack_joiners(joiners[0], rows, width, local)
+            block, at, lengths, slot, s, limit, controls, entries, adapter = unpack_joiners(joiners[0], rows, width,
+                                                                                           local)
             w = lora_stack.bind(family.decoding_params(p[0], opts), p[1], adapter)  # (each joiner its adapter)
-            cache, (r, smp, adapters) = self.carry.unpack(_local(apart), words[0, 0])
-            first, scored, cache, state = continuous.insert(family, w, opts, cache, (r, smp), block, at, lengths,
-                                                            slot, s, limit, n, eos, top, S.TP)
+            cache, (r, smp, ctl, adapters) = self.carry.unpack(_local(apart), words[0, 0])
+            first, scored, cache, state = continuous.insert(family, w, opts, cache, (r, smp, ctl), block, at, lengths,
+                                                            slot, s, limit, n, eos, top, S.TP, controls, entries,
+                                                            self.masks, self.n_tokens)
             state = (*state, adapters.at[slot].set(adapter, mode="drop"))
             return (first, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
@@ -208,10 +221,11 @@ class SlotPrograms:
                                               self.top)
 
         def fn(p, apart, words, keep, n):
-            cache, (r, smp, adapters) = self.carry.unpack(_local(apart), words[0, 0])
+            cache, (r, smp, ctl, adapters) = self.carry.unpack(_local(apart), words[0, 0])
             w = lora_stack.bind(family.decoding_params(p[0], opts), p[1], adapters)  # (each row its adapter)
-            out, scored, cache, state = continuous.advance(family, w, opts, cache, (r, smp), keep, steps, eos, pad,
-                                                           top, S.TP, n, span)
+            out, scored, cache, state = continuous.advance(family, w, opts, cache, (r, smp, ctl), keep, steps, eos,
+                                                           pad, top, S.TP, n, span, self.masks, self.n_tokens,
+                                                           self.prompt_part)
             return (out, pack_scored(scored)) + _carried(self.carry.pack(cache, (*state, adapters)))
 
         mapped = jax.shard_map(fn, mesh=self.g.mesh, check_vma=False,
@@ -261,7 +275,11 @@ class SlotPrograms:
         rows = continuous.Rows(z(np.int32), z(np.int32), z(np.int32), z(bool))
         sampling = continuous.Sampling(z(np.float32), z(np.int32), z(np.float32), z(np.uint32), z(np.uint32),
                                      z(np.int32, -1))
-        return jax.tree.map(lambda x: S.put_global(x, self.rows), (rows, sampling, z(np.int32, -1)))
+        history = self.prompt_part + self.max_new_tokens
+        controls = RowControls(z(np.float32), z(np.float32), z(np.float32, 1), z(np.float32), z(bool), z(np.int32),
+                               np.full((self.slots, processors.TABLE, 3), -1, np.int32),
+                               np.full((self.slots, history), -1, np.int32))
+        return jax.tree.map(lambda x: S.put_global(x, self.rows), (rows, sampling, controls, z(np.int32, -1)))
 
     def _local_cache(self):
         """One device's piece of the slots' cache, abstract (traced once: ``reset``, ``compile`` and every reset
@@ -276,7 +294,8 @@ class SlotPrograms:
         local = self._local_cache()
         state = self._empty_state()
         if self.carry is None:
-            self.carry = Carry(local, jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.local,), x.dtype), state))
+            self.carry = Carry(local, jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.local,) + x.shape[1:], x.dtype),
+                                                   state))
 
         def empty(st):
             return _carried(self.carry.pack(jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), local), st))
@@ -285,6 +304,7 @@ class SlotPrograms:
                                                        in_specs=(self._state_specs(),),
                                                        out_specs=(P(S.DP, S.TP), P(S.DP, S.TP))))(state)
         self._keep = (None, None)
+        self.masks.clear()
 
     def _abstract(self, shape, dtype, sharding):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -322,18 +342,23 @@ class SlotPrograms:
     # ------------------------------------------------------------------ calls (host arrays in, device arrays out)
 
     def insert(self, joiners: list) -> tuple:
-        """Joining prompts into the slots: joiners [(slot, ids, sampling, limit[, adapter])], ``slot`` a free slot,
-        ``ids`` a prompt of at most ``width`` tokens, ``sampling`` its (temperature, top_k, drop_mass, seed, seed_hi,
-        logprobs), ``limit`` its most tokens, ``adapter`` the stack's slot of its LoRA adapter (-1 or none given: the
-        base alone) -> (their first tokens, their Scored), on the device, in ``joiners``' order. Each dp
+        """Joining prompts into the slots: joiners [(slot, ids, sampling, limit[, controls[, adapter]])], ``slot`` a
+        free slot, ``ids`` a prompt of at most ``width`` tokens, ``sampling`` its (temperature, top_k, drop_mass, seed,
+        seed_hi, logprobs), ``limit`` its most tokens, ``controls`` its processors (``pack_joiners``; none: none),
+        ``adapter`` the stack's slot of its LoRA adapter (-1 or none given: the base alone) -> (their first tokens,
+        their Scored), on the device, in ``joiners``' order. Each dp
         shard's prompts are packed into the fewest rows ``width`` wide (first-fit decreasing) and read by the program
         of the fewest ``insert_rows`` that hold them. One host-to-device copy, whatever the joiners ask (each copy
         costs the host about a millisecond on a CPU, as much as the rest of the call)."""
         shards = [[] for _ in range(self.dp)]
-        for k, (slot, ids, sampling, limit, *adapter) in enumerate(joiners):
+        for k, (slot, ids, sampling, limit, *controls) in enumerate(joiners):
             if not 0 < len(ids) <= self.width:
                 raise ValueError(f"a prompt of {len(ids)} tokens: an insert reads 1 to {self.width}")
-            shards[slot // self.local].append((k, slot % self.local, ids, sampling, limit, *adapter))
+            shards[slot // self.local].append((k, slot % self.local, ids, sampling, limit, *controls))
+        for shard in shards:
+            entries = sum(len(j[5][6]) for j in shard if len(j) > 5 and j[5] is not None)
+            if entries > processors.TABLE:
+                raise ValueError(f"joiners of {entries} table entries: an insert takes {processors.TABLE} a shard")
         placed = [first_fit([len(j[2]) for j in shard], self.width) for shard in shards]
         used = max([1] + [1 + max(r for r, _ in pl) for pl in placed if pl])
         rows = next(r for r in self.insert_rows if r >= used)
@@ -471,44 +496,67 @@ def unpack_scored(x: np.ndarray) -> continuous.Scored:
     return continuous.Scored(x[..., 0].view(np.float32), x[..., 1:1 + top], x[..., 1 + top:].view(np.float32))
 
 
-JOINER_COLUMNS = 11  # a joiner's: its slot in its shard, where its prompt starts in the packed rows flattened, its
-# length, top_k, seed, seed_hi (the seeds' bits), logprobs, limit, the bits of temperature and drop_mass, and its LoRA
-# adapter's slot in the stack (-1: none)
+JOINER_COLUMNS = 17  # a joiner's: its slot in its shard, where its prompt starts in the packed rows flattened, its
+# length, top_k, seed, seed_hi (the seeds' bits), logprobs, limit, and the bits of temperature and drop_mass; then its
+# processors' (modelling/processors.py's RowControls): the bits of presence, frequency, repetition and min_p,
+# ignore_eos, its grammar's key; then its LoRA adapter's slot in the stack (-1: none)
+ENTRY = 5  # an insert's table entry: the joiner's index in its shard's insert, its place in the row's table, the
+# token id, the bias's bits, the token index it holds below (processors.joiner_table)
+NO_CONTROLS = (0.0, 0.0, 1.0, 0.0, False, 0, ())  # a joiner that asks for no processor
 
 
 def joiner_words(rows: int, width: int, local: int) -> int:
     """The int32 words of a shard's insert (``pack_joiners``)."""
-    return 3 * rows * width + local * JOINER_COLUMNS
+    return 3 * rows * width + local * JOINER_COLUMNS + processors.TABLE * ENTRY
 
 
 def pack_joiners(shard: list, placed: list, rows: int, width: int, local: int) -> np.ndarray:
     """What a shard's insert reads, in one int32 vector (``joiner_words`` long): the packed rows' ids, segment ids
     (from 1 in each row) and positions (from 0 in each prompt), each [rows, width], then ``local`` joiners of
-    ``JOINER_COLUMNS`` (fillers: slot ``local``, length 0, no adapter). shard: [(k, slot in the shard, ids, sampling,
-    limit[, adapter])]; placed: each one's (row, column) (modelling/rows.py's ``first_fit``)."""
+    ``JOINER_COLUMNS`` (fillers: slot ``local``, length 0, no adapter), then ``processors.TABLE`` table entries of
+    ``ENTRY`` (fillers: joiner ``local``, dropped). shard: [(k, slot in the shard, ids, sampling, limit[, controls[,
+    adapter]])], controls (presence, frequency, repetition, min_p, ignore_eos, grammar key, ((token, bias, until),
+    ...)) or None (none: ``NO_CONTROLS``), adapter the stack's slot of its LoRA adapter (-1 or none given: none);
+    placed: each one's (row, column) (modelling/rows.py's ``first_fit``)."""
     block = np.zeros((3, rows, width), np.int32)
     cols = np.zeros((local, JOINER_COLUMNS), np.int32)
     cols[:, 0] = local  # fillers: a slot past the shard's, dropped
-    cols[:, 10] = -1
+    cols[:, 16] = -1
+    entries = np.zeros((processors.TABLE, ENTRY), np.int32)
+    entries[:, 0] = local
+    e = 0
     segment = np.zeros(rows, np.int32)
     bits = lambda x, dt: np.asarray(x, dt).view(np.int32)  # noqa: E731
-    for j, ((_, slot, ids, sampling, limit, *adapter), (row, col)) in enumerate(zip(shard, placed)):
+    for j, ((_, slot, ids, sampling, limit, *more), (row, col)) in enumerate(zip(shard, placed)):
         n = len(ids)
         segment[row] += 1
         block[0, row, col:col + n], block[1, row, col:col + n], block[2, row, col:col + n] = ids, segment[row], \
             np.arange(n)
         temperature, top_k, drop_mass, seed, seed_hi, logprobs = sampling
+        presence, frequency, repetition, min_p, ignore_eos, key, table = (more[0] if more and more[0] is not None
+                                                                          else NO_CONTROLS)
+        adapter = more[1] if len(more) > 1 else -1
         cols[j] = [slot, row * width + col, n, top_k, bits(seed, np.uint32), bits(seed_hi, np.uint32), logprobs, limit,
-                   bits(temperature, np.float32), bits(drop_mass, np.float32), adapter[0] if adapter else -1]
-    return np.concatenate([block.ravel(), cols.ravel()])
+                   bits(temperature, np.float32), bits(drop_mass, np.float32), bits(presence, np.float32),
+                   bits(frequency, np.float32), bits(repetition, np.float32), bits(min_p, np.float32), ignore_eos, key,
+                   adapter]
+        for k, (token, bias, until) in enumerate(table):
+            entries[e] = [j, k, token, bits(bias, np.float32), until]
+            e += 1
+    return np.concatenate([block.ravel(), cols.ravel(), entries.ravel()])
 
 
 def unpack_joiners(words, rows: int, width: int, local: int) -> tuple:
     """``pack_joiners``' vector (on the device) -> ((ids, segments, positions) [rows, width], at, lengths, slots,
-    Sampling, limit, adapters)."""
+    Sampling, limit, the joiners' processors (a RowControls without table and history), the table entries [TABLE,
+    ENTRY], the joiners' adapters)."""
     block = words[:3 * rows * width].reshape(3, rows, width)
-    cols = words[3 * rows * width:].reshape(local, JOINER_COLUMNS)
+    end = 3 * rows * width + local * JOINER_COLUMNS
+    cols = words[3 * rows * width:end].reshape(local, JOINER_COLUMNS)
     col = lambda i: cols[:, i]  # noqa: E731
-    s = continuous.Sampling(_from_words(col(8), jnp.float32), col(3), _from_words(col(9), jnp.float32),
-                          _from_words(col(4), jnp.uint32), _from_words(col(5), jnp.uint32), col(6))
-    return (block[0], block[1], block[2]), col(1), col(2), col(0), s, col(7), col(10)
+    f32 = lambda i: _from_words(col(i), jnp.float32)  # noqa: E731
+    s = continuous.Sampling(f32(8), col(3), f32(9), _from_words(col(4), jnp.uint32), _from_words(col(5), jnp.uint32),
+                            col(6))
+    controls = RowControls(f32(10), f32(11), f32(12), f32(13), col(14) != 0, col(15), None, None)
+    entries = words[end:].reshape(processors.TABLE, ENTRY)
+    return (block[0], block[1], block[2]), col(1), col(2), col(0), s, col(7), controls, entries, col(16)

@@ -22,21 +22,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from modelling import processors
+from modelling.processors import Processors
 from modelling.tp import tp_index, trivial
 
 
-def greedy_token(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
-    """Argmax over vocab-sharded logits. logits [b, Vl] -> int32 [b] global ids.
+def greedy_token(logits: jax.Array, tp_axis: Optional[str], vocab: int = 0) -> jax.Array:
+    """Argmax over vocab-sharded logits. logits [b, Vl] -> int32 [b] global ids; ``vocab``: ids at or past it (the
+    embedding's rows past the tokenizer's vocabulary) never chosen (0: every id).
 
     Each device takes its local max and index; the maxima are gathered over tp (a
     [tp, b] exchange, not the logits) and the first device holding the largest wins,
     which reproduces argmax's lowest-index tie-break.
     """
+    offset = 0 if trivial(tp_axis) else tp_index(tp_axis) * logits.shape[-1]
+    if vocab and vocab < logits.shape[-1] * (1 if trivial(tp_axis) else lax.axis_size(tp_axis)):
+        logits = jnp.where(offset + jnp.arange(logits.shape[-1])[None] < vocab, logits, -jnp.inf)
     local_idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if trivial(tp_axis):
         return local_idx
     local_max = jnp.max(logits, axis=-1)
-    offset = tp_index(tp_axis) * logits.shape[-1]
     maxes = lax.all_gather(local_max, tp_axis)  # [tp, b]
     idxs = lax.all_gather(local_idx + offset, tp_axis)
     best = jnp.argmax(maxes, axis=0)
@@ -67,7 +72,7 @@ def greedy(family, params: dict, input_ids: jax.Array, attention_mask: jax.Array
     [b, max_new_tokens]: each sequence stops at ``eos_id`` (kept) and is padded with ``pad_id`` after it.
     ``encoded``: the prompt stacks' output read already (``start``), then ``input_ids`` is not read."""
     return _one_beam(family, params, input_ids, attention_mask, opts, max_new_tokens, tp_axis, eos_id, pad_id,
-                     lambda logits, i: greedy_token(logits, tp_axis), encoded)
+                     lambda logits, i, out: greedy_token(logits, tp_axis), encoded)
 
 
 def start(family, w, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis, encoded=None) -> tuple:
@@ -81,12 +86,14 @@ def start(family, w, input_ids, attention_mask, opts, max_new_tokens: int, tp_ax
 
 def _one_beam(family, params, input_ids, attention_mask, opts, max_new_tokens: int, tp_axis, eos_id: int,
               pad_id: int, choose, encoded=None) -> jax.Array:
-    """A search that follows one sequence per row: ``choose(logits [b, Vl], i) -> int32 [b]`` picks token i."""
+    """A search that follows one sequence per row: ``choose(logits [b, Vl], i, out) -> int32 [b]`` picks token i
+    (out int32 [b, max_new_tokens]: the tokens so far, its columns from i on padding)."""
     w = family.decoding_params(params, opts)
     logits, cache = start(family, w, input_ids, attention_mask, opts, max_new_tokens, tp_axis, encoded)
     b = attention_mask.shape[0]
-    first = choose(logits, 0)
-    out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+    out = jnp.full((b, max_new_tokens), pad_id, jnp.int32)
+    first = choose(logits, 0, out)
+    out = out.at[:, 0].set(first)
 
     def cond(carry):
         i, _, _, _, done = carry
@@ -95,7 +102,7 @@ def _one_beam(family, params, input_ids, attention_mask, opts, max_new_tokens: i
     def body(carry):
         i, token, out, cache, done = carry
         logits, cache = family.decode_step(w, token, i - 1, cache, opts, tp_axis)
-        nxt = jnp.where(done, pad_id, choose(logits, i))
+        nxt = jnp.where(done, pad_id, choose(logits, i, out))
         out = lax.dynamic_update_slice_in_dim(out, nxt[:, None], i, axis=1)
         return i + 1, nxt, out, cache, done | (nxt == eos_id)
 
@@ -134,9 +141,13 @@ class Options:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    vocab: int = 0  # the tokenizer's vocabulary: ids at or past it are never chosen (0: every id the model has)
+    processors: Processors = Processors()  # HF's logits processors, before the warpers (modelling/processors.py)
 
     @classmethod
     def of_config(cls, inference) -> "Options":
+        """The config's decoding options (the processors that need a tokenizer or a task: ``app/predict.py``'s
+        ``decoding_options``)."""
         i = inference
         return cls(i.output_length, i.num_beams, i.length_penalty, i.early_stopping, i.do_sample, i.temperature,
                    i.top_k, i.top_p)
@@ -149,20 +160,76 @@ def decode(family, params: dict, input_ids, attention_mask, opts, options: Optio
     (each row's draws depend on its index, so the outputs are the same at any dp x tp); ``encoded``: see ``start``."""
     n = options.max_new_tokens
     if options.num_beams > 1:
-        return beam_search(family, params, input_ids, attention_mask, opts, options, tp_axis, eos_id, pad_id, encoded)
-    if options.do_sample:
-        rows = row_offset + jnp.arange(attention_mask.shape[0])
+        return beam_search(family, params, input_ids, attention_mask, opts, options, tp_axis, eos_id, pad_id, encoded,
+                           row_offset)
+    rows = row_offset + jnp.arange(attention_mask.shape[0])
+    scores = _processed(family, input_ids, attention_mask, options, tp_axis, rows, eos_id)
 
-        def choose(logits, i):
-            return sample_token(warp(gather_vocab(logits, tp_axis), options), jax.random.fold_in(key, i), rows)
+    def choose(logits, i, out):
+        if options.do_sample:
+            return sample_token(warp(scores(logits, i, out), options), jax.random.fold_in(key, i), rows)
+        if scores is not _gathered:
+            return jnp.argmax(scores(logits, i, out), axis=-1).astype(jnp.int32)
+        return greedy_token(logits, tp_axis, options.vocab)
 
-        return _one_beam(family, params, input_ids, attention_mask, opts, n, tp_axis, eos_id, pad_id, choose, encoded)
-    return greedy(family, params, input_ids, attention_mask, opts, n, tp_axis, eos_id, pad_id, encoded)
+    return _one_beam(family, params, input_ids, attention_mask, opts, n, tp_axis, eos_id, pad_id, choose, encoded)
+
+
+def _gathered(logits, i, out):
+    return logits  # (a marker: the scores need no processing, greedy takes the sharded logits as they are)
+
+
+def _processed(family, input_ids, attention_mask, options: Options, tp_axis, rows, eos_id: int):
+    """(logits [b, Vl], i, out [b, n]) -> the scores token i is chosen from, float32 [b, V'] (gathered over tp, cut
+    to the tokenizer's vocabulary, the processors applied with the row's tokens so far); ``_gathered`` itself for a
+    greedy search with no processor (which needs no gathered logits)."""
+    procs, n = options.processors, options.max_new_tokens
+    if not procs.active and not options.do_sample:
+        return _gathered
+    if not procs.active:
+        return lambda logits, i, out: processors.vocab_limit(gather_vocab(logits, tp_axis), options.vocab)
+    history, read, p = processors.decoder_history(family, input_ids, attention_mask, n)
+    cols = jnp.arange(n)[None]
+
+    def scores(logits, i, out):
+        full = processors.vocab_limit(gather_vocab(logits, tp_axis).astype(jnp.float32), options.vocab)
+        new = jnp.where(cols < i, out, processors.NO_TOKEN)
+        b = new.shape[0]
+        count = jnp.full((b,), i, jnp.int32)
+        hist = history.at[:, p:].set(new)
+        keys = jnp.where(jnp.any(new == eos_id, axis=1), 0, rows + 1)  # (a row that ended asks the host nothing)
+        return procs(full, hist, read.at[:, p:].set(cols < i), p + count, new, count, keys)
+
+    return scores
 
 
 def gather_vocab(logits: jax.Array, tp_axis: Optional[str]) -> jax.Array:
     """Vocab-sharded logits [b, Vl] -> the whole vocabulary [b, V] on every tp device."""
     return logits if trivial(tp_axis) else lax.all_gather(logits, tp_axis, axis=logits.ndim - 1, tiled=True)
+
+
+def label_scores(family, params: dict, input_ids, attention_mask, opts, labels: jax.Array, tp_axis=None,
+                 pad_id: int = 0, encoded=None) -> jax.Array:
+    """Rank classification (SeqIO's and T5X's way of scoring a label task): each prompt's log-likelihood of each
+    label, the sum of its tokens' log-probabilities (its end-of-text token's included) given the prompt and the
+    tokens before them. ids/mask [b, k], labels int32 [L, T] (-1 past a label's tokens) -> float32 [b, L]. The
+    prompts are read once; each is then followed by every label (as beam search follows its beams)."""
+    w = family.decoding_params(params, opts)
+    logits, cache = start(family, w, input_ids, attention_mask, opts, labels.shape[1], tp_axis, encoded)
+    n, (L, T) = attention_mask.shape[0], labels.shape
+    cache = jax.tree.map(lambda x: jnp.repeat(x, L, axis=0), cache)
+    tokens = jnp.tile(labels, (n, 1))  # [n L, T]: row r * L + l is prompt r followed by label l
+
+    def body(t, carry):
+        logits, cache, total = carry
+        lsm = jax.nn.log_softmax(gather_vocab(logits, tp_axis).astype(jnp.float32), axis=-1)
+        tok = tokens[:, t]
+        total += jnp.where(tok >= 0, jnp.take_along_axis(lsm, jnp.maximum(tok, 0)[:, None], axis=1)[:, 0], 0.0)
+        logits, cache = family.decode_step(w, jnp.where(tok >= 0, tok, pad_id), t, cache, opts, tp_axis)
+        return logits, cache, total
+
+    init = (jnp.repeat(logits, L, axis=0), cache, jnp.zeros(n * L, jnp.float32))
+    return lax.fori_loop(0, T, body, init)[2].reshape(n, L)
 
 
 # --------------------------------------------------------------------------- sampling
@@ -199,7 +266,7 @@ NEG = -1.0e9  # HF's "very large negative value" for beams and candidates that m
 
 
 def beam_search(family, params: dict, input_ids, attention_mask, opts, options: Options, tp_axis=None,
-                eos_id: int = 1, pad_id: int = 0, encoded=None) -> jax.Array:
+                eos_id: int = 1, pad_id: int = 0, encoded=None, row_offset=0) -> jax.Array:
     """Beam search as HF's vectorised ``_beam_search`` (transformers 5) does it, one compiled loop: each step keeps
     the top 2 x num_beams continuations over all beams, the best num_beams that did not end continue, those of the
     top num_beams that ended (at EOS, or at max_new_tokens) join the finished hypotheses with their log-probability
@@ -212,6 +279,7 @@ def beam_search(family, params: dict, input_ids, attention_mask, opts, options: 
     cache = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), cache)  # each row's prompt read once, then k beams
     logits = jnp.repeat(logits, k, axis=0)
     state = _BeamState.start(b, k, n, tp_axis)
+    process = _beam_processors(family, input_ids, attention_mask, options, k, row_offset, eos_id)
 
     def cond(carry):
         i, _, _, st, go = carry
@@ -219,7 +287,7 @@ def beam_search(family, params: dict, input_ids, attention_mask, opts, options: 
 
     def body(carry):
         i, logits, cache, st, _ = carry
-        st, parents, go = _beam_step(st, gather_vocab(logits, tp_axis), i, options, eos_id)
+        st, parents, go = _beam_step(st, gather_vocab(logits, tp_axis), i, options, eos_id, process)
         flat = (parents + jnp.arange(b)[:, None] * k).reshape(-1)  # each new beam's parent, as a row of the cache
         cache = family.reorder_beams(cache, flat)
         step = lambda: family.decode_step(w, st.tokens[:, :, i].reshape(-1), i, cache, opts, tp_axis)  # noqa: E731
@@ -256,12 +324,34 @@ def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def _beam_step(st: _BeamState, logits: jax.Array, i, options: Options, eos_id: int) -> tuple:
+def _beam_processors(family, input_ids, attention_mask, options: Options, k: int, row_offset, eos_id: int):
+    """(log-probabilities [b k, V], i, the running beams' tokens [b, k, n]) -> them processed as HF's beam search
+    processes them (after the log-softmax: the vocabulary's cut, then the processors, each beam its own row)."""
+    procs, n = options.processors, options.max_new_tokens
+    if not procs.active:
+        return lambda lp, i, tokens: processors.vocab_limit(lp, options.vocab)
+    history, read, p = processors.decoder_history(family, input_ids, attention_mask, n)
+    history, read = jnp.repeat(history, k, axis=0), jnp.repeat(read, k, axis=0)
+    keys = jnp.repeat(row_offset + jnp.arange(input_ids.shape[0]), k) * k + jnp.tile(jnp.arange(k), input_ids.shape[0])
+    cols = jnp.arange(n)[None]
+
+    def process(lp, i, tokens):
+        new = jnp.where(cols < i, tokens.reshape(-1, n), processors.NO_TOKEN)
+        count = jnp.full((new.shape[0],), i, jnp.int32)
+        live = jnp.where(jnp.any(new == eos_id, axis=1), 0, keys + 1)
+        return procs(processors.vocab_limit(lp, options.vocab), history.at[:, p:].set(new),
+                     read.at[:, p:].set(cols < i), p + count, new, count, live)
+
+    return process
+
+
+def _beam_step(st: _BeamState, logits: jax.Array, i, options: Options, eos_id: int, process) -> tuple:
     """One step of HF's beam search at new token i: (state, each new running beam's parent beam [b, k], whether
     the search goes on)."""
     b, k, n = st.tokens.shape
     lp, es = options.length_penalty, options.early_stopping
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(b, k, -1) + st.scores[..., None]
+    log_probs = process(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), i, st.tokens)
+    log_probs = log_probs.reshape(b, k, -1) + st.scores[..., None]
     vocab = log_probs.shape[-1]
     top, idx = lax.top_k(log_probs.reshape(b, -1), 2 * k)  # HF's beams_to_keep: (1 + one EOS token) x num_beams
     parent, token = idx // vocab, (idx % vocab).astype(jnp.int32)

@@ -260,6 +260,8 @@ class Family(abc.ABC):
     causal: bool  # one causal stack: a prompt and its target are one sequence (else an encoder-decoder)
     left_pad_prompts: bool = False  # decoding continues each prompt from its last token: prompts right-aligned
     scores_prompts: bool = False  # ``prompt_logits`` gives its prompt's own log-probabilities (a causal LM's)
+    decoder_start: int = 0  # the token an encoder-decoder's decoder reads first (what its processors see before the
+    # new tokens, as HF's decoder_input_ids; a causal LM's decoder reads its prompt)
     stacks: tuple  # its Stacks, in forward order
     head_stream: int  # the dropout stream of the head
     batch_keys: tuple  # the keys of a training batch it reads
@@ -270,6 +272,13 @@ class Family(abc.ABC):
     config_options: tuple = ()  # its own config fields: frozen dataclasses of ``spec`` fields, each naming the config
     # section it joins (``section``: "model.attention"); config/schema.py's add_options adds them (registry.py)
     options: type = ModelOptions  # what its model functions read: ModelOptions and its config_options' fields
+
+    @property
+    def continues_prompt(self) -> bool:
+        """Whether its output continues its prompt's text (a causal LM's: its first new token follows the prompt's
+        last, so its text is read after the prompt's, a leading space kept); an encoder-decoder's answer is a text
+        of its own."""
+        return self.causal
 
     def options_of(self, cfg) -> ModelOptions:
         """The options its model functions read, of a config (``options.from_config``)."""

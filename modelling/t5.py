@@ -717,6 +717,7 @@ class T5Family(Family):
     name = "t5"
     hf = HF
     causal = False
+    decoder_start = DECODER_START
     rows = Seq2SeqRows()
     lora_targets = ("q", "v", "cq", "cv")  # PEFT's T5 default ("q", "v") matches the cross-attention's too
     residual_outputs = ("o", "co", "wo")

@@ -10,11 +10,17 @@ bits, ``logprobs`` at most the server's ``--max_logprobs``, ``n`` and ``best_of`
 ``/v1/completions``: ``model``, ``prompt`` (a string, a list of strings, a list of token ids, or a list of such
 lists), ``max_tokens`` (0 only with ``echo``: the prompt scored, nothing generated), ``temperature`` (0: greedy),
 ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``n``, ``best_of``, ``logprobs`` (0 to --max_logprobs),
-``echo``, ``stream``, ``stream_options`` (``include_usage``), ``user``; OpenAI's penalties, ``logit_bias`` and
-``suffix`` only at their defaults. ``/v1/chat/completions``: ``messages`` instead of ``prompt``,
-``max_completion_tokens`` (or ``max_tokens``), ``logprobs`` true/false with ``top_logprobs``; tools and response
-formats only at their defaults. Extensions, as vLLM names them: ``top_k`` (0 or -1: off) and ``return_token_ids``
-(each choice carries its ``token_ids``, and ``prompt_token_ids``).
+``echo``, ``stream``, ``stream_options`` (``include_usage``; vLLM's ``continuous_usage_stats``), ``user``,
+``presence_penalty`` and ``frequency_penalty`` (-2 to 2), ``logit_bias`` (at most 300 token ids, -100 to 100),
+``response_format`` (text, json_object, json_schema); ``suffix`` only at its default. ``/v1/chat/completions``:
+``messages`` instead of ``prompt``, ``max_completion_tokens`` (or ``max_tokens``), ``logprobs`` true/false with
+``top_logprobs``; tools only at their defaults. Extensions, as vLLM names them and bounds them: ``top_k`` (0 or -1:
+off), ``return_token_ids`` (each choice carries its ``token_ids``, and ``prompt_token_ids``), ``ignore_eos``,
+``min_tokens`` (at most max_tokens), ``min_p`` (0 to 1), ``repetition_penalty`` (> 0), ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``spaces_between_special_tokens``, ``allowed_token_ids``,
+chat's ``echo`` and ``add_generation_prompt``, and structured outputs in both spellings (``structured_outputs``:
+json, regex, choice, grammar, json_object; the older ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``), one a request.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ MAX_DEPTH = 16  # nesting of a request body's JSON (arrays and objects)
 SEED_LOW, SEED_HIGH = -2 ** 63, 2 ** 64 - 1  # OpenAI's int64, and every unsigned 64-bit seed
 ROLES = ("system", "developer", "user", "assistant")
 # OpenAI's fields this server does not implement, with the values each may take (its defaults)
-UNSUPPORTED = {"suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "logit_bias": (None, {})}
+UNSUPPORTED = {"suffix": (None, ""), "bad_words": (None, []), "use_beam_search": (None, False),
+               "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "guided_whitespace_pattern": (None,),
+               "guided_decoding_backend": (None,)}
 CHAT_UNSUPPORTED = {**{k: v for k, v in UNSUPPORTED.items() if k != "suffix"}, "tools": (None, []),
                     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-                    "response_format": (None, {"type": "text"}), "parallel_tool_calls": (None, True, False)}
+                    "parallel_tool_calls": (None, True, False), "continue_final_message": (None, False)}
+MAX_BIAS = 300  # logit_bias entries (OpenAI's bound)
+MAX_STOP_IDS = 16  # stop_token_ids (a row's table holds them with its bias: serving/controls.py)
 
 
 class ApiError(Exception):
@@ -104,6 +113,22 @@ class Request:
     include_usage: bool
     return_token_ids: bool
     model: str = ""  # the model id it named: the base's, or a LoRA adapter's (docs/serving.md, "Many adapters")
+    # OpenAI's penalties and bias, vLLM's extras (serving/controls.py carries the processors to the slots)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logit_bias: tuple = ()  # ((token id, bias), ...)
+    stop_token_ids: tuple = ()
+    allowed_token_ids: tuple = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    continuous_usage_stats: bool = False  # usage on every streamed chunk
+    add_generation_prompt: bool = True  # chat: the template's generation prompt
+    constraint: Optional[tuple] = None  # structured outputs: (kind, spec, the field that gave it) (decoder/grammar.py)
 
 
 def _bad(field: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -269,15 +294,159 @@ def _stop(body: dict) -> tuple:
     return tuple(text("stop", s, empty_ok=False) for s in stops)
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
+def _stream_options(body: dict, stream: bool) -> tuple:
+    """(include_usage, continuous_usage_stats: usage on every chunk, as vLLM's)."""
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return False, False
     if not stream:
         raise _bad("stream_options", "is only taken with stream=true")
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise _bad("stream_options", 'must be an object with "include_usage" only')
-    return _flag(opts, "include_usage")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise _bad("stream_options", 'must be an object with "include_usage" and "continuous_usage_stats" only')
+    return _flag(opts, "include_usage"), _flag(opts, "continuous_usage_stats")
+
+
+def _token_ids(body: dict, field: str, limits: Limits, most: int) -> tuple:
+    """A list of at most ``most`` token ids of the model's vocabulary (none: ())."""
+    x = body.get(field)
+    if x is None:
+        return ()
+    if not isinstance(x, list) or len(x) > most or not all(_is_int(t) and 0 <= t < limits.vocab_size for t in x):
+        raise _bad(field, f"must be a list of at most {most} token ids from 0 to {limits.vocab_size - 1} (got "
+                          f"{_show(x)})")
+    return tuple(dict.fromkeys(x))
+
+
+def _logit_bias(body: dict, limits: Limits) -> tuple:
+    """OpenAI's logit_bias: {token id (a JSON key, so a string): bias from -100 to 100}, at most MAX_BIAS of them
+    -> ((id, bias), ...)."""
+    x = body.get("logit_bias")
+    if x is None:
+        return ()
+    if not isinstance(x, dict) or len(x) > MAX_BIAS:
+        raise _bad("logit_bias", f"must be an object of at most {MAX_BIAS} token ids, each mapped to a bias from -100 "
+                                 f"to 100 (got {_show(x) if not isinstance(x, dict) else f'{len(x)} entries'})")
+    out = []
+    for k, v in x.items():
+        if not (isinstance(k, str) and k.strip().lstrip("-").isdigit() and 0 <= int(k) < limits.vocab_size):
+            raise _bad("logit_bias", f"keys must be token ids from 0 to {limits.vocab_size - 1} (got {_show(k)})")
+        if not ((_is_int(v) or isinstance(v, float)) and -100 <= v <= 100 and math.isfinite(v)):
+            raise _bad("logit_bias", f"values must be numbers from -100 to 100 (got {_show(v)})")
+        out.append((int(k), float(v)))
+    return tuple(out)
+
+
+def _extras(body: dict, limits: Limits, max_tokens: int, stream: bool) -> dict:
+    """OpenAI's penalties and bias and vLLM's sampling extras, checked, as ``Request`` fields."""
+    include_usage, continuous = _stream_options(body, stream)
+    out = dict(
+        include_usage=include_usage, continuous_usage_stats=continuous,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 3.4e38, low_open=True),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0), ignore_eos=_flag(body, "ignore_eos"),
+        logit_bias=_logit_bias(body, limits), stop_token_ids=_token_ids(body, "stop_token_ids", limits, MAX_STOP_IDS),
+        allowed_token_ids=_token_ids(body, "allowed_token_ids", limits, limits.vocab_size),
+        include_stop_str_in_output=_flag(body, "include_stop_str_in_output"),
+        skip_special_tokens=_flag_true(body, "skip_special_tokens"),
+        spaces_between_special_tokens=_flag_true(body, "spaces_between_special_tokens"),
+        constraint=_constraint(body))
+    out["min_tokens"] = _int(body, "min_tokens", 0, 0, max_tokens)
+    if body.get("allowed_token_ids") is not None and not out["allowed_token_ids"]:
+        raise _bad("allowed_token_ids", "must hold at least one token id (an empty list allows no token)")
+    return out
+
+
+def _flag_true(body: dict, field: str) -> bool:
+    """A flag whose default is true."""
+    return True if body.get(field) is None else _flag(body, field)
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # vLLM's older spelling of structured_outputs' fields
+STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+              "json_object": "json_object"}
+
+
+def _constraint(body: dict) -> Optional[tuple]:
+    """Structured outputs, whichever spelling: response_format (OpenAI's json_object, json_schema), vLLM's
+    guided_json / guided_regex / guided_choice / guided_grammar, or its structured_outputs object -> (kind, spec, the
+    field) or None; at most one of them."""
+    found = [c for c in [_response_format(body)] + [_guided(body[f], k, f) for f, k in GUIDED.items()
+                                                     if body.get(f) is not None] + [_structured(body)] if c]
+    if len(found) > 1:
+        raise _bad(found[1][2], f"cannot be used with {found[0][2]}: a request takes one structured output")
+    return found[0] if found else None
+
+
+def _response_format(body: dict) -> Optional[tuple]:
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    field = "response_format"
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(rf, dict) or rf.get("type") not in kinds:
+        raise _bad(field, f'must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": "json_schema", '
+                          f'"json_schema": {{"name": ..., "schema": ...}}}} (got {_show(rf)})')
+    if rf["type"] != "json_schema":
+        if set(rf) - {"type"}:
+            raise _bad(field, f'of type {rf["type"]} takes no other key (got {_show(sorted(rf))})')
+        return None if rf["type"] == "text" else ("json_object", None, field)
+    js = rf.get("json_schema")
+    if set(rf) - {"type", "json_schema"} or not isinstance(js, dict) or set(js) - {"name", "schema", "strict",
+                                                                                  "description"}:
+        raise _bad(field, 'of type json_schema takes "json_schema": {"name", "schema", "strict", "description"} '
+                          f"(got {_show(rf)})")
+    text(f"{field}.json_schema.name", js.get("name"), empty_ok=False)
+    if js.get("strict") is not None:
+        _flag(js, "strict")
+    if js.get("schema") is None:
+        return "json_object", None, field
+    return _guided(js["schema"], "json_schema", f"{field}.json_schema.schema")
+
+
+def _guided(spec, kind: str, field: str) -> tuple:
+    """A structured output's spec checked for its kind -> (kind, spec, field)."""
+    if kind == "json_schema":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except ValueError as e:
+                raise _bad(field, f"is not valid JSON ({e})") from None
+        if not isinstance(spec, dict):
+            raise _bad(field, f"must be a JSON schema (an object; got {_show(spec)})")
+    elif kind == "choice":
+        if not isinstance(spec, list) or not spec or len(spec) > 1024:
+            raise _bad(field, f"must be a list of 1 to 1024 texts (got {_show(spec)})")
+        spec = [text(field, t) for t in spec]
+    elif kind == "json_object":
+        if spec is not True:
+            raise _bad(field, f"must be true (got {_show(spec)})")
+        return "json_object", None, field
+    else:
+        text(field, spec, empty_ok=False)
+    return kind, spec, field
+
+
+def _structured(body: dict) -> Optional[tuple]:
+    so = body.get("structured_outputs")
+    if so is None:
+        return None
+    field = "structured_outputs"
+    if not isinstance(so, dict):
+        raise _bad(field, f"must be an object with one of {', '.join(STRUCTURED)} (got {_show(so)})")
+    unknown = set(so) - set(STRUCTURED) - {"disable_any_whitespace", "disable_additional_properties"}
+    if unknown:
+        raise _bad(field, f"takes {', '.join(STRUCTURED)} (one of them), disable_any_whitespace and "
+                          f"disable_additional_properties (false); not {', '.join(sorted(map(repr, unknown)))[:100]}")
+    for flag in ("disable_any_whitespace", "disable_additional_properties"):
+        if _flag(so, flag):
+            raise _bad(f"{field}.{flag}", "is not supported by this server (leave it out, or pass false)",
+                       "unsupported_value")
+    given = [k for k in STRUCTURED if so.get(k) is not None]
+    if len(given) != 1:
+        raise _bad(field, f"must give exactly one of {', '.join(STRUCTURED)} (got {len(given)})")
+    return _guided(so[given[0]], STRUCTURED[given[0]], f"{field}.{given[0]}")
 
 
 def _choices(body: dict, stream: bool) -> tuple:
@@ -290,9 +459,12 @@ def _choices(body: dict, stream: bool) -> tuple:
 
 
 COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
-          "return_token_ids", "user", "logprobs")
+          "return_token_ids", "user", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
+          "response_format", "ignore_eos", "min_tokens", "min_p", "repetition_penalty", "stop_token_ids",
+          "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids",
+          "structured_outputs") + tuple(GUIDED)
 COMPLETION_FIELDS = COMMON + ("prompt", "best_of", "echo")
-CHAT_FIELDS = COMMON + ("messages", "max_completion_tokens", "top_logprobs")
+CHAT_FIELDS = COMMON + ("messages", "max_completion_tokens", "top_logprobs", "echo", "add_generation_prompt")
 
 
 def _sampling(body: dict, limits: Limits, max_tokens: int, logprobs, echo: bool, chat: bool, prompts: tuple,
@@ -311,7 +483,8 @@ def _sampling(body: dict, limits: Limits, max_tokens: int, logprobs, echo: bool,
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=_int(body, "top_k", 0, -1, limits.vocab_size), seed=None if seed is None else seed % 2 ** 64,
         stop=_stop(body), n=n, best_of=best_of, logprobs=logprobs, echo=echo, stream=stream,
-        include_usage=_stream_options(body, stream), return_token_ids=_flag(body, "return_token_ids"), model=model)
+        return_token_ids=_flag(body, "return_token_ids"), add_generation_prompt=_flag_true(body, "add_generation_prompt"),
+        model=model, **_extras(body, limits, max_tokens, stream))
 
 
 def parse_completion(raw: bytes, limits: Limits, models) -> Request:
@@ -374,7 +547,8 @@ def parse_chat(raw: bytes, limits: Limits, models) -> Request:
         raise _bad("top_logprobs", "is only taken with logprobs=true")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, field, limits.default_max_tokens, 1, limits.max_tokens)
-    return _sampling(body, limits, max_tokens, (top or 0) if wants else None, False, True, (), messages, model)
+    return _sampling(body, limits, max_tokens, (top or 0) if wants else None, _flag(body, "echo"), True, (),
+                     messages, model)
 
 
 # --------------------------------------------------------------------------- response bodies

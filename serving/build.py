@@ -28,7 +28,9 @@ def build_engine(cfg, options: ServeOptions, params=None) -> Engine:
     """The engine over the weights the config names (or ``params``), every program compiled; chat messages rendered
     in the family's prompt format."""
     backend, tokenizer, encode = build_backend(cfg, options, params)
-    return Engine(backend, tokenizer, encode, options, prompt_format=registry.checked(cfg).prompt)
+    family = registry.checked(cfg)
+    return Engine(backend, tokenizer, encode, options, prompt_format=family.prompt,
+                  continues_prompt=family.continues_prompt)
 
 
 def build_backend(cfg, options: ServeOptions, params=None) -> tuple:

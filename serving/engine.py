@@ -30,13 +30,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from decoder.grammar import GrammarError, Grammars
 from serving.api import Limits
+from serving.controls import NONE, Controls
 from serving.metrics import Metrics
 from serving.output import Output, OutputProcessor
 from serving.scheduler import Scheduler, SchedulerError, Sequence
 from utils.errors import ConfigError, FlanT5Error
 
 logger = logging.getLogger("flan_t5")
+CONTEXT = 6  # a prompt's last tokens a completion's text is read after (vLLM's incremental detokenizer reads 5)
 MAX_STEPS_FACTOR = 4  # the most steps a call takes with every slot taken, by default: 4 x --steps_per_call
 DEFAULT_SPANS = 1  # advance programs (N: each attending over a prefix of the cache, 1/N ... N/N of it)
 DEFAULT_QUEUE = 256  # sequences waiting for a slot (at least; 4 x slots where more): a burst waits, not a 429
@@ -205,13 +208,19 @@ def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
     return z ^ (z >> 31)
 
 
+def context(engine, ids: list) -> list:
+    """The prompt's tokens a completion's text is read after (its last ``CONTEXT``; none where the engine's model
+    does not continue its prompt): so a word-level or Metaspace tokenizer's first new word keeps its space."""
+    return list(ids[-CONTEXT:]) if getattr(engine, "continues_prompt", False) else []
+
+
 class Generation:
     """One request in flight (``Engine.generate``): its sequences (each prompt's best_of candidates, in that order),
     the queue their events arrive on (serving/output.py's ``Event``; the HTTP layer's own marks too), and what the
     events said so far of each candidate: its text, token ids, log-probabilities, finish reason, token count and
     cumulative log-probability."""
 
-    def __init__(self, engine, req, prompts: list):
+    def __init__(self, engine, req, prompts: list, controls: Controls = NONE):
         self.engine, self.req = engine, req
         self.gone = False  # its client went away
         self.prompt_ids = [ids for ids, _ in prompts]
@@ -222,10 +231,15 @@ class Generation:
         for i, (ids, text) in enumerate(prompts):
             for j in range(req.best_of):
                 out = Output(i * req.best_of + j, self.queue, req.stop, req.stream, req.logprobs,
-                             text if req.echo else None, ids if req.echo and req.logprobs is not None else None,
-                             distinct=not req.chat)  # (the legacy top_logprobs: keyed by text)
+                             text if req.echo else None,
+                             ids if req.echo and req.logprobs is not None and not req.chat else None,
+                             distinct=not req.chat,  # (the legacy top_logprobs: keyed by text)
+                             skip_special=req.skip_special_tokens, include_stop=req.include_stop_str_in_output,
+                             min_tokens=req.min_tokens, context=context(engine, ids),
+                             spaces_between_special=req.spaces_between_special_tokens)
                 self.seqs.append(Sequence(ids, req.max_tokens, req.temperature, req.top_p, req.top_k,
-                                          choice_seed(req.seed, j), wants, out.echo_ids is not None, out))
+                                          choice_seed(req.seed, j), wants, out.echo_ids is not None, out,
+                                          controls=controls))
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         n = len(self.seqs)
@@ -272,9 +286,14 @@ class Engine:
     chat messages are one)."""
 
     def __init__(self, backend, tokenizer, encode: Callable, options: ServeOptions,
-                 prompt_format: Callable = lambda text: text):
+                 prompt_format: Callable = lambda text: text, continues_prompt: bool = False):
         self.backend, self.tokenizer, self.encode, self.options = backend, tokenizer, encode, options
         self.prompt_format = prompt_format
+        # a causal LM's output continues its prompt: its tokens' text is read after the prompt's last tokens
+        # (``context``), as the grammars match it (an encoder-decoder's answer is a text of its own)
+        self.continues_prompt = continues_prompt
+        self.grammars = Grammars(tokenizer, getattr(backend, "n_tokens", backend.vocab_size), backend.eos_id,
+                                 optional_space=False if continues_prompt else None)
         self.model_id, self.created = options.model_id, int(time.time())
         self.limits = Limits(max_tokens=options.max_new_tokens, default_max_tokens=options.max_new_tokens,
                              max_prompt_tokens=backend.max_prompt, max_prompt_chars=options.max_prompt_chars,
@@ -310,20 +329,37 @@ class Engine:
                               "context_length_exceeded")
         return list(ids)
 
+    def controls(self, req) -> Controls:
+        """A request's processors (serving/controls.py), its structured output compiled (or from the cache):
+        PromptError naming the field where the grammar library refuses it, or no token can start it."""
+        if req.constraint is not None:
+            kind, spec, field = req.constraint
+            try:
+                constraint = self.grammars.compile(kind, spec, field)
+            except GrammarError as e:
+                raise PromptError(e.field, f"cannot be followed: {e.reason}", "invalid_grammar") from None
+        elif req.allowed_token_ids:
+            constraint = self.grammars.allowed(req.allowed_token_ids)
+        else:
+            constraint = None
+        controls = Controls(req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.min_p,
+                            req.min_tokens, req.ignore_eos, req.stop_token_ids, req.logit_bias, constraint)
+        return NONE if controls == NONE else controls
+
     def prompt_text(self, prompt) -> str:
         """What a prompt says: the text as given, or its token ids decoded."""
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt), skip_special_tokens=True)
 
-    def render_chat(self, messages: tuple) -> str:
+    def render_chat(self, messages: tuple, add_generation_prompt: bool = True) -> str:
         """Chat messages -> the one prompt the model reads: the chat template's text in the family's prompt format
-        (see the module docstring)."""
+        (see the module docstring); ``add_generation_prompt``: the template's (vLLM's field)."""
         if self.chat_template is None and messages[-1]["role"] != "user":
             raise PromptError("messages", "must end with a user message: the model answers it (this model has no "
                                           "chat template; pass --chat_template FILE for another format)")
         try:
             out = self.tokenizer.apply_chat_template(list(messages), chat_template=self.chat_template or
                                                      DEFAULT_CHAT_TEMPLATE, tokenize=False,
-                                                     add_generation_prompt=True)
+                                                     add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 (a template's own raise_exception, or one that fails on these messages)
             raise PromptError("messages", f"could not be rendered by the chat template: {str(e)[:200]}") from None
         if not out.strip():
@@ -350,7 +386,7 @@ class Engine:
         if model not in self.served:
             raise AdapterRequestError(f"the model {model!r} does not exist (any more): GET /v1/models lists those "
                                       "served", "model_not_found")
-        generation = Generation(self, req, prompts)
+        generation = Generation(self, req, prompts, self.controls(req))
         for s in generation.seqs:
             s.adapter = self.served[model]
         self.submit(generation.seqs)

@@ -312,12 +312,16 @@ def body(reply: Generation) -> dict:
 
 
 def chunk(reply: Generation, ev) -> dict:
-    """A streamed event's chunk (before ``take`` counts it)."""
+    """A streamed event's chunk (before ``take`` counts it); with vLLM's ``continuous_usage_stats`` its usage: its
+    prompt's tokens and its choice's tokens so far, this event's included."""
     first = reply.counts[ev.index] == 0 and not reply.texts[ev.index]
     ids, prompt = _ids(reply, ev.index)
     c = api.choice(reply.req, ev.index, ev.text, ev.finish_reason, ev.logprobs, ev.token_ids if ids is not None
                    else None, prompt if first else None, delta=first if reply.req.chat else None)
-    return api.completion(reply.req, reply.id, reply.created, _model(reply), [c], None, chunk=True)
+    use = None
+    if reply.req.continuous_usage_stats:
+        use = api.usage(len(reply.prompt_ids[ev.index // reply.req.best_of]), ev.completion_tokens)
+    return api.completion(reply.req, reply.id, reply.created, _model(reply), [c], use, chunk=True)
 
 
 def _model(reply: Generation) -> str:
@@ -464,8 +468,9 @@ class Completions:
     def _chat(self, raw: bytes) -> tuple:
         engine = self.engine
         req = api.parse_chat(raw, engine.limits, engine.model_ids)
-        text = engine.render_chat(req.messages)
-        return req, [(engine.tokenize(text), text)]
+        text = engine.render_chat(req.messages, req.add_generation_prompt)
+        last = req.messages[-1]  # vLLM's chat echo: the last message, where the answer continues its role's
+        return req, [(engine.tokenize(text), last["content"] if last["role"] == "assistant" else None)]
 
 
 def make_app(engine, api_key: Optional[str] = None, body_timeout: float = 30.0, on_fatal=lambda error: None,

@@ -67,6 +67,12 @@ class Output:
     echo: Optional[str] = None  # the prompt's text, sent before the completion (None: no echo)
     echo_ids: Optional[list] = None  # the prompt's tokens, shown with their log-probabilities (echo + logprobs)
     distinct: bool = False  # the k best shown are the k most likely distinct texts (the legacy API's, keyed by text)
+    skip_special: bool = True  # special tokens left out of the text (vLLM's skip_special_tokens)
+    include_stop: bool = False  # the stop string that ended it kept in its text (vLLM's include_stop_str_in_output)
+    min_tokens: int = 0  # no stop string ends it before it holds this many tokens (vLLM's min_tokens)
+    context: list = field(default_factory=list)  # the prompt's last tokens its text is read after (a causal LM's:
+    # its first word keeps its space), none where its text stands alone
+    spaces_between_special: bool = True  # transformers' decode's option (vLLM's spaces_between_special_tokens)
     # state
     tokens: list = field(default_factory=list)
     scored: list = field(default_factory=list)  # (logprob, top ids, top logprobs) of each token, where computed
@@ -80,6 +86,10 @@ class Output:
     first: Optional[float] = None
     last: float = 0.0
     done: bool = False
+
+    def __post_init__(self):
+        if self.context and self.pieced == (0, 0):
+            self.pieced = (0, len(self.context))  # the pieces' window starts with the context given out
 
 
 class OutputProcessor:
@@ -187,12 +197,17 @@ class OutputProcessor:
     def _text(self, o: Output, final: bool) -> tuple:
         """(the completion's text not yet sent that can be, the number of tokens kept where a stop string ended it
         or None). Text delivered never holds a stop string, nor its start."""
-        text = self._decode(o.tokens, skip_special_tokens=True)
+        text = self.text_of(o, o.tokens)
         start = max(len(o.sent_text) - max((len(x) for x in o.stop), default=0) + 1, 0)
         hits = [(at, x) for at, x in ((text.find(x, start), x) for x in o.stop) if at >= 0]
+        if o.min_tokens > 1 and hits:  # a stop string ends it only where it ends past its first min_tokens - 1 tokens
+            floor = len(self.text_of(o, o.tokens[:o.min_tokens - 1])) if len(o.tokens) >= o.min_tokens else None
+            hits = [] if floor is None else [(at, x) for at, x in ((text.find(x, max(start, floor - len(x) + 1)), x)
+                                                                   for x in o.stop) if at >= 0]
         if hits:
             at, x = min(hits)
-            return text[len(o.sent_text):at], self._stop_tokens(o, at + len(x))
+            end = at + len(x)
+            return text[len(o.sent_text):end if o.include_stop else at], self._stop_tokens(o, end)
         end = len(text)
         if not final:
             end -= max((len(x) - 1 for x in o.stop), default=0)
@@ -203,9 +218,18 @@ class OutputProcessor:
     def _stop_tokens(self, o: Output, end: int) -> int:
         """The fewest tokens whose text reaches ``end`` characters (those of the stop string that ended it)."""
         for n in range(o.sent_tokens + 1, len(o.tokens) + 1):
-            if len(self._decode(o.tokens[:n], skip_special_tokens=True)) >= end:
+            if len(self.text_of(o, o.tokens[:n])) >= end:
                 return n
         return len(o.tokens)
+
+    def text_of(self, o: Output, tokens: list) -> str:
+        """The text ``tokens`` (of ``o``'s completion) add after its ``context`` (the text the client reads)."""
+        kw = {"skip_special_tokens": o.skip_special}
+        if not o.spaces_between_special:
+            kw["spaces_between_special_tokens"] = False
+        if not o.context:
+            return self._decode(tokens, **kw)
+        return _after(self._decode(o.context, **kw), self._decode(o.context + list(tokens), **kw))
 
     def _event(self, o: Output, text: str, reason: Optional[str]) -> Event:
         """The event of what is new: the echo first (once), then the tokens not yet sent."""
@@ -289,7 +313,8 @@ class OutputProcessor:
             return []
         wide = None if o.distinct else o.logprobs  # (distinct texts may need candidates past the k-th)
         cands = [[int(c) for c in ids[:wide]] for _, ids, _ in o.scored[start:]]
-        texts, tops, o.pieced = self.pieces(o.tokens, start, o.pieced, final, cands, o.logprobs, o.distinct)
+        texts, tops, o.pieced = self.pieces(o.context + o.tokens, len(o.context) + start, o.pieced, final, cands,
+                                            o.logprobs, o.distinct)
         out = []
         for i, t in enumerate(new):
             lp, _, lps = o.scored[start + i]

@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 
+from serving.controls import NONE, TABLE, Controls
+
 logger = logging.getLogger("flan_t5")
 FATAL_AFTER = 3  # decoding calls failing in a row (none read in between) that stop the loop for good
 JOIN_WAIT = 2  # decoding calls free slots wait at most for others, to join in one insert
@@ -81,9 +83,12 @@ class Backend(Protocol):
     scores_prompts: bool  # ``score`` exists (a causal model)
     score_rows: int  # prompts one ``score`` reads
     platform: str  # the devices' ("cpu", "gpu", "tpu"): what an insert costs there sets how free slots join
+    masks: Any  # the allowed tokens of constrained rows, asked by the device (decoder/grammar.py's HostMasks: open
+    # (constraint) -> its key, close(key))
 
-    # joiners: [(a free slot, the prompt's ids, its sampling tuple (``Sequence.sampling``), its most tokens, its LoRA
-    # adapter's slot (``Sequence.adapter``))]
+    # joiners: [(a free slot, the prompt's ids, its sampling tuple (``Sequence.sampling``), its most tokens, its
+    # processors (serving/controls.py's ``Controls.row``) or None, its LoRA adapter's slot (``Sequence.adapter``))];
+    # the joiners of one insert hold at most ``TABLE`` table entries (the scheduler groups them so)
     def insert(self, joiners: list) -> Any: ...
 
     # ``span``: every row still writing writes its cache below column ``span`` in these n steps (a row whose prompt
@@ -125,6 +130,8 @@ class Sequence:
     finished: bool = False
     aborted: Optional[SchedulerError] = None
     ended: bool = False
+    controls: Controls = NONE  # its processors beyond the sampling tuple (serving/controls.py)
+    key: int = 0  # its key in the backend's ``masks`` while it holds a slot (0: none)
 
     def sampling(self) -> tuple:
         """(temperature, top_k, drop_mass, seed low, seed high, logprobs) as the slots read them: top-p's 1 - top_p
@@ -368,6 +375,8 @@ class Scheduler:
         if s.ended:
             return
         s.ended = True
+        if s.key:
+            self.b.masks.close(s.key)
         if s.slot is not None and self.running[s.slot] is s:
             self.running[s.slot] = None
         with self.cv:
@@ -389,11 +398,19 @@ class Scheduler:
             self._end(s, updates, reason, s.aborted if reason == "aborted" else None)
 
     def _take_waiting(self, n: int, queue: Optional[deque] = None) -> list:
-        """Up to n sequences out of a queue (the waiting one by default), first come first; held in ``joining``
-        until a dispatched call holds them."""
-        queue = self.waiting if queue is None else queue
+        """Up to n sequences out of a queue (the waiting one by default), first come first, and (the waiting ones)
+        no more than one insert's ``TABLE`` table entries together (the first always); held in ``joining`` until a
+        dispatched call holds them."""
+        waiting = queue is None
+        queue = self.waiting if waiting else queue
+        picked, used = [], 0
         with self.cv:
-            picked = [queue.popleft() for _ in range(min(n, len(queue)))]
+            while queue and len(picked) < n:
+                need = len(queue[0].controls.entries(self.b.eos_id)) if waiting else 0
+                if picked and used + need > TABLE:
+                    break
+                picked.append(queue.popleft())
+                used += need
         self.joining = picked
         return picked
 
@@ -445,7 +462,10 @@ class Scheduler:
         scored = [s for s in placed if s.prompt_logprobs]
         if scored:
             self._score(scored)
-        call = b.insert([(s.slot, s.ids, s.sampling(), s.max_tokens, s.adapter) for s in placed])
+        for s in placed:  # a constrained row's key, unique to it (a stale row of an ended one never feeds its matcher)
+            s.key = b.masks.open(s.controls.constraint) if s.controls.constraint is not None else 0
+        call = b.insert([(s.slot, s.ids, s.sampling(), s.max_tokens,
+                          None if s.controls is NONE else s.controls.row(s.key, b.eos_id), s.adapter) for s in placed])
         self.pending.append(_Call("insert", call, list(enumerate(placed))))
         for s in placed:
             self.cleared.discard(s.slot)
@@ -489,15 +509,18 @@ class Scheduler:
     def _take(self, s: Sequence, row: list, r: int, scored, updates: list) -> None:
         """A sequence's new tokens of a call (up to its end), and its end."""
         taken, reason = [], None
+        c = s.controls
         for t in row:
             taken.append(t)
             s.count += 1
-            if t == self.b.eos_id:
+            if (t == self.b.eos_id and not c.ignore_eos) or t in c.stop_ids:
                 reason = "stop"
             elif s.count >= s.max_tokens:
                 reason = "length"
             if reason:
                 break
+        if reason == "stop" and t != self.b.eos_id and s.slot is not None and self.running[s.slot] is s:
+            self.cleared.add(s.slot)  # a stop token (the device knows only its end-of-text token): it stops there
         self.metrics.generated.inc(len(taken))
         rows = tuple(x[r][:len(taken)] for x in scored) if s.logprobs is not None else None
         if reason:

@@ -18,6 +18,13 @@ LoRA adapters (``lora_slots``: a stack of that many, ``FakeStack``): an adapter 
 the shift K; a row that joined with slot s's adapter writes each token t (not end-of-text or padding) as
 ``shifted(t, K)``, K read from the slot when each call runs, as the device reads the stack: a row still running when
 its slot gets another adapter writes that one's tokens, which a test sees.
+``scores``: each score call's prompts; ``controls``: each joiner's processors as the insert got them).
+
+Processors: a row the host constrains (its key in ``masks``, decoder/grammar.py's HostMasks, asked as the device
+asks it: each token's index and the token before it) writes its prompt's token where the mask allows it, else its
+end-of-text token where allowed, else the lowest id allowed; a row with ``ignore_eos`` goes on past its end-of-text
+token. The other processors (penalties, bias) change a model's scores, which the fake has none of: the real
+programs' tests hold them (tests/modelling/test_continuous.py).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from decoder.grammar import HostMasks
 from utils.errors import FlanT5Error
 
 
@@ -87,6 +95,9 @@ class FakeBackend:
         self.slots, self.dp, self.local, self.platform, self.max_prompt = slots, dp, slots // dp, platform, max_prompt
         self.steps, self.eos_id, self.pad_id, self.vocab_size, self.top = steps, eos_id, pad_id, vocab, top
         self.scores_prompts, self.score_rows, self.after_prompt = scores_prompts, score_rows, after_prompt
+        self.n_tokens = vocab
+        self.masks = HostMasks(vocab, eos_id)
+        self.controls: list = []  # each joiner's processors (its ``controls`` tuple, or None)
         self.spans: list = []  # the span each advance was given
         self.calls: list = []
         self.limits: list = []  # the limit each inserted row was given
@@ -108,6 +119,9 @@ class FakeBackend:
         self.alive = np.zeros(self.slots, bool)
         self.column = np.zeros(self.slots, int)  # each row's first_token_column
         self.adapter = np.full(self.slots, -1)  # each row's adapter's slot
+        self.key = np.zeros(self.slots, int)  # each row's key in ``masks`` (0: none)
+        self.ignore_eos = np.zeros(self.slots, bool)
+        self.last = np.zeros(self.slots, int)  # each row's last token
 
     def _check(self, kind: str):
         self.calls.append(kind)
@@ -119,11 +133,16 @@ class FakeBackend:
     def first_token_column(self, prompt_length: int) -> int:
         return prompt_length if self.after_prompt else 1
 
-    def token(self, slot: int, i: int) -> int:
+    def token(self, slot: int, i: int, last: int = -1) -> int:
         p = self.prompts[slot]
         a = self.adapter[slot]
-        return p[i % len(p)] if a < 0 else shifted(p[i % len(p)], self.adapters.shift[a], self.vocab_size,
-                                                   self.eos_id, self.pad_id)
+        natural = p[i % len(p)] if a < 0 else shifted(p[i % len(p)], self.adapters.shift[a], self.vocab_size,
+                                                      self.eos_id, self.pad_id)
+        if not self.key[slot]:
+            return natural
+        bits = self.masks(np.array([self.key[slot]]), np.array([i]), np.array([last]))[0].view(np.uint32)
+        allowed = [t for t in range(self.vocab_size) if bits[t // 32] >> np.uint32(t % 32) & 1]
+        return natural if natural in allowed else self.eos_id if self.eos_id in allowed else min(allowed)
 
     def _scored(self, tokens: np.ndarray, i: np.ndarray) -> Scored:
         """The token first among its candidates (the next ids), each 0.25 less likely than the one before."""
@@ -137,14 +156,17 @@ class FakeBackend:
         assert len(set(slots)) == len(slots) and all(0 <= s < self.slots for s in slots), slots  # one joiner a slot
         self.inserts.append(slots)
         first = np.full(len(joiners), self.pad_id)
-        for k, (slot, ids, sampling, limit, *adapter) in enumerate(joiners):
+        for k, (slot, ids, sampling, limit, *more) in enumerate(joiners):  # more: [controls[, adapter]]
             assert 0 < len(ids) <= self.max_prompt, len(ids)
-            self.adapter[slot] = adapter[0] if adapter else -1
+            self.adapter[slot] = more[1] if len(more) > 1 else -1
             self.prompts[slot], self.index[slot], self.limit[slot] = list(ids), 0, limit
             self.column[slot] = self.first_token_column(len(ids))
             self.limits.append(int(limit))
-            first[k] = self.token(slot, 0)
-            self.alive[slot] = first[k] != self.eos_id and limit > 1
+            c = more[0] if more else None
+            self.controls.append(c)
+            self.key[slot], self.ignore_eos[slot] = (c[5], c[4]) if c is not None else (0, False)
+            first[k] = self.last[slot] = self.token(slot, 0)
+            self.alive[slot] = (first[k] != self.eos_id or self.ignore_eos[slot]) and limit > 1
         return first, self._scored(first, np.zeros(len(joiners), int))
 
     def advance(self, keep, n, span=None):
@@ -166,9 +188,11 @@ class FakeBackend:
             for k in range(n):
                 if not alive[s]:
                     break
+                last = out[s, k - 1] if k else self.last[s]
                 self.index[s] += 1
-                out[s, k], idx[s, k] = self.token(s, self.index[s]), self.index[s]
-                if out[s, k] == self.eos_id or self.index[s] + 1 >= self.limit[s]:
+                out[s, k], idx[s, k] = self.token(s, self.index[s], last), self.index[s]
+                self.last[s] = out[s, k]
+                if (out[s, k] == self.eos_id and not self.ignore_eos[s]) or self.index[s] + 1 >= self.limit[s]:
                     alive[s] = False
         self.alive = alive
         return _Pending(out, self.gate), self._scored(out, idx)

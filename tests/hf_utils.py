@@ -217,3 +217,59 @@ def rel_err(a, b) -> float:
     """max |a - b| / max |b| (a scale-aware error that does not blow up near zeros)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+# --------------------------------------------------------------------------- the searches' parity fixture
+
+N = 7  # new tokens
+
+
+def search_models(name: str) -> tuple:
+    """The searches' parity fixture of a family ("t5", "gptj"): (its name, an HF model, our ModelConfig, our params,
+    4 prompts ids/mask of mixed lengths as the family decodes them)."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    from modelling import gptj, registry
+
+    if name == "t5":
+        hf, m, params = make_hf("1.1", seed=3)
+        with torch.no_grad():
+            hf.shared.weight.mul_(0.05)  # a smaller embedding: the random model does not echo its start token
+        from modelling.hf_mapping import params_from_hf_state_dict
+
+        params = params_from_hf_state_dict(hf.state_dict(), m)
+    else:
+        torch.manual_seed(3)
+        hf = GPTJForCausalLM(GPTJConfig(vocab_size=96, n_positions=64, n_embd=48, n_layer=2, n_head=4, rotary_dim=8,
+                                        n_inner=96, bos_token_id=1, eos_token_id=1, tie_word_embeddings=False)).eval()
+        m = gptj.config_from_hf(hf.config.to_dict())
+        params = gptj.params_from_hf(hf.state_dict(), m)
+    batch = random_batch(m.embedding.vocab_size, 4, 9, 2, seed=4)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    ids, mask = registry.get(name).layout_prompts(ids, mask)
+    return name, hf, m, jax.tree.map(np.asarray, params), ids, mask
+
+
+def ours(m, params, ids, mask, options, tp: int = 1, dp: int = 1, eos: int = 1, seed: int = 0):
+    """Our search ``options`` names (modelling/decoding.py's Options) over tp x dp devices -> tokens [b, N]."""
+    from config.schema import Config
+    from decoder.decoder import Decoder
+
+    cfg = Config(model=m)
+    cfg.model.eval = True
+    cfg.execution.tensor_parallel, cfg.execution.data_parallel, cfg.execution.rts = tp, dp, False
+    g = Decoder.of_config(cfg.validate(), eos=eos, pad=0)
+    run = g.search(options, seed)
+    return np.asarray(run(g.place.shard_params(params), jnp.asarray(ids), jnp.asarray(mask)))
+
+
+def hf_tokens(name, hf, ids, mask, eos: int = 1, **kw):
+    """HF generate's N new tokens with ``kw``, padded with 0 after the first end-of-text token."""
+    extra = {"decoder_start_token_id": 0} if name == "t5" else {}
+    with torch.no_grad():
+        out = hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=N,
+                          eos_token_id=eos, pad_token_id=0, **kw, **extra).numpy()
+    out = out[:, ids.shape[1]:] if name == "gptj" else out[:, 1:]
+    out = np.pad(out, ((0, 0), (0, N - out.shape[1])))
+    ended = np.cumsum(out == eos, axis=1) - (out == eos) > 0  # after the first EOS: padding (HF may fill with EOS)
+    return np.where(ended, 0, out)

@@ -44,6 +44,7 @@ DRIVERS = {
     "benchmarks/lora.py": ("benchmarks.lora", {"--config": "finetuning"}),
     "benchmarks/figures.py": ("benchmarks.figures", {}),
     "benchmarks/serve.py": ("benchmarks.serve", {"--configs": "inference"}),
+    "benchmarks/constrained.py": ("benchmarks.constrained", {"--config": "inference"}),
     "benchmarks/large_data.py": ("benchmarks.large_data", {}),
     "benchmarks/precision.py": ("benchmarks.precision", {"--config": "finetuning"}),
     "benchmarks/int8_accuracy.py": ("benchmarks.int8_accuracy", {}),

@@ -37,7 +37,7 @@ def test_the_best_step_is_kept_whatever_to_keep_says_and_named_without_if(tmp_pa
     from utils import checkpoint as ckpt
 
     scripted = iter([0.5, 0.9, 0.9, 0.7, 0.6, 0.8])  # step 2 is the best (step 3 ties: the earliest is the best)
-    monkeypatch.setattr(evaluate.Decoder, "predict", lambda self, params, feats, progress="": [""] * len(
+    monkeypatch.setattr(evaluate.Decoder, "predict", lambda self, params, feats, progress="", options=None: [""] * len(
         feats["input_ids"]))
     monkeypatch.setattr(evaluate, "score", lambda task, examples, outputs: {"scores": {"accuracy": next(scripted)}})
     data = nli_file(tmp_path / "train.jsonl")

@@ -164,3 +164,19 @@ def test_the_predictions_keep_the_input_s_id_column_row_for_row(two_models, tmp_
     assert id_column(SimpleNamespace(rows=[{"premise": "a", "Guid": 3}]), task) == "Guid"
     assert id_column(SimpleNamespace(rows=[{"id": "a"}]), SimpleNamespace(fields=("id",))) is None  # (the task's own)
     assert named(Example("a", "")) == {}
+def test_a_bad_word_is_banned_alone_and_after_a_space_and_never_as_the_end_of_text_token_alone():
+    """--bad_words: each word's tokens as a text starts with it and after a space (a byte-level BPE's two spellings
+    of a word; a word-level or Metaspace tokenizer's one), each sequence once; a word that is the end-of-text token
+    alone is left out (HF's NoBadWordsLogitsProcessor leaves it to end answers)."""
+    from app.predict import bad_words
+    from tests.tokenizer_kinds import make
+
+    tok = make("bytelevel")
+    ids = lambda text: tuple(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    assert ids("cat") != ids(" cat")
+    assert bad_words(tok, ("cat", " cat ", "the park"), tok.eos_token_id) == [ids("cat"), ids(" cat"), ids("the park"),
+                                                                                ids(" the park")]
+    assert (tok.eos_token_id,) not in bad_words(tok, ("<|endoftext|>",), tok.eos_token_id)
+    word_level = make("synthetic")
+    assert bad_words(word_level, ("cat",), word_level.eos_token_id) == [tuple(word_level("cat", add_special_tokens=False)
+                                                                             ["input_ids"])]

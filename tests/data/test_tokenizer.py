@@ -1,6 +1,7 @@
 """The tokenizer's encoding through the Rust tokenizer directly (data/tokenizer.py's ``FastEncoder``): the ids the
 transformers tokenizer gives, for a batch and for one text, whatever truncation or padding the tokenizer carries."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,3 +71,26 @@ def test_the_rust_encoding_ignores_truncation_and_padding_left_in_the_tokenizer(
     assert [encoder([t])["input_ids"][0] for t in texts] == want and encoder(texts)["input_ids"] == want
     tok(texts, truncation=True, max_length=2, padding="max_length")  # a call that leaves both set
     assert [encoder([t])["input_ids"][0] for t in texts] == want and encoder(texts)["input_ids"] == want
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "metaspace", "bytelevel", "sentencepiece"])
+def test_each_tokens_piece_is_the_text_it_adds_for_every_tokenizer_kind(kind):
+    """data/tokenizer.py's ``token_pieces`` (what a grammar matches and the server shows of each token): for every
+    kind of tokenizer (tests/tokenizer_kinds.py) the pieces of a text's tokens joined are ``decode``'s text, but for
+    the one leading space a Metaspace, sentencepiece or word-level tokenizer's decode strips (which the function
+    says it does); special tokens add nothing."""
+    from data.tokenizer import token_pieces
+    from tests.tokenizer_kinds import make
+
+    tok = make(kind)
+    pieces, strips = token_pieces(tok)
+    assert len(pieces) == len(tok) and strips == (kind != "bytelevel")
+    assert all(pieces[i] == b"" for i in tok.all_special_ids)
+    texts = ["the cat sleeps in the park .", '{"name": "Ada", "age": 36, "tags": ["x"]}', "héllo wörld — “quotes”",
+             "a dog runs 123 , 4.5e-3", "abc-def_ghi ; : ? !"]
+    for text in texts:
+        ids = tok(text, add_special_tokens=True)["input_ids"]
+        joined = b"".join(pieces[i] for i in ids).decode("utf-8")
+        decoded = tok.decode(ids, skip_special_tokens=True)
+        assert (joined[1:] if strips else joined) == decoded, (kind, text, joined, decoded)
+        assert not strips or not joined or joined.startswith(" ")

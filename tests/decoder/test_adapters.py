@@ -94,7 +94,7 @@ def serve(sp: SlotPrograms, ps: list, chosen, slots=None, logprobs: int = -1) ->
     slots = list(range(len(ps))) if slots is None else slots
     sp.reset()
     sampling = GREEDY[:5] + (logprobs,)
-    first, scored = sp.insert([(s, p, sampling, NEW, c) for s, p, c in zip(slots, ps, chosen)])
+    first, scored = sp.insert([(s, p, sampling, NEW, None, c) for s, p, c in zip(slots, ps, chosen)])
     first, scored = SlotPrograms.fetch((first, scored))
     out = np.zeros((len(ps), NEW), np.int64)
     out[:, 0] = first
@@ -210,7 +210,7 @@ def test_an_adapter_written_after_compiling_is_served_by_the_same_programs_and_a
     try:
         # adapter 2 into the free slot 4, while an advance that reads the stack is dispatched and not yet read
         sp.reset()
-        sp.insert([(0, ps[0], GREEDY, NEW, 1)])
+        sp.insert([(0, ps[0], GREEDY, NEW, None, 1)])
         pending, _ = sp.advance(np.ones(SLOTS, bool), STEPS)
         slot = stack.install(Adapter("again", "-", RANKS[2], ALPHAS[2],
                                      lora_stack.slot_values(stack.specs, adapters[2], ALPHAS[2], RANKS[2])))

@@ -99,8 +99,10 @@ def test_a_call_s_scores_travel_as_one_array_and_come_back_bit_for_bit(lead):
 @pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
 def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_vector(preset):
     """Traced, not compiled: the advance and insert programs of both families return 2 arrays (tokens, scores),
-    the cache's floating leaves, and one int32 vector a device, whatever the cache and state hold; the vector is
-    every other leaf, 11 of them the state's (slots / dp rows each: where a row is, how it samples, its adapter)."""
+    the cache's floating leaves, the rows' processors' two lists (each row's table and history: modelling/
+    processors.py's RowControls) and one int32 vector a device, whatever the cache and state hold; the vector is
+    every other leaf, 17 of them the state's (slots / dp rows each: where a row is, how it samples, its processors,
+    its adapter)."""
     from config import load_config
     from decoder.decoder import Decoder
     from decoder.slot_programs import SlotPrograms, joiner_words
@@ -110,10 +112,15 @@ def test_the_programs_return_the_tokens_the_scores_the_keys_and_values_and_one_v
     sp.params = g.abstract_decode_params()
     cache = jax.eval_shape(sp._empty_cache)
     kv = [x for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating)]
+    state = sp._empty_state()
     sp.carry = Carry(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), cache),
-                     jax.tree.map(lambda x: jax.ShapeDtypeStruct((4,), x.dtype), sp._empty_state()))
+                     jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
     small = sum(int(np.prod(x.shape[2:])) for x in jax.tree.leaves(cache) if not jnp.issubdtype(x.dtype, jnp.floating))
-    assert sp.carry.words == small + 11 * 4
+    assert sp.carry.words == small + 17 * 4
+    lists = [state[2].table, state[2].history]
+    assert [x.shape for x in lists] == [(4, 320, 3), (4, sp.prompt_part + 6)]
+    kv = [x for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating)]
+    kv += [jax.ShapeDtypeStruct((1, 1) + x.shape, x.dtype) for x in lists]
     apart = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sp.pieces) for x in kv)
     words = jax.ShapeDtypeStruct((1, 1, sp.carry.words), jnp.int32, sharding=sp.pieces)
     advance = jax.eval_shape(sp._advance_program(), sp._weights(), apart, words,
@@ -145,10 +152,14 @@ def test_reset_leaves_every_row_empty_and_the_cache_zeros_on_every_device():
     words, apart = np.asarray(sp.words), [np.asarray(x) for x in sp.apart]
     for d in range(2):
         for t in range(2):
-            cache, (rows, sampling, adapter) = jax.jit(sp.carry.unpack)(tuple(x[d, t] for x in apart), words[d, t])
+            cache, (rows, sampling, c, adapter) = jax.jit(sp.carry.unpack)(tuple(x[d, t] for x in apart), words[d, t])
             assert all(not np.asarray(x).any() for x in jax.tree.leaves(cache))
             assert np.asarray(rows.alive).tolist() == [False, False] and np.asarray(rows.limit).tolist() == [0, 0]
             assert np.asarray(sampling.logprobs).tolist() == [-1, -1] and np.asarray(adapter).tolist() == [-1, -1]
+            # no processor: repetition 1, no key, an empty table and history
+            assert np.asarray(c.repetition).tolist() == [1, 1] and not np.asarray(c.grammar).any()
+            assert (np.asarray(c.table) == -1).all() and (np.asarray(c.history) == -1).all()
+            assert not any(np.asarray(x).any() for x in (c.presence, c.frequency, c.min_p, c.ignore_eos))
             assert not any(np.asarray(x).any() for x in (rows.token, rows.index, sampling.temperature, sampling.seed))
 
 
@@ -165,8 +176,10 @@ def test_a_narrow_span_s_program_steps_a_narrow_copy_of_the_cache():
     cache = jax.eval_shape(sp._empty_cache)
     local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[2:], x.dtype), cache)
     assert attention_spans(g.family, local, 4) == (16, 24, 40, 48)
-    sp.carry = Carry(local, jax.tree.map(lambda x: jax.ShapeDtypeStruct((4,), x.dtype), sp._empty_state()))
+    state = sp._empty_state()
+    sp.carry = Carry(local, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
     kv = [x for x in jax.tree.leaves(cache) if jnp.issubdtype(x.dtype, jnp.floating)]
+    kv += [jax.ShapeDtypeStruct((1, 1) + x.shape, x.dtype) for x in (state[2].table, state[2].history)]
     apart = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sp.pieces) for x in kv)
     words = jax.ShapeDtypeStruct((1, 1, sp.carry.words), jnp.int32, sharding=sp.pieces)
     args = (sp._weights(), apart, words, jax.ShapeDtypeStruct((4,), jnp.bool_, sharding=sp.rows),
@@ -177,14 +190,16 @@ def test_a_narrow_span_s_program_steps_a_narrow_copy_of_the_cache():
     assert f"x24x{d_kv}xf32>" not in texts[48]
 
 
-@pytest.mark.slow
 def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
     """decoder/slot_programs.py packs what a shard's insert reads into one int32 vector (one host-to-device copy): the
     prompts packed into rows (first-fit decreasing: the longest first, each into the first row with room), their
-    segments and positions, and every joiner's field as it went, with its type, seeds' 32 bits and the floats' bits
-    included, its LoRA adapter's slot (-1 where it names none); the slots past the joiners' are fillers (a slot past
-    the shard's, length 0, no adapter)."""
-    from decoder.slot_programs import JOINER_COLUMNS, joiner_words, pack_joiners, unpack_joiners
+    segments and positions, every joiner's field as it went, with its type, seeds' 32 bits and the floats' bits
+    included, its processors (none asked: repetition 1, no key) and its table's entries, each at its joiner's index
+    and its place in the row's table, its LoRA adapter's slot (-1 where it names none); the slots past the joiners'
+    are fillers (a slot past the shard's, length 0, no adapter), and so are the entries past theirs (a joiner past
+    the shard's: dropped)."""
+    from decoder.slot_programs import ENTRY, JOINER_COLUMNS, joiner_words, pack_joiners, unpack_joiners
+    from modelling.processors import TABLE
     from modelling.rows import first_fit
 
     prompts = [[5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15]]
@@ -192,13 +207,16 @@ def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
     assert placed == [(0, 6), (0, 0), (1, 0)]  # 6 first (row 0), 3 (no room in row 0: row 1), 2 (row 0 after 6)
     assert first_fit([8, 1, 8], 8) == [(0, 0), (2, 0), (1, 0)] and first_fit([], 8) == []
     sampling = [(0.5, 3, 0.1, 2 ** 32 - 1, 2 ** 31, -1), (float("nan"), 0, -0.0, 7, 0, 4), (1.0, 1, 0.0, 0, 1, 0)]
-    shard = [(k, slot, p, smp, limit) for k, (slot, p, smp, limit) in enumerate(zip([3, 0, 1], prompts, sampling,
-                                                                                  [9, 2, 5]))]
+    controls = [(0.5, -1.25, 1.5, 0.05, True, 7, ((3, -100.0, 2 ** 31 - 1), (1, float("-inf"), 4))), None,
+                (0.0, 2.0, 0.5, 1.0, False, 0, ((9, 2.5, 2 ** 31 - 1),))]
+    shard = [(k, slot, p, smp, limit, c) for k, (slot, p, smp, limit, c) in
+             enumerate(zip([3, 0, 1], prompts, sampling, [9, 2, 5], controls))]
     shard = [shard[0] + (2,), shard[1] + (0,), shard[2]]  # adapters 2, 0 and none
     local = 4
     packed = pack_joiners(shard, placed, 2, 8, local)
-    assert packed.dtype == np.int32 and packed.shape == (joiner_words(2, 8, local),) == (3 * 2 * 8 + 4 * JOINER_COLUMNS,)
-    (ids, segments, positions), at, lengths, slots, s, limit, adapters = (
+    assert packed.dtype == np.int32 and packed.shape == (joiner_words(2, 8, local),) == (
+        3 * 2 * 8 + 4 * JOINER_COLUMNS + TABLE * ENTRY,)
+    (ids, segments, positions), at, lengths, slots, s, limit, c, entries, adapters = (
         jax.tree.map(np.asarray, x) for x in unpack_joiners(jnp.asarray(packed), 2, 8, local))
     assert ids.tolist() == [[7, 8, 9, 10, 11, 12, 5, 6], [13, 14, 15, 0, 0, 0, 0, 0]]
     assert segments.tolist() == [[2, 2, 2, 2, 2, 2, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0]]  # (numbered as the joiners come)
@@ -210,6 +228,14 @@ def test_an_inserts_inputs_travel_in_one_array_and_come_back_whole():
     for i, (field, dt) in enumerate(zip(S.Sampling.__dataclass_fields__, dtypes)):
         value = getattr(s, field)
         assert value.dtype == dt and value[:3].tobytes() == np.asarray([x[i] for x in sampling], dt).tobytes(), field
+    asked = [controls[0], (0.0, 0.0, 1.0, 0.0, False, 0, ()), controls[2]]
+    for i, field in enumerate(("presence", "frequency", "repetition", "min_p", "ignore_eos", "grammar")):
+        dt = np.asarray(getattr(c, field)).dtype
+        assert np.asarray(getattr(c, field))[:3].tolist() == np.asarray([x[i] for x in asked], dt).tolist(), field
+    f32 = lambda x: np.asarray(x, np.float32).view(np.int32)  # noqa: E731
+    assert entries[:3].tolist() == [[0, 0, 3, f32(-100.0), 2 ** 31 - 1], [0, 1, 1, f32(-np.inf), 4],
+                                    [2, 0, 9, f32(2.5), 2 ** 31 - 1]]
+    assert (entries[3:, 0] == local).all()  # fillers: dropped
 
 
 @pytest.mark.slow

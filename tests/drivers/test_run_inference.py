@@ -65,3 +65,31 @@ def test_run_inference_equals_hf_generate_for_both_families(tmp_path, capsys, ca
         with pytest.raises(SystemExit):
             run_export.main(["--load", d, "--output", out])  # the directory is not empty
         assert "is not an empty directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--constrain", "labels"], ["--constrain", "labels", "--num_beams", "3"],
+                                   ["--repetition_penalty", "1.5", "--no_repeat_ngram_size", "2", "--bad_words",
+                                    "entailment", "the"]])
+def test_run_inference_processors_equal_hf_generates(two_models, capsys, flags):
+    """--constrain labels (greedy and beam search: HF's prefix_allowed_tokens_fn over the label trie), the
+    penalties and --bad_words: our tokens those of HF generate with the same processors on the same weights
+    (--compare_hf), every constrained answer one of the task's labels."""
+    import run_inference
+
+    out = run_inference.main(["--load", two_models[0], "--compare_hf", "--limit", "6", "--output_length", "6",
+                              *flags])
+    assert len(out) == 6 and all(r["same_tokens"] for r in out), out
+    if "labels" in flags:
+        assert all(r["ours"] in ("entailment", "neutral", "contradiction") for r in out), out
+    assert "6 of 6 outputs token for token equal to HF generate" in capsys.readouterr().out
+
+
+def test_a_gptj_checkpoint_constrained_to_its_labels_equals_hf_generate(tmp_path, capsys):
+    """GPT-J's answers continue its prompt: HF's prefix_allowed_tokens_fn reads the new tokens after it."""
+    import run_inference
+    from tests.helpers import save_random_checkpoint
+
+    save_random_checkpoint("gptj_tiny", str(tmp_path / "g"))
+    out = run_inference.main(["--load", str(tmp_path / "g"), "--compare_hf", "--limit", "4", "--constrain", "labels",
+                              "--repetition_penalty", "1.3"])
+    assert all(r["same_tokens"] and r["ours"] in ("entailment", "neutral", "contradiction") for r in out), out

@@ -2,6 +2,7 @@
 from the checkpoint or the HF config."""
 
 import json
+import re
 import os
 
 import jax
@@ -61,3 +62,49 @@ def test_validation_takes_the_model_shape_from_the_checkpoint_and_the_hf_config(
     run_validation.main(["--config", "tiny", "--hf_model", str(tmp_path / "hf"), "--limit", "3", "--output", str(out),
                          "--tensor_parallel", "1", "--data_parallel", "1"])
     assert json.load(open(out))["samples"] == 3
+
+
+@pytest.mark.slow
+def test_scored_labels_are_hfs_log_likelihoods_and_constrained_answers_are_labels(two_models, tmp_path, capsys):
+    """--score labels: each example's labels ranked by their log-likelihood, equal to HF's float32 forward pass of
+    the same weights (each label's target tokens, its end-of-text token's included, given the prompt) within 1e-4,
+    their scores reported beside the decoded answers' (here --constrain labels: every answer a label); the report's
+    name says both. --regex: every answer matches it; a --json_schema the vocabulary cannot write: one line."""
+    import torch
+
+    from app.hf_generate import hf_model_of
+    from config.presets import config_from_mapping
+    from data.tokenizer import load_tokenizer
+    from modelling import registry
+    from tests.helpers import params_at
+
+    out = str(tmp_path / "r.json")
+    run_validation.main(["--load", two_models[0], "--limit", "6", "--constrain", "labels", "--score", "labels",
+                         "--output", out])
+    r = json.load(open(out))
+    labels = ("entailment", "neutral", "contradiction")
+    assert r["decoding_name"] == "greedy_labels_ranked" and set(r["generated"]) <= set(labels)
+    ranked = r["ranked"]
+    assert ranked["generated"] == [labels[int(np.argmax(x))] for x in ranked["log_likelihoods"]]
+    assert set(ranked["scores"]) == {"accuracy"} and "ranked: accuracy" in capsys.readouterr().out
+    meta, params = params_at(two_models[0], 1)
+    cfg = config_from_mapping(meta["config"])
+    cfg.model.eval = True
+    family, tok = registry.of_config(cfg), load_tokenizer("synthetic")
+    model = hf_model_of(cfg, family, params).float()
+    targets = family.encode_targets(tok, list(labels))
+    for i, text in enumerate(r["inputs"][:3]):
+        prompt = family.encode_inputs(tok, [text])[0]
+        for j, t in enumerate(targets):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt]), decoder_input_ids=torch.tensor([[0] + t[:-1]])).logits
+            ll = torch.log_softmax(logits[0].double(), -1)[torch.arange(len(t)), torch.tensor(t)].sum().item()
+            assert ranked["log_likelihoods"][i][j] == pytest.approx(ll, abs=1e-4), (i, j)
+    out = str(tmp_path / "g.json")
+    run_validation.main(["--load", two_models[0], "--limit", "6", "--regex", "(entailment|neutral) (the|a)",
+                         "--output", out, "--output_length", "4"])
+    assert all(re.fullmatch("(entailment|neutral) (the|a)", g) for g in json.load(open(out))["generated"])
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object"}))
+    fails(capsys, run_validation.main, ["--load", two_models[0], "--limit", "2", "--json_schema", str(schema)],
+          "--json_schema cannot be followed: no token of this model's vocabulary can start it")

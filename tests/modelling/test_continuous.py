@@ -315,3 +315,203 @@ def test_prompts_read_packed_start_as_each_read_alone_and_step_on_alike(preset):
         np.testing.assert_allclose(logits[j], alone[0], rtol=1e-5, atol=1e-5, err_msg=f"prompt {j}")
         alone_step, _ = family.decode_step(w, token[j:j + 1], 0, alone_cache, opts)
         np.testing.assert_allclose(step[j], alone_step[0], rtol=1e-5, atol=1e-5, err_msg=f"prompt {j}, next step")
+
+
+# --------------------------------------------------------------------------- each row's processors (RowControls)
+
+
+class Asked:
+    """decoder/grammar.py's HostMasks, each question recorded: [(key, index, last token)] of the rows with a key."""
+
+    def __init__(self, masks):
+        self.masks, self.asked = masks, []
+
+    def __call__(self, keys, index, last):
+        self.asked += [(int(k), int(i), int(t)) for k, i, t in zip(keys, index, last) if k > 0]
+        return self.masks(keys, index, last)
+
+
+def no_controls(n: int):
+    from modelling.processors import RowControls
+
+    z = jnp.zeros(n, jnp.float32)
+    return RowControls(z, z, z + 1, z, jnp.zeros(n, bool), jnp.zeros(n, jnp.int32), None, None)
+
+
+def with_controls(n: int, **fields):
+    c = no_controls(n)
+    return c.__class__(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, **{
+        k: jnp.asarray(v, getattr(c, k).dtype) for k, v in fields.items()}})
+
+
+def entries(tables: dict) -> jax.Array:
+    """An insert's table entries: {joiner index: [(token, bias, held below)]} -> int32 [TABLE, 5]."""
+    from modelling.processors import TABLE
+
+    out = np.zeros((TABLE, 5), np.int32)
+    out[:, 0] = 10 ** 6  # fillers: a joiner past any insert's
+    e = 0
+    for j, rows in tables.items():
+        for k, (t, b, until) in enumerate(rows):
+            out[e] = [j, k, t, np.asarray(b, np.float32).view(np.int32), until]
+            e += 1
+    return jnp.asarray(out)
+
+
+@pytest.fixture(scope="module")
+def controlled(model):
+    """model's GPT-J, its slots carrying RowControls: (insert(state, ids, mask, rows, s, limit, eos, c, entries),
+    advance(state, keep, eos), empty state, the host recorder, params, family, opts)."""
+    from decoder.grammar import HostMasks
+    from modelling.processors import TABLE, RowControls
+
+    family, opts, params, _, _, empty_plain = model
+    w = family.decoding_params(params, opts)
+    host = Asked(HostMasks(96, 1))
+    p = RowControls.prompt_part(family, WIDTH)
+
+    def empty():
+        cache, (rows, s) = empty_plain()
+        z = lambda v, dt: jnp.full(SLOTS, v, dt)  # noqa: E731
+        c = RowControls(z(0, jnp.float32), z(0, jnp.float32), z(1, jnp.float32), z(0, jnp.float32), z(0, bool),
+                        z(0, jnp.int32), jnp.full((SLOTS, TABLE, 3), -1, jnp.int32),
+                        jnp.full((SLOTS, p + NEW), -1, jnp.int32))
+        return cache, (rows, s, c)
+
+    def insert_packed(cache, state, block, at, lengths, rows, s, limit, eos, c, table):
+        return S.insert(family, w, opts, cache, state, block, at, lengths, rows, s, limit, NEW, eos, TOP, None, c,
+                        table, host)
+
+    def insert(cache, state, ids, mask, rows, s, limit, eos, c, table):
+        block, at, lengths = joining([r[m > 0].tolist() for r, m in zip(np.asarray(ids), np.asarray(mask))],
+                                     len(rows), WIDTH)
+        return insert_packed(cache, state, block, at, lengths, jnp.asarray(rows), s, jnp.asarray(limit),
+                             int(eos), c, table)
+
+    insert_packed = jax.jit(insert_packed, static_argnums=8)
+    advance = jax.jit(lambda cache, state, keep, eos: S.advance(family, w, opts, cache, state, keep, STEPS, eos, 0,
+                                                                TOP, None, None, None, host, 0, p),
+                      static_argnums=3)
+    return insert, advance, empty, host, params, family, opts
+
+
+def decode_rows(controlled, ids, mask, rows, limits, eos, c, table, calls=3):
+    """Rows inserted together, then ``calls`` advances: each joiner's tokens [J, 1 + calls x STEPS]."""
+    insert, advance, empty, *_ = controlled
+    cache, state = empty()
+    first, _, cache, state = insert(cache, state, ids, mask, rows, sampling(len(rows)), limits, eos, c, table)
+    out = [np.asarray(first)[:, None]]
+    for _ in range(calls):
+        o, _, cache, state = advance(cache, state, jnp.ones(SLOTS, bool), eos)
+        out.append(np.asarray(o)[[r for r in rows if r < SLOTS]])
+    return np.concatenate(out, axis=1), state
+
+
+@pytest.mark.slow
+def test_each_rows_penalty_and_bias_give_the_batch_searchs_tokens_beside_a_free_row_and_as_alone(controlled):
+    """Four rows decoded together: a free one (greedy's tokens), one with a repetition penalty (the batch search's
+    with HF's processor: the prompt's tokens and its own penalised, tests/modelling/test_processors.py holds that one
+    to generate), one with a logit bias (HF's single-token sequence bias), one with both (HF's order: the bias
+    first, then the penalty); each the same inserted alone."""
+    from modelling.decoding import Options
+    from modelling.processors import UNTIL_ALWAYS, Processors
+
+    insert, advance, empty, host, params, family, opts = controlled
+    ids, mask = prompts(family, [5, 6, 7, 6], seed=11)
+    n = 1 + 3 * STEPS
+    free = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, n, eos_id=-1))
+    banned = int(free[2, 1])
+    up, down = int(free[3, 2]), int(free[3, 1])  # (row 3: biases that flip scores' signs, then the penalty)
+    both = (((up,), 6.0), ((down,), -6.0))
+    procs = [Processors(), Processors(repetition_penalty=1.8), Processors(sequence_bias=(((banned,), -7.5),)),
+             Processors(sequence_bias=both, repetition_penalty=3.0)]
+    refs = [np.asarray(decoding.decode(family, params, jnp.asarray(ids[r:r + 1]), jnp.asarray(mask[r:r + 1]), opts,
+                                       Options(n, processors=procs[r]), eos_id=-1))[0] for r in range(4)]
+    assert all(not np.array_equal(refs[r], free[r]) for r in (1, 2, 3))  # each bites
+    tables = [[], [], [(banned, -7.5, UNTIL_ALWAYS)], [(t, b, UNTIL_ALWAYS) for (t,), b in both]]
+    penalties = [1.0, 1.8, 1.0, 3.0]
+    c = with_controls(4, repetition=penalties)
+    together, _ = decode_rows(controlled, ids, mask, [0, 2, 3, 1], [n] * 4, -1, c,
+                              entries({r: t for r, t in enumerate(tables)}))
+    for r in range(4):
+        np.testing.assert_array_equal(together[r], refs[r], err_msg=f"row {r}")
+        alone, _ = decode_rows(controlled, ids[r:r + 1], mask[r:r + 1], [1], [n], -1,
+                               with_controls(1, repetition=[penalties[r]]), entries({0: tables[r]}))
+        np.testing.assert_array_equal(alone[0], together[r], err_msg=f"row {r} alone")
+
+
+@pytest.mark.slow
+def test_presence_and_frequency_penalise_the_rows_output_alone_by_openais_rule(controlled):
+    """Greedy with a bias toward one token (this model repeats no token by itself) and OpenAI's penalties: each token
+    is the most likely of the model's logits (the whole sequence read again) plus the bias, less presence where the
+    token was written before and frequency times the times it was; the prompt's tokens are not counted (a prompt
+    token is the biased one)."""
+    from modelling.processors import UNTIL_ALWAYS
+
+    insert, advance, empty, host, params, family, opts = controlled
+    ids, mask = prompts(family, [6], seed=12)
+    n = 1 + 2 * STEPS
+    x = int(ids[0][mask[0] > 0][2])
+    table = entries({0: [(x, 6.0, UNTIL_ALWAYS)]})
+    biased, _ = decode_rows(controlled, ids, mask, [0], [n], -1, no_controls(1), table, calls=2)
+    assert (biased[0] == x).sum() > n // 2  # the bias alone: mostly that token
+    got, _ = decode_rows(controlled, ids, mask, [0], [n], -1, with_controls(1, presence=[0.75], frequency=[1.5]),
+                         table, calls=2)
+    got = got[0]
+    assert 1 <= (got == x).sum() < (biased[0] == x).sum()
+    whole = np.concatenate([ids, got[None, :-1]], axis=1)
+    logits = np.asarray(family.prompt_logits(family.decoding_params(params, opts), jnp.asarray(whole),
+                                             jnp.asarray(np.concatenate([mask, np.ones((1, n - 1), np.int32)], 1)),
+                                             opts), np.float32)[0, WIDTH - 1:]
+    for i in range(n):
+        counts = np.bincount(got[:i], minlength=logits.shape[-1])
+        scores = logits[i] + 6.0 * (np.arange(logits.shape[-1]) == x) - 0.75 * (counts > 0) - 1.5 * counts
+        assert int(got[i]) == int(np.argmax(scores)), i
+
+
+@pytest.mark.slow
+def test_min_tokens_holds_the_end_of_text_below_its_index_and_ignore_eos_goes_past_it(controlled):
+    """A row whose greedy output writes the end-of-text token at index 3: held below index 3 (min_tokens 3: an
+    entry of -inf held below 3) it still ends there; held below 4 it writes another token there; with ignore_eos
+    it writes the end-of-text token and goes on to its limit."""
+    insert, advance, empty, host, params, family, opts = controlled
+    ids, mask = prompts(family, [5], seed=13)
+    n = 1 + 2 * STEPS
+    free = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, n, eos_id=-1))[0]
+    eos = int(free[3])
+    assert eos not in free[:3].tolist()
+    held = lambda k: decode_rows(controlled, ids, mask, [0], [n], eos, no_controls(1),  # noqa: E731
+                                 entries({0: [(eos, -np.inf, k)]}), calls=2)
+    at3, state = held(3)
+    assert at3[0, :4].tolist() == free[:4].tolist() and (at3[0, 4:] == 0).all() and not bool(state[0].alive[0])
+    at4, _ = held(4)
+    assert at4[0, :3].tolist() == free[:3].tolist() and int(at4[0, 3]) != eos
+    on, state = decode_rows(controlled, ids, mask, [0], [n], eos, with_controls(1, ignore_eos=[True]), entries({}),
+                            calls=2)
+    assert on[0].tolist() == free.tolist() and int(state[0].index[0]) == n - 1  # past its end-of-text, to its limit
+
+
+@pytest.mark.slow
+def test_a_constrained_row_writes_what_the_host_allows_and_asks_with_each_tokens_index_and_the_one_before(controlled):
+    """A row with a key (the host's allowed tokens: a fixed set here) writes only those, asking at each step with
+    the token's index in its output and its token before it; the free row beside it writes greedy's tokens; a row
+    whose every token the host masks writes its end-of-text token."""
+    from decoder.grammar import Allowed
+
+    insert, advance, empty, host, params, family, opts = controlled
+    ids, mask = prompts(family, [5, 7], seed=14)
+    n = 1 + STEPS
+    free = np.asarray(decoding.greedy(family, params, jnp.asarray(ids), jnp.asarray(mask), opts, n, eos_id=-1))
+    allowed = sorted({int(free[1, 2]), 40, 41, 1})
+    key = host.masks.open(Allowed(allowed, host.masks.words))
+    host.asked.clear()
+    got, _ = decode_rows(controlled, ids, mask, [0, 3], [n, n], -1, with_controls(2, grammar=[0, key]), entries({}),
+                         calls=1)
+    assert got[0].tolist() == free[0].tolist()
+    assert set(got[1].tolist()) <= set(allowed) and len(set(got[1].tolist())) > 1
+    assert [(i, t) for k, i, t in host.asked if k == key] == [(0, -1)] + [(i, int(got[1, i - 1])) for i in range(1, n)]
+    host.masks.close(key)
+    none = host.masks.open(Allowed([], host.masks.words))
+    got, _ = decode_rows(controlled, ids[:1], mask[:1], [2], [n], 1, with_controls(1, grammar=[none]), entries({}),
+                         calls=1)
+    assert got[0, 0] == 1 and (got[0, 1:] == 0).all()  # nothing allowed: its end-of-text token, then it ended

@@ -25,114 +25,22 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
 
 import httpx
 import numpy as np
-import openai
 import pytest
-import uvicorn
 from fastapi.responses import JSONResponse
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data.synthetic import make_tokenizer
 from serving import api
 from serving.engine import Engine, ServeOptions, lora_options
-from serving.http import MAX_HEADER_BYTES, Connections, Refusals, Server, header_timeout_protocol, make_app
+from serving.http import MAX_HEADER_BYTES, Connections
+from tests import fake_server
 from tests.fake_backend import FakeBackend, logprob, shifted
 
-TOK = make_tokenizer()
-
-
-KEY = "fake-key"
-
-
-MODEL = "fake"
-
-
-WAIT = 30
-
-
-def encode(texts: list) -> list:
-    return TOK(list(texts), add_special_tokens=True)["input_ids"]  # as T5 reads a prompt: its end-of-text last
-
-
-def words(text: str) -> list:
-    return TOK(text, add_special_tokens=False)["input_ids"]
-
-
-class FakeServer:
-    """serving/http.py's Server over an Engine over the fake backend, on a free port, in a thread of this process."""
-
-    def __init__(self, max_queue: int = 8, scores_prompts: bool = True, **kw):
-        self.backend = FakeBackend(slots=4, max_prompt=32, steps=2, vocab=64, top=5, scores_prompts=scores_prompts,
-                                   lora_slots=kw.pop("lora_slots", 0))
-        for name, path in kw.pop("loras", ()):  # LoRA adapters served from the start (tests/serving/test_adapters.py)
-            self.backend.adapters.install(self.backend.adapters.read(name, path))
-        options = ServeOptions(slots=4, max_queue=max_queue, width=32, insert_rows=(1, 4), steps=2,
-                               max_new_tokens=kw.pop("max_new_tokens", 64), max_prompt_chars=2000,
-                               max_body_bytes=65536, model_id=MODEL, max_logprobs=5)
-        self.engine = Engine(self.backend, TOK, encode, options)
-        self.connections = Connections(kw.pop("max_connections", None))
-        self.refusals = Refusals(self.engine.metrics, kw.pop("log_requests", logging.INFO))
-        app = make_app(self.engine, KEY, body_timeout=kw.pop("body_timeout", 5.0),
-                       on_fatal=lambda e: self.server.stop_fatally(e), connections=self.connections,
-                       refusals=self.refusals)
-        protocol = header_timeout_protocol(kw.pop("header_timeout", 5.0), self.connections, self.refusals,
-                                           kw.pop("max_header_bytes", MAX_HEADER_BYTES))
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", http=protocol,
-                                timeout_keep_alive=5)
-        self.server = Server(config, self.engine, kw.pop("grace", 30.0), self._listening)
-        self.url = None
-        self.http = httpx.Client(timeout=WAIT)  # one client: making one per request costs its TLS set-up each time
-        self.up = threading.Event()
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        assert self.up.wait(WAIT), "the server did not start"
-
-    def _listening(self, host, port):
-        self.host, self.port, self.url = host, port, f"http://{host}:{port}"
-        self.up.set()
-
-    def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, timeout=WAIT, **{"max_retries": 0, **kw})
-
-    def post(self, body, path: str = "/v1/completions", headers: Optional[dict] = None, **kw) -> httpx.Response:
-        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-        h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
-        return self.http.post(self.url + path, content=content, headers=h, **kw)
-
-    def metric(self, name: str) -> float:
-        text = self.engine.metrics.text().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
-
-    def serves(self) -> None:
-        """A normal request is answered as the fake model answers it."""
-        r = self.post({"model": MODEL, "prompt": "the cat", "max_tokens": 5})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == "the cat", r.text  # its prompt, then its end-of-text
-
-    def gated_stream(self) -> tuple:
-        """A streamed request of 9 tokens held by the fake device (its advances read only once ``gate`` is set) ->
-        (gate, its client, its streamed response)."""
-        gate = threading.Event()
-        self.backend.gate = gate
-        client = httpx.Client(timeout=WAIT, headers={"Authorization": f"Bearer {KEY}"})
-        stream = client.send(client.build_request("POST", self.url + "/v1/completions", json={
-            "model": MODEL, "prompt": words("the cat"), "max_tokens": 9, "stream": True}), stream=True)
-        return gate, client, stream
-
-    def wait_for(self, check, what: str) -> None:
-        deadline = time.monotonic() + WAIT
-        while not check():
-            assert time.monotonic() < deadline, f"{what} within {WAIT} s"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(WAIT)
-        self.http.close()
+TOK, KEY, MODEL, WAIT = fake_server.TOK, fake_server.KEY, fake_server.MODEL, fake_server.WAIT
+encode, words, FakeServer = fake_server.encode, fake_server.words, fake_server.FakeServer
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +81,26 @@ BAD_VALUES = {
     "user": [1, "\ud83d"],
     "model": ["gpt-4", 1, "\ud800", ""],
     "frobnicate": [1],
-    "presence_penalty": [0.5, "0"],
-    "logit_bias": [{"1": 5}],
+    "presence_penalty": [2.5, "0", True, -3] + BIG,
+    "frequency_penalty": [-2.01, [0]],
+    "logit_bias": [{"1": 500}, {"x": 1}, {"64": 1}, {"-1": 1}, [1], {"1": "a"}, {"1": True}, {str(i): 1 for i in range(301)}],
     "suffix": ["x"],
+    "stop_token_ids": [[64], "1", [-1], [1.5], list(range(17))],
+    "allowed_token_ids": [[], [64], 3],
+    "min_p": [1.5, -0.1, "0"],
+    "min_tokens": [-1, 65, 1.5, True],
+    "repetition_penalty": [0, -1, "1", 10 ** 400],
+    "ignore_eos": ["yes", 1],
+    "skip_special_tokens": [0],
+    "response_format": [{"type": "xml"}, "json", {"type": "json_schema"}, {"type": "json_schema", "json_schema":
+                                                                           {"schema": {}}},
+                        {"type": "json_object", "x": 1}, {"type": "json_object"}],  # (no brace in this vocabulary)
+    "guided_choice": [[], "a", [1], ["\x00"]],
+    "guided_json": ["{not", 5, {"type": "bogus"}],
+    "guided_regex": ["(", "", 7],
+    "guided_grammar": ["root ::= ", 7],
+    "structured_outputs": [{}, {"regex": "a", "choice": ["a"]}, {"json_object": False}, {"whitespace_pattern": "x"},
+                           {"disable_any_whitespace": True, "regex": "a"}, "a"],
 }
 
 
@@ -1121,6 +1046,23 @@ def chat_request(limits: api.Limits = BOUNDS, **fields) -> api.Request:
     ("top_p", {"top_p": 1e-9}, {"top_p": 0.0}),
     ("seed", {"seed": 2 ** 64 - 1}, {"seed": 2 ** 64}),
     ("seed", {"seed": -2 ** 63}, {"seed": -2 ** 63 - 1}),
+    ("presence_penalty", {"presence_penalty": 2.0}, {"presence_penalty": 2.0000001}),
+    ("presence_penalty", {"presence_penalty": -2}, {"presence_penalty": -2.0000001}),
+    ("frequency_penalty", {"frequency_penalty": -2.0}, {"frequency_penalty": -2.0000001}),
+    ("frequency_penalty", {"frequency_penalty": 2}, {"frequency_penalty": 2.0000001}),
+    ("repetition_penalty", {"repetition_penalty": 1e-9}, {"repetition_penalty": 0}),
+    ("min_p", {"min_p": 1}, {"min_p": 1.0000001}),
+    ("min_p", {"min_p": 0}, {"min_p": -1e-9}),
+    ("min_tokens", {"min_tokens": 7, "max_tokens": 7}, {"min_tokens": 8, "max_tokens": 7}),
+    ("min_tokens", {"min_tokens": 0}, {"min_tokens": -1}),
+    ("logit_bias", {"logit_bias": {"63": 100}}, {"logit_bias": {"63": 100.0000001}}),
+    ("logit_bias", {"logit_bias": {"0": -100}}, {"logit_bias": {"0": -100.0000001}}),
+    ("logit_bias", {"logit_bias": {"63": 1}}, {"logit_bias": {"64": 1}}),
+    ("stop_token_ids", {"stop_token_ids": list(range(api.MAX_STOP_IDS))},
+     {"stop_token_ids": list(range(api.MAX_STOP_IDS + 1))}),
+    ("stop_token_ids", {"stop_token_ids": [63]}, {"stop_token_ids": [64]}),
+    ("allowed_token_ids", {"allowed_token_ids": [63]}, {"allowed_token_ids": [64]}),
+    ("guided_choice", {"guided_choice": ["a"] * 1024}, {"guided_choice": ["a"] * 1025}),
 ])
 def test_each_bound_takes_its_limit_and_refuses_one_past_it(field, at, past):
     """Every limit is inclusive: the value at it is served, one step past it is a 4xx naming the field."""
@@ -1128,6 +1070,14 @@ def test_each_bound_takes_its_limit_and_refuses_one_past_it(field, at, past):
     with pytest.raises(api.ApiError) as e:
         completion(**past)
     assert 400 <= e.value.status < 500 and e.value.param == field, e.value.message
+
+
+def test_logit_bias_takes_300_token_ids_and_refuses_301_naming_the_field():
+    wide = dataclasses.replace(BOUNDS, vocab_size=1000)
+    assert len(completion(wide, logit_bias={str(i): 1 for i in range(api.MAX_BIAS)}).logit_bias) == 300
+    with pytest.raises(api.ApiError) as e:
+        completion(wide, logit_bias={str(i): 1 for i in range(api.MAX_BIAS + 1)})
+    assert e.value.status == 400 and e.value.param == "logit_bias" and "at most 300" in e.value.message
 
 
 def test_a_seed_is_taken_modulo_two_to_the_64():
@@ -1169,8 +1119,9 @@ def test_chat_logprobs_without_top_logprobs_gives_each_token_s_alone():
 
 @pytest.mark.parametrize("field, value, ok", [
     ("parallel_tool_calls", True, True), ("parallel_tool_calls", False, True), ("parallel_tool_calls", 1, False),
-    ("parallel_tool_calls", 0, False), ("presence_penalty", 0, True), ("presence_penalty", 0.0, True),
-    ("presence_penalty", False, False), ("presence_penalty", 0.5, False), ("logit_bias", {}, True),
+    ("parallel_tool_calls", 0, False), ("bad_words", [], True), ("bad_words", ["x"], False),
+    ("continue_final_message", False, True), ("continue_final_message", 0, False),
+    ("continue_final_message", True, False),
 ])
 def test_an_unsupported_field_is_taken_at_its_default_alone_true_is_not_1(field, value, ok):
     if ok:

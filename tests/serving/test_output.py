@@ -355,3 +355,71 @@ def test_an_update_with_nothing_new_for_the_client_sends_no_event():
     s = sequence("", True)
     assert out.p.handle(Update(s, prompt_scored=(np.zeros(1), np.zeros((1, 1), int), np.zeros((1, 1))))) == []
     assert [e.token_ids for _, e in out.p.handle(Update(s, ids("the")))] == [ids("the")]
+
+
+# --------------------------------------------------------------------------- vLLM's text options, and a prompt's context
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_completion_read_after_its_prompt_keeps_its_first_words_space(stream):
+    """Issue 69's "in theriver": a causal model's completion continues its prompt, so its text is read after the
+    prompt's last tokens (``context``): the first word keeps its space, echo joins the words, and each token's
+    text in the log-probabilities (and the stream's pieces) is the text it adds."""
+    prompt, words = ids("a dog runs in the"), ids("river .")
+    out = Out()
+    s = Sequence(prompt, 100, out=Output(0, None, (), stream, 0, "a dog runs in the", None, context=prompt[-6:]))
+
+    def scored(chunk):
+        return np.zeros(len(chunk)), np.array([[t] for t in chunk]), np.zeros((len(chunk), 1))
+
+    events = out.feed(s, [[w] for w in words], "length", scored)
+    assert "".join(e.text for e in events) == "a dog runs in the river ."
+    assert [lp.token for e in events for lp in e.logprobs] == [" river", " ."]
+    alone = Out().feed(sequence("", stream), [words], "length")  # no context (T5's answer): its own text
+    assert "".join(e.text for e in alone) == "river ."
+
+
+@pytest.mark.parametrize("kind", ["synthetic", "metaspace", "bytelevel", "sentencepiece"])
+def test_each_tokens_text_after_a_prompt_is_its_piece_for_every_tokenizer_kind(kind):
+    """The server shows each token as data/tokenizer.py's ``token_pieces`` says (what a grammar matches it
+    against): the log-probabilities' tokens of a completion read after its prompt are its tokens' pieces."""
+    from data.tokenizer import token_pieces
+    from tests.tokenizer_kinds import make
+
+    tok = make(kind)
+    pieces, _ = token_pieces(tok)
+    prompt = tok("the cat sleeps in", add_special_tokens=False)["input_ids"]
+    words = tok(" the park . a dog", add_special_tokens=False)["input_ids"]
+    p = OutputProcessor(tok, Metrics(1), lambda seqs: None)
+    seq = Sequence(prompt, 100, out=Output(0, None, logprobs=0, context=prompt[-6:]))
+    (_, event), = p.handle(Update(seq, words, (np.zeros(len(words)), np.array([[t] for t in words]),
+                                               np.zeros((len(words), 1))), reason="length"))
+    assert [lp.token for lp in event.logprobs] == [pieces[t].decode("utf-8") for t in words]
+    assert event.text == b"".join(pieces[t] for t in words).decode("utf-8")
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked():
+    words = ids("the cat") + [EOS]
+    assert Out().feed(sequence("", False), [words], "stop")[0].text == "the cat"
+    s = Sequence(ids("x"), 100, out=Output(0, None, skip_special=False))
+    assert Out().feed(s, [words], "stop")[0].text == "the cat </s>"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_it(stream):
+    words = ids("the cat sleeps in the park")
+    s = Sequence(ids("x"), 100, out=Output(0, None, ("sleeps",), stream, include_stop=True))
+    events = Out().feed(s, [[w] for w in words], "length")
+    assert "".join(e.text for e in events) == "the cat sleeps" and events[-1].finish_reason == "stop"
+    assert events[-1].completion_tokens == 3
+
+
+@pytest.mark.parametrize("min_tokens, text", [(3, "the cat"), (4, "the cat sleeps in the park")])
+def test_a_stop_string_ends_a_completion_only_where_it_ends_at_its_min_tokens_th_token_or_later(min_tokens, text):
+    """vLLM's min_tokens: a stop string is looked for from the min_tokens-th token on ("sleeps", the third token,
+    completes "sleeps": it counts with min_tokens 3, not with 4, and nothing later completes it)."""
+    words = ids("the cat sleeps in the park")
+    s = Sequence(ids("x"), 100, out=Output(0, None, (" sleeps",), False, min_tokens=min_tokens))
+    (event,) = Out().feed(s, [[w] for w in words], "length")
+    assert event.text == text
+    assert event.finish_reason == ("stop" if min_tokens == 3 else "length")

@@ -616,3 +616,81 @@ def test_the_fake_refuses_a_span_its_writing_rows_would_write_at_or_past():
         b.advance(np.array([True, True]), 4, 15)
     b.advance(np.array([False, True]), 4, 1)  # (row 0 not kept: it stops, writing nothing)
     assert b.spans == [11, 12, 15, 1]
+
+
+# --------------------------------------------------------------------------- each sequence's processors (serving/controls.py)
+
+
+def test_a_sequences_controls_reach_the_slots_as_its_row_and_only_a_constrained_one_holds_a_key():
+    """Each joiner's processors reach the insert as ``Controls.row`` (its key, its table: logit_bias held always,
+    the end-of-text and stop tokens held below min_tokens); a free one as None; a constrained row gets a key of its
+    own in the backend's masks, closed when it ends."""
+    from decoder.grammar import Allowed
+    from serving.controls import ALWAYS, Controls
+
+    h = Harness(slots=4, steps=2)
+    allowed = Allowed(ids("the cat"), h.b.masks.words)
+    c = Controls(presence=0.5, frequency=-0.25, repetition=1.3, min_p=0.1, min_tokens=3, stop_ids=(7, 8),
+                 bias=((4, -2.5), (9, 100.0)), constraint=allowed)
+    free, ruled = h.seq("the cat sleeps"), h.seq("the cat . </s>", controls=c)
+    h.s.submit([free, ruled])
+    h.s._round()
+    assert h.b.controls == [None, (0.5, -0.25, 1.3, 0.1, False, ruled.key, (
+        (4, -2.5, ALWAYS), (9, 100.0, ALWAYS), (EOS, float("-inf"), 3), (7, float("-inf"), 3),
+        (8, float("-inf"), 3)))]
+    assert ruled.key > 0 and free.key == 0 and ruled.key in h.b.masks.rows
+    h.run()
+    assert ruled.key not in h.b.masks.rows  # closed at its end
+    assert set(h.tokens(ruled)) <= set(ids("the cat")) | {EOS}  # (the fake writes what the host allows)
+    assert Controls(min_tokens=2, ignore_eos=True, stop_ids=(5,)).entries(EOS) == ((5, float("-inf"), 2),)
+
+
+def test_a_stop_token_ends_its_sequence_kept_in_its_output_and_clears_its_row():
+    """vLLM's stop_token_ids: the sequence ends at the first (finish_reason "stop"), the token kept; the device,
+    which knows its end-of-text token alone, is told to stop the row (its keep flag cleared)."""
+    from serving.controls import Controls
+
+    h = Harness(slots=2, steps=4)
+    words = ids("the cat sleeps in the park")
+    s = h.seq(words, 20, controls=Controls(stop_ids=(words[3],)))
+    h.s.submit([s, h.seq("a dog", 30)])  # (another runs on: its advances carry the keep flags)
+    h.run()
+    assert h.tokens(s) == words[:4] and h.end(s).reason == "stop"
+    assert any(not k[s.slot] for k in h.keeps)  # cleared on the device after its stop token
+
+
+def test_ignore_eos_goes_past_the_end_of_text_token_to_max_tokens():
+    """vLLM's ignore_eos: a fixed-length run gives exactly max_tokens tokens, the end-of-text token among them."""
+    from serving.controls import Controls
+
+    h = Harness(slots=2, steps=3)
+    prompt = ids("the cat") + [EOS]
+    on, off = h.seq(prompt, 8, controls=Controls(ignore_eos=True)), h.seq(prompt, 8)
+    h.s.submit([on, off])
+    h.run()
+    assert h.tokens(on) == (prompt * 3)[:8] and h.end(on).reason == "length"
+    assert h.tokens(off) == prompt and h.end(off).reason == "stop"
+
+
+def test_the_joiners_of_one_insert_hold_at_most_a_tables_entries_together():
+    """Each insert's joiners' table entries fit one insert (``TABLE``, the first joiner always): three sequences of
+    200 bias entries each join one by one (first come, first served: the free one behind them joins with the
+    last)."""
+    from serving.controls import TABLE, Controls
+
+    h = Harness(slots=4, steps=2)
+    big = Controls(bias=tuple((t, 1.0) for t in range(200)))
+    seqs = [h.seq("the cat", controls=big) for _ in range(3)] + [h.seq("a dog")]
+    h.s.submit(seqs)
+    h.run()
+    for slots, rows in zip(h.b.inserts, _grouped(h.b.controls, h.b.inserts)):
+        assert sum(len(r[6]) for r in rows if r) <= TABLE, slots
+    assert [len(x) for x in h.b.inserts] == [1, 1, 2]  # 200 | 200 | 200 + the free one
+
+
+def _grouped(controls: list, inserts: list) -> list:
+    out, k = [], 0
+    for slots in inserts:
+        out.append(controls[k:k + len(slots)])
+        k += len(slots)
+    return out

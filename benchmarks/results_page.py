@@ -76,6 +76,17 @@ def rate(id, get, unit, digits=1, json=None):
     return Figure(id, get, f"{{:,.{digits}f}} {unit}", json=json)
 
 
+def span(id, get, digits=2, json=None):
+    """The range of a ratio over its rounds (``get`` reads app/alternate.py's spread: its ``min`` and ``max``)."""
+    return Figure(id, lambda d: (get(d)["min"], get(d)["max"]), f"{{0[0]:.{digits}f}}x-{{0[1]:.{digits}f}}x",
+                  json=json)
+
+
+def load_average(id, when, json=None):
+    """The machine's 1-minute load average ``when`` ("before" or "after") an invocation, as compare.py records it."""
+    return Figure(id, at(f"load_{when}", 0), "{:.2f}", json=json)
+
+
 @dataclasses.dataclass
 class Table:
     """A table of figures from ``sources`` (paths under benchmarks/results/), written by ``command`` (None: the first
@@ -101,6 +112,19 @@ def _date(doc: dict) -> Optional[str]:
 # ------------------------------------------------------------------------------------------------ the 2-core CPU
 
 QS, MT = "cpu/quickstart.json", "cpu/make_test.json"
+CT, CT1, CT3 = "cpu/compare_train.json", "archive/cpu/compare_train_1.json", "archive/cpu/compare_train_3.json"
+TAB = "archive/cpu/ab_train_clip_attention.json"
+
+
+def _train_run(i, path):
+    p = f"train-{i}-"
+    return (str(i), ratio(p + "vs-hf-compiled", at("ratios", "ours / HF torch.compile"), json=path),
+            span(p + "vs-hf-compiled-range", at("ratio_spread", "ours / HF torch.compile"), json=path),
+            ratio(p + "vs-hf-eager", at("ratios", "ours / HF eager"), json=path),
+            span(p + "vs-hf-eager-range", at("ratio_spread", "ours / HF eager"), json=path),
+            load_average(p + "load-before", "before", path), load_average(p + "load-after", "after", path))
+
+
 CPU_TABLES = [
     Table("quickstart", "The quickstart and the test suite", (QS, MT), "make quickstart",
           "`make quickstart` from a fresh clone (a new `.venv` from the system's packages, no data or compilation "
@@ -152,23 +176,46 @@ CPU_TABLES = [
               ("token slots a packed row used",
                pct("packing-efficiency", at("runs", "ours packed", 0, "packing_efficiency"), 0), "", ""),
           ]),
-    Table("train-vs-hf", "Training at equal work against HF", ("cpu/compare_train.json",),
-          "python3 benchmarks/compare.py --only train --repeats 3",
-          "Flan-T5-small's shape, encoder 128 / decoder 8 tokens, batch 8, float32, random weights, AdamW, one device, "
-          "prompts of 64..128 tokens: ours one example a row (`--recompute false --unroll_layers true`), HF padded to "
-          "the full length, the same rows; medians of 3. This machine's run-to-run spread is about a tenth.",
-          ("run", "examples/s", "model TFLOP/s", "ours / this"), [
+    Table("train-vs-hf", "Training at equal work against HF", (CT,), "python3 benchmarks/compare.py --only train",
+          "Flan-T5-small's shape, encoder 128 / decoder 8 tokens, batch 8, float32, random weights, AdamW with "
+          "global-norm clipping, one device, prompts of 64..128 tokens: ours one example a row (`--recompute false "
+          "--unroll_layers true`), HF padded to the full length, the same rows. Each engine a worker of its own, "
+          "measured 5 steps at a time in alternation over 5 rounds (`app/alternate.py`): examples/s and TFLOP/s the "
+          "median round's, a ratio the median of the rounds' own ratios, with their range; the machine shared with "
+          "other work.",
+          ("run", "examples/s", "model TFLOP/s", "ours / this", "rounds' range"), [
               ("ours", rate("train-ours", at("training", "ours", "examples_per_s"), "examples/s", 2),
-               Figure("train-ours-tflops", at("training", "ours", "model_tflops_per_s"), "{:.3f} TFLOP/s"), ""),
+               Figure("train-ours-tflops", at("training", "ours", "model_tflops_per_s"), "{:.3f} TFLOP/s"), "", ""),
               ("HF PyTorch eager",
                rate("train-hf-eager", at("training", "HF eager", "examples_per_s"), "examples/s", 2),
                Figure("train-hf-eager-tflops", at("training", "HF eager", "model_tflops_per_s"), "{:.3f} TFLOP/s"),
-               ratio("train-vs-hf-eager", at("ratios", "ours / HF eager"))),
+               ratio("train-vs-hf-eager", at("ratios", "ours / HF eager")),
+               span("train-vs-hf-eager-range", at("ratio_spread", "ours / HF eager"))),
               ("HF PyTorch + `torch.compile`, fused AdamW",
                rate("train-hf-compiled", at("training", "HF torch.compile", "examples_per_s"), "examples/s", 2),
                Figure("train-hf-compiled-tflops", at("training", "HF torch.compile", "model_tflops_per_s"),
                       "{:.3f} TFLOP/s"),
-               ratio("train-vs-hf-compiled", at("ratios", "ours / HF torch.compile"))),
+               ratio("train-vs-hf-compiled", at("ratios", "ours / HF torch.compile")),
+               span("train-vs-hf-compiled-range", at("ratio_spread", "ours / HF torch.compile"))),
+          ]),
+    Table("train-runs", "Training against HF: three invocations in a row", (CT1, CT, CT3),
+          "python3 benchmarks/compare.py --only train (three times, one after the other)",
+          "The same command three times in a row; the second is the table above. The 1-minute load average before "
+          "and after each (2 cores).",
+          ("invocation", "ours / HF `torch.compile`", "rounds' range", "ours / HF eager", "rounds' range",
+           "load average before", "after"),
+          [_train_run(i, path) for i, path in enumerate((CT1, CT, CT3), 1)]),
+    Table("train-choices", "The CPU training step's two choices, each undone", (TAB,), None,
+          "Alternated `finetuning.py` workers of one tree and of the same tree with one change undone (6 rounds, 5 "
+          "steps a repeat, the step of the table above): the step's examples/s with the change over without it, the "
+          "median of the rounds' own ratios and their range.",
+          ("the change (undone: the step without it)", "kept / undone", "rounds' range"), [
+              ("gradient clipping as one scalar factor (undone: the clipped gradients formed by a select)",
+               ratio("train-clip-factor", at("base_over", "old_clip", "median")),
+               span("train-clip-factor-range", at("base_over", "old_clip"))),
+              ("attention's products over [b, h, l, kv] (undone: over [b, l, h, kv])",
+               ratio("train-heads-major", at("base_over", "positions_major", "median")),
+               span("train-heads-major-range", at("base_over", "positions_major"))),
           ]),
     Table("gptj-train-vs-hf", "GPT-J training against HF", ("cpu/compare_gptj_train.json",),
           "python3 benchmarks/compare.py --config gptj_small --sequence_length 128 --batch 8 --precision float32 "
@@ -205,40 +252,116 @@ CPU_TABLES = [
 ]
 
 B8, B1 = "cpu/decode_b8.json", "cpu/decode_b1.json"
+# each precision's engines in compare.py's JSON: ours, CTranslate2's, and their ratios to CTranslate2 and to HF eager
+ENGINES = {"float32": ("ours", "CTranslate2 float32", "ours / CTranslate2 float32", "ours / HF eager"),
+           "int8": ("ours int8", "CTranslate2 int8", "ours int8 / CTranslate2 int8", "ours int8 / HF eager")}
+# a measure, its figure's id part, and how it renders (a time's ratio is theirs over ours: over 1 where ours is faster)
+MEASURES = (("generated_tokens_per_s", "", lambda id, get, path: rate(id, get, "tokens/s", 0, json=path)),
+            ("first_token_s", "first-", lambda id, get, path: ms(id, get, 0, json=path)),
+            ("decode_token_latency_s", "next-", lambda id, get, path: ms(id, get, 1, json=path)))
 
 
-def _decode_row(label, batch, path):
-    p = f"b{batch}-"
-    return (label, rate(p + "ours", at("decode_tokens_per_s", "ours"), "tokens/s", json=path),
-            rate(p + "hf", at("decode_tokens_per_s", "hf"), "tokens/s", json=path),
-            ratio(p + "vs-hf", at("decode_tokens_per_s", "ratio"), json=path),
-            ms(p + "first", at("first_token_s", "ours"), 0, json=path),
-            ms(p + "first-hf", at("first_token_s", "hf"), 0, json=path),
-            ms(p + "next", at("decode_token_latency_s", "ours"), json=path),
-            ms(p + "next-hf", at("decode_token_latency_s", "hf"), json=path),
-            ratio(p + "int8", at("int8_tokens_per_s", "over_ours"), json=path))
+def _ratio_cells(id, path, pair, measure):
+    spread = at("decode_ratios", pair, measure)
+    return (ratio(id, lambda d: spread(d)["median"], json=path), span(id + "-range", spread, json=path))
 
 
-SCAN = "cpu/decode_scan_ab.json"
+def _ct2_row(batch, precision):
+    path = B8 if batch == 8 else B1
+    ours, theirs, vs_ct2, vs_hf = ENGINES[precision]
+    p = f"b{batch}-" + ("int8-" if precision == "int8" else "")
+    cells = [f"{batch}, {precision}"]
+    for measure, part, figure in MEASURES:
+        cells += [figure(p + part + "ours", at("engines", ours, measure, "median"), path),
+                  figure(p + part + "ct2", at("engines", theirs, measure, "median"), path),
+                  *_ratio_cells(p + part + "vs-ct2", path, vs_ct2, measure)]
+    return tuple(cells) + _ratio_cells(p + "vs-hf", path, vs_hf, "generated_tokens_per_s")
+
+
+def _int8_over_row(batch):
+    path = B8 if batch == 8 else B1
+    return (str(batch), *_ratio_cells(f"b{batch}-int8-over-f32", path, "ours int8 / ours", "generated_tokens_per_s"),
+            load_average(f"b{batch}-load-before", "before", path), load_average(f"b{batch}-load-after", "after", path),
+            pct(f"b{batch}-ct2-same", at("same_tokens_as_hf", "CTranslate2 float32"), 0, json=path),
+            pct(f"b{batch}-ct2-int8-same", at("same_tokens_as_hf", "CTranslate2 int8"), 0, json=path))
+
+
+AB = "archive/cpu/ab_"
+AB_ROWS = [  # (label, weights, file, the chosen variant, the other)
+    ("int8 products in integers, against the converting product", "8, int8", "integer_dots_b8", "integer",
+     "dequantizing"),
+    ("", "1, int8", "integer_dots_b1", "integer", "dequantizing"),
+    ("the decoder one tree per layer, against the scan", "8, float32", "unrolled_decoder_b8", "unrolled", "scanned"),
+    ("", "1, float32", "unrolled_decoder_b1", "unrolled", "scanned"),
+    ("attention's products over [b, h, l, kv], against [b, l, h, kv]", "8, float32", "heads_major_b8_none",
+     "heads_major", "positions_major"),
+    ("", "8, int8", "heads_major_b8_int8", "heads_major", "positions_major"),
+]
+
+
+def _speedup(variant, clock, measure):
+    """The chosen variant's speedup over the other in a decode_ab.py JSON (its first form held the wall clock's
+    alone, under ``speedup_over_dequantizing``)."""
+    def get(d):
+        if "speedup_over_baseline" in d:
+            return d["speedup_over_baseline"][clock][variant][measure]
+        return d["speedup_over_dequantizing"][variant][measure] if clock == "wall" else None
+    return get
+
+
+def _ab_row(label, weights, name, variant, other):
+    path, key = AB + name + ".json", "ab-" + name.replace("_", "-")
+    cells = [label, weights]
+    for clock, measure, part in (("wall", "generate_s", ""), ("wall", "first_token_s", "-first"),
+                                 ("wall", "per_token_s", "-next"), ("cpu", "per_token_s", "-next-cpu")):
+        if _speedup(variant, clock, measure)(load(path)) is None:
+            cells += ["", ""]
+            continue
+        get = _speedup(variant, clock, measure)
+        cells += [ratio(key + part, lambda d, get=get: get(d)["median"], json=path),
+                  span(key + part + "-range", get, json=path)]
+    return tuple(cells) + (sec(key + "-compile", at("compile_s", variant), 1, json=path),
+                           sec(key + "-compile-other", at("compile_s", other), 1, json=path))
+
+
 DECODING_TABLES = [
-    Table("cpu-decoding", "Greedy decoding against HF `generate`", (B8, B1),
-          "python3 benchmarks/compare.py --only decode --repeats 5 --int8 [--batch 1] --json ...",
-          "Flan-T5-small's shape, float32, random weights, one device, prompts of 64 to 128 tokens, 8 new tokens "
-          "(every step timed), against HF's eager `generate` (transformers 5.24, torch 2.13 CPU); medians of 5 "
-          "alternated runs, each in a process of its own.",
-          ("batch", "ours", "HF", "ours / HF", "first token, ours", "HF", "each further token, ours", "HF",
-           "int8 weights / ours"), [_decode_row("8", 8, B8), _decode_row("1", 1, B1)]),
-    Table("scan", "What scanning the decoder's layers costs on a CPU", (SCAN,), None,
-          "The same decoding benchmark on the decoder with its layers scanned and unrolled (traced one by one), "
-          "alternated in one session: the scanned decoder against the unrolled one.",
-          ("batch", "tokens/s", "each further token's time", "compile time"), [
-              ("8", ratio("scan-b8", at("medians", "batch 8 after over before", "tokens_per_s")),
-               ratio("scan-b8-next", at("medians", "batch 8 after over before", "decode_token_latency")),
-               ratio("scan-b8-compile", at("medians", "batch 8 after over before", "compile_s"))),
-              ("1", ratio("scan-b1", at("medians", "batch 1 after over before", "tokens_per_s")),
-               ratio("scan-b1-next", at("medians", "batch 1 after over before", "decode_token_latency")),
-               ratio("scan-b1-compile", at("medians", "batch 1 after over before", "compile_s"))),
-          ]),
+    Table("cpu-decoding", "Greedy decoding against CTranslate2 and HF `generate`", (B8, B1),
+          "pip install -r benchmarks/requirements.txt; python3 benchmarks/compare.py --only decode --int8 "
+          "--output_length 16 [--batch 1] --json benchmarks/results/cpu/decode_b8.json (decode_b1.json)",
+          "Flan-T5-small's shape, random weights, one device, 16 new tokens (every step timed), the same token ids "
+          "to every engine (prompts of 65 to 119 tokens at batch 8, 119 at batch 1): ours, CTranslate2 4.8.5 (the "
+          "same HF model converted by its own converter, 2 threads) in float32 and int8, and HF's eager `generate` "
+          "(transformers 5.25, torch 2.13 CPU). Each engine a worker of its own, measured 5 batches at a time in "
+          "alternation over 5 rounds (`app/alternate.py`): an engine's figure the median round's, a ratio the median "
+          "of the rounds' own ratios with their range, over 1 where ours is faster (for a time: theirs over ours). "
+          "First token: the prompts read and the first token chosen.",
+          ("batch, weights", "tokens/s, ours", "CTranslate2", "ours / CTranslate2", "rounds' range",
+           "first token, ours", "CTranslate2", "CTranslate2 / ours", "rounds' range", "each further token, ours",
+           "CTranslate2", "CTranslate2 / ours", "rounds' range", "ours / HF eager, tokens/s", "rounds' range"),
+          [_ct2_row(8, "float32"), _ct2_row(8, "int8"), _ct2_row(1, "float32"), _ct2_row(1, "int8")]),
+    Table("cpu-decoding-int8", "CPU decoding: int8 weights against float32, and the machine", (B8, B1),
+          "python3 benchmarks/compare.py --only decode --int8 --output_length 16 [--batch 1] --json "
+          "benchmarks/results/cpu/decode_b8.json (decode_b1.json)",
+          "The same invocations: ours with int8 weights over ours in float32 (tokens/s, the median of the rounds' "
+          "own ratios and their range); the machine's 1-minute load average before and after each (2 cores, shared "
+          "with other work); the share of prompts whose tokens from CTranslate2 were HF's, token for token.",
+          ("batch", "int8 / float32, tokens/s", "rounds' range", "load average before", "after",
+           "CTranslate2 float32, the same tokens as HF", "CTranslate2 int8"),
+          [_int8_over_row(8), _int8_over_row(1)]),
+    Table("cpu-decoding-choices", "What a CPU decodes differently, each against its alternative",
+          tuple(AB + name + ".json" for _, _, name, _, _ in AB_ROWS),
+          "benchmarks/probes/decode_ab.py --choice integer_dots|unrolled_decoder|heads_major_attention "
+          "[--quantize int8|none] --batch 8|1 [--rounds 10] --json ... (a probe run by hand with python3; each file "
+          "holds its own command)",
+          "Flan-T5-small's shape, prompts of 128 tokens, 16 new tokens; the two variants' programs compiled in one "
+          "process with the choice's function patched, the same weights, alternated (A B, B A), the best of 3 calls "
+          "a round: the chosen variant's speedup over the other, the median of the rounds' and their range, in wall "
+          "time and, for each further token, in the process's CPU time (the first file measured the wall clock "
+          "alone). The machine was shared with other work (each file holds its load average).",
+          ("choice", "batch, weights", "whole decoding", "rounds' range", "first token", "rounds' range",
+           "each further token", "rounds' range", "each further token, CPU time", "rounds' range",
+           "compile time, chosen", "the other"),
+          [_ab_row(*row) for row in AB_ROWS]),
 ]
 
 I8 = "cpu/int8_accuracy.json"

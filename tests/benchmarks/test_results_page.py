@@ -85,6 +85,7 @@ DECLARED: dict = {
     "docs/commands.md": ("one 24 GB GPU", "one 80 GB GPU", "64 GB of host memory", "128 GB of RAM",
                          "A 24 GB / 64 GB workstation", "one command of at most 10 minutes", "within 480 s"),
     "docs/decoding.md": ("What a 24 GB card", "under 3% of their spread", "under 10% at the worst logit",
+                         "products by under 4% and under 15%", "(512 x 32128) is a fixed 66 MB read",
                          "two 24 GB LoRA presets within a 22 GiB device and 59 GiB of host memory", "22 GiB"),
     "docs/gpu_suite.md": ("at most 480 s", "at most 10 minutes", "15 minutes of device time", "within 90 s",
                           "(goal 2x)", "(goal: 2x", "(goal 1.2x)", "(goal 15%)", "(the goal, 1.2x, not reached)",
@@ -128,6 +129,20 @@ def test_a_changed_json_changes_its_figure_and_nothing_else(tmp_path):
     assert [(a, b) for a, b in zip(old, new) if a != b] == \
         [('| a step of 16 rows (median) | <a id="xxl-step"></a>2.68 s |',
           '| a step of 16 rows (median) | <a id="xxl-step"></a>4.11 s |')]
+
+
+def test_a_ratio_s_range_is_its_own_rounds_smallest_and_largest(tmp_path):
+    """A ratio of alternated rounds is stated with its rounds' range: the smallest and the largest round of that pair
+    of engines and that measure, read from compare.py's spread (a first token's, not the tokens/s' beside it)."""
+    results = tmp_path / "results"
+    shutil.copytree(os.path.join(ROOT, "benchmarks", "results"), results)
+    path = results / "cpu/decode_b8.json"
+    doc = json.loads(path.read_text())
+    doc["decode_ratios"]["ours / CTranslate2 float32"]["first_token_s"].update(min=0.5, max=2.25)
+    path.write_text(json.dumps(doc))
+    before, after = results_page.values(), results_page.values(str(results))
+    assert {k for k in before if before[k] != after[k]} == {"b8-first-vs-ct2-range"}
+    assert after["b8-first-vs-ct2-range"] == "0.50x-2.25x"
 
 
 def test_every_figure_id_is_one_anchor_and_every_table_names_its_command_and_files():

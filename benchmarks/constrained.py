@@ -53,8 +53,10 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("serve", "labels"), default=None, help="one part (default: both)")
     p.add_argument("--config", default="tiny", help="the inference preset of the served model's shape")
-    p.add_argument("--model_flags", default="--hidden_size 256 --d_ff 1024 --d_kv 64 --vocab_size 512",
-                   help="config flags of the served model (default: width 256, a vocabulary for the learnt tokenizer)")
+    p.add_argument("--model_flags", default="--hidden_size 256 --d_ff 1024 --d_kv 64 --vocab_size 512 "
+                                            "--tensor_parallel 1 --data_parallel 1",
+                   help="config flags of the served model (default: width 256, a vocabulary for the learnt tokenizer, "
+                        "one device: what a CPU serves on); its --tensor_parallel and --data_parallel the server's")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--min_new", type=int, default=16)
@@ -114,6 +116,9 @@ def served_model(a, tmp: str):
     mgr.close()
     flags = ["--config", a.config, "--load", ckpt_dir, "--slots", str(a.slots), "--max_queue", str(a.requests),
              "--prompt_width", "64", "--output_length", str(a.max_new)]
+    for flag in ("--tensor_parallel", "--data_parallel"):  # (the server's devices, as the model flags ask)
+        if flag in model:
+            flags += [flag, model[model.index(flag) + 1]]
     server, over = parse_args("inference", "constrained benchmark", a.config, flags, server_flags)
     cfg = decoding_config(server, over, "serve")
     return cfg, ServeOptions.of(server, cfg)

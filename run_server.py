@@ -73,8 +73,12 @@ def main(argv=None) -> None:
     if exposed:
         logger.warning(exposed)
     engine = build_engine(cfg, options)
-    serve(engine, args.host, args.port, api_key, args.grace_period,
-          lambda host, port: print(engine.describe(host, port), flush=True), args.header_timeout, args.body_timeout,
+
+    def ready(host, port):
+        print(engine.describe(host, port), flush=True)
+        engine.backend.compile_constrained()  # (structured outputs' programs, once it serves: serving/build.py)
+
+    serve(engine, args.host, args.port, api_key, args.grace_period, ready, args.header_timeout, args.body_timeout,
           max_connections=args.max_connections, max_header_bytes=args.max_header_bytes,
           log_requests=LOG_LEVELS[args.log_requests], access_log=args.access_log)
 

@@ -265,6 +265,7 @@ def run_serve(a) -> dict:
         t0 = time.perf_counter()
         engine = build_engine(cfg, options)
         built = time.perf_counter() - t0
+        engine.backend.compile_constrained().join()  # (the constrained programs, which build_engine starts apart)
         rng = np.random.default_rng(a.seed + 1)
         lengths = rng.integers(a.min_new, a.max_new + 1, a.requests)
         reqs = [(p, int(n)) for p, n in zip(texts(rng, a.requests), lengths)]

@@ -55,9 +55,9 @@ import os
 import shlex
 import signal
 import subprocess
-import threading
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional
 
@@ -357,6 +357,7 @@ def profile_engine(cfg, options, steps: int, args: str, reqs: list) -> dict:
 
     start_devices(cfg)
     engine = build_engine(cfg, options)
+    engine.backend.compile_constrained().join()  # (structured outputs' programs: not while it measures)
     device = device_seconds(engine, options.insert_rows)
     return {"steps_per_call": steps, "max_steps_per_call": options.max_steps, "server_args": args,
             "attention_spans": list(engine.backend.spans), **profile_parts(engine, reqs),
@@ -517,9 +518,21 @@ def start_server(a, config: str, steps: int, ckpt: str, reqs: list, extra: list,
     cmd = [sys.executable, "run_server.py", "--load", ckpt, "--port", "0",
            *server_argv(a, config, steps, reqs, extra, args)]
     env = {**os.environ, "FLAN_T5_API_KEY": ""}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **SHARED_DEVICE}, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env, **SHARED_DEVICE}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    compiled = threading.Event()  # the constrained rows' programs, which it compiles once it serves: not while timed
+
+    def errors():
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            if "the constrained rows' programs" in line or "compiled the constrained rows'" in line:
+                compiled.set()
+        compiled.set()
+
+    threading.Thread(target=errors, daemon=True).start()
     for line in proc.stdout:
         if line.startswith("serving "):
+            compiled.wait()
             return proc, line.split(" on ")[1].split()[0], line.split()[1]
     raise SystemExit(f"the server did not start: {' '.join(cmd)} (exit {proc.wait()})")
 

@@ -28,6 +28,7 @@ host only which rows it still holds, and the host dispatches call N + 1 before i
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import jax
@@ -158,6 +159,13 @@ class SlotPrograms:
         self.replicated = NamedSharding(decoder.mesh, P())
         self.params = self.carry = self.apart = self.words = None  # the Carry, and its arrays between calls
         self._insert, self._advance, self._score = {}, {}, None
+        # the programs a constrained row runs (the host asked inside: ``masks``) apart, compiled after the others (a
+        # program with a host callback is never written to JAX's compilation cache, so a warm start would compile
+        # them all again): {("insert", rows) | ("advance", span): program}, the slots that hold a constrained row
+        self._constrained: dict = {}
+        self._compiling = threading.Lock()
+        self._abstracts = None  # compile's abstract arguments, to lower the constrained programs with
+        self.held_constraints = np.zeros(slots, bool)
         self.n_spans, self.spans = spans, ()  # the spans compiled (``compile``), ascending; the last the whole cache
         self.costs: dict = {}  # span -> seconds of its advance of 1 and of ``steps`` steps (``compile`` times them)
         self._keep = (None, None)  # (the host's last keep flags, their device copy)
@@ -195,10 +203,10 @@ class SlotPrograms:
     def _scored_specs(self, lead: tuple):  # ``pack_scored``'s array
         return P(*lead, None)
 
-    def _insert_program(self, rows: int):
+    def _insert_program(self, rows: int, constrained: bool = False):
         family, opts, n, eos, top, width = (self.family, self.opts, self.max_new_tokens, self.eos_id, self.top,
                                             self.width)
-        local = self.local
+        local, host = self.local, self.masks if constrained else None
 
         def fn(p, apart, words, joiners):
             block, at, lengths, slot, s, limit, controls, entries, adapter = unpack_joiners(joiners[0], rows, width,
@@ -207,7 +215,7 @@ class SlotPrograms:
             cache, (r, smp, ctl, adapters) = self.carry.unpack(_local(apart), words[0, 0])
             first, scored, cache, state = continuous.insert(family, w, opts, cache, (r, smp, ctl), block, at, lengths,
                                                             slot, s, limit, n, eos, top, S.TP, controls, entries,
-                                                            self.masks, self.n_tokens)
+                                                            host, self.n_tokens)
             state = (*state, adapters.at[slot].set(adapter, mode="drop"))
             return (first, pack_scored(scored)) + _carried(self.carry.pack(cache, state))
 
@@ -216,15 +224,16 @@ class SlotPrograms:
                                out_specs=(P(S.DP), self._scored_specs((S.DP,)), P(S.DP, S.TP), P(S.DP, S.TP)))
         return jax.jit(mapped, donate_argnums=(1, 2))
 
-    def _advance_program(self, span=None):
+    def _advance_program(self, span=None, constrained: bool = False):
         family, opts, steps, eos, pad, top = (self.family, self.opts, self.steps, self.eos_id, self.pad_id,
                                               self.top)
+        host = self.masks if constrained else None
 
         def fn(p, apart, words, keep, n):
             cache, (r, smp, ctl, adapters) = self.carry.unpack(_local(apart), words[0, 0])
             w = lora_stack.bind(family.decoding_params(p[0], opts), p[1], adapters)  # (each row its adapter)
             out, scored, cache, state = continuous.advance(family, w, opts, cache, (r, smp, ctl), keep, steps, eos,
-                                                           pad, top, S.TP, n, span, self.masks, self.n_tokens,
+                                                           pad, top, S.TP, n, span, host, self.n_tokens,
                                                            self.prompt_part)
             return (out, pack_scored(scored)) + _carried(self.carry.pack(cache, (*state, adapters)))
 
@@ -305,6 +314,7 @@ class SlotPrograms:
                                                        out_specs=(P(S.DP, S.TP), P(S.DP, S.TP))))(state)
         self._keep = (None, None)
         self.masks.clear()
+        self.held_constraints[:] = False
 
     def _abstract(self, shape, dtype, sharding):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -321,14 +331,15 @@ class SlotPrograms:
         weights = jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, x.sharding), self._weights())
         apart, words = (jax.tree.map(lambda x: self._abstract(x.shape, x.dtype, x.sharding), t)
                         for t in (self.apart, self.words))
-        for rows in self.insert_rows:
-            joiners = self._abstract((self.dp, joiner_words(rows, self.width, self.local)), jnp.int32, self.rows2)
-            self._insert[rows] = self._insert_program(rows).lower(weights, apart, words, joiners).compile()
         keep = self._abstract((self.slots,), jnp.bool_, self.rows)
         n = self._abstract((), jnp.int32, self.replicated)
+        self._abstracts = (weights, apart, words, keep, n)
+        self._constrained = {}
+        for rows in self.insert_rows:
+            self._insert[rows] = self._lowered("insert", rows, False).compile()
         self.spans = attention_spans(self.family, self._local_cache(), self.n_spans)
         for span in self.spans:
-            self._advance[span] = self._advance_program(span).lower(weights, apart, words, keep, n).compile()
+            self._advance[span] = self._lowered("advance", span, False).compile()
         self.costs = self._time_spans() if len(self.spans) > 1 else {}
         if self.scores_prompts:
             ids_mask = self._abstract((self.score_rows, 2 * self.width + 1), jnp.int32, self.rows2)
@@ -338,6 +349,44 @@ class SlotPrograms:
                     "insert, %d new tokens, attention spans %s)", self.programs, seconds, self.slots, self.width,
                     "/".join(map(str, self.insert_rows)), self.max_new_tokens, list(self.spans))
         return seconds
+
+    def _lowered(self, kind: str, key, constrained: bool):
+        """The insert program of ``key`` packed rows or the advance program of span ``key``, lowered."""
+        weights, apart, words, keep, n = self._abstracts
+        if kind == "insert":
+            joiners = self._abstract((self.dp, joiner_words(key, self.width, self.local)), jnp.int32, self.rows2)
+            return self._insert_program(key, constrained).lower(weights, apart, words, joiners)
+        return self._advance_program(key, constrained).lower(weights, apart, words, keep, n)
+
+    def constrained_program(self, kind: str, key):
+        """The program a call runs when a slot holds a constrained row, compiled at its first need (or by
+        ``compile_constrained``; one compile at a time, a caller waiting for one another thread runs)."""
+        with self._compiling:
+            if (kind, key) not in self._constrained:
+                t0 = time.perf_counter()
+                self._constrained[kind, key] = self._lowered(kind, key, True).compile()
+                logger.debug("compiled the constrained %s program %s in %.1f s", kind, key, time.perf_counter() - t0)
+            return self._constrained[kind, key]
+
+    def compile_constrained(self) -> threading.Thread:
+        """The constrained rows' programs compiled in a thread of their own (the server's: started once the others
+        are, so that a structured output's first request finds them), -> the thread."""
+        def run():
+            t0 = time.perf_counter()
+            try:
+                for span in self.spans:
+                    self.constrained_program("advance", span)
+                for rows in self.insert_rows:
+                    self.constrained_program("insert", rows)
+            except Exception as e:  # noqa: BLE001 -- (a request that needs one compiles it, and fails, itself)
+                logger.error("the constrained rows' programs did not compile: %s", e)
+                return
+            logger.info("compiled the constrained rows' %d slot programs in %.1f s", len(self._constrained),
+                        time.perf_counter() - t0)
+
+        thread = threading.Thread(target=run, name="compile constrained", daemon=True)
+        thread.start()
+        return thread
 
     # ------------------------------------------------------------------ calls (host arrays in, device arrays out)
 
@@ -363,8 +412,11 @@ class SlotPrograms:
         used = max([1] + [1 + max(r for r, _ in pl) for pl in placed if pl])
         rows = next(r for r in self.insert_rows if r >= used)
         packed = np.stack([pack_joiners(shard, pl, rows, self.width, self.local) for shard, pl in zip(shards, placed)])
-        first, scored, self.apart, self.words = self._insert[rows](self._weights(), self.apart, self.words,
-                                                                   S.put_global(packed, self.rows2))
+        joining = [bool(more and more[0] is not None and more[0][5] > 0) for _, _, _, _, *more in joiners]
+        self.held_constraints[[j[0] for j in joiners]] = joining  # (a grammar's key: the controls' sixth field)
+        program = self._insert[rows] if not any(joining) else self.constrained_program("insert", rows)
+        first, scored, self.apart, self.words = program(self._weights(), self.apart, self.words,
+                                                        S.put_global(packed, self.rows2))
         order = np.zeros(len(joiners), np.int64)  # each joiner's row of the outputs ([dp, local] flattened)
         for d, shard in enumerate(shards):
             for j, (k, *_) in enumerate(shard):
@@ -424,7 +476,8 @@ class SlotPrograms:
         n = self.steps if n is None else int(n)
         if not 1 <= n <= self.steps:
             raise ValueError(f"an advance runs 1 to {self.steps} steps, not {n}")
-        program = self._advance[self.span_for(span, n)]
+        span = self.span_for(span, n)
+        program = self._advance[span] if not self.held_constraints.any() else self.constrained_program("advance", span)
         if self._keep[0] is None or not np.array_equal(self._keep[0], keep):
             self._keep = (keep.copy(), S.put_global(keep, self.rows))
         if n not in self._n:

@@ -369,3 +369,54 @@ def test_an_advance_runs_in_the_span_program_that_holds_its_rows_and_costs_least
     sp.spans, sp._advance = (None,), {None: sp._advance[48]}
     sp.family = type("Whole", (), {"first_token_column": lambda self, w: 1 / 0})()
     assert sp.first_token_column(8) == 0 and sp.span_for(5, 1) is None and sp.span_for(None, 1) is None
+
+
+@pytest.mark.slow
+def test_a_constrained_row_runs_the_constrained_programs_until_its_slot_takes_a_free_row():
+    """decoder/slot_programs.py's choice of program (programs stubbed: no compile): an insert whose joiners ask no
+    grammar, and every advance while no slot holds a constrained row, run the programs compiled at start-up (no
+    host callback: JAX's compilation cache holds them); a joiner with a grammar's key runs the constrained insert,
+    then each advance runs the constrained one until a free row takes its slot (or a reset); a free joiner beside a
+    held constrained row runs the plain insert (an insert asks the host for its joiners alone)."""
+    sp, called = stubbed_inserts(1, 4, 8, (1,))
+    ran = []
+    sp.spans = (None,)
+    sp._advance = {None: lambda p, a, w, keep, n: (ran.append("plain"), (None, None, a, w))[1]}
+    sp._constrained = {("insert", 1): lambda *a: (ran.append("constrained insert"), sp._insert[1](*a))[1],
+                       ("advance", None): lambda p, a, w, keep, n: (ran.append("constrained"), (None, None, a, w))[1]}
+    keep = np.ones(4, bool)
+    grammar = (0.0, 0.0, 1.0, 0.0, False, 7, ())  # RowControls' fields as a joiner carries them: key 7
+    free = (0.0, 0.0, 1.3, 0.0, False, 0, ())  # a processor, no grammar
+    sp.insert([joiner(0, [5, 3]) + (free,)])
+    sp.advance(keep, 1)
+    assert called == [1] and ran == ["plain"] and not sp.held_constraints.any()
+    sp.insert([joiner(1, [5, 3]) + (grammar,)])
+    sp.advance(keep, 1)
+    assert ran[-2:] == ["constrained insert", "constrained"] and sp.held_constraints.tolist() == [0, 1, 0, 0]
+    sp.insert([joiner(2, [5, 3])])  # a free joiner beside it: the plain insert, the advance still constrained
+    sp.advance(keep, 1)
+    assert ran[-1] == "constrained" and called[-1] == 1 and len(ran) == 4
+    sp.insert([joiner(1, [5, 3]) + (None,)])  # a free row takes the constrained row's slot
+    sp.advance(keep, 1)
+    assert ran[-1] == "plain" and not sp.held_constraints.any()
+
+
+@pytest.mark.parametrize("kind", ["insert", "advance"])
+def test_only_the_constrained_programs_hold_a_host_callback(kind):
+    """Lowered, not compiled: the programs compiled at start-up have no host callback (a program with one is never
+    written to JAX's compilation cache: a warm start would compile it again); the constrained rows' do."""
+    from config import load_config
+    from decoder.decoder import Decoder
+    from decoder.slot_programs import SlotPrograms
+
+    g = Decoder.of_config(load_config("inference", "tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+    sp = SlotPrograms(g, 4, 8, (1,), 6, 3)
+    sp.params = g.abstract_decode_params()
+    sp.reset()
+    a = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+    sp._abstracts = (jax.tree.map(a, sp._weights()), jax.tree.map(a, sp.apart), jax.tree.map(a, sp.words),
+                     jax.ShapeDtypeStruct((4,), jnp.bool_, sharding=sp.rows),
+                     jax.ShapeDtypeStruct((), jnp.int32, sharding=sp.replicated))
+    key = 1 if kind == "insert" else None
+    assert "callback" not in sp._lowered(kind, key, False).as_text()
+    assert "callback" in sp._lowered(kind, key, True).as_text()

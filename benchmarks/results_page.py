@@ -407,6 +407,23 @@ def _serve_row(label, key, model):
 
 
 D256 = "--hidden_size 256 --d_ff 1024 --d_kv 64 --tensor_parallel 1 --data_parallel 1"
+CO, SA, SU8 = "cpu/constrained.json", "cpu/serve_adapters.json", "cpu/startup_adapters.json"
+CS, CA, S8 = ("serve",), ("serve", "answers"), ("models", "t5_d256_4")
+CO_GRAMMARS = [f"json_schema {i}" for i in range(10)] + ["choice 10", "regex 11"]
+
+
+def _co_id(grammar: str) -> str:
+    """'json_schema 3' -> 'json-schema-3' (an anchor)."""
+    return grammar.replace("_", "-").replace(" ", "-")
+
+
+def _adapters_row(label, key, model):
+    m, get = ("models", model), lambda d: d["models"][model]["adapters"]["over_merged_per_round"]
+    return (label, rate(f"serve-adapters-{key}", at(*m, "adapters", "tokens_per_s"), "tokens/s", 0),
+            rate(f"serve-adapters-{key}-merged", at(*m, "merged", "tokens_per_s"), "tokens/s", 0),
+            ratio(f"serve-adapters-{key}-over", at(*m, "ratios", "adapters / merged tokens_per_s")),
+            ratio(f"serve-adapters-{key}-rounds", at(*m, "ratios", "adapters / merged, median of rounds")),
+            span(f"serve-adapters-{key}-range", lambda d: {"min": min(get(d)), "max": max(get(d))}))
 ONE = "--tensor_parallel 1 --data_parallel 1"
 HC, BF = "cpu/host_cost.json", "cpu/serve_tiny_bf16.json"
 SERVING_TABLES = [
@@ -450,6 +467,89 @@ SERVING_TABLES = [
               ("requests with the same tokens from both",
                Figure("bf16-same", at("models", "tiny --precision bfloat16", "static", "same_tokens_as_server"),
                       "{:.0f} of 32", 32.0)),
+          ]),
+    Table("constrained", "Structured outputs: what a JSON schema costs the server", (CO,), None,
+          "`benchmarks/constrained.py`'s serve part: the server's engine in one process (no HTTP) over a random T5 of "
+          "width 256 with a vocabulary of 512 learnt here, one device, 16 slots; 64 greedy requests of 16 to 64 new "
+          "tokens, all submitted at once, all free, then with every second one held to a JSON schema (each "
+          "constrained row asks the host for its allowed tokens at every step), the two taking turns 3 times on "
+          "the same compiled programs. A request's tokens/s: its tokens after the first over the time from its "
+          "first to its last; each kind's median in a run, then the median over the 3 runs. Compile times: the "
+          "tokenizer's pieces read once, then 10 schemas' first compiles (median and most) and the same from the "
+          "cache.",
+          ("what", "figure", "goal"), [
+              ("free requests' tokens/s, all free", rate("co-all-free", at(*CS, "free_tokens_per_s_all_free"),
+                                                         "tokens/s"), ""),
+              ("free requests' tokens/s, beside half constrained",
+               rate("co-free-beside", at(*CS, "free_tokens_per_s_half_constrained"), "tokens/s"), ""),
+              ("constrained requests' tokens/s", rate("co-constrained", at(*CS, "constrained_tokens_per_s"),
+                                                      "tokens/s"), ""),
+              ("free beside constrained / all free",
+               ratio("co-free-ratio", at(*CS, "ratios", "free beside constrained / all free")), "0.9x at least"),
+              ("constrained / free, beside each other",
+               ratio("co-constrained-ratio", at(*CS, "ratios", "constrained / free (same run)")), "0.5x at least"),
+              ("the tokenizer's pieces, read once", Figure("co-pieces", at(*CS, "compile", "tokenizer_pieces_ms"),
+                                                           "{:.1f} ms"), ""),
+              ("a schema's first compile, median", Figure("co-compile", at(*CS, "compile", "first_compile_ms",
+                                                                           "median"), "{:.1f} ms"),
+               "under 50 ms"),
+              ("a schema's first compile, most", Figure("co-compile-most", at(*CS, "compile", "first_compile_ms",
+                                                                              "most"), "{:.1f} ms"), ""),
+              ("a schema from the cache, median", Figure("co-cached", at(*CS, "compile", "cached_ms", "median"),
+                                                         "{:.2f} ms"), ""),
+          ]),
+    Table("constrained-answers", "Structured outputs: sampled answers checked", (CO,), None,
+          "The same invocation: 20 sampled answers (at most 64 new tokens) to each of 10 JSON schemas (nested "
+          "objects, arrays, enums, numbers, required fields), a choice and a regular expression; each answer its "
+          "grammar ended checked (`jsonschema`, the set, the expression), those the token limit cut counted apart "
+          "(a random model's strings run long). The goal: every answer its grammar ended valid.",
+          ("grammar", "answers", "ended by the grammar", "of these, valid"),
+          [(name, Figure(f"co-{_co_id(name)}-answers", at(*CA, "per_grammar", name, "answers"), "{}"),
+            Figure(f"co-{_co_id(name)}-ended", at(*CA, "per_grammar", name, "ended"), "{}"),
+            Figure(f"co-{_co_id(name)}-valid", at(*CA, "per_grammar", name, "valid_of_ended"), "{}"))
+           for name in CO_GRAMMARS] +
+          [("all", Figure("co-answers", lambda d: sum(g["answers"] for g in d["serve"]["answers"]["per_grammar"]
+                                                      .values()), "{}"),
+            Figure("co-ended", at(*CA, "ended"), "{}"), Figure("co-valid", at(*CA, "valid"), "{}")),
+           ("valid of those ended", "", "", pct("co-valid-share", at(*CA, "valid_share_of_ended"), 0))]),
+    Table("constrained-labels", "A label task held to its labels, and ranked", (CO,), None,
+          "The same invocation's labels part: the tiny preset trained 300 steps on the synthetic NLI task (three "
+          "labels), then validated on 300 held-out rows three ways: greedy, `--constrain labels` (answers "
+          "restricted to the labels), `--score labels` (each example's labels ranked by their log-likelihood). "
+          "The goal: each at least greedy's accuracy.",
+          ("validation", "accuracy", "over greedy's", "seconds"), [
+              ("greedy", pct("co-labels-greedy", at("labels", "greedy", "accuracy")), "",
+               sec("co-labels-greedy-s", at("labels", "greedy", "seconds"), 1)),
+              ("`--constrain labels`", pct("co-labels-constrained", at("labels", "constrained", "accuracy")),
+               ratio("co-labels-constrained-ratio", at("labels", "ratios", "constrained / greedy accuracy")),
+               sec("co-labels-constrained-s", at("labels", "constrained", "seconds"), 1)),
+              ("`--score labels`", pct("co-labels-ranked", at("labels", "ranked", "accuracy")),
+               ratio("co-labels-ranked-ratio", at("labels", "ratios", "ranked / greedy accuracy")),
+               sec("co-labels-ranked-s", at("labels", "ranked", "seconds"), 1)),
+          ]),
+    Table("serve-adapters", "LoRA adapters side by side against one merged model", (SA,), None,
+          "`benchmarks/serve.py --loras 4`: the same 96 requests (Poisson arrivals, prompts of 8 to 48 words, "
+          "outputs of 16 to 256 tokens, greedy, streamed) to a server of 4 LoRA adapters of rank 8 served unmerged "
+          "over one base, the requests naming them in turn, and to a server of the first of them merged into the "
+          "base; width 256, one device, 8 slots, 8 steps a call, the two taking turns over 3 rounds: the median "
+          "rounds' tokens/s, their ratio, and the median and range of the rounds' own ratios. The goal: 0.8x at "
+          "least.",
+          ("model, one device", "adapters", "merged", "adapters / merged", "median of rounds", "rounds' range"), [
+              _adapters_row("T5, width 256", "t5", f"tiny {D256}"),
+              _adapters_row("GPT-J, width 256", "gptj", f"gptj_tiny {D256}"),
+          ]),
+    Table("startup-adapters", "The server's start-up with 8 adapters", (SU8,), None,
+          "`benchmarks/startup.py --loras 8`: seconds from `run_server.py` starting to its first `/health` 200 "
+          "(`--slots 8 --output_length 64`, one device), a T5 of width 256 with 4 layers a stack alone and with 8 "
+          "LoRA adapters of rank 8 loaded at start-up, medians of 2 starts each; cold: an empty compilation cache, "
+          "warm: the cache the cold start filled. The goal: at most 1.3x the base alone's.",
+          ("start", "the base alone", "with 8 adapters", "with / alone"), [
+              ("cold", sec("startup-adapters-alone-cold", at(*S8, "cold_s"), 1),
+               sec("startup-adapters-cold", at(*S8, "adapters", "cold_s"), 1),
+               ratio("startup-adapters-cold-over", at(*S8, "adapters", "cold_over_alone"))),
+              ("warm", sec("startup-adapters-alone-warm", at(*S8, "warm_s"), 1),
+               sec("startup-adapters-warm", at(*S8, "adapters", "warm_s"), 1),
+               ratio("startup-adapters-warm-over", at(*S8, "adapters", "warm_over_alone"))),
           ]),
 ]
 

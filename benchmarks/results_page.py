@@ -535,8 +535,8 @@ SERVING_TABLES = [
           "rounds' tokens/s, their ratio, and the median and range of the rounds' own ratios. The goal: 0.8x at "
           "least.",
           ("model, one device", "adapters", "merged", "adapters / merged", "median of rounds", "rounds' range"), [
-              _adapters_row("T5, width 256", "t5", f"tiny {D256}"),
-              _adapters_row("GPT-J, width 256", "gptj", f"gptj_tiny {D256}"),
+              _adapters_row("T5, width 256", "tiny", f"tiny {D256}"),
+              _adapters_row("GPT-J, width 256", "gptj-tiny", f"gptj_tiny {D256}"),
           ]),
     Table("startup-adapters", "The server's start-up with 8 adapters", (SU8,), None,
           "`benchmarks/startup.py --loras 8`: seconds from `run_server.py` starting to its first `/health` 200 "

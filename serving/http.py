@@ -587,7 +587,8 @@ class Protocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         cycle = self.cycle
-        if self.header_timer is None and (cycle is None or cycle.response_complete):  # a next request begins
+        # a next request begins (not the rest of a body its request's early answer, a 413, did not wait for)
+        if self.header_timer is None and (cycle is None or cycle.response_complete and not cycle.more_body):
             self.header_timer = self.loop.call_later(self.timeout, self.header_timeout)
             self.head_bytes = 0
         if self.header_timer is not None:

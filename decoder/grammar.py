@@ -37,6 +37,9 @@ from data.tokenizer import token_pieces
 logger = logging.getLogger("flan_t5")
 CACHE = 256  # compiled grammars kept (least recently used dropped)
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+WHITESPACE = 20  # the longest run of whitespace a JSON answer holds between its values and marks: a model cannot
+# write spaces until max_tokens (a random or weak model did, in most answers cut short); pretty-printed JSON's line
+# breaks and indentation fit
 
 
 class GrammarError(ValueError):
@@ -242,9 +245,11 @@ def _grammar(xgrammar, kind: str, spec):
     """xgrammar's Grammar of a kind and its spec."""
     G = xgrammar.Grammar
     if kind == "json_schema":
-        return G.from_json_schema(json.dumps(spec), any_whitespace=True, strict_mode=True)
+        return G.from_json_schema(json.dumps(spec), any_whitespace=True, strict_mode=True,
+                                  max_whitespace_cnt=WHITESPACE)
     if kind == "json_object":  # (OpenAI's JSON mode answers an object; xgrammar's built-in JSON takes any value)
-        return G.from_json_schema(json.dumps({"type": "object"}), any_whitespace=True, strict_mode=False)
+        return G.from_json_schema(json.dumps({"type": "object"}), any_whitespace=True, strict_mode=False,
+                                  max_whitespace_cnt=WHITESPACE)
     if kind == "regex":
         return G.from_regex(spec)
     if kind == "choice":

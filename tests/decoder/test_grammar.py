@@ -180,3 +180,23 @@ def test_random_walks_of_each_grammar_give_texts_that_validate_match_or_are_a_ch
                 assert re.fullmatch(spec, text), (name, text)
             else:
                 assert text in spec, (name, text)
+
+
+@pytest.mark.parametrize("kind_, spec", [("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                          "required": ["a"]}), ("json_object", None)])
+def test_a_json_answer_holds_at_most_twenty_whitespace_characters_in_a_row(kind_, spec):
+    """Between JSON's marks a run of whitespace is bounded (``WHITESPACE``: 20, line breaks and spaces alike): the
+    20th is allowed, the 21st is not, and after a mark a new run may start (a model cannot write spaces until
+    max_tokens; pretty-printed JSON fits)."""
+    from decoder.grammar import WHITESPACE
+
+    tok = make("bytelevel")
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    (space,), (newline,), (brace,) = ids(" "), ids("\n"), ids("{")
+    m = Grammars(tok, len(tok), tok.eos_token_id).compile(kind_, spec, "f").matcher()
+    assert WHITESPACE == 20 and m.accept(brace)
+    assert all(m.accept(newline if i % 5 == 0 else space) for i in range(WHITESPACE))
+    assert not m.accept(space) and not m.accept(newline)
+    for t in ids('"a":'):
+        assert m.accept(t)
+    assert all(m.accept(space) for _ in range(WHITESPACE)) and not m.accept(space)

@@ -56,6 +56,24 @@ def median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+def decode_rounds(timed, n: int, count: int) -> tuple:
+    """``count`` rounds of a decoding baseline, each its first token alone (``timed(1)``) then ``n`` tokens
+    (``timed(tokens) -> (seconds, output)``) -> (the ``n``-token seconds, the first-token seconds, the last output)."""
+    times, first, out = [], [], None
+    for _ in range(count):
+        first.append(timed(1)[0])
+        t, out = timed(n)
+        times.append(t)
+    return times, first, out
+
+
+def decode_figures(times: list, first: list, rows: int, n: int) -> dict:
+    """``decode_rounds``' seconds of ``rows`` prompts -> the figures every decoding benchmark reports (medians)."""
+    t, t1 = median(times), median(first)
+    return {"generate_s": t, "first_token_s": t1, "decode_token_latency_s": (t - t1) / (n - 1) if n > 1 else t,
+            "generated_tokens_per_s": rows * n / t, "samples_per_s": rows / t}
+
+
 def write_json(path: str | None, report: dict) -> None:
     if not path:
         return

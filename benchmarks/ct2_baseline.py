@@ -103,7 +103,7 @@ def translator(cfg, args, directory: str):
 
 def generate(cfg, args, tr) -> tuple:
     """(what runs, measure: ``args.iterations`` batches -> their medians' figures), warmed up already."""
-    from app.bench import median
+    from app.bench import decode_figures, decode_rounds
     from data.generated import generated_prompts
 
     n, inf = cfg.inference.output_length, cfg.inference
@@ -118,23 +118,12 @@ def generate(cfg, args, tr) -> tuple:
                                  max_decoding_length=tokens, min_decoding_length=tokens)
         return time.perf_counter() - t0, out
 
-    def iterations(count: int) -> tuple:
-        times, first, out = [], [], None
-        for _ in range(count):
-            first.append(timed(1)[0])
-            t, out = timed(n)
-            times.append(t)
-        return times, first, out
-
-    iterations(args.warmup_iterations)
+    decode_rounds(timed, n, args.warmup_iterations)
     b = len(source)
 
     def measure() -> dict:
-        times, first, out = iterations(args.iterations)
-        t, t1 = median(times), median(first)
-        return {"generate_s": t, "first_token_s": t1, "decode_token_latency_s": (t - t1) / (n - 1) if n > 1 else t,
-                "generated_tokens_per_s": b * n / t, "samples_per_s": b / t,
-                "tokens": [[token_id(s) for s in r.hypotheses[0]] for r in out]}
+        times, first, out = decode_rounds(timed, n, args.iterations)
+        return {**decode_figures(times, first, b, n), "tokens": [[token_id(s) for s in r.hypotheses[0]] for r in out]}
 
     import ctranslate2
 

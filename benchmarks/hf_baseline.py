@@ -148,7 +148,7 @@ def generate(cfg, args) -> tuple:
     """(what runs, measure: ``args.iterations`` batches -> their medians' figures), warmed up already."""
     import torch
 
-    from app.bench import median
+    from app.bench import decode_figures, decode_rounds
     from data.generated import generated_prompts
 
     model, dev, _ = hf_model(cfg)
@@ -168,23 +168,16 @@ def generate(cfg, args) -> tuple:
             torch.cuda.synchronize()
         return time.perf_counter() - t0, out
 
-    def iterations(count: int) -> tuple:
-        times, first = [], []
+    def rounds(count: int) -> tuple:
         with torch.no_grad():
-            for _ in range(count):
-                first.append(timed(1)[0])
-                t, out = timed(n)
-                times.append(t)
-        return times, first, out
+            return decode_rounds(timed, n, count)
 
-    iterations(args.warmup_iterations)
+    rounds(args.warmup_iterations)
     b = ids.shape[0]
 
     def measure() -> dict:
-        times, first, out = iterations(args.iterations)
-        t, t1 = median(times), median(first)
-        return {"generate_s": t, "first_token_s": t1, "decode_token_latency_s": (t - t1) / (n - 1) if n > 1 else t,
-                "generated_tokens_per_s": b * n / t, "samples_per_s": b / t,
+        times, first, out = rounds(args.iterations)
+        return {**decode_figures(times, first, b, n),
                 "tokens": family.hf.new_tokens(out.cpu().numpy(), ids.shape[1]).tolist()}
 
     return {"framework": "transformers+torch", "device": dev, "batch_size": b}, measure

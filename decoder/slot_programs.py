@@ -159,9 +159,10 @@ class SlotPrograms:
         self.replicated = NamedSharding(decoder.mesh, P())
         self.params = self.carry = self.apart = self.words = None  # the Carry, and its arrays between calls
         self._insert, self._advance, self._score = {}, {}, None
-        # the programs a constrained row runs (the host asked inside: ``masks``) apart, compiled after the others (a
-        # program with a host callback is never written to JAX's compilation cache, so a warm start would compile
-        # them all again): {("insert", rows) | ("advance", span): program}, the slots that hold a constrained row
+        # the programs a constrained row runs (the host asked inside: ``masks``) apart, compiled after the others (on
+        # a GPU or TPU a program that asks the host holds a JAX callback and is never written to JAX's compilation
+        # cache, so a warm start would compile them all again; a CPU's ask through XLA's FFI: utils/host_call.py):
+        # {("insert", rows) | ("advance", span): program}, the slots that hold a constrained row
         self._constrained: dict = {}
         self._compiling = threading.Lock()
         self._abstracts = None  # compile's abstract arguments, to lower the constrained programs with

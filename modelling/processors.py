@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from utils.host_call import host_call
+
 NO_TOKEN = -1  # a history's place that holds no token (a left pad of a prompt, a token not written yet)
 
 
@@ -259,8 +261,7 @@ def host_bits(host: Callable, words: int, keys: jax.Array, index: jax.Array, las
     b = keys.shape[0]
 
     def ask():
-        out = jax.pure_callback(host, jax.ShapeDtypeStruct((b, words), jnp.int32), keys, index, last,
-                                vmap_method="broadcast_all")
+        out = host_call(host, jax.ShapeDtypeStruct((b, words), jnp.int32), keys, index, last)
         return jnp.where(keys[:, None] > 0, out, -1)
 
     return lax.cond(jnp.any(keys > 0), ask, lambda: jnp.full((b, words), -1, jnp.int32))

@@ -5,9 +5,10 @@
 The weights the config names (a checkpoint, LoRA adapters merged into their base, or an HF model), or a base with
 LoRA adapters served side by side unmerged (``--lora``, ``--max_loras``: decoder/adapters.py's stack), its
 tokenizer, and every program compiled before the server listens but the constrained rows' (structured outputs,
-``allowed_token_ids``): run_server.py compiles those in a thread once it serves (``SlotPrograms.compile_constrained``;
-a program with a host callback is never written to JAX's compilation cache, and the others are: a warm start reads
-them), and a constrained request before they are ready waits for its own.
+``allowed_token_ids``): run_server.py compiles those in a thread once it serves (``SlotPrograms.compile_constrained``:
+a cold start does not wait for them; on a GPU or TPU they ask the host through a JAX callback, and a program with one
+is never written to JAX's compilation cache, while a CPU's ask through XLA's FFI and are cached like the others:
+utils/host_call.py), and a constrained request before they are ready waits for its own.
 """
 
 from __future__ import annotations

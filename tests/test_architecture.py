@@ -3,7 +3,7 @@ import circles, thin drivers over a library, and the engine reading resolved obj
 
 Floors, lowest first (a module may import its own floor and those below it):
 
-    utils       the base helpers: errors, the hub, checkpoint files
+    utils       the base helpers: errors, the hub, checkpoint files, host calls from a program
     config      the typed config, presets, validation
     modelling   the model families (one module each, plus the registry) and what they share
     data        rows, tasks, tokenisation, batches

@@ -1,14 +1,15 @@
 """Constrained decoding's cost, and what constraints do to a label task's scores.
 
     python3 benchmarks/constrained.py --json benchmarks/results/cpu/constrained.json         # both parts (CPU)
-    python3 benchmarks/constrained.py --only serve --slots 16 --requests 64 --repeats 3       # the server's part
+    python3 benchmarks/constrained.py --only serve --slots 16 --requests 64 --repeats 5       # the server's part
 
 serve: the server's engine (serving/build.py's, every slot program compiled, in this process: no HTTP) over a
 random-init checkpoint of ``--config``'s shape widened by ``--model_flags`` (default: width 256), with a Metaspace
 BPE learnt here whose vocabulary holds JSON's characters. The same requests (``--requests`` prompts, greedy,
 ``--min_new``..``--max_new`` tokens each, all submitted at once) run all free, then with every second one held to a
 JSON schema (decoder/grammar.py's xgrammar grammar, each constrained row asking the host for its allowed tokens at
-every step), the two taking turns ``--repeats`` times on the same compiled programs. Reported: each request's
+every step), the two taking turns ``--repeats`` times on the same compiled programs after a round of each untimed
+(the first calls of a kind pay for what the engine makes once). Reported: each request's
 tokens/s (its tokens after the first over the time from its first to its last, the median of a kind), the free
 requests' beside the constrained ones against the all-free run's (the goal: 0.9x at least), the constrained ones'
 against the free ones' in the same run (0.5x at least); the host's callback seconds; a schema's compile time, the
@@ -61,7 +62,7 @@ def parse(argv):
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--min_new", type=int, default=16)
     p.add_argument("--max_new", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--answers", type=int, default=20,
                    help="sampled answers to each of 10 JSON schemas, a choice and a regex, each checked (0: none)")
     p.add_argument("--label_steps", type=int, default=300, help="training steps of the label task's model")
@@ -275,6 +276,8 @@ def run_serve(a) -> dict:
         listener = [None]
         engine.start(lambda events: listener[0](events))  # (an engine starts once: each run its own listener)
         try:
+            for kind in ("free", "half"):  # (untimed)
+                one_run(engine, listener, reqs, half if kind == "half" else set(), grammar)
             for r in range(a.repeats):  # the two take turns (the order turned each round)
                 for kind in (("free", "half") if r % 2 == 0 else ("half", "free")):
                     runs[kind].append(one_run(engine, listener, reqs, half if kind == "half" else set(), grammar))

@@ -16,7 +16,8 @@ against the free ones' in the same run (0.5x at least); the host's callback seco
 tokenizer's pieces read once, then a schema's first compile (10 schemas, median and most) and from the cache; and
 ``--answers`` sampled answers to each of 10 JSON schemas (nested objects, arrays, enums, numbers, required fields),
 a choice and a regular expression, each that its grammar ended checked (jsonschema, the set, the expression; the
-goal: all of them), those ``--max_new`` cut counted apart (a random model's strings run long).
+goal: all of them) from a server of their own whose answers hold ``--answer_max_new`` tokens at most, those it cuts
+counted apart (a random model's answers run long).
 
 labels: the tiny preset trained ``--label_steps`` steps on the synthetic NLI task (three labels), then validated
 three ways on ``--label_limit`` held-out rows: greedy, ``--constrain labels`` (answers restricted to the labels),
@@ -67,6 +68,8 @@ def parse(argv):
                    help="sampled answers to each of 10 JSON schemas, a choice and a regex, each checked (0: none)")
     p.add_argument("--label_steps", type=int, default=300, help="training steps of the label task's model")
     p.add_argument("--label_limit", type=int, default=300, help="held-out rows each validation scores")
+    p.add_argument("--answer_max_new", type=int, default=256,
+                   help="the most tokens of each checked answer (a server of its own over the same model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
@@ -258,6 +261,22 @@ def answers(engine, listener: list, per: int, max_new: int) -> dict:
     return {"per_grammar": out, "ended": ended, "valid": valid, "valid_share_of_ended": valid / max(ended, 1)}
 
 
+def answered(a, tmp: str) -> dict:
+    """``answers`` from an engine of its own over the same model, ``--answer_max_new`` tokens each at most (a random
+    model's answers run long: whitespace between JSON's marks, strings)."""
+    from serving.build import build_engine
+
+    b = argparse.Namespace(**{**vars(a), "max_new": a.answer_max_new})
+    cfg, options = served_model(b, os.path.join(tmp, "answers"))
+    engine = build_engine(cfg, options)
+    listener = [None]
+    engine.start(lambda events: listener[0](events))
+    try:
+        return {"max_new": a.answer_max_new, **answers(engine, listener, a.answers, a.answer_max_new)}
+    finally:
+        engine.stop()
+
+
 def run_serve(a) -> dict:
     from serving.build import build_engine
 
@@ -281,9 +300,9 @@ def run_serve(a) -> dict:
             for r in range(a.repeats):  # the two take turns (the order turned each round)
                 for kind in (("free", "half") if r % 2 == 0 else ("half", "free")):
                     runs[kind].append(one_run(engine, listener, reqs, half if kind == "half" else set(), grammar))
-            valid = answers(engine, listener, a.answers, a.max_new) if a.answers else None
         finally:
             engine.stop()
+        valid = answered(a, tmp) if a.answers else None
         med = lambda xs: statistics.median(xs)  # noqa: E731
         free_alone = med([x["median_tokens_per_s"]["free"] for x in runs["free"]])
         free_beside = med([x["median_tokens_per_s"]["free"] for x in runs["half"]])

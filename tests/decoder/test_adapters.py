@@ -8,6 +8,9 @@ programs), on random models of the tiny presets' shapes.
   weights' float32 values (q * scale: what the int8 product computes); a causal model's prompt scores too.
 - bfloat16: a request's tokens among the others equal its tokens served alone, and its first token's
   log-probability is the merged model's (float32) within bfloat16's rounding.
+- A request held to a set of tokens (the host asked at each step, as structured outputs are) and reading an adapter:
+  only those tokens, the same beside others as alone, its adapter's (the base's differ); the free rows beside it
+  as with none held; both families.
 - An adapter written into a slot after the programs are compiled is served at once, by the same programs (the write
   is one program whatever the slot), while a call that reads the stack is in flight; a slot emptied serves the base.
 - Reading an adapter: a base of other weights is refused naming both fingerprints, a path with no checkpoint or with
@@ -88,13 +91,15 @@ def prompts(n: int = SLOTS, seed: int = 1) -> list:
     return [[int(t) for t in rng.integers(2, 100, rng.integers(3, WIDTH))] for _ in range(n)]
 
 
-def serve(sp: SlotPrograms, ps: list, chosen, slots=None, logprobs: int = -1) -> tuple:
-    """Greedy tokens [len(ps), NEW] of prompts ``ps`` joining slots ``slots`` (default 0..) with adapters ``chosen``,
-    and their first tokens' log-probabilities."""
+def serve(sp: SlotPrograms, ps: list, chosen, slots=None, logprobs: int = -1, controls=None) -> tuple:
+    """Greedy tokens [len(ps), NEW] of prompts ``ps`` joining slots ``slots`` (default 0..) with adapters ``chosen``
+    (and processors ``controls()``, called once the slots are reset (which closes the host's keys): each a joiner's
+    RowControls fields or None), and their first tokens' log-probabilities."""
     slots = list(range(len(ps))) if slots is None else slots
     sp.reset()
+    controls = [None] * len(ps) if controls is None else controls()
     sampling = GREEDY[:5] + (logprobs,)
-    first, scored = sp.insert([(s, p, sampling, NEW, None, c) for s, p, c in zip(slots, ps, chosen)])
+    first, scored = sp.insert([(s, p, sampling, NEW, k, c) for s, p, c, k in zip(slots, ps, chosen, controls)])
     first, scored = SlotPrograms.fetch((first, scored))
     out = np.zeros((len(ps), NEW), np.int64)
     out[:, 0] = first
@@ -196,6 +201,39 @@ def test_bfloat16_requests_read_their_adapter_among_others_as_alone():
             diffs[r] = abs(logprob[r] - want[r, together[r, 0]])
     # measured: 0.045 on average, 0.23 at most (the adapters' scaling dropped: 0.72 and 1.56); logits spread over ~5
     assert diffs.mean() < 0.1 and diffs.max() < 0.3, diffs
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
+def test_a_request_held_to_allowed_tokens_reads_its_adapter_beside_others_as_alone(preset):
+    """A request that names an adapter and holds its answer to a set of tokens (the host asked at each step:
+    decoder/grammar.py's ``Allowed``, as ``allowed_token_ids`` and the structured outputs reach it) writes only those
+    tokens, and the same tokens beside other adapters' and free requests as alone; its adapter still counts (the
+    same request over the base differs), and the free requests beside it decode as they do with none held."""
+    from decoder.grammar import Allowed
+
+    g, base, adapters, sp = served(preset, 1, 1, "none")
+    ps = prompts(seed=11)
+    allowed = list(range(20, 52))
+    held = {1: CHOSEN[1], 3: CHOSEN[3], 4: CHOSEN[4]}  # rows held (adapters 2, 1, 3)
+
+    def controls(rows):
+        return [(0.0, 0.0, 1.0, 0.0, False, sp.masks.open(Allowed(allowed, sp.masks.words)), ()) if r in held else None
+                for r in rows]
+
+    try:
+        together, _ = serve(sp, ps, CHOSEN, controls=lambda: controls(range(SLOTS)))
+        free, _ = serve(sp, ps, CHOSEN)
+        for r, c in held.items():
+            assert set(together[r].tolist()) <= set(allowed), (r, together[r])
+            assert not set(free[r].tolist()) <= set(allowed)  # (held, the request writes otherwise)
+            alone, _ = serve(sp, [ps[r]], [c], slots=[(3 * r + 2) % SLOTS], controls=lambda: controls([r]))
+            assert alone[0].tolist() == together[r].tolist(), r
+            on_base, _ = serve(sp, [ps[r]], [-1], controls=lambda: controls([r]))
+            assert on_base[0].tolist() != together[r].tolist(), r
+        others = [r for r in range(SLOTS) if r not in held]
+        assert together[others].tolist() == free[others].tolist()
+    finally:
+        sp.masks.clear()
 
 
 def test_an_adapter_written_after_compiling_is_served_by_the_same_programs_and_an_emptied_slot_serves_the_base():

@@ -10,14 +10,14 @@ comes before the output: an encoder-decoder's answer, a batch search's texts), t
 before it.
 
 How a row's allowed tokens reach the device: the programs advance several tokens a call inside a loop, the host
-dispatching the next call before it reads the last, so a step cannot wait for the host between calls. Each step
-asks the host instead, from inside the loop (utils/host_call.py's ``host_call``: an FFI call on a CPU, a JAX callback
-elsewhere; under a ``lax.cond`` that skips it when no live row is constrained): (key, the token's index in the row's output, the row's token before it) -> the row's bitmask.
-The host keeps one matcher a key: it accepts the row's last token once, fills the next bitmask, and answers the same
-question again from its cache (every tp device asks it; XLA may ask from several threads: a lock). A key is unique
-to its sequence (``open``), so a stale row of an ended sequence never feeds a new one's matcher; an unknown key
-(closed) allows every token. A matcher that ended (its grammar complete and its end-of-text accepted) allows only the
-end-of-text token.
+dispatching the next call before it reads the last, so a step cannot wait for the host between calls. Each step asks
+the host instead, from inside the loop (utils/host_call.py's ``host_call``: an FFI call on a CPU, a JAX callback
+elsewhere; under a ``lax.cond`` that skips it when no live row is constrained): (key, the token's index in the row's
+output, the row's token before it) -> the row's bitmask. The host keeps one matcher a key: it accepts the row's last
+token once, fills the next bitmask, and answers the same question again from its cache (every tp device asks it; XLA
+may ask from several threads: a lock). A key is unique to its sequence (``open``), so a stale row of an ended
+sequence never feeds a new one's matcher; an unknown key (closed) allows every token. A matcher that ended (its
+grammar complete and its end-of-text accepted) allows only the end-of-text token.
 """
 
 from __future__ import annotations

@@ -310,27 +310,29 @@ class Decoder:
 
     def pack(self, ids: np.ndarray, mask: np.ndarray):
         """Prompts ids/mask [B, k] (numpy) packed for the encoder (modelling/rows.py's ``pack_prompts``), each
-        data-parallel group's rows apart, into rows k, 2k or 4k wide, whichever reads the fewest weighted
+        data-parallel group's rows apart, into rows k, 3k/2, 2k or 4k wide, whichever reads the fewest weighted
         positions: a position costs the layer's matmuls, and a row's attention grows with its width (prompts of
-        65 to 119 tokens in rows of 128 pair with none: 8 rows; in rows of 256, 3). -> (ids, segments, positions,
+        65 to 119 tokens in rows of 128 pair with none: 8 rows; in rows of 256, 3; in rows of 192, 4: as many
+        positions, a quarter fewer attention pairs, the one chosen). -> (ids, segments, positions,
         where) on the devices, or None where packing would not save a tenth of the encoder's work. A group's packed
         rows are a multiple of an eighth of its rows, rounded up: at most 7 shapes (encoder programs) a width."""
-        m = self.cfg.model
-        inner = m.attention.heads * m.attention.d_kv
-        matmuls = 4 * m.hidden_size * inner + (3 if m.feed_forward_proj.startswith("gated") else 2) * \
-            m.hidden_size * m.d_ff
-        per_key = 2 * inner  # a position's scores and context against each key of its row
-
-        def cost(rows, width):
-            return rows * width * (matmuls + per_key * width)
-
+        cost = self.packed_cost
         k = ids.shape[1]
         best, best_cost = None, 0.9 * cost(ids.shape[0], k)
-        for width in (k, 2 * k, 4 * k):
+        for width in (k, 3 * k // 2, 2 * k, 4 * k):
             packed = pack_prompts(ids, mask, groups=self.dp, width=width, multiple=-(-ids.shape[0] // self.dp // 8))
             if packed is not None and cost(packed[0].shape[0], width) < best_cost:
                 best, best_cost = packed, cost(packed[0].shape[0], width)
         return None if best is None else tuple(S.put_global(x, self.row_sharding) for x in best)
+
+    def packed_cost(self, rows: int, width: int) -> int:
+        """The encoder's multiply-adds a layer over ``rows`` rows ``width`` wide (``pack``'s measure): each position's
+        matmuls, and its scores and context against each key of its row."""
+        m = self.cfg.model
+        inner = m.attention.heads * m.attention.d_kv
+        matmuls = 4 * m.hidden_size * inner + (3 if m.feed_forward_proj.startswith("gated") else 2) * \
+            m.hidden_size * m.d_ff
+        return rows * width * (matmuls + 2 * inner * width)
 
     def _packed_encoder(self, weight_specs):
         """The encoder over prompts packed by ``pack``: (weights, packed ids, segments, positions [dp * P, W], where

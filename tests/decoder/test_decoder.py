@@ -105,8 +105,10 @@ def test_packed_prompts_decode_the_tokens_padded_ones_do(dp, tp, options, quanti
 
 
 def test_the_packing_width_is_the_cheapest():
-    """Prompts that pair with none in rows of their own width (all longer than half of it) pack into rows twice as
-    wide: 8 rows of 128 become 3 of 256 for MultiNLI-like lengths; prompts all of one length are not packed."""
+    """Prompts that pair with none in rows of their own width (all longer than half of it) pack into wider rows, the
+    width of the fewest weighted positions of k, 3k/2, 2k and 4k: MultiNLI-like lengths in 8 rows of 128 become 4
+    of 192 (as many positions as 3 of 256, a quarter fewer attention pairs); prompts all of one length are not
+    packed."""
     g = Decoder.of_config(load_config("inference", "small", dict(eval=True, data_parallel=1, tensor_parallel=1,
                                                       micro_batch_size=8, sequence_length=128)),
                mesh=S.make_mesh(1, 1))
@@ -114,7 +116,10 @@ def test_the_packing_width_is_the_cheapest():
     mask = (np.arange(128)[None] < lengths[:, None]).astype(np.int32)
     assert pack_prompts(mask, mask, width=128) is None
     ids, segs, pos, where = g.pack(mask, mask)
-    assert ids.shape == (3, 256)
+    assert ids.shape == (4, 192)
+    costs = {w: g.packed_cost(pack_prompts(mask, mask, width=w)[0].shape[0], w) for w in (192, 256, 512)}
+    assert costs[192] == min(costs.values()) < costs[256]
+    assert pack_prompts(mask, mask, width=256)[0].shape[0] == 3  # (the width before: as many positions, 4 x 192)
     full = np.ones((8, 128), np.int32)
     assert g.pack(full, full) is None
 

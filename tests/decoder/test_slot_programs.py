@@ -424,3 +424,47 @@ def test_only_the_constrained_programs_ask_the_host_and_none_through_a_jax_callb
     plain, constrained = sp._lowered(kind, key, False).as_text(), sp._lowered(kind, key, True).as_text()
     assert TARGET not in plain and "callback" not in plain
     assert TARGET in constrained and "callback" not in constrained
+
+
+@pytest.mark.slow
+def test_a_warm_start_reads_every_slot_program_the_constrained_rows_too_from_the_compilation_cache(tmp_path):
+    """Two processes, one after the other, compile the same slot programs (the tiny preset's, the constrained rows'
+    with them) with JAX's compilation cache on and no minimum compile time: the first writes an entry for each, the
+    second writes none (each program found in the cache). The constrained rows' ask the host through XLA's FFI on a
+    CPU (utils/host_call.py): a JAX callback would keep them out of the cache."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cache = str(tmp_path / "xla")
+    code = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {root!r})
+        import jax
+        jax.config.update("jax_compilation_cache_dir", {cache!r})
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        from config import load_config
+        from decoder.decoder import Decoder
+        from decoder.slot_programs import SlotPrograms
+        from partitioning.placement import Placement
+        g = Decoder.of_config(load_config("inference", "tiny", dict(eval=True, tensor_parallel=1, data_parallel=1)))
+        count = lambda: len([f for f in os.listdir({cache!r}) if f.endswith("-cache")])
+        sp = SlotPrograms(g, 4, 8, (1,), 6, 3)
+        sp.compile(Placement(g.cfg).init_params(0))
+        plain = count()
+        sp.compile_constrained().join()
+        assert len(sp._constrained) == len(sp.spans) + len(sp.insert_rows), sp._constrained
+        print(plain, count(), len(sp._constrained))
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    counts = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        counts.append([int(x) for x in out.stdout.split()[-3:]])
+    (plain, both, constrained), again = counts
+    assert plain > 0 and both == plain + constrained  # (the first process: an entry for each constrained program)
+    assert again == [both, both, constrained]  # (the second: none written, each program found)

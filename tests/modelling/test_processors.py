@@ -234,12 +234,11 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_chosen_in_any_search(fixtu
 
 
 @pytest.mark.slow
-def test_a_causal_models_repetition_penalty_reads_its_prompt(fixture):
+def test_a_causal_models_repetition_penalty_reads_its_prompt():
     """HF's repetition penalty reads a causal LM's whole input_ids: a prompt holding the token greedy writes first
-    (put in its left padding's last place) keeps it from being written first; ours the same, token for token."""
-    name, hf, m, params, ids, mask = fixture
-    if name != "gptj":
-        pytest.skip("(T5's decoder reads its start token alone: the other cases hold it)")
+    (put in its left padding's last place) keeps it from being written first; ours the same, token for token. (GPT-J
+    alone: T5's decoder reads its start token alone, which the other cases hold.)"""
+    name, hf, m, params, ids, mask = search_models("gptj")
     free = hf_tokens(name, hf, ids, mask, do_sample=False)
     row = int(np.argmax((mask == 0).sum(1)))  # the row with the most padding
     ids, mask = ids[row:row + 1].copy(), mask[row:row + 1].copy()

@@ -384,7 +384,8 @@ def lora_flags(s) -> None:
     s.add_argument("--lora", nargs="+", default=None, metavar="NAME=CKPT",
                    help="LoRA adapters served unmerged over the --load (or --hf_model) base, each under its own model "
                         "id NAME (a request's model picks it; GET /v1/models lists them): CKPT a --save directory of "
-                        "run_finetuning.py --lora_rank N trained on that base")
+                        "run_finetuning.py --lora_rank N trained on that base, or an adapter directory in PEFT's "
+                        "format")
     s.add_argument("--max_loras", type=int, default=None, metavar="N",
                    help="adapter slots on the devices (default: as many as --lora names); more leave room to load "
                         "adapters while the server runs (POST /v1/load_lora_adapter) without compiling again")

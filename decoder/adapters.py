@@ -19,7 +19,10 @@ whole, so each device holds its share, as it holds the base's.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+import os
 from dataclasses import dataclass
 
 import jax
@@ -37,6 +40,7 @@ from utils.errors import FlanT5Error
 
 logger = logging.getLogger("flan_t5")
 DEFAULT_RANK = 16  # --max_lora_rank where no start-up adapter says (vLLM's default)
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # a PEFT adapter directory's files
 
 
 class AdapterError(FlanT5Error):
@@ -64,9 +68,31 @@ def stack_targets(family, given: tuple, adapters: list) -> tuple:
     return tuple(found) or tuple(family.lora_targets)
 
 
-def saved_lora(path: str) -> tuple:
+def is_peft(path: str) -> bool:
+    """Whether ``path`` is an adapter directory in Hugging Face PEFT's format (its adapter_config.json)."""
+    return os.path.isfile(os.path.join(path, PEFT_CONFIG))
+
+
+def peft_keys(path: str) -> list:
+    """The tensor names of a PEFT directory's adapter_model.safetensors, read from its header alone."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, PEFT_WEIGHTS), framework="numpy") as f:
+        return list(f.keys())
+
+
+def saved_lora(path: str, decoder=None) -> tuple:
     """(the weights a LoRA checkpoint's adapters adapt as its config names them, () for its family's default; its
-    rank), from its metadata alone; ((), 0) for a path that is no LoRA checkpoint (``AdapterStack.read`` says why)."""
+    rank), from its metadata alone; ((), 0) for a path that is no LoRA checkpoint (``AdapterStack.read`` says why).
+    A PEFT directory's: its adapter_config.json's rank, and ``decoder``'s names of the weights its tensors adapt."""
+    if is_peft(path):
+        try:
+            with open(os.path.join(path, PEFT_CONFIG)) as f:
+                rank = int(json.load(f).get("r") or 0)
+            names = lora.peft_targets(decoder.family, decoder.specs, decoder.cfg.model, peft_keys(path))
+            return names, rank
+        except (OSError, ValueError, TypeError, FlanT5Error):
+            return (), 0
     try:
         directory, step = ckpt.resolve(path)[-1]
         saved = ckpt.read_meta(directory, step)
@@ -82,7 +108,7 @@ def stack_of(decoder, loras: tuple, slots: int, rank: int, targets: tuple, base:
     """The stack of a server, nothing placed (``make_stack``'s, and what the memory plan counts): ``slots`` of rank
     ``rank`` (0: the largest of the ``loras`` adapters' [(name, path)], read from their metadata, else
     ``DEFAULT_RANK``) of the weights ``targets`` ((): ``stack_targets``)."""
-    saved = [saved_lora(path) for _, path in loras]
+    saved = [saved_lora(path, decoder) for _, path in loras]
     rank = rank or max([r for _, r in saved] + [0]) or DEFAULT_RANK
     return AdapterStack(decoder, slots, rank, stack_targets(decoder.family, targets, [t for t, _ in saved]), base)
 
@@ -192,8 +218,10 @@ class AdapterStack:
 
     def read(self, name: str, path: str) -> Adapter:
         """The adapters of the LoRA checkpoint at ``path`` (a --save directory of ``run_finetuning.py --lora_rank N``,
-        or a step of it), checked against the served base and the stack, as one slot's values on the host.
-        AdapterError (one line) where it cannot be served."""
+        or a step of it), or of a PEFT adapter directory (``read_peft``), checked against the served base and the
+        stack, as one slot's values on the host. AdapterError (one line) where it cannot be served."""
+        if is_peft(path):
+            return self.read_peft(name, path)
         try:
             directory, step = ckpt.resolve(path)[-1]
             saved = ckpt.read_meta(directory, step)
@@ -216,4 +244,49 @@ class AdapterStack:
             values = lora_stack.slot_values(self.specs, jax.tree.map(np.asarray, adapters), alpha, r)
         except FlanT5Error as e:
             raise AdapterError(f"adapter {name} ({path}): {e}") from None
+        return Adapter(name, path, r, alpha, values)
+
+    def read_peft(self, name: str, path: str) -> Adapter:
+        """A Hugging Face PEFT adapter directory (adapter_config.json and adapter_model.safetensors, as PEFT's
+        ``save_pretrained`` and ``run_export.py --peft`` write them) as one slot's values. PEFT records no fingerprint
+        of its base: what is checked is that every tensor adapts a weight of the served base, at its shape (an adapter
+        of another architecture or size is refused), and the base it names is logged beside the served one. Refused:
+        what the stack cannot compute (DoRA, a rank or alpha a module of its own, biases, fan_in_fan_out, modules saved
+        whole). rsLoRA's scale (alpha / sqrt(r)) is served as its alpha."""
+        try:
+            with open(os.path.join(path, PEFT_CONFIG)) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as e:
+            raise AdapterError(f"adapter {name}: {path}/{PEFT_CONFIG} cannot be read: {e}") from None
+        unsupported = [why for why, bad in (
+            ("its peft_type is not LORA", str(config.get("peft_type", "LORA")).upper() != "LORA"),
+            ("it is DoRA (use_dora)", bool(config.get("use_dora"))),
+            ("modules have ranks or alphas of their own (rank_pattern, alpha_pattern)",
+             bool(config.get("rank_pattern")) or bool(config.get("alpha_pattern"))),
+            ("it trains biases (bias)", config.get("bias", "none") != "none"),
+            ("its weights are stored transposed (fan_in_fan_out)", bool(config.get("fan_in_fan_out"))),
+            ("it saves whole modules (modules_to_save)", bool(config.get("modules_to_save"))),
+        ) if bad]
+        if unsupported:
+            raise AdapterError(f"adapter {name} ({path}): the server serves plain LoRA adapters, and "
+                               f"{'; '.join(unsupported)}")
+        weights = os.path.join(path, PEFT_WEIGHTS)
+        if not os.path.isfile(weights):
+            raise AdapterError(f"adapter {name}: {path} has no {PEFT_WEIGHTS} (save the adapter with PEFT's "
+                               "save_pretrained(..., safe_serialization=True))")
+        from safetensors.numpy import load_file
+
+        r = int(config.get("r") or 0)
+        alpha = float(config.get("lora_alpha") or r)
+        if config.get("use_rslora"):
+            alpha *= math.sqrt(r)  # (its scale alpha / sqrt(r), as alpha' / r)
+        g = self.g
+        try:
+            tree = lora.from_peft(g.family, g.specs, g.cfg.model, load_file(weights), r)
+            values = lora_stack.slot_values(self.specs, tree, alpha, r)
+        except FlanT5Error as e:
+            raise AdapterError(f"adapter {name} ({path}): {e}") from None
+        logger.info("LoRA adapter %s: PEFT's format, trained on %s (no fingerprint to check; every tensor fits the "
+                    "served base, %s)", name, config.get("base_model_name_or_path") or "a base it does not name",
+                    self.base_name)
         return Adapter(name, path, r, alpha, values)

@@ -166,6 +166,66 @@ def peft_state_dict(family, adapters: dict, m) -> dict:
     return sd
 
 
+def peft_modules(family, base_specs: dict, m) -> dict:
+    """{HF module path: (stack, layer index, our weight name)} of every weight of the base's stacks' layers (PEFT's
+    module names, ``peft_state_dict``'s keys less their prefix and suffix)."""
+    out = {}
+    for stack in family.stacks:
+        layers = base_specs.get(stack.name, {}).get("layers", {})
+        n = next(iter(layers.values())).shape[0] if layers else 0
+        for i in range(n):
+            for name, key in family.hf.layer_keys(stack.name, i, m).items():
+                if name in layers and key.endswith(".weight"):
+                    out[key[: -len(".weight")]] = (stack.name, i, name)
+    return out
+
+
+def peft_targets(family, base_specs: dict, m, keys) -> tuple:
+    """Our names of the weights PEFT's state dict keys ``keys`` adapt; ConfigError (one line) for a key that adapts
+    no weight of the base."""
+    modules, names = peft_modules(family, base_specs, m), set()
+    for key in keys:
+        module = _peft_module(key)
+        if module not in modules:
+            raise ConfigError(f"{key} adapts no weight of this model (is the adapter for another architecture?)")
+        names.add(modules[module][2])
+    return tuple(sorted(names))
+
+
+def _peft_module(key: str) -> str:
+    """A PEFT key's module path: ``base_model.model.<module>.lora_{A,B}.weight`` (an adapter's name before
+    ``.weight`` dropped, as PEFT saves it)."""
+    key = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+    for side in (".lora_A.", ".lora_B."):
+        if side in key:
+            return key[: key.index(side)]
+    raise ConfigError(f"{key} is no LoRA weight (PEFT's are <module>.lora_A.weight and <module>.lora_B.weight)")
+
+
+def from_peft(family, base_specs: dict, m, state: dict, rank: int) -> dict:
+    """PEFT's state dict (``peft_state_dict``'s inverse: {key: numpy} of ``lora_A`` [rank, in] and ``lora_B``
+    [out, rank]) -> our adapters' tree (``adapter_specs``' layouts) of the weights it adapts, zeros at a layer it
+    leaves (PEFT's ``layers_to_transform``: no change there). ConfigError (one line) for a key that adapts no weight
+    of the base, or a shape that is not the base's weight's at ``rank``."""
+    modules = peft_modules(family, base_specs, m)
+    names = peft_targets(family, base_specs, m, state)
+    opts = type("O", (), {"lora_rank": rank, "lora_targets": names})()
+    specs = adapter_specs(family, base_specs, opts)
+    out = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    for key, value in state.items():
+        stack, i, name = modules[_peft_module(key)]
+        side = A if ".lora_A." in key else B
+        target = out[stack]["layers"][name + side]
+        want = target.shape[1:]
+        value = np.asarray(value, np.float32)
+        flat = (rank, math.prod(want[:-1])) if side == A else (math.prod(want[1:]), rank)
+        if value.shape != flat:
+            raise ConfigError(f"{key} is {tuple(value.shape)}, where this model's {stack} weight {name} at rank {rank} "
+                              f"takes {flat} (is the adapter for another model size?)")
+        target[i] = value.T.reshape(want)
+    return out
+
+
 def peft_config(family, adapters: dict, m, opts, base: str) -> dict:
     """PEFT's adapter_config.json: the adapted modules named in full (ours may adapt the self-attention's q and not
     the cross-attention's), the rank, alpha and dropout, and the base model."""

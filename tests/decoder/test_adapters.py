@@ -381,3 +381,102 @@ def test_the_served_base_s_fingerprint_is_the_one_a_lora_run_over_it_records(sou
     lcfg = load_config("finetuning", "gptj_tiny", {"lora_rank": 4, "precision": "bfloat16", "data_parallel": 1,
                                                    "tensor_parallel": 1})
     assert digest == fingerprint(device_base(Placement(lcfg), where))
+
+
+# --------------------------------------------------------------------------- adapters in PEFT's format
+
+
+def write_peft(directory, g, tree, rank: int, alpha: float, **config) -> str:
+    """Adapters ``tree`` in PEFT's format (``run_export.py --peft``'s files) in ``directory``, its config updated by
+    ``config`` -> the directory."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    opts = type("O", (), {"lora_rank": rank, "lora_alpha": alpha, "lora_dropout": 0.0})()
+    save_file(lora.peft_state_dict(g.family, tree, g.cfg.model), os.path.join(directory, "adapter_model.safetensors"))
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump({**lora.peft_config(g.family, tree, g.cfg.model, opts, "base"), **config}, f)
+    return str(directory)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gptj_tiny"])
+def test_a_peft_directory_is_served_as_the_adapters_it_holds(preset, tmp_path):
+    """An adapter in PEFT's format (modelling/lora.py's ``peft_state_dict`` and ``peft_config``: the names and
+    torch layouts PEFT saves) read into a slot holds exactly the values of the adapters it was written from, its rank
+    and alpha; rsLoRA's scale alpha / sqrt(r) is served as alpha * sqrt(r) / r."""
+    g, base, adapters, sp = served(preset, 1, 1, "none")
+    stack = sp.adapters
+    for i in (1, 2):
+        got = stack.read("p", write_peft(tmp_path / f"a{i}", g, adapters[i], RANKS[i], ALPHAS[i]))
+        want = lora_stack.slot_values(stack.specs, adapters[i], ALPHAS[i], RANKS[i])
+        jax.tree.map(np.testing.assert_array_equal, got.values, want)
+        assert (got.rank, got.alpha) == (RANKS[i], ALPHAS[i])
+    rs = stack.read("rs", write_peft(tmp_path / "rs", g, adapters[1], RANKS[1], ALPHAS[1], use_rslora=True))
+    assert rs.alpha == pytest.approx(ALPHAS[1] * RANKS[1] ** 0.5)
+
+
+@pytest.mark.slow
+def test_a_directory_peft_itself_saved_is_served_as_its_adapters(tmp_path):
+    """PEFT's own ``save_pretrained`` of an HF T5 wrapped with LoraConfig (the adapter's values ours, copied in):
+    read into a slot, the same values as the adapters themselves (PEFT's key names and layouts, as it writes them)."""
+    import copy
+
+    peft = pytest.importorskip("peft", reason="PEFT's own files (requirements-dev)")
+    import torch
+
+    from app.hf_generate import hf_model_of
+
+    g, base, adapters, sp = served("tiny", 1, 1, "none")
+    tree = adapters[3]
+    hf = hf_model_of(g.cfg, g.family, jax.tree.map(np.asarray, base))
+    config = lora.peft_config(g.family, tree, g.cfg.model, type("O", (), {"lora_rank": RANKS[3], "lora_alpha":
+                                                                          ALPHAS[3], "lora_dropout": 0.0})(), "base")
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
+        r=RANKS[3], lora_alpha=ALPHAS[3], lora_dropout=0.0, target_modules=config["target_modules"],
+        task_type="SEQ_2_SEQ_LM"))
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, value in lora.peft_state_dict(g.family, tree, g.cfg.model).items():
+            named[key.replace(".weight", ".default.weight")].copy_(torch.tensor(value))
+    model.save_pretrained(str(tmp_path / "peft"))
+    got = sp.adapters.read("peft", str(tmp_path / "peft"))
+    jax.tree.map(np.testing.assert_array_equal, got.values,
+                 lora_stack.slot_values(sp.adapters.specs, tree, ALPHAS[3], RANKS[3]))
+
+
+def test_a_server_s_stack_takes_a_peft_adapter_s_rank_and_weights_at_start_up(tmp_path):
+    g, base, adapters, sp = served("tiny", 1, 1, "none")
+    one = {"encoder": {"layers": {k: v for k, v in adapters[2]["encoder"]["layers"].items() if k.startswith("q_")}}}
+    path = write_peft(tmp_path / "p", g, one, RANKS[2], ALPHAS[2])
+    stack = make_stack(g, (("p", path),), 2, 0, (), ("-", "base"))
+    assert stack.rank == RANKS[2] and stack.targets == ("q",)
+    assert [a.name if a else None for a in stack.held] == ["p", None]
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"use_dora": True}, "it is DoRA"),
+    ({"rank_pattern": {"q": 8}}, "ranks or alphas of their own"),
+    ({"bias": "all"}, "it trains biases"),
+    ({"r": 2}, r"is \(4, \d+\), where this model.s \w+ weight \w+ at rank 2 takes \(2, \d+\)"),
+])
+def test_a_peft_adapter_the_stack_cannot_serve_is_one_line_naming_why(tmp_path, change, message):
+    g, base, adapters, sp = served("tiny", 1, 1, "none")
+    path = write_peft(tmp_path / "p", g, adapters[1], RANKS[1], ALPHAS[1], **change)
+    with pytest.raises(AdapterError, match=message) as e:
+        sp.adapters.read("p", path)
+    assert "\n" not in str(e.value) and "adapter p" in str(e.value)
+
+
+def test_a_peft_tensor_of_a_weight_the_base_lacks_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    g, base, adapters, sp = served("tiny", 1, 1, "none")
+    path = write_peft(tmp_path / "p", g, adapters[0], RANKS[0], ALPHAS[0])
+    state = load_file(os.path.join(path, "adapter_model.safetensors"))
+    key = next(iter(state))
+    state[key.replace("block.0.", "block.9.")] = state.pop(key)
+    save_file(state, os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"block\.9\..* adapts no weight of this model"):
+        sp.adapters.read("p", path)

@@ -666,7 +666,8 @@ def test_adapters_served_side_by_side_answer_as_each_merged_alone_and_load_and_u
     """12 concurrent requests of the base and two adapters mixed: each one's greedy tokens equal run_inference.py's of
     its own checkpoint (an adapter's: merged into its base); GET /v1/models lists the three (parent: the base); an
     adapter loaded over HTTP is served at once as its run_inference.py; one unloaded is a 404 after; a bad path
-    and a rank above the stack's are 400s naming why."""
+    and a rank above the stack's are 400s naming why; the unloaded adapter exported to PEFT's format (run_export.py
+    --peft) and loaded from that directory answers as its checkpoint."""
     base, paths = loras
     server = lora_server
     texts = prompts(12, seed=21)
@@ -699,6 +700,16 @@ def test_adapters_served_side_by_side_answer_as_each_merged_alone_and_load_and_u
     with pytest.raises(openai.NotFoundError):
         ask(0, "sql")
     assert [m.id for m in client.models.list().data] == ["base", "chat", "code"]
+    import run_export
+
+    peft_dir = os.path.join(os.path.dirname(paths["sql"]), "sql_peft")
+    run_export.main(["--load", paths["sql"], "--output", peft_dir, "--peft"])
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "sqlpeft", "lora_path": peft_dir},
+                   headers=admin, timeout=WAIT)
+    assert r.status_code == 200, r.text
+    for i in (0, 4):
+        assert ask(i, "sqlpeft")[1].choices[0].token_ids == expected(refs["sql"][i], OUTPUT,
+                                                                     tokenizer.eos_token_id)[0]
     for name, path, why in (("x", "/no/such/ckpt", "no checkpoint at /no/such/ckpt"),
                             ("big", paths["big"], "its rank is 8, above the server's --max_lora_rank 4")):
         r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path},

@@ -717,6 +717,29 @@ def test_adapters_served_side_by_side_answer_as_each_merged_alone_and_load_and_u
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
 
 
+def test_an_adapter_s_request_held_to_a_choice_answers_as_alone_beside_other_models(lora_server):
+    """Requests that name an adapter and hold their answer to a choice of texts (a grammar, the host asked at each
+    step), beside the base's and the adapter's free ones, all at once: each the text it gets alone, every
+    constrained answer one of the choices, and an adapter's constrained answers not all the base's."""
+    client = lora_server.client()
+    choices = ["the cat sleeps", "a dog runs in the park", "red", "the park"]
+    texts = prompts(8, seed=41)
+    models = ["chat", "base", "base", "chat", "chat", "base", "chat", "chat"]  # (chat: served throughout the module)
+
+    def ask(i, model=None):
+        kw = {"extra_body": {"guided_choice": choices}} if i % 2 == 0 else {}
+        return client.completions.create(model=model or models[i], prompt=texts[i], max_tokens=12, temperature=0,
+                                         **kw).choices[0].text
+
+    alone = [ask(i) for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, range(8)))
+    assert together == alone
+    assert all(alone[i] in choices for i in range(0, 8, 2))
+    held = [i for i in range(0, 8, 2) if models[i] != "base"]
+    assert [ask(i, "base") for i in held] != [alone[i] for i in held]  # (the adapters change what is chosen)
+
+
 @pytest.mark.parametrize("case,message", [
     ("other", "adapter x ({other}) was trained on the weights of {base}/1 (fingerprint 0123456789abcdef), not on the "
               "base served, {base} (fingerprint "),

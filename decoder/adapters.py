@@ -174,7 +174,8 @@ class AdapterStack:
         free = [s for s, held in enumerate(self.held) if held is None]
         if not free:
             raise AdapterError(f"adapter {adapter.name}: every one of the server's --max_loras {self.slots} slots "
-                               f"holds an adapter ({', '.join(a.name for a in self.held)}): unload one first")
+                               f"holds an adapter ({', '.join(a.name for a in self.held)}): unload one first, or start "
+                               f"the server with --max_loras {self.slots + 1} or more")
         slot = free[0]
         self.arrays = self._write(self.arrays, jnp.int32(slot), self._placed(adapter.values))
         self.held[slot] = adapter

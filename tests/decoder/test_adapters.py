@@ -330,7 +330,8 @@ def test_every_slot_taken_is_one_line(lora_checkpoints):
     g, digest, paths, _ = lora_checkpoints
     stack = make_stack(g, (("a", paths["r4"]),), 1, 4, (), (digest, "base"))
     with pytest.raises(AdapterError, match=r"adapter b: every one of the server's --max_loras 1 slots holds an adapter "
-                                           r"\(a\): unload one first"):
+                                           r"\(a\): unload one first, or start the server with --max_loras 2 or "
+                                           r"more$"):
         stack.install(stack.read("b", paths["r4"]))
     stack.remove(0)
     assert stack.install(stack.read("b", paths["r4"])) == 0

@@ -412,6 +412,14 @@ CS, CA, S8 = ("serve",), ("serve", "answers"), ("models", "t5_d256_4")
 CO_GRAMMARS = [f"json_schema {i}" for i in range(10)] + ["choice 10", "regex 11"]
 
 
+def _labels_row(title: str, way: str) -> tuple:
+    """A row of constrained.json's labels table: the validation ``way``'s accuracy, its ratio to greedy's, its
+    seconds (anchors ``co-labels-<way>``...)."""
+    return (title, pct(f"co-labels-{way}", at("labels", way, "accuracy")),
+            ratio(f"co-labels-{way}-ratio", at("labels", "ratios", f"{way} / greedy accuracy")),
+            sec(f"co-labels-{way}-s", at("labels", way, "seconds"), 1))
+
+
 def _co_id(grammar: str) -> str:
     """'json_schema 3' -> 'json-schema-3' (an anchor)."""
     return grammar.replace("_", "-").replace(" ", "-")
@@ -521,12 +529,8 @@ SERVING_TABLES = [
           ("validation", "accuracy", "over greedy's", "seconds"), [
               ("greedy", pct("co-labels-greedy", at("labels", "greedy", "accuracy")), "",
                sec("co-labels-greedy-s", at("labels", "greedy", "seconds"), 1)),
-              ("`--constrain labels`", pct("co-labels-constrained", at("labels", "constrained", "accuracy")),
-               ratio("co-labels-constrained-ratio", at("labels", "ratios", "constrained / greedy accuracy")),
-               sec("co-labels-constrained-s", at("labels", "constrained", "seconds"), 1)),
-              ("`--score labels`", pct("co-labels-ranked", at("labels", "ranked", "accuracy")),
-               ratio("co-labels-ranked-ratio", at("labels", "ratios", "ranked / greedy accuracy")),
-               sec("co-labels-ranked-s", at("labels", "ranked", "seconds"), 1)),
+              _labels_row("`--constrain labels`", "constrained"),
+              _labels_row("`--score labels`", "ranked"),
           ]),
     Table("serve-adapters", "LoRA adapters side by side against one merged model", (SA,), None,
           "`benchmarks/serve.py --loras 4`: the same 96 requests (Poisson arrivals, prompts of 8 to 48 words, "

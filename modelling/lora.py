@@ -180,10 +180,10 @@ def peft_modules(family, base_specs: dict, m) -> dict:
     return out
 
 
-def peft_targets(family, base_specs: dict, m, keys) -> tuple:
-    """Our names of the weights PEFT's state dict keys ``keys`` adapt; ConfigError (one line) for a key that adapts
-    no weight of the base."""
-    modules, names = peft_modules(family, base_specs, m), set()
+def peft_targets(family, base_specs: dict, m, keys, modules: Optional[dict] = None) -> tuple:
+    """Our names of the weights PEFT's state dict keys ``keys`` adapt (``modules``: ``peft_modules``' map, made here
+    where not given); ConfigError (one line) for a key that adapts no weight of the base."""
+    modules, names = modules or peft_modules(family, base_specs, m), set()
     for key in keys:
         module = _peft_module(key)
         if module not in modules:
@@ -208,7 +208,7 @@ def from_peft(family, base_specs: dict, m, state: dict, rank: int) -> dict:
     leaves (PEFT's ``layers_to_transform``: no change there). ConfigError (one line) for a key that adapts no weight
     of the base, or a shape that is not the base's weight's at ``rank``."""
     modules = peft_modules(family, base_specs, m)
-    names = peft_targets(family, base_specs, m, state)
+    names = peft_targets(family, base_specs, m, state, modules)
     opts = type("O", (), {"lora_rank": rank, "lora_targets": names})()
     specs = adapter_specs(family, base_specs, opts)
     out = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), specs, is_leaf=lambda x: isinstance(x, ParamSpec))

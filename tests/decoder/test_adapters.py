@@ -387,6 +387,11 @@ def test_the_served_base_s_fingerprint_is_the_one_a_lora_run_over_it_records(sou
 # --------------------------------------------------------------------------- adapters in PEFT's format
 
 
+def lora_opts(rank: int, alpha: float):
+    """The LoRA options modelling/lora.py's PEFT config reads."""
+    return type("O", (), {"lora_rank": rank, "lora_alpha": alpha, "lora_dropout": 0.0})()
+
+
 def write_peft(directory, g, tree, rank: int, alpha: float, **config) -> str:
     """Adapters ``tree`` in PEFT's format (``run_export.py --peft``'s files) in ``directory``, its config updated by
     ``config`` -> the directory."""
@@ -395,7 +400,7 @@ def write_peft(directory, g, tree, rank: int, alpha: float, **config) -> str:
     from safetensors.numpy import save_file
 
     os.makedirs(directory, exist_ok=True)
-    opts = type("O", (), {"lora_rank": rank, "lora_alpha": alpha, "lora_dropout": 0.0})()
+    opts = lora_opts(rank, alpha)
     save_file(lora.peft_state_dict(g.family, tree, g.cfg.model), os.path.join(directory, "adapter_model.safetensors"))
     with open(os.path.join(directory, "adapter_config.json"), "w") as f:
         json.dump({**lora.peft_config(g.family, tree, g.cfg.model, opts, "base"), **config}, f)
@@ -432,8 +437,7 @@ def test_a_directory_peft_itself_saved_is_served_as_its_adapters(tmp_path):
     g, base, adapters, sp = served("tiny", 1, 1, "none")
     tree = adapters[3]
     hf = hf_model_of(g.cfg, g.family, jax.tree.map(np.asarray, base))
-    config = lora.peft_config(g.family, tree, g.cfg.model, type("O", (), {"lora_rank": RANKS[3], "lora_alpha":
-                                                                          ALPHAS[3], "lora_dropout": 0.0})(), "base")
+    config = lora.peft_config(g.family, tree, g.cfg.model, lora_opts(RANKS[3], ALPHAS[3]), "base")
     model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(
         r=RANKS[3], lora_alpha=ALPHAS[3], lora_dropout=0.0, target_modules=config["target_modules"],
         task_type="SEQ_2_SEQ_LM"))
